@@ -1,0 +1,1 @@
+//! prompt-profile (skeleton; being written).

@@ -1,0 +1,1 @@
+//! receipts (skeleton; being written).

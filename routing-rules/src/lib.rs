@@ -1,0 +1,1 @@
+//! routing-rules (skeleton; being written).

@@ -1,0 +1,9 @@
+//! `kvgate keygen` (placeholder until its issue lands: it refuses to run).
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("`kvgate keygen` is not implemented yet")
+}

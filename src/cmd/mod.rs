@@ -1,0 +1,7 @@
+//! One module per subcommand; each has `Args` (clap) and `run(Args) -> anyhow::Result<ExitCode>`.
+pub mod bench;
+pub mod gateway;
+pub mod keygen;
+pub mod receipts;
+pub mod tokenize;
+pub mod worker;

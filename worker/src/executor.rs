@@ -1,0 +1,43 @@
+//! The contract between the scheduler and whatever computes tokens: the candle model
+//! (`model`) or the timing simulator (`sim`). The executor owns the paged KV *storage*;
+//! the engine's block pool owns which block ids are in use.
+
+use crate::WorkerError;
+
+/// Index of one block in the executor's KV storage, `0..num_blocks`.
+pub type BlockId = u32;
+
+/// Geometry of the paged KV storage an executor owns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Number of blocks preallocated.
+    pub num_blocks: usize,
+}
+
+/// One sequence's share of a forward step.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    /// Tokens whose K/V this step computes and stores, at positions
+    /// `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions `0..start_pos` are already in the KV blocks.
+    pub start_pos: usize,
+    /// The sequence's block table, covering at least positions `0..start_pos + tokens.len()`:
+    /// position `p` lives in block `block_table[p / block_size]` at slot `p % block_size`.
+    pub block_table: &'a [BlockId],
+    /// Return the logits of this chunk's last token.
+    pub want_logits: bool,
+}
+
+/// Computes one forward step over a batch of chunks from different sequences.
+pub trait Executor: Send {
+    /// The KV storage this executor preallocated.
+    fn geometry(&self) -> KvGeometry;
+    /// Length of the logits vectors returned.
+    fn vocab_size(&self) -> usize;
+    /// Run one step: write the K/V of every chunk's tokens into its blocks and return, per
+    /// chunk in order, `Some(logits of its last token)` when `want_logits`, else `None`.
+    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, WorkerError>;
+}
