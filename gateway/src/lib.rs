@@ -1,1 +1,401 @@
-//! gateway (skeleton; being written).
+//! gateway: kvgate's front door — a pingora proxy that matches each request to a service,
+//! routes it round-robin or KV-exact (to the worker holding the longest cached prefix of the
+//! prompt), signs a route ticket, and streams the answer back.
+//!
+//! Owns: the `ProxyHttp` implementation ([`proxy`], with its own forwarding path for bodies
+//! over pingora's 64 KiB retry buffer in [`forward`]), the per-request snapshot of rules +
+//! workers + health ([`view`]), the routing decision ([`route`]), the pinned prompt profiles
+//! ([`profile`]), KV-event subscription and active health checks ([`supervisor`]), the worker
+//! contract check and rules changes ([`core`]), the admin plane ([`admin`]), metrics
+//! ([`metrics`]) and hot reload (file watch + SIGHUP, in this module).
+//!
+//! Does not own: the rules schema, store and selection policies (`routing-rules`), block keys and
+//! the prefix index (`prefix-index`), tokenization (`prompt-profile`), tickets and the decision
+//! log format (`receipts`). It never depends on the `worker` crate: the two meet over HTTP.
+//!
+//! Start one in-process with [`spawn`]; stop it with [`RunningGateway::shutdown`].
+
+pub mod admin;
+pub mod core;
+pub mod error;
+pub mod index_shim;
+pub mod forward;
+pub mod metrics;
+pub mod profile;
+pub mod protocol;
+pub mod proxy;
+pub mod route;
+pub mod supervisor;
+pub mod view;
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use crate::index_shim::PrefixIndex;
+use receipts::{DecisionLog, FsyncPolicy, KeyPair};
+use routing_rules::RuleStore;
+
+pub use crate::core::Shared;
+pub use crate::error::GatewayError;
+
+/// Default TTL of approximate holdings (keys routed to a worker without an event stream).
+pub const DEFAULT_APPROX_TTL: Duration = Duration::from_secs(120);
+
+/// How to run a gateway.
+#[derive(Clone)]
+pub struct GatewayConfig {
+    /// The rules file (TOML).
+    pub rules_path: PathBuf,
+    /// The VIP. Port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// The admin plane. Port 0 picks a free port.
+    pub admin: SocketAddr,
+    /// The gateway's Ed25519 key (signs route tickets).
+    pub key: KeyPair,
+    /// Gateway id written into tickets.
+    pub gateway_id: String,
+    /// Bearer token of the admin plane; `None` leaves it open (local use only).
+    pub admin_token: Option<String>,
+    /// Where to append the decision log (one JSON line per request); `None`: no log.
+    pub decision_log: Option<PathBuf>,
+    /// pingora worker threads of the proxy.
+    pub threads: usize,
+    /// Reload when the rules file changes on disk.
+    pub watch_rules: bool,
+    /// Reload on SIGHUP (the CLI sets it; tests leave it off).
+    pub sighup: bool,
+    /// TTL of approximate holdings.
+    pub approx_ttl: Duration,
+}
+
+impl GatewayConfig {
+    /// A configuration with defaults: ephemeral ports on 127.0.0.1, no token, no decision log,
+    /// two proxy threads, file watch on, SIGHUP off.
+    pub fn new(rules_path: impl Into<PathBuf>, key: KeyPair) -> GatewayConfig {
+        GatewayConfig {
+            rules_path: rules_path.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            key,
+            gateway_id: "gateway".into(),
+            admin_token: None,
+            decision_log: None,
+            threads: 2,
+            watch_rules: true,
+            sighup: false,
+            approx_ttl: DEFAULT_APPROX_TTL,
+        }
+    }
+}
+
+/// A gateway running in this process.
+pub struct RunningGateway {
+    /// The VIP.
+    pub listen_addr: SocketAddr,
+    /// The admin plane.
+    pub admin_addr: SocketAddr,
+    /// Shared state (for tests and embedding: view, index, metrics).
+    pub shared: Arc<Shared>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<std::thread::JoinHandle<()>>,
+    runtime: Option<tokio::runtime::Runtime>,
+    _watcher: Option<notify::RecommendedWatcher>,
+}
+
+struct ChannelSignal {
+    rx: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for ChannelSignal {
+    async fn recv(&self) -> ShutdownSignal {
+        let rx = self.rx.lock().take();
+        if let Some(rx) = rx {
+            // A dropped sender also means: stop.
+            let _ = rx.await;
+        }
+        ShutdownSignal::FastShutdown
+    }
+}
+
+fn pick_port(addr: SocketAddr) -> Result<SocketAddr, GatewayError> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    // pingora cannot report the port it bound for :0, so pick a free one first.
+    let l = TcpListener::bind(addr).map_err(|e| GatewayError::Config {
+        reason: format!("cannot bind {addr}: {e}"),
+    })?;
+    l.local_addr().map_err(|e| GatewayError::Config {
+        reason: e.to_string(),
+    })
+}
+
+/// Starts a gateway: loads and checks the rules, starts health checks and event subscriptions,
+/// then the proxy and admin listeners on a pingora `Server` in its own thread. Returns once
+/// both listeners accept connections.
+pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
+    let cfg_err = |reason: String| GatewayError::Config { reason };
+    let listen_addr = pick_port(config.listen)?;
+    let admin_addr = pick_port(config.admin)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvgate-gw-bg")
+        .enable_all()
+        .build()
+        .map_err(|e| cfg_err(format!("background runtime: {e}")))?;
+    let store = RuleStore::open(&config.rules_path)
+        .map_err(|e| cfg_err(format!("rules {}: {e}", config.rules_path.display())))?;
+    let decisions = match &config.decision_log {
+        Some(p) => Some(
+            DecisionLog::open(
+                p,
+                FsyncPolicy::Batched {
+                    max_receipts: 256,
+                    max_ms: 100,
+                },
+            )
+            .map_err(|e| cfg_err(format!("decision log {}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| cfg_err(format!("http client: {e}")))?;
+    let snapshot = store.snapshot();
+    let empty = routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
+        .map_err(|e| cfg_err(e.to_string()))?;
+    let shared = Arc::new(Shared {
+        // Replaced by the real view (profiles loaded, contract checked) below.
+        views: view::ViewCell::new(view::View::compile(
+            Arc::new(empty),
+            &Default::default(),
+            None,
+            &Default::default(),
+        )?),
+        carry: Default::default(),
+        profiles: Default::default(),
+        store,
+        index: PrefixIndex::new(),
+        metrics: metrics::Metrics::new(),
+        key: config.key.clone(),
+        gateway_id: config.gateway_id.clone(),
+        default_seed_hex: "0".repeat(64),
+        decisions,
+        http,
+        admin_token: config.admin_token.clone(),
+        approx_ttl: config.approx_ttl,
+        supervisor: Mutex::new(None),
+        apply_lock: tokio::sync::Mutex::new(()),
+    });
+    // Start-up contract check: reachable kv_exact workers must agree with their profiles.
+    let rules = snapshot.rules().clone();
+    let ids: BTreeSet<_> = core::kv_exact_workers(&rules);
+    let fetched = runtime.block_on(shared.fetch_profiles(&rules, &ids));
+    let problems = core::contract_problems(&rules, &fetched);
+    if !problems.is_empty() {
+        return Err(GatewayError::Contract {
+            reason: problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect::<Vec<_>>()
+                .join("; "),
+        });
+    }
+    *shared.supervisor.lock() = Some(supervisor::Supervisor::new(
+        runtime.handle().clone(),
+        Arc::downgrade(&shared),
+    ));
+    shared.install_current(&fetched)?;
+
+    let watcher = if config.watch_rules {
+        Some(watch_rules_file(&config.rules_path, &shared, runtime.handle())?)
+    } else {
+        None
+    };
+    if config.sighup {
+        let weak = Arc::downgrade(&shared);
+        runtime.spawn(async move {
+            let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+                return;
+            };
+            while hup.recv().await.is_some() {
+                let Some(s) = weak.upgrade() else { return };
+                match s.reload_from_file().await {
+                    Ok(o) => tracing::info!(version = o.version().0, "SIGHUP: rules reloaded"),
+                    Err(e) => tracing::warn!(error = %e, "SIGHUP: rules reload refused"),
+                }
+            }
+        });
+    }
+
+    let mut conf = ServerConf {
+        threads: config.threads.max(1),
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(0),
+        ..ServerConf::default()
+    };
+    conf.upstream_keepalive_pool_size = 256;
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut proxy = pingora::proxy::http_proxy_service_with_name(
+        &server.configuration,
+        proxy::Proxy::new(shared.clone()),
+        "kvgate-proxy",
+    );
+    proxy.add_tcp(&listen_addr.to_string());
+    let mut admin = pingora::services::listening::Service::new(
+        "kvgate-admin".to_owned(),
+        admin::Admin::new(shared.clone()),
+    );
+    admin.add_tcp(&admin_addr.to_string());
+    server.add_service(proxy);
+    server.add_service(admin);
+    let mut phases = server.watch_execution_phase();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let signal = ChannelSignal {
+        rx: Mutex::new(Some(stop_rx)),
+    };
+    let thread = std::thread::Builder::new()
+        .name("kvgate-gw-server".into())
+        .spawn(move || {
+            server.run(RunArgs {
+                shutdown_signal: Box::new(signal),
+            })
+        })
+        .map_err(|e| cfg_err(format!("server thread: {e}")))?;
+    let mut running = RunningGateway {
+        listen_addr,
+        admin_addr,
+        shared,
+        stop: Some(stop_tx),
+        server: Some(thread),
+        runtime: Some(runtime),
+        _watcher: watcher,
+    };
+    // Wait for Running, then until both listeners accept.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match phases.try_recv() {
+            Ok(ExecutionPhase::Running) => break,
+            Ok(_) => continue,
+            Err(tokio::sync::broadcast::error::TryRecvError::Empty) => {}
+            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => continue,
+            Err(tokio::sync::broadcast::error::TryRecvError::Closed) => {
+                running.shutdown();
+                return Err(cfg_err("the pingora server stopped during start-up".into()));
+            }
+        }
+        if Instant::now() > deadline {
+            running.shutdown();
+            return Err(cfg_err("the pingora server did not start in 20 s".into()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for addr in [listen_addr, admin_addr] {
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            if Instant::now() > deadline {
+                running.shutdown();
+                return Err(cfg_err(format!("{addr} does not accept connections")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    Ok(running)
+}
+
+/// Watches the rules file's directory and reloads when the file changes (debounced 100 ms).
+fn watch_rules_file(
+    path: &std::path::Path,
+    shared: &Arc<Shared>,
+    handle: &tokio::runtime::Handle,
+) -> Result<notify::RecommendedWatcher, GatewayError> {
+    use notify::Watcher;
+    let file = std::fs::canonicalize(path).map_err(|e| GatewayError::Config {
+        reason: format!("rules {}: {e}", path.display()),
+    })?;
+    let dir = file.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let name = file.file_name().map(|n| n.to_os_string());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if let Ok(ev) = res {
+            let ours = ev.paths.iter().any(|p| p.file_name().map(|n| n.to_os_string()) == name);
+            let modifying = !matches!(ev.kind, notify::EventKind::Access(_));
+            if ours && modifying {
+                let _ = tx.send(());
+            }
+        }
+    })
+    .map_err(|e| GatewayError::Config {
+        reason: format!("file watch: {e}"),
+    })?;
+    watcher
+        .watch(&dir, notify::RecursiveMode::NonRecursive)
+        .map_err(|e| GatewayError::Config {
+            reason: format!("file watch {}: {e}", dir.display()),
+        })?;
+    let weak = Arc::downgrade(shared);
+    handle.spawn(async move {
+        while rx.recv().await.is_some() {
+            // Debounce: editors write in several steps.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            while rx.try_recv().is_ok() {}
+            let Some(s) = weak.upgrade() else { return };
+            match s.reload_from_file().await {
+                Ok(o) => tracing::info!(version = o.version().0, "rules file changed: reloaded"),
+                Err(e) => tracing::warn!(error = %e, "rules file changed: reload refused"),
+            }
+        }
+    });
+    Ok(watcher)
+}
+
+impl RunningGateway {
+    /// Stops the proxy (no grace period), the background tasks and the runtime; waits for them.
+    pub fn shutdown(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+        let handles = self
+            .shared
+            .supervisor
+            .lock()
+            .as_mut()
+            .map(|s| s.shutdown())
+            .unwrap_or_default();
+        self._watcher = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.block_on(async {
+                for h in handles {
+                    let _ = h.await;
+                }
+            });
+            rt.shutdown_timeout(Duration::from_secs(2));
+        }
+    }
+
+    /// Blocks until the server thread ends (the CLI: it ends on SIGINT/SIGTERM handling).
+    pub fn wait(mut self) {
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+        self.shutdown();
+    }
+}
+
+impl Drop for RunningGateway {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

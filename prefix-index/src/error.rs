@@ -35,6 +35,18 @@ pub enum IndexError {
         /// The length of the block given.
         got: usize,
     },
+    /// An operation on a worker the index does not know (never added, or removed).
+    #[error("unknown worker {worker:?}")]
+    UnknownWorker {
+        /// The worker's id.
+        worker: String,
+    },
+    /// An invalid [`crate::IndexConfig`] value.
+    #[error("invalid index config: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl IndexError {
@@ -45,6 +57,8 @@ impl IndexError {
             IndexError::UnknownAlgorithm { .. } => "unknown_hash_algorithm",
             IndexError::InvalidHex { .. } => "invalid_hex",
             IndexError::BlockLength { .. } => "block_length_mismatch",
+            IndexError::UnknownWorker { .. } => "unknown_worker",
+            IndexError::InvalidConfig { .. } => "invalid_config",
         }
     }
 }
@@ -66,6 +80,8 @@ mod tests {
                 expected: 16,
                 got: 3,
             },
+            IndexError::UnknownWorker { worker: "w".into() },
+            IndexError::InvalidConfig { reason: "r".into() },
         ];
         let names: Vec<&str> = all.iter().map(IndexError::error_type).collect();
         assert_eq!(
@@ -74,7 +90,9 @@ mod tests {
                 "invalid_block_size",
                 "unknown_hash_algorithm",
                 "invalid_hex",
-                "block_length_mismatch"
+                "block_length_mismatch",
+                "unknown_worker",
+                "invalid_config"
             ]
         );
         assert_eq!(

@@ -1,1 +1,532 @@
-//! prompt-profile (skeleton; being written).
+//! prompt-profile: everything that turns an OpenAI chat into token ids, shared by the gateway
+//! (KV-exact routing) and the worker (inference), so both produce the same ids.
+//!
+//! It owns: a minimal GGUF metadata reader ([`gguf`], never reads weights), the tokenizer
+//! built from GGUF metadata or loaded from a HF `tokenizer.json` ([`tokenizer`]), the chat
+//! template compiled once with HF-compatible extras ([`template`]), OpenAI chat messages
+//! ([`message`]), the profile identity and its digest ([`identity`]), and incremental
+//! detokenization for streaming ([`stream`]).
+//! It does not own: model weights, block keys, HTTP, or anything async. It depends on no
+//! other kvgate crate and not on candle.
+//!
+//! [`PromptProfile`] is cheap to clone (an `Arc` inside) and `Send + Sync`.
+
+pub mod error;
+pub mod gguf;
+pub mod identity;
+pub mod message;
+pub mod stream;
+pub mod template;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+pub use error::{ProfileError, Result};
+pub use gguf::{GgufMetadata, GgufValue};
+pub use identity::ProfileIdentity;
+pub use message::{ChatMessage, ContentPart, MessageContent};
+pub use stream::DecodeStream;
+pub use template::{ChatTemplate, TemplateTokens};
+
+use tokenizer::BuiltTokenizer;
+
+/// A rendered chat and its token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RenderedPrompt {
+    /// The chat template's output.
+    pub text: String,
+    /// `text` tokenized with special tokens parsed, no BOS added.
+    pub ids: Vec<u32>,
+}
+
+/// Tokenizer + chat template + identity of one model.
+#[derive(Clone)]
+pub struct PromptProfile {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    identity: ProfileIdentity,
+    tokenizer: BuiltTokenizer,
+    template: ChatTemplate,
+    add_bos_token: bool,
+}
+
+impl std::fmt::Debug for PromptProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptProfile")
+            .field("identity", &self.inner.identity)
+            .field("vocab_size", &self.inner.tokenizer.vocab_size)
+            .finish()
+    }
+}
+
+impl PromptProfile {
+    /// Load the profile from a GGUF file's metadata (the tensor data is never read).
+    ///
+    /// Needs `tokenizer.ggml.{model,pre,tokens,merges,token_type,eos_token_id}`,
+    /// `tokenizer.chat_template`, `general.architecture` and `<arch>.context_length`.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let meta = GgufMetadata::read(path)?;
+        Self::from_gguf_metadata(&meta)
+    }
+
+    /// Build the profile from already-read GGUF metadata.
+    pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self> {
+        let tok = tokenizer::from_gguf(meta)?;
+        let tokenizer = BuiltTokenizer::from_tokenizer(tok)?;
+
+        let arch = meta
+            .get_str("general.architecture")?
+            .ok_or_else(|| ProfileError::MissingMetadata {
+                key: "general.architecture".into(),
+            })?;
+        let ctx_key = format!("{arch}.context_length");
+        let context_limit = meta
+            .get_u32(&ctx_key)?
+            .ok_or(ProfileError::MissingMetadata { key: ctx_key })?;
+
+        let eos = meta
+            .get_u32("tokenizer.ggml.eos_token_id")?
+            .ok_or_else(|| ProfileError::MissingMetadata {
+                key: "tokenizer.ggml.eos_token_id".into(),
+            })?;
+        let mut eos_token_ids = vec![eos];
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(id) = meta.get_u32(key)? {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+        let bos_token_id = meta.get_u32("tokenizer.ggml.bos_token_id")?;
+        for (key, id) in eos_token_ids
+            .iter()
+            .map(|id| ("tokenizer.ggml.eos_token_id", *id))
+            .chain(bos_token_id.map(|id| ("tokenizer.ggml.bos_token_id", id)))
+        {
+            check_id(key, id, tokenizer.vocab_size)?;
+        }
+
+        let source = meta
+            .get_str("tokenizer.chat_template")?
+            .ok_or_else(|| ProfileError::MissingChatTemplate {
+                origin: "GGUF key `tokenizer.chat_template`".into(),
+            })?;
+        let token_str = |id: Option<u32>| id.and_then(|id| tokenizer.parse_special.id_to_token(id));
+        let tokens = TemplateTokens {
+            bos: token_str(bos_token_id),
+            eos: token_str(Some(eos)),
+            unk: token_str(meta.get_u32("tokenizer.ggml.unknown_token_id")?),
+            pad: token_str(meta.get_u32("tokenizer.ggml.padding_token_id")?),
+        };
+        let template = ChatTemplate::new(source, tokens)?;
+
+        let revision = match meta.get_str("general.version")? {
+            Some(v) => v.to_string(),
+            None => format!("gguf-meta:{}", &meta.metadata_sha256[..16]),
+        };
+        let identity = ProfileIdentity {
+            model_id: file_stem(&meta.path),
+            revision,
+            template_sha256: sha256_hex(template.source().as_bytes()),
+            tokenizer_sha256: tokenizer.sha256.clone(),
+            context_limit,
+            eos_token_ids,
+            bos_token_id,
+        };
+        Ok(PromptProfile {
+            inner: Arc::new(Inner {
+                identity,
+                tokenizer,
+                template,
+                add_bos_token: meta.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
+            }),
+        })
+    }
+
+    /// Load the profile from a HF `tokenizer.json` and `tokenizer_config.json`.
+    ///
+    /// The chat template is `chat_template` of the config (a string, or the entry named
+    /// `default` of a list), else a sibling `chat_template.jinja`. The context limit is the
+    /// config's `model_max_length`, else `max_position_embeddings` of a sibling `config.json`.
+    /// The eos ids are the config's `eos_token` plus `eos_token_id` of a sibling
+    /// `generation_config.json` if present. The model id is the name of the folder holding
+    /// `tokenizer.json`.
+    pub fn from_hf(
+        tokenizer_json: impl AsRef<Path>,
+        tokenizer_config_json: impl AsRef<Path>,
+    ) -> Result<Self> {
+        let tok_path = tokenizer_json.as_ref();
+        let cfg_path = tokenizer_config_json.as_ref();
+        let tok_bytes = read_file(tok_path)?;
+        let cfg_bytes = read_file(cfg_path)?;
+        let tok = tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| ProfileError::Json {
+            path: tok_path.to_path_buf(),
+            reason: error::one_line(e.to_string()),
+        })?;
+        let tokenizer = BuiltTokenizer::from_tokenizer(tok)?;
+        let cfg: serde_json::Value = parse_json(cfg_path, &cfg_bytes)?;
+        let dir = cfg_path.parent().unwrap_or(Path::new("."));
+
+        let token_field = |field: &str| -> Option<String> {
+            match cfg.get(field)? {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+                _ => None,
+            }
+        };
+        let lookup = |field: &str| -> Result<Option<(String, u32)>> {
+            match token_field(field) {
+                None => Ok(None),
+                Some(s) => match tokenizer.parse_special.token_to_id(&s) {
+                    Some(id) => Ok(Some((s, id))),
+                    None => Err(ProfileError::InvalidConfig {
+                        path: cfg_path.to_path_buf(),
+                        reason: format!("{field} {s:?} is not in the vocabulary"),
+                    }),
+                },
+            }
+        };
+        let bos = lookup("bos_token")?;
+        let eos = lookup("eos_token")?;
+        let mut eos_token_ids: Vec<u32> = eos.iter().map(|(_, id)| *id).collect();
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.is_file() {
+            let gen: serde_json::Value = parse_json(&gen_path, &read_file(&gen_path)?)?;
+            let ids: Vec<u64> = match gen.get("eos_token_id") {
+                Some(serde_json::Value::Number(n)) => n.as_u64().into_iter().collect(),
+                Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).collect(),
+                _ => Vec::new(),
+            };
+            for id in ids {
+                let id = u32::try_from(id).map_err(|_| ProfileError::InvalidConfig {
+                    path: gen_path.clone(),
+                    reason: format!("eos_token_id {id} is out of range"),
+                })?;
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+        if eos_token_ids.is_empty() {
+            return Err(ProfileError::InvalidConfig {
+                path: cfg_path.to_path_buf(),
+                reason: "no eos_token (and no generation_config.json eos_token_id)".into(),
+            });
+        }
+        for id in &eos_token_ids {
+            check_id("eos_token_id", *id, tokenizer.vocab_size)?;
+        }
+
+        let source = match cfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|e| e.get("template"))
+                .and_then(|t| t.as_str())
+                .map(str::to_string)
+                .ok_or_else(|| ProfileError::MissingChatTemplate {
+                    origin: format!("{}: no template named \"default\"", cfg_path.display()),
+                })?,
+            _ => {
+                let jinja = dir.join("chat_template.jinja");
+                if jinja.is_file() {
+                    String::from_utf8(read_file(&jinja)?).map_err(|_| {
+                        ProfileError::InvalidConfig {
+                            path: jinja.clone(),
+                            reason: "not valid UTF-8".into(),
+                        }
+                    })?
+                } else {
+                    return Err(ProfileError::MissingChatTemplate {
+                        origin: format!(
+                            "{}: no `chat_template`, and no chat_template.jinja beside it",
+                            cfg_path.display()
+                        ),
+                    });
+                }
+            }
+        };
+        let tokens = TemplateTokens {
+            bos: bos.as_ref().map(|(s, _)| s.clone()),
+            eos: eos.as_ref().map(|(s, _)| s.clone()),
+            unk: token_field("unk_token"),
+            pad: token_field("pad_token"),
+        };
+        let template = ChatTemplate::new(source, tokens)?;
+
+        // HF writes 1e30 as model_max_length when it is unknown.
+        let context_limit = match cfg
+            .get("model_max_length")
+            .and_then(|v| v.as_u64())
+            .and_then(|n| u32::try_from(n).ok())
+        {
+            Some(n) => n,
+            None => {
+                let model_cfg = dir.join("config.json");
+                let from_model = if model_cfg.is_file() {
+                    let v: serde_json::Value = parse_json(&model_cfg, &read_file(&model_cfg)?)?;
+                    v.get("max_position_embeddings")
+                        .and_then(|v| v.as_u64())
+                        .and_then(|n| u32::try_from(n).ok())
+                } else {
+                    None
+                };
+                from_model.ok_or_else(|| ProfileError::InvalidConfig {
+                    path: cfg_path.to_path_buf(),
+                    reason: "no usable model_max_length (and no config.json with max_position_embeddings beside it)".into(),
+                })?
+            }
+        };
+
+        let mut files = Sha256::new();
+        files.update((tok_bytes.len() as u64).to_le_bytes());
+        files.update(&tok_bytes);
+        files.update(&cfg_bytes);
+        let revision = format!("hf-files:{}", &hex::encode(files.finalize())[..16]);
+        let model_id = tok_path
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| file_stem(tok_path));
+        let identity = ProfileIdentity {
+            model_id,
+            revision,
+            template_sha256: sha256_hex(template.source().as_bytes()),
+            tokenizer_sha256: tokenizer.sha256.clone(),
+            context_limit,
+            eos_token_ids,
+            bos_token_id: bos.map(|(_, id)| id),
+        };
+        Ok(PromptProfile {
+            inner: Arc::new(Inner {
+                identity,
+                tokenizer,
+                template,
+                add_bos_token: cfg
+                    .get("add_bos_token")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false),
+            }),
+        })
+    }
+
+    /// Replace the revision (e.g. from a `--revision` flag).
+    pub fn with_revision(self, revision: impl Into<String>) -> Self {
+        self.map_identity(|id| id.revision = revision.into())
+    }
+
+    /// Replace the model id (e.g. the name a service routes on).
+    pub fn with_model_id(self, model_id: impl Into<String>) -> Self {
+        self.map_identity(|id| id.model_id = model_id.into())
+    }
+
+    fn map_identity(mut self, f: impl FnOnce(&mut ProfileIdentity)) -> Self {
+        f(&mut Arc::make_mut(&mut self.inner).identity);
+        self
+    }
+
+    /// The identity (hashes, limits, eos ids).
+    pub fn identity(&self) -> &ProfileIdentity {
+        &self.inner.identity
+    }
+
+    /// Number of token ids (one past the largest id).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.tokenizer.vocab_size
+    }
+
+    /// Token ids that end generation.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.inner.identity.eos_token_ids
+    }
+
+    /// The beginning-of-sequence id, if any.
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.inner.identity.bos_token_id
+    }
+
+    /// Whether the model asks for a BOS before raw text (`add_bos_token`). [`Self::encode`]
+    /// never adds it; chat templates that want a BOS write `bos_token` themselves.
+    pub fn add_bos_token(&self) -> bool {
+        self.inner.add_bos_token
+    }
+
+    /// Context length in tokens.
+    pub fn context_limit(&self) -> u32 {
+        self.inner.identity.context_limit
+    }
+
+    /// True for special (control) tokens such as `<|im_end|>`.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .tokenizer
+            .special
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// The token string of `id` (byte-level form, e.g. `Ġhello`), if it exists.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.tokenizer.parse_special.id_to_token(id)
+    }
+
+    /// The id of the token string `token`, if it exists.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.tokenizer.parse_special.token_to_id(token)
+    }
+
+    /// The chat template text.
+    pub fn template_source(&self) -> &str {
+        self.inner.template.source()
+    }
+
+    /// Tokenize `text`. With `parse_special`, special-token text such as `<|im_start|>` becomes
+    /// the special id; without, it is tokenized as ordinary text. No BOS is added.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let tok = if parse_special {
+            &self.inner.tokenizer.parse_special
+        } else {
+            &self.inner.tokenizer.plain
+        };
+        let enc = tok.encode_fast(text, false).map_err(tokenizer::tk_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Turn ids back into text; with `skip_special`, special tokens are left out.
+    /// Ids outside the vocabulary are an error (not silently dropped).
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let vocab_size = self.inner.tokenizer.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(ProfileError::UnknownTokenId { id, vocab_size });
+        }
+        self.inner
+            .tokenizer
+            .parse_special
+            .decode(ids, skip_special)
+            .map_err(tokenizer::tk_err)
+    }
+
+    /// An incremental detokenizer for streaming output.
+    pub fn decode_stream(&self, skip_special: bool) -> DecodeStream {
+        DecodeStream::new(self.clone(), skip_special)
+    }
+
+    /// Render `messages` with the chat template.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        #[derive(Serialize)]
+        struct TemplateMessage<'a> {
+            role: &'a str,
+            content: Option<std::borrow::Cow<'a, str>>,
+            #[serde(flatten)]
+            extra: &'a serde_json::Map<String, serde_json::Value>,
+        }
+        let msgs: Vec<TemplateMessage<'_>> = messages
+            .iter()
+            .map(|m| TemplateMessage {
+                role: &m.role,
+                content: m.content.as_ref().map(|c| match c {
+                    MessageContent::Text(s) => std::borrow::Cow::Borrowed(s.as_str()),
+                    parts => std::borrow::Cow::Owned(parts.to_text()),
+                }),
+                extra: &m.extra,
+            })
+            .collect();
+        self.inner.template.render(
+            minijinja::Value::from_serialize(&msgs),
+            add_generation_prompt,
+        )
+    }
+
+    /// Render with the generation prompt and tokenize (special tokens parsed, no BOS added):
+    /// what a chat completion request becomes.
+    pub fn render_and_encode(&self, messages: &[ChatMessage]) -> Result<RenderedPrompt> {
+        let text = self.render(messages, true)?;
+        let ids = self.encode(&text, true)?;
+        Ok(RenderedPrompt { text, ids })
+    }
+}
+
+/// Parse a JSON array of OpenAI messages, or an object with a `messages` array (a chat
+/// completion body). Errors name the offending message index.
+pub fn parse_messages(value: &serde_json::Value) -> Result<Vec<ChatMessage>> {
+    let list = match value {
+        serde_json::Value::Array(a) => a,
+        serde_json::Value::Object(o) => match o.get("messages") {
+            Some(serde_json::Value::Array(a)) => a,
+            _ => {
+                return Err(ProfileError::InvalidMessage {
+                    index: 0,
+                    reason: "expected an array of messages or an object with a `messages` array"
+                        .into(),
+                })
+            }
+        },
+        _ => {
+            return Err(ProfileError::InvalidMessage {
+                index: 0,
+                reason: "expected an array of messages or an object with a `messages` array"
+                    .into(),
+            })
+        }
+    };
+    list.iter()
+        .enumerate()
+        .map(|(index, m)| {
+            serde_json::from_value(m.clone()).map_err(|e| ProfileError::InvalidMessage {
+                index,
+                reason: error::one_line(e.to_string()),
+            })
+        })
+        .collect()
+}
+
+fn check_id(key: &str, id: u32, vocab_size: usize) -> Result<()> {
+    if id as usize >= vocab_size {
+        return Err(ProfileError::WrongMetadataType {
+            key: key.into(),
+            expected: format!("a token id below the vocabulary size {vocab_size}"),
+            found: id.to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+fn file_stem(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    name.strip_suffix(".gguf")
+        .or_else(|| name.strip_suffix(".json"))
+        .unwrap_or(&name)
+        .to_string()
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| ProfileError::Io {
+        path: PathBuf::from(path),
+        source,
+    })
+}
+
+fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
+    serde_json::from_slice(bytes).map_err(|e| ProfileError::Json {
+        path: path.to_path_buf(),
+        reason: error::one_line(e.to_string()),
+    })
+}

@@ -1,1 +1,46 @@
-//! receipts (skeleton; being written).
+//! `receipts`: what makes every request kvgate serves auditable after the fact.
+//!
+//! Owns: Ed25519 keys and key rings ([`keys`]), the canonical JSON bytes that are signed
+//! ([`canonical`]), the gateway's signed route tickets ([`ticket`]), the worker's signed receipts
+//! ([`receipt`]), the worker's hash-chained receipt log ([`receipt_log`]) and the gateway's
+//! decision log ([`decision`]) over a crash-safe JSON Lines appender with a configurable fsync
+//! policy ([`logfile`]), log verification ([`verify`]) and the gateway/worker audit ([`audit`]).
+//!
+//! Does not own: HTTP (the gateway sets and the worker reads [`TICKET_HEADER`]), clocks (callers
+//! pass Unix milliseconds), or what the worker puts in a receipt (it fills a [`ReceiptDraft`]).
+//! Wire formats and a worked example are in `docs/receipts.md`.
+
+pub mod audit;
+pub mod canonical;
+pub mod decision;
+pub mod error;
+pub mod keys;
+pub mod logfile;
+pub mod receipt;
+pub mod receipt_log;
+pub mod ticket;
+pub mod verify;
+
+pub use audit::{audit, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind};
+pub use decision::{DecisionLog, DecisionRecord};
+pub use error::{ReceiptsError, Result};
+pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};
+pub use logfile::{FsyncPolicy, TornTail};
+pub use receipt::{sha256_hex, Receipt, ReceiptDraft, GENESIS_HASH, RECEIPT_DOMAIN};
+pub use receipt_log::{OpenReport, ReceiptLog};
+pub use ticket::{
+    check_window, ReplayGuard, RouteMode, RouteTicket, SignedTicket, DEFAULT_MAX_CLOCK_SKEW_MS,
+    DEFAULT_TICKET_TTL_MS, TICKET_DOMAIN, TICKET_HEADER,
+};
+pub use verify::{
+    verify_bytes, verify_log, verify_log_with, FailureKind, VerifyFailure, VerifyOptions,
+    VerifyReport,
+};
+
+/// The current time in Unix milliseconds (0 if the clock is before 1970).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

@@ -1,9 +1,110 @@
-//! `kvgate bench` (placeholder until its issue lands: it refuses to run).
+//! `kvgate bench`: load generator (`--target URL`), fleet simulation (`--fleet sim:N`).
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use crate::bench::report::{self, Outcome};
+use crate::bench::workload::{self, WorkloadKind, WorkloadShape};
+use crate::bench::{run_wave, WaveSpec};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Base URL of an OpenAI-compatible endpoint (a kvgate gateway or worker, or any other server).
+    #[arg(long, conflicts_with = "fleet")]
+    pub target: Option<String>,
+    /// Simulated fleet: `sim:N` starts N simulated workers and a gateway in-process and runs the
+    /// workload under round_robin, kv_exact and an oracle.
+    #[arg(long)]
+    pub fleet: Option<String>,
+    /// Workloads to run, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "multi-turn")]
+    pub workload: Vec<WorkloadKind>,
+    #[command(flatten)]
+    pub shape: WorkloadShape,
+    /// `model` field sent in each request.
+    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
+    pub model: String,
+    /// Sessions in flight at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Bound on each wave, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub max_seconds: u64,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 120)]
+    pub request_timeout: u64,
+    /// Label of this run in the outputs (with --target).
+    #[arg(long, default_value = "target")]
+    pub label: String,
+    /// Declared thresholds, e.g. `ttft_p50<=0.5`, `hit_rate>=0.3` (with --target).
+    #[arg(long = "threshold")]
+    pub thresholds: Vec<String>,
+    /// Output folder: records.jsonl, records.csv, summary.json, ttft.svg per workload.
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`kvgate bench` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        if let Some(fleet) = &args.fleet {
+            let n: usize = fleet
+                .strip_prefix("sim:")
+                .and_then(|n| n.parse().ok())
+                .filter(|n| *n > 0)
+                .with_context(|| format!("--fleet `{fleet}`: expected sim:N with N > 0"))?;
+            return crate::bench::fleet::run(n, &args).await;
+        }
+        let Some(target) = args.target.clone() else {
+            bail!("give --target URL or --fleet sim:N");
+        };
+        let thresholds: Vec<_> = args
+            .thresholds
+            .iter()
+            .map(|t| report::parse_threshold(t).map_err(anyhow::Error::msg))
+            .collect::<Result<_, _>>()?;
+        let client = reqwest::Client::builder().build()?;
+        let context_limit = crate::bench::client::context_limit(&client, &target).await;
+        let mut failed = false;
+        for kind in &args.workload {
+            let plans = workload::plan(*kind, &args.shape);
+            let wave = run_wave(
+                &client,
+                WaveSpec {
+                    label: &args.label,
+                    target: &target,
+                    model: &args.model,
+                    kind: *kind,
+                    plans,
+                    concurrency: args.concurrency,
+                    max_duration: Duration::from_secs(args.max_seconds),
+                    request_timeout: Duration::from_secs(args.request_timeout),
+                    context_limit,
+                },
+            )
+            .await;
+            let s = report::summarize(&args.label, &wave.records, wave.seconds, wave.truncated);
+            let verdicts: Vec<_> = thresholds
+                .iter()
+                .map(|(name, le, limit)| {
+                    let v = report::metric(name, &s).ok().flatten();
+                    let op = if *le { "<=" } else { ">=" };
+                    report::judge(format!("{name}{op}{limit}"), v, *le, *limit, &[&s])
+                })
+                .collect();
+            println!("== {} against {target}", kind.as_str());
+            print!("{}", report::table(std::slice::from_ref(&s)));
+            for v in &verdicts {
+                println!("  {:<8} {} (value {:?})", v.outcome.as_str(), v.threshold, v.value);
+                failed |= v.outcome != Outcome::Pass;
+            }
+            let dir = args.out.join(kind.as_str());
+            report::write_outputs(&dir, &wave.records, std::slice::from_ref(&s), &verdicts)
+                .with_context(|| format!("writing {}", dir.display()))?;
+            println!("  outputs: {}", dir.display());
+        }
+        Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    })
 }

@@ -1,9 +1,85 @@
-//! `kvgate gateway` (placeholder until its issue lands: it refuses to run).
+//! `kvgate gateway`: run the gateway (the VIP) in front of a worker fleet.
+//!
+//! `kvgate gateway --rules examples/rules.toml --listen 127.0.0.1:8080 --admin 127.0.0.1:9000
+//! --key keys/gateway.key [--admin-token T] [--decision-log decisions.jsonl]`
+//! Runs until SIGINT or SIGTERM; SIGHUP and edits of the rules file reload the rules.
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(clap::Args)]
-pub struct Args {}
+use anyhow::Context;
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`kvgate gateway` is not implemented yet")
+/// Arguments of `kvgate gateway`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The rules file (TOML; see docs/rules.md).
+    #[arg(long)]
+    pub rules: PathBuf,
+    /// Address of the VIP (OpenAI API).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Address of the admin plane (admin API and /metrics).
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    pub admin: SocketAddr,
+    /// The gateway's Ed25519 private key (from `kvgate keygen`), signs route tickets.
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Bearer token of the admin plane. Without it the admin plane is open: bind it to localhost.
+    #[arg(long, env = "KVGATE_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Append one JSON line per request (ticket + outcome) here: the input of `kvgate receipts audit`.
+    #[arg(long)]
+    pub decision_log: Option<PathBuf>,
+    /// Gateway id written into route tickets.
+    #[arg(long, default_value = "gateway")]
+    pub gateway_id: String,
+    /// Proxy worker threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Do not reload when the rules file changes on disk (SIGHUP and POST /admin/reload still do).
+    #[arg(long)]
+    pub no_watch: bool,
+}
+
+/// Runs the gateway until SIGINT/SIGTERM.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .try_init();
+    let key = receipts::KeyPair::load_private(&args.key)
+        .with_context(|| format!("loading gateway key {}", args.key.display()))?;
+    let mut config = gateway::GatewayConfig::new(&args.rules, key);
+    config.listen = args.listen;
+    config.admin = args.admin;
+    config.admin_token = args.admin_token;
+    config.decision_log = args.decision_log;
+    config.gateway_id = args.gateway_id;
+    config.threads = args.threads;
+    config.watch_rules = !args.no_watch;
+    config.sighup = true;
+    let mut running = gateway::spawn(config)?;
+    eprintln!(
+        "kvgate gateway: VIP on http://{}, admin on http://{} (rules version {})",
+        running.listen_addr,
+        running.admin_addr,
+        running.shared.views.load().version()
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("signal runtime")?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    eprintln!("kvgate gateway: stopping");
+    running.shutdown();
+    Ok(ExitCode::SUCCESS)
 }

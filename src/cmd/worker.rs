@@ -1,9 +1,321 @@
-//! `kvgate worker` (placeholder until its issue lands: it refuses to run).
+//! `kvgate worker`: one worker process — the embedded engine behind the OpenAI-compatible HTTP
+//! server (`worker::server`). See `docs/worker-api.md`.
+//!
+//! State: unless `--key` and `--receipts` are given, the worker keeps its signing key and its
+//! receipt log in `--state-dir` (default `kvgate-state/<id>/`): `<id>.key` (PKCS#8 PEM, mode
+//! 0600) and `<id>.pub` are generated on first start and reused afterwards, and
+//! `receipts.jsonl` continues its hash chain across restarts.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
-#[derive(clap::Args)]
-pub struct Args {}
+use anyhow::Context;
+use prefix_index::{BlockSize, HashAlgorithm};
+use receipts::{FsyncPolicy, KeyPair, KeyRing};
+use worker::engine::EngineConfig;
+use worker::server::{self, EngineChoice, ServerSettings, TicketPolicy, WorkerConfig};
+use worker::sim::SimConfig;
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`kvgate worker` is not implemented yet")
+/// The default model file name inside the model folder.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    /// The candle Llama model (real inference).
+    Model,
+    /// The simulated executor (timing model, deterministic tokens; still tokenizes with the
+    /// model file's prompt profile).
+    Sim,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GGUF model file [default: $KVGATE_MODEL_DIR or ./models, then SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8101")]
+    pub listen: SocketAddr,
+    /// What computes tokens.
+    #[arg(long, value_enum, default_value_t = EngineKind::Model)]
+    pub engine: EngineKind,
+    /// Worker id (route tickets must name it; receipts are signed under it).
+    #[arg(long, default_value = "worker-1")]
+    pub id: String,
+    /// Folder for the generated key and the receipt log [default: kvgate-state/<id>].
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Private key file (PKCS#8 PEM, as `kvgate keygen` writes) [default: <state-dir>/<id>.key, generated if missing].
+    #[arg(long)]
+    pub key: Option<PathBuf>,
+    /// Folder of trusted gateway public keys (`*.pub`) for route tickets.
+    #[arg(long)]
+    pub gateway_keys: Option<PathBuf>,
+    /// Refuse requests without a route ticket (401 `ticket_required`).
+    #[arg(long)]
+    pub require_ticket: bool,
+    /// Clock skew tolerated on ticket validity windows, ms.
+    #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
+    pub ticket_skew_ms: u64,
+    /// Receipt log (JSON Lines) [default: <state-dir>/receipts.jsonl].
+    #[arg(long)]
+    pub receipts: Option<PathBuf>,
+    /// Receipt fsync policy: `always`, or `batched:<receipts>:<ms>`.
+    #[arg(long, default_value = "always")]
+    pub fsync: String,
+    /// Largest request body (bytes); larger gets 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Output tokens of a request without max_tokens: the remaining context capped here.
+    #[arg(long, default_value_t = 1024)]
+    pub default_max_tokens: usize,
+    /// Tokens kept free beyond prompt + output in the token budget.
+    #[arg(long, default_value_t = 0)]
+    pub native_reserve: usize,
+    /// Lower the model's context limit.
+    #[arg(long)]
+    pub context_limit: Option<usize>,
+    /// KV block size (tokens).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Block-key hash algorithm: xxh3 or sha256.
+    #[arg(long, default_value = "xxh3")]
+    pub hash_algorithm: String,
+    /// Accepted `model` names (repeatable); none = accept any.
+    #[arg(long = "served-model-name")]
+    pub served_model_names: Vec<String>,
+    /// Retry-After seconds on 429 / 503.
+    #[arg(long, default_value_t = 1)]
+    pub retry_after_s: u64,
+    /// KV cache budget of the model engine, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_budget_mb: usize,
+    /// candle compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Run the model on CUDA device 0 (needs a `--features cuda` build).
+    #[arg(long)]
+    pub cuda: bool,
+    /// Sequences running at once.
+    #[arg(long)]
+    pub max_running: Option<usize>,
+    /// Waiting queue bound (beyond it: 429 queue_full).
+    #[arg(long)]
+    pub max_waiting: Option<usize>,
+    /// Tokens per engine step.
+    #[arg(long)]
+    pub step_token_budget: Option<usize>,
+    /// Largest prefill chunk per sequence and step.
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Admission deadline, ms (beyond it: 429 admission_timeout).
+    #[arg(long)]
+    pub admission_timeout_ms: Option<u64>,
+    /// Sim engine: KV blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub sim_num_blocks: usize,
+    /// Sim engine: µs per uncached prefill token.
+    #[arg(long, default_value_t = 20)]
+    pub sim_prefill_us_per_token: u64,
+    /// Sim engine: µs per decode step.
+    #[arg(long, default_value_t = 2000)]
+    pub sim_decode_us_base: u64,
+    /// Sim engine: extra µs per decode step per running sequence.
+    #[arg(long, default_value_t = 100)]
+    pub sim_decode_us_per_seq: u64,
+    /// Sim engine: emit EOS after this many tokens (default: never).
+    #[arg(long)]
+    pub sim_eos_after: Option<usize>,
+}
+
+/// The model folder: `$KVGATE_MODEL_DIR`, else `./models`.
+pub fn default_model_path() -> PathBuf {
+    let dir = std::env::var_os("KVGATE_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models"));
+    dir.join(DEFAULT_MODEL_FILE)
+}
+
+/// Parses `always` or `batched:<receipts>:<ms>`.
+pub fn parse_fsync(s: &str) -> anyhow::Result<FsyncPolicy> {
+    if s == "always" {
+        return Ok(FsyncPolicy::Always);
+    }
+    let parts: Vec<&str> = s.split(':').collect();
+    match parts.as_slice() {
+        ["batched", n, ms] => Ok(FsyncPolicy::Batched {
+            max_receipts: n.parse().context("--fsync batched:<receipts>:<ms>")?,
+            max_ms: ms.parse().context("--fsync batched:<receipts>:<ms>")?,
+        }),
+        _ => anyhow::bail!("--fsync must be `always` or `batched:<receipts>:<ms>`, got `{s}`"),
+    }
+}
+
+/// Loads `key`, or the state dir's key, or generates and writes one there.
+fn load_or_create_key(key: Option<&Path>, state_dir: &Path, id: &str) -> anyhow::Result<KeyPair> {
+    if let Some(path) = key {
+        return KeyPair::load_private(path)
+            .with_context(|| format!("loading worker key {}", path.display()));
+    }
+    let path = state_dir.join(format!("{id}.key"));
+    if path.exists() {
+        return KeyPair::load_private(&path)
+            .with_context(|| format!("loading worker key {}", path.display()));
+    }
+    let kp = KeyPair::generate();
+    kp.write_to_dir(state_dir, id)
+        .with_context(|| format!("writing a new worker key into {}", state_dir.display()))?;
+    eprintln!(
+        "kvgate worker: generated signing key {} ({})",
+        kp.key_id(),
+        path.display()
+    );
+    Ok(kp)
+}
+
+/// Builds the worker config from the flags.
+pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
+    let model = args.model.clone().unwrap_or_else(default_model_path);
+    if !model.is_file() {
+        anyhow::bail!(
+            "model file {} not found (fetch it with scripts/fetch-model.sh, or pass --model)",
+            model.display()
+        );
+    }
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("kvgate-state").join(&args.id));
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating state dir {}", state_dir.display()))?;
+    let key = load_or_create_key(args.key.as_deref(), &state_dir, &args.id)?;
+    let gateway_keys = match &args.gateway_keys {
+        Some(dir) => KeyRing::load_dir(dir)
+            .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
+        None => KeyRing::new(),
+    };
+    if args.require_ticket && gateway_keys.is_empty() {
+        anyhow::bail!("--require-ticket needs --gateway-keys DIR with at least one gateway public key");
+    }
+    let block_size = BlockSize::new(args.block_size).context("--block-size")?;
+    let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;
+    let engine = match args.engine {
+        EngineKind::Model => EngineChoice::Model {
+            kv_budget_bytes: args.kv_budget_mb.saturating_mul(1 << 20),
+            threads: args.threads,
+            cuda: args.cuda,
+        },
+        EngineKind::Sim => {
+            let profile = prompt_profile::PromptProfile::from_gguf(&model)
+                .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
+            EngineChoice::Sim(SimConfig {
+                block_size: block_size.get(),
+                num_blocks: args.sim_num_blocks,
+                vocab_size: profile.vocab_size(),
+                prefill_us_per_token: args.sim_prefill_us_per_token,
+                decode_us_base: args.sim_decode_us_base,
+                decode_us_per_seq: args.sim_decode_us_per_seq,
+                eos_after: args.sim_eos_after,
+                eos_token_id: profile.eos_token_ids().first().copied().unwrap_or(0),
+                ..SimConfig::default()
+            })
+        }
+    };
+    let mut engine_config = EngineConfig::default();
+    if let Some(v) = args.max_running {
+        engine_config.max_running = v;
+    }
+    if let Some(v) = args.max_waiting {
+        engine_config.max_waiting = v;
+    }
+    if let Some(v) = args.step_token_budget {
+        engine_config.step_token_budget = v;
+    }
+    if let Some(v) = args.prefill_chunk {
+        engine_config.prefill_chunk = v;
+    }
+    if let Some(ms) = args.admission_timeout_ms {
+        engine_config.default_admission_timeout = Duration::from_millis(ms);
+    }
+    let mut settings = ServerSettings::new(args.id.clone());
+    settings.ticket_policy = if args.require_ticket {
+        TicketPolicy::Require
+    } else {
+        TicketPolicy::Optional
+    };
+    settings.ticket_skew_ms = args.ticket_skew_ms;
+    settings.max_body_bytes = args.max_body_bytes;
+    settings.default_max_tokens = args.default_max_tokens;
+    settings.native_reserve = args.native_reserve;
+    settings.block_size = block_size;
+    settings.hash_algorithm = hash_algorithm;
+    settings.served_model_names = args.served_model_names.clone();
+    settings.retry_after_s = args.retry_after_s;
+    settings.context_limit = args.context_limit;
+    let receipts = args
+        .receipts
+        .clone()
+        .unwrap_or_else(|| state_dir.join("receipts.jsonl"));
+    let mut cfg = WorkerConfig::new(model, engine, key, receipts, args.id.clone());
+    cfg.engine_config = engine_config;
+    cfg.gateway_keys = gateway_keys;
+    cfg.fsync = parse_fsync(&args.fsync)?;
+    cfg.settings = settings;
+    Ok(cfg)
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let cfg = config_from_args(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        let receipts_path = cfg.receipt_log.clone();
+        let w = server::spawn(cfg, listener).await?;
+        eprintln!(
+            "kvgate worker {}: listening on http://{} (engine {}), receipts in {}",
+            args.id,
+            w.addr(),
+            w.profile().engine,
+            receipts_path.display()
+        );
+        match w.wait_ready(Duration::from_secs(600)).await {
+            Ok(()) => eprintln!("kvgate worker {}: ready", args.id),
+            Err(e) => eprintln!("kvgate worker {}: NOT ready: {e}", args.id),
+        }
+        shutdown_signal().await;
+        eprintln!("kvgate worker {}: shutting down", args.id);
+        w.shutdown().await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

@@ -18,6 +18,9 @@ pub enum WorkerError {
     EngineStopped,
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A worker server could not start (profile, receipt log, listener, smoke inference).
+    #[error("worker start-up failed ({what}): {detail}")]
+    Startup { what: &'static str, detail: String },
 }
 
 impl WorkerError {
@@ -31,6 +34,7 @@ impl WorkerError {
             WorkerError::AdmissionTimeout => "admission_timeout",
             WorkerError::EngineStopped => "engine_stopped",
             WorkerError::InvalidRequest(_) => "invalid_request",
+            WorkerError::Startup { .. } => "startup_error",
         }
     }
 }

@@ -11,6 +11,13 @@
 //! - `server`    — the OpenAI-compatible HTTP server
 
 pub mod error;
+pub mod engine;
 pub mod executor;
+pub mod kv;
+pub mod model;
+pub mod sampler;
+pub mod scheduler;
+pub mod server;
+pub mod sim;
 
 pub use error::WorkerError;

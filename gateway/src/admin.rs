@@ -1,0 +1,247 @@
+//! The admin plane: its own listener, bearer-token authentication, JSON bodies.
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | GET | `/admin/services` | every service (JSON array) |
+//! | GET | `/admin/services/{name}` | one service as applied |
+//! | PUT | `/admin/services/{name}` | create or replace (validated, contract-checked, written back) |
+//! | DELETE | `/admin/services/{name}` | delete |
+//! | GET | `/admin/rules` | version, content hash and the whole rules set |
+//! | POST | `/admin/reload` | re-read the rules file |
+//! | GET | `/admin/workers` | health, load, indexed blocks, event stream, contract state |
+//! | GET | `/metrics` | Prometheus (OpenMetrics) text |
+//!
+//! Refused changes answer 400 with the OpenAI-style error body naming every problem; the rules in
+//! force do not change.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use http::Response;
+use pingora::apps::http_app::ServeHttp;
+use pingora::protocols::http::ServerSession;
+use routing_rules::ApplyOutcome;
+use serde_json::json;
+
+use crate::core::Shared;
+use crate::error::GatewayError;
+use crate::view::{ContractState, EventStreamState};
+
+/// Largest admin request body.
+const ADMIN_BODY_LIMIT: usize = 1024 * 1024;
+
+/// The admin application.
+pub struct Admin {
+    shared: Arc<Shared>,
+}
+
+impl Admin {
+    /// An admin plane over the gateway's shared state.
+    pub fn new(shared: Arc<Shared>) -> Admin {
+        Admin { shared }
+    }
+}
+
+fn json_response(status: u16, value: &serde_json::Value) -> Response<Vec<u8>> {
+    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    response(status, "application/json", body)
+}
+
+fn response(status: u16, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
+    let mut r = Response::new(body);
+    *r.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    if let Ok(v) = http::HeaderValue::from_str(content_type) {
+        r.headers_mut().insert(http::header::CONTENT_TYPE, v);
+    }
+    let len = r.body().len();
+    r.headers_mut()
+        .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(len));
+    r
+}
+
+fn error_response(e: &GatewayError) -> Response<Vec<u8>> {
+    response(e.status(), "application/json", e.to_openai_json())
+}
+
+fn outcome_json(o: &ApplyOutcome) -> serde_json::Value {
+    match o {
+        ApplyOutcome::Applied {
+            previous,
+            version,
+            content_hash,
+        } => json!({"applied": true, "previous_version": previous.0, "version": version.0, "content_hash": content_hash.to_hex()}),
+        ApplyOutcome::Unchanged { version } => json!({"applied": false, "version": version.0}),
+    }
+}
+
+async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, GatewayError> {
+    let mut buf = BytesMut::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if buf.len() + chunk.len() > ADMIN_BODY_LIMIT {
+                    return Err(GatewayError::BodyTooLarge {
+                        limit: ADMIN_BODY_LIMIT,
+                    });
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(buf.to_vec()),
+            Err(e) => {
+                return Err(GatewayError::InvalidBody {
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+}
+
+impl Admin {
+    fn authorized(&self, session: &ServerSession) -> bool {
+        let Some(token) = &self.shared.admin_token else {
+            return true;
+        };
+        let got = session
+            .req_header()
+            .headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        // Constant-time comparison of equal-length tokens.
+        got.is_some_and(|g| {
+            g.len() == token.len()
+                && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+        })
+    }
+
+    fn workers_json(&self) -> serde_json::Value {
+        let view = self.shared.views.load();
+        let blocks = self.shared.index.blocks_per_worker();
+        let workers: Vec<serde_json::Value> = view
+            .workers
+            .values()
+            .map(|e| {
+                let rt = &e.runtime;
+                let events = match &*rt.events.lock() {
+                    EventStreamState::Connecting => "connecting",
+                    EventStreamState::Connected => "connected",
+                    EventStreamState::Unsupported => "unsupported (approximate holdings)",
+                };
+                let lag = rt
+                    .events_last_heard
+                    .lock()
+                    .map(|t| t.elapsed().as_secs_f64());
+                let contract = match &*rt.contract.lock() {
+                    ContractState::NotRequired => json!({"state": "not_required"}),
+                    ContractState::Ok => json!({"state": "ok"}),
+                    ContractState::Unverified(why) => json!({"state": "unverified", "detail": why}),
+                    ContractState::Mismatch(why) => json!({"state": "mismatch", "detail": why}),
+                };
+                json!({
+                    "id": e.spec.id.0,
+                    "url": e.spec.url,
+                    "healthy": e.healthy,
+                    "in_flight": rt.in_flight.load(Ordering::Relaxed),
+                    "indexed_blocks": blocks.get(&e.spec.id).copied().unwrap_or(0),
+                    "events": {
+                        "state": events,
+                        "position": rt.events_position.lock().map(|(ep, seq)| json!({"epoch": ep, "seq": seq})),
+                        "applied": rt.events_applied.load(Ordering::Relaxed),
+                        "seconds_since_last_heard": lag,
+                    },
+                    "contract": contract,
+                })
+            })
+            .collect();
+        json!({ "rules_version": view.version(), "workers": workers })
+    }
+
+    async fn handle(&self, session: &mut ServerSession) -> Result<Response<Vec<u8>>, GatewayError> {
+        let method = session.req_header().method.as_str().to_owned();
+        let path = session.req_header().uri.path().to_owned();
+        if !self.authorized(session) {
+            return Err(GatewayError::Unauthorized);
+        }
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match (method.as_str(), segments.as_slice()) {
+            ("GET", ["metrics"]) => {
+                self.shared.refresh_gauges();
+                Ok(response(
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    self.shared.metrics.encode().into_bytes(),
+                ))
+            }
+            ("GET", ["admin", "rules"]) => {
+                let snap = self.shared.store.snapshot();
+                Ok(json_response(
+                    200,
+                    &json!({
+                        "version": snap.version().0,
+                        "content_hash": snap.content_hash().to_hex(),
+                        "rules": snap.rules(),
+                    }),
+                ))
+            }
+            ("POST", ["admin", "reload"]) => {
+                let o = self.shared.reload_from_file().await?;
+                Ok(json_response(200, &outcome_json(&o)))
+            }
+            ("GET", ["admin", "workers"]) => Ok(json_response(200, &self.workers_json())),
+            ("GET", ["admin", "services"]) => {
+                Ok(json_response(200, &json!(self.shared.store.list_services())))
+            }
+            ("GET", ["admin", "services", name]) => match self.shared.store.get_service(name) {
+                Some(s) => Ok(json_response(200, &json!(s))),
+                None => Err(GatewayError::NotFound {
+                    what: format!("service {name:?}"),
+                }),
+            },
+            ("PUT", ["admin", "services", name]) => {
+                let name = (*name).to_owned();
+                let body = read_body(session).await?;
+                let text = String::from_utf8(body).map_err(|_| GatewayError::InvalidBody {
+                    reason: "body is not UTF-8".into(),
+                })?;
+                let spec = routing_rules::service_from_json(&text).map_err(|problems| {
+                    GatewayError::RulesRejected {
+                        reason: problems
+                            .iter()
+                            .map(|p| format!("{}: {}", p.path, p.message))
+                            .collect::<Vec<_>>()
+                            .join("; "),
+                    }
+                })?;
+                if spec.name.0 != name {
+                    return Err(GatewayError::RulesRejected {
+                        reason: format!(
+                            "name: the body names service {:?} but the path names {name:?}",
+                            spec.name.0
+                        ),
+                    });
+                }
+                let o = self.shared.put_service(spec).await?;
+                Ok(json_response(200, &outcome_json(&o)))
+            }
+            ("DELETE", ["admin", "services", name]) => {
+                let o = self.shared.delete_service(name).await?;
+                Ok(json_response(200, &outcome_json(&o)))
+            }
+            _ => Err(GatewayError::NotFound {
+                what: format!("{method} {path}"),
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl ServeHttp for Admin {
+    async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        match self.handle(session).await {
+            Ok(r) => r,
+            Err(e) => error_response(&e),
+        }
+    }
+}

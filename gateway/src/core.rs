@@ -1,0 +1,448 @@
+//! The gateway's shared state and the operations on it that are not one HTTP hook: applying a
+//! rules change (contract check included), passive health marks, and the end-of-request
+//! bookkeeping (metrics, decision log, approximate index holdings).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::join_all;
+use parking_lot::Mutex;
+use crate::index_shim::PrefixIndex;
+use prefix_index::WorkerId;
+use receipts::{DecisionLog, DecisionRecord, KeyPair};
+use routing_rules::schema::{Rule, RulesFile, ServiceSpec};
+use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError};
+
+use crate::error::GatewayError;
+use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
+use crate::profile::ProfileCache;
+use crate::protocol::WorkerProfile;
+use crate::proxy::{request_labels, RequestCtx};
+use crate::supervisor::Supervisor;
+use crate::view::{Carry, ContractState, View, ViewCell};
+
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Consecutive 5xx answers after which a worker is marked unhealthy (a connect error marks it
+/// at once). Active checks bring it back.
+pub const PASSIVE_5XX_THRESHOLD: u64 = 3;
+
+/// How long a worker's `/v1/profile` may take during a contract check.
+pub const PROFILE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything the proxy, the admin plane and the background tasks share.
+pub struct Shared {
+    /// The current view.
+    pub views: ViewCell,
+    /// Per-worker state carried across views.
+    pub carry: Carry,
+    /// Loaded profiles.
+    pub profiles: ProfileCache,
+    /// The versioned rules.
+    pub store: RuleStore,
+    /// Which worker holds which blocks.
+    pub index: PrefixIndex,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// The gateway's signing key.
+    pub key: KeyPair,
+    /// The gateway id written into tickets.
+    pub gateway_id: String,
+    /// Seed put in round-robin tickets (no profile: all zeros).
+    pub default_seed_hex: String,
+    /// The decision log, when configured.
+    pub decisions: Option<DecisionLog>,
+    /// Client for the gateway's own calls to workers (health, profile, events).
+    pub http: reqwest::Client,
+    /// Bearer token of the admin plane (`None`: admin plane open, for local use only).
+    pub admin_token: Option<String>,
+    /// TTL of approximate holdings.
+    pub approx_ttl: Duration,
+    /// Background tasks (health checks and event subscriptions), one set per worker.
+    pub supervisor: Mutex<Option<Supervisor>>,
+    /// Serializes rules changes (the contract check is async, the store's lock is not).
+    pub apply_lock: tokio::sync::Mutex<()>,
+}
+
+fn problems_text(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("{}: {}", p.path, p.message))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Maps a store error to the admin plane's error.
+pub fn rules_error(e: RulesError) -> GatewayError {
+    match &e {
+        RulesError::ServiceNotFound { name } => GatewayError::NotFound {
+            what: format!("service {name:?}"),
+        },
+        _ if !e.problems().is_empty() => GatewayError::RulesRejected {
+            reason: problems_text(e.problems()),
+        },
+        _ => GatewayError::RulesRejected {
+            reason: e.to_string(),
+        },
+    }
+}
+
+/// The fields of a worker's profile that differ from a pinned profile.
+pub fn profile_differences(pinned: &routing_rules::schema::ProfileSpec, got: &WorkerProfile) -> Vec<String> {
+    let mut out = Vec::new();
+    if got.model_id != pinned.model_id {
+        out.push(format!("model_id (pinned {:?}, worker {:?})", pinned.model_id, got.model_id));
+    }
+    if got.template_sha256 != pinned.template_sha256 {
+        out.push(format!(
+            "template_sha256 (pinned {}, worker {})",
+            pinned.template_sha256, got.template_sha256
+        ));
+    }
+    if got.tokenizer_sha256 != pinned.tokenizer_sha256 {
+        out.push(format!(
+            "tokenizer_sha256 (pinned {}, worker {})",
+            pinned.tokenizer_sha256, got.tokenizer_sha256
+        ));
+    }
+    if got.block_size != pinned.block_size {
+        out.push(format!(
+            "block_size (pinned {}, worker {})",
+            pinned.block_size, got.block_size
+        ));
+    }
+    if got.hash_algorithm != pinned.hash_algorithm.as_str() {
+        out.push(format!(
+            "hash_algorithm (pinned {}, worker {})",
+            pinned.hash_algorithm.as_str(),
+            got.hash_algorithm
+        ));
+    }
+    out
+}
+
+/// Profiles fetched from workers: `Err` holds why a worker could not be asked.
+pub type FetchedProfiles = BTreeMap<WorkerId, Result<WorkerProfile, String>>;
+
+/// The contract problems of a rules set against fetched worker profiles. Unreachable workers
+/// are not problems (they stay `unverified` and get no `kv_exact` traffic until checked).
+pub fn contract_problems(rules: &RulesFile, fetched: &FetchedProfiles) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    for s in &rules.services {
+        let Rule::KvExact(k) = &s.rule else { continue };
+        let Some(pid) = &k.profile else { continue };
+        let Some(pinned) = rules.profiles.iter().find(|p| &p.id == pid) else {
+            continue;
+        };
+        let Some(pool) = rules.pools.iter().find(|p| p.id == s.pool) else {
+            continue;
+        };
+        for w in &pool.workers {
+            if let Some(Ok(got)) = fetched.get(w) {
+                let diff = profile_differences(pinned, got);
+                if !diff.is_empty() {
+                    problems.push(Problem::new(
+                        format!("services.{}.rule.profile", s.name),
+                        format!(
+                            "worker {w} disagrees with profile {pid}: {}",
+                            diff.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// Workers that belong to the pool of some `kv_exact` service.
+pub fn kv_exact_workers(rules: &RulesFile) -> BTreeSet<WorkerId> {
+    let mut out = BTreeSet::new();
+    for s in &rules.services {
+        if matches!(s.rule, Rule::KvExact(_)) {
+            if let Some(pool) = rules.pools.iter().find(|p| p.id == s.pool) {
+                out.extend(pool.workers.iter().cloned());
+            }
+        }
+    }
+    out
+}
+
+impl Shared {
+    /// Fetches `/v1/profile` of the given workers (URLs from `rules`), in parallel.
+    pub async fn fetch_profiles(&self, rules: &RulesFile, ids: &BTreeSet<WorkerId>) -> FetchedProfiles {
+        let futs = rules.workers.iter().filter(|w| ids.contains(&w.id)).map(|w| {
+            let http = self.http.clone();
+            let id = w.id.clone();
+            let url = crate::view::Upstream::parse(&w.url).map(|u| format!("{}/v1/profile", u.base_url()));
+            async move {
+                let res = match url {
+                    Err(e) => Err(e.to_string()),
+                    Ok(url) => match http.get(&url).timeout(PROFILE_TIMEOUT).send().await {
+                        Err(e) => Err(format!("unreachable: {e}")),
+                        Ok(r) if !r.status().is_success() => Err(format!("GET /v1/profile: {}", r.status())),
+                        Ok(r) => r
+                            .json::<WorkerProfile>()
+                            .await
+                            .map_err(|e| format!("bad /v1/profile body: {e}")),
+                    },
+                };
+                (id, res)
+            }
+        });
+        join_all(futs).await.into_iter().collect()
+    }
+
+    /// The pre-apply check of every rules change: the pinned profiles load and match their
+    /// files, and every reachable worker of a `kv_exact` pool agrees with its service's profile.
+    fn check_candidate(&self, snap: &RuleSnapshot, fetched: &FetchedProfiles) -> Result<(), Vec<Problem>> {
+        if let Err(e) = self.profiles.load_for(snap.rules()) {
+            return Err(vec![Problem::new("profiles", e.to_string())]);
+        }
+        let problems = contract_problems(snap.rules(), fetched);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems)
+        }
+    }
+
+    /// Records the contract state of every worker from a fetch.
+    fn record_contracts(&self, rules: &RulesFile, fetched: &FetchedProfiles) {
+        let needed = kv_exact_workers(rules);
+        let runtimes = self.carry.runtimes.lock();
+        for (id, rt) in runtimes.iter() {
+            let state = if !needed.contains(id) {
+                ContractState::NotRequired
+            } else {
+                match fetched.get(id) {
+                    Some(Ok(_)) => {
+                        let problems = contract_problems(rules, &BTreeMap::from([(id.clone(), fetched[id].clone())]));
+                        if problems.is_empty() {
+                            ContractState::Ok
+                        } else {
+                            ContractState::Mismatch(problems_text(&problems))
+                        }
+                    }
+                    Some(Err(e)) => ContractState::Unverified(e.clone()),
+                    None => ContractState::Unverified("not checked yet".into()),
+                }
+            };
+            *rt.contract.lock() = state;
+        }
+    }
+
+    /// Builds a view from the store's current snapshot and installs it; syncs background tasks.
+    pub fn install_current(&self, fetched: &FetchedProfiles) -> Result<(), GatewayError> {
+        let snap = self.store.snapshot();
+        let profiles = self.profiles.load_for(snap.rules())?;
+        let previous = self.views.load();
+        let view = View::compile(snap.clone(), &profiles, Some(&previous), &self.carry)?;
+        self.record_contracts(snap.rules(), fetched);
+        self.views.store(view);
+        self.metrics.rules_version.set(i64::try_from(snap.version().0).unwrap_or(i64::MAX));
+        if let Some(sup) = self.supervisor.lock().as_mut() {
+            sup.sync(&self.views.load());
+        }
+        Ok(())
+    }
+
+    async fn change(
+        &self,
+        candidate: RulesFile,
+        apply: impl FnOnce(&dyn Fn(&RuleSnapshot) -> Result<(), Vec<Problem>>) -> Result<ApplyOutcome, RulesError>,
+    ) -> Result<ApplyOutcome, GatewayError> {
+        let _g = self.apply_lock.lock().await;
+        let ids = kv_exact_workers(&candidate);
+        let fetched = self.fetch_profiles(&candidate, &ids).await;
+        let check = |snap: &RuleSnapshot| self.check_candidate(snap, &fetched);
+        match apply(&check) {
+            Ok(outcome) => {
+                if let ApplyOutcome::Applied { .. } = outcome {
+                    self.metrics.rules_reloads.inc();
+                    self.install_current(&fetched)?;
+                } else {
+                    self.record_contracts(self.store.snapshot().rules(), &fetched);
+                }
+                Ok(outcome)
+            }
+            Err(e) => {
+                self.metrics.rules_rejected.inc();
+                Err(rules_error(e))
+            }
+        }
+    }
+
+    /// Admin: create or replace one service.
+    pub async fn put_service(&self, spec: ServiceSpec) -> Result<ApplyOutcome, GatewayError> {
+        let mut candidate = self.store.snapshot().rules().clone();
+        candidate.upsert_service(spec.clone());
+        self.change(candidate, |check| self.store.put_service_with(spec, check)).await
+    }
+
+    /// Admin: delete one service.
+    pub async fn delete_service(&self, name: &str) -> Result<ApplyOutcome, GatewayError> {
+        let mut candidate = self.store.snapshot().rules().clone();
+        candidate.remove_service(name);
+        self.change(candidate, |check| self.store.delete_service_with(name, check)).await
+    }
+
+    /// File watch, SIGHUP, `POST /admin/reload`: re-read the rules file.
+    pub async fn reload_from_file(&self) -> Result<ApplyOutcome, GatewayError> {
+        let candidate = match self.store.path() {
+            Some(p) => std::fs::read_to_string(p)
+                .ok()
+                .and_then(|t| routing_rules::rules_from_toml(&t).ok())
+                .unwrap_or_else(|| self.store.snapshot().rules().clone()),
+            None => self.store.snapshot().rules().clone(),
+        };
+        self.change(candidate, |check| self.store.reload_from_file_with(check)).await
+    }
+
+    /// Re-checks the contract of one worker (after it became healthy or reachable).
+    pub async fn recheck_contract(&self, id: &WorkerId) {
+        let rules = self.store.snapshot().rules().clone();
+        if !kv_exact_workers(&rules).contains(id) {
+            return;
+        }
+        let fetched = self.fetch_profiles(&rules, &BTreeSet::from([id.clone()])).await;
+        let runtimes = self.carry.runtimes.lock();
+        if let (Some(rt), Some(res)) = (runtimes.get(id), fetched.get(id)) {
+            *rt.contract.lock() = match res {
+                Ok(_) => {
+                    let problems = contract_problems(&rules, &fetched);
+                    if problems.is_empty() {
+                        ContractState::Ok
+                    } else {
+                        ContractState::Mismatch(problems_text(&problems))
+                    }
+                }
+                Err(e) => ContractState::Unverified(e.clone()),
+            };
+        }
+    }
+
+    /// Refreshes the gauges that mirror state owned elsewhere (index size, event lag, load).
+    pub fn refresh_gauges(&self) {
+        let per_worker = self.index.blocks_per_worker();
+        let total: usize = per_worker.values().sum();
+        self.metrics
+            .index_blocks
+            .set(i64::try_from(total).unwrap_or(i64::MAX));
+        let view = self.views.load();
+        for (id, e) in &view.workers {
+            let labels = WorkerLabels { worker: id.0.clone() };
+            let lag = match (&*e.runtime.events.lock(), *e.runtime.events_last_heard.lock()) {
+                (crate::view::EventStreamState::Connected, Some(t)) => t.elapsed().as_secs_f64(),
+                _ => -1.0,
+            };
+            self.metrics.event_lag_seconds.get_or_create(&labels).set(lag);
+            self.metrics
+                .worker_in_flight
+                .get_or_create(&labels)
+                .set(i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX));
+            self.metrics
+                .worker_healthy
+                .get_or_create(&labels)
+                .set(i64::from(e.healthy));
+        }
+    }
+
+    /// Sets a worker's health in the view; returns whether it changed.
+    pub fn set_health(&self, id: &WorkerId, healthy: bool) -> bool {
+        let changed = self.views.set_health(id, healthy);
+        self.metrics
+            .worker_healthy
+            .get_or_create(&WorkerLabels { worker: id.0.clone() })
+            .set(i64::from(healthy));
+        changed
+    }
+
+    /// Passive mark: a connect error (at once) or a 5xx (after a few in a row).
+    pub fn mark_failure(&self, id: &WorkerId, connect: bool) {
+        let view = self.views.load();
+        let Some(entry) = view.workers.get(id) else { return };
+        let n = entry.runtime.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if connect || n >= PASSIVE_5XX_THRESHOLD {
+            self.set_health(id, false);
+        }
+    }
+
+    /// Passive mark: a good answer resets the failure count.
+    pub fn mark_success(&self, id: &WorkerId) {
+        let view = self.views.load();
+        if let Some(entry) = view.workers.get(id) {
+            entry.runtime.consecutive_failures.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// End-of-request bookkeeping: metrics, decision log, approximate holdings.
+    pub fn finish_request(&self, ctx: &mut RequestCtx) {
+        let labels = request_labels(ctx);
+        self.metrics.requests.get_or_create(&labels).inc();
+        if let (Some(fb), Some(dd)) = (ctx.first_byte, ctx.decision_done) {
+            if let Some(d) = &ctx.decision {
+                self.metrics
+                    .ttft_seconds
+                    .get_or_create(&ModeLabels {
+                        service: d.service.name().to_owned(),
+                        mode: d.service.mode().to_owned(),
+                    })
+                    .observe(fb.saturating_duration_since(dd).as_secs_f64());
+            }
+        }
+        // Approximate holdings: a worker without an event stream is assumed to hold the blocks
+        // of a prompt it answered successfully, for a while.
+        if let (Some(d), Some(w), Some(status)) = (&ctx.decision, &ctx.current, ctx.status) {
+            if (200..300).contains(&status) {
+                if let Some(p) = &d.prompt {
+                    let approximate = ctx
+                        .view
+                        .as_ref()
+                        .and_then(|v| v.workers.get(w))
+                        .is_some_and(|e| e.runtime.approximate());
+                    if approximate && !p.keys.is_empty() {
+                        self.index.insert_approximate(w, &p.keys, self.approx_ttl);
+                    }
+                }
+            }
+        }
+        if let Some(log) = &self.decisions {
+            let (service, rule_id) = match &ctx.decision {
+                Some(d) => (Some(d.service.name().to_owned()), Some(d.service.rule_id.clone())),
+                None => (None, None),
+            };
+            let record = DecisionRecord {
+                request_id: ctx.request_id.clone(),
+                at_ms: now_ms(),
+                ticket: ctx.ticket.clone(),
+                service: service.filter(|_| ctx.ticket.is_some()),
+                rule_id: rule_id.filter(|_| ctx.ticket.is_some()),
+                rule_version: ctx
+                    .view
+                    .as_ref()
+                    .filter(|_| ctx.ticket.is_some())
+                    .map(|v| v.version()),
+                worker: ctx
+                    .current
+                    .as_ref()
+                    .filter(|_| ctx.ticket.is_some())
+                    .map(|w| w.0.clone()),
+                status: ctx.status.unwrap_or(0),
+                error: ctx.error.clone(),
+            };
+            if let Err(e) = log.append(&record) {
+                tracing::warn!(error = %e, "decision log append failed");
+            }
+        }
+        ctx.in_flight = None;
+    }
+}

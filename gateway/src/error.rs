@@ -1,0 +1,259 @@
+//! The one error type of the `gateway` crate, and its OpenAI-style rendering.
+//!
+//! Every variant maps to an HTTP status and a stable `error_type()` string. That string is the
+//! `code` of the OpenAI error JSON a client receives, the `reason`/`code` label in metrics and
+//! the `outcome.error` field of the decision log, so it never changes once published.
+
+use serde::Serialize;
+
+/// Everything that can go wrong in the gateway, on the request path or in its control plane.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// No service matches the request (listener/Host, path, `model`).
+    #[error("no service matches {method} {path} (model {model:?})")]
+    ServiceNotFound {
+        /// Request method.
+        method: String,
+        /// Request path.
+        path: String,
+        /// The body's `model`, when it had one.
+        model: Option<String>,
+    },
+    /// The request body is larger than the service's limit.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The body is not the JSON a `kv_exact` service needs (or is not JSON at all).
+    #[error("invalid request body: {reason}")]
+    InvalidBody {
+        /// What is wrong, naming the field when there is one.
+        reason: String,
+    },
+    /// Rendered prompt + requested output + reserve exceed the context limit.
+    #[error(
+        "this request needs {prompt_tokens} prompt tokens + {max_tokens} output tokens + \
+         {reserve_tokens} reserved tokens, more than the context limit of {context_limit}"
+    )]
+    ContextLengthExceeded {
+        /// Tokens of the rendered prompt.
+        prompt_tokens: usize,
+        /// Requested output tokens.
+        max_tokens: usize,
+        /// The worker's native reserve.
+        reserve_tokens: usize,
+        /// The profile's context limit.
+        context_limit: usize,
+    },
+    /// The prompt could not be rendered or tokenized with the service's profile.
+    #[error("cannot render or tokenize the prompt: {reason}")]
+    Prompt {
+        /// The profile crate's message.
+        reason: String,
+    },
+    /// No healthy worker is left for this request.
+    #[error("no healthy worker available for service {service:?}")]
+    NoHealthyWorker {
+        /// The matched service.
+        service: String,
+    },
+    /// Every candidate refused the connection.
+    #[error("could not reach any worker of service {service:?}: {reason}")]
+    UpstreamUnavailable {
+        /// The matched service.
+        service: String,
+        /// The last connect error.
+        reason: String,
+    },
+    /// The upstream failed after the request was sent (no retry: it may have been accepted).
+    #[error("upstream worker {worker} failed: {reason}")]
+    Upstream {
+        /// The worker.
+        worker: String,
+        /// What happened.
+        reason: String,
+    },
+    /// Admin plane: missing or wrong bearer token.
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    /// Admin plane: unknown path or resource.
+    #[error("not found: {what}")]
+    NotFound {
+        /// What was not found.
+        what: String,
+    },
+    /// Admin plane: the rules change was refused (validation or contract); the old version stays.
+    #[error("rules change refused: {reason}")]
+    RulesRejected {
+        /// Every problem, joined.
+        reason: String,
+    },
+    /// A `kv_exact` pool's workers disagree with the service's pinned profile.
+    #[error("contract check failed: {reason}")]
+    Contract {
+        /// The workers and fields that differ.
+        reason: String,
+    },
+    /// Start-up or configuration problem (bad file, key, address).
+    #[error("configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Signing the route ticket or writing the decision log failed.
+    #[error("internal error: {reason}")]
+    Internal {
+        /// What failed.
+        reason: String,
+    },
+}
+
+impl GatewayError {
+    /// A stable snake_case name, used as the OpenAI error `code`, a metric label and in logs.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            GatewayError::ServiceNotFound { .. } => "service_not_found",
+            GatewayError::BodyTooLarge { .. } => "request_too_large",
+            GatewayError::InvalidBody { .. } => "invalid_request_body",
+            GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            GatewayError::Prompt { .. } => "prompt_render_failed",
+            GatewayError::NoHealthyWorker { .. } => "no_healthy_worker",
+            GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            GatewayError::Upstream { .. } => "upstream_error",
+            GatewayError::Unauthorized => "unauthorized",
+            GatewayError::NotFound { .. } => "not_found",
+            GatewayError::RulesRejected { .. } => "rules_rejected",
+            GatewayError::Contract { .. } => "contract_mismatch",
+            GatewayError::Config { .. } => "config_error",
+            GatewayError::Internal { .. } => "internal_error",
+        }
+    }
+
+    /// The HTTP status a client gets for this error.
+    pub fn status(&self) -> u16 {
+        match self {
+            GatewayError::ServiceNotFound { .. } | GatewayError::NotFound { .. } => 404,
+            GatewayError::BodyTooLarge { .. } => 413,
+            GatewayError::InvalidBody { .. }
+            | GatewayError::ContextLengthExceeded { .. }
+            | GatewayError::Prompt { .. }
+            | GatewayError::RulesRejected { .. }
+            | GatewayError::Contract { .. } => 400,
+            GatewayError::Unauthorized => 401,
+            GatewayError::NoHealthyWorker { .. } | GatewayError::UpstreamUnavailable { .. } => 503,
+            GatewayError::Upstream { .. } => 502,
+            GatewayError::Config { .. } | GatewayError::Internal { .. } => 500,
+        }
+    }
+
+    /// The OpenAI `type` field: `invalid_request_error` for 4xx, `server_error` otherwise.
+    fn openai_type(&self) -> &'static str {
+        match self.status() {
+            401 => "authentication_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    /// The parameter an error is about, when there is one (OpenAI's `param`).
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::ContextLengthExceeded { .. } => Some("messages"),
+            GatewayError::ServiceNotFound { model: Some(_), .. } => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI-style error body: `{"error":{"message","type","param","code"}}`.
+    pub fn to_openai_json(&self) -> Vec<u8> {
+        let body = OpenAiErrorBody {
+            error: OpenAiError {
+                message: self.to_string(),
+                kind: self.openai_type(),
+                param: self.param(),
+                code: self.error_type(),
+            },
+        };
+        // Serializing a struct of strings cannot fail; fall back to a fixed body anyway.
+        serde_json::to_vec(&body).unwrap_or_else(|_| {
+            br#"{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}"#
+                .to_vec()
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct OpenAiErrorBody {
+    error: OpenAiError,
+}
+
+#[derive(Serialize)]
+struct OpenAiError {
+    message: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: &'static str,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_error_json_is_pinned() {
+        let e = GatewayError::ContextLengthExceeded {
+            prompt_tokens: 10,
+            max_tokens: 20,
+            reserve_tokens: 4,
+            context_limit: 30,
+        };
+        assert_eq!(e.status(), 400);
+        let v: serde_json::Value = serde_json::from_slice(&e.to_openai_json()).unwrap();
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "messages");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("context limit of 30"));
+    }
+
+    #[test]
+    fn statuses_cover_the_stable_codes() {
+        let cases: Vec<(GatewayError, u16, &str)> = vec![
+            (
+                GatewayError::BodyTooLarge { limit: 1 },
+                413,
+                "request_too_large",
+            ),
+            (GatewayError::Unauthorized, 401, "unauthorized"),
+            (
+                GatewayError::NoHealthyWorker {
+                    service: "s".into(),
+                },
+                503,
+                "no_healthy_worker",
+            ),
+            (
+                GatewayError::ServiceNotFound {
+                    method: "GET".into(),
+                    path: "/x".into(),
+                    model: None,
+                },
+                404,
+                "service_not_found",
+            ),
+            (
+                GatewayError::InvalidBody { reason: "x".into() },
+                400,
+                "invalid_request_body",
+            ),
+        ];
+        for (e, status, code) in cases {
+            assert_eq!(e.status(), status, "{e}");
+            assert_eq!(e.error_type(), code);
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! The gateway's Prometheus metrics, registered once into a `Registry` the gateway owns
+//! (no global statics). Served as OpenMetrics text by the admin plane's `GET /metrics`.
+//!
+//! Gauges that describe state owned elsewhere (index size, event lag) are refreshed from that
+//! state just before each scrape, so they are never stale and cost nothing on the request path.
+
+use parking_lot::Mutex;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// Labels of `kvgate_gateway_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Matched service (`-` when none matched).
+    pub service: String,
+    /// Rule id (`-` when none).
+    pub rule: String,
+    /// `round_robin`, `kv_exact` or `-`.
+    pub mode: String,
+    /// The worker that served it (`-` when none).
+    pub worker: String,
+    /// HTTP status sent to the client.
+    pub status: String,
+}
+
+/// Labels of a per-service counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    /// The service.
+    pub service: String,
+}
+
+/// Labels of `kvgate_gateway_fallbacks_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabels {
+    /// The service.
+    pub service: String,
+    /// `no_match`, `load_guard`, `unhealthy`, `unparsable_body`, `contract`, `budget`, `connect`.
+    pub reason: String,
+}
+
+/// Labels of a per-mode histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabels {
+    /// The service.
+    pub service: String,
+    /// `round_robin` or `kv_exact`.
+    pub mode: String,
+}
+
+/// Labels of a per-worker gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    /// The worker.
+    pub worker: String,
+}
+
+/// Every metric the gateway exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// Requests by service / rule / mode / worker / status.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Time to decide a route (match + parse + render + tokenize + keys + lookup + policy).
+    pub route_decision_seconds: Family<ModeLabels, Histogram>,
+    /// Prompt tokens the gateway looked up in the index (`kv_exact`).
+    pub lookup_tokens: Family<ServiceLabels, Counter>,
+    /// Prompt tokens the chosen worker was predicted to hold (`kv_exact`).
+    pub matched_tokens: Family<ServiceLabels, Counter>,
+    /// Fallbacks by reason.
+    pub fallbacks: Family<FallbackLabels, Counter>,
+    /// Time to first response-body byte as seen by the gateway.
+    pub ttft_seconds: Family<ModeLabels, Histogram>,
+    /// Blocks in the prefix index (precise + approximate, all workers).
+    pub index_blocks: Gauge,
+    /// Seconds since each worker's event stream was last heard from (-1: not connected).
+    pub event_lag_seconds: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    /// 1 when the worker is healthy.
+    pub worker_healthy: Family<WorkerLabels, Gauge>,
+    /// Requests in flight from this gateway to the worker.
+    pub worker_in_flight: Family<WorkerLabels, Gauge>,
+    /// Rules version currently served.
+    pub rules_version: Gauge,
+    /// Rules changes applied (file, admin, SIGHUP).
+    pub rules_reloads: Counter,
+    /// Rules changes refused.
+    pub rules_rejected: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    // 10 µs .. ~40 s
+    Histogram::new(exponential_buckets(1e-5, 2.5, 17))
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kvgate_gateway");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "Requests by service, rule, mode, worker and status", requests.clone());
+        let route_decision_seconds =
+            Family::<ModeLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "route_decision_seconds",
+            "Time to take a routing decision",
+            route_decision_seconds.clone(),
+        );
+        let lookup_tokens = Family::<ServiceLabels, Counter>::default();
+        registry.register(
+            "lookup_prompt_tokens",
+            "Prompt tokens looked up in the prefix index",
+            lookup_tokens.clone(),
+        );
+        let matched_tokens = Family::<ServiceLabels, Counter>::default();
+        registry.register(
+            "matched_prompt_tokens",
+            "Prompt tokens predicted cached on the chosen worker",
+            matched_tokens.clone(),
+        );
+        let fallbacks = Family::<FallbackLabels, Counter>::default();
+        registry.register("fallbacks", "Routing fallbacks by reason", fallbacks.clone());
+        let ttft_seconds =
+            Family::<ModeLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "ttft_seconds",
+            "Time to first response byte as seen by the gateway",
+            ttft_seconds.clone(),
+        );
+        let index_blocks = Gauge::default();
+        registry.register("index_blocks", "Blocks in the prefix index", index_blocks.clone());
+        let event_lag_seconds = Family::<WorkerLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "event_lag_seconds",
+            "Seconds since the worker's KV event stream was last heard from (-1 = not connected)",
+            event_lag_seconds.clone(),
+        );
+        let worker_healthy = Family::<WorkerLabels, Gauge>::default();
+        registry.register("worker_healthy", "1 when the worker is healthy", worker_healthy.clone());
+        let worker_in_flight = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_in_flight",
+            "Requests in flight to the worker",
+            worker_in_flight.clone(),
+        );
+        let rules_version = Gauge::default();
+        registry.register("rules_version", "Rules version in force", rules_version.clone());
+        let rules_reloads = Counter::default();
+        registry.register("rules_changes", "Rules changes applied", rules_reloads.clone());
+        let rules_rejected = Counter::default();
+        registry.register("rules_rejected", "Rules changes refused", rules_rejected.clone());
+        Metrics {
+            registry: Mutex::new(registry),
+            requests,
+            route_decision_seconds,
+            lookup_tokens,
+            matched_tokens,
+            fallbacks,
+            ttft_seconds,
+            index_blocks,
+            event_lag_seconds,
+            worker_healthy,
+            worker_in_flight,
+            rules_version,
+            rules_reloads,
+            rules_rejected,
+        }
+    }
+
+    /// Counts one fallback.
+    pub fn fallback(&self, service: &str, reason: &str) {
+        self.fallbacks
+            .get_or_create(&FallbackLabels {
+                service: service.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The registry as OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let registry = self.registry.lock();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_registered_families() {
+        let m = Metrics::new();
+        m.requests
+            .get_or_create(&RequestLabels {
+                service: "chat".into(),
+                rule: "chat/kv_exact".into(),
+                mode: "kv_exact".into(),
+                worker: "w1".into(),
+                status: "200".into(),
+            })
+            .inc();
+        m.fallback("chat", "no_match");
+        let text = m.encode();
+        assert!(text.contains(
+            "kvgate_gateway_requests_total{service=\"chat\",rule=\"chat/kv_exact\",mode=\"kv_exact\",worker=\"w1\",status=\"200\"} 1"
+        ), "{text}");
+        assert!(text.contains("kvgate_gateway_fallbacks_total{service=\"chat\",reason=\"no_match\"} 1"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,436 @@
+//! The one snapshot a request reads: rules, workers and their health, swapped together.
+//!
+//! A [`View`] is immutable. Anything that changes the rules (file reload, admin API) or a
+//! worker's health builds a new `View` and swaps it into the [`ViewCell`] (`arc-swap`); a
+//! request loads one `Arc<View>` in `request_filter` and keeps it until `logging`, so a long
+//! stream finishes under the rules version it started with, and its rules, pool and health
+//! never disagree (pingora admits in a TODO that its two separate snapshots can).
+//!
+//! What changes on every request (in-flight counts, event-stream progress) lives in
+//! [`WorkerRuntime`], shared by reference between successive views: it is a live counter,
+//! not part of the decision's identity.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use prefix_index::WorkerId;
+use routing_rules::policy::SelectionPolicy;
+use routing_rules::schema::{Rule, ServiceSpec, WorkerSpec};
+use routing_rules::{RequestInfo, RuleSnapshot, ServiceEntry};
+
+use crate::error::GatewayError;
+use crate::profile::LoadedProfile;
+
+/// Where a worker is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upstream {
+    /// Resolved socket address.
+    pub addr: SocketAddr,
+    /// `host:port` as written in the URL (sent as `Host`).
+    pub authority: String,
+    /// Path prefix from the URL (`""` or `/prefix`, no trailing slash), prepended to paths.
+    pub base_path: String,
+}
+
+impl Upstream {
+    /// Parses `http://host:port[/prefix]`. Only plain HTTP is supported (no TLS to workers yet).
+    pub fn parse(url: &str) -> Result<Upstream, GatewayError> {
+        let bad = |why: &str| GatewayError::Config {
+            reason: format!("worker url {url:?}: {why}"),
+        };
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| bad("must start with http:// (TLS to workers is not supported)"))?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, ""),
+        };
+        if authority.is_empty() {
+            return Err(bad("no host"));
+        }
+        let with_port = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+            authority.to_owned()
+        } else {
+            format!("{authority}:80")
+        };
+        let addr = with_port
+            .to_socket_addrs()
+            .map_err(|e| bad(&format!("cannot resolve: {e}")))?
+            .next()
+            .ok_or_else(|| bad("resolves to no address"))?;
+        Ok(Upstream {
+            addr,
+            authority: authority.to_owned(),
+            base_path: path.trim_end_matches('/').to_owned(),
+        })
+    }
+
+    /// Base URL for the gateway's own HTTP calls to the worker (health, profile, events).
+    pub fn base_url(&self) -> String {
+        format!("http://{}{}", self.addr, self.base_path)
+    }
+}
+
+/// State of a worker's KV event stream, for the admin plane and metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum EventStreamState {
+    /// Not connected yet (or reconnecting).
+    #[default]
+    Connecting,
+    /// Connected; events are applied as they come.
+    Connected,
+    /// The worker has no event stream (404): the gateway approximates its holdings.
+    Unsupported,
+}
+
+/// Contract state of a worker (its `/v1/profile` against the pinned profiles of the `kv_exact`
+/// services whose pools contain it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ContractState {
+    /// No `kv_exact` service uses this worker.
+    #[default]
+    NotRequired,
+    /// The worker's profile agrees with every pinned profile that uses it.
+    Ok,
+    /// The worker could not be asked yet; it is not routed `kv_exact` requests until it is.
+    Unverified(String),
+    /// The worker reports a different profile: the differing fields.
+    Mismatch(String),
+}
+
+/// Live, per-worker state that survives rule reloads.
+#[derive(Debug)]
+pub struct WorkerRuntime {
+    /// The worker.
+    pub id: WorkerId,
+    /// Requests in flight from this gateway.
+    pub in_flight: AtomicU64,
+    /// Event stream state.
+    pub events: Mutex<EventStreamState>,
+    /// When the event stream last delivered something.
+    pub events_last_heard: Mutex<Option<Instant>>,
+    /// Last (epoch, seq) applied.
+    pub events_position: Mutex<Option<(u64, u64)>>,
+    /// Events applied since start.
+    pub events_applied: AtomicU64,
+    /// Contract state.
+    pub contract: Mutex<ContractState>,
+    /// Consecutive failed checks or passive failures.
+    pub consecutive_failures: AtomicU64,
+}
+
+impl WorkerRuntime {
+    /// Fresh state for a worker.
+    pub fn new(id: WorkerId) -> WorkerRuntime {
+        WorkerRuntime {
+            id,
+            in_flight: AtomicU64::new(0),
+            events: Mutex::new(EventStreamState::Connecting),
+            events_last_heard: Mutex::new(None),
+            events_position: Mutex::new(None),
+            events_applied: AtomicU64::new(0),
+            contract: Mutex::new(ContractState::NotRequired),
+            consecutive_failures: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether `kv_exact` holdings of this worker must be approximated from routed keys.
+    pub fn approximate(&self) -> bool {
+        *self.events.lock() == EventStreamState::Unsupported
+    }
+
+    /// Whether the worker may take `kv_exact` requests (contract not violated or unverified).
+    pub fn contract_ok(&self) -> bool {
+        matches!(
+            *self.contract.lock(),
+            ContractState::Ok | ContractState::NotRequired
+        )
+    }
+}
+
+/// One worker in a view.
+#[derive(Clone, Debug)]
+pub struct WorkerEntry {
+    /// As declared in the rules.
+    pub spec: WorkerSpec,
+    /// Where to reach it.
+    pub upstream: Upstream,
+    /// Health at the time the view was built.
+    pub healthy: bool,
+    /// Live state.
+    pub runtime: Arc<WorkerRuntime>,
+}
+
+/// One service of a view: its entry in the rules snapshot plus what the gateway loaded for it.
+#[derive(Debug)]
+pub struct ServiceRoute {
+    snapshot: Arc<RuleSnapshot>,
+    idx: usize,
+    /// `service/rule-kind`: the rule id carried in tickets and metrics.
+    pub rule_id: String,
+    /// The pool's worker ids, in pool order.
+    pub pool: Vec<WorkerId>,
+    /// The pinned profile of a `kv_exact` rule, loaded and verified.
+    pub profile: Option<Arc<LoadedProfile>>,
+}
+
+impl ServiceRoute {
+    fn entry(&self) -> &ServiceEntry {
+        &self.snapshot.services()[self.idx]
+    }
+
+    /// The service as configured.
+    pub fn spec(&self) -> &ServiceSpec {
+        &self.entry().spec
+    }
+
+    /// The service name.
+    pub fn name(&self) -> &str {
+        self.spec().name.as_str()
+    }
+
+    /// The rule's selection policy (rotation state is per rules version).
+    pub fn policy(&self) -> &dyn SelectionPolicy {
+        self.entry().policy.as_ref()
+    }
+
+    /// `round_robin` or `kv_exact`.
+    pub fn mode(&self) -> &'static str {
+        self.spec().rule.kind()
+    }
+}
+
+/// Everything a request reads, as of one moment.
+#[derive(Debug)]
+pub struct View {
+    /// The rules snapshot.
+    pub snapshot: Arc<RuleSnapshot>,
+    /// Services, in file order (index-aligned with `snapshot.services()`).
+    pub services: Vec<Arc<ServiceRoute>>,
+    /// Workers by id.
+    pub workers: BTreeMap<WorkerId, WorkerEntry>,
+}
+
+/// Long-lived things a view is compiled with, reused across rule versions.
+#[derive(Default)]
+pub struct Carry {
+    /// Runtimes by worker id.
+    pub runtimes: Mutex<BTreeMap<WorkerId, Arc<WorkerRuntime>>>,
+}
+
+impl View {
+    /// Rules version.
+    pub fn version(&self) -> u64 {
+        self.snapshot.version().0
+    }
+
+    /// Rules content hash (hex).
+    pub fn content_hash(&self) -> String {
+        self.snapshot.content_hash().to_hex()
+    }
+
+    /// Compiles a rules snapshot. `profiles` must hold a loaded profile for every profile id a
+    /// `kv_exact` service uses; `previous` gives the health of known workers (new workers start
+    /// healthy and are probed at once).
+    pub fn compile(
+        snapshot: Arc<RuleSnapshot>,
+        profiles: &BTreeMap<String, Arc<LoadedProfile>>,
+        previous: Option<&View>,
+        carry: &Carry,
+    ) -> Result<View, GatewayError> {
+        let mut workers = BTreeMap::new();
+        let mut runtimes = carry.runtimes.lock();
+        for w in &snapshot.rules().workers {
+            let upstream = Upstream::parse(&w.url)?;
+            let runtime = runtimes
+                .entry(w.id.clone())
+                .or_insert_with(|| Arc::new(WorkerRuntime::new(w.id.clone())))
+                .clone();
+            let healthy = previous
+                .and_then(|p| p.workers.get(&w.id))
+                .is_none_or(|e| e.healthy);
+            workers.insert(
+                w.id.clone(),
+                WorkerEntry {
+                    spec: w.clone(),
+                    upstream,
+                    healthy,
+                    runtime,
+                },
+            );
+        }
+        runtimes.retain(|id, _| workers.contains_key(id));
+        drop(runtimes);
+        let mut services = Vec::new();
+        for (idx, entry) in snapshot.services().iter().enumerate() {
+            let s = &entry.spec;
+            let profile = match &s.rule {
+                Rule::KvExact(k) => {
+                    let id = k.profile.as_ref().ok_or_else(|| GatewayError::Config {
+                        reason: format!("service {}: kv_exact without a profile", s.name),
+                    })?;
+                    Some(
+                        profiles
+                            .get(id.as_str())
+                            .cloned()
+                            .ok_or_else(|| GatewayError::Config {
+                                reason: format!("service {}: profile {id} not loaded", s.name),
+                            })?,
+                    )
+                }
+                Rule::RoundRobin(_) => None,
+            };
+            services.push(Arc::new(ServiceRoute {
+                snapshot: snapshot.clone(),
+                idx,
+                rule_id: format!("{}/{}", s.name, s.rule.kind()),
+                pool: entry.workers.iter().map(|w| w.id.clone()).collect(),
+                profile,
+            }));
+        }
+        Ok(View {
+            snapshot,
+            services,
+            workers,
+        })
+    }
+
+    /// The same view with one worker's health changed (`None` when nothing changes).
+    pub fn with_health(&self, id: &WorkerId, healthy: bool) -> Option<View> {
+        let entry = self.workers.get(id)?;
+        if entry.healthy == healthy {
+            return None;
+        }
+        let mut workers = self.workers.clone();
+        if let Some(e) = workers.get_mut(id) {
+            e.healthy = healthy;
+        }
+        Some(View {
+            snapshot: self.snapshot.clone(),
+            services: self.services.clone(),
+            workers,
+        })
+    }
+
+    /// The service that takes a request (validation guarantees at most one).
+    pub fn match_service(
+        &self,
+        host: Option<&str>,
+        path: &str,
+        model: Option<&str>,
+    ) -> Option<&Arc<ServiceRoute>> {
+        let info = RequestInfo {
+            listener: None,
+            host,
+            path,
+            model,
+        };
+        let idx = self
+            .snapshot
+            .services()
+            .iter()
+            .position(|s| s.matches(&info))?;
+        self.services.get(idx)
+    }
+
+    /// The largest body limit of any service that could take this request whatever its model
+    /// (the body is read before the model is known). `None` if no service could.
+    pub fn body_limit_for(&self, host: Option<&str>, path: &str) -> Option<u64> {
+        self.snapshot
+            .services()
+            .iter()
+            .filter(|s| {
+                let probe = s.spec.matcher.models.first().map(String::as_str);
+                s.matches(&RequestInfo {
+                    listener: None,
+                    host,
+                    path,
+                    model: probe,
+                })
+            })
+            .map(|s| s.spec.max_body_bytes)
+            .max()
+    }
+}
+
+/// The swappable cell holding the current view.
+pub struct ViewCell {
+    cell: ArcSwap<View>,
+}
+
+impl ViewCell {
+    /// A cell holding `view`.
+    pub fn new(view: View) -> ViewCell {
+        ViewCell {
+            cell: ArcSwap::from_pointee(view),
+        }
+    }
+
+    /// The current view; keep the `Arc` for a request's whole life.
+    pub fn load(&self) -> Arc<View> {
+        self.cell.load_full()
+    }
+
+    /// Replaces the view.
+    pub fn store(&self, view: View) {
+        self.cell.store(Arc::new(view));
+    }
+
+    /// Sets a worker's health; returns whether it changed.
+    pub fn set_health(&self, id: &WorkerId, healthy: bool) -> bool {
+        let mut changed = false;
+        self.cell.rcu(|cur| match cur.with_health(id, healthy) {
+            Some(v) => {
+                changed = true;
+                Arc::new(v)
+            }
+            None => {
+                changed = false;
+                cur.clone()
+            }
+        });
+        changed
+    }
+}
+
+/// Counts a request in flight on a worker for as long as the guard lives.
+#[derive(Debug)]
+pub struct InFlight {
+    runtime: Arc<WorkerRuntime>,
+}
+
+impl InFlight {
+    /// Increments the worker's in-flight count.
+    pub fn start(runtime: Arc<WorkerRuntime>) -> InFlight {
+        runtime.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight { runtime }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.runtime.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_upstream_urls() {
+        let u = Upstream::parse("http://127.0.0.1:8001").unwrap();
+        assert_eq!(u.addr, "127.0.0.1:8001".parse().unwrap());
+        assert_eq!(u.base_path, "");
+        let u = Upstream::parse("http://127.0.0.1:8001/api/").unwrap();
+        assert_eq!(u.base_path, "/api");
+        assert_eq!(u.base_url(), "http://127.0.0.1:8001/api");
+        assert!(Upstream::parse("https://x:1").is_err());
+        assert!(Upstream::parse("http://").is_err());
+    }
+}

@@ -1,0 +1,539 @@
+//! The audit: correlates the gateway's decision log with the workers' receipt logs.
+//!
+//! Checks: every receipt log verifies (signatures, chain, sequence, embedded tickets); every
+//! decision line parses and its ticket verifies with a gateway key; the decision's service, rule,
+//! rule version, worker and request id agree with its signed ticket; every routed decision has
+//! exactly one receipt carrying the same ticket, from the ticket's worker, with the same status
+//! (a decision whose `error` is set, i.e. the gateway never got an answer, may have none); no
+//! receipt carries a ticket that the gateway did not record; a ticket is not issued twice.
+//! Direct (ticketless) receipts are counted per worker. Prefix parity (the gateway's and the
+//! worker's last-full-block keys and prompt token counts) is reported; a mismatch is a
+//! discrepancy only with [`AuditOptions::fail_on_parity_mismatch`].
+//!
+//! Cost: O(D + R) hash-map work plus one signature check per receipt and per ticket;
+//! memory O(D + R) for the parsed decisions and receipts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::decision::DecisionRecord;
+use crate::error::Result;
+use crate::keys::KeyRing;
+use crate::logfile::scan;
+use crate::receipt::Receipt;
+use crate::ticket::{RouteMode, DEFAULT_MAX_CLOCK_SKEW_MS};
+use crate::verify::{verify_log_collect, VerifyOptions, VerifyReport};
+
+/// Audit options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditOptions {
+    /// Clock skew for ticket windows.
+    pub max_clock_skew_ms: u64,
+    /// Count prefix-parity mismatches as discrepancies.
+    pub fail_on_parity_mismatch: bool,
+}
+
+impl Default for AuditOptions {
+    fn default() -> Self {
+        AuditOptions {
+            max_clock_skew_ms: DEFAULT_MAX_CLOCK_SKEW_MS,
+            fail_on_parity_mismatch: false,
+        }
+    }
+}
+
+/// The kind of an audit discrepancy (stable names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscrepancyKind {
+    /// A receipt log failed verification (see its report).
+    ReceiptLogInvalid,
+    /// A decision line could not be parsed (or is a torn last line).
+    DecisionMalformed,
+    /// A decision's ticket does not verify with any given gateway key.
+    DecisionTicketInvalid,
+    /// A decision's fields disagree with its own signed ticket (rule version, worker, ...).
+    DecisionTicketMismatch,
+    /// The same ticket was recorded in two decisions.
+    DuplicateDecision,
+    /// A routed decision has no receipt.
+    MissingReceipt,
+    /// A ticket has more than one receipt (across all logs).
+    DuplicateReceipt,
+    /// A receipt for a ticket came from a worker other than the ticket's.
+    WrongWorker,
+    /// A receipt carries a ticket the gateway never recorded.
+    UnissuedTicket,
+    /// Gateway and worker recorded different HTTP statuses.
+    StatusMismatch,
+    /// Gateway and worker disagree on the prompt's last block key or prompt token count.
+    PrefixParity,
+}
+
+impl DiscrepancyKind {
+    /// The stable name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DiscrepancyKind::ReceiptLogInvalid => "receipt_log_invalid",
+            DiscrepancyKind::DecisionMalformed => "decision_malformed",
+            DiscrepancyKind::DecisionTicketInvalid => "decision_ticket_invalid",
+            DiscrepancyKind::DecisionTicketMismatch => "decision_ticket_mismatch",
+            DiscrepancyKind::DuplicateDecision => "duplicate_decision",
+            DiscrepancyKind::MissingReceipt => "missing_receipt",
+            DiscrepancyKind::DuplicateReceipt => "duplicate_receipt",
+            DiscrepancyKind::WrongWorker => "wrong_worker",
+            DiscrepancyKind::UnissuedTicket => "unissued_ticket",
+            DiscrepancyKind::StatusMismatch => "status_mismatch",
+            DiscrepancyKind::PrefixParity => "prefix_parity",
+        }
+    }
+}
+
+/// One discrepancy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Discrepancy {
+    /// What is wrong.
+    pub kind: DiscrepancyKind,
+    /// The request concerned, when known.
+    pub request_id: Option<String>,
+    /// `file:line` where it was found.
+    pub location: String,
+    /// Details.
+    pub detail: String,
+}
+
+impl fmt::Display for Discrepancy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.location)?;
+        if let Some(r) = &self.request_id {
+            write!(f, " request {r}")?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+/// Counts for one (service, rule id, rule version).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RouteCounts {
+    /// Routed decisions.
+    pub decisions: u64,
+    /// Of which with exactly one matching receipt.
+    pub receipted: u64,
+    /// Sum of the gateway's predicted matched tokens (KV-exact tickets).
+    pub predicted_tokens: u64,
+    /// Sum of the cached tokens the workers observed, over receipted decisions.
+    pub cached_tokens: u64,
+    /// Sum of prompt tokens the workers observed, over receipted decisions.
+    pub prompt_tokens: u64,
+}
+
+/// Counts for one worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct WorkerCounts {
+    /// Decisions that chose this worker.
+    pub decisions: u64,
+    /// Valid receipts with a ticket.
+    pub ticketed_receipts: u64,
+    /// Valid direct (ticketless) receipts.
+    pub direct_receipts: u64,
+}
+
+/// Prefix parity between the gateway's ticket and the worker's receipt (tickets that carry a
+/// last block key, i.e. where the gateway tokenized).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ParityCounts {
+    /// Pairs compared.
+    pub compared: u64,
+    /// Pairs whose last block key or prompt tokens differ.
+    pub mismatched: u64,
+    /// Pairs not compared (no gateway tokenization, e.g. round-robin).
+    pub not_applicable: u64,
+}
+
+/// The result of an audit.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AuditReport {
+    /// Decision lines read.
+    pub decisions: u64,
+    /// Decisions with a ticket.
+    pub routed: u64,
+    /// Decisions without a ticket (rejected before routing).
+    pub unrouted: u64,
+    /// Routed decisions whose `error` is set and that have no receipt (allowed).
+    pub failed_without_receipt: u64,
+    /// Routed decisions matched to exactly one receipt.
+    pub receipted: u64,
+    /// Valid receipts across all logs.
+    pub receipts: u64,
+    /// Valid direct (ticketless) receipts across all logs.
+    pub direct_receipts: u64,
+    /// Per (service, rule id, rule version).
+    pub per_route: BTreeMap<(String, String, u64), RouteCounts>,
+    /// Per mode.
+    pub per_mode: BTreeMap<&'static str, u64>,
+    /// Per worker.
+    pub per_worker: BTreeMap<String, WorkerCounts>,
+    /// Prefix parity.
+    pub parity: ParityCounts,
+    /// The verification report of each receipt log.
+    pub logs: Vec<VerifyReport>,
+    /// Prefix-parity mismatches (also in `discrepancies` with `fail_on_parity_mismatch`).
+    pub parity_mismatches: Vec<Discrepancy>,
+    /// Every discrepancy found.
+    pub discrepancies: Vec<Discrepancy>,
+}
+
+impl AuditReport {
+    /// True when there is no discrepancy.
+    pub fn ok(&self) -> bool {
+        self.discrepancies.is_empty()
+    }
+
+    /// Discrepancies per kind.
+    pub fn discrepancy_counts(&self) -> BTreeMap<DiscrepancyKind, u64> {
+        let mut m = BTreeMap::new();
+        for d in &self.discrepancies {
+            *m.entry(d.kind).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+impl fmt::Display for AuditReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "audit: {}", if self.ok() { "OK" } else { "FAILED" })?;
+        writeln!(
+            f,
+            "decisions {} (routed {}, unrouted {}), receipted {}, failed upstream without \
+             receipt {}",
+            self.decisions, self.routed, self.unrouted, self.receipted, self.failed_without_receipt
+        )?;
+        writeln!(
+            f,
+            "receipts {} (direct {}) in {} log(s)",
+            self.receipts,
+            self.direct_receipts,
+            self.logs.len()
+        )?;
+        for l in &self.logs {
+            let state = if l.ok() { "ok" } else { "FAILED" };
+            write!(f, "  {}: {state}, {} valid of {} lines", l.source, l.valid, l.lines)?;
+            match l.first_failure() {
+                Some(first) => writeln!(f, ", first failure {first}")?,
+                None => writeln!(f)?,
+            }
+        }
+        writeln!(f, "per service / rule / version:")?;
+        for ((svc, rule, ver), c) in &self.per_route {
+            writeln!(
+                f,
+                "  {svc} / {rule} / v{ver}: decisions {}, receipted {}, predicted tokens {}, \
+                 cached tokens {}, prompt tokens {}",
+                c.decisions, c.receipted, c.predicted_tokens, c.cached_tokens, c.prompt_tokens
+            )?;
+        }
+        let modes: Vec<String> = self.per_mode.iter().map(|(m, n)| format!("{m} {n}")).collect();
+        writeln!(f, "per mode: {}", modes.join(", "))?;
+        writeln!(f, "per worker:")?;
+        for (w, c) in &self.per_worker {
+            writeln!(
+                f,
+                "  {w}: decisions {}, ticketed receipts {}, direct receipts {}",
+                c.decisions, c.ticketed_receipts, c.direct_receipts
+            )?;
+        }
+        writeln!(
+            f,
+            "prefix parity: compared {}, mismatched {}, not applicable {}",
+            self.parity.compared, self.parity.mismatched, self.parity.not_applicable
+        )?;
+        for d in &self.parity_mismatches {
+            writeln!(f, "  {d}")?;
+        }
+        let counts = self.discrepancy_counts();
+        if !counts.is_empty() {
+            let c: Vec<String> = counts.iter().map(|(k, n)| format!("{} {n}", k.as_str())).collect();
+            writeln!(f, "discrepancies: {} ({})", self.discrepancies.len(), c.join(", "))?;
+        }
+        for d in &self.discrepancies {
+            writeln!(f, "  {d}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Audit with default options.
+pub fn audit(decisions: &Path, receipt_logs: &[PathBuf], keys: &KeyRing) -> Result<AuditReport> {
+    audit_with(decisions, receipt_logs, keys, AuditOptions::default())
+}
+
+fn disc(
+    kind: DiscrepancyKind,
+    request_id: Option<&str>,
+    location: String,
+    detail: String,
+) -> Discrepancy {
+    Discrepancy {
+        kind,
+        request_id: request_id.map(str::to_string),
+        location,
+        detail,
+    }
+}
+
+struct Found {
+    location: String,
+    receipt: Receipt,
+}
+
+/// Audit the gateway decision log against the workers' receipt logs. `keys` holds the gateway
+/// and worker public keys. Returns `Err` only for I/O errors (a missing file); everything else
+/// is a discrepancy in the report.
+pub fn audit_with(
+    decisions: &Path,
+    receipt_logs: &[PathBuf],
+    keys: &KeyRing,
+    opts: AuditOptions,
+) -> Result<AuditReport> {
+    use DiscrepancyKind as D;
+    let mut rep = AuditReport::default();
+
+    // 1. Receipt logs: verify each, keep the valid receipts by ticket signature.
+    let vopts = VerifyOptions {
+        require_ticket_keys: true,
+        max_clock_skew_ms: opts.max_clock_skew_ms,
+    };
+    let mut by_ticket: HashMap<[u8; 64], Vec<Found>> = HashMap::new();
+    let mut discrepancies = Vec::new();
+    for path in receipt_logs {
+        let display = path.display().to_string();
+        let report = verify_log_collect(path, keys, vopts, |line, r| {
+            rep.receipts += 1;
+            let wc = rep.per_worker.entry(r.worker_id.clone()).or_default();
+            match &r.ticket {
+                None => {
+                    rep.direct_receipts += 1;
+                    wc.direct_receipts += 1;
+                }
+                Some(t) => {
+                    wc.ticketed_receipts += 1;
+                    by_ticket.entry(*t.signature()).or_default().push(Found {
+                        location: format!("{display}:{line}"),
+                        receipt: r,
+                    });
+                }
+            }
+        })?;
+        if !report.ok() {
+            for fl in &report.failures {
+                discrepancies.push(disc(
+                    D::ReceiptLogInvalid,
+                    None,
+                    format!("{display}:{}", fl.line),
+                    format!("{}: {}", fl.kind.as_str(), fl.detail),
+                ));
+            }
+            let listed = report.failures.len() as u64;
+            if report.failure_total() > listed {
+                discrepancies.push(disc(
+                    D::ReceiptLogInvalid,
+                    None,
+                    display.clone(),
+                    format!("{} more failures", report.failure_total() - listed),
+                ));
+            }
+        }
+        rep.logs.push(report);
+    }
+
+    // 2. Decisions.
+    let dpath = decisions.display().to_string();
+    let mut issued: HashMap<[u8; 64], String> = HashMap::new();
+    let mut lines: Vec<(u64, DecisionRecord)> = Vec::new();
+    if !decisions.exists() {
+        return Err(crate::error::ReceiptsError::io(
+            "open",
+            decisions,
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        ));
+    }
+    let (_, torn) = scan(decisions, |n, _, bytes| {
+        match DecisionRecord::from_line(bytes) {
+            Ok(d) => lines.push((n, d)),
+            Err(e) => discrepancies.push(disc(
+                D::DecisionMalformed,
+                None,
+                format!("{dpath}:{n}"),
+                e.to_string(),
+            )),
+        }
+        Ok(())
+    })?;
+    if let Some((_, bytes)) = torn {
+        let n = lines.len() as u64 + 1;
+        discrepancies.push(disc(
+            D::DecisionMalformed,
+            None,
+            format!("{dpath}:{n}"),
+            format!("torn last line ({} bytes, no newline)", bytes.len()),
+        ));
+    }
+    for (n, d) in lines {
+        rep.decisions += 1;
+        let loc = format!("{dpath}:{n}");
+        let rid = Some(d.request_id.as_str());
+        let Some(st) = &d.ticket else {
+            rep.unrouted += 1;
+            continue;
+        };
+        rep.routed += 1;
+        let t = match st.verify_signature(keys) {
+            Ok(t) => t,
+            Err(e) => {
+                discrepancies.push(disc(D::DecisionTicketInvalid, rid, loc, e.to_string()));
+                continue;
+            }
+        };
+        if let Some(prev) = issued.insert(*st.signature(), loc.clone()) {
+            discrepancies.push(disc(
+                D::DuplicateDecision,
+                rid,
+                loc,
+                format!("the same ticket is already recorded at {prev}"),
+            ));
+            continue;
+        }
+        let mut mismatches = Vec::new();
+        if t.request_id != d.request_id {
+            mismatches.push(format!("request_id {} vs ticket {}", d.request_id, t.request_id));
+        }
+        if d.service.as_deref().is_some_and(|s| s != t.service) {
+            mismatches.push(format!("service {:?} vs ticket {}", d.service, t.service));
+        }
+        if d.rule_id.as_deref().is_some_and(|s| s != t.rule_id) {
+            mismatches.push(format!("rule_id {:?} vs ticket {}", d.rule_id, t.rule_id));
+        }
+        if d.rule_version.is_some_and(|v| v != t.rule_version) {
+            mismatches.push(format!(
+                "rule_version {:?} vs ticket {}",
+                d.rule_version, t.rule_version
+            ));
+        }
+        if d.worker.as_deref().is_some_and(|w| w != t.worker) {
+            mismatches.push(format!("worker {:?} vs ticket {}", d.worker, t.worker));
+        }
+        if !mismatches.is_empty() {
+            discrepancies.push(disc(
+                D::DecisionTicketMismatch,
+                rid,
+                loc.clone(),
+                mismatches.join("; "),
+            ));
+        }
+        *rep.per_mode.entry(t.mode.as_str()).or_insert(0) += 1;
+        rep.per_worker.entry(t.worker.clone()).or_default().decisions += 1;
+        let route = rep
+            .per_route
+            .entry((t.service.clone(), t.rule_id.clone(), t.rule_version))
+            .or_default();
+        route.decisions += 1;
+        if t.mode == RouteMode::KvExact {
+            route.predicted_tokens += u64::from(t.predicted_matched_tokens.unwrap_or(0));
+        }
+        let found = by_ticket.get(st.signature()).map(Vec::as_slice).unwrap_or(&[]);
+        match found {
+            [] => {
+                if d.error.is_some() {
+                    rep.failed_without_receipt += 1;
+                } else {
+                    discrepancies.push(disc(
+                        D::MissingReceipt,
+                        rid,
+                        loc,
+                        format!("no receipt from worker {} for this ticket", t.worker),
+                    ));
+                }
+            }
+            [one] => {
+                let r = &one.receipt;
+                if r.worker_id != t.worker {
+                    discrepancies.push(disc(
+                        D::WrongWorker,
+                        rid,
+                        one.location.clone(),
+                        format!("receipt from {} for a ticket to {}", r.worker_id, t.worker),
+                    ));
+                    continue;
+                }
+                rep.receipted += 1;
+                route.receipted += 1;
+                route.cached_tokens += u64::from(r.cached_tokens);
+                route.prompt_tokens += u64::from(r.prompt_tokens);
+                if d.error.is_none() && d.status != r.status {
+                    discrepancies.push(disc(
+                        D::StatusMismatch,
+                        rid,
+                        format!("{loc} / {}", one.location),
+                        format!("gateway status {}, worker status {}", d.status, r.status),
+                    ));
+                }
+                match &t.last_block_key {
+                    None => rep.parity.not_applicable += 1,
+                    Some(gk) => {
+                        rep.parity.compared += 1;
+                        let key_ok = r.last_block_key.as_deref() == Some(gk.as_str());
+                        let tok_ok = t.prompt_tokens.is_none_or(|p| p == r.prompt_tokens);
+                        if !(key_ok && tok_ok) {
+                            rep.parity.mismatched += 1;
+                            let detail = format!(
+                                "prefix parity: gateway last block {gk} / {:?} prompt tokens, \
+                                 worker {} {:?} / {} prompt tokens",
+                                t.prompt_tokens, r.worker_id, r.last_block_key, r.prompt_tokens
+                            );
+                            let d = disc(
+                                D::PrefixParity,
+                                rid,
+                                format!("{loc} / {}", one.location),
+                                detail,
+                            );
+                            if opts.fail_on_parity_mismatch {
+                                discrepancies.push(d.clone());
+                            }
+                            rep.parity_mismatches.push(d);
+                        }
+                    }
+                }
+            }
+            many => {
+                let locs: Vec<&str> = many.iter().map(|f| f.location.as_str()).collect();
+                discrepancies.push(disc(
+                    D::DuplicateReceipt,
+                    rid,
+                    loc,
+                    format!("{} receipts for one ticket: {}", many.len(), locs.join(", ")),
+                ));
+            }
+        }
+    }
+
+    // 3. Receipts whose ticket the gateway never recorded.
+    let mut unissued: Vec<&Found> = by_ticket
+        .iter()
+        .filter(|(sig, _)| !issued.contains_key(*sig))
+        .flat_map(|(_, v)| v.iter())
+        .collect();
+    unissued.sort_by(|a, b| a.location.cmp(&b.location));
+    for f in unissued {
+        discrepancies.push(disc(
+            D::UnissuedTicket,
+            Some(&f.receipt.request_id),
+            f.location.clone(),
+            "receipt carries a ticket that is not in the decision log".into(),
+        ));
+    }
+    rep.discrepancies = discrepancies;
+    Ok(rep)
+}

@@ -1,0 +1,119 @@
+//! The gateway's decision log: one canonical-JSON line per request the gateway handled, holding
+//! the signed route ticket it issued (if it routed the request) and the outcome it saw.
+//!
+//! Lines are not individually signed or chained: the ticket inside is signed, and the audit
+//! correlates it with the workers' signed, chained receipts. Torn last lines are recovered as for
+//! the receipt log. `append` is `&self` and thread-safe.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::canonical;
+use crate::error::{ReceiptsError, Result};
+use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
+use crate::ticket::SignedTicket;
+
+/// One gateway decision and its outcome.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionRecord {
+    /// The request id the gateway assigned.
+    pub request_id: String,
+    /// When the gateway finished with the request (Unix ms).
+    pub at_ms: u64,
+    /// The signed ticket sent to the worker; `None` when the request was not routed (rejected
+    /// before a worker was chosen: no service, bad request, no healthy worker).
+    pub ticket: Option<SignedTicket>,
+    /// The matched service, if any (must agree with the ticket).
+    pub service: Option<String>,
+    /// The rule that decided, if any (must agree with the ticket).
+    pub rule_id: Option<String>,
+    /// The rules snapshot version used, if any (must agree with the ticket).
+    pub rule_version: Option<u64>,
+    /// The worker the request went to, if any (must agree with the ticket).
+    pub worker: Option<String>,
+    /// The HTTP status the gateway returned to the client.
+    pub status: u16,
+    /// A gateway-side failure talking to the worker (connect error, timeout, reset, ...). When
+    /// set, the worker may not have written a receipt and the audit does not require one.
+    pub error: Option<String>,
+}
+
+impl DecisionRecord {
+    /// Parse one decision line.
+    pub fn from_line(line: &[u8]) -> Result<DecisionRecord> {
+        serde_json::from_slice(line).map_err(|e| ReceiptsError::Malformed {
+            what: "decision",
+            detail: e.to_string(),
+        })
+    }
+
+    /// The canonical line.
+    pub fn to_line(&self) -> Result<Vec<u8>> {
+        canonical::to_vec(self)
+    }
+}
+
+/// The gateway's append-only decision log.
+pub struct DecisionLog {
+    appender: Appender,
+    torn_tail: Option<TornTail>,
+    existing: u64,
+}
+
+impl std::fmt::Debug for DecisionLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecisionLog")
+            .field("path", &self.appender.path())
+            .finish()
+    }
+}
+
+impl DecisionLog {
+    /// Open or create the log; a torn last line is cut (saved beside the log) and reported.
+    /// Complete lines are not re-parsed.
+    pub fn open(path: &Path, policy: FsyncPolicy) -> Result<DecisionLog> {
+        let mut existing = 0u64;
+        let (valid_len, torn) = scan(path, |_, _, _| {
+            existing += 1;
+            Ok(())
+        })?;
+        let torn_tail = match torn {
+            Some((_, bytes)) => Some(cut_torn_tail(path, valid_len, existing + 1, &bytes)?),
+            None => None,
+        };
+        Ok(DecisionLog {
+            appender: Appender::open(path, policy)?,
+            torn_tail,
+            existing,
+        })
+    }
+
+    /// A torn last line removed on open.
+    pub fn torn_tail(&self) -> Option<&TornTail> {
+        self.torn_tail.as_ref()
+    }
+
+    /// Complete lines found on open.
+    pub fn existing_lines(&self) -> u64 {
+        self.existing
+    }
+
+    /// Append one decision.
+    pub fn append(&self, record: &DecisionRecord) -> Result<()> {
+        let line = record.to_line()?;
+        self.appender.append(&line)?;
+        Ok(())
+    }
+
+    /// Force appended decisions to stable storage now.
+    pub fn sync(&self) -> Result<()> {
+        self.appender.sync()
+    }
+
+    /// The log file.
+    pub fn path(&self) -> &Path {
+        self.appender.path()
+    }
+}

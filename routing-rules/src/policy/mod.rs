@@ -1,0 +1,134 @@
+//! Selection policies: given per-worker candidates built by the caller from ONE rules
+//! snapshot (health, load, matched prefix blocks), return an ordered list of workers (first
+//! choice, then fallbacks for connect retries) and the reason for the first choice.
+//!
+//! Contract shared by every policy:
+//! - `order` never contains an unhealthy candidate. When no candidate is healthy (or there are
+//!   none), `order` is empty and the reason is [`Reason::NoHealthyWorker`]; the gateway answers
+//!   503 rather than sending traffic to a worker its health checks consider down.
+//! - `order` holds every healthy candidate exactly once.
+//! - Policies are `Send + Sync`, keep their rotation state inside (atomics or a short lock),
+//!   and are built per service when a snapshot is built (a reload starts rotation afresh).
+
+mod kv_exact;
+mod round_robin;
+
+use std::fmt;
+
+use prefix_index::WorkerId;
+
+pub use kv_exact::KvExact;
+pub use round_robin::RoundRobin;
+
+use crate::schema::Rule;
+
+/// One worker as the caller sees it for one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Whether health checks currently consider it up.
+    pub healthy: bool,
+    /// Its load in the rule's `load_metric` (in-flight requests or active tokens).
+    pub load: u64,
+    /// How many leading full blocks of this request's prefix it holds (0 for round robin).
+    pub matched_blocks: usize,
+    /// Its weight (from the rules file; 0 is treated as 1).
+    pub weight: u32,
+}
+
+/// Why the first choice was chosen; a metric label via [`Reason::as_str`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The first choice holds the longest matched prefix (at least the hit threshold).
+    Hit,
+    /// No worker holds any block of the prefix.
+    NoMatch,
+    /// Some worker holds blocks, but fewer than `min_match_tokens` asks for a hit.
+    BelowMinMatch,
+    /// A worker with a longer match was over the load guard; the next-best was chosen.
+    LoadGuard,
+    /// A worker with a longer match is unhealthy; the best healthy one was chosen.
+    Unhealthy,
+    /// Plain round-robin choice.
+    RoundRobin,
+    /// No healthy candidate: `order` is empty.
+    NoHealthyWorker,
+}
+
+impl Reason {
+    /// Every reason, for pre-registering metric label values.
+    pub const ALL: [Reason; 7] = [
+        Reason::Hit,
+        Reason::NoMatch,
+        Reason::BelowMinMatch,
+        Reason::LoadGuard,
+        Reason::Unhealthy,
+        Reason::RoundRobin,
+        Reason::NoHealthyWorker,
+    ];
+
+    /// Stable string for metric labels and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Hit => "hit",
+            Reason::NoMatch => "no_match",
+            Reason::BelowMinMatch => "below_min_match",
+            Reason::LoadGuard => "load_guard",
+            Reason::Unhealthy => "unhealthy",
+            Reason::RoundRobin => "round_robin",
+            Reason::NoHealthyWorker => "no_healthy_worker",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy's answer for one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// First choice, then fallbacks; only healthy workers; empty when none is healthy.
+    pub order: Vec<WorkerId>,
+    /// Why the first choice.
+    pub reason: Reason,
+    /// Matched blocks of the first choice (0 when `order` is empty).
+    pub matched_blocks: usize,
+}
+
+impl Selection {
+    /// The answer when no candidate is healthy.
+    pub fn none_healthy() -> Self {
+        Self {
+            order: Vec::new(),
+            reason: Reason::NoHealthyWorker,
+            matched_blocks: 0,
+        }
+    }
+
+    /// The first choice, if any.
+    pub fn first(&self) -> Option<&WorkerId> {
+        self.order.first()
+    }
+}
+
+/// A selection policy. Implementations keep their own rotation state.
+pub trait SelectionPolicy: Send + Sync + fmt::Debug {
+    /// The policy's name (`round_robin`, `kv_exact`), a metric label.
+    fn name(&self) -> &'static str;
+
+    /// Order the candidates for one request (see the module docs for the contract).
+    fn select(&self, candidates: &[Candidate]) -> Selection;
+}
+
+/// Build the policy of a rule. `block_size` is the tokens per block of the rule's profile
+/// (used by `kv_exact` to turn `min_match_tokens` into blocks; ignored by round robin).
+pub fn build(rule: &Rule, block_size: u32) -> Box<dyn SelectionPolicy> {
+    match rule {
+        Rule::RoundRobin(r) => Box::new(RoundRobin::new(r.weighted)),
+        Rule::KvExact(k) => Box::new(KvExact::new(k, block_size)),
+    }
+}

@@ -1,0 +1,578 @@
+//! The rules file model: what the TOML rules file and the admin API's JSON both deserialize
+//! into. Every struct denies unknown fields; every optional field has a documented default
+//! (the same defaults are listed in `docs/rules.md`, which a test parses).
+//!
+//! This module only describes shapes. Cross-field checks (duplicate ids, dangling references,
+//! ranges, overlapping services) live in [`crate::validate`], which returns every problem at
+//! once; parsing with error paths lives in [`crate::parse`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+
+use prefix_index::{HashAlgorithm, WorkerId};
+use serde::{Deserialize, Serialize};
+
+macro_rules! string_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub String);
+
+        impl $name {
+            /// The id as a string slice.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                Self(s.to_owned())
+            }
+        }
+    };
+}
+
+string_id!(
+    /// Name of a service (`chat-rr`); unique in a rules file, used in admin URLs and metric labels.
+    ServiceName
+);
+string_id!(
+    /// Id of a pool of workers.
+    PoolId
+);
+string_id!(
+    /// Id of a prompt profile.
+    ProfileId
+);
+string_id!(
+    /// Name of a gateway listener (declared under `[gateway] listeners`).
+    ListenerName
+);
+
+/// Default `path_prefix` of a service match.
+pub const DEFAULT_PATH_PREFIX: &str = "/v1/";
+/// Default `max_body_bytes` of a service: 16 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+/// Default `max_load_ratio` of a `kv_exact` rule.
+pub const DEFAULT_MAX_LOAD_RATIO: f64 = 1.5;
+/// Default `upstream.connect_timeout_ms`.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 1_000;
+/// Default `upstream.read_timeout_ms`.
+pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
+/// Default `upstream.idle_timeout_ms`.
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default `gateway.health_interval_ms`.
+pub const DEFAULT_HEALTH_INTERVAL_MS: u64 = 1_000;
+/// Default load slack of a `kv_exact` rule whose `load_metric` is `in_flight` (requests).
+pub const DEFAULT_LOAD_SLACK_IN_FLIGHT: u64 = 1;
+/// Default load slack of a `kv_exact` rule whose `load_metric` is `active_tokens` (tokens).
+pub const DEFAULT_LOAD_SLACK_ACTIVE_TOKENS: u64 = 1_024;
+
+/// The whole rules file.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesFile {
+    /// Gateway-wide settings; optional (default: no named listeners, defaults below).
+    #[serde(default)]
+    pub gateway: GatewaySpec,
+    /// The workers the gateway may route to. Default: none.
+    #[serde(default)]
+    pub workers: Vec<WorkerSpec>,
+    /// Named sets of workers. Default: none.
+    #[serde(default)]
+    pub pools: Vec<PoolSpec>,
+    /// Prompt profiles that `kv_exact` rules pin. Default: none.
+    #[serde(default)]
+    pub profiles: Vec<ProfileSpec>,
+    /// Services: how a request matches and how it is routed. Default: none.
+    #[serde(default)]
+    pub services: Vec<ServiceSpec>,
+}
+
+/// Gateway-wide settings (`[gateway]`). Every field is optional.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewaySpec {
+    /// Named listeners. A service may restrict itself to one with `match.listener`.
+    /// Default: none (the gateway binary's command line decides where it listens).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub listeners: Vec<ListenerSpec>,
+    /// Address of the admin plane (`127.0.0.1:9000`). Default: none (the command line decides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_addr: Option<String>,
+    /// Interval between worker health probes, in milliseconds. Default: 1000.
+    #[serde(default = "default_health_interval_ms")]
+    pub health_interval_ms: u64,
+}
+
+impl Default for GatewaySpec {
+    fn default() -> Self {
+        Self {
+            listeners: Vec::new(),
+            admin_addr: None,
+            health_interval_ms: DEFAULT_HEALTH_INTERVAL_MS,
+        }
+    }
+}
+
+/// One named listener.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerSpec {
+    /// Listener name, referenced by `services.match.listener`.
+    pub name: ListenerName,
+    /// Socket address to bind (`0.0.0.0:8080`).
+    pub addr: String,
+}
+
+/// One worker (`[[workers]]`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Worker id (`w1`); unique; letters, digits, `.`, `_`, `-`.
+    pub id: WorkerId,
+    /// Base URL, `http://host:port` (an optional path prefix is allowed; no query).
+    pub url: String,
+    /// Weight for weighted round robin, >= 1. Default: 1.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Free-form labels, reported by the admin API. Default: none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A named set of workers (`[[pools]]`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    /// Pool id; unique.
+    pub id: PoolId,
+    /// Worker ids; at least one, no duplicates, each declared under `workers`.
+    pub workers: Vec<WorkerId>,
+}
+
+/// A prompt profile (`[[profiles]]`): what a `kv_exact` service pins so that the gateway and
+/// every worker of its pool tokenize a request identically.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileSpec {
+    /// Profile id; unique.
+    pub id: ProfileId,
+    /// Model id as the workers report it (`SmolLM2-135M-Instruct`).
+    pub model_id: String,
+    /// Model revision as the workers report it.
+    pub revision: String,
+    /// Where the gateway loads the tokenizer and chat template from.
+    pub source: ProfileSource,
+    /// Pinned SHA-256 of the chat template, 64 lowercase hex digits.
+    pub template_sha256: String,
+    /// Pinned SHA-256 of the tokenizer, 64 lowercase hex digits.
+    pub tokenizer_sha256: String,
+    /// Tokens per KV block, 1..=1024.
+    pub block_size: u32,
+    /// Block-key hash algorithm: `xxh3` or `sha256`. Default: `xxh3`.
+    #[serde(default)]
+    pub hash_algorithm: HashAlgorithm,
+    /// Context window of the model, in tokens; > `native_reserve_tokens`.
+    pub context_limit: u32,
+    /// Tokens the engine reserves beyond prompt + output (counted by the token budget). Default: 0.
+    #[serde(default)]
+    pub native_reserve_tokens: u32,
+}
+
+/// Where a profile's tokenizer and template come from. In TOML either
+/// `source = { gguf = "models/x.gguf" }` or
+/// `source = { tokenizer_json = "tokenizer.json", tokenizer_config = "tokenizer_config.json" }`.
+/// Relative paths are relative to the gateway's working directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawProfileSource", into = "RawProfileSource")]
+pub enum ProfileSource {
+    /// Tokenizer and chat template from a GGUF file's metadata.
+    Gguf {
+        /// Path of the GGUF file.
+        path: PathBuf,
+    },
+    /// A Hugging Face `tokenizer.json` plus the `tokenizer_config.json` carrying `chat_template`.
+    TokenizerJson {
+        /// Path of `tokenizer.json`.
+        tokenizer_json: PathBuf,
+        /// Path of `tokenizer_config.json`.
+        tokenizer_config: PathBuf,
+    },
+}
+
+/// The on-disk shape of [`ProfileSource`]; converted with a clear error when the combination
+/// of keys is not one of the two allowed forms.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfileSource {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    gguf: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokenizer_json: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokenizer_config: Option<PathBuf>,
+}
+
+impl TryFrom<RawProfileSource> for ProfileSource {
+    type Error = String;
+
+    fn try_from(raw: RawProfileSource) -> Result<Self, Self::Error> {
+        match (raw.gguf, raw.tokenizer_json, raw.tokenizer_config) {
+            (Some(path), None, None) => Ok(Self::Gguf { path }),
+            (None, Some(tokenizer_json), Some(tokenizer_config)) => Ok(Self::TokenizerJson {
+                tokenizer_json,
+                tokenizer_config,
+            }),
+            _ => Err("source must be either { gguf = PATH } or \
+                      { tokenizer_json = PATH, tokenizer_config = PATH }"
+                .to_owned()),
+        }
+    }
+}
+
+impl From<ProfileSource> for RawProfileSource {
+    fn from(source: ProfileSource) -> Self {
+        match source {
+            ProfileSource::Gguf { path } => Self {
+                gguf: Some(path),
+                tokenizer_json: None,
+                tokenizer_config: None,
+            },
+            ProfileSource::TokenizerJson {
+                tokenizer_json,
+                tokenizer_config,
+            } => Self {
+                gguf: None,
+                tokenizer_json: Some(tokenizer_json),
+                tokenizer_config: Some(tokenizer_config),
+            },
+        }
+    }
+}
+
+/// One service (`[[services]]`); also the body of the admin API's `PUT /services/{name}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceSpec {
+    /// Service name; unique; letters, digits, `.`, `_`, `-`.
+    pub name: ServiceName,
+    /// Which requests this service takes. Default: every request under `/v1/`.
+    #[serde(rename = "match", default)]
+    pub matcher: MatchSpec,
+    /// The pool the rule picks workers from.
+    pub pool: PoolId,
+    /// The routing rule.
+    pub rule: Rule,
+    /// Upstream timeouts. Default: see [`UpstreamSpec`].
+    #[serde(default)]
+    pub upstream: UpstreamSpec,
+    /// Largest accepted request body, in bytes; > 0. Default: 16 MiB (16777216).
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    /// What to do when prompt + output + reserve exceed the context limit. Default: `reject`.
+    #[serde(default)]
+    pub token_budget: TokenBudgetPolicy,
+}
+
+/// How a request is matched to a service. A request matches when every given criterion holds.
+/// No two services of one rules file may match the same request (checked by validation).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchSpec {
+    /// Only requests arriving on this named listener. Default: any listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listener: Option<ListenerName>,
+    /// Only requests whose `Host` (port stripped, case-insensitive) equals this. Default: any host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Only paths starting with this prefix; must start with `/`. Default: `/v1/`.
+    #[serde(default = "default_path_prefix")]
+    pub path_prefix: String,
+    /// Only requests whose body `model` is one of these. Default: empty = any model (and
+    /// requests without a `model`).
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl Default for MatchSpec {
+    fn default() -> Self {
+        Self {
+            listener: None,
+            host: None,
+            path_prefix: default_path_prefix(),
+            models: Vec::new(),
+        }
+    }
+}
+
+/// The routing rule of a service, tagged by `type`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Rule {
+    /// Round robin over the pool's healthy workers.
+    RoundRobin(RoundRobinRule),
+    /// Route to the worker holding the longest cached prefix, with a load guard.
+    KvExact(KvExactRule),
+}
+
+impl Rule {
+    /// The rule's type as written in the file (`round_robin`, `kv_exact`); also a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Rule::RoundRobin(_) => "round_robin",
+            Rule::KvExact(_) => "kv_exact",
+        }
+    }
+}
+
+/// Parameters of `type = "round_robin"`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoundRobinRule {
+    /// Use the workers' `weight` (smooth weighted round robin). Default: false.
+    #[serde(default)]
+    pub weighted: bool,
+}
+
+/// Parameters of `type = "kv_exact"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvExactRule {
+    /// The pinned prompt profile. Required (validation reports it when missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<ProfileId>,
+    /// Cache-salt policy. Default: `{ mode = "none" }`.
+    #[serde(default)]
+    pub salt: SaltPolicy,
+    /// Load guard: a worker whose load is at or above
+    /// `max(max_load_ratio × pool mean load, pool mean load + load_slack)` is skipped for the
+    /// next-best match. Finite and >= 1.0. Default: 1.5.
+    #[serde(default = "default_max_load_ratio")]
+    pub max_load_ratio: f64,
+    /// Additive allowance of the load guard, in units of `load_metric`, so that tiny loads do
+    /// not trip it. Default: 1 for `in_flight`, 1024 for `active_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_slack: Option<u64>,
+    /// A match counts as a hit only when it covers at least this many tokens (rounded up to
+    /// whole blocks; at least one block). Default: 0 (any full block).
+    #[serde(default)]
+    pub min_match_tokens: u32,
+    /// Choice when no healthy worker has a hit. Default: `least_loaded`.
+    #[serde(default)]
+    pub on_no_match: NoMatchPolicy,
+    /// Which load the gateway feeds the policy. Default: `in_flight`.
+    #[serde(default)]
+    pub load_metric: LoadMetric,
+}
+
+impl KvExactRule {
+    /// The effective load slack: the configured one or the default for the load metric.
+    pub fn effective_load_slack(&self) -> u64 {
+        self.load_slack.unwrap_or(match self.load_metric {
+            LoadMetric::InFlight => DEFAULT_LOAD_SLACK_IN_FLIGHT,
+            LoadMetric::ActiveTokens => DEFAULT_LOAD_SLACK_ACTIVE_TOKENS,
+        })
+    }
+}
+
+/// Which cache salt a request's block keys are computed in, tagged by `mode`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SaltPolicy {
+    /// No salt; a body `cache_salt` is refused.
+    #[default]
+    None,
+    /// One salt for the whole service; a body `cache_salt` is refused.
+    Fixed {
+        /// The salt; non-empty.
+        salt: String,
+    },
+    /// The body's `cache_salt`, when present, is the salt.
+    PerRequest,
+    /// The value of a request header (e.g. a tenant id) is the salt; it overrides the body.
+    TenantHeader {
+        /// Header name, lowercase (`x-tenant-id`).
+        header: String,
+        /// Whether a body `cache_salt` is used when the header is absent. Default: false
+        /// (a body `cache_salt` is then refused).
+        #[serde(default)]
+        allow_body_salt: bool,
+    },
+}
+
+/// Why a request's salt was refused (the gateway answers 400).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SaltRefused {
+    /// Human-readable reason.
+    pub reason: &'static str,
+}
+
+impl SaltPolicy {
+    /// The salt a request's keys use, from the tenant header value (when the policy names a
+    /// header and the request carries it) and the body's `cache_salt`. `Ok(None)` = unsalted.
+    pub fn effective_salt(
+        &self,
+        header_value: Option<&str>,
+        body_salt: Option<&str>,
+    ) -> Result<Option<String>, SaltRefused> {
+        match self {
+            SaltPolicy::None => match body_salt {
+                Some(_) => Err(SaltRefused {
+                    reason: "cache_salt is not allowed by this service's salt policy (none)",
+                }),
+                None => Ok(None),
+            },
+            SaltPolicy::Fixed { salt } => match body_salt {
+                Some(_) => Err(SaltRefused {
+                    reason: "cache_salt is not allowed by this service's salt policy (fixed)",
+                }),
+                None => Ok(Some(salt.clone())),
+            },
+            SaltPolicy::PerRequest => Ok(body_salt.map(str::to_owned)),
+            SaltPolicy::TenantHeader {
+                allow_body_salt, ..
+            } => {
+                if body_salt.is_some() && !*allow_body_salt {
+                    return Err(SaltRefused {
+                        reason: "cache_salt is not allowed by this service's salt policy \
+                                 (tenant_header without allow_body_salt)",
+                    });
+                }
+                // The header, when present, overrides the body.
+                Ok(header_value.or(body_salt).map(str::to_owned))
+            }
+        }
+    }
+}
+
+/// What `kv_exact` does when no healthy worker has a hit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoMatchPolicy {
+    /// The healthy worker with the lowest load (ties rotate).
+    #[default]
+    LeastLoaded,
+    /// Plain rotation over the healthy workers under the load guard.
+    RoundRobin,
+}
+
+/// The load signal a `kv_exact` rule compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadMetric {
+    /// Requests in flight from this gateway to the worker.
+    #[default]
+    InFlight,
+    /// Tokens (prompt + generated so far) of the worker's active sequences.
+    ActiveTokens,
+}
+
+impl LoadMetric {
+    /// Stable string for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadMetric::InFlight => "in_flight",
+            LoadMetric::ActiveTokens => "active_tokens",
+        }
+    }
+}
+
+/// Upstream timeouts of a service (`[services.upstream]`). Every value > 0.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSpec {
+    /// TCP connect timeout, ms. Default: 1000.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Longest wait for the next bytes of the response, ms. Default: 300000.
+    #[serde(default = "default_read_timeout_ms")]
+    pub read_timeout_ms: u64,
+    /// How long an idle pooled upstream connection is kept, ms. Default: 60000.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+}
+
+impl Default for UpstreamSpec {
+    fn default() -> Self {
+        Self {
+            connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+            read_timeout_ms: DEFAULT_READ_TIMEOUT_MS,
+            idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
+        }
+    }
+}
+
+/// Token-budget policy: prompt tokens + requested output tokens + native reserve must fit the
+/// profile's context limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenBudgetPolicy {
+    /// Refuse an over-budget request with 400 (never truncate).
+    #[default]
+    Reject,
+    /// Do not check in the gateway (the worker still refuses what it cannot hold).
+    Off,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+fn default_path_prefix() -> String {
+    DEFAULT_PATH_PREFIX.to_owned()
+}
+fn default_max_body_bytes() -> u64 {
+    DEFAULT_MAX_BODY_BYTES
+}
+fn default_max_load_ratio() -> f64 {
+    DEFAULT_MAX_LOAD_RATIO
+}
+fn default_connect_timeout_ms() -> u64 {
+    DEFAULT_CONNECT_TIMEOUT_MS
+}
+fn default_read_timeout_ms() -> u64 {
+    DEFAULT_READ_TIMEOUT_MS
+}
+fn default_idle_timeout_ms() -> u64 {
+    DEFAULT_IDLE_TIMEOUT_MS
+}
+fn default_health_interval_ms() -> u64 {
+    DEFAULT_HEALTH_INTERVAL_MS
+}
+
+impl RulesFile {
+    /// The service named `name`, if any.
+    pub fn service(&self, name: &str) -> Option<&ServiceSpec> {
+        self.services.iter().find(|s| s.name.0 == name)
+    }
+
+    /// Replace the service with the same name in place, or append it. Returns whether a
+    /// service was replaced.
+    pub fn upsert_service(&mut self, spec: ServiceSpec) -> bool {
+        match self.services.iter_mut().find(|s| s.name == spec.name) {
+            Some(slot) => {
+                *slot = spec;
+                true
+            }
+            None => {
+                self.services.push(spec);
+                false
+            }
+        }
+    }
+
+    /// Remove the service named `name`; returns it when it existed.
+    pub fn remove_service(&mut self, name: &str) -> Option<ServiceSpec> {
+        let pos = self.services.iter().position(|s| s.name.0 == name)?;
+        Some(self.services.remove(pos))
+    }
+}

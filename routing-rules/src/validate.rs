@@ -1,0 +1,458 @@
+//! Validation of a parsed rule set: every problem at once, each with its path, never a panic.
+//!
+//! Checks: identifier syntax and duplicates, empty pools, dangling references (pool → worker,
+//! service → pool, rule → profile, match → listener), `kv_exact` without a profile, numeric
+//! ranges (block size 1..=1024, weights, timeouts, load ratio), URLs and addresses, hash
+//! syntax, salt policies, and pairs of services that could match the same request.
+//!
+//! Cost: O(W + P·w + R + S² · m) for W workers, P pools of w members, R profiles, S services
+//! with m models each (the overlap check compares every pair of services).
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+
+use crate::error::Problem;
+use crate::schema::{
+    KvExactRule, MatchSpec, ProfileSource, ProfileSpec, Rule, RulesFile, SaltPolicy, ServiceSpec,
+};
+
+/// Smallest accepted block size, in tokens.
+pub const MIN_BLOCK_SIZE: u32 = 1;
+/// Largest accepted block size, in tokens.
+pub const MAX_BLOCK_SIZE: u32 = 1024;
+
+/// Every problem of `rules`; empty when the rule set is valid.
+pub fn validate(rules: &RulesFile) -> Vec<Problem> {
+    let mut v = Validator {
+        problems: Vec::new(),
+    };
+    v.gateway(rules);
+    let worker_paths = v.ids(
+        "workers",
+        rules.workers.iter().map(|w| w.id.0.as_str()),
+        "worker",
+    );
+    for (w, path) in rules.workers.iter().zip(&worker_paths) {
+        v.url(&format!("{path}.url"), &w.url);
+        if w.weight == 0 {
+            v.push(format!("{path}.weight"), "weight must be at least 1");
+        }
+        for key in w.labels.keys() {
+            if key.is_empty() {
+                v.push(format!("{path}.labels"), "label names must not be empty");
+            }
+        }
+    }
+    let workers: BTreeSet<&str> = rules.workers.iter().map(|w| w.id.0.as_str()).collect();
+
+    let pool_paths = v.ids("pools", rules.pools.iter().map(|p| p.id.0.as_str()), "pool");
+    for (p, path) in rules.pools.iter().zip(&pool_paths) {
+        if p.workers.is_empty() {
+            v.push(format!("{path}.workers"), "empty pool: list at least one worker");
+        }
+        let mut seen = BTreeSet::new();
+        for (i, w) in p.workers.iter().enumerate() {
+            if !workers.contains(w.0.as_str()) {
+                v.push(
+                    format!("{path}.workers[{i}]"),
+                    format!("unknown worker {:?}", w.0),
+                );
+            }
+            if !seen.insert(w.0.as_str()) {
+                v.push(
+                    format!("{path}.workers[{i}]"),
+                    format!("worker {:?} listed twice", w.0),
+                );
+            }
+        }
+    }
+    let pools: BTreeSet<&str> = rules.pools.iter().map(|p| p.id.0.as_str()).collect();
+
+    let profile_paths = v.ids(
+        "profiles",
+        rules.profiles.iter().map(|p| p.id.0.as_str()),
+        "profile",
+    );
+    for (p, path) in rules.profiles.iter().zip(&profile_paths) {
+        v.profile(p, path);
+    }
+    let profiles: HashMap<&str, &ProfileSpec> = rules
+        .profiles
+        .iter()
+        .map(|p| (p.id.0.as_str(), p))
+        .collect();
+
+    let service_paths = v.ids(
+        "services",
+        rules.services.iter().map(|s| s.name.0.as_str()),
+        "service",
+    );
+    let listeners: BTreeSet<&str> = rules
+        .gateway
+        .listeners
+        .iter()
+        .map(|l| l.name.0.as_str())
+        .collect();
+    for (s, path) in rules.services.iter().zip(&service_paths) {
+        v.service(s, path, &pools, &profiles, &listeners);
+    }
+    for (j, b) in rules.services.iter().enumerate() {
+        for a in &rules.services[..j] {
+            if let Some(why) = overlap(&a.matcher, &b.matcher) {
+                v.push(
+                    format!("{}.match", service_paths[j]),
+                    format!(
+                        "matches the same requests as service {:?} ({why})",
+                        a.name.0
+                    ),
+                );
+            }
+        }
+    }
+    v.problems
+}
+
+/// Validate one service as it would stand in `rules` (replacing a service of the same name):
+/// the admin API's check before a `PUT`. Returns every problem of the resulting rule set.
+pub fn validate_with_service(rules: &RulesFile, service: &ServiceSpec) -> Vec<Problem> {
+    let mut candidate = rules.clone();
+    candidate.upsert_service(service.clone());
+    validate(&candidate)
+}
+
+/// Whether `s` is a usable identifier: 1..=128 of ASCII letters, digits, `.`, `_`, `-`.
+pub fn is_valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Why two matchers can take the same request, or `None` when they cannot.
+fn overlap(a: &MatchSpec, b: &MatchSpec) -> Option<String> {
+    let listener = match (&a.listener, &b.listener) {
+        (Some(x), Some(y)) if x != y => return None,
+        (Some(x), _) | (_, Some(x)) => format!("listener {:?}", x.0),
+        (None, None) => "any listener".to_owned(),
+    };
+    let host = match (&a.host, &b.host) {
+        (Some(x), Some(y)) if !x.eq_ignore_ascii_case(y) => return None,
+        (Some(x), _) | (_, Some(x)) => format!("host {x:?}"),
+        (None, None) => "any host".to_owned(),
+    };
+    let (pa, pb) = (&a.path_prefix, &b.path_prefix);
+    if !pa.starts_with(pb.as_str()) && !pb.starts_with(pa.as_str()) {
+        return None;
+    }
+    let path = if pa == pb {
+        format!("path prefix {pa:?}")
+    } else {
+        format!("path prefixes {pa:?} and {pb:?}")
+    };
+    let models = match (a.models.is_empty(), b.models.is_empty()) {
+        (true, true) => "any model".to_owned(),
+        (true, false) => format!("models {:?}", b.models),
+        (false, true) => format!("models {:?}", a.models),
+        (false, false) => {
+            let common: Vec<&String> = a.models.iter().filter(|m| b.models.contains(m)).collect();
+            if common.is_empty() {
+                return None;
+            }
+            format!("models {common:?}")
+        }
+    };
+    Some(format!("{listener}, {host}, {path}, {models}"))
+}
+
+struct Validator {
+    problems: Vec<Problem>,
+}
+
+impl Validator {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem::new(path, message));
+    }
+
+    /// Check the ids of one list; returns each entry's path: `list.id` when the id is valid
+    /// and unique, `list[i]` otherwise.
+    fn ids<'a>(
+        &mut self,
+        list: &str,
+        ids: impl Iterator<Item = &'a str>,
+        what: &str,
+    ) -> Vec<String> {
+        let ids: Vec<&str> = ids.collect();
+        let mut count: HashMap<&str, usize> = HashMap::new();
+        for id in &ids {
+            *count.entry(id).or_default() += 1;
+        }
+        let key = if what == "service" { "name" } else { "id" };
+        let mut first_seen: HashMap<&str, usize> = HashMap::new();
+        let mut paths = Vec::with_capacity(ids.len());
+        for (i, id) in ids.iter().enumerate() {
+            let unique = count.get(id).copied() == Some(1);
+            if !is_valid_id(id) {
+                self.push(
+                    format!("{list}[{i}].{key}"),
+                    format!(
+                        "invalid {what} {key} {id:?}: use 1 to 128 ASCII letters, digits, '.', '_' or '-'"
+                    ),
+                );
+            } else if let Some(first) = first_seen.get(id) {
+                self.push(
+                    format!("{list}[{i}].{key}"),
+                    format!("duplicate {what} {key} {id:?} (first at {list}[{first}])"),
+                );
+            }
+            first_seen.entry(id).or_insert(i);
+            if unique && is_valid_id(id) {
+                paths.push(format!("{list}.{id}"));
+            } else {
+                paths.push(format!("{list}[{i}]"));
+            }
+        }
+        paths
+    }
+
+    fn gateway(&mut self, rules: &RulesFile) {
+        let g = &rules.gateway;
+        let mut seen = BTreeSet::new();
+        for (i, l) in g.listeners.iter().enumerate() {
+            let path = format!("gateway.listeners[{i}]");
+            if !is_valid_id(&l.name.0) {
+                self.push(
+                    format!("{path}.name"),
+                    format!("invalid listener name {:?}", l.name.0),
+                );
+            } else if !seen.insert(l.name.0.as_str()) {
+                self.push(
+                    format!("{path}.name"),
+                    format!("duplicate listener name {:?}", l.name.0),
+                );
+            }
+            if l.addr.parse::<SocketAddr>().is_err() {
+                self.push(
+                    format!("{path}.addr"),
+                    format!("not a socket address (ip:port): {:?}", l.addr),
+                );
+            }
+        }
+        if let Some(a) = &g.admin_addr {
+            if a.parse::<SocketAddr>().is_err() {
+                self.push(
+                    "gateway.admin_addr",
+                    format!("not a socket address (ip:port): {a:?}"),
+                );
+            }
+        }
+        if g.health_interval_ms == 0 {
+            self.push("gateway.health_interval_ms", "must be greater than 0");
+        }
+    }
+
+    fn url(&mut self, path: &str, url: &str) {
+        let uri = match url.parse::<http::Uri>() {
+            Ok(u) => u,
+            Err(e) => {
+                self.push(path, format!("bad URL {url:?}: {e}"));
+                return;
+            }
+        };
+        match uri.scheme_str() {
+            Some("http") | Some("https") => {}
+            _ => {
+                self.push(path, format!("bad URL {url:?}: the scheme must be http or https"));
+                return;
+            }
+        }
+        match uri.authority() {
+            Some(a) if !a.host().is_empty() && !a.as_str().contains('@') => {}
+            _ => self.push(path, format!("bad URL {url:?}: needs a host and no user info")),
+        }
+        if uri.query().is_some() {
+            self.push(path, format!("bad URL {url:?}: must not have a query"));
+        }
+    }
+
+    fn profile(&mut self, p: &ProfileSpec, path: &str) {
+        if p.model_id.trim().is_empty() {
+            self.push(format!("{path}.model_id"), "must not be empty");
+        }
+        if p.revision.trim().is_empty() {
+            self.push(format!("{path}.revision"), "must not be empty");
+        }
+        match &p.source {
+            ProfileSource::Gguf { path: f } => {
+                if f.as_os_str().is_empty() {
+                    self.push(format!("{path}.source.gguf"), "must not be empty");
+                }
+            }
+            ProfileSource::TokenizerJson {
+                tokenizer_json,
+                tokenizer_config,
+            } => {
+                if tokenizer_json.as_os_str().is_empty() {
+                    self.push(format!("{path}.source.tokenizer_json"), "must not be empty");
+                }
+                if tokenizer_config.as_os_str().is_empty() {
+                    self.push(format!("{path}.source.tokenizer_config"), "must not be empty");
+                }
+            }
+        }
+        for (field, value) in [
+            ("template_sha256", &p.template_sha256),
+            ("tokenizer_sha256", &p.tokenizer_sha256),
+        ] {
+            if !is_sha256_hex(value) {
+                self.push(
+                    format!("{path}.{field}"),
+                    format!("must be 64 lowercase hex digits, got {value:?}"),
+                );
+            }
+        }
+        if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&p.block_size) {
+            self.push(
+                format!("{path}.block_size"),
+                format!(
+                    "block size {} out of range {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}",
+                    p.block_size
+                ),
+            );
+        }
+        if p.context_limit == 0 {
+            self.push(format!("{path}.context_limit"), "must be greater than 0");
+        } else if p.native_reserve_tokens >= p.context_limit {
+            self.push(
+                format!("{path}.native_reserve_tokens"),
+                format!(
+                    "{} leaves no room in context_limit {}",
+                    p.native_reserve_tokens, p.context_limit
+                ),
+            );
+        }
+    }
+
+    fn service(
+        &mut self,
+        s: &ServiceSpec,
+        path: &str,
+        pools: &BTreeSet<&str>,
+        profiles: &HashMap<&str, &ProfileSpec>,
+        listeners: &BTreeSet<&str>,
+    ) {
+        let m = &s.matcher;
+        if let Some(l) = &m.listener {
+            if !listeners.contains(l.0.as_str()) {
+                self.push(
+                    format!("{path}.match.listener"),
+                    format!("unknown listener {:?} (declare it under gateway.listeners)", l.0),
+                );
+            }
+        }
+        if let Some(h) = &m.host {
+            if h.is_empty() || h.contains(['/', ':', ' ']) {
+                self.push(
+                    format!("{path}.match.host"),
+                    format!("{h:?} is not a host name (no scheme, port or path)"),
+                );
+            }
+        }
+        if !m.path_prefix.starts_with('/')
+            || m.path_prefix.contains(['?', '#', ' '])
+        {
+            self.push(
+                format!("{path}.match.path_prefix"),
+                format!("{:?} must start with '/' and hold no '?', '#' or space", m.path_prefix),
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for (i, model) in m.models.iter().enumerate() {
+            if model.is_empty() {
+                self.push(format!("{path}.match.models[{i}]"), "must not be empty");
+            } else if !seen.insert(model.as_str()) {
+                self.push(
+                    format!("{path}.match.models[{i}]"),
+                    format!("model {model:?} listed twice"),
+                );
+            }
+        }
+        if !pools.contains(s.pool.0.as_str()) {
+            self.push(format!("{path}.pool"), format!("unknown pool {:?}", s.pool.0));
+        }
+        match &s.rule {
+            Rule::RoundRobin(_) => {}
+            Rule::KvExact(k) => self.kv_exact(k, &format!("{path}.rule"), profiles),
+        }
+        let u = &s.upstream;
+        for (field, value) in [
+            ("connect_timeout_ms", u.connect_timeout_ms),
+            ("read_timeout_ms", u.read_timeout_ms),
+            ("idle_timeout_ms", u.idle_timeout_ms),
+        ] {
+            if value == 0 {
+                self.push(format!("{path}.upstream.{field}"), "must be greater than 0");
+            }
+        }
+        if s.max_body_bytes == 0 {
+            self.push(format!("{path}.max_body_bytes"), "must be greater than 0");
+        }
+    }
+
+    fn kv_exact(&mut self, k: &KvExactRule, path: &str, profiles: &HashMap<&str, &ProfileSpec>) {
+        match &k.profile {
+            None => self.push(
+                format!("{path}.profile"),
+                "kv_exact needs a profile (the prompt profile its workers share)",
+            ),
+            Some(id) => match profiles.get(id.0.as_str()) {
+                None => self.push(
+                    format!("{path}.profile"),
+                    format!("unknown profile {:?}", id.0),
+                ),
+                Some(p) => {
+                    if p.context_limit > 0 && k.min_match_tokens > p.context_limit {
+                        self.push(
+                            format!("{path}.min_match_tokens"),
+                            format!(
+                                "{} exceeds the profile's context_limit {}: no request could hit",
+                                k.min_match_tokens, p.context_limit
+                            ),
+                        );
+                    }
+                }
+            },
+        }
+        if !k.max_load_ratio.is_finite() || k.max_load_ratio < 1.0 {
+            self.push(
+                format!("{path}.max_load_ratio"),
+                format!("must be a finite number >= 1.0, got {}", k.max_load_ratio),
+            );
+        }
+        if k.load_slack == Some(0) {
+            self.push(format!("{path}.load_slack"), "must be at least 1");
+        }
+        match &k.salt {
+            SaltPolicy::None | SaltPolicy::PerRequest => {}
+            SaltPolicy::Fixed { salt } => {
+                if salt.is_empty() {
+                    self.push(format!("{path}.salt.salt"), "must not be empty");
+                }
+            }
+            SaltPolicy::TenantHeader { header, .. } => {
+                let ok = http::HeaderName::from_bytes(header.as_bytes())
+                    .map(|h| h.as_str() == header)
+                    .unwrap_or(false);
+                if !ok {
+                    self.push(
+                        format!("{path}.salt.header"),
+                        format!("{header:?} is not a lowercase HTTP header name"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! `kvgate bench`: a load generator for any OpenAI-compatible endpoint (a gateway or a worker),
+//! the fleet simulation (`--fleet sim:N`: simulated workers + a gateway in-process, run under
+//! round-robin, kv_exact and an oracle), and the engine benchmark (`--engine-model PATH`).
+
+pub mod client;
+pub mod fleet;
+pub mod report;
+pub mod workload;
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use client::{ChatCall, RequestRecord};
+use workload::{SessionPlan, WorkloadKind};
+
+/// How one wave is run.
+pub struct WaveSpec<'a> {
+    pub label: &'a str,
+    pub target: &'a str,
+    pub model: &'a str,
+    pub kind: WorkloadKind,
+    pub plans: Vec<SessionPlan>,
+    /// Sessions in flight at once.
+    pub concurrency: usize,
+    /// Bound on the whole wave; sessions not finished by then stop (the run is marked truncated).
+    pub max_duration: Duration,
+    pub request_timeout: Duration,
+    pub context_limit: Option<u64>,
+}
+
+/// The result of one wave.
+pub struct Wave {
+    pub records: Vec<RequestRecord>,
+    pub seconds: f64,
+    pub truncated: bool,
+}
+
+/// Run every session of a plan against `target`, `concurrency` sessions at a time.
+pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
+    let total: usize = spec.plans.iter().map(|p| p.user_turns.len()).sum();
+    let done = Arc::new(AtomicUsize::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(spec.concurrency.max(1)));
+    let t0 = Instant::now();
+    let deadline = t0 + spec.max_duration;
+    let progress = if std::io::stderr().is_terminal() {
+        let done = done.clone();
+        let label = spec.label.to_string();
+        Some(tokio::spawn(async move {
+            loop {
+                let d = done.load(Ordering::Relaxed);
+                let width = 30;
+                let filled = (d * width) / total.max(1);
+                eprint!(
+                    "\r{label:<10} [{}{}] {d}/{total} requests {:.1}s",
+                    "=".repeat(filled),
+                    " ".repeat(width - filled),
+                    t0.elapsed().as_secs_f64()
+                );
+                if d >= total {
+                    eprintln!();
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }))
+    } else {
+        None
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    for plan in spec.plans {
+        let client = client.clone();
+        let sem = sem.clone();
+        let done = done.clone();
+        let target = spec.target.to_string();
+        let model = spec.model.to_string();
+        let label = spec.label.to_string();
+        let workload = spec.kind.as_str().to_string();
+        let timeout = spec.request_timeout;
+        let context_limit = spec.context_limit;
+        tasks.spawn(async move {
+            tokio::time::sleep(plan.start_delay).await;
+            let Ok(_permit) = sem.acquire_owned().await else { return Vec::new() };
+            let mut messages: Vec<Value> = Vec::new();
+            if let Some(s) = &plan.system {
+                messages.push(json!({"role": "system", "content": s}));
+            }
+            let mut out = Vec::new();
+            for (turn, user) in plan.user_turns.iter().enumerate() {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                messages.push(json!({"role": "user", "content": user}));
+                let mut rec = RequestRecord {
+                    label: label.clone(),
+                    workload: workload.clone(),
+                    session: plan.id.clone(),
+                    class: plan.class.to_string(),
+                    turn,
+                    request_id: String::new(),
+                    context_limit,
+                    actual_prompt_tokens: None,
+                    requested_output_tokens: plan.max_tokens,
+                    actual_output_tokens: None,
+                    finish_reason: None,
+                    cached_tokens: None,
+                    ttft_seconds: None,
+                    inter_token_latencies: Vec::new(),
+                    e2e_seconds: 0.0,
+                    started_at: t0.elapsed().as_secs_f64(),
+                    status: 0,
+                    worker: None,
+                    error: None,
+                    answer: String::new(),
+                };
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let call = ChatCall {
+                    base_url: &target,
+                    model: &model,
+                    messages: &messages,
+                    max_tokens: plan.max_tokens,
+                    request_id: format!("{label}-{}-t{turn}-{}", plan.id, rand::random::<u32>()),
+                    timeout: timeout.min(remaining.max(Duration::from_millis(1))),
+                };
+                client::chat(&client, call, &mut rec).await;
+                let ok = rec.ok();
+                // Replay the answer exactly into the next turn's history.
+                messages.push(json!({"role": "assistant", "content": rec.answer}));
+                out.push(rec);
+                done.fetch_add(1, Ordering::Relaxed);
+                if !ok {
+                    break;
+                }
+            }
+            out
+        });
+    }
+    let mut records = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(mut recs) = r {
+            records.append(&mut recs);
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    if let Some(p) = progress {
+        done.store(total, Ordering::Relaxed);
+        let _ = p.await;
+    }
+    let truncated = Instant::now() >= deadline && records.len() < total;
+    records.sort_by(|a, b| a.started_at.total_cmp(&b.started_at));
+    Wave { records, seconds, truncated }
+}

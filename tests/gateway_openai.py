@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""The official `openai` Python client through the kvgate gateway, streaming and not.
+
+Usage: python3 tests/gateway_openai.py BASE_URL   (e.g. http://127.0.0.1:8080/v1)
+
+Run by the Rust test `gateway_ops::openai_python_client_through_the_gateway`, which starts
+simulated workers and a gateway in-process and passes the gateway's URL. Exits non-zero with a
+clear message when the `openai` package is missing (`python3 -m pip install openai`).
+"""
+import sys
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    base_url = sys.argv[1]
+    try:
+        import openai
+    except ImportError:
+        print("the `openai` package is not installed: python3 -m pip install openai", file=sys.stderr)
+        return 3
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+    messages = [
+        {"role": "system", "content": "You are a terse assistant. " * 4},
+        {"role": "user", "content": "Say hello."},
+    ]
+
+    # Non-streaming.
+    r = client.chat.completions.create(model="smol", messages=messages, max_tokens=5)
+    assert r.choices, r
+    assert isinstance(r.choices[0].message.content, str), r
+    assert r.usage is not None and r.usage.prompt_tokens > 0, r.usage
+    print(f"non-streaming ok: {r.usage.prompt_tokens} prompt tokens, "
+          f"{r.usage.completion_tokens} completion tokens")
+
+    # The same conversation again: KV-exact routes it to the worker holding the prefix.
+    r2 = client.chat.completions.with_raw_response.create(model="smol", messages=messages, max_tokens=3)
+    worker = r2.headers.get("x-kvgate-worker")
+    reason = r2.headers.get("x-kvgate-route-reason")
+    assert worker, "the gateway did not name the worker"
+    print(f"second turn: worker {worker}, reason {reason}")
+
+    # Streaming, with usage in the last chunk.
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = 0
+    usage = None
+    text = ""
+    for chunk in stream:
+        chunks += 1
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert chunks >= 2, f"only {chunks} chunks"
+    assert usage is not None and usage.completion_tokens > 0, usage
+    print(f"streaming ok: {chunks} chunks, {usage.completion_tokens} completion tokens")
+
+    # A legacy completion.
+    c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
+    assert c.choices and isinstance(c.choices[0].text, str), c
+    print("completions ok")
+
+    # An error: the OpenAI client raises BadRequestError with the gateway's code.
+    try:
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x " * 20000}], max_tokens=4)
+    except openai.BadRequestError as e:
+        code = e.body.get("code") if isinstance(e.body, dict) else None
+        assert code == "context_length_exceeded", e.body
+        print("error ok: context_length_exceeded")
+    else:
+        raise AssertionError("an over-budget prompt was accepted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+//! Gateway operations end to end over simulated workers: health (skip and recover), the admin
+//! plane (auth, apply/read back, invalid apply keeps the old version, contract refusal, live
+//! RR → KV-exact switch, file reload), a rules change during a long stream, 1 MiB bodies on the
+//! gateway's own forwarding path, `Expect: 100-continue`, and the decision log audited against
+//! the workers' receipts.
+
+#[path = "gateway_support/mod.rs"]
+mod support;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::json;
+use support::{chat, Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
+
+#[test]
+fn unhealthy_worker_is_skipped_and_comes_back() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(RR_SERVICE, false);
+    fleet.stop_worker(1);
+    // Every request still succeeds: a refused connection retries on the next candidate, and the
+    // worker is marked unhealthy (passively at once, then by the active check).
+    for i in 0..12 {
+        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("q{i}"))], 2), &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_ne!(r.worker(), "w2");
+    }
+    let gw = fleet.gw().shared.clone();
+    let w2 = prefix_index::WorkerId("w2".into());
+    assert!(!gw.views.load().workers[&w2].healthy);
+    let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
+    let w2_json = workers["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap().clone();
+    assert_eq!(w2_json["healthy"], false);
+    // Back on the same port: the active check notices and traffic returns.
+    fleet.restart_worker(1);
+    fleet.wait_for("w2 healthy again", Duration::from_secs(10), || {
+        gw.views.load().workers[&w2].healthy
+    });
+    let mut seen_w2 = false;
+    for i in 0..9 {
+        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("r{i}"))], 2), &[]);
+        assert_eq!(r.status, 200);
+        seen_w2 |= r.worker() == "w2";
+    }
+    assert!(seen_w2, "w2 got no traffic after recovering");
+    fleet.stop();
+}
+
+#[test]
+fn admin_plane_applies_refuses_and_switches_live() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(RR_SERVICE, true);
+    // Authentication.
+    let anon = fleet
+        .rt
+        .block_on(async { support::Reply::read(fleet.http.get(fleet.admin_url("/admin/rules")).send().await.unwrap()).await });
+    assert_eq!(anon.status, 401);
+    assert_eq!(anon.json()["error"]["code"], "unauthorized");
+    let rules = fleet.admin(Method::GET, "/admin/rules", None).json();
+    let v1 = rules["version"].as_u64().unwrap();
+    assert_eq!(rules["rules"]["services"][0]["rule"]["type"], "round_robin");
+
+    // An invalid apply (unknown pool) is refused with 400 and the old version stays.
+    let bad = json!({"name": "chat", "pool": "nope", "rule": {"type": "round_robin"}});
+    let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(bad));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rules_rejected");
+    assert!(r.text().contains("pool"), "{}", r.text());
+    assert_eq!(fleet.admin(Method::GET, "/admin/rules", None).json()["version"].as_u64().unwrap(), v1);
+
+    // A kv_exact service whose profile pins another block size than the workers': refused,
+    // naming the field.
+    let mut text = std::fs::read_to_string(&fleet.rules_path).unwrap();
+    text.push_str(&fleet.profile_toml("smol32", 32));
+    std::fs::write(&fleet.rules_path, &text).unwrap();
+    let reload = fleet.admin(Method::POST, "/admin/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let v2 = reload.json()["version"].as_u64().unwrap();
+    assert!(v2 > v1);
+    let mismatch = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol32"}});
+    let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(mismatch));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("block_size"), "{}", r.text());
+    assert_eq!(fleet.admin(Method::GET, "/admin/rules", None).json()["version"].as_u64().unwrap(), v2);
+
+    // Switch the service to kv_exact live, read it back, see it in routing and metrics.
+    let kv = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
+    let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(kv));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v3 = r.json()["version"].as_u64().unwrap();
+    assert!(v3 > v2);
+    let back = fleet.admin(Method::GET, "/admin/services/chat", None).json();
+    assert_eq!(back["rule"]["type"], "kv_exact");
+    // Written back to the file: a restart would load it.
+    assert!(std::fs::read_to_string(&fleet.rules_path).unwrap().contains("kv_exact"));
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", "after the switch")], 2), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-rules-version").unwrap(), v3.to_string());
+    assert_ne!(r.header("x-kvgate-route-reason").as_deref(), Some("round_robin"));
+    let m = fleet.admin(Method::GET, "/metrics", None).text();
+    assert!(m.contains("mode=\"kv_exact\""), "{m}");
+    assert!(m.contains("kvgate_gateway_route_decision_seconds"), "{m}");
+    let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
+    for w in workers["workers"].as_array().unwrap() {
+        assert_eq!(w["contract"]["state"], "ok", "{w}");
+        assert_eq!(w["events"]["state"], "connected", "{w}");
+    }
+
+    // DELETE, then the path has no service.
+    let r = fleet.admin(Method::DELETE, "/admin/services/chat", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", "x")], 2), &[]);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "service_not_found");
+    let r = fleet.admin(Method::DELETE, "/admin/services/chat", None);
+    assert_eq!(r.status, 404);
+
+    // The file watch: write a service back into the file; the gateway picks it up.
+    let mut text = std::fs::read_to_string(&fleet.rules_path).unwrap();
+    text.push_str(RR_SERVICE);
+    std::fs::write(&fleet.rules_path, &text).unwrap();
+    let gw = fleet.gw().shared.clone();
+    fleet.wait_for("file-watch reload", Duration::from_secs(10), || {
+        gw.views.load().services.iter().any(|s| s.name() == "chat")
+    });
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", "x")], 2), &[]);
+    assert_eq!(r.status, 200);
+
+    // Decision log vs receipts: every routed decision has exactly one receipt from its worker.
+    let decisions = fleet.dir.path().join("decisions.jsonl");
+    let logs: Vec<_> = (1..=2)
+        .map(|i| fleet.dir.path().join(format!("receipts-w{i}.jsonl")))
+        .collect();
+    let ring = fleet.key_ring();
+    let dir = fleet.dir.path().to_owned();
+    fleet.stop(); // flushes the logs
+    let text = std::fs::read_to_string(&decisions).unwrap();
+    let lines: Vec<receipts::DecisionRecord> = text
+        .lines()
+        .map(|l| receipts::DecisionRecord::from_line(l.as_bytes()).unwrap())
+        .collect();
+    assert!(lines.iter().any(|d| d.ticket.is_some() && d.status == 200), "{text}");
+    assert!(lines.iter().any(|d| d.ticket.is_none() && d.status == 404), "{text}");
+    let report = receipts::audit(&decisions, &logs, &ring).unwrap();
+    assert!(report.discrepancies.is_empty(), "audit found discrepancies: {:?}", report.discrepancies);
+    assert_eq!(report.receipted, report.routed, "{report:?}");
+    assert!(report.per_mode.contains_key("kv_exact") && report.per_mode.contains_key("round_robin"));
+    drop(dir);
+}
+
+#[test]
+fn rules_change_during_a_long_stream_does_not_break_it() {
+    let mut sim = worker::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 10_000; // 10 ms per token: a 60-token stream lasts ~0.6 s
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(RR_SERVICE, false);
+    let v_before = fleet.gw().shared.views.load().version();
+    let mut body = chat(&[("user", "stream please")], 60);
+    body["stream"] = json!(true);
+    let url = fleet.url("/v1/chat/completions");
+    let http = fleet.http.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let stream = fleet.rt.spawn(async move {
+        use futures::StreamExt;
+        let r = http.post(url).json(&body).send().await.unwrap();
+        let version = r.headers().get("x-kvgate-rules-version").unwrap().to_str().unwrap().to_owned();
+        let mut s = r.bytes_stream();
+        let mut text = String::new();
+        let mut signalled = false;
+        while let Some(chunk) = s.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if !signalled && text.contains("data:") {
+                let _ = tx.send(());
+                signalled = true;
+            }
+        }
+        (version, text)
+    });
+    rx.recv_timeout(Duration::from_secs(10)).expect("stream started");
+    let kv = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
+    let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(kv));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (version, text) = fleet.rt.block_on(stream).unwrap();
+    assert_eq!(version, v_before.to_string());
+    assert!(text.trim_end().ends_with("data: [DONE]"), "stream cut: {text}");
+    let chunks = text.matches("data: {").count();
+    assert!(chunks >= 10, "only {chunks} chunks: {text}");
+    assert!(fleet.gw().shared.views.load().version() > v_before);
+    fleet.stop();
+}
+
+#[test]
+fn one_mebibyte_bodies_route_and_expect_continue_works() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    // 1 MiB of JSON whitespace inside a valid chat body: the gateway must parse it (kv_exact),
+    // then forward all of it (its own path: over pingora's 64 KiB retry buffer).
+    let pad = " ".repeat(1 << 20);
+    let body = format!(
+        r#"{{"model":"smol",{pad}"messages":[{{"role":"user","content":"a big body"}}],"max_tokens":3}}"#
+    );
+    assert!(body.len() > 1 << 20);
+    let r = fleet.post_raw("/v1/chat/completions", body.clone().into_bytes(), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["choices"][0]["message"]["content"].is_string());
+    let w = r.worker();
+    // Streaming on the big-body path.
+    let sbody = body.replace(r#""max_tokens":3"#, r#""max_tokens":5,"stream":true"#);
+    let r = fleet.post_raw("/v1/chat/completions", sbody.into_bytes(), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().trim_end().ends_with("data: [DONE]"), "{}", r.text());
+    // A 1 MiB prompt of real text is over the context limit: the gateway refuses it itself.
+    let long = "token ".repeat(180_000);
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", &long)], 4), &[]);
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+
+    // Expect: 100-continue over a raw socket: the gateway answers 100 before the body is sent.
+    let small = r#"{"model":"smol","messages":[{"role":"user","content":"expect"}],"max_tokens":2}"#;
+    let mut s = std::net::TcpStream::connect(fleet.gw().listen_addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+        small.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let n = s.read(&mut first).unwrap();
+    let head = String::from_utf8_lossy(&first[..n]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 100"), "{head}");
+    s.write_all(small.as_bytes()).unwrap();
+    let mut rest = String::new();
+    s.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("200 OK"), "{rest}");
+    let _ = w;
+    fleet.stop();
+}
+
+#[test]
+fn openai_python_client_through_the_gateway() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway_openai.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}/v1", fleet.gw().listen_addr))
+        .output()
+        .expect("python3 must be installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gateway_openai.py failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("non-streaming ok") && stdout.contains("streaming ok"), "{stdout}");
+    fleet.stop();
+}

@@ -1,0 +1,225 @@
+//! Gateway routing end to end over simulated workers: round-robin balance, KV-exact affinity for
+//! interleaved multi-turn conversations, salts that never share a cached prefix, the load
+//! guard under a single hot prefix, malformed bodies, the token budget, and tickets the workers
+//! accept (they run with `TicketPolicy::Require`).
+
+#[path = "gateway_support/mod.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+
+use support::{chat, Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
+
+#[test]
+fn round_robin_balances_three_workers() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(RR_SERVICE, false);
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..30 {
+        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("hello {i}"))], 2), &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("round_robin"));
+        *counts.entry(r.worker()).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    for (w, n) in &counts {
+        assert_eq!(*n, 10, "worker {w} got {n} of 30: {counts:?}");
+    }
+    fleet.stop();
+}
+
+#[test]
+fn kv_exact_follows_each_conversation_to_its_prefix() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(KV_SERVICE, false);
+    // Six conversations, long enough system prompts to fill several blocks, interleaved turn by turn.
+    let convs: Vec<String> = (0..6)
+        .map(|c| format!("You are assistant number {c}. {}", "Answer briefly and precisely. ".repeat(8)))
+        .collect();
+    let mut history: Vec<Vec<(String, String)>> = convs
+        .iter()
+        .map(|s| vec![("system".to_owned(), s.clone())])
+        .collect();
+    let mut owner: Vec<Option<String>> = vec![None; convs.len()];
+    for turn in 0..3 {
+        for c in 0..convs.len() {
+            history[c].push(("user".into(), format!("conversation {c} turn {turn}: tell me more")));
+            let msgs: Vec<(&str, &str)> = history[c].iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+            let r = fleet.post("/v1/chat/completions", &chat(&msgs, 4), &[]);
+            assert_eq!(r.status, 200, "{}", r.text());
+            let w = r.worker();
+            match &owner[c] {
+                None => owner[c] = Some(w.clone()),
+                Some(o) => {
+                    assert_eq!(&w, o, "conversation {c} turn {turn} left its worker");
+                    assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+                    assert!(r.cached_tokens() > 0, "turn {turn} of {c} reused nothing: {}", r.text());
+                }
+            }
+            let reply = r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            history[c].push(("assistant".into(), reply));
+            // Wait until the worker's KV events reached the gateway's index.
+            wait_keys_indexed(&fleet, &history[c]);
+        }
+    }
+    // The load spread over more than one worker (first turns of idle workers go least-loaded).
+    let distinct: std::collections::BTreeSet<_> = owner.iter().flatten().collect();
+    assert!(distinct.len() > 1, "all conversations on one worker: {owner:?}");
+    fleet.stop();
+}
+
+/// Waits until every full block of the conversation so far (rendered without the next user
+/// turn, as the worker cached it) is in the gateway's index for some worker.
+fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
+    let shared = fleet.gw().shared.clone();
+    let view = shared.views.load();
+    let svc = view.services.iter().find(|s| s.name() == "chat").unwrap().clone();
+    let profile = svc.profile.clone().unwrap();
+    // The prompt the worker just served: everything but the assistant reply.
+    let served = &history[..history.len() - 1];
+    let msgs: Vec<serde_json::Value> = served
+        .iter()
+        .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+        .collect();
+    let tok = profile
+        .keys(&gateway::protocol::PromptSource::Messages(msgs), None)
+        .unwrap();
+    let want = tok.keys.len();
+    fleet.wait_for("the served prompt's blocks in the index", std::time::Duration::from_secs(10), || {
+        shared
+            .index
+            .longest_matches(&tok.keys)
+            .iter()
+            .any(|(_, n)| *n >= want)
+    });
+}
+
+#[test]
+fn different_salts_never_share_a_cached_prefix() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(KV_SERVICE, false);
+    let system = format!("Shared system prompt. {}", "Be helpful. ".repeat(20));
+    let body = chat(&[("system", &system), ("user", "hi")], 2);
+    let a1 = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", "tenant-a")]);
+    assert_eq!(a1.status, 200, "{}", a1.text());
+    let wa = a1.worker();
+    wait_body_indexed(&fleet, &body, Some("tenant-a"));
+    // Same tenant: hit on the same worker, cached tokens reused.
+    let a2 = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", "tenant-a")]);
+    assert_eq!(a2.worker(), wa);
+    assert_eq!(a2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    assert!(a2.cached_tokens() > 0);
+    // Other tenants: no match in the index; wherever they land, the worker reuses nothing.
+    for t in ["tenant-b", "tenant-c", "tenant-d"] {
+        let r = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", t)]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("no_match"), "{t}");
+        assert_eq!(r.cached_tokens(), 0, "tenant {t} reused tenant-a's cache on {}", r.worker());
+    }
+    // The header overrides a body cache_salt: body says tenant-a, header says tenant-e.
+    let mut salted = body.clone();
+    salted["cache_salt"] = serde_json::json!("tenant-a");
+    let e = fleet.post("/v1/chat/completions", &salted, &[("x-tenant-id", "tenant-e")]);
+    assert_eq!(e.header("x-kvgate-route-reason").as_deref(), Some("no_match"));
+    assert_eq!(e.cached_tokens(), 0);
+    // Without the header the body salt applies and finds tenant-a's prefix.
+    let b = fleet.post("/v1/chat/completions", &salted, &[]);
+    assert_eq!(b.worker(), wa);
+    assert!(b.cached_tokens() > 0);
+    fleet.stop();
+}
+
+fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>) {
+    let shared = fleet.gw().shared.clone();
+    let view = shared.views.load();
+    let profile = view.services[0].profile.clone().unwrap();
+    let msgs = body["messages"].as_array().unwrap().clone();
+    let tok = profile
+        .keys(&gateway::protocol::PromptSource::Messages(msgs), salt)
+        .unwrap();
+    let want = tok.keys.len();
+    assert!(want > 0);
+    fleet.wait_for("prompt blocks in the index", std::time::Duration::from_secs(10), || {
+        shared
+            .index
+            .longest_matches(&tok.keys)
+            .iter()
+            .any(|(_, n)| *n >= want)
+    });
+}
+
+#[test]
+fn load_guard_spreads_a_single_hot_prefix() {
+    // Slow decoding so that a burst overlaps.
+    let mut sim = worker::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 20_000;
+    let mut fleet = Fleet::workers(FleetOptions {
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let system = format!("Hot prefix. {}", "Everyone asks the same thing. ".repeat(20));
+    let body = chat(&[("system", &system), ("user", "go")], 2);
+    let warm = fleet.post("/v1/chat/completions", &body, &[]);
+    assert_eq!(warm.status, 200);
+    let hot = warm.worker();
+    wait_body_indexed(&fleet, &body, None);
+    // A burst of 12 concurrent requests with the hot prefix, 10 tokens each.
+    let mut burst = body.clone();
+    burst["max_tokens"] = serde_json::json!(10);
+    let url = fleet.url("/v1/chat/completions");
+    let replies = fleet.rt.block_on(async {
+        let futs = (0..12).map(|_| {
+            let c = fleet.http.clone();
+            let url = url.clone();
+            let b = burst.clone();
+            async move { support::Reply::read(c.post(url).json(&b).send().await.unwrap()).await }
+        });
+        futures::future::join_all(futs).await
+    });
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    let mut guarded = 0;
+    for r in &replies {
+        assert_eq!(r.status, 200, "{}", r.text());
+        *counts.entry(r.worker()).or_default() += 1;
+        if r.header("x-kvgate-route-reason").as_deref() == Some("load_guard") {
+            guarded += 1;
+        }
+    }
+    assert!(counts.len() > 1, "the hot prefix piled onto one worker: {counts:?}");
+    assert!(counts.get(&hot).copied().unwrap_or(0) < 12);
+    assert!(guarded > 0, "no load_guard decision: {counts:?}");
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(metrics.contains("reason=\"load_guard\""), "{metrics}");
+    fleet.stop();
+}
+
+#[test]
+fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let r = fleet.post_raw("/v1/chat/completions", b"{\"model\": \"smol\", \"messages\": [".to_vec(), &[]);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "invalid_request_body");
+    let r = fleet.post_raw("/v1/chat/completions", br#"{"messages": "nope"}"#.to_vec(), &[]);
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("messages"));
+    // Over budget: a prompt of ~12k tokens against the model's context limit.
+    let long = "word ".repeat(12_000);
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", &long)], 16), &[]);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    // Unknown path for this service.
+    let r = fleet.post("/v1/embeddings", &serde_json::json!({"input": "x"}), &[]);
+    assert_eq!(r.status, 400);
+    let m = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(m.contains("reason=\"unparsable_body\""), "{m}");
+    assert!(m.contains("reason=\"budget\""), "{m}");
+    fleet.stop();
+}

@@ -1,0 +1,884 @@
+//! The public engine API: submit requests, stream their tokens, read stats and KV events.
+//!
+//! Owns the step loop — one `std::thread` per engine, owned by the [`Engine`] handles and
+//! stopped and joined by [`Engine::shutdown`] or when the last handle is dropped — which
+//! receives submissions over a channel, runs the [`Scheduler`] and the [`Executor`], samples,
+//! detokenizes, applies stop conditions, and sends [`SeqEvent`]s to each sequence's
+//! [`SequenceHandle`] over an unbounded tokio channel (bounded in practice by `max_tokens`).
+//! Does not own the model (any [`Executor`]: the candle model or [`crate::sim::SimExecutor`]),
+//! the tokenizer (a [`TokenDecoder`] is passed in) or the HTTP surface (`server`).
+//!
+//! Per step: drain commands → drop cancelled sequences (a dropped handle is noticed at the
+//! next step boundary at the latest; a dropped waiting handle also wakes an idle loop) →
+//! fail waiting sequences past their admission deadline → admit → plan → one
+//! `Executor::forward` → sample → publish the step's KV events → update [`EngineStats`].
+//!
+//! Token accounting: `Usage::completion_tokens` counts every sampled token, a stop token id
+//! included (vLLM's convention), while the stop token itself is never sent as a
+//! [`SeqEvent::Token`]. When a stop *string* completes, the token that completed it is sent
+//! with the text before the stop string, then `Finished { reason: Stop }`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use prefix_index::key::{BlockSize, KeyChain};
+use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed};
+use tokio::sync::mpsc;
+
+use crate::executor::Executor;
+use crate::kv::KvEventFeed;
+use crate::sampler::{Sampler, SamplingParams, StopChecker};
+use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
+use crate::WorkerError;
+
+/// Text of token ids (no special tokens), for stop strings and streamed text.
+pub trait TokenDecoder: Send + Sync {
+    /// Decodes `ids` to text; incomplete UTF-8 at the end may come out as U+FFFD.
+    fn decode(&self, ids: &[u32]) -> String;
+}
+
+/// Engine limits. Defaults are documented per field.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Sequences running at once (default 16).
+    pub max_running: usize,
+    /// Requests waiting for admission before `QueueFull` (default 256).
+    pub max_waiting: usize,
+    /// Tokens per forward step, decodes + prefill chunks (default 512; ≥ `max_running`).
+    pub step_token_budget: usize,
+    /// Largest prefill chunk of one sequence per step (default 256).
+    pub prefill_chunk: usize,
+    /// Admission deadline when a request gives none (default 30 s).
+    pub default_admission_timeout: Duration,
+    /// Hash algorithm of the block keys (default xxh3).
+    pub hash_algorithm: HashAlgorithm,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 16,
+            max_waiting: 256,
+            step_token_budget: 512,
+            prefill_chunk: 256,
+            default_admission_timeout: Duration::from_secs(30),
+            hash_algorithm: HashAlgorithm::Xxh3,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Every problem with the limits, or Ok.
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        let mut problems = Vec::new();
+        if self.max_running == 0 {
+            problems.push("max_running must be >= 1".to_string());
+        }
+        if self.step_token_budget < self.max_running.max(1) {
+            problems.push(format!(
+                "step_token_budget ({}) must be >= max_running ({})",
+                self.step_token_budget, self.max_running
+            ));
+        }
+        if self.prefill_chunk == 0 {
+            problems.push("prefill_chunk must be >= 1".to_string());
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(WorkerError::InvalidRequest(format!(
+                "engine config: {}",
+                problems.join("; ")
+            )))
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Caller's id (echoed by the handle).
+    pub request_id: String,
+    /// Prompt token ids (non-empty, each < the vocabulary size).
+    pub prompt: Vec<u32>,
+    /// Prefix-cache namespace (from the route ticket, or the worker's default).
+    pub namespace: NamespaceSeed,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// Token ids that end the sequence (not emitted), e.g. eos.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end the sequence (not emitted; text is held back while one may form).
+    pub stop_strings: Vec<String>,
+    /// False = privacy opt-out: nothing of this request enters the prefix cache.
+    pub cache_insert: bool,
+    /// Admission deadline (None = config default).
+    pub deadline: Option<Instant>,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token id or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The handle was dropped.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// `"stop"`, `"length"` or `"cancelled"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Token counts of a finished sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// Sampled tokens (a stop token id included).
+    pub completion_tokens: usize,
+}
+
+/// What a [`SequenceHandle`] receives.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SeqEvent {
+    /// Once, when admitted (prefix reuse known).
+    Started {
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
+        /// Submission → admission.
+        queue_time: Duration,
+    },
+    /// One generated token. Exception: when a stop token id ends the sequence while text
+    /// was held back (a possible stop-string prefix, or incomplete UTF-8), that text comes
+    /// in one last `Token` that repeats the previous token's id; count tokens with `Usage`.
+    Token {
+        /// Token id.
+        id: u32,
+        /// Newly completed text ("" while UTF-8 or a stop string is pending).
+        text: String,
+    },
+    /// The sequence ended normally; last event.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Counts.
+        usage: Usage,
+        /// Key of the last full prompt block (None for prompts shorter than a block).
+        last_block_key: Option<BlockKey>,
+    },
+    /// The sequence failed; last event.
+    Failed {
+        /// Human-readable cause.
+        error: String,
+        /// Stable code (`WorkerError::error_type`).
+        code: &'static str,
+    },
+}
+
+/// Counters and gauges for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Admitted sequences.
+    pub running: usize,
+    /// Submitted, not yet admitted.
+    pub waiting: usize,
+    /// Blocks in the pool.
+    pub blocks_total: usize,
+    /// Referenced blocks.
+    pub blocks_used: usize,
+    /// Unreferenced blocks still holding a cached key.
+    pub blocks_cached: usize,
+    /// Unreferenced blocks without a key.
+    pub blocks_free: usize,
+    /// Prompt tokens served from the prefix cache (total).
+    pub prefix_hit_tokens: u64,
+    /// Prompt tokens admitted (total).
+    pub prompt_tokens: u64,
+    /// Tokens sampled (total).
+    pub generation_tokens: u64,
+    /// Forward steps run (total).
+    pub steps: u64,
+}
+
+enum Command {
+    Submit(Box<Submission>),
+    Cancel(SeqId),
+    Shutdown,
+}
+
+struct Submission {
+    id: SeqId,
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<SeqEvent>,
+    submitted_at: Instant,
+}
+
+/// The stream of one sequence. Dropping it cancels the sequence and frees its blocks (at the
+/// next step boundary at the latest).
+pub struct SequenceHandle {
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+    request_id: String,
+    id: SeqId,
+    cmd: std_mpsc::Sender<Command>,
+}
+
+impl SequenceHandle {
+    /// The next event; `None` after the last one (`Finished` / `Failed`).
+    pub async fn next(&mut self) -> Option<SeqEvent> {
+        self.rx.recv().await
+    }
+
+    /// The request id given at submit.
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+}
+
+impl Drop for SequenceHandle {
+    fn drop(&mut self) {
+        self.rx.close();
+        // Wakes an idle loop; harmless when the sequence already ended or the engine stopped.
+        let _ = self.cmd.send(Command::Cancel(self.id));
+    }
+}
+
+impl std::fmt::Debug for SequenceHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceHandle")
+            .field("request_id", &self.request_id)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    cmd: Mutex<Option<std_mpsc::Sender<Command>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stopped: Arc<AtomicBool>,
+    stats: Arc<Mutex<EngineStats>>,
+    queued: Arc<AtomicUsize>,
+    next_id: AtomicU64,
+    feed: KvEventFeed,
+    block_size: usize,
+    num_blocks: usize,
+    vocab_size: usize,
+    config: EngineConfig,
+}
+
+impl Inner {
+    fn shutdown(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+        if let Some(tx) = self.cmd.lock().take() {
+            let _ = tx.send(Command::Shutdown);
+        }
+        let handle = self.thread.lock().take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Cheap, cloneable handle to a running engine.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("block_size", &self.inner.block_size)
+            .field("num_blocks", &self.inner.num_blocks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Starts the step thread over `executor`.
+    pub fn start(
+        executor: Box<dyn Executor>,
+        decoder: Arc<dyn TokenDecoder>,
+        config: EngineConfig,
+    ) -> Result<Engine, WorkerError> {
+        config.validate()?;
+        let geometry = executor.geometry();
+        let bs = BlockSize::new(u32::try_from(geometry.block_size).unwrap_or(u32::MAX))
+            .map_err(|e| WorkerError::InvalidRequest(format!("executor block size: {e}")))?;
+        if geometry.num_blocks == 0 {
+            return Err(WorkerError::InvalidRequest(
+                "executor has no KV blocks".into(),
+            ));
+        }
+        let vocab_size = executor.vocab_size();
+        let feed = KvEventFeed::new();
+        let stats = Arc::new(Mutex::new(EngineStats {
+            blocks_total: geometry.num_blocks,
+            blocks_free: geometry.num_blocks,
+            ..EngineStats::default()
+        }));
+        let queued = Arc::new(AtomicUsize::new(0));
+        let stopped = Arc::new(AtomicBool::new(false));
+        let (cmd_tx, cmd_rx) = std_mpsc::channel();
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                max_running: config.max_running,
+                step_token_budget: config.step_token_budget,
+                prefill_chunk: config.prefill_chunk,
+                hash_algorithm: config.hash_algorithm,
+            },
+            geometry,
+        );
+        let mut step_loop = StepLoop {
+            executor,
+            decoder,
+            sched,
+            rx: cmd_rx,
+            feed: feed.clone(),
+            stats: stats.clone(),
+            queued: queued.clone(),
+            totals: EngineStats::default(),
+            block_size: bs,
+            hash_algorithm: config.hash_algorithm,
+            default_timeout: config.default_admission_timeout,
+        };
+        let thread = std::thread::Builder::new()
+            .name("kvgate-engine".into())
+            .spawn(move || step_loop.run())
+            .map_err(|e| WorkerError::Model(format!("cannot spawn engine thread: {e}")))?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                cmd: Mutex::new(Some(cmd_tx)),
+                thread: Mutex::new(Some(thread)),
+                stopped,
+                stats,
+                queued,
+                next_id: AtomicU64::new(1),
+                feed,
+                block_size: geometry.block_size,
+                num_blocks: geometry.num_blocks,
+                vocab_size,
+                config,
+            }),
+        })
+    }
+
+    /// Queues a request. Fails at once with `InvalidRequest`, `NeverFits`, `QueueFull` or
+    /// `EngineStopped`; an admission timeout arrives later as `Failed`.
+    pub fn submit(&self, req: GenerateRequest) -> Result<SequenceHandle, WorkerError> {
+        let inner = &self.inner;
+        if inner.stopped.load(Ordering::SeqCst) {
+            return Err(WorkerError::EngineStopped);
+        }
+        if req.prompt.is_empty() {
+            return Err(WorkerError::InvalidRequest("empty prompt".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err(WorkerError::InvalidRequest("max_tokens must be >= 1".into()));
+        }
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= inner.vocab_size) {
+            return Err(WorkerError::InvalidRequest(format!(
+                "token id {bad} outside the vocabulary ({})",
+                inner.vocab_size
+            )));
+        }
+        req.sampling
+            .validate()
+            .map_err(WorkerError::InvalidRequest)?;
+        let needed = (req.prompt.len() + req.max_tokens - 1).div_ceil(inner.block_size);
+        if needed > inner.num_blocks {
+            return Err(WorkerError::NeverFits {
+                needed,
+                total: inner.num_blocks,
+            });
+        }
+        let max_waiting = inner.config.max_waiting;
+        if let Err(waiting) =
+            inner
+                .queued
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                    (q < max_waiting).then_some(q + 1)
+                })
+        {
+            return Err(WorkerError::QueueFull { waiting });
+        }
+        let id = SeqId(inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let request_id = req.request_id.clone();
+        let cmd = inner.cmd.lock().clone();
+        let sent = cmd.as_ref().map(|c| {
+            c.send(Command::Submit(Box::new(Submission {
+                id,
+                req,
+                tx,
+                submitted_at: Instant::now(),
+            })))
+        });
+        match (cmd, sent) {
+            (Some(cmd), Some(Ok(()))) => Ok(SequenceHandle {
+                rx,
+                request_id,
+                id,
+                cmd,
+            }),
+            _ => {
+                inner.queued.fetch_sub(1, Ordering::SeqCst);
+                Err(WorkerError::EngineStopped)
+            }
+        }
+    }
+
+    /// Current counters (updated after every step).
+    pub fn stats(&self) -> EngineStats {
+        let mut s = *self.inner.stats.lock();
+        s.waiting = self.inner.queued.load(Ordering::SeqCst);
+        s
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.inner.num_blocks
+    }
+
+    /// Vocabulary size of the executor.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.vocab_size
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The KV event feed (subscribe for the gateway).
+    pub fn kv_events(&self) -> KvEventFeed {
+        self.inner.feed.clone()
+    }
+
+    /// Stops and joins the step thread; pending sequences get `Failed { code:
+    /// "engine_stopped" }` and KV subscriptions end. Idempotent. Blocks the caller for at
+    /// most one forward step.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+/// Incremental detokenization over the generated ids (TGI's prefix/read offsets): text is
+/// released only when it grew and does not end in an incomplete UTF-8 sequence.
+#[derive(Default)]
+struct Detokenizer {
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl Detokenizer {
+    fn next_text(&mut self, decoder: &dyn TokenDecoder, ids: &[u32]) -> String {
+        let prefix = decoder.decode(&ids[self.prefix_offset..self.read_offset]);
+        let full = decoder.decode(&ids[self.prefix_offset..]);
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            self.prefix_offset = self.read_offset;
+            self.read_offset = ids.len();
+            full[prefix.len()..].to_string()
+        } else {
+            String::new()
+        }
+    }
+
+    /// Whatever is still pending at the end (incomplete UTF-8 included, as U+FFFD).
+    fn flush(&mut self, decoder: &dyn TokenDecoder, ids: &[u32]) -> String {
+        let prefix = decoder.decode(&ids[self.prefix_offset..self.read_offset]);
+        let full = decoder.decode(&ids[self.prefix_offset..]);
+        self.prefix_offset = ids.len();
+        self.read_offset = ids.len();
+        if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
+            full[prefix.len()..].to_string()
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// The engine's per-sequence data inside the scheduler.
+struct SeqPayload {
+    tx: mpsc::UnboundedSender<SeqEvent>,
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    stop: StopChecker,
+    detok: Detokenizer,
+}
+
+struct StepLoop {
+    executor: Box<dyn Executor>,
+    decoder: Arc<dyn TokenDecoder>,
+    sched: Scheduler<SeqPayload>,
+    rx: std_mpsc::Receiver<Command>,
+    feed: KvEventFeed,
+    stats: Arc<Mutex<EngineStats>>,
+    queued: Arc<AtomicUsize>,
+    /// Cumulative counters (copied into `stats`).
+    totals: EngineStats,
+    block_size: BlockSize,
+    hash_algorithm: HashAlgorithm,
+    default_timeout: Duration,
+}
+
+/// Longest idle wait while requests are waiting (they are re-examined at least this often).
+const WAITING_POLL: Duration = Duration::from_millis(50);
+
+impl StepLoop {
+    fn run(&mut self) {
+        'outer: loop {
+            // 1. Commands: block when there is nothing to run.
+            if self.sched.running_len() == 0 {
+                let now = Instant::now();
+                let wait = if self.sched.waiting_len() > 0 {
+                    let until = self
+                        .sched
+                        .next_deadline()
+                        .map_or(WAITING_POLL, |d| d.saturating_duration_since(now));
+                    Some(until.min(WAITING_POLL))
+                } else {
+                    None
+                };
+                let got = match wait {
+                    None => self.rx.recv().map_err(|_| true),
+                    Some(w) => match self.rx.recv_timeout(w) {
+                        Ok(c) => Ok(c),
+                        Err(std_mpsc::RecvTimeoutError::Timeout) => Err(false),
+                        Err(std_mpsc::RecvTimeoutError::Disconnected) => Err(true),
+                    },
+                };
+                match got {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(true) => break 'outer,
+                    Err(false) => {}
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                    Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+                }
+            }
+            // 2. Cancellations: receivers that are gone.
+            for id in self.sched.ids_where(|p| p.tx.is_closed()) {
+                self.cancel(id);
+            }
+            // 3. Admission deadlines.
+            let now = Instant::now();
+            for s in self.sched.expire(now) {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                let e = WorkerError::AdmissionTimeout;
+                let _ = s.payload.tx.send(SeqEvent::Failed {
+                    error: e.to_string(),
+                    code: e.error_type(),
+                });
+            }
+            // 4. Admission.
+            for id in self.sched.admit(now) {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                if let Some(s) = self.sched.get(id) {
+                    self.totals.prompt_tokens += s.prompt_len() as u64;
+                    self.totals.prefix_hit_tokens += s.cached_tokens() as u64;
+                    let _ = s.payload.tx.send(SeqEvent::Started {
+                        cached_tokens: s.cached_tokens(),
+                        queue_time: now.saturating_duration_since(s.submitted_at()),
+                    });
+                }
+            }
+            // 5. Plan and run one step.
+            let (plan, broken) = self.sched.schedule();
+            for id in broken {
+                self.fail(
+                    id,
+                    &WorkerError::Tensor("KV reservation broken (engine bug)".into()),
+                );
+            }
+            if !plan.is_empty() {
+                self.step(&plan);
+            }
+            self.feed.publish(self.sched.take_events());
+            self.publish_stats();
+        }
+        self.stop();
+    }
+
+    /// Handles one command; false on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Shutdown => false,
+            Command::Cancel(id) => {
+                self.cancel(id);
+                true
+            }
+            Command::Submit(sub) => {
+                self.enqueue(*sub);
+                true
+            }
+        }
+    }
+
+    fn enqueue(&mut self, sub: Submission) {
+        let Submission {
+            id,
+            req,
+            tx,
+            submitted_at,
+        } = sub;
+        if tx.is_closed() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        let chain = KeyChain::new(req.namespace, self.hash_algorithm, self.block_size);
+        let deadline = req
+            .deadline
+            .unwrap_or_else(|| submitted_at + self.default_timeout);
+        let payload = SeqPayload {
+            tx,
+            sampler: Sampler::new(req.sampling, &req.prompt),
+            stop_ids: req.stop_token_ids,
+            stop: StopChecker::new(&req.stop_strings),
+            detok: Detokenizer::default(),
+        };
+        self.sched.enqueue(
+            id,
+            SeqSpec {
+                prompt: req.prompt,
+                chain,
+                max_tokens: req.max_tokens,
+                cache_insert: req.cache_insert,
+                submitted_at,
+                deadline,
+            },
+            payload,
+        );
+    }
+
+    fn cancel(&mut self, id: SeqId) {
+        if let Some(s) = self.sched.remove(id) {
+            if s.admitted_at().is_none() {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            // The receiver is usually gone; if not (explicit cancel), say so.
+            let _ = s.payload.tx.send(SeqEvent::Finished {
+                reason: FinishReason::Cancelled,
+                usage: Usage {
+                    prompt_tokens: s.prompt_len(),
+                    cached_tokens: s.cached_tokens(),
+                    completion_tokens: s.generated().len(),
+                },
+                last_block_key: s.last_prompt_block_key(),
+            });
+        }
+    }
+
+    fn fail(&mut self, id: SeqId, e: &WorkerError) {
+        if let Some(s) = self.sched.remove(id) {
+            if s.admitted_at().is_none() {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            let _ = s.payload.tx.send(SeqEvent::Failed {
+                error: e.to_string(),
+                code: e.error_type(),
+            });
+        }
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason, completion_tokens: usize) {
+        if let Some(s) = self.sched.remove(id) {
+            let _ = s.payload.tx.send(SeqEvent::Finished {
+                reason,
+                usage: Usage {
+                    prompt_tokens: s.prompt_len(),
+                    cached_tokens: s.cached_tokens(),
+                    completion_tokens,
+                },
+                last_block_key: s.last_prompt_block_key(),
+            });
+        }
+    }
+
+    fn step(&mut self, plan: &[Scheduled]) {
+        let result = {
+            let chunks = self.sched.chunks(plan);
+            if chunks.len() != plan.len() {
+                Err(WorkerError::Tensor("plan and chunks disagree".into()))
+            } else {
+                self.executor.forward(&chunks)
+            }
+        };
+        self.totals.steps += 1;
+        let outs = match result {
+            Ok(outs) if outs.len() == plan.len() => outs,
+            Ok(outs) => {
+                let e = WorkerError::Tensor(format!(
+                    "executor returned {} outputs for {} chunks",
+                    outs.len(),
+                    plan.len()
+                ));
+                for c in plan {
+                    self.fail(c.id, &e);
+                }
+                return;
+            }
+            Err(e) => {
+                for c in plan {
+                    self.fail(c.id, &e);
+                }
+                return;
+            }
+        };
+        self.sched.complete(plan);
+        // Publish the step's stores before any sequence finishes: a client that sees
+        // `Finished` can count on the gateway's index receiving its blocks first.
+        self.feed.publish(self.sched.take_events());
+        for (c, out) in plan.iter().zip(outs) {
+            if !c.want_logits {
+                continue;
+            }
+            match out {
+                Some(logits) => self.on_logits(c.id, logits),
+                None => self.fail(
+                    c.id,
+                    &WorkerError::Tensor("executor returned no logits".into()),
+                ),
+            }
+        }
+    }
+
+    fn on_logits(&mut self, id: SeqId, mut logits: Vec<f32>) {
+        let decoder = self.decoder.clone();
+        let decoder = decoder.as_ref();
+        let Some(s) = self.sched.get_mut(id) else {
+            return;
+        };
+        let max_tokens = s.max_tokens();
+        let (p, generated) = s.payload_and_generated();
+        let token = p.sampler.sample(&mut logits);
+        p.sampler.record(token);
+        self.totals.generation_tokens += 1;
+        let completion = generated.len() + 1;
+        if p.stop_ids.contains(&token) {
+            // Release held-back text that turned out not to be a stop string.
+            let tail = p.detok.flush(decoder, generated);
+            let st = p.stop.push_text(&tail);
+            let mut text = st.emit;
+            if !st.stopped {
+                text.push_str(&p.stop.take_pending());
+            }
+            if !text.is_empty() {
+                // A text-only flush that repeats the previous token's id (the stop token
+                // is never emitted); see `SeqEvent::Token`.
+                let last = generated.last().copied().unwrap_or(token);
+                let _ = p.tx.send(SeqEvent::Token { id: last, text });
+            }
+            self.finish(id, FinishReason::Stop, completion);
+            return;
+        }
+        self.sched.append_token(id, token);
+        let Some(s) = self.sched.get_mut(id) else {
+            return;
+        };
+        let (p, generated) = s.payload_and_generated();
+        let new_text = p.detok.next_text(decoder, generated);
+        let st = p.stop.push_text(&new_text);
+        let mut text = st.emit;
+        let mut stopped = st.stopped;
+        let at_limit = completion >= max_tokens;
+        if at_limit && !stopped {
+            let tail = p.detok.flush(decoder, generated);
+            let st2 = p.stop.push_text(&tail);
+            text.push_str(&st2.emit);
+            stopped = st2.stopped;
+            if !stopped {
+                text.push_str(&p.stop.take_pending());
+            }
+        }
+        let _ = p.tx.send(SeqEvent::Token { id: token, text });
+        if stopped {
+            self.finish(id, FinishReason::Stop, completion);
+        } else if at_limit {
+            self.finish(id, FinishReason::Length, completion);
+        }
+    }
+
+    fn publish_stats(&mut self) {
+        let c = self.sched.kv().counts();
+        let mut st = self.stats.lock();
+        *st = EngineStats {
+            running: self.sched.running_len(),
+            waiting: self.queued.load(Ordering::SeqCst),
+            blocks_total: c.total,
+            blocks_used: c.used,
+            blocks_cached: c.cached,
+            blocks_free: c.free,
+            ..self.totals
+        };
+    }
+
+    fn stop(&mut self) {
+        // Fail queued submissions still in the channel, then every known sequence.
+        let e = WorkerError::EngineStopped;
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Command::Submit(sub) = cmd {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                let _ = sub.tx.send(SeqEvent::Failed {
+                    error: e.to_string(),
+                    code: e.error_type(),
+                });
+            }
+        }
+        for s in self.sched.drain_all() {
+            if s.admitted_at().is_none() {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+            let _ = s.payload.tx.send(SeqEvent::Failed {
+                error: e.to_string(),
+                code: e.error_type(),
+            });
+        }
+        self.feed.publish(self.sched.take_events());
+        self.publish_stats();
+        self.feed.close();
+    }
+}

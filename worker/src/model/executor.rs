@@ -1,0 +1,251 @@
+//! [`LlamaExecutor`]: the candle Llama forward over a paged KV cache, implementing
+//! [`Executor`].
+//!
+//! The executor owns the KV *storage* — per layer one K and one V buffer of
+//! `[num_blocks, block_size, n_kv_head, head_dim]` f32, preallocated — and nothing else: which
+//! blocks a sequence uses is the caller's block table. One `forward` packs the tokens of all
+//! chunks into one `[total_tokens, hidden]` activation so every matmul runs once per step,
+//! writes each token's K/V into its slot, attends through the block tables
+//! ([`super::attention`]), and computes the output projection only for the last token of the
+//! chunks that want logits.
+//!
+//! Attention and the KV buffers live in host memory. On a CUDA device the matmuls run on the
+//! GPU and the per-layer Q/K/V round-trip through the host (correct, not yet fast: a device
+//! KV cache and kernel are not written).
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use super::attention::{paged_attention, rope_cos_sin, rope_interleaved, AttnShape, ChunkSlots};
+use super::weights::LlamaWeights;
+use crate::executor::{Executor, KvGeometry, SeqChunk};
+use crate::WorkerError;
+
+/// The candle Llama model with its paged KV storage.
+pub struct LlamaExecutor {
+    weights: Arc<LlamaWeights>,
+    geometry: KvGeometry,
+    /// Per layer, `[num_blocks · block_size, n_kv_head, head_dim]`.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+}
+
+impl std::fmt::Debug for LlamaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaExecutor")
+            .field("geometry", &self.geometry)
+            .field("config", self.weights.config())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LlamaExecutor {
+    /// Preallocates the KV storage for `geometry` (`kv_bytes_per_token · block_size ·
+    /// num_blocks` bytes; see [`LlamaWeights::blocks_for_budget`]).
+    pub fn new(weights: Arc<LlamaWeights>, geometry: KvGeometry) -> Result<Self, WorkerError> {
+        if geometry.block_size == 0 || geometry.num_blocks == 0 {
+            return Err(WorkerError::InvalidRequest(format!(
+                "KV geometry needs at least one block of at least one token: {geometry:?}"
+            )));
+        }
+        let cfg = weights.config();
+        let per_layer = geometry
+            .num_blocks
+            .checked_mul(geometry.block_size)
+            .and_then(|s| s.checked_mul(cfg.n_kv_head * cfg.head_dim))
+            .ok_or_else(|| WorkerError::InvalidRequest(format!("KV geometry too large: {geometry:?}")))?;
+        let alloc = |n: usize| -> Result<Vec<f32>, WorkerError> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n).map_err(|e| {
+                WorkerError::Model(format!("cannot allocate KV cache of {n} floats: {e}"))
+            })?;
+            v.resize(n, 0.0);
+            Ok(v)
+        };
+        let mut k_cache = Vec::with_capacity(cfg.n_layer);
+        let mut v_cache = Vec::with_capacity(cfg.n_layer);
+        for _ in 0..cfg.n_layer {
+            k_cache.push(alloc(per_layer)?);
+            v_cache.push(alloc(per_layer)?);
+        }
+        Ok(LlamaExecutor {
+            weights,
+            geometry,
+            k_cache,
+            v_cache,
+        })
+    }
+
+    /// The shared weights.
+    pub fn weights(&self) -> &Arc<LlamaWeights> {
+        &self.weights
+    }
+
+    /// Checks a chunk against the geometry and vocabulary and lists the cache slot of every
+    /// position `0..start_pos + len`.
+    fn chunk_slots(&self, c: &SeqChunk<'_>, token_offset: usize) -> Result<ChunkSlots, WorkerError> {
+        let bs = self.geometry.block_size;
+        if c.tokens.is_empty() {
+            return Err(WorkerError::InvalidRequest("empty chunk".into()));
+        }
+        let vocab = self.weights.config().vocab_size;
+        if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(WorkerError::InvalidRequest(format!(
+                "token id {t} outside the vocabulary of {vocab}"
+            )));
+        }
+        let end = c.start_pos + c.tokens.len();
+        let blocks = end.div_ceil(bs);
+        if c.block_table.len() < blocks {
+            return Err(WorkerError::InvalidRequest(format!(
+                "block table has {} blocks, positions up to {end} need {blocks}",
+                c.block_table.len()
+            )));
+        }
+        let mut slots = Vec::with_capacity(end);
+        for &b in &c.block_table[..blocks] {
+            let b = b as usize;
+            if b >= self.geometry.num_blocks {
+                return Err(WorkerError::InvalidRequest(format!(
+                    "block id {b} outside the cache of {} blocks",
+                    self.geometry.num_blocks
+                )));
+            }
+            let room = (end - slots.len()).min(bs);
+            slots.extend((0..room).map(|o| b * bs + o));
+        }
+        Ok(ChunkSlots {
+            token_offset,
+            len: c.tokens.len(),
+            start_pos: c.start_pos,
+            slots,
+        })
+    }
+
+    fn forward_inner(
+        &mut self,
+        chunks: &[SeqChunk<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>, WorkerError> {
+        let w = Arc::clone(&self.weights);
+        let cfg = w.config();
+        let dev = w.device();
+        let (hq, hk, d) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+
+        let mut ids = Vec::new();
+        let mut layouts = Vec::with_capacity(chunks.len());
+        let mut token_chunk = Vec::new();
+        for (ci, c) in chunks.iter().enumerate() {
+            layouts.push(self.chunk_slots(c, ids.len())?);
+            ids.extend_from_slice(c.tokens);
+            token_chunk.extend(std::iter::repeat_n(ci, c.tokens.len()));
+        }
+        let total = ids.len();
+        // cos/sin of every token's position, [total, head_dim].
+        let mut cos_sin = Vec::with_capacity(total * d);
+        let mut buf = Vec::with_capacity(d);
+        for l in &layouts {
+            for p in l.start_pos..l.start_pos + l.len {
+                rope_cos_sin(p, d, cfg.rope_base, &mut buf);
+                cos_sin.extend_from_slice(&buf);
+            }
+        }
+        let dense = w.format().use_dense(total);
+        let q_width = hq * d;
+        let kv_width = hk * d;
+        let qkv_width = q_width + 2 * kv_width;
+        let shape = AttnShape {
+            n_head: hq,
+            n_kv_head: hk,
+            head_dim: d,
+            q_stride: qkv_width,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+
+        let id_tensor = Tensor::from_vec(ids, total, dev)?;
+        let mut x = w.embedding.index_select(&id_tensor, 0)?;
+        let mut attn_out = vec![0f32; total * q_width];
+        for (li, layer) in w.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let qkv = layer.wqkv.forward(&h, dense)?;
+            let mut qkv: Vec<f32> = qkv.flatten_all()?.to_vec1()?;
+            if qkv.len() != total * qkv_width {
+                return Err(WorkerError::Tensor(format!(
+                    "QKV projection gave {} values, expected {}",
+                    qkv.len(),
+                    total * qkv_width
+                )));
+            }
+            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            for l in &layouts {
+                for i in 0..l.len {
+                    let t = l.token_offset + i;
+                    let row = &mut qkv[t * qkv_width..][..qkv_width];
+                    let cs = &cos_sin[t * d..][..d];
+                    rope_interleaved(&mut row[..q_width + kv_width], hq + hk, d, cs);
+                    let slot = l.slots[l.start_pos + i];
+                    kc[slot * kv_width..][..kv_width]
+                        .copy_from_slice(&row[q_width..q_width + kv_width]);
+                    vc[slot * kv_width..][..kv_width].copy_from_slice(&row[q_width + kv_width..]);
+                }
+            }
+            paged_attention(
+                &qkv,
+                kc,
+                vc,
+                &layouts,
+                &token_chunk,
+                shape,
+                &mut attn_out,
+            );
+            let o = Tensor::from_slice(&attn_out, (total, q_width), &Device::Cpu)?.to_device(dev)?;
+            x = (x + layer.wo.forward(&o, dense)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
+            let gu = layer.w_gate_up.forward(&h, dense)?;
+            let ffn = layer.w_gate_up.out_features() / 2;
+            let act = (gu.narrow(1, 0, ffn)?.silu()? * gu.narrow(1, ffn, ffn)?)?;
+            x = (x + layer.w_down.forward(&act, dense)?)?;
+        }
+
+        let rows: Vec<u32> = chunks
+            .iter()
+            .zip(&layouts)
+            .filter(|(c, _)| c.want_logits)
+            .map(|(_, l)| (l.token_offset + l.len - 1) as u32)
+            .collect();
+        let mut out = vec![None; chunks.len()];
+        if rows.is_empty() {
+            return Ok(out);
+        }
+        let n_rows = rows.len();
+        let rows = Tensor::from_vec(rows, n_rows, dev)?;
+        let last = x.index_select(&rows, 0)?;
+        let last = candle_nn::ops::rms_norm(&last, &w.output_norm, cfg.rms_eps)?;
+        let logits = candle_core::Module::forward(&w.lm_head, &last)?.to_vec2::<f32>()?;
+        let mut logits = logits.into_iter();
+        for (slot, c) in out.iter_mut().zip(chunks) {
+            if c.want_logits {
+                *slot = logits.next();
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Executor for LlamaExecutor {
+    fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.weights.config().vocab_size
+    }
+
+    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, WorkerError> {
+        if chunks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let device = self.weights.device().clone();
+        device.with_context(|| self.forward_inner(chunks))
+    }
+}

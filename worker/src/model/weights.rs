@@ -1,0 +1,476 @@
+//! Llama-architecture weights read from a GGUF file: the architecture parameters from the
+//! metadata, the tensors converted at load into the layouts the executor multiplies with.
+//!
+//! The weights are read-only after [`LlamaWeights::load`] and shared through an `Arc`; no KV
+//! state lives here. Q, K and V projections are fused into one `[q+2kv, hidden]` matrix and the
+//! gate and up projections into one `[2·ffn, hidden]` matrix, so a layer runs four matmuls.
+//!
+//! On CPU, candle's Q4_1 matmul is scalar (measured 5× slower than Q8_0), so the default
+//! [`WeightFormat::Hybrid`] requantizes every matrix to Q8_0 (fast for decode-sized batches)
+//! and also keeps a dense F32 copy used when a step has many tokens (prefill), where a dense
+//! GEMM wins. See `docs/benchmarks.md` (section "worker engine") for the measurements.
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::WorkerError;
+
+/// Architecture parameters of a Llama-family model, read from GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Transformer blocks (`{arch}.block_count`).
+    pub n_layer: usize,
+    /// Model width (`{arch}.embedding_length`).
+    pub hidden: usize,
+    /// Query heads (`{arch}.attention.head_count`).
+    pub n_head: usize,
+    /// Key/value heads (`{arch}.attention.head_count_kv`; grouped-query attention).
+    pub n_kv_head: usize,
+    /// Per-head dimension (`{arch}.attention.key_length`, else `hidden / n_head`).
+    pub head_dim: usize,
+    /// Feed-forward width (`{arch}.feed_forward_length`).
+    pub ffn: usize,
+    /// RoPE base (`{arch}.rope.freq_base`, default 10000).
+    pub rope_base: f32,
+    /// RMSNorm epsilon (`{arch}.attention.layer_norm_rms_epsilon`).
+    pub rms_eps: f32,
+    /// Trained context length (`{arch}.context_length`).
+    pub context_length: usize,
+    /// Rows of the logits (the embedding matrix's row count; checked against the token list).
+    pub vocab_size: usize,
+}
+
+/// How matrices are stored for the matmuls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// Keep the file's quantization (Q4_1 for the default model; the right choice on CUDA,
+    /// which has Q4_1 kernels, slow on CPU).
+    AsStored,
+    /// Requantize everything to Q8_0 (SIMD CPU kernels).
+    Q8_0,
+    /// Dequantize to dense F32 (fast GEMM for large batches, slow for single rows).
+    F32,
+    /// Q8_0 for steps with fewer than `dense_min_tokens` tokens, dense F32 otherwise.
+    Hybrid {
+        /// Smallest step (total tokens) that uses the dense F32 copy.
+        dense_min_tokens: usize,
+    },
+}
+
+impl WeightFormat {
+    /// The CPU default: Q8_0 for decode, dense F32 from 32 tokens per step (measured crossover
+    /// on the 2-core bench machine; see docs/benchmarks.md).
+    pub const CPU_DEFAULT: WeightFormat = WeightFormat::Hybrid {
+        dense_min_tokens: 32,
+    };
+
+    /// Whether a step of `tokens` tokens multiplies with the dense copy.
+    pub fn use_dense(&self, tokens: usize) -> bool {
+        match self {
+            WeightFormat::AsStored | WeightFormat::Q8_0 => false,
+            WeightFormat::F32 => true,
+            WeightFormat::Hybrid { dense_min_tokens } => tokens >= *dense_min_tokens,
+        }
+    }
+}
+
+/// One weight matrix `[out, in]`, in the representations its [`WeightFormat`] asks for.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    quant: Option<QMatMul>,
+    dense: Option<Tensor>,
+    out_features: usize,
+}
+
+impl Linear {
+    /// Builds a matrix from F32 data on the CPU (`[out, in]`), in `format`, on `device`.
+    fn from_dense_cpu(
+        w: Tensor,
+        stored: &QTensor,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self, WorkerError> {
+        let (out_features, _) = w.dims2()?;
+        let want_q8 = matches!(format, WeightFormat::Q8_0 | WeightFormat::Hybrid { .. });
+        let want_dense = matches!(format, WeightFormat::F32 | WeightFormat::Hybrid { .. });
+        let quant = if format == WeightFormat::AsStored {
+            Some(QMatMul::from_qtensor(requantize_onto(
+                &w,
+                stored.dtype(),
+                device,
+            )?)?)
+        } else if want_q8 {
+            Some(QMatMul::from_qtensor(requantize_onto(
+                &w,
+                GgmlDType::Q8_0,
+                device,
+            )?)?)
+        } else {
+            None
+        };
+        let dense = if want_dense {
+            Some(w.to_device(device)?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            quant,
+            dense,
+            out_features,
+        })
+    }
+
+    /// Output width.
+    pub(crate) fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// `x [T, in] → [T, out]`; `dense` selects the dense copy when there is one.
+    pub(crate) fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, WorkerError> {
+        match (&self.dense, &self.quant) {
+            (Some(w), _) if dense => Ok(x.matmul(&w.t()?)?),
+            (_, Some(q)) => Ok(q.forward(x)?),
+            (Some(w), None) => Ok(x.matmul(&w.t()?)?),
+            (None, None) => Err(WorkerError::Model("weight matrix has no storage".into())),
+        }
+    }
+}
+
+/// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
+/// not divide into the format's blocks) and places it on `device`.
+fn requantize_onto(w: &Tensor, dtype: GgmlDType, device: &Device) -> Result<QTensor, WorkerError> {
+    let (_, k) = w.dims2()?;
+    let dtype = if k % dtype.block_size() == 0 {
+        dtype
+    } else if k % GgmlDType::Q8_0.block_size() == 0 {
+        GgmlDType::Q8_0
+    } else {
+        GgmlDType::F32
+    };
+    Ok(QTensor::quantize_onto(w, dtype, device)?)
+}
+
+/// One transformer block.
+#[derive(Debug)]
+pub(crate) struct LayerWeights {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) wqkv: Linear,
+    pub(crate) wo: Linear,
+    pub(crate) ffn_norm: Tensor,
+    pub(crate) w_gate_up: Linear,
+    pub(crate) w_down: Linear,
+}
+
+/// A loaded Llama-architecture model: read-only, shareable (`Arc<LlamaWeights>`).
+#[derive(Debug)]
+pub struct LlamaWeights {
+    config: LlamaConfig,
+    format: WeightFormat,
+    device: Device,
+    /// `[vocab, hidden]` F32, for the embedding lookup.
+    pub(crate) embedding: Tensor,
+    pub(crate) layers: Vec<LayerWeights>,
+    pub(crate) output_norm: Tensor,
+    /// Output projection (tied to the embedding when the file has no `output.weight`),
+    /// always quantized: only the rows that want logits go through it.
+    pub(crate) lm_head: QMatMul,
+}
+
+/// Reads GGUF metadata value `key` as an integer.
+fn meta_usize(content: &gguf_file::Content, key: &str) -> Result<usize, WorkerError> {
+    let v = content
+        .metadata
+        .get(key)
+        .ok_or_else(|| WorkerError::Model(format!("GGUF metadata key `{key}` is missing")))?;
+    let n = match v {
+        gguf_file::Value::U8(x) => u64::from(*x),
+        gguf_file::Value::U16(x) => u64::from(*x),
+        gguf_file::Value::U32(x) => u64::from(*x),
+        gguf_file::Value::U64(x) => *x,
+        gguf_file::Value::I32(x) if *x >= 0 => *x as u64,
+        gguf_file::Value::I64(x) if *x >= 0 => *x as u64,
+        other => {
+            return Err(WorkerError::Model(format!(
+                "GGUF metadata key `{key}` is not a non-negative integer: {other:?}"
+            )))
+        }
+    };
+    usize::try_from(n).map_err(|_| WorkerError::Model(format!("`{key}` = {n} is too large")))
+}
+
+/// Reads GGUF metadata value `key` as a float, `default` when absent.
+fn meta_f32(content: &gguf_file::Content, key: &str, default: f32) -> Result<f32, WorkerError> {
+    match content.metadata.get(key) {
+        None => Ok(default),
+        Some(v) => v
+            .to_f32()
+            .or_else(|_| v.to_f64().map(|x| x as f32))
+            .map_err(|e| WorkerError::Model(format!("GGUF metadata key `{key}`: {e}"))),
+    }
+}
+
+impl LlamaConfig {
+    /// Reads the architecture parameters from GGUF metadata (`{arch}.*` keys where `arch` is
+    /// `general.architecture`, which must be a Llama-family name).
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, WorkerError> {
+        let arch = match content.metadata.get("general.architecture") {
+            Some(v) => v
+                .to_string()
+                .map_err(|e| WorkerError::Model(format!("general.architecture: {e}")))?
+                .clone(),
+            None => "llama".to_string(),
+        };
+        if !matches!(arch.as_str(), "llama" | "mistral") {
+            return Err(WorkerError::Model(format!(
+                "unsupported architecture `{arch}` (expected a Llama-family GGUF)"
+            )));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let hidden = meta_usize(content, &k("embedding_length"))?;
+        let n_head = meta_usize(content, &k("attention.head_count"))?;
+        let n_kv_head = match content.metadata.get(&k("attention.head_count_kv")) {
+            Some(_) => meta_usize(content, &k("attention.head_count_kv"))?,
+            None => n_head,
+        };
+        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || hidden % n_head != 0 {
+            return Err(WorkerError::Model(format!(
+                "inconsistent heads: hidden {hidden}, heads {n_head}, kv heads {n_kv_head}"
+            )));
+        }
+        let head_dim = match content.metadata.get(&k("attention.key_length")) {
+            Some(_) => meta_usize(content, &k("attention.key_length"))?,
+            None => hidden / n_head,
+        };
+        if head_dim % 2 != 0 {
+            return Err(WorkerError::Model(format!("odd head dimension {head_dim}")));
+        }
+        let embd = content
+            .tensor_infos
+            .get("token_embd.weight")
+            .ok_or_else(|| WorkerError::Model("tensor `token_embd.weight` is missing".into()))?;
+        let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
+        if let Some(gguf_file::Value::Array(tokens)) = content.metadata.get("tokenizer.ggml.tokens")
+        {
+            if tokens.len() > vocab_size {
+                return Err(WorkerError::Model(format!(
+                    "token list has {} entries but the embedding only {vocab_size} rows",
+                    tokens.len()
+                )));
+            }
+        }
+        Ok(LlamaConfig {
+            n_layer: meta_usize(content, &k("block_count"))?,
+            hidden,
+            n_head,
+            n_kv_head,
+            head_dim,
+            ffn: meta_usize(content, &k("feed_forward_length"))?,
+            rope_base: meta_f32(content, &k("rope.freq_base"), 10_000.0)?,
+            rms_eps: meta_f32(content, &k("attention.layer_norm_rms_epsilon"), 1e-5)?,
+            context_length: meta_usize(content, &k("context_length"))?,
+            vocab_size,
+        })
+    }
+
+    /// Bytes of f32 K and V cache one token occupies across all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.n_layer * self.n_kv_head * self.head_dim * 2 * std::mem::size_of::<f32>()
+    }
+}
+
+/// Reads named tensors from an open GGUF file.
+struct GgufReader<'a> {
+    content: &'a gguf_file::Content,
+    file: std::fs::File,
+}
+
+impl GgufReader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<QTensor, WorkerError> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(WorkerError::Model(format!("tensor `{name}` is missing")));
+        }
+        self.content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| WorkerError::Model(format!("reading tensor `{name}`: {e}")))
+    }
+
+    fn dense(&mut self, name: &str) -> Result<(Tensor, QTensor), WorkerError> {
+        let q = self.qtensor(name)?;
+        let t = q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
+        Ok((t, q))
+    }
+
+    /// Several matrices with the same input width, concatenated along the output rows.
+    fn fused(&mut self, names: &[String]) -> Result<(Tensor, QTensor), WorkerError> {
+        let mut parts = Vec::with_capacity(names.len());
+        let mut first = None;
+        for n in names {
+            let (t, q) = self.dense(n)?;
+            parts.push(t);
+            first.get_or_insert(q);
+        }
+        let first = first.ok_or_else(|| WorkerError::Model("no tensors to fuse".into()))?;
+        Ok((Tensor::cat(&parts, 0)?, first))
+    }
+}
+
+impl LlamaWeights {
+    /// Loads a Llama-architecture GGUF file onto `device` in `format`.
+    ///
+    /// Cost: reads the file once and converts every matrix (a few seconds for 135M parameters).
+    pub fn load(
+        path: impl AsRef<Path>,
+        device: &Device,
+        format: WeightFormat,
+    ) -> Result<Self, WorkerError> {
+        let path = path.as_ref();
+        let mut file = std::fs::File::open(path)
+            .map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| WorkerError::Model(format!("reading GGUF {}: {e}", path.display())))?;
+        let config = LlamaConfig::from_gguf(&content)?;
+        let mut r = GgufReader {
+            content: &content,
+            file,
+        };
+
+        let embd_q = r.qtensor("token_embd.weight")?;
+        let embedding = embd_q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let (rows, cols) = embedding.dims2()?;
+        if rows != config.vocab_size || cols != config.hidden {
+            return Err(WorkerError::Model(format!(
+                "token_embd.weight is {rows}×{cols}, expected {}×{}",
+                config.vocab_size, config.hidden
+            )));
+        }
+        let head_q = if content.tensor_infos.contains_key("output.weight") {
+            r.qtensor("output.weight")?
+        } else {
+            embd_q
+        };
+        let lm_head = quantized_head(head_q, device)?;
+        let output_norm = r.dense("output_norm.weight")?.0.to_device(device)?;
+
+        let mut layers = Vec::with_capacity(config.n_layer);
+        for i in 0..config.n_layer {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let (qkv, qkv_q) = r.fused(&[p("attn_q"), p("attn_k"), p("attn_v")])?;
+            let expect_qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim;
+            if qkv.dims2()? != (expect_qkv, config.hidden) {
+                return Err(WorkerError::Model(format!(
+                    "layer {i}: fused QKV is {:?}, expected ({expect_qkv}, {})",
+                    qkv.dims(),
+                    config.hidden
+                )));
+            }
+            let (wo, wo_q) = r.dense(&p("attn_output"))?;
+            let (gu, gu_q) = r.fused(&[p("ffn_gate"), p("ffn_up")])?;
+            if gu.dims2()? != (2 * config.ffn, config.hidden) {
+                return Err(WorkerError::Model(format!(
+                    "layer {i}: fused gate/up is {:?}, expected ({}, {})",
+                    gu.dims(),
+                    2 * config.ffn,
+                    config.hidden
+                )));
+            }
+            let (down, down_q) = r.dense(&p("ffn_down"))?;
+            layers.push(LayerWeights {
+                attn_norm: r.dense(&p("attn_norm"))?.0.to_device(device)?,
+                wqkv: Linear::from_dense_cpu(qkv, &qkv_q, format, device)?,
+                wo: Linear::from_dense_cpu(wo, &wo_q, format, device)?,
+                ffn_norm: r.dense(&p("ffn_norm"))?.0.to_device(device)?,
+                w_gate_up: Linear::from_dense_cpu(gu, &gu_q, format, device)?,
+                w_down: Linear::from_dense_cpu(down, &down_q, format, device)?,
+            });
+        }
+        Ok(LlamaWeights {
+            config,
+            format,
+            device: device.clone(),
+            embedding: embedding.to_device(device)?,
+            layers,
+            output_norm,
+            lm_head,
+        })
+    }
+
+    /// The architecture parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The matmul format chosen at load.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Bytes of KV cache one token occupies (f32 K and V, all layers).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.config.kv_bytes_per_token()
+    }
+
+    /// How many blocks of `block_size` tokens fit in `budget_bytes` of KV cache.
+    pub fn blocks_for_budget(&self, budget_bytes: usize, block_size: usize) -> usize {
+        blocks_for_budget(self.kv_bytes_per_token(), budget_bytes, block_size)
+    }
+}
+
+/// How many blocks of `block_size` tokens at `bytes_per_token` fit in `budget_bytes`.
+pub fn blocks_for_budget(bytes_per_token: usize, budget_bytes: usize, block_size: usize) -> usize {
+    let per_block = bytes_per_token.saturating_mul(block_size);
+    if per_block == 0 {
+        0
+    } else {
+        budget_bytes / per_block
+    }
+}
+
+/// The output projection: kept quantized (Q8_0 on CPU when the file's format has no fast
+/// CPU kernel; as stored on CUDA).
+fn quantized_head(q: QTensor, device: &Device) -> Result<QMatMul, WorkerError> {
+    let fast_on_cpu = matches!(
+        q.dtype(),
+        GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K | GgmlDType::Q6K
+    );
+    let q = if device.is_cpu() && !fast_on_cpu {
+        let w = q.dequantize(&Device::Cpu)?;
+        requantize_onto(&w, GgmlDType::Q8_0, device)?
+    } else if device.is_cpu() {
+        q
+    } else {
+        let data: Cow<'_, [u8]> = q.data()?;
+        QTensor::new(QStorage::from_data(data, device, q.dtype())?, q.shape())?
+    };
+    Ok(QMatMul::from_qtensor(q)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_for_budget_rounds_down() {
+        assert_eq!(blocks_for_budget(100, 1000, 4), 2);
+        assert_eq!(blocks_for_budget(100, 399, 4), 0);
+        assert_eq!(blocks_for_budget(0, 1000, 4), 0);
+    }
+
+    #[test]
+    fn hybrid_threshold() {
+        let f = WeightFormat::Hybrid {
+            dense_min_tokens: 32,
+        };
+        assert!(!f.use_dense(31));
+        assert!(f.use_dense(32));
+        assert!(!WeightFormat::Q8_0.use_dense(1000));
+        assert!(WeightFormat::F32.use_dense(1));
+    }
+}

@@ -1,0 +1,619 @@
+//! Continuous batching: which sequences run, and which tokens of each go into the next
+//! forward step.
+//!
+//! Owns the waiting queue, the running set, the [`KvCache`] (blocks, prefix cache,
+//! reservations) and each sequence's block table and key chain. Does not own sampling, text
+//! or event delivery: a sequence carries an opaque payload `P` for the engine.
+//!
+//! Policy, per step:
+//! 1. **Admission** (FCFS with bounded bypass): a waiting sequence is admitted when a running
+//!    slot is free and the pool can hold its cached prefix plus a reservation for every block
+//!    it may still need — `ceil((prompt + max_tokens − 1) / B)` blocks in all (the last
+//!    sampled token's K/V is never computed), cached prefix blocks counting as already held.
+//!    When the head of the queue does not fit, later (smaller) requests may be admitted
+//!    past it, but at most `max_running` times in a row, so the head cannot starve.
+//! 2. **Prefix reuse** at admission: the longest verified cached prefix (see
+//!    [`crate::kv::prefix_cache`]), at most `floor((prompt − 1) / B)` blocks, so the last
+//!    prompt token is always computed (its logits start the answer).
+//! 3. **Decodes first**: every running sequence that has a sampled token gets a one-token
+//!    chunk.
+//! 4. **Chunked prefill** with the rest of the token budget: first the sequences whose
+//!    remaining prompt fits in one chunk (`≤ prefill_chunk`), smallest first, using at most
+//!    half the budget — a short request is never queued behind long prefills; then
+//!    round-robin over the other prefilling sequences (the rotation resumes after the last
+//!    one served), one chunk of `≤ prefill_chunk` tokens each until the budget is spent.
+//!
+//! After a step, [`Scheduler::complete`] advances each sequence and offers every newly full
+//! block to the prefix cache — prompt blocks and, once full, blocks of generated tokens too,
+//! so the next turn of a chat reuses prompt + answer — unless the request opted out
+//! (`cache_insert = false`: its blocks are freed unkeyed; it may still *read* the cache).
+//!
+//! Complexity per step: O(R log R + W) for R running and W examined waiting sequences,
+//! plus O(B) per block allocated/registered and O(m × B) per lookup of an m-block prefix.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use prefix_index::key::{ChainLink, KeyChain};
+use prefix_index::{BlockKey, HashAlgorithm};
+
+use crate::executor::{BlockId, KvGeometry, SeqChunk};
+use crate::kv::prefix_cache::ContentRef;
+use crate::kv::KvCache;
+use crate::WorkerError;
+
+/// Engine-wide id of a sequence (submission order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+/// Scheduling limits.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Sequences admitted at once (≥ 1).
+    pub max_running: usize,
+    /// Tokens per forward step (≥ `max_running`, so all decodes always fit).
+    pub step_token_budget: usize,
+    /// Largest prefill chunk of one sequence in one step (≥ 1).
+    pub prefill_chunk: usize,
+    /// Hash algorithm of the block keys.
+    pub hash_algorithm: HashAlgorithm,
+}
+
+/// What the engine asks the scheduler to run.
+#[derive(Clone, Debug)]
+pub struct SeqSpec {
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Key namespace of the prompt's blocks.
+    pub chain: KeyChain,
+    /// Most tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// False: nothing of this sequence enters the prefix cache.
+    pub cache_insert: bool,
+    /// When it was submitted.
+    pub submitted_at: Instant,
+    /// Admission deadline.
+    pub deadline: Instant,
+}
+
+/// One sequence: tokens, block table, key chain, progress.
+#[derive(Debug)]
+pub struct Sequence<P> {
+    /// Its id.
+    pub id: SeqId,
+    /// Engine data (sampler, channel, …).
+    pub payload: P,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    num_computed: usize,
+    block_table: Vec<BlockId>,
+    /// Chain position of every full block of `tokens` hashed so far (`links[i]` = block i).
+    links: Vec<ChainLink>,
+    /// The cached content that represents block i (None: not cached).
+    canon: Vec<Option<ContentRef>>,
+    /// Full blocks already offered to the cache.
+    registered: usize,
+    reserved_total: usize,
+    cached_tokens: usize,
+    chain: KeyChain,
+    cache_insert: bool,
+    submitted_at: Instant,
+    admitted_at: Option<Instant>,
+    deadline: Instant,
+}
+
+impl<P> Sequence<P> {
+    /// Prompt + generated tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    /// Prompt length.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+    /// Tokens generated so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+    /// The payload (mutable) and the generated tokens, borrowed together.
+    pub fn payload_and_generated(&mut self) -> (&mut P, &[u32]) {
+        (&mut self.payload, &self.tokens[self.prompt_len..])
+    }
+    /// Max tokens to generate.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+    /// Prompt tokens served from the prefix cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+    /// Tokens whose K/V is in the blocks.
+    pub fn num_computed(&self) -> usize {
+        self.num_computed
+    }
+    /// The block table.
+    pub fn block_table(&self) -> &[BlockId] {
+        &self.block_table
+    }
+    /// Submission time.
+    pub fn submitted_at(&self) -> Instant {
+        self.submitted_at
+    }
+    /// Admission time (None while waiting).
+    pub fn admitted_at(&self) -> Option<Instant> {
+        self.admitted_at
+    }
+    /// Key of the last full block of the prompt.
+    pub fn last_prompt_block_key(&self) -> Option<BlockKey> {
+        let n = self.prompt_len / self.chain.block_size().get();
+        n.checked_sub(1)
+            .and_then(|i| self.links.get(i))
+            .map(|l| l.key())
+    }
+    /// Still computing its prompt.
+    pub fn is_prefilling(&self) -> bool {
+        self.num_computed < self.prompt_len
+    }
+    /// Has a sampled token whose K/V the next step computes.
+    fn is_decoding(&self) -> bool {
+        self.num_computed >= self.prompt_len && self.num_computed + 1 == self.tokens.len()
+    }
+    fn block_size(&self) -> usize {
+        self.chain.block_size().get()
+    }
+}
+
+/// One sequence's share of the next step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    /// The sequence.
+    pub id: SeqId,
+    /// First position computed.
+    pub start: usize,
+    /// Number of tokens.
+    pub len: usize,
+    /// Logits wanted (last prompt chunk or a decode).
+    pub want_logits: bool,
+}
+
+/// Waiting queue, running set and KV bookkeeping.
+#[derive(Debug)]
+pub struct Scheduler<P> {
+    cfg: SchedulerConfig,
+    kv: KvCache,
+    waiting: VecDeque<Sequence<P>>,
+    running: Vec<Sequence<P>>,
+    /// Id of the last sequence served by the round-robin prefill pass.
+    rr_last: Option<SeqId>,
+    /// Admissions that bypassed the current head of the queue.
+    head_bypassed: usize,
+    head_id: Option<SeqId>,
+}
+
+impl<P> Scheduler<P> {
+    /// A scheduler over a pool of the executor's geometry.
+    pub fn new(cfg: SchedulerConfig, geometry: KvGeometry) -> Self {
+        Scheduler {
+            kv: KvCache::new(geometry.num_blocks, geometry.block_size),
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            rr_last: None,
+            head_bypassed: 0,
+            head_id: None,
+        }
+    }
+
+    /// The KV bookkeeping.
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Mutable KV bookkeeping (tests plant cache entries through it).
+    #[doc(hidden)]
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.kv.block_size()
+    }
+
+    /// Blocks a request needs in all: K/V of the prompt and of every generated token but the
+    /// last.
+    pub fn blocks_needed(&self, prompt_len: usize, max_tokens: usize) -> usize {
+        (prompt_len + max_tokens.max(1) - 1).div_ceil(self.block_size())
+    }
+
+    /// Rejects a request that could never be admitted, even into an empty pool.
+    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<(), WorkerError> {
+        let needed = self.blocks_needed(prompt_len, max_tokens);
+        let total = self.kv.pool().total();
+        if needed > total {
+            return Err(WorkerError::NeverFits { needed, total });
+        }
+        Ok(())
+    }
+
+    /// Sequences waiting for admission.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Admitted sequences.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Earliest admission deadline among waiting sequences.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.waiting.iter().map(|s| s.deadline).min()
+    }
+
+    /// The running sequences (admission order).
+    pub fn running(&self) -> &[Sequence<P>] {
+        &self.running
+    }
+
+    /// A running sequence.
+    pub fn get(&self, id: SeqId) -> Option<&Sequence<P>> {
+        self.running.iter().find(|s| s.id == id)
+    }
+
+    /// A running sequence, mutably (payload access).
+    pub fn get_mut(&mut self, id: SeqId) -> Option<&mut Sequence<P>> {
+        self.running.iter_mut().find(|s| s.id == id)
+    }
+
+    /// Ids of every sequence, waiting or running, whose payload matches.
+    pub fn ids_where(&self, mut f: impl FnMut(&P) -> bool) -> Vec<SeqId> {
+        self.waiting
+            .iter()
+            .chain(self.running.iter())
+            .filter(|s| f(&s.payload))
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// Queues a sequence (the caller checked [`Scheduler::check_fits`] and the queue bound).
+    /// Hashes the prompt's full blocks: O(prompt).
+    pub fn enqueue(&mut self, id: SeqId, spec: SeqSpec, payload: P) {
+        let b = spec.chain.block_size().get();
+        let mut links = Vec::with_capacity(spec.prompt.len() / b);
+        let mut link = spec.chain.root();
+        for block in spec.prompt.chunks_exact(b) {
+            match spec.chain.next(&link, block) {
+                Ok(l) => {
+                    links.push(l);
+                    link = l;
+                }
+                Err(_) => break,
+            }
+        }
+        let reserved_total = self.blocks_needed(spec.prompt.len(), spec.max_tokens);
+        self.waiting.push_back(Sequence {
+            id,
+            payload,
+            prompt_len: spec.prompt.len(),
+            tokens: spec.prompt,
+            max_tokens: spec.max_tokens,
+            num_computed: 0,
+            block_table: Vec::new(),
+            links,
+            canon: Vec::new(),
+            registered: 0,
+            reserved_total,
+            cached_tokens: 0,
+            chain: spec.chain,
+            cache_insert: spec.cache_insert,
+            submitted_at: spec.submitted_at,
+            admitted_at: None,
+            deadline: spec.deadline,
+        });
+    }
+
+    /// Removes a sequence (waiting or running) and frees its blocks and reservation.
+    pub fn remove(&mut self, id: SeqId) -> Option<Sequence<P>> {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            return self.waiting.remove(i);
+        }
+        let i = self.running.iter().position(|s| s.id == id)?;
+        let s = self.running.remove(i);
+        self.kv.release(&s.block_table);
+        self.kv
+            .unreserve(s.reserved_total.saturating_sub(s.block_table.len()));
+        Some(s)
+    }
+
+    /// Removes and returns the waiting sequences whose admission deadline passed.
+    pub fn expire(&mut self, now: Instant) -> Vec<Sequence<P>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].deadline <= now {
+                if let Some(s) = self.waiting.remove(i) {
+                    out.push(s);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// Admits waiting sequences (see the module docs); returns the ids admitted, in order.
+    /// Their prefix hits are already in their block tables.
+    pub fn admit(&mut self, now: Instant) -> Vec<SeqId> {
+        let mut admitted = Vec::new();
+        let head = self.waiting.front().map(|s| s.id);
+        if head != self.head_id {
+            self.head_id = head;
+            self.head_bypassed = 0;
+        }
+        let mut i = 0;
+        while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
+            let s = &self.waiting[i];
+            let b = self.block_size();
+            let max_hit = (s.prompt_len - 1) / b;
+            let hits = self.kv.lookup(
+                &s.links.iter().map(|l| l.key()).collect::<Vec<_>>(),
+                &s.tokens,
+                max_hit,
+            );
+            let new_blocks = s.reserved_total.saturating_sub(hits.len());
+            if !self.kv.can_admit(&hits, new_blocks) {
+                if i == 0 && self.head_bypassed >= self.cfg.max_running {
+                    break;
+                }
+                i += 1;
+                continue;
+            }
+            let Some(mut s) = self.waiting.remove(i) else {
+                break;
+            };
+            if i > 0 {
+                self.head_bypassed += 1;
+            } else {
+                self.head_id = self.waiting.front().map(|s| s.id);
+                self.head_bypassed = 0;
+            }
+            self.kv.admit(&hits, new_blocks);
+            s.block_table = hits.iter().map(|c| c.0).collect();
+            s.canon = hits.iter().map(|&c| Some(c)).collect();
+            s.registered = hits.len();
+            s.num_computed = hits.len() * b;
+            s.cached_tokens = s.num_computed;
+            s.admitted_at = Some(now);
+            admitted.push(s.id);
+            self.running.push(s);
+        }
+        admitted
+    }
+
+    /// Plans the next step and allocates the blocks it writes. Sequences whose allocation
+    /// failed (a broken reservation: a bug) are returned in the second list; the caller
+    /// fails and removes them.
+    pub fn schedule(&mut self) -> (Vec<Scheduled>, Vec<SeqId>) {
+        let mut plan = Vec::new();
+        let mut broken = Vec::new();
+        let mut budget = self.cfg.step_token_budget;
+        // 1. Decodes.
+        for s in self.running.iter().filter(|s| s.is_decoding()) {
+            if budget == 0 {
+                break;
+            }
+            plan.push(Scheduled {
+                id: s.id,
+                start: s.num_computed,
+                len: 1,
+                want_logits: true,
+            });
+            budget -= 1;
+        }
+        // 2. Prefill: finishers (remaining ≤ chunk), smallest first, ≤ half the budget.
+        let mut served: Vec<SeqId> = Vec::new();
+        let mut finishers: Vec<(usize, SeqId, usize)> = self
+            .running
+            .iter()
+            .filter(|s| s.is_prefilling())
+            .map(|s| (s.prompt_len - s.num_computed, s.id, s.num_computed))
+            .filter(|(rem, _, _)| *rem <= self.cfg.prefill_chunk)
+            .collect();
+        finishers.sort();
+        let finisher_cap = budget / 2;
+        let mut finisher_used = 0;
+        for (rem, id, start) in finishers {
+            if finisher_used + rem > finisher_cap || rem > budget {
+                break;
+            }
+            plan.push(Scheduled {
+                id,
+                start,
+                len: rem,
+                want_logits: true,
+            });
+            served.push(id);
+            finisher_used += rem;
+            budget -= rem;
+        }
+        // 3. Round-robin over the other prefilling sequences, resuming after the last served.
+        let mut order: Vec<&Sequence<P>> = self
+            .running
+            .iter()
+            .filter(|s| s.is_prefilling() && !served.contains(&s.id))
+            .collect();
+        order.sort_by_key(|s| s.id);
+        let start_at = match self.rr_last {
+            Some(last) => order.iter().position(|s| s.id > last).unwrap_or(0),
+            None => 0,
+        };
+        let n = order.len();
+        for k in 0..n {
+            if budget == 0 {
+                break;
+            }
+            let s = order[(start_at + k) % n];
+            let rem = s.prompt_len - s.num_computed;
+            let len = rem.min(self.cfg.prefill_chunk).min(budget);
+            plan.push(Scheduled {
+                id: s.id,
+                start: s.num_computed,
+                len,
+                want_logits: len == rem,
+            });
+            self.rr_last = Some(s.id);
+            budget -= len;
+        }
+        // Allocate the blocks every planned chunk writes.
+        let b = self.block_size();
+        plan.retain(|c| {
+            let Some(s) = self.running.iter_mut().find(|s| s.id == c.id) else {
+                return false;
+            };
+            let blocks_needed = (c.start + c.len).div_ceil(b);
+            while s.block_table.len() < blocks_needed {
+                if s.block_table.len() >= s.reserved_total {
+                    broken.push(s.id);
+                    return false;
+                }
+                match self.kv.allocate_reserved() {
+                    Some(blk) => s.block_table.push(blk),
+                    None => {
+                        broken.push(s.id);
+                        return false;
+                    }
+                }
+            }
+            true
+        });
+        (plan, broken)
+    }
+
+    /// The executor's view of a plan (borrows the sequences' tokens and block tables).
+    pub fn chunks<'a>(&'a self, plan: &[Scheduled]) -> Vec<SeqChunk<'a>> {
+        plan.iter()
+            .filter_map(|c| {
+                let s = self.get(c.id)?;
+                Some(SeqChunk {
+                    tokens: s.tokens.get(c.start..c.start + c.len)?,
+                    start_pos: c.start,
+                    block_table: &s.block_table,
+                    want_logits: c.want_logits,
+                })
+            })
+            .collect()
+    }
+
+    /// Records that a plan ran: advances every sequence and offers its newly full blocks to
+    /// the prefix cache.
+    pub fn complete(&mut self, plan: &[Scheduled]) {
+        for c in plan {
+            let Some(i) = self.running.iter().position(|s| s.id == c.id) else {
+                continue;
+            };
+            let s = &mut self.running[i];
+            s.num_computed = s.num_computed.max(c.start + c.len);
+            Self::register_full_blocks(&mut self.kv, s);
+        }
+    }
+
+    fn register_full_blocks(kv: &mut KvCache, s: &mut Sequence<P>) {
+        let b = s.block_size();
+        while s.registered < s.num_computed / b {
+            let i = s.registered;
+            let Some(block_tokens) = s.tokens.get(i * b..(i + 1) * b) else {
+                break;
+            };
+            if s.links.len() <= i {
+                let parent = if i == 0 {
+                    s.chain.root()
+                } else {
+                    match s.links.get(i - 1) {
+                        Some(l) => *l,
+                        None => break,
+                    }
+                };
+                match s.chain.next(&parent, block_tokens) {
+                    Ok(l) => s.links.push(l),
+                    Err(_) => break,
+                }
+            }
+            let canon = match (s.cache_insert, s.block_table.get(i)) {
+                (true, Some(&blk)) => {
+                    let parent = if i == 0 {
+                        None
+                    } else {
+                        s.canon
+                            .get(i - 1)
+                            .copied()
+                            .flatten()
+                            .zip(s.links.get(i - 1).map(|l| l.key()))
+                    };
+                    kv.register(blk, s.links[i].key(), block_tokens, i == 0, parent)
+                }
+                _ => None,
+            };
+            s.canon.push(canon);
+            s.registered += 1;
+        }
+    }
+
+    /// Appends a sampled token to a running sequence (its K/V is computed next step).
+    pub fn append_token(&mut self, id: SeqId, token: u32) {
+        if let Some(s) = self.get_mut(id) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// Queued events of the KV cache.
+    pub fn take_events(&mut self) -> Vec<prefix_index::KvEvent> {
+        self.kv.take_events()
+    }
+
+    /// Removes every sequence (engine stop), freeing all blocks.
+    pub fn drain_all(&mut self) -> Vec<Sequence<P>> {
+        let ids: Vec<SeqId> = self
+            .waiting
+            .iter()
+            .chain(self.running.iter())
+            .map(|s| s.id)
+            .collect();
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// Checks the KV invariants plus: every block referenced exactly as often as block
+    /// tables hold it; reservations equal the sum of outstanding ones. O(blocks + tokens);
+    /// for tests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        let total = self.kv.pool().total();
+        let mut refs = vec![0u32; total];
+        let mut outstanding = 0usize;
+        for s in &self.running {
+            for &b in &s.block_table {
+                *refs
+                    .get_mut(b as usize)
+                    .ok_or_else(|| format!("bad block {b}"))? += 1;
+            }
+            if s.block_table.len() > s.reserved_total {
+                return Err(format!("{:?} holds more than it reserved", s.id));
+            }
+            outstanding += s.reserved_total - s.block_table.len();
+        }
+        for (b, &r) in refs.iter().enumerate() {
+            let rc = self.kv.pool().refcount(b as BlockId);
+            if rc != r {
+                return Err(format!("block {b}: refcount {rc}, held by tables {r}"));
+            }
+        }
+        if outstanding != self.kv.reserved() {
+            return Err(format!(
+                "reserved {} but outstanding {outstanding}",
+                self.kv.reserved()
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,746 @@
+//! The generation endpoints, `POST /v1/chat/completions` and `POST /v1/completions`, streaming
+//! (SSE) and not, and the receipt of every request they answer.
+//!
+//! Path of one request:
+//! 1. [`tickets::admit`] — request id and route ticket (401 / 400, no receipt: the request is
+//!    not attributable);
+//! 2. the body is read up to the configured limit (413, no receipt);
+//! 3. from here on every answer writes a signed receipt: validation (400), tokenization and the
+//!    token budget (400 `context_length_exceeded`), the engine's refusal (429 + `Retry-After`),
+//!    then the engine run;
+//! 4. a *driver* task owns the [`SequenceHandle`] and forwards its events through a bounded
+//!    channel to the HTTP response. It `select!`s on the channel closing, so a client that goes
+//!    away (stream or not) drops the handle at once — the engine frees the sequence's blocks —
+//!    and the receipt records the cancellation (status 499, code `client_disconnected`);
+//! 5. the driver writes the receipt *before* the last message reaches the client, so a client
+//!    that has read the end of its answer can fetch the receipt immediately.
+//!
+//! Streaming answers wait for the engine's `Started` event (or `Failed`) before sending
+//! headers, so an admission timeout is still a real 429 status.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream::{self, Stream, StreamExt};
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, oneshot};
+
+use super::api_error::ApiError;
+use super::protocol::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+    ChatDelta, CompletionChoice, CompletionResponse, UsageBody,
+};
+use super::tickets::{self, Admission, RECEIPT_HEADER, REQUEST_ID_HEADER};
+use super::validate::{self, GenerationPlan, PromptSource};
+use super::AppState;
+use crate::engine::{GenerateRequest, SeqEvent};
+
+/// Which OpenAI endpoint (shapes the response objects).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+impl Endpoint {
+    fn label(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat_completions",
+            Endpoint::Completion => "completions",
+        }
+    }
+}
+
+/// HTTP status recorded in the receipt of a request whose client went away.
+pub const CLIENT_CLOSED_STATUS: u16 = 499;
+
+/// What the receipt needs that is known before the engine runs.
+#[derive(Clone, Debug)]
+struct ReceiptCtx {
+    admission: Admission,
+    request_sha256: String,
+    received_at_ms: u64,
+}
+
+/// The outcome part of a receipt.
+#[derive(Clone, Debug, Default)]
+struct Outcome {
+    status: u16,
+    error_code: Option<String>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    finish_reason: Option<String>,
+    response_sha256: String,
+    first_token_at_ms: Option<u64>,
+    last_block_key: Option<String>,
+}
+
+fn empty_sha256() -> String {
+    hex::encode(Sha256::digest(b""))
+}
+
+fn to_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Signs and appends the receipt (on the blocking pool: the log may fsync).
+async fn write_receipt(st: &Arc<AppState>, ctx: &ReceiptCtx, o: Outcome) {
+    let draft = receipts::ReceiptDraft {
+        request_id: ctx.admission.request_id.clone(),
+        ticket: ctx.admission.ticket.clone(),
+        model: st.identity.model_id.clone(),
+        profile_digest: st.profile_digest.clone(),
+        request_sha256: ctx.request_sha256.clone(),
+        response_sha256: o.response_sha256,
+        prompt_tokens: to_u32(o.prompt_tokens),
+        cached_tokens: to_u32(o.cached_tokens),
+        completion_tokens: to_u32(o.completion_tokens),
+        finish_reason: o.finish_reason,
+        status: o.status,
+        error_code: o.error_code,
+        received_at_ms: ctx.received_at_ms,
+        first_token_at_ms: o.first_token_at_ms,
+        completed_at_ms: receipts::now_ms(),
+        last_block_key: o.last_block_key,
+    };
+    let log = st.receipts.clone();
+    let res = tokio::task::spawn_blocking(move || log.append(draft)).await;
+    match res {
+        Ok(Ok(_)) => st.metrics.receipt_written(),
+        Ok(Err(e)) => {
+            st.metrics.receipt_failed();
+            tracing::error!(error = %e, "receipt append failed");
+        }
+        Err(e) => {
+            st.metrics.receipt_failed();
+            tracing::error!(error = %e, "receipt task failed");
+        }
+    }
+}
+
+fn with_ids(mut resp: Response, request_id: &str, receipt: bool) -> Response {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        if receipt {
+            resp.headers_mut().insert(RECEIPT_HEADER, v.clone());
+        }
+        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    resp
+}
+
+/// An error answer before any receipt context exists (no receipt written).
+fn early_error(st: &AppState, endpoint: Endpoint, e: ApiError, request_id: Option<&str>) -> Response {
+    st.metrics.rejection(e.code);
+    st.metrics.request(endpoint.label(), e.status.as_u16());
+    let id = request_id
+        .map(str::to_string)
+        .unwrap_or_else(tickets::generate_request_id);
+    with_ids(e.into_response(), &id, false)
+}
+
+/// An error answer after the receipt context exists: writes the receipt first.
+async fn receipted_error(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    ctx: &ReceiptCtx,
+    e: ApiError,
+    prompt_tokens: usize,
+) -> Response {
+    st.metrics.rejection(e.code);
+    st.metrics.request(endpoint.label(), e.status.as_u16());
+    write_receipt(
+        st,
+        ctx,
+        Outcome {
+            status: e.status.as_u16(),
+            error_code: Some(e.code.to_string()),
+            prompt_tokens,
+            response_sha256: empty_sha256(),
+            ..Outcome::default()
+        },
+    )
+    .await;
+    with_ids(e.into_response(), &ctx.admission.request_id, true)
+}
+
+/// Reads the body up to `limit` bytes; `Err` is the 413 (or a read error).
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("request body exceeds the limit of {limit} bytes"),
+        )
+        .with_detail("limit_bytes", limit)
+    };
+    if let Some(len) = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        if len > limit as u64 {
+            return Err(too_large());
+        }
+    }
+    match axum::body::to_bytes(body, limit).await {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            let is_limit = std::error::Error::source(&e)
+                .map(|s| s.is::<http_body_util::LengthLimitError>())
+                .unwrap_or(false)
+                || e.to_string().contains("length limit");
+            if is_limit {
+                Err(too_large())
+            } else {
+                Err(ApiError::bad_request(
+                    "body_read_error",
+                    None,
+                    format!("could not read the request body: {e}"),
+                ))
+            }
+        }
+    }
+}
+
+/// Tokenizes the plan's prompt with the worker's profile (on the blocking pool).
+async fn tokenize(st: &Arc<AppState>, prompt: PromptSource) -> Result<Vec<u32>, ApiError> {
+    let profile = st.profile.clone();
+    let vocab = profile.vocab_size();
+    let job = move || -> Result<Vec<u32>, ApiError> {
+        match prompt {
+            PromptSource::Messages(m) => profile
+                .render_and_encode(&m)
+                .map(|r| r.ids)
+                .map_err(|e| profile_error(&e, "messages")),
+            PromptSource::Text(t) => profile
+                .encode(&t, false)
+                .map_err(|e| profile_error(&e, "prompt")),
+            PromptSource::Tokens(t) => {
+                if let Some((i, id)) = t.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+                    return Err(ApiError::bad_request(
+                        "invalid_value",
+                        Some(&format!("prompt[{i}]")),
+                        format!("token id {id} is outside the vocabulary (size {vocab})"),
+                    ));
+                }
+                Ok(t)
+            }
+        }
+    };
+    tokio::task::spawn_blocking(job).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("tokenizer task failed: {e}"),
+        ))
+    })
+}
+
+fn profile_error(e: &prompt_profile::ProfileError, param: &str) -> ApiError {
+    if e.is_client_error() {
+        ApiError::bad_request(e.error_type(), Some(param), e.to_string())
+    } else {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.error_type(), e.to_string())
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(st, Endpoint::Chat, headers, body).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(st, Endpoint::Completion, headers, body).await
+}
+
+async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let received = Instant::now();
+    let received_at_ms = receipts::now_ms();
+    let header_id = tickets::header_request_id(&headers).ok().flatten();
+    let admission = match tickets::admit(&st, &headers) {
+        Ok(a) => a,
+        Err(e) => return early_error(&st, endpoint, e, header_id.as_deref()),
+    };
+    let bytes = match read_body(body, &headers, st.settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return early_error(&st, endpoint, e, Some(&admission.request_id)),
+    };
+    let ctx = ReceiptCtx {
+        request_sha256: hex::encode(Sha256::digest(&bytes)),
+        admission,
+        received_at_ms,
+    };
+    let plan = match endpoint {
+        Endpoint::Chat => validate::chat(&bytes),
+        Endpoint::Completion => validate::completion(&bytes),
+    };
+    let mut plan = match plan {
+        Ok(p) => p,
+        Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
+    };
+    match tickets::no_cache_header(&headers) {
+        Ok(true) => plan.cache_insert = false,
+        Ok(false) => {}
+        Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
+    }
+    if !st.settings.served_model_names.is_empty()
+        && !st.settings.served_model_names.iter().any(|m| m == &plan.model)
+    {
+        let e = ApiError::not_found(
+            "model_not_found",
+            format!(
+                "model `{}` is not served here (served: {})",
+                plan.model,
+                st.settings.served_model_names.join(", ")
+            ),
+        )
+        .with_param(Some("model"));
+        return receipted_error(&st, endpoint, &ctx, e, 0).await;
+    }
+    let prompt = match tokenize(&st, plan.prompt.clone()).await {
+        Ok(p) => p,
+        Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
+    };
+    let prompt_tokens = prompt.len();
+    let max_tokens = match validate::budget(
+        prompt_tokens,
+        plan.max_tokens,
+        st.settings.native_reserve,
+        st.context_limit,
+        st.settings.default_max_tokens,
+    ) {
+        Ok(n) => n,
+        Err(mut e) => {
+            if endpoint == Endpoint::Completion && e.param.as_deref() == Some("messages") {
+                e.param = Some("prompt".into());
+            }
+            return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+        }
+    };
+    let req = GenerateRequest {
+        request_id: ctx.admission.request_id.clone(),
+        prompt,
+        namespace: ctx.admission.namespace,
+        sampling: plan.sampling.clone(),
+        max_tokens,
+        stop_token_ids: st.identity.eos_token_ids.clone(),
+        stop_strings: plan.stop.clone(),
+        cache_insert: plan.cache_insert,
+        deadline: None,
+    };
+    let handle = match st.engine.submit(req) {
+        Ok(h) => h,
+        Err(e) => {
+            let e = ApiError::from_engine(&e, st.settings.retry_after_s);
+            return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+        }
+    };
+
+    let (head_tx, head_rx) = oneshot::channel();
+    let (tx, rx) = mpsc::channel::<Msg>(64);
+    let driver = Driver {
+        st: st.clone(),
+        endpoint,
+        stream: plan.stream,
+        ctx: ctx.clone(),
+        prompt_tokens,
+        received,
+    };
+    tokio::spawn(driver.run(handle, head_tx, tx));
+
+    match head_rx.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            // The driver wrote the receipt.
+            st.metrics.rejection(e.code);
+            st.metrics.request(endpoint.label(), e.status.as_u16());
+            return with_ids(e.into_response(), &ctx.admission.request_id, true);
+        }
+        Err(_) => {
+            let e = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "engine_stopped",
+                "the worker is shutting down",
+            );
+            st.metrics.request(endpoint.label(), e.status.as_u16());
+            return with_ids(e.into_response(), &ctx.admission.request_id, true);
+        }
+    }
+    let meta = ResponseMeta {
+        id: match endpoint {
+            Endpoint::Chat => format!("chatcmpl-{}", ctx.admission.request_id),
+            Endpoint::Completion => format!("cmpl-{}", ctx.admission.request_id),
+        },
+        created: received_at_ms / 1000,
+        model: plan.model.clone(),
+        fingerprint: st.fingerprint.clone(),
+    };
+    if plan.stream {
+        st.metrics.request(endpoint.label(), 200);
+        let events = sse_events(endpoint, meta, plan.include_usage, rx);
+        let resp = Sse::new(events)
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            .into_response();
+        with_ids(resp, &ctx.admission.request_id, true)
+    } else {
+        let resp = collect(endpoint, meta, rx).await;
+        let status = resp.status().as_u16();
+        st.metrics.request(endpoint.label(), status);
+        with_ids(resp, &ctx.admission.request_id, true)
+    }
+}
+
+/// From the driver to the HTTP side.
+enum Msg {
+    Text(String),
+    End { finish: String, usage: UsageBody },
+    Fail(ApiError),
+}
+
+struct ResponseMeta {
+    id: String,
+    created: u64,
+    model: String,
+    fingerprint: String,
+}
+
+struct Driver {
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    stream: bool,
+    ctx: ReceiptCtx,
+    prompt_tokens: usize,
+    received: Instant,
+}
+
+impl Driver {
+    /// Owns the sequence until it ends, the client goes away or the server shuts down.
+    async fn run(
+        self,
+        mut handle: crate::engine::SequenceHandle,
+        head_tx: oneshot::Sender<Result<(), ApiError>>,
+        tx: mpsc::Sender<Msg>,
+    ) {
+        let st = self.st.clone();
+        let mut head_tx = Some(head_tx);
+        let mut hasher = Sha256::new();
+        let mut o = Outcome {
+            prompt_tokens: self.prompt_tokens,
+            ..Outcome::default()
+        };
+        let mut last_token: Option<Instant> = None;
+        let retry = st.settings.retry_after_s;
+        enum End {
+            Done(Msg),
+            HeadFailed(ApiError),
+            Cancelled,
+        }
+        let end = loop {
+            let ev = tokio::select! {
+                biased;
+                _ = st.shutdown.cancelled() => None,
+                _ = tx.closed() => break End::Cancelled,
+                ev = handle.next() => ev,
+            };
+            let Some(ev) = ev else {
+                let e = ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "engine_stopped",
+                    "the worker is shutting down",
+                );
+                if head_tx.is_some() {
+                    break End::HeadFailed(e);
+                }
+                break End::Done(Msg::Fail(e));
+            };
+            match ev {
+                SeqEvent::Started {
+                    cached_tokens,
+                    queue_time,
+                } => {
+                    st.metrics.observe_queue_time(queue_time.as_secs_f64());
+                    o.cached_tokens = cached_tokens;
+                    if let Some(h) = head_tx.take() {
+                        if h.send(Ok(())).is_err() {
+                            break End::Cancelled;
+                        }
+                    }
+                }
+                SeqEvent::Token { text, .. } => {
+                    let now = Instant::now();
+                    match last_token {
+                        None => {
+                            st.metrics
+                                .observe_ttft(now.duration_since(self.received).as_secs_f64());
+                            o.first_token_at_ms = Some(receipts::now_ms());
+                        }
+                        Some(prev) => st.metrics.observe_itl(now.duration_since(prev).as_secs_f64()),
+                    }
+                    last_token = Some(now);
+                    o.completion_tokens += 1;
+                    if !text.is_empty() {
+                        hasher.update(text.as_bytes());
+                        if tx.send(Msg::Text(text)).await.is_err() {
+                            break End::Cancelled;
+                        }
+                    }
+                }
+                SeqEvent::Finished {
+                    reason,
+                    usage,
+                    last_block_key,
+                } => {
+                    o.prompt_tokens = usage.prompt_tokens;
+                    o.cached_tokens = usage.cached_tokens;
+                    o.completion_tokens = usage.completion_tokens;
+                    o.finish_reason = Some(reason.as_str().to_string());
+                    o.last_block_key = last_block_key.map(|k| k.to_string());
+                    let msg = Msg::End {
+                        finish: reason.as_str().to_string(),
+                        usage: UsageBody::new(
+                            usage.prompt_tokens,
+                            usage.cached_tokens,
+                            usage.completion_tokens,
+                        ),
+                    };
+                    if let Some(h) = head_tx.take() {
+                        // Finished without Started: treat as started now.
+                        let _ = h.send(Ok(()));
+                    }
+                    break End::Done(msg);
+                }
+                SeqEvent::Failed { error, code } => {
+                    let e = ApiError::from_failed(code, error, retry);
+                    if head_tx.is_some() {
+                        break End::HeadFailed(e);
+                    }
+                    break End::Done(Msg::Fail(e));
+                }
+            }
+        };
+        // Free the sequence (and its blocks) before anything slow.
+        drop(handle);
+        o.response_sha256 = hex::encode(hasher.finalize());
+        match end {
+            End::Cancelled => {
+                st.metrics.cancelled();
+                o.status = CLIENT_CLOSED_STATUS;
+                o.error_code = Some("client_disconnected".into());
+                write_receipt(&st, &self.ctx, o).await;
+            }
+            End::HeadFailed(e) => {
+                o.status = e.status.as_u16();
+                o.error_code = Some(e.code.to_string());
+                write_receipt(&st, &self.ctx, o).await;
+                if let Some(h) = head_tx.take() {
+                    let _ = h.send(Err(e));
+                }
+            }
+            End::Done(msg) => {
+                match &msg {
+                    Msg::Fail(e) => {
+                        // Streaming: the 200 is already on the wire; the error travels in-band.
+                        o.status = if self.stream { 200 } else { e.status.as_u16() };
+                        o.error_code = Some(e.code.to_string());
+                        st.metrics.rejection(e.code);
+                    }
+                    _ => o.status = 200,
+                }
+                write_receipt(&st, &self.ctx, o).await;
+                st.metrics
+                    .observe_e2e(Instant::now().duration_since(self.received).as_secs_f64());
+                let _ = tx.send(msg).await;
+            }
+        }
+        let _ = self.endpoint;
+    }
+}
+
+/// Non-streaming: gathers the driver's messages into one JSON answer.
+async fn collect(endpoint: Endpoint, meta: ResponseMeta, mut rx: mpsc::Receiver<Msg>) -> Response {
+    let mut text = String::new();
+    while let Some(m) = rx.recv().await {
+        match m {
+            Msg::Text(t) => text.push_str(&t),
+            Msg::Fail(e) => return e.into_response(),
+            Msg::End { finish, usage } => {
+                let body = match endpoint {
+                    Endpoint::Chat => serde_json::to_vec(&ChatCompletionResponse {
+                        id: meta.id,
+                        object: "chat.completion".into(),
+                        created: meta.created,
+                        model: meta.model,
+                        system_fingerprint: meta.fingerprint,
+                        choices: vec![ChatChoice {
+                            index: 0,
+                            message: AssistantMessage {
+                                role: "assistant".into(),
+                                content: text,
+                            },
+                            logprobs: None,
+                            finish_reason: finish,
+                        }],
+                        usage,
+                    }),
+                    Endpoint::Completion => serde_json::to_vec(&CompletionResponse {
+                        id: meta.id,
+                        object: "text_completion".into(),
+                        created: meta.created,
+                        model: meta.model,
+                        system_fingerprint: meta.fingerprint,
+                        choices: vec![CompletionChoice {
+                            index: 0,
+                            text,
+                            logprobs: None,
+                            finish_reason: Some(finish),
+                        }],
+                        usage: Some(Some(usage)),
+                    }),
+                };
+                return match body {
+                    Ok(b) => (
+                        StatusCode::OK,
+                        [(axum::http::header::CONTENT_TYPE, "application/json")],
+                        b,
+                    )
+                        .into_response(),
+                    Err(e) => ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal_error",
+                        e.to_string(),
+                    )
+                    .into_response(),
+                };
+            }
+        }
+    }
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "engine_stopped",
+        "the worker is shutting down",
+    )
+    .into_response()
+}
+
+fn json_event<T: serde::Serialize>(v: &T) -> Event {
+    Event::default().data(serde_json::to_string(v).unwrap_or_default())
+}
+
+/// Streaming: the driver's messages as OpenAI SSE chunks, ending with `data: [DONE]`.
+fn sse_events(
+    endpoint: Endpoint,
+    meta: ResponseMeta,
+    include_usage: bool,
+    rx: mpsc::Receiver<Msg>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let meta = Arc::new(meta);
+    let usage_slot = if include_usage { Some(None) } else { None };
+    let chunk = {
+        let meta = meta.clone();
+        move |content: Option<String>, role: bool, finish: Option<String>| -> Event {
+            match endpoint {
+                Endpoint::Chat => json_event(&ChatCompletionChunk {
+                    id: meta.id.clone(),
+                    object: "chat.completion.chunk".into(),
+                    created: meta.created,
+                    model: meta.model.clone(),
+                    system_fingerprint: meta.fingerprint.clone(),
+                    choices: vec![ChatChunkChoice {
+                        index: 0,
+                        delta: ChatDelta {
+                            role: role.then(|| "assistant".to_string()),
+                            content,
+                        },
+                        logprobs: None,
+                        finish_reason: finish,
+                    }],
+                    usage: usage_slot.clone(),
+                }),
+                Endpoint::Completion => json_event(&CompletionResponse {
+                    id: meta.id.clone(),
+                    object: "text_completion".into(),
+                    created: meta.created,
+                    model: meta.model.clone(),
+                    system_fingerprint: meta.fingerprint.clone(),
+                    choices: vec![CompletionChoice {
+                        index: 0,
+                        text: content.unwrap_or_default(),
+                        logprobs: None,
+                        finish_reason: finish,
+                    }],
+                    usage: usage_slot.clone(),
+                }),
+            }
+        }
+    };
+    let usage_chunk = {
+        let meta = meta.clone();
+        move |usage: UsageBody| -> Event {
+            match endpoint {
+                Endpoint::Chat => json_event(&ChatCompletionChunk {
+                    id: meta.id.clone(),
+                    object: "chat.completion.chunk".into(),
+                    created: meta.created,
+                    model: meta.model.clone(),
+                    system_fingerprint: meta.fingerprint.clone(),
+                    choices: vec![],
+                    usage: Some(Some(usage)),
+                }),
+                Endpoint::Completion => json_event(&CompletionResponse {
+                    id: meta.id.clone(),
+                    object: "text_completion".into(),
+                    created: meta.created,
+                    model: meta.model.clone(),
+                    system_fingerprint: meta.fingerprint.clone(),
+                    choices: vec![],
+                    usage: Some(Some(usage)),
+                }),
+            }
+        }
+    };
+    let first = match endpoint {
+        Endpoint::Chat => vec![chunk(Some(String::new()), true, None)],
+        Endpoint::Completion => vec![],
+    };
+    let body = stream::unfold(Some(rx), move |rx| {
+        let chunk = chunk.clone();
+        let usage_chunk = usage_chunk.clone();
+        async move {
+            let mut rx = rx?;
+            let events = match rx.recv().await {
+                None => return None,
+                Some(Msg::Text(t)) => vec![chunk(Some(t), false, None)],
+                Some(Msg::End { finish, usage }) => {
+                    let mut v = vec![chunk(None, false, Some(finish))];
+                    if include_usage {
+                        v.push(usage_chunk(usage));
+                    }
+                    v.push(Event::default().data("[DONE]"));
+                    return Some((v, None));
+                }
+                Some(Msg::Fail(e)) => {
+                    return Some((vec![json_event(&e.body())], None));
+                }
+            };
+            Some((events, Some(rx)))
+        }
+    });
+    stream::iter(first)
+        .chain(body.flat_map(stream::iter))
+        .map(Ok)
+}

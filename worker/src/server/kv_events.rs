@@ -1,0 +1,152 @@
+//! `GET /v1/kv/events`: the engine's KV event feed as Server-Sent Events, for the gateway's
+//! prefix index. The wire format is specified in `docs/kv-events.md`:
+//!
+//! - every event is one SSE message: `id: <epoch>:<seq>` and `data: <KvEventEnvelope JSON>`;
+//! - resume point: query `since_epoch=E&since_seq=S`, or `since=E:S`, or the standard SSE
+//!   `Last-Event-ID: E:S` header (the query wins). Without one, or when it cannot be honoured
+//!   (other epoch, seq no longer in the replay buffer), the stream starts with a `cleared`
+//!   envelope and a snapshot of every cached key (`stored` envelopes), then live events;
+//! - a comment line (`: keep-alive`) every 10 s keeps idle connections open;
+//! - the stream ends when the worker shuts down.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream;
+use serde::Deserialize;
+
+use super::api_error::ApiError;
+use super::AppState;
+
+/// Query parameters of `GET /v1/kv/events`.
+#[derive(Debug, Default, Deserialize)]
+pub struct EventsQuery {
+    pub since_epoch: Option<u64>,
+    pub since_seq: Option<u64>,
+    /// `EPOCH:SEQ`.
+    pub since: Option<String>,
+}
+
+/// Parses `EPOCH:SEQ`.
+pub fn parse_position(s: &str) -> Option<(u64, u64)> {
+    let (e, q) = s.split_once(':')?;
+    Some((e.trim().parse().ok()?, q.trim().parse().ok()?))
+}
+
+/// The resume position requested, if any; malformed values are a 400.
+pub fn resume_position(
+    q: &EventsQuery,
+    headers: &HeaderMap,
+) -> Result<Option<(u64, u64)>, ApiError> {
+    match (q.since_epoch, q.since_seq) {
+        (Some(e), Some(s)) => return Ok(Some((e, s))),
+        (None, None) => {}
+        _ => {
+            return Err(ApiError::bad_request(
+                "invalid_value",
+                Some("since_epoch"),
+                "`since_epoch` and `since_seq` go together",
+            ))
+        }
+    }
+    if let Some(s) = &q.since {
+        return parse_position(s).map(Some).ok_or_else(|| {
+            ApiError::bad_request("invalid_value", Some("since"), "`since` must be EPOCH:SEQ")
+        });
+    }
+    if let Some(v) = headers.get("last-event-id") {
+        let pos = v.to_str().ok().and_then(parse_position);
+        return pos.map(Some).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_value",
+                Some("Last-Event-ID"),
+                "`Last-Event-ID` must be EPOCH:SEQ",
+            )
+        });
+    }
+    Ok(None)
+}
+
+/// `GET /v1/kv/events`.
+pub async fn kv_events(
+    State(st): State<Arc<AppState>>,
+    query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Response {
+    let q = match query {
+        Ok(Query(q)) => q,
+        Err(e) => {
+            st.metrics.request("kv_events", 400);
+            return ApiError::bad_request("invalid_value", None, e.body_text()).into_response();
+        }
+    };
+    let since = match resume_position(&q, &headers) {
+        Ok(p) => p,
+        Err(e) => {
+            st.metrics.request("kv_events", 400);
+            return e.into_response();
+        }
+    };
+    st.metrics.request("kv_events", 200);
+    let sub = st.engine.kv_events().subscribe(since);
+    let shutdown = st.shutdown.clone();
+    let events = stream::unfold((sub, shutdown), |(mut sub, shutdown)| async move {
+        let env = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => None,
+            env = sub.next() => env,
+        }?;
+        let data = serde_json::to_string(&env).ok()?;
+        let ev = Event::default()
+            .id(format!("{}:{}", env.epoch, env.seq))
+            .data(data);
+        Some((Ok::<_, Infallible>(ev), (sub, shutdown)))
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn resume_position_sources() {
+        let h = HeaderMap::new();
+        assert_eq!(resume_position(&EventsQuery::default(), &h).unwrap(), None);
+        let q = EventsQuery {
+            since_epoch: Some(3),
+            since_seq: Some(9),
+            since: None,
+        };
+        assert_eq!(resume_position(&q, &h).unwrap(), Some((3, 9)));
+        let q = EventsQuery {
+            since_epoch: Some(3),
+            ..EventsQuery::default()
+        };
+        assert!(resume_position(&q, &h).is_err());
+        let q = EventsQuery {
+            since: Some("5:6".into()),
+            ..EventsQuery::default()
+        };
+        assert_eq!(resume_position(&q, &h).unwrap(), Some((5, 6)));
+        let q = EventsQuery {
+            since: Some("56".into()),
+            ..EventsQuery::default()
+        };
+        assert!(resume_position(&q, &h).is_err());
+        let mut h = HeaderMap::new();
+        h.insert("last-event-id", HeaderValue::from_static("7:8"));
+        assert_eq!(
+            resume_position(&EventsQuery::default(), &h).unwrap(),
+            Some((7, 8))
+        );
+    }
+}

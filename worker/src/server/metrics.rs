@@ -1,0 +1,252 @@
+//! The worker's Prometheus metrics: one [`Registry`] owned by the running server (no globals),
+//! rendered by `GET /metrics` in the OpenMetrics text format of `prometheus-client`.
+//!
+//! Two kinds of series:
+//! - request-path series the server updates itself ([`ServerMetrics`]): requests by endpoint and
+//!   status, rejections by reason (the `ApiError` code), TTFT, inter-token latency, queue time,
+//!   end-to-end duration, receipts written / failed;
+//! - engine series read from [`crate::engine::EngineStats`] at scrape time ([`EngineCollector`]):
+//!   running / waiting sequences, KV blocks by state, prefix-hit / prompt / generation tokens,
+//!   engine steps. Reading them at scrape time keeps the engine free of metric code.
+//!
+//! Every name is prefixed `kvgate_worker_`; the list is in `docs/worker-api.md`.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::engine::{Engine, EngineStats};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Series the request path updates.
+#[derive(Clone)]
+pub struct ServerMetrics {
+    requests: Family<Labels, Counter>,
+    rejections: Family<Labels, Counter>,
+    ttft: Histogram,
+    itl: Histogram,
+    queue_time: Histogram,
+    e2e: Histogram,
+    receipts_written: Counter,
+    receipt_failures: Counter,
+    cancelled: Counter,
+}
+
+impl ServerMetrics {
+    /// Registers the server's series and the engine collector into `registry`.
+    pub fn register(registry: &mut Registry, engine: Engine, ready: Arc<AtomicBool>) -> Self {
+        let m = ServerMetrics {
+            requests: Family::default(),
+            rejections: Family::default(),
+            // 1 ms .. ~65 s
+            ttft: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            // 0.5 ms .. ~16 s
+            itl: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            queue_time: Histogram::new(exponential_buckets(0.0005, 2.0, 18)),
+            e2e: Histogram::new(exponential_buckets(0.005, 2.0, 16)),
+            receipts_written: Counter::default(),
+            receipt_failures: Counter::default(),
+            cancelled: Counter::default(),
+        };
+        let r = registry.sub_registry_with_prefix("kvgate_worker");
+        r.register(
+            "requests",
+            "HTTP requests answered, by endpoint and status code",
+            m.requests.clone(),
+        );
+        r.register(
+            "rejections",
+            "Requests refused, by reason (the error code)",
+            m.rejections.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Time from request received to first generated token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one sequence",
+            m.itl.clone(),
+        );
+        r.register(
+            "queue_time_seconds",
+            "Time a sequence waited for admission before it was scheduled",
+            m.queue_time.clone(),
+        );
+        r.register(
+            "request_duration_seconds",
+            "Time from request received to its last byte, for admitted generation requests",
+            m.e2e.clone(),
+        );
+        r.register(
+            "receipts_written",
+            "Signed receipts appended to the receipt log",
+            m.receipts_written.clone(),
+        );
+        r.register(
+            "receipt_failures",
+            "Receipts that could not be appended to the receipt log",
+            m.receipt_failures.clone(),
+        );
+        r.register(
+            "cancelled",
+            "Generation requests whose client went away before the end",
+            m.cancelled.clone(),
+        );
+        r.register_collector(Box::new(EngineCollector { engine, ready }));
+        m
+    }
+
+    /// Counts one answered request.
+    pub fn request(&self, endpoint: &'static str, status: u16) {
+        self.requests
+            .get_or_create(&vec![("endpoint", endpoint.to_string()), ("status", status.to_string())])
+            .inc();
+    }
+
+    /// Counts one refusal by its error code.
+    pub fn rejection(&self, reason: &str) {
+        self.rejections
+            .get_or_create(&vec![("reason", reason.to_string())])
+            .inc();
+    }
+
+    pub fn observe_ttft(&self, s: f64) {
+        self.ttft.observe(s);
+    }
+
+    pub fn observe_itl(&self, s: f64) {
+        self.itl.observe(s);
+    }
+
+    pub fn observe_queue_time(&self, s: f64) {
+        self.queue_time.observe(s);
+    }
+
+    pub fn observe_e2e(&self, s: f64) {
+        self.e2e.observe(s);
+    }
+
+    pub fn receipt_written(&self) {
+        self.receipts_written.inc();
+    }
+
+    pub fn receipt_failed(&self) {
+        self.receipt_failures.inc();
+    }
+
+    pub fn cancelled(&self) {
+        self.cancelled.inc();
+    }
+}
+
+/// Reads [`EngineStats`] at scrape time.
+struct EngineCollector {
+    engine: Engine,
+    ready: Arc<AtomicBool>,
+}
+
+impl fmt::Debug for EngineCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EngineCollector").finish_non_exhaustive()
+    }
+}
+
+fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> fmt::Result {
+    let g = ConstGauge::new(v);
+    let me = enc.encode_descriptor(name, help, None, g.metric_type())?;
+    g.encode(me)
+}
+
+fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> fmt::Result {
+    let c = ConstCounter::new(v);
+    let me = enc.encode_descriptor(name, help, None, c.metric_type())?;
+    c.encode(me)
+}
+
+fn clamp(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let s: EngineStats = self.engine.stats();
+        gauge(
+            &mut enc,
+            "running_sequences",
+            "Sequences in the running batch",
+            clamp(s.running),
+        )?;
+        gauge(
+            &mut enc,
+            "waiting_sequences",
+            "Sequences waiting for admission",
+            clamp(s.waiting),
+        )?;
+        {
+            let mut me = enc.encode_descriptor(
+                "kv_blocks",
+                "KV cache blocks by state (used = referenced by a sequence, cached = unreferenced but holding a cached prefix key, free)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (state, v) in [
+                ("used", s.blocks_used),
+                ("cached", s.blocks_cached),
+                ("free", s.blocks_free),
+            ] {
+                let labels: Labels = vec![("state", state.to_string())];
+                me.encode_family(&labels)?.encode_gauge(&clamp(v))?;
+            }
+        }
+        gauge(
+            &mut enc,
+            "kv_blocks_total",
+            "KV cache blocks preallocated",
+            clamp(s.blocks_total),
+        )?;
+        counter(
+            &mut enc,
+            "prefix_hit_tokens",
+            "Prompt tokens reused from the prefix cache",
+            s.prefix_hit_tokens,
+        )?;
+        counter(
+            &mut enc,
+            "prompt_tokens",
+            "Prompt tokens of admitted sequences",
+            s.prompt_tokens,
+        )?;
+        counter(
+            &mut enc,
+            "generation_tokens",
+            "Tokens generated",
+            s.generation_tokens,
+        )?;
+        counter(&mut enc, "engine_steps", "Engine forward steps", s.steps)?;
+        gauge(
+            &mut enc,
+            "ready",
+            "1 once the start-up smoke inference produced a token",
+            i64::from(self.ready.load(Ordering::Acquire)),
+        )
+    }
+}
+
+/// Renders the registry as OpenMetrics text.
+pub fn render(registry: &Registry) -> Result<String, fmt::Error> {
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, registry)?;
+    Ok(out)
+}

@@ -1,0 +1,251 @@
+//! Operations endpoints: `/health`, `/ready`, `GET /v1/models`, `GET /v1/profile`,
+//! `POST /v1/tokenize`, `GET /metrics`, `GET /v1/keys`, `GET /v1/receipts/{request_id}`.
+//! Shapes in `protocol.rs` and `docs/worker-api.md`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use prefix_index::KeyChain;
+
+use super::api_error::ApiError;
+use super::protocol::{
+    KeysBody, ModelCard, ModelList, ProfileBody, ReadyBody, TokenizeRequest, TokenizeResponse,
+};
+use super::AppState;
+
+/// `GET /health`: the process is up.
+pub async fn health() -> Response {
+    (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response()
+}
+
+/// `GET /ready`: 200 once the start-up smoke inference produced a token, else 503.
+pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    if st.ready.load(Ordering::Acquire) {
+        (
+            StatusCode::OK,
+            Json(ReadyBody {
+                ready: true,
+                reason: None,
+            }),
+        )
+            .into_response()
+    } else {
+        let reason = st.ready_reason.lock().clone();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(ReadyBody {
+                ready: false,
+                reason: Some(reason),
+            }),
+        )
+            .into_response()
+    }
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let created = st.started_at_ms / 1000;
+    let mut names = st.settings.served_model_names.clone();
+    if names.is_empty() {
+        names.push(st.identity.model_id.clone());
+    }
+    let data = names
+        .into_iter()
+        .map(|id| ModelCard {
+            id,
+            object: "model".into(),
+            created,
+            owned_by: "kvgate".into(),
+            context_limit: st.context_limit,
+        })
+        .collect();
+    Json(ModelList {
+        object: "list".into(),
+        data,
+    })
+    .into_response()
+}
+
+/// The `/v1/profile` body.
+pub fn profile_body(st: &AppState) -> ProfileBody {
+    ProfileBody {
+        worker_id: st.settings.worker_id.clone(),
+        model_id: st.identity.model_id.clone(),
+        revision: st.identity.revision.clone(),
+        template_sha256: st.identity.template_sha256.clone(),
+        tokenizer_sha256: st.identity.tokenizer_sha256.clone(),
+        profile_digest: st.profile_digest.clone(),
+        eos_token_ids: st.identity.eos_token_ids.clone(),
+        context_limit: st.context_limit,
+        native_reserve: st.settings.native_reserve,
+        block_size: st.block_size.get(),
+        hash_algorithm: st.settings.hash_algorithm,
+        default_namespace_seed: st.default_namespace.to_hex(),
+        engine: st.engine_kind.to_string(),
+        require_ticket: st.settings.ticket_policy == super::TicketPolicy::Require,
+    }
+}
+
+/// `GET /v1/profile`.
+pub async fn profile(State(st): State<Arc<AppState>>) -> Response {
+    Json(profile_body(&st)).into_response()
+}
+
+/// `POST /v1/tokenize`: `{"messages": [...]}` (rendered with the template and the generation
+/// prompt unless `add_generation_prompt` is false) or `{"prompt": "..."}`.
+pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let _ = headers;
+    let bytes = match axum::body::to_bytes(body, st.settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!(
+                    "request body exceeds the limit of {} bytes",
+                    st.settings.max_body_bytes
+                ),
+            )
+            .into_response()
+        }
+    };
+    let req: TokenizeRequest = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Err(e) => {
+            return ApiError::bad_request("invalid_json", None, format!("invalid JSON: {e}"))
+                .into_response()
+        }
+        Ok(v) => match serde_path_to_error::deserialize(v) {
+            Ok(r) => r,
+            Err(e) => {
+                let p = e.path().to_string();
+                return ApiError::bad_request("invalid_type", Some(&p), e.into_inner().to_string())
+                    .into_response();
+            }
+        },
+    };
+    let profile = st.profile.clone();
+    let chain = KeyChain::new(
+        st.default_namespace,
+        st.settings.hash_algorithm,
+        st.block_size,
+    );
+    let context_limit = st.context_limit;
+    let job = move || -> Result<TokenizeResponse, ApiError> {
+        let (prompt, tokens) = match (req.messages, req.prompt) {
+            (Some(m), None) => {
+                let add = req.add_generation_prompt.unwrap_or(true);
+                let text = profile
+                    .render(&m, add)
+                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("messages"), e.to_string()))?;
+                let ids = profile
+                    .encode(&text, true)
+                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("messages"), e.to_string()))?;
+                (text, ids)
+            }
+            (None, Some(p)) => {
+                let ids = profile
+                    .encode(&p, false)
+                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("prompt"), e.to_string()))?;
+                (p, ids)
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "invalid_value",
+                    Some("messages"),
+                    "give exactly one of `messages` or `prompt`",
+                ))
+            }
+        };
+        Ok(TokenizeResponse {
+            count: tokens.len(),
+            block_keys: chain.keys(&tokens),
+            prompt,
+            tokens,
+            context_limit,
+        })
+    };
+    match tokio::task::spawn_blocking(job).await {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        )
+        .into_response(),
+    }
+}
+
+/// `GET /metrics`: OpenMetrics text.
+pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    match super::metrics::render(&st.registry) {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "metrics encoding failed",
+        )
+        .into_response(),
+    }
+}
+
+/// `GET /v1/keys`.
+pub async fn keys(State(st): State<Arc<AppState>>) -> Response {
+    let public = st.key.public();
+    let pem = match public.to_pem() {
+        Ok(p) => p,
+        Err(e) => {
+            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string())
+                .into_response()
+        }
+    };
+    Json(KeysBody {
+        worker_id: st.settings.worker_id.clone(),
+        key_id: st.key.key_id().to_string(),
+        public_key_pem: pem,
+        public_key_hex: hex::encode(public.to_bytes()),
+    })
+    .into_response()
+}
+
+/// `GET /v1/receipts/{request_id}`: the latest receipt of that request, exactly the signed line
+/// of the log.
+pub async fn receipt(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let log = st.receipts.clone();
+    let id2 = id.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let r = log.get(&id2)?;
+        r.map(|r| r.to_line()).transpose()
+    })
+    .await;
+    match found {
+        Ok(Ok(Some(line))) => (
+            StatusCode::OK,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            line,
+        )
+            .into_response(),
+        Ok(Ok(None)) => ApiError::not_found(
+            "receipt_not_found",
+            format!("no receipt for request `{id}` in this worker's log"),
+        )
+        .into_response(),
+        Ok(Err(e)) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.error_type(), e.to_string())
+            .into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string())
+            .into_response(),
+    }
+}

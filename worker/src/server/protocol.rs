@@ -1,0 +1,512 @@
+//! Wire types of the worker's HTTP API: the OpenAI-compatible request and response bodies
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), the OpenAI error object, and the
+//! kvgate operations bodies (`/v1/profile`, `/v1/tokenize`, `/v1/keys`). The exact JSON of each
+//! is pinned by the round-trip tests at the bottom and documented in `docs/worker-api.md`.
+//!
+//! Requests are parsed in two steps (see `server::validate`): the body is first read as a JSON
+//! object whose keys are checked against [`CHAT_FIELDS`] / [`COMPLETION_FIELDS`] (an unknown key
+//! is a 400 naming it), then deserialized into the typed structs below with
+//! `serde_path_to_error`, so a wrong type is a 400 naming the exact field path.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Every top-level key a chat completion request may carry. Keys listed here but not supported
+/// (e.g. `tools`) are accepted only with their neutral value; see `server::validate`.
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+    "user",
+    "cache_salt",
+    "kvgate",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "logit_bias",
+    "store",
+    "metadata",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+];
+
+/// Every top-level key a (legacy) completion request may carry.
+pub const COMPLETION_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "stop",
+    "seed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+    "user",
+    "cache_salt",
+    "kvgate",
+    "logprobs",
+    "echo",
+    "suffix",
+    "best_of",
+    "logit_bias",
+];
+
+/// `stream_options`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `choices: []`) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// `stop`: one string or up to four strings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    /// The stop strings as a list.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopSpec::One(s) => vec![s],
+            StopSpec::Many(v) => v,
+        }
+    }
+}
+
+/// The kvgate extension object `"kvgate": {...}` of a request body.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvgateOptions {
+    /// `false` = privacy opt-out: nothing of this request enters the worker's prefix cache
+    /// (its prompt may still *reuse* cached blocks). Default `true`.
+    #[serde(default)]
+    pub cache: Option<bool>,
+}
+
+/// Parameters common to chat and completion requests. Unsupported OpenAI parameters are kept
+/// as raw JSON so the validator can accept their neutral values and reject anything else.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct CommonParams {
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u64>,
+    pub stop: Option<StopSpec>,
+    pub seed: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub n: Option<u64>,
+    pub user: Option<String>,
+    /// Accepted and NOT applied by the worker: the namespace comes from the route ticket
+    /// (where the gateway folded the salt in) or is the worker's default.
+    pub cache_salt: Option<String>,
+    pub kvgate: Option<KvgateOptions>,
+    pub logit_bias: Option<Value>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<prompt_profile::ChatMessage>,
+    pub max_completion_tokens: Option<u64>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
+    pub response_format: Option<Value>,
+    pub store: Option<Value>,
+    pub metadata: Option<Value>,
+    pub service_tier: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
+    pub prediction: Option<Value>,
+    pub reasoning_effort: Option<Value>,
+    pub web_search_options: Option<Value>,
+}
+
+/// `prompt` of a completion request: text, or token ids.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptSpec {
+    Text(String),
+    Tokens(Vec<u32>),
+    /// A batch (`["a","b"]` or `[[1,2],[3]]`): only a batch of one is supported.
+    TextBatch(Vec<String>),
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions` body.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptSpec,
+    #[serde(flatten)]
+    pub common: CommonParams,
+    pub logprobs: Option<Value>,
+    pub echo: Option<Value>,
+    pub suffix: Option<Value>,
+    pub best_of: Option<Value>,
+}
+
+/// `POST /v1/tokenize` body: chat `messages` (rendered with the chat template) or a `prompt`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub messages: Option<Vec<prompt_profile::ChatMessage>>,
+    #[serde(default)]
+    pub prompt: Option<String>,
+    /// Only with `messages`; default `true`.
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// `POST /v1/tokenize` response.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TokenizeResponse {
+    /// The text that was encoded (the rendered template for `messages`).
+    pub prompt: String,
+    pub tokens: Vec<u32>,
+    pub count: usize,
+    pub context_limit: usize,
+    /// Keys of the full blocks in the worker's default namespace (16-hex-digit strings).
+    pub block_keys: Vec<prefix_index::BlockKey>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the engine reused from its prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// `usage`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct UsageBody {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl UsageBody {
+    /// From the engine's counts.
+    pub fn new(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Self {
+        UsageBody {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// An assistant message in a non-streaming chat response.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AssistantMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// One choice of a non-streaming chat response.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    pub logprobs: Option<Value>,
+    pub finish_reason: String,
+}
+
+/// Non-streaming `chat.completion` response.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub system_fingerprint: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: UsageBody,
+}
+
+/// The delta of one streamed chat chunk.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<Value>,
+    pub finish_reason: Option<String>,
+}
+
+/// A streamed `chat.completion.chunk`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub system_fingerprint: String,
+    pub choices: Vec<ChatChunkChoice>,
+    /// Present (as `null`) on every chunk when `include_usage` is set, filled on the last one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+/// One choice of a completion response or chunk.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<Value>,
+    pub finish_reason: Option<String>,
+}
+
+/// `text_completion` response, and (with `usage` possibly absent) a streamed chunk.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub system_fingerprint: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<UsageBody>>,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    /// Context limit of the profile (kvgate extension).
+    pub context_limit: usize,
+}
+
+/// `GET /v1/models`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+/// `GET /v1/profile`: the worker's prompt-profile identity and KV-cache contract, compared by
+/// the gateway against a `kv_exact` service's pinned profile.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProfileBody {
+    pub worker_id: String,
+    pub model_id: String,
+    pub revision: String,
+    pub template_sha256: String,
+    pub tokenizer_sha256: String,
+    /// Digest of the whole profile identity (the prompt-profile crate's stable digest).
+    pub profile_digest: String,
+    pub eos_token_ids: Vec<u32>,
+    pub context_limit: usize,
+    pub native_reserve: usize,
+    pub block_size: usize,
+    pub hash_algorithm: prefix_index::HashAlgorithm,
+    /// The seed the worker uses for requests without a route ticket (no salt, no adapter).
+    pub default_namespace_seed: String,
+    /// `model` (candle) or `sim` (simulated executor).
+    pub engine: String,
+    /// Whether requests without a route ticket are refused.
+    pub require_ticket: bool,
+}
+
+/// `GET /v1/keys`: the worker's receipt-signing key.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KeysBody {
+    pub worker_id: String,
+    pub key_id: String,
+    /// SPKI PEM, as `kvgate keygen` writes `<name>.pub`.
+    pub public_key_pem: String,
+    /// The raw 32-byte Ed25519 public key, lowercase hex.
+    pub public_key_hex: String,
+}
+
+/// `GET /ready`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReadyBody {
+    pub ready: bool,
+    /// Why not ready (smoke inference pending or failed), absent when ready.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The body of every error answer: `{"error": {...}}` as OpenAI sends it, plus kvgate fields
+/// (numbers of a token-budget failure) flattened into the object when present.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ErrorBody {
+    pub error: ErrorObject,
+}
+
+/// OpenAI's error object.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ErrorObject {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: String,
+    /// Extra structured details (e.g. the three numbers of `context_length_exceeded`).
+    #[serde(flatten, skip_serializing_if = "serde_json::Map::is_empty", default)]
+    pub details: serde_json::Map<String, Value>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_body_json_is_pinned() {
+        let mut details = serde_json::Map::new();
+        details.insert("context_limit".into(), 8192.into());
+        let e = ErrorBody {
+            error: ErrorObject {
+                message: "m".into(),
+                kind: "invalid_request_error".into(),
+                param: Some("messages".into()),
+                code: "context_length_exceeded".into(),
+                details,
+            },
+        };
+        let s = serde_json::to_string(&e).unwrap();
+        assert_eq!(
+            s,
+            r#"{"error":{"message":"m","type":"invalid_request_error","param":"messages","code":"context_length_exceeded","context_limit":8192}}"#
+        );
+        let back: ErrorBody = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, e);
+        let plain = ErrorBody {
+            error: ErrorObject {
+                message: "m".into(),
+                kind: "t".into(),
+                param: None,
+                code: "c".into(),
+                details: Default::default(),
+            },
+        };
+        assert_eq!(
+            serde_json::to_string(&plain).unwrap(),
+            r#"{"error":{"message":"m","type":"t","param":null,"code":"c"}}"#
+        );
+    }
+
+    #[test]
+    fn chat_chunk_json_is_pinned() {
+        let chunk = ChatCompletionChunk {
+            id: "chatcmpl-r1".into(),
+            object: "chat.completion.chunk".into(),
+            created: 7,
+            model: "m".into(),
+            system_fingerprint: "fp".into(),
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta {
+                    role: None,
+                    content: Some("hi".into()),
+                },
+                logprobs: None,
+                finish_reason: None,
+            }],
+            usage: Some(None),
+        };
+        assert_eq!(
+            serde_json::to_string(&chunk).unwrap(),
+            r#"{"id":"chatcmpl-r1","object":"chat.completion.chunk","created":7,"model":"m","system_fingerprint":"fp","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null}],"usage":null}"#
+        );
+        let last = ChatCompletionChunk {
+            choices: vec![],
+            usage: Some(Some(UsageBody::new(10, 4, 3))),
+            ..chunk
+        };
+        assert_eq!(
+            serde_json::to_string(&last).unwrap(),
+            r#"{"id":"chatcmpl-r1","object":"chat.completion.chunk","created":7,"model":"m","system_fingerprint":"fp","choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":4}}}"#
+        );
+    }
+
+    #[test]
+    fn prompt_spec_and_stop_accept_openai_shapes() {
+        let p: PromptSpec = serde_json::from_str(r#""hello""#).unwrap();
+        assert!(matches!(p, PromptSpec::Text(ref s) if s == "hello"));
+        let p: PromptSpec = serde_json::from_str("[1,2,3]").unwrap();
+        assert!(matches!(p, PromptSpec::Tokens(ref v) if v == &[1, 2, 3]));
+        let p: PromptSpec = serde_json::from_str(r#"["a","b"]"#).unwrap();
+        assert!(matches!(p, PromptSpec::TextBatch(ref v) if v.len() == 2));
+        let p: PromptSpec = serde_json::from_str("[[1],[2]]").unwrap();
+        assert!(matches!(p, PromptSpec::TokenBatch(ref v) if v.len() == 2));
+        assert!(serde_json::from_str::<PromptSpec>("[-1]").is_err());
+        let s: StopSpec = serde_json::from_str(r#""x""#).unwrap();
+        assert_eq!(s.into_vec(), vec!["x".to_string()]);
+        let s: StopSpec = serde_json::from_str(r#"["x","y"]"#).unwrap();
+        assert_eq!(s.into_vec(), vec!["x".to_string(), "y".to_string()]);
+    }
+
+    #[test]
+    fn field_lists_have_no_duplicates() {
+        for list in [CHAT_FIELDS, COMPLETION_FIELDS] {
+            let mut v = list.to_vec();
+            v.sort_unstable();
+            let n = v.len();
+            v.dedup();
+            assert_eq!(v.len(), n);
+        }
+    }
+}

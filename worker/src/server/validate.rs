@@ -1,0 +1,538 @@
+//! Request validation: a raw body → a checked [`GenerationPlan`] (prompt source, sampling,
+//! output budget, stop strings, cache opt-out), or an [`ApiError`] naming the field at fault.
+//!
+//! Order of checks, each answering 400 with a stable code:
+//! 1. the body is a JSON object (`invalid_json`, with line and column);
+//! 2. every top-level key is known (`unknown_parameter`, param = the key);
+//! 3. types (`invalid_type`, param = the JSON path, e.g. `messages[0].content`) and required
+//!    fields (`missing_parameter`);
+//! 4. unsupported parameters with a non-neutral value (`unsupported_parameter`): `n > 1`,
+//!    `tools`, `logprobs`, non-text `response_format`, `logit_bias`, ...;
+//! 5. ranges (`invalid_value`): temperature, top_p, penalties, max_tokens ≥ 1, ≤ 4 stop strings.
+//!
+//! The token budget (needs the rendered prompt) is checked later by [`budget`].
+
+use std::collections::HashSet;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::api_error::ApiError;
+use super::protocol::{
+    ChatCompletionRequest, CommonParams, CompletionRequest, PromptSpec, CHAT_FIELDS,
+    COMPLETION_FIELDS,
+};
+use crate::sampler::SamplingParams;
+
+/// The most stop strings a request may carry (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// Where the prompt comes from.
+#[derive(Clone, Debug)]
+pub enum PromptSource {
+    /// Chat messages, rendered with the profile's template (generation prompt added).
+    Messages(Vec<prompt_profile::ChatMessage>),
+    /// Raw text, encoded as is.
+    Text(String),
+    /// Token ids, used as is (checked against the vocabulary later).
+    Tokens(Vec<u32>),
+}
+
+/// A validated generation request, before tokenization.
+#[derive(Clone, Debug)]
+pub struct GenerationPlan {
+    pub model: String,
+    pub prompt: PromptSource,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Requested output tokens (`max_completion_tokens` or `max_tokens`); `None` = default.
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub sampling: SamplingParams,
+    /// `false` when the body asked `"kvgate": {"cache": false}`.
+    pub cache_insert: bool,
+}
+
+fn invalid_json(e: &serde_json::Error) -> ApiError {
+    ApiError::bad_request(
+        "invalid_json",
+        None,
+        format!(
+            "request body is not valid JSON: {} (line {}, column {})",
+            e, // serde_json's message already names line and column for syntax errors
+            e.line(),
+            e.column()
+        ),
+    )
+}
+
+/// Parses the body as a JSON object and checks its keys against `known`.
+fn parse_object(body: &[u8], known: &[&str]) -> Result<Value, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| invalid_json(&e))?;
+    let Some(obj) = value.as_object() else {
+        return Err(ApiError::bad_request(
+            "invalid_json",
+            None,
+            "request body must be a JSON object",
+        ));
+    };
+    let known: HashSet<&str> = known.iter().copied().collect();
+    // Report the first unknown key in document order (serde_json keeps keys sorted; fine: stable).
+    if let Some(k) = obj.keys().find(|k| !known.contains(k.as_str())) {
+        return Err(ApiError::bad_request(
+            "unknown_parameter",
+            Some(k),
+            format!("unknown parameter `{k}`"),
+        ));
+    }
+    Ok(value)
+}
+
+/// Deserializes with the path of the first failing field.
+fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize::<_, T>(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if let Some(field) = missing_field(&inner) {
+            let full = if path == "." || path.is_empty() {
+                field.to_string()
+            } else {
+                format!("{path}.{field}")
+            };
+            return ApiError::bad_request(
+                "missing_parameter",
+                Some(&full),
+                format!("missing required parameter `{full}`"),
+            );
+        }
+        let param = if path == "." || path.is_empty() {
+            None
+        } else {
+            Some(path.as_str())
+        };
+        ApiError::bad_request(
+            "invalid_type",
+            param,
+            format!("invalid value for `{}`: {inner}", param.unwrap_or("body")),
+        )
+    })
+}
+
+/// `missing field `x`` → `x`.
+fn missing_field(msg: &str) -> Option<&str> {
+    let rest = msg.strip_prefix("missing field `")?;
+    rest.split('`').next()
+}
+
+fn unsupported(param: &str, why: &str) -> ApiError {
+    ApiError::bad_request(
+        "unsupported_parameter",
+        Some(param),
+        format!("parameter `{param}` is not supported by this worker: {why}"),
+    )
+}
+
+fn invalid_value(param: &str, why: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_value", Some(param), why.into())
+}
+
+/// Null, false, 0, "", [] and {} are the neutral values of an unsupported parameter.
+fn is_neutral(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+        Some(Value::Number(n)) => n.as_f64() == Some(0.0),
+        Some(Value::String(s)) => s.is_empty(),
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(Value::Object(o)) => o.is_empty(),
+        Some(Value::Bool(true)) => false,
+    }
+}
+
+fn reject_unless_neutral(param: &str, v: &Option<Value>, why: &str) -> Result<(), ApiError> {
+    if is_neutral(v) {
+        Ok(())
+    } else {
+        Err(unsupported(param, why))
+    }
+}
+
+fn check_range(param: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
+    match v {
+        Some(x) if !(x.is_finite() && x >= lo && x <= hi) => Err(invalid_value(
+            param,
+            format!("`{param}` must be within [{lo}, {hi}], got {x}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checks and converts the parameters common to both endpoints.
+fn common(
+    c: CommonParams,
+    max_completion_tokens: Option<u64>,
+) -> Result<(bool, bool, Option<usize>, Vec<String>, SamplingParams, bool), ApiError> {
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(unsupported("n", "only n = 1 is served"));
+        }
+    }
+    if !is_neutral(&c.logit_bias) {
+        return Err(unsupported("logit_bias", "logit bias is not implemented"));
+    }
+    let stream = c.stream.unwrap_or(false);
+    let include_usage = match &c.stream_options {
+        Some(o) if !stream => {
+            let _ = o;
+            return Err(invalid_value(
+                "stream_options",
+                "`stream_options` is only allowed when `stream` is true",
+            ));
+        }
+        Some(o) => o.include_usage.unwrap_or(false),
+        None => false,
+    };
+    let max_tokens = match (c.max_tokens, max_completion_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(invalid_value(
+                "max_completion_tokens",
+                format!("`max_tokens` ({a}) and `max_completion_tokens` ({b}) disagree"),
+            ))
+        }
+        (a, b) => b.or(a),
+    };
+    let max_tokens = match max_tokens {
+        Some(0) => {
+            let p = if max_completion_tokens.is_some() {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(invalid_value(p, format!("`{p}` must be at least 1")));
+        }
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let stop = c.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid_value(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stop.len()),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(invalid_value("stop", "stop strings must not be empty"));
+    }
+    check_range("temperature", c.temperature, 0.0, 2.0)?;
+    if let Some(p) = c.top_p {
+        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
+            return Err(invalid_value("top_p", format!("`top_p` must be within (0, 1], got {p}")));
+        }
+    }
+    check_range("min_p", c.min_p, 0.0, 1.0)?;
+    check_range("presence_penalty", c.presence_penalty, -2.0, 2.0)?;
+    check_range("frequency_penalty", c.frequency_penalty, -2.0, 2.0)?;
+    if let Some(r) = c.repetition_penalty {
+        if !(r.is_finite() && r > 0.0 && r <= 10.0) {
+            return Err(invalid_value(
+                "repetition_penalty",
+                format!("`repetition_penalty` must be within (0, 10], got {r}"),
+            ));
+        }
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => {
+            return Err(invalid_value(
+                "top_k",
+                format!("`top_k` must be -1, 0 (off) or positive, got {k}"),
+            ))
+        }
+    };
+    let defaults = SamplingParams::default();
+    let sampling = SamplingParams {
+        // OpenAI's default temperature is 1.0.
+        temperature: c.temperature.unwrap_or(1.0),
+        top_p: c.top_p.unwrap_or(1.0),
+        top_k,
+        min_p: c.min_p.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        // i64 → u64 bit pattern: negative seeds are valid and distinct.
+        seed: c.seed.map(|s| s as u64),
+        ..defaults
+    };
+    let cache_insert = c.kvgate.and_then(|k| k.cache).unwrap_or(true);
+    Ok((stream, include_usage, max_tokens, stop, sampling, cache_insert))
+}
+
+/// Validates a `/v1/chat/completions` body.
+pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
+    let value = parse_object(body, CHAT_FIELDS)?;
+    // The common parameters first, on their own: serde loses the field path inside
+    // `#[serde(flatten)]`, so this pass names a mistyped common field exactly.
+    let _: CommonParams = typed(value.clone())?;
+    let r: ChatCompletionRequest = typed(value)?;
+    reject_unless_neutral("logprobs", &r.logprobs, "log probabilities are not returned")?;
+    reject_unless_neutral("top_logprobs", &r.top_logprobs, "log probabilities are not returned")?;
+    reject_unless_neutral("tools", &r.tools, "tool calling is not supported")?;
+    reject_unless_neutral("functions", &r.functions, "function calling is not supported")?;
+    match &r.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "none" => {}
+        Some(_) => return Err(unsupported("tool_choice", "tool calling is not supported")),
+    }
+    match &r.function_call {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "none" => {}
+        Some(_) => return Err(unsupported("function_call", "function calling is not supported")),
+    }
+    match &r.parallel_tool_calls {
+        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("parallel_tool_calls"),
+                "`parallel_tool_calls` must be a boolean",
+            ))
+        }
+    }
+    match &r.response_format {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(unsupported(
+                "response_format",
+                "only {\"type\": \"text\"} is supported (no JSON mode or json_schema)",
+            ))
+        }
+    }
+    reject_unless_neutral("store", &r.store, "stored completions are not supported")?;
+    match &r.metadata {
+        None | Some(Value::Null) | Some(Value::Object(_)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("metadata"),
+                "`metadata` must be an object",
+            ))
+        }
+    }
+    match &r.service_tier {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "auto" || s == "default" => {}
+        Some(_) => return Err(unsupported("service_tier", "only `auto`/`default`")),
+    }
+    match &r.modalities {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.iter().all(|m| m.as_str() == Some("text")) => {}
+        Some(_) => return Err(unsupported("modalities", "only text output")),
+    }
+    reject_unless_neutral("audio", &r.audio, "audio output is not supported")?;
+    reject_unless_neutral("prediction", &r.prediction, "predicted outputs are not supported")?;
+    reject_unless_neutral("reasoning_effort", &r.reasoning_effort, "not a reasoning model")?;
+    reject_unless_neutral("web_search_options", &r.web_search_options, "no web search")?;
+    if r.messages.is_empty() {
+        return Err(invalid_value("messages", "`messages` must not be empty"));
+    }
+    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) =
+        common(r.common, r.max_completion_tokens)?;
+    Ok(GenerationPlan {
+        model: r.model,
+        prompt: PromptSource::Messages(r.messages),
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        cache_insert,
+    })
+}
+
+/// Validates a `/v1/completions` body.
+pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
+    let value = parse_object(body, COMPLETION_FIELDS)?;
+    let _: CommonParams = typed(value.clone())?;
+    let r: CompletionRequest = typed(value)?;
+    match &r.logprobs {
+        None | Some(Value::Null) => {}
+        Some(_) => return Err(unsupported("logprobs", "log probabilities are not returned")),
+    }
+    reject_unless_neutral("echo", &r.echo, "echo is not supported")?;
+    reject_unless_neutral("suffix", &r.suffix, "suffix (insertion) is not supported")?;
+    match &r.best_of {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(_) => return Err(unsupported("best_of", "only best_of = 1 is served")),
+    }
+    let prompt = match r.prompt {
+        PromptSpec::Text(t) => PromptSource::Text(t),
+        PromptSpec::Tokens(t) => PromptSource::Tokens(t),
+        PromptSpec::TextBatch(mut b) if b.len() == 1 => PromptSource::Text(b.remove(0)),
+        PromptSpec::TokenBatch(mut b) if b.len() == 1 => PromptSource::Tokens(b.remove(0)),
+        PromptSpec::TextBatch(_) | PromptSpec::TokenBatch(_) => {
+            return Err(unsupported("prompt", "a batch of prompts is not supported; send one"))
+        }
+    };
+    let empty = match &prompt {
+        PromptSource::Text(t) => t.is_empty(),
+        PromptSource::Tokens(t) => t.is_empty(),
+        PromptSource::Messages(m) => m.is_empty(),
+    };
+    if empty {
+        return Err(invalid_value("prompt", "`prompt` must not be empty"));
+    }
+    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) =
+        common(r.common, None)?;
+    Ok(GenerationPlan {
+        model: r.model,
+        prompt,
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        cache_insert,
+    })
+}
+
+/// The output budget of a request: `prompt + max_tokens + reserve <= context_limit`, else
+/// `context_length_exceeded` with the three numbers. Without a requested `max_tokens` the
+/// output budget is the remaining context, capped at `default_cap`.
+pub fn budget(
+    prompt_tokens: usize,
+    requested: Option<usize>,
+    native_reserve: usize,
+    context_limit: usize,
+    default_cap: usize,
+) -> Result<usize, ApiError> {
+    let remaining = context_limit
+        .saturating_sub(prompt_tokens)
+        .saturating_sub(native_reserve);
+    let (max_tokens, param) = match requested {
+        Some(n) => (n, "max_tokens"),
+        // With no explicit request at least one output token must fit.
+        None => (remaining.min(default_cap).max(1), "messages"),
+    };
+    let needed = prompt_tokens
+        .saturating_add(max_tokens)
+        .saturating_add(native_reserve);
+    if needed > context_limit {
+        return Err(ApiError::bad_request(
+            "context_length_exceeded",
+            Some(param),
+            format!(
+                "this model's context limit is {context_limit} tokens, but the request needs {needed}: \
+                 {prompt_tokens} prompt tokens + {max_tokens} output tokens + {native_reserve} reserved tokens"
+            ),
+        )
+        .with_detail("context_limit", context_limit)
+        .with_detail("prompt_tokens", prompt_tokens)
+        .with_detail("max_tokens", max_tokens)
+        .with_detail("native_reserve", native_reserve));
+    }
+    Ok(max_tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat_err(body: &str) -> ApiError {
+        chat(body.as_bytes()).unwrap_err()
+    }
+
+    const MSG: &str = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+
+    #[test]
+    fn minimal_chat_is_accepted_with_openai_defaults() {
+        let p = chat(format!("{{{MSG}}}").as_bytes()).unwrap();
+        assert!(!p.stream);
+        assert!(p.max_tokens.is_none());
+        assert_eq!(p.sampling.temperature, 1.0);
+        assert!(p.cache_insert);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = chat_err("{not json");
+        assert_eq!(e.code, "invalid_json");
+        let e = chat_err(&format!(r#"{{{MSG},"bogus":1}}"#));
+        assert_eq!((e.code, e.param.as_deref()), ("unknown_parameter", Some("bogus")));
+        let e = chat_err(&format!(r#"{{{MSG},"temperature":"hot"}}"#));
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_type", Some("temperature")));
+        let e = chat_err(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#);
+        assert_eq!(e.code, "invalid_type");
+        assert!(e.param.unwrap().starts_with("messages[0]"));
+        let e = chat_err(r#"{"model":"m"}"#);
+        assert_eq!((e.code, e.param.as_deref()), ("missing_parameter", Some("messages")));
+        let e = chat_err(&format!(r#"{{{MSG},"n":2}}"#));
+        assert_eq!((e.code, e.param.as_deref()), ("unsupported_parameter", Some("n")));
+        for (k, v) in [
+            ("tools", r#"[{"type":"function","function":{"name":"f"}}]"#),
+            ("logprobs", "true"),
+            ("top_logprobs", "2"),
+            ("response_format", r#"{"type":"json_schema","json_schema":{}}"#),
+            ("logit_bias", r#"{"5":1}"#),
+            ("tool_choice", r#""auto""#),
+        ] {
+            let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), ("unsupported_parameter", Some(k)), "{k}");
+        }
+        for (k, v) in [("temperature", "3"), ("top_p", "0"), ("max_tokens", "0"), ("top_k", "-5")] {
+            let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), ("invalid_value", Some(k)), "{k}");
+        }
+        let e = chat_err(&format!(r#"{{{MSG},"stream_options":{{"include_usage":true}}}}"#));
+        assert_eq!(e.param.as_deref(), Some("stream_options"));
+        let e = chat_err(&format!(r#"{{{MSG},"stop":["a","b","c","d","e"]}}"#));
+        assert_eq!(e.param.as_deref(), Some("stop"));
+    }
+
+    #[test]
+    fn neutral_values_of_unsupported_parameters_pass() {
+        let p = chat(
+            format!(
+                r#"{{{MSG},"n":1,"logprobs":false,"tools":[],"tool_choice":"none","response_format":{{"type":"text"}},"max_completion_tokens":7,"max_tokens":7,"stop":"x","seed":-3,"kvgate":{{"cache":false}},"cache_salt":"t","user":"u","stream":true,"stream_options":{{"include_usage":true}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.stop, vec!["x".to_string()]);
+        assert_eq!(p.sampling.seed, Some((-3i64) as u64));
+        assert!(!p.cache_insert);
+        assert!(p.stream && p.include_usage);
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let p = completion(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert!(matches!(p.prompt, PromptSource::Tokens(ref t) if t == &[1, 2, 3]));
+        let p = completion(br#"{"model":"m","prompt":["one"]}"#).unwrap();
+        assert!(matches!(p.prompt, PromptSource::Text(ref t) if t == "one"));
+        let e = completion(br#"{"model":"m","prompt":["a","b"]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let e = completion(br#"{"model":"m","prompt":""}"#).unwrap_err();
+        assert_eq!(e.code, "invalid_value");
+        let e = completion(br#"{"model":"m","prompt":"x","echo":true}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
+    }
+
+    #[test]
+    fn budget_reports_the_three_numbers() {
+        assert_eq!(budget(100, Some(50), 10, 200, 1000).unwrap(), 50);
+        assert_eq!(budget(100, None, 10, 200, 1000).unwrap(), 90);
+        assert_eq!(budget(100, None, 10, 200, 16).unwrap(), 16);
+        let e = budget(100, Some(95), 10, 200, 1000).unwrap_err();
+        assert_eq!(e.code, "context_length_exceeded");
+        assert_eq!(e.details["prompt_tokens"], 100);
+        assert_eq!(e.details["max_tokens"], 95);
+        assert_eq!(e.details["native_reserve"], 10);
+        assert_eq!(e.details["context_limit"], 200);
+        let e = budget(195, None, 10, 200, 1000).unwrap_err();
+        assert_eq!(e.code, "context_length_exceeded");
+        assert_eq!(e.param.as_deref(), Some("messages"));
+    }
+}

@@ -1,0 +1,420 @@
+//! The public engine API over the simulated executor: streaming, prefix reuse, sampling and
+//! stop conditions, rejections, deadlines, cancellation, shutdown, and a seeded randomized
+//! accounting test over a mix of finished, cancelled and rejected requests.
+
+mod engine_common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use engine_common::{collect, ns, reference_greedy, req, sim_engine, test_seed, wait_stats};
+use futures::FutureExt;
+use prefix_index::key::{BlockSize, KeyChain};
+use prefix_index::{HashAlgorithm, KvEvent};
+use rand::{Rng, SeedableRng};
+use worker::engine::{EngineConfig, FinishReason, SeqEvent};
+use worker::sampler::SamplingParams;
+use worker::sim::SimConfig;
+use worker::WorkerError;
+
+fn small_cfg() -> EngineConfig {
+    EngineConfig {
+        max_running: 8,
+        max_waiting: 64,
+        step_token_budget: 64,
+        prefill_chunk: 16,
+        ..EngineConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn greedy_stream_matches_plain_run_and_prefix_is_reused() {
+    let sim = SimConfig::instant(4, 256);
+    let engine = sim_engine(sim.clone(), small_cfg());
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 13 + 5) % 400).collect();
+    let want = reference_greedy(&sim, &prompt, 10);
+
+    let a = collect(engine.submit(req("a", prompt.clone(), 10, ns(1))).unwrap()).await;
+    assert_eq!(a.cached_tokens, Some(0));
+    assert_eq!(a.tokens, want);
+    let (reason, usage, last_key) = a.finish.unwrap();
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(usage.prompt_tokens, 30);
+    assert_eq!(usage.completion_tokens, 10);
+    let keys = KeyChain::new(ns(1), HashAlgorithm::Xxh3, BlockSize::new(4).unwrap()).keys(&prompt);
+    assert_eq!(last_key, keys.last().copied(), "key of the last full prompt block");
+    let expected_text: String = want.iter().map(|t| format!("t{t} ")).collect();
+    assert_eq!(a.text, expected_text);
+
+    // Same prompt, same namespace: 7 full blocks are reusable ((30 − 1) / 4).
+    let b = collect(engine.submit(req("b", prompt.clone(), 10, ns(1))).unwrap()).await;
+    assert_eq!(b.cached_tokens, Some(28));
+    assert_eq!(b.tokens, want, "prefix-cached output equals the plain run");
+    assert_eq!(b.finish.unwrap().1.cached_tokens, 28);
+    // Another namespace: nothing shared.
+    let c = collect(engine.submit(req("c", prompt.clone(), 10, ns(2))).unwrap()).await;
+    assert_eq!(c.cached_tokens, Some(0));
+    assert_eq!(c.tokens, want);
+
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    assert_eq!(st.prefix_hit_tokens, 28);
+    assert_eq!(st.prompt_tokens, 90);
+    assert_eq!(st.generation_tokens, 30);
+    assert_eq!(st.blocks_used, 0);
+    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    assert!(st.blocks_cached > 0);
+    engine.shutdown();
+}
+
+#[tokio::test]
+async fn concurrent_sequences_joining_at_different_steps_match_plain_runs() {
+    let sim = SimConfig::instant(3, 512);
+    let engine = sim_engine(
+        sim.clone(),
+        EngineConfig {
+            prefill_chunk: 5,
+            step_token_budget: 20,
+            ..small_cfg()
+        },
+    );
+    let mut handles = Vec::new();
+    let mut prompts = Vec::new();
+    for i in 0..8usize {
+        let mut p: Vec<u32> = (0..10).map(|t| t * 3 + 1).collect(); // shared prefix
+        p.extend((0..(i * 7 % 23 + 1)).map(|t| ((t * 11 + i * 17) % 450) as u32));
+        prompts.push(p.clone());
+        handles.push(engine.submit(req(&format!("r{i}"), p, 6 + i, ns(3))).unwrap());
+        if i % 3 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    for (i, h) in handles.into_iter().enumerate() {
+        let o = collect(h).await;
+        assert_eq!(o.tokens, reference_greedy(&sim, &prompts[i], 6 + i), "sequence {i}");
+    }
+}
+
+#[tokio::test]
+async fn seeded_sampling_is_repeatable() {
+    let sim = SimConfig::instant(4, 128);
+    let engine = sim_engine(sim, small_cfg());
+    let mut r = req("s", (1..20).collect(), 24, ns(1));
+    r.sampling = SamplingParams {
+        temperature: 1.5,
+        seed: Some(1234),
+        ..SamplingParams::greedy()
+    };
+    let a = collect(engine.submit(r.clone()).unwrap()).await;
+    let b = collect(engine.submit(r.clone()).unwrap()).await;
+    assert_eq!(a.tokens, b.tokens);
+    r.sampling.seed = Some(99);
+    let c = collect(engine.submit(r).unwrap()).await;
+    assert_ne!(a.tokens, c.tokens);
+}
+
+#[tokio::test]
+async fn stop_strings_across_tokens_and_stop_ids() {
+    let sim = SimConfig::instant(4, 128);
+    let engine = sim_engine(sim.clone(), small_cfg());
+    let prompt: Vec<u32> = (40..52).collect();
+    let want = reference_greedy(&sim, &prompt, 12);
+    // A stop string spanning the 4th and 5th tokens: "<last digit of t4> t<t5>".
+    let t4 = format!("t{} ", want[3]);
+    let stop = format!("{} t{}", &t4[t4.len() - 2..t4.len() - 1], want[4]);
+    let mut r = req("x", prompt.clone(), 12, ns(1));
+    r.stop_strings = vec![stop.clone()];
+    let o = collect(engine.submit(r).unwrap()).await;
+    let full: String = want.iter().map(|t| format!("t{t} ")).collect();
+    let cut = full.find(&stop).unwrap();
+    assert_eq!(o.text, full[..cut], "text up to the stop string, not including it");
+    assert_eq!(o.finish.unwrap().0, FinishReason::Stop);
+
+    // Stop id = the 3rd token: two tokens emitted, the stop token is not.
+    let mut r = req("y", prompt.clone(), 12, ns(1));
+    r.stop_token_ids = vec![want[2]];
+    let o = collect(engine.submit(r).unwrap()).await;
+    assert_eq!(o.tokens, want[..2].to_vec());
+    let (reason, usage, _) = o.finish.unwrap();
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(usage.completion_tokens, 3);
+
+    // The simulator's eos ends a sequence with `stop`.
+    let mut sim_eos = SimConfig::instant(4, 128);
+    sim_eos.eos_after = Some(16);
+    let e2 = sim_engine(sim_eos, small_cfg());
+    let o = collect(e2.submit(req("z", prompt, 50, ns(1))).unwrap()).await;
+    assert_eq!(o.tokens.len(), 4);
+    assert_eq!(o.finish.unwrap().0, FinishReason::Stop);
+}
+
+#[tokio::test]
+async fn immediate_rejections() {
+    let sim = SimConfig::instant(4, 8);
+    let engine = sim_engine(sim, small_cfg());
+    let e = engine.submit(req("big", (0..30).collect(), 4, ns(1))).unwrap_err();
+    assert!(matches!(e, WorkerError::NeverFits { needed: 9, total: 8 }), "{e}");
+    assert_eq!(e.error_type(), "kv_capacity_exceeded");
+    let e = engine.submit(req("empty", vec![], 4, ns(1))).unwrap_err();
+    assert_eq!(e.error_type(), "invalid_request");
+    let e = engine.submit(req("oov", vec![100_000], 4, ns(1))).unwrap_err();
+    assert_eq!(e.error_type(), "invalid_request");
+    let e = engine.submit(req("zero", vec![1], 0, ns(1))).unwrap_err();
+    assert_eq!(e.error_type(), "invalid_request");
+    let mut bad = req("t", vec![1], 1, ns(1));
+    bad.sampling.top_p = 0.0;
+    assert_eq!(engine.submit(bad).unwrap_err().error_type(), "invalid_request");
+    assert!(EngineConfig {
+        step_token_budget: 1,
+        max_running: 4,
+        ..EngineConfig::default()
+    }
+    .validate()
+    .is_err());
+}
+
+/// A simulator slow enough that one request occupies the engine for a while.
+fn slow_sim(num_blocks: usize) -> SimConfig {
+    SimConfig {
+        decode_us_base: 2_000,
+        ..SimConfig::instant(4, num_blocks)
+    }
+}
+
+#[tokio::test]
+async fn queue_full_and_admission_timeout() {
+    let engine = sim_engine(
+        slow_sim(64),
+        EngineConfig {
+            max_running: 1,
+            max_waiting: 1,
+            step_token_budget: 16,
+            prefill_chunk: 16,
+            ..EngineConfig::default()
+        },
+    );
+    // Occupies the only running slot for ~200 steps × 2 ms.
+    let mut busy = engine.submit(req("busy", (0..8).collect(), 200, ns(1))).unwrap();
+    assert!(matches!(busy.next().await, Some(SeqEvent::Started { .. })));
+    let mut waiting = req("late", (0..8).collect(), 4, ns(1));
+    waiting.deadline = Some(Instant::now() + Duration::from_millis(30));
+    let waiting = engine.submit(waiting).unwrap();
+    let e = engine.submit(req("full", (0..8).collect(), 4, ns(1))).unwrap_err();
+    assert!(matches!(e, WorkerError::QueueFull { waiting: 1 }), "{e}");
+    let o = collect(waiting).await;
+    assert_eq!(o.failed, Some("admission_timeout"));
+    assert_eq!(o.cached_tokens, None, "never started");
+    assert_eq!(engine.stats().waiting, 0);
+    drop(busy);
+    wait_stats(&engine, |s| s.running == 0 && s.blocks_used == 0).await;
+}
+
+#[tokio::test]
+async fn dropping_a_handle_frees_its_blocks() {
+    let engine = sim_engine(slow_sim(64), small_cfg());
+    let mut h = engine.submit(req("c", (0..40).collect(), 150, ns(1))).unwrap();
+    let mut tokens = 0;
+    while tokens < 3 {
+        if let Some(SeqEvent::Token { .. }) = h.next().await {
+            tokens += 1;
+        }
+    }
+    let st = engine.stats();
+    assert_eq!(st.running, 1);
+    assert!(st.blocks_used >= 11, "{st:?}");
+    drop(h);
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    assert_eq!(st.blocks_used, 0);
+    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    // The prompt's full blocks stay cached for the next request.
+    assert!(st.blocks_cached >= 10, "{st:?}");
+}
+
+#[tokio::test]
+async fn shutdown_fails_pending_and_ends_feeds() {
+    let engine = sim_engine(
+        slow_sim(64),
+        EngineConfig {
+            max_running: 1,
+            ..small_cfg()
+        },
+    );
+    let feed = engine.kv_events();
+    let mut sub = feed.subscribe(None);
+    let a = engine.submit(req("a", (0..9).collect(), 200, ns(1))).unwrap();
+    let b = engine.submit(req("b", (0..9).collect(), 5, ns(1))).unwrap();
+    let clone = engine.clone();
+    tokio::task::spawn_blocking(move || clone.shutdown()).await.unwrap();
+    assert_eq!(collect(a).await.failed, Some("engine_stopped"));
+    assert_eq!(collect(b).await.failed, Some("engine_stopped"));
+    assert_eq!(
+        engine.submit(req("c", vec![1], 1, ns(1))).unwrap_err().error_type(),
+        "engine_stopped"
+    );
+    // The feed ends after what it had.
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        while sub.next().await.is_some() {}
+    })
+    .await;
+    assert!(end.is_ok());
+    engine.shutdown(); // idempotent
+}
+
+#[tokio::test]
+async fn kv_events_track_the_cache_and_resume() {
+    let sim = SimConfig::instant(4, 24);
+    let engine = sim_engine(sim, small_cfg());
+    let feed = engine.kv_events();
+    let mut live = feed.subscribe(Some((feed.epoch(), 0)));
+    // Many distinct prompts through a 24-block pool: stores and evictions.
+    let mut last_seq = 0;
+    let mut applied: HashSet<prefix_index::BlockKey> = HashSet::new();
+    let mut removed_seen = false;
+    for i in 0..12u32 {
+        let p: Vec<u32> = (0..17).map(|t| (t * 7 + i * 31) % 400).collect();
+        let o = collect(engine.submit(req(&format!("e{i}"), p.clone(), 3, ns(5))).unwrap()).await;
+        assert!(o.finish.is_some());
+        // Every stored key is a key of this prompt (+answer) in namespace 5.
+        let chain = KeyChain::new(ns(5), HashAlgorithm::Xxh3, BlockSize::new(4).unwrap());
+        let mut full = p.clone();
+        full.extend(&o.tokens);
+        let prompt_keys: HashSet<_> = chain.keys(&full).into_iter().collect();
+        // Drain what is there now.
+        while let Some(Some(env)) = live.next().now_or_never() {
+            assert_eq!(env.epoch, feed.epoch());
+            assert_eq!(env.seq, last_seq + 1, "gap-free, in order");
+            last_seq = env.seq;
+            match env.event {
+                KvEvent::Stored { keys, .. } => {
+                    for k in &keys {
+                        assert!(prompt_keys.contains(k), "stored key not of request {i}");
+                    }
+                    applied.extend(keys);
+                }
+                KvEvent::Removed { keys } => {
+                    removed_seen = true;
+                    for k in keys {
+                        assert!(applied.remove(&k), "removed a key never stored");
+                    }
+                }
+                KvEvent::Cleared => applied.clear(),
+            }
+        }
+    }
+    assert!(removed_seen, "the small pool evicted");
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    assert_eq!(applied.len(), st.blocks_cached, "applied events mirror the cache");
+    assert_eq!(feed.cached_keys(), applied.len());
+
+    // A fresh subscriber (or one from another epoch) gets Cleared + the same set.
+    for since in [None, Some((feed.epoch() + 1, 3))] {
+        let mut sub = feed.subscribe(since);
+        let first = sub.next().await.unwrap();
+        assert_eq!(first.event, KvEvent::Cleared);
+        let mut snap = HashSet::new();
+        while let Some(Some(env)) = sub.next().now_or_never() {
+            if let KvEvent::Stored { keys, .. } = env.event {
+                snap.extend(keys);
+            }
+        }
+        assert_eq!(snap, applied);
+    }
+    // Resuming from a recent seq replays exactly the rest.
+    let mut sub = feed.subscribe(Some((feed.epoch(), last_seq - 2)));
+    let seqs: Vec<u64> = std::iter::from_fn(|| sub.next().now_or_never().flatten().map(|e| e.seq)).collect();
+    assert_eq!(seqs, vec![last_seq - 1, last_seq]);
+
+    // A restart is a new epoch.
+    let other = sim_engine(SimConfig::instant(4, 24), small_cfg());
+    assert_ne!(other.kv_events().epoch(), feed.epoch());
+}
+
+#[tokio::test]
+async fn opt_out_publishes_nothing() {
+    let engine = sim_engine(SimConfig::instant(4, 64), small_cfg());
+    let feed = engine.kv_events();
+    let mut r = req("private", (0..33).collect(), 9, ns(1));
+    r.cache_insert = false;
+    collect(engine.submit(r).unwrap()).await;
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    assert_eq!(st.blocks_cached, 0);
+    assert_eq!(feed.last_seq(), 0);
+    let again = collect(engine.submit(req("p2", (0..33).collect(), 2, ns(1))).unwrap()).await;
+    assert_eq!(again.cached_tokens, Some(0));
+}
+
+/// Randomized mix of finished, cancelled (before and after start), timed-out and rejected
+/// requests; afterwards every block is free or cached and none is referenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_accounting_mix() {
+    let seed = test_seed("randomized_accounting_mix");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut sim = SimConfig::instant(4, 48);
+    sim.eos_after = Some(70);
+    let engine = sim_engine(
+        sim.clone(),
+        EngineConfig {
+            max_running: 4,
+            max_waiting: 6,
+            step_token_budget: 24,
+            prefill_chunk: 7,
+            ..EngineConfig::default()
+        },
+    );
+    let prefixes: Vec<Vec<u32>> = (0..3)
+        .map(|_| (0..rng.gen_range(4..30)).map(|_| rng.gen_range(3..400)).collect())
+        .collect();
+    let mut tasks = Vec::new();
+    let mut rejected = 0;
+    for i in 0..120 {
+        let mut p = prefixes[rng.gen_range(0..3)].clone();
+        p.extend((0..rng.gen_range(0..40)).map(|_| rng.gen_range(3..400)));
+        let max_tokens = rng.gen_range(1..60);
+        let mut r = req(&format!("m{i}"), p.clone(), max_tokens, ns(rng.gen_range(0..2)));
+        r.cache_insert = rng.gen_bool(0.8);
+        if rng.gen_bool(0.1) {
+            r.deadline = Some(Instant::now());
+        }
+        let mode = rng.gen_range(0..4); // 0: drop at once, 1: drop after k events, else read all
+        let k = rng.gen_range(1..5);
+        match engine.submit(r) {
+            Err(e) => {
+                assert!(
+                    matches!(e, WorkerError::QueueFull { .. } | WorkerError::NeverFits { .. }),
+                    "seed {seed}: {e}"
+                );
+                rejected += 1;
+            }
+            Ok(h) if mode == 0 => drop(h),
+            Ok(mut h) => {
+                let sim = sim.clone();
+                tasks.push(tokio::spawn(async move {
+                    if mode == 1 {
+                        for _ in 0..k {
+                            if h.next().await.is_none() {
+                                break;
+                            }
+                        }
+                        return;
+                    }
+                    let o = collect(h).await;
+                    if o.failed.is_none() {
+                        let want = reference_greedy(&sim, &p, max_tokens);
+                        assert_eq!(o.tokens, want, "seed {seed}: request {i}");
+                    }
+                }));
+            }
+        }
+        if rng.gen_bool(0.3) {
+            tokio::task::yield_now().await;
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let st = wait_stats(&engine, |s| s.running == 0 && s.waiting == 0).await;
+    println!("seed {seed}: rejected {rejected}, stats {st:?}");
+    assert_eq!(st.blocks_used, 0, "seed {seed}: reference leak");
+    assert_eq!(st.blocks_free + st.blocks_cached, st.blocks_total);
+    assert_eq!(engine.kv_events().cached_keys(), st.blocks_cached);
+    engine.shutdown();
+}
