@@ -93,7 +93,7 @@ fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
             .index
             .longest_matches(&tok.keys)
             .iter()
-            .any(|(_, n)| *n >= want)
+            .any(|m| m.blocks >= want)
     });
 }
 
@@ -147,7 +147,7 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
             .index
             .longest_matches(&tok.keys)
             .iter()
-            .any(|(_, n)| *n >= want)
+            .any(|m| m.blocks >= want)
     });
 }
 

@@ -118,7 +118,13 @@ impl Admin {
 
     fn workers_json(&self) -> serde_json::Value {
         let view = self.shared.views.load();
-        let blocks = self.shared.index.blocks_per_worker();
+        let stats: std::collections::BTreeMap<_, _> = self
+            .shared
+            .index
+            .all_worker_stats()
+            .into_iter()
+            .map(|s| (s.worker.clone(), s))
+            .collect();
         let workers: Vec<serde_json::Value> = view
             .workers
             .values()
@@ -144,7 +150,8 @@ impl Admin {
                     "url": e.spec.url,
                     "healthy": e.healthy,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
-                    "indexed_blocks": blocks.get(&e.spec.id).copied().unwrap_or(0),
+                    "indexed_blocks": stats.get(&e.spec.id).map_or(0, |s| s.precise_blocks),
+                    "approximate_blocks": stats.get(&e.spec.id).map_or(0, |s| s.approximate_blocks),
                     "events": {
                         "state": events,
                         "position": rt.events_position.lock().map(|(ep, seq)| json!({"epoch": ep, "seq": seq})),

@@ -4,13 +4,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::future::join_all;
 use parking_lot::Mutex;
-use crate::index_shim::PrefixIndex;
-use prefix_index::WorkerId;
+use prefix_index::{PrefixIndex, WorkerId};
 use receipts::{DecisionLog, DecisionRecord, KeyPair};
 use routing_rules::schema::{Rule, RulesFile, ServiceSpec};
 use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError};
@@ -64,8 +62,6 @@ pub struct Shared {
     pub http: reqwest::Client,
     /// Bearer token of the admin plane (`None`: admin plane open, for local use only).
     pub admin_token: Option<String>,
-    /// TTL of approximate holdings.
-    pub approx_ttl: Duration,
     /// Background tasks (health checks and event subscriptions), one set per worker.
     pub supervisor: Mutex<Option<Supervisor>>,
     /// Serializes rules changes (the contract check is async, the store's lock is not).
@@ -332,8 +328,12 @@ impl Shared {
 
     /// Refreshes the gauges that mirror state owned elsewhere (index size, event lag, load).
     pub fn refresh_gauges(&self) {
-        let per_worker = self.index.blocks_per_worker();
-        let total: usize = per_worker.values().sum();
+        let total: u64 = self
+            .index
+            .all_worker_stats()
+            .iter()
+            .map(|s| s.precise_blocks + s.approximate_blocks)
+            .sum();
         self.metrics
             .index_blocks
             .set(i64::try_from(total).unwrap_or(i64::MAX));
@@ -410,7 +410,9 @@ impl Shared {
                         .and_then(|v| v.workers.get(w))
                         .is_some_and(|e| e.runtime.approximate());
                     if approximate && !p.keys.is_empty() {
-                        self.index.insert_approximate(w, &p.keys, self.approx_ttl);
+                        if let Err(e) = self.index.insert_approximate(w, &p.keys) {
+                            tracing::debug!(worker = %w, error = %e, "approximate insert skipped");
+                        }
                     }
                 }
             }

@@ -18,7 +18,6 @@
 pub mod admin;
 pub mod core;
 pub mod error;
-pub mod index_shim;
 pub mod forward;
 pub mod metrics;
 pub mod profile;
@@ -38,7 +37,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
-use crate::index_shim::PrefixIndex;
+use prefix_index::{IndexConfig, PrefixIndex};
 use receipts::{DecisionLog, FsyncPolicy, KeyPair};
 use routing_rules::RuleStore;
 
@@ -184,7 +183,11 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         carry: Default::default(),
         profiles: Default::default(),
         store,
-        index: PrefixIndex::new(),
+        index: PrefixIndex::new(IndexConfig {
+            approximate_ttl: config.approx_ttl,
+            ..IndexConfig::default()
+        })
+        .map_err(|e| cfg_err(format!("prefix index: {e}")))?,
         metrics: metrics::Metrics::new(),
         key: config.key.clone(),
         gateway_id: config.gateway_id.clone(),
@@ -192,7 +195,6 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         decisions,
         http,
         admin_token: config.admin_token.clone(),
-        approx_ttl: config.approx_ttl,
         supervisor: Mutex::new(None),
         apply_lock: tokio::sync::Mutex::new(()),
     });

@@ -282,12 +282,12 @@ impl ProxyHttp for Proxy {
                 return r;
             }
         };
-        let svc_name = &decision.service.name();
+        let svc_name = decision.service.name().to_owned();
         if let Some(l) = route::fallback_label(decision.reason) {
-            self.shared.metrics.fallback(svc_name, l);
+            self.shared.metrics.fallback(&svc_name, l);
         }
         for l in &decision.extra_fallbacks {
-            self.shared.metrics.fallback(svc_name, l);
+            self.shared.metrics.fallback(&svc_name, l);
         }
         if let Some(p) = &decision.prompt {
             let labels = ServiceLabels {

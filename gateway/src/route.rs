@@ -8,8 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::index_shim::PrefixIndex;
-use prefix_index::{BlockKey, NamespaceSeed, WorkerId};
+use prefix_index::{BlockKey, NamespaceSeed, PrefixIndex, WorkerId};
 use routing_rules::policy::{Candidate, Reason};
 use routing_rules::schema::{LoadMetric, Rule, TokenBudgetPolicy};
 
@@ -175,8 +174,8 @@ pub fn decide(view: &View, index: &PrefixIndex, input: &RouteInput<'_>) -> Resul
             let matched_of = |w: &WorkerId| -> usize {
                 matches
                     .iter()
-                    .find(|(mw, _)| mw == w)
-                    .map_or(0, |(_, n)| *n)
+                    .find(|m| &m.worker == w)
+                    .map_or(0, |m| m.blocks)
             };
             let mut extra = Vec::new();
             let mut candidates = Vec::with_capacity(service.pool.len());

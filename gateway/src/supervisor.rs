@@ -16,7 +16,7 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use prefix_index::{KvEventEnvelope, WorkerId};
+use prefix_index::{KvEvent, KvEventEnvelope, WorkerId};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -77,6 +77,9 @@ impl Supervisor {
         for (id, base_url) in wanted {
             if self.tasks.contains_key(&id) {
                 continue;
+            }
+            if let Some(shared) = self.shared.upgrade() {
+                shared.index.add_worker(&id);
             }
             let cancel = self.root.child_token();
             let health = self.handle.spawn(health_loop(
@@ -236,18 +239,28 @@ async fn read_stream(
                     continue;
                 }
             };
-            let gap = match *position {
-                Some((epoch, seq)) => env.epoch == epoch && env.seq != seq + 1 && env.seq > seq,
-                None => false,
-            };
-            if gap {
-                return StreamEnd::Gap;
-            }
-            if position.is_some_and(|(epoch, seq)| env.epoch == epoch && env.seq <= seq) {
-                continue; // already applied (replay overlap)
+            // Snapshot envelopes share the seq S of the last event they include (after a
+            // `cleared` with that seq), live events continue at S + 1: accept `seq >= last`
+            // (re-applying an equal-seq event is idempotent), skip older ones, and resync on
+            // a gap.
+            let same_epoch = position.is_some_and(|(epoch, _)| epoch == env.epoch);
+            if let (true, Some((_, seq))) = (same_epoch, *position) {
+                if env.seq < seq {
+                    continue;
+                }
+                if env.seq > seq + 1 {
+                    return StreamEnd::Gap;
+                }
             }
             let Some(s) = shared.upgrade() else { return StreamEnd::Cancelled };
-            s.index.apply(id, &env.event);
+            if !same_epoch && position.is_some() && env.event != KvEvent::Cleared {
+                // A new epoch means the worker's cache restarted empty.
+                let _ = s.index.apply_event(id, &KvEvent::Cleared);
+            }
+            if let Err(e) = s.index.apply_event(id, &env.event) {
+                tracing::debug!(worker = %id, error = %e, "KV event not applied");
+                return StreamEnd::Cancelled;
+            }
             *position = Some((env.epoch, env.seq));
             *runtime.events_position.lock() = *position;
             runtime

@@ -8,13 +8,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     /// A file could not be opened or read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        /// The underlying error (in the message, so not repeated as a `source`).
+        cause: std::io::Error,
     },
     /// The file does not start with the GGUF magic.
     #[error("{path} is not a GGUF file (magic {found:?}, expected \"GGUF\")")]

@@ -118,15 +118,15 @@ impl GgufMetadata {
     /// Read the header and metadata of the GGUF file at `path`.
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|source| ProfileError::Io {
+        let file = File::open(&path).map_err(|cause| ProfileError::Io {
             path: path.clone(),
-            source,
+            cause,
         })?;
         let len = file
             .metadata()
-            .map_err(|source| ProfileError::Io {
+            .map_err(|cause| ProfileError::Io {
                 path: path.clone(),
-                source,
+                cause,
             })?
             .len();
         Self::from_reader(BufReader::with_capacity(1 << 16, file), len, path)
@@ -280,10 +280,10 @@ impl<R: Read> Cursor<R> {
                 Ok(0) => break,
                 Ok(n) => filled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(source) => {
+                Err(cause) => {
                     return Err(ProfileError::Io {
                         path: self.path.clone(),
-                        source,
+                        cause,
                     })
                 }
             }

@@ -518,9 +518,9 @@ fn file_stem(path: &Path) -> String {
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| ProfileError::Io {
+    std::fs::read(path).map_err(|cause| ProfileError::Io {
         path: PathBuf::from(path),
-        source,
+        cause,
     })
 }
 

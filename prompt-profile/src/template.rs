@@ -252,7 +252,7 @@ fn write_json(
                 write_json(out, &pairs[i].1, style, level + 1)
             })?;
         }
-        ValueKind::Plain | ValueKind::Invalid => {
+        _ => {
             return Err(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
                 format!("tojson: value of kind {} is not JSON serializable", value.kind()),

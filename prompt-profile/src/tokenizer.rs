@@ -185,8 +185,8 @@ pub(crate) fn from_gguf(meta: &GgufMetadata) -> Result<Tokenizer> {
             _ => {}
         }
     }
-    tok.add_special_tokens(&special).map_err(tk_err)?;
-    tok.add_tokens(&user).map_err(tk_err)?;
+    tok.add_special_tokens(special).map_err(tk_err)?;
+    tok.add_tokens(user).map_err(tk_err)?;
     Ok(tok)
 }
 

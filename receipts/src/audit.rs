@@ -170,7 +170,8 @@ pub struct AuditReport {
     pub receipts: u64,
     /// Valid direct (ticketless) receipts across all logs.
     pub direct_receipts: u64,
-    /// Per (service, rule id, rule version).
+    /// Per (service, rule id, rule version); serialized as a list of objects.
+    #[serde(serialize_with = "serialize_routes")]
     pub per_route: BTreeMap<(String, String, u64), RouteCounts>,
     /// Per mode.
     pub per_mode: BTreeMap<&'static str, u64>,
@@ -184,6 +185,26 @@ pub struct AuditReport {
     pub parity_mismatches: Vec<Discrepancy>,
     /// Every discrepancy found.
     pub discrepancies: Vec<Discrepancy>,
+}
+
+fn serialize_routes<S: serde::Serializer>(
+    routes: &BTreeMap<(String, String, u64), RouteCounts>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Row<'a> {
+        service: &'a str,
+        rule_id: &'a str,
+        rule_version: u64,
+        #[serde(flatten)]
+        counts: &'a RouteCounts,
+    }
+    s.collect_seq(routes.iter().map(|((service, rule_id, v), counts)| Row {
+        service,
+        rule_id,
+        rule_version: *v,
+        counts,
+    }))
 }
 
 impl AuditReport {

@@ -21,10 +21,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ReceiptsError, Result};
 
 /// When appended lines are forced to stable storage (`fdatasync`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(tag = "mode", rename_all = "snake_case")]
 pub enum FsyncPolicy {
     /// `fdatasync` before every `append` returns: nothing acknowledged is ever lost. The default.
+    #[default]
     Always,
     /// `fdatasync` once `max_receipts` lines are pending (inside that `append`), or when the oldest
     /// pending line is `max_ms` old (by an owned background flusher thread), whichever is first. On
@@ -36,12 +37,6 @@ pub enum FsyncPolicy {
         /// Age of the oldest pending line that triggers a background sync (>= 1).
         max_ms: u64,
     },
-}
-
-impl Default for FsyncPolicy {
-    fn default() -> Self {
-        FsyncPolicy::Always
-    }
 }
 
 /// A torn last line found (and removed) when a log was opened.
@@ -57,13 +52,16 @@ pub struct TornTail {
     pub saved_to: Option<PathBuf>,
 }
 
+/// The result of [`scan`]: length of the complete lines, and the torn tail (offset, bytes).
+pub(crate) type Scanned = (u64, Option<(u64, Vec<u8>)>);
+
 /// Read every complete line of `path`, calling `each(line_no, offset, bytes_without_newline)`.
 /// Returns the byte length of the complete lines and the torn tail (start offset, bytes) if the
 /// file does not end with a newline. O(file size).
 pub(crate) fn scan(
     path: &Path,
     mut each: impl FnMut(u64, u64, &[u8]) -> Result<()>,
-) -> Result<(u64, Option<(u64, Vec<u8>)>)> {
+) -> Result<Scanned> {
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((0, None)),

@@ -230,6 +230,11 @@ impl Receipt {
         };
         let sig_vec = hex::decode(&self.signature).map_err(|_| bad())?;
         let sig: [u8; 64] = sig_vec.as_slice().try_into().map_err(|_| bad())?;
+        // Only the lowercase spelling is valid: the line's bytes (and so the chain hash) must be
+        // unique for a given signature.
+        if hex::encode(sig) != self.signature {
+            return Err(bad());
+        }
         if !key.verify(&self.signed_bytes()?, &sig) {
             return Err(bad());
         }

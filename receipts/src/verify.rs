@@ -64,7 +64,8 @@ pub enum FailureKind {
     TicketBadSignature,
     /// The embedded ticket's gateway key is unknown (only with `require_ticket_keys`).
     TicketUnknownKey,
-    /// The ticket names another worker or request id than the receipt.
+    /// The ticket names another worker or request id than the receipt, or was signed by the
+    /// receipt's own (worker) key.
     TicketMismatch,
     /// The receipt was received outside the ticket's validity window.
     TicketOutsideWindow,
@@ -337,6 +338,10 @@ impl<'k> LogVerifier<'k> {
                     Err(e) => self.report.fail(line_no, K::TicketBadSignature, e.to_string()),
                 }
                 let t = st.ticket_unverified();
+                if t.key_id == r.key_id {
+                    let msg = format!("ticket signed by the worker's own key {}", r.key_id);
+                    self.report.fail(line_no, K::TicketMismatch, msg);
+                }
                 if t.worker != r.worker_id || t.request_id != r.request_id {
                     let msg = format!(
                         "ticket is for worker {} / request {}, receipt is worker {} / request {}",

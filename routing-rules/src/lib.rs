@@ -21,9 +21,7 @@ pub mod store;
 pub mod validate;
 
 pub use error::{Problem, RulesError};
-pub use parse::{
-    load_toml, rules_from_json, rules_from_toml, rules_to_toml, service_from_json,
-};
+pub use parse::{load_toml, rules_from_json, rules_from_toml, rules_to_toml, service_from_json};
 pub use policy::{Candidate, KvExact, Reason, RoundRobin, Selection, SelectionPolicy};
 pub use schema::*;
 pub use snapshot::{ContentHash, RequestInfo, RuleSnapshot, RuleVersion, ServiceEntry};

@@ -101,7 +101,10 @@ fn list_at<T: DeserializeOwned>(
         return Vec::new();
     };
     let Value::Array(items) = value else {
-        problems.push(Problem::new(key, "expected a list (in TOML: [[{key}]] tables)"));
+        problems.push(Problem::new(
+            key,
+            "expected a list (in TOML: [[{key}]] tables)",
+        ));
         return Vec::new();
     };
     let mut out = Vec::with_capacity(items.len());

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use prefix_index::WorkerId;
+use prefix_index::{BlockSize, WorkerId};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -80,6 +80,8 @@ pub struct ServiceEntry {
     pub workers: Vec<WorkerSpec>,
     /// Its rule's profile (`kv_exact` only).
     pub profile: Option<ProfileSpec>,
+    /// The profile's block size as the key type (`kv_exact` only).
+    pub block_size: Option<BlockSize>,
     /// Its selection policy (rotation state lives here, per snapshot).
     pub policy: Box<dyn SelectionPolicy>,
 }
@@ -149,14 +151,16 @@ impl RuleSnapshot {
         for spec in &rules.services {
             // Validation guarantees the references resolve; a miss here is reported, not
             // unwrapped, in case the two ever disagree.
-            let pool = rules.pools.iter().find(|p| p.id == spec.pool).ok_or_else(|| {
-                RulesError::Invalid {
+            let pool = rules
+                .pools
+                .iter()
+                .find(|p| p.id == spec.pool)
+                .ok_or_else(|| RulesError::Invalid {
                     problems: vec![Problem::new(
                         format!("services.{}.pool", spec.name),
                         format!("unknown pool {:?}", spec.pool.0),
                     )],
-                }
-            })?;
+                })?;
             let members: Vec<WorkerSpec> = pool
                 .workers
                 .iter()
@@ -170,12 +174,23 @@ impl RuleSnapshot {
                     .cloned(),
                 Rule::RoundRobin(_) => None,
             };
-            let block_size = profile.as_ref().map_or(1, |p| p.block_size);
+            let block_size = match &profile {
+                None => None,
+                Some(p) => Some(
+                    BlockSize::new(p.block_size).map_err(|e| RulesError::Invalid {
+                        problems: vec![Problem::new(
+                            format!("profiles.{}.block_size", p.id),
+                            e.to_string(),
+                        )],
+                    })?,
+                ),
+            };
             services.push(ServiceEntry {
-                policy: policy::build(&spec.rule, block_size),
+                policy: policy::build(&spec.rule, profile.as_ref().map_or(1, |p| p.block_size)),
                 spec: spec.clone(),
                 workers: members,
                 profile,
+                block_size,
             });
         }
         Ok(Self {

@@ -117,7 +117,10 @@ impl RuleStore {
     }
 
     /// [`RuleStore::reload_from_file`] with a pre-apply check.
-    pub fn reload_from_file_with(&self, check: PreApplyCheck<'_>) -> Result<ApplyOutcome, RulesError> {
+    pub fn reload_from_file_with(
+        &self,
+        check: PreApplyCheck<'_>,
+    ) -> Result<ApplyOutcome, RulesError> {
         let path = self.path.as_deref().ok_or(RulesError::NoFile)?;
         let _guard = self.writer.lock();
         let rules = read_rules(path)?;
@@ -130,7 +133,11 @@ impl RuleStore {
     }
 
     /// [`RuleStore::apply`] with a pre-apply check.
-    pub fn apply_with(&self, rules: RulesFile, check: PreApplyCheck<'_>) -> Result<ApplyOutcome, RulesError> {
+    pub fn apply_with(
+        &self,
+        rules: RulesFile,
+        check: PreApplyCheck<'_>,
+    ) -> Result<ApplyOutcome, RulesError> {
         let _guard = self.writer.lock();
         self.install(rules, check, true)
     }

@@ -48,7 +48,10 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
     let pool_paths = v.ids("pools", rules.pools.iter().map(|p| p.id.0.as_str()), "pool");
     for (p, path) in rules.pools.iter().zip(&pool_paths) {
         if p.workers.is_empty() {
-            v.push(format!("{path}.workers"), "empty pool: list at least one worker");
+            v.push(
+                format!("{path}.workers"),
+                "empty pool: list at least one worker",
+            );
         }
         let mut seen = BTreeSet::new();
         for (i, w) in p.workers.iter().enumerate() {
@@ -265,13 +268,27 @@ impl Validator {
         match uri.scheme_str() {
             Some("http") | Some("https") => {}
             _ => {
-                self.push(path, format!("bad URL {url:?}: the scheme must be http or https"));
+                self.push(
+                    path,
+                    format!("bad URL {url:?}: the scheme must be http or https"),
+                );
                 return;
             }
         }
         match uri.authority() {
-            Some(a) if !a.host().is_empty() && !a.as_str().contains('@') => {}
-            _ => self.push(path, format!("bad URL {url:?}: needs a host and no user info")),
+            Some(a) if !a.host().is_empty() && !a.as_str().contains('@') => {
+                // `http::Uri` keeps a port it cannot represent as u16 without complaint.
+                let after_host = a.as_str().rsplit_once(']').map_or(a.as_str(), |(_, r)| r);
+                if let Some((_, port)) = after_host.rsplit_once(':') {
+                    if port.parse::<u16>().is_err() {
+                        self.push(path, format!("bad URL {url:?}: bad port {port:?}"));
+                    }
+                }
+            }
+            _ => self.push(
+                path,
+                format!("bad URL {url:?}: needs a host and no user info"),
+            ),
         }
         if uri.query().is_some() {
             self.push(path, format!("bad URL {url:?}: must not have a query"));
@@ -299,7 +316,10 @@ impl Validator {
                     self.push(format!("{path}.source.tokenizer_json"), "must not be empty");
                 }
                 if tokenizer_config.as_os_str().is_empty() {
-                    self.push(format!("{path}.source.tokenizer_config"), "must not be empty");
+                    self.push(
+                        format!("{path}.source.tokenizer_config"),
+                        "must not be empty",
+                    );
                 }
             }
         }
@@ -349,7 +369,10 @@ impl Validator {
             if !listeners.contains(l.0.as_str()) {
                 self.push(
                     format!("{path}.match.listener"),
-                    format!("unknown listener {:?} (declare it under gateway.listeners)", l.0),
+                    format!(
+                        "unknown listener {:?} (declare it under gateway.listeners)",
+                        l.0
+                    ),
                 );
             }
         }
@@ -361,12 +384,13 @@ impl Validator {
                 );
             }
         }
-        if !m.path_prefix.starts_with('/')
-            || m.path_prefix.contains(['?', '#', ' '])
-        {
+        if !m.path_prefix.starts_with('/') || m.path_prefix.contains(['?', '#', ' ']) {
             self.push(
                 format!("{path}.match.path_prefix"),
-                format!("{:?} must start with '/' and hold no '?', '#' or space", m.path_prefix),
+                format!(
+                    "{:?} must start with '/' and hold no '?', '#' or space",
+                    m.path_prefix
+                ),
             );
         }
         let mut seen = BTreeSet::new();
@@ -381,7 +405,10 @@ impl Validator {
             }
         }
         if !pools.contains(s.pool.0.as_str()) {
-            self.push(format!("{path}.pool"), format!("unknown pool {:?}", s.pool.0));
+            self.push(
+                format!("{path}.pool"),
+                format!("unknown pool {:?}", s.pool.0),
+            );
         }
         match &s.rule {
             Rule::RoundRobin(_) => {}

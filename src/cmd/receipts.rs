@@ -1,9 +1,147 @@
-//! `kvgate receipts` (placeholder until its issue lands: it refuses to run).
+//! `kvgate receipts verify|audit`: check receipt logs and correlate them with gateway decisions.
+//!
+//! `verify LOG... --key PUB [--keys DIR]` checks every receipt signature, the hash chain,
+//! sequence numbers and embedded tickets (ticket signatures need the gateway key: `--keys DIR`
+//! or another `--key`); `audit --decisions GATEWAY_LOG --receipts WORKER_LOG... --keys DIR`
+//! correlates decisions with receipts. Both print a summary and exit 1 on any failure.
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(clap::Args)]
-pub struct Args {}
+use anyhow::Context;
+use receipts::{AuditOptions, KeyRing, VerifyOptions, DEFAULT_MAX_CLOCK_SKEW_MS};
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`kvgate receipts` is not implemented yet")
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Verify receipt logs: signatures (receipts and embedded tickets), chain, sequence gaps.
+    Verify(VerifyArgs),
+    /// Correlate a gateway decision log with worker receipt logs.
+    Audit(AuditArgs),
+}
+
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    /// Receipt log(s) (JSON Lines).
+    #[arg(required = true)]
+    pub logs: Vec<PathBuf>,
+    /// A public key file (the worker's; repeat for more keys, e.g. the gateway's).
+    #[arg(long = "key")]
+    pub key: Vec<PathBuf>,
+    /// A directory of `*.pub` files (gateway keys for the embedded tickets, worker keys).
+    #[arg(long = "keys")]
+    pub keys: Vec<PathBuf>,
+    /// Fail embedded tickets whose gateway key is not given (default: count them as unchecked).
+    #[arg(long)]
+    pub require_ticket_keys: bool,
+    /// Clock skew allowed when checking a receipt's time against its ticket's validity window.
+    #[arg(long, default_value_t = DEFAULT_MAX_CLOCK_SKEW_MS)]
+    pub max_clock_skew_ms: u64,
+    /// Print the report(s) as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct AuditArgs {
+    /// The gateway's decision log.
+    #[arg(long)]
+    pub decisions: PathBuf,
+    /// The workers' receipt logs.
+    #[arg(long, required = true, num_args = 1..)]
+    pub receipts: Vec<PathBuf>,
+    /// A directory of `*.pub` files holding the gateway and worker public keys.
+    #[arg(long = "keys", required = true)]
+    pub keys: Vec<PathBuf>,
+    /// Extra public key files.
+    #[arg(long = "key")]
+    pub key: Vec<PathBuf>,
+    /// Count prefix-parity mismatches (gateway/worker tokenization split) as discrepancies.
+    #[arg(long)]
+    pub fail_on_parity_mismatch: bool,
+    /// Clock skew allowed for ticket validity windows.
+    #[arg(long, default_value_t = DEFAULT_MAX_CLOCK_SKEW_MS)]
+    pub max_clock_skew_ms: u64,
+    /// Print the report as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn load_keys(files: &[PathBuf], dirs: &[PathBuf]) -> anyhow::Result<KeyRing> {
+    let mut ring = KeyRing::new();
+    for f in files {
+        ring.add_file(f)
+            .with_context(|| format!("loading public key {}", f.display()))?;
+    }
+    for d in dirs {
+        let n = ring
+            .add_dir(d)
+            .with_context(|| format!("loading public keys from {}", d.display()))?;
+        if n == 0 {
+            anyhow::bail!("no *.pub files in {}", d.display());
+        }
+    }
+    if ring.is_empty() {
+        anyhow::bail!("no public key given (use --key PUB or --keys DIR)");
+    }
+    Ok(ring)
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    match args.command {
+        Command::Verify(a) => verify(a),
+        Command::Audit(a) => audit(a),
+    }
+}
+
+fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
+    let ring = load_keys(&a.key, &a.keys)?;
+    let opts = VerifyOptions {
+        require_ticket_keys: a.require_ticket_keys,
+        max_clock_skew_ms: a.max_clock_skew_ms,
+    };
+    let mut all_ok = true;
+    let mut reports = Vec::new();
+    for log in &a.logs {
+        let report = receipts::verify_log_with(log, &ring, opts)
+            .with_context(|| format!("verifying {}", log.display()))?;
+        all_ok &= report.ok();
+        if a.json {
+            reports.push(report);
+        } else {
+            print!("{report}");
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    }
+    Ok(if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn audit(a: AuditArgs) -> anyhow::Result<ExitCode> {
+    let ring = load_keys(&a.key, &a.keys)?;
+    let opts = AuditOptions {
+        max_clock_skew_ms: a.max_clock_skew_ms,
+        fail_on_parity_mismatch: a.fail_on_parity_mismatch,
+    };
+    let report = receipts::audit_with(&a.decisions, &a.receipts, &ring, opts)
+        .context("auditing receipt logs")?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

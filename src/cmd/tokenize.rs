@@ -1,9 +1,128 @@
-//! `kvgate tokenize` (placeholder until its issue lands: it refuses to run).
+//! `kvgate tokenize`: render a chat with a model's prompt profile and print the prompt, the
+//! token ids and the profile identity.
+//!
+//! `--model` is a GGUF file (metadata only is read) or a folder holding a HF
+//! `tokenizer.json` + `tokenizer_config.json`. The input is `--messages FILE.json` (an array
+//! of OpenAI messages, or a chat completion body with a `messages` array; `-` reads stdin)
+//! or `--text T` (one user message; with `--raw`, T is tokenized as is, without template).
+//! Every failure (missing file, not a GGUF, malformed JSON, a template rejecting a role) is
+//! one line on stderr and exit status 1.
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-#[derive(clap::Args)]
-pub struct Args {}
+use anyhow::Context;
+use prompt_profile::{parse_messages, ChatMessage, PromptProfile};
 
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("`kvgate tokenize` is not implemented yet")
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "messages"])))]
+pub struct Args {
+    /// A GGUF model file, or a folder with tokenizer.json and tokenizer_config.json.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Text of a single user message (or, with --raw, text to tokenize without template).
+    #[arg(long)]
+    pub text: Option<String>,
+    /// JSON file with the messages (an array, or an object with `messages`); `-` for stdin.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    /// Tokenize --text as is (special tokens parsed), without the chat template.
+    #[arg(long, requires = "text")]
+    pub raw: bool,
+    /// Do not append the assistant generation prompt.
+    #[arg(long)]
+    pub no_generation_prompt: bool,
+    /// Override the profile revision.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let mut profile = load_profile(&args.model)?;
+    if let Some(rev) = &args.revision {
+        profile = profile.with_revision(rev.clone());
+    }
+    let text = if let (true, Some(text)) = (args.raw, &args.text) {
+        text.clone()
+    } else {
+        let messages = match (&args.text, &args.messages) {
+            (Some(text), _) => vec![ChatMessage::new("user", text.clone())],
+            (None, Some(file)) => read_messages(file)?,
+            (None, None) => anyhow::bail!("one of --text or --messages is required"),
+        };
+        profile
+            .render(&messages, !args.no_generation_prompt)
+            .context("rendering the chat template")?
+    };
+    let ids = profile
+        .encode(&text, true)
+        .context("tokenizing the prompt")?;
+    let identity = profile.identity();
+    if args.json {
+        let out = serde_json::json!({
+            "identity": identity,
+            "digest": identity.digest(),
+            "prompt": text,
+            "ids": ids,
+            "num_tokens": ids.len(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("profile");
+        println!("  model_id          {}", identity.model_id);
+        println!("  revision          {}", identity.revision);
+        println!("  template_sha256   {}", identity.template_sha256);
+        println!("  tokenizer_sha256  {}", identity.tokenizer_sha256);
+        println!("  context_limit     {}", identity.context_limit);
+        println!("  eos_token_ids     {:?}", identity.eos_token_ids);
+        match identity.bos_token_id {
+            Some(id) => println!("  bos_token_id      {id}"),
+            None => println!("  bos_token_id      none"),
+        }
+        println!("  digest            {}", identity.digest());
+        println!("prompt ({} bytes)", text.len());
+        println!("{text}");
+        println!("ids ({} tokens)", ids.len());
+        println!("{ids:?}");
+    }
+    if ids.len() > identity.context_limit as usize {
+        eprintln!(
+            "kvgate: warning: {} prompt tokens exceed the context limit {}",
+            ids.len(),
+            identity.context_limit
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn load_profile(model: &Path) -> anyhow::Result<PromptProfile> {
+    let profile = if model.is_dir() {
+        PromptProfile::from_hf(
+            model.join("tokenizer.json"),
+            model.join("tokenizer_config.json"),
+        )
+    } else {
+        PromptProfile::from_gguf(model)
+    };
+    profile.with_context(|| format!("loading the prompt profile from {}", model.display()))
+}
+
+fn read_messages(file: &Path) -> anyhow::Result<Vec<ChatMessage>> {
+    let (name, bytes) = if file == Path::new("-") {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .context("reading messages from stdin")?;
+        ("stdin".to_string(), buf)
+    } else {
+        let bytes = std::fs::read(file)
+            .with_context(|| format!("reading messages from {}", file.display()))?;
+        (file.display().to_string(), bytes)
+    };
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).with_context(|| format!("{name}: invalid JSON"))?;
+    parse_messages(&value).with_context(|| format!("{name}: invalid messages"))
 }

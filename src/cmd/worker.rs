@@ -197,7 +197,9 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
         None => KeyRing::new(),
     };
     if args.require_ticket && gateway_keys.is_empty() {
-        anyhow::bail!("--require-ticket needs --gateway-keys DIR with at least one gateway public key");
+        anyhow::bail!(
+            "--require-ticket needs --gateway-keys DIR with at least one gateway public key"
+        );
     }
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
     let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;

@@ -255,10 +255,8 @@ native_reserve_tokens = 0
             self.gw()
                 .shared
                 .index
-                .blocks_per_worker()
-                .get(&wid)
-                .copied()
-                .unwrap_or(0)
+                .worker_stats(&wid)
+                .map_or(0, |s| s.precise_blocks as usize)
                 >= blocks
         });
     }

@@ -397,7 +397,9 @@ impl Engine {
             return Err(WorkerError::InvalidRequest("empty prompt".into()));
         }
         if req.max_tokens == 0 {
-            return Err(WorkerError::InvalidRequest("max_tokens must be >= 1".into()));
+            return Err(WorkerError::InvalidRequest(
+                "max_tokens must be >= 1".into(),
+            ));
         }
         if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= inner.vocab_size) {
             return Err(WorkerError::InvalidRequest(format!(
@@ -416,12 +418,11 @@ impl Engine {
             });
         }
         let max_waiting = inner.config.max_waiting;
-        if let Err(waiting) =
-            inner
-                .queued
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
-                    (q < max_waiting).then_some(q + 1)
-                })
+        if let Err(waiting) = inner
+            .queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                (q < max_waiting).then_some(q + 1)
+            })
         {
             return Err(WorkerError::QueueFull { waiting });
         }

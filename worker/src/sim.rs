@@ -2,15 +2,18 @@
 //! unchanged, with the model replaced by a timing model and deterministic tokens — so a
 //! gateway can be tested and benchmarked against 64 workers on a 2-core machine.
 //!
-//! **Storage.** The simulator keeps a real paged "KV": one `u32` (the token id) per slot of
-//! every block. `forward` writes each chunk's tokens through its block table, exactly where
-//! a model would write K/V, and reads them back the same way.
+//! **Storage.** The simulator keeps a real paged "KV": per slot of every block, the token id
+//! and a running hash of the sequence up to that position. `forward` writes each chunk's
+//! tokens through its block table, exactly where a model would write K/V: the hash at
+//! position `p` is `mix(hash at p − 1, token p)`, the previous hash being *read back through
+//! the block table* (from a cached prefix block, an earlier chunk, or this one) — as
+//! attention reads earlier K/V.
 //!
-//! **Tokens.** For a chunk that wants logits, the next token is a function of the *whole*
-//! sequence as read back through the block table: an FNV-style hash over the tokens at
-//! positions `0..=p` (p = the chunk's last position) and `p`. So greedy output is repeatable,
-//! and any mistake in block tables, prefix reuse or chunking changes the output (tests use
-//! this as a model-free correctness oracle). The token is never `eos_token_id` unless
+//! **Tokens.** For a chunk that wants logits, the next token is a function of the running
+//! hash at its last position p (so of the *whole* sequence as stored in the blocks) and p.
+//! So greedy output is repeatable, and any mistake in block tables, prefix reuse or chunking
+//! changes the output (tests use this as a model-free correctness oracle); reading a
+//! position that was never written is an error. The token is never `eos_token_id` unless
 //! `eos_after` says so: with `eos_after = Some(n)`, the token produced at position ≥ n (i.e.
 //! once the sequence, prompt included, holds n tokens) is `eos_token_id`; `None` = never.
 //! Logits are `0.0` everywhere except the chosen token (8.0) and two runner-ups (6.0, 4.0),
@@ -22,8 +25,8 @@
 //! near the SmolLM2 targets of this machine kind (docs/benchmarks.md): 800 prefill tok/s,
 //! ~150 decode tok/s single stream.
 //!
-//! Cost of the simulation itself: O(p) per logits request (the hash reads the sequence)
-//! plus O(vocab) to fill the logits; use a small vocabulary (e.g. 512).
+//! Cost of the simulation itself: O(1) per token written, O(vocab) per logits vector (use a
+//! small vocabulary, e.g. 512); memory 16 bytes per KV slot.
 
 use crate::engine::TokenDecoder;
 use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
@@ -83,11 +86,18 @@ impl SimConfig {
 #[derive(Debug)]
 pub struct SimExecutor {
     cfg: SimConfig,
-    /// One token id per KV slot; `u32::MAX` = never written.
-    slots: Vec<u32>,
+    /// Per KV slot: (token id, running hash); token `u32::MAX` = never written.
+    slots: Vec<(u32, u64)>,
 }
 
 const EMPTY: u32 = u32::MAX;
+const HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn mix(prev: u64, token: u32) -> u64 {
+    let mut h = (prev ^ u64::from(token)).wrapping_mul(0x0000_0100_0000_01b3);
+    h ^= h >> 31;
+    h
+}
 
 impl SimExecutor {
     /// Allocates the slot storage (4 bytes per slot). Errors on a zero or oversized
@@ -111,7 +121,7 @@ impl SimExecutor {
             .filter(|&n| n <= 1 << 32)
             .ok_or_else(|| WorkerError::InvalidRequest("sim KV too large".into()))?;
         Ok(SimExecutor {
-            slots: vec![EMPTY; n],
+            slots: vec![(EMPTY, 0); n],
             cfg,
         })
     }
@@ -123,28 +133,30 @@ impl SimExecutor {
 
     fn slot(&self, table: &[BlockId], pos: usize) -> Result<usize, WorkerError> {
         let b = self.cfg.block_size;
-        let blk = *table.get(pos / b).ok_or_else(|| {
-            WorkerError::Tensor(format!("position {pos} beyond the block table"))
-        })? as usize;
+        let blk = *table
+            .get(pos / b)
+            .ok_or_else(|| WorkerError::Tensor(format!("position {pos} beyond the block table")))?
+            as usize;
         if blk >= self.cfg.num_blocks {
             return Err(WorkerError::Tensor(format!("block {blk} out of range")));
         }
         Ok(blk * b + pos % b)
     }
 
-    /// The greedy token after the sequence whose tokens are read through `table` at
-    /// positions `0..=last`.
-    fn next_token(&self, table: &[BlockId], last: usize) -> Result<(u32, u64), WorkerError> {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for p in 0..=last {
-            let t = self.slots[self.slot(table, p)?];
-            if t == EMPTY {
-                return Err(WorkerError::Tensor(format!(
-                    "position {p} read before it was written"
-                )));
-            }
-            h = (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3);
+    /// The running hash stored at `pos`, read through `table`.
+    fn hash_at(&self, table: &[BlockId], pos: usize) -> Result<u64, WorkerError> {
+        let (t, h) = self.slots[self.slot(table, pos)?];
+        if t == EMPTY {
+            return Err(WorkerError::Tensor(format!(
+                "position {pos} read before it was written"
+            )));
         }
+        Ok(h)
+    }
+
+    /// The greedy token after the sequence stored through `table` up to position `last`.
+    fn next_token(&self, table: &[BlockId], last: usize) -> Result<(u32, u64), WorkerError> {
+        let mut h = self.hash_at(table, last)?;
         h = (h ^ last as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         h ^= h >> 29;
         let v = self.cfg.vocab_size as u64;
@@ -192,8 +204,14 @@ impl Executor for SimExecutor {
         let mut out = Vec::with_capacity(chunks.len());
         for c in chunks {
             for (i, &t) in c.tokens.iter().enumerate() {
-                let s = self.slot(c.block_table, c.start_pos + i)?;
-                self.slots[s] = t;
+                let pos = c.start_pos + i;
+                let prev = if pos == 0 {
+                    HASH_SEED
+                } else {
+                    self.hash_at(c.block_table, pos - 1)?
+                };
+                let s = self.slot(c.block_table, pos)?;
+                self.slots[s] = (t, mix(prev, t));
             }
         }
         for c in chunks {
@@ -327,7 +345,8 @@ mod tests {
     #[test]
     fn eos_after_and_never_eos() {
         let mut cfg = SimConfig::instant(4, 8);
-        cfg.eos_after = Some(3);
+        // The token produced at position 2 (after a 2-token prompt) is eos.
+        cfg.eos_after = Some(2);
         let mut e = SimExecutor::new(cfg).unwrap();
         let l = e
             .forward(&[SeqChunk {

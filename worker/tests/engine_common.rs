@@ -26,7 +26,12 @@ pub fn sim_engine(sim: SimConfig, cfg: EngineConfig) -> Engine {
 }
 
 /// A greedy request.
-pub fn req(id: &str, prompt: Vec<u32>, max_tokens: usize, namespace: NamespaceSeed) -> GenerateRequest {
+pub fn req(
+    id: &str,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    namespace: NamespaceSeed,
+) -> GenerateRequest {
     GenerateRequest {
         request_id: id.to_string(),
         prompt,

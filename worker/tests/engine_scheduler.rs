@@ -17,7 +17,11 @@ use worker::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqSpec};
 use worker::sim::{SimConfig, SimExecutor};
 
 fn chain(seed: NamespaceSeed, bs: usize) -> KeyChain {
-    KeyChain::new(seed, HashAlgorithm::Xxh3, BlockSize::new(bs as u32).unwrap())
+    KeyChain::new(
+        seed,
+        HashAlgorithm::Xxh3,
+        BlockSize::new(bs as u32).unwrap(),
+    )
 }
 
 fn spec(prompt: Vec<u32>, max_tokens: usize, seed: NamespaceSeed, bs: usize) -> SeqSpec {
@@ -43,11 +47,7 @@ fn sched_cfg(max_running: usize, budget: usize, chunk: usize) -> SchedulerConfig
 
 /// Runs one step: admit, schedule, forward, complete, greedy-sample. Returns finished
 /// sequences as (payload, generated tokens).
-fn step<P: Copy>(
-    s: &mut Scheduler<P>,
-    e: &mut SimExecutor,
-    eos: u32,
-) -> Vec<(SeqId, P, Vec<u32>)> {
+fn step<P: Copy>(s: &mut Scheduler<P>, e: &mut SimExecutor, eos: u32) -> Vec<(SeqId, P, Vec<u32>)> {
     s.admit(Instant::now());
     let (plan, broken) = s.schedule();
     assert!(broken.is_empty(), "broken reservations: {broken:?}");
@@ -105,7 +105,11 @@ fn randomized_differential_accounting() {
         let mut s: Scheduler<usize> = Scheduler::new(cfg, geometry);
         // A few shared prefixes so prefix hits happen.
         let prefixes: Vec<Vec<u32>> = (0..3)
-            .map(|_| (0..rng.gen_range(1..40)).map(|_| rng.gen_range(0..500)).collect())
+            .map(|_| {
+                (0..rng.gen_range(1..40))
+                    .map(|_| rng.gen_range(0..500))
+                    .collect()
+            })
             .collect();
         let mut prompts: Vec<(Vec<u32>, usize)> = Vec::new();
         let mut live: Vec<SeqId> = Vec::new();
@@ -165,7 +169,13 @@ fn randomized_differential_accounting() {
                         live.retain(|x| *x != id);
                         finished += 1;
                     }
-                    hits = hits.max(s.running().iter().map(|q| q.cached_tokens()).max().unwrap_or(0));
+                    hits = hits.max(
+                        s.running()
+                            .iter()
+                            .map(|q| q.cached_tokens())
+                            .max()
+                            .unwrap_or(0),
+                    );
                 }
             }
             if let Err(e) = s.check_invariants() {
@@ -179,7 +189,11 @@ fn randomized_differential_accounting() {
         while s.running_len() + s.waiting_len() > 0 {
             for (id, payload, out) in step(&mut s, &mut exec, sim.eos_token_id) {
                 let (p, m) = &prompts[payload];
-                assert_eq!(out, reference_greedy(&sim, p, *m), "seed {seed} round {round}");
+                assert_eq!(
+                    out,
+                    reference_greedy(&sim, p, *m),
+                    "seed {seed} round {round}"
+                );
                 live.retain(|x| *x != id);
                 finished += 1;
             }
@@ -240,7 +254,11 @@ fn key_collision_costs_a_miss_not_a_wrong_answer() {
     s.check_invariants().unwrap();
     s.enqueue(SeqId(1), spec(p.clone(), 5, ns(7), bs), ());
     s.admit(Instant::now());
-    assert_eq!(s.get(SeqId(1)).unwrap().cached_tokens(), 0, "collision is a miss");
+    assert_eq!(
+        s.get(SeqId(1)).unwrap().cached_tokens(),
+        0,
+        "collision is a miss"
+    );
     let mut out = Vec::new();
     while s.running_len() > 0 {
         for (_, _, o) in step(&mut s, &mut exec, 2) {
@@ -261,7 +279,11 @@ fn key_collision_costs_a_miss_not_a_wrong_answer() {
     s.kv_mut().plant_entry(qk[1], 29, &q[4..8], Some((28, 0)));
     s.enqueue(SeqId(3), spec(q, 2, ns(8), bs), ());
     s.admit(Instant::now());
-    assert_eq!(s.get(SeqId(3)).unwrap().cached_tokens(), 4, "stops at the bad parent");
+    assert_eq!(
+        s.get(SeqId(3)).unwrap().cached_tokens(),
+        4,
+        "stops at the bad parent"
+    );
 }
 
 #[test]
@@ -325,7 +347,10 @@ fn short_prefill_is_not_queued_behind_long_ones() {
     s.enqueue(SeqId(100), spec((0..64).collect(), 8, ns(1), bs), 100);
     s.admit(Instant::now());
     let (plan, _) = s.schedule();
-    let short = plan.iter().find(|c| c.id == SeqId(100)).expect("short scheduled at once");
+    let short = plan
+        .iter()
+        .find(|c| c.id == SeqId(100))
+        .expect("short scheduled at once");
     assert_eq!((short.start, short.len, short.want_logits), (0, 64, true));
     let total: usize = plan.iter().map(|c| c.len).sum();
     assert!(total <= 512);
@@ -339,7 +364,9 @@ fn round_robin_spreads_prefill_evenly() {
     // Budget of 2 chunks per step over 6 long prompts.
     let mut s: Scheduler<usize> = Scheduler::new(sched_cfg(8, 256, 128), exec.geometry());
     for i in 0..6u64 {
-        let p: Vec<u32> = (0..1024).map(|t| ((t + i as usize * 3) % 500) as u32).collect();
+        let p: Vec<u32> = (0..1024)
+            .map(|t| ((t + i as usize * 3) % 500) as u32)
+            .collect();
         s.enqueue(SeqId(i), spec(p, 4, ns(1), bs), i as usize);
     }
     for _ in 0..9 {

@@ -142,7 +142,8 @@ fn paged_batched_chunked_prefill_matches_reference() {
     let prompts: Vec<Vec<u32>> = vec![
         CHAT_PROMPT.to_vec(),
         CHAT_PROMPT[21..].to_vec(),
-        vec![1, 4093, 198, 19556, 28, 451, 314, 957, 1345, 47, 2, 198, 1, 520, 9531, 198],
+        // "<|im_start|>user\nHi! Name three colors.<|im_end|>\n<|im_start|>assistant\n"
+        vec![1, 4093, 198, 26843, 17, 10181, 1296, 4683, 30, 2, 198, 1, 520, 9531, 198],
     ];
     let chunk_sizes = [7, 13, 64];
     let join_at = [0, 1, 3];
@@ -204,9 +205,10 @@ fn prefix_reuse_matches_reference() {
         want_logits: true,
     }])
     .unwrap();
-    // B shares A's first 32 tokens (4 full blocks) and asks another question.
+    // B shares A's first 32 tokens (4 full blocks), then a second user turn:
+    // "\n<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n".
     let mut b = CHAT_PROMPT[..32].to_vec();
-    b.extend_from_slice(&[198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 8114, 47, 2, 198, 1, 520, 9531, 198]);
+    b.extend_from_slice(&[198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4521, 47, 2, 198, 1, 520, 9531, 198]);
     let mut b_table = a_table[..4].to_vec();
     b_table.extend_from_slice(&[7, 14, 2]);
     let out = exec

@@ -268,7 +268,10 @@ impl BlockPool {
                 .get(cur as usize)
                 .ok_or_else(|| format!("bad id {cur} in free list"))?;
             if m.refcount != 0 {
-                return Err(format!("block {cur} in free list with refcount {}", m.refcount));
+                return Err(format!(
+                    "block {cur} in free list with refcount {}",
+                    m.refcount
+                ));
             }
             if m.prev != prev {
                 return Err(format!("block {cur} has prev {} not {prev}", m.prev));

@@ -332,7 +332,10 @@ mod tests {
     async fn live_events_are_numbered_from_one() {
         let feed = KvEventFeed::new();
         let mut sub = feed.subscribe(Some((feed.epoch(), 0)));
-        feed.publish(vec![stored(None, &[1, 2]), KvEvent::Removed { keys: vec![k(2)] }]);
+        feed.publish(vec![
+            stored(None, &[1, 2]),
+            KvEvent::Removed { keys: vec![k(2)] },
+        ]);
         let got = drain(&mut sub, 2).await;
         assert_eq!(got[0].seq, 1);
         assert_eq!(got[1].seq, 2);
@@ -343,7 +346,11 @@ mod tests {
     #[tokio::test]
     async fn resume_replays_missed_events() {
         let feed = KvEventFeed::new();
-        feed.publish(vec![stored(None, &[1]), stored(Some(1), &[2]), stored(Some(2), &[3])]);
+        feed.publish(vec![
+            stored(None, &[1]),
+            stored(Some(1), &[2]),
+            stored(Some(2), &[3]),
+        ]);
         let mut sub = feed.subscribe(Some((feed.epoch(), 1)));
         feed.publish(vec![KvEvent::Removed { keys: vec![k(3)] }]);
         let got = drain(&mut sub, 3).await;
@@ -415,7 +422,11 @@ mod tests {
     #[tokio::test]
     async fn resume_at_ring_edge_is_replay() {
         let feed = KvEventFeed::with_capacity(2, 16);
-        feed.publish(vec![stored(None, &[1]), stored(Some(1), &[2]), stored(Some(2), &[3])]);
+        feed.publish(vec![
+            stored(None, &[1]),
+            stored(Some(1), &[2]),
+            stored(Some(2), &[3]),
+        ]);
         // Ring holds seqs 2 and 3: resuming after 1 is still gap-free.
         let mut sub = feed.subscribe(Some((feed.epoch(), 1)));
         let got = drain(&mut sub, 2).await;

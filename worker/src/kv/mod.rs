@@ -212,7 +212,13 @@ impl KvCache {
     /// Test hook: plants a cache entry for `key` on a free or used `block` that has no key
     /// (to force collisions). Publishes nothing.
     #[doc(hidden)]
-    pub fn plant_entry(&mut self, key: BlockKey, block: BlockId, tokens: &[u32], parent: Option<ContentRef>) {
+    pub fn plant_entry(
+        &mut self,
+        key: BlockKey,
+        block: BlockId,
+        tokens: &[u32],
+        parent: Option<ContentRef>,
+    ) {
         if self.pool.key(block).is_some() {
             return;
         }

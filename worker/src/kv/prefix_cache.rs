@@ -124,10 +124,16 @@ mod tests {
         c.insert(BlockKey(1), entry(5, &[1, 2], None));
         c.insert(BlockKey(2), entry(6, &[3, 4], Some((5, 0))));
         assert!(c.matching(BlockKey(1), &[1, 2], None).is_some());
-        assert!(c.matching(BlockKey(1), &[1, 3], None).is_none(), "collision");
+        assert!(
+            c.matching(BlockKey(1), &[1, 3], None).is_none(),
+            "collision"
+        );
         assert!(c.matching(BlockKey(1), &[1, 2], Some((5, 0))).is_none());
         assert!(c.matching(BlockKey(2), &[3, 4], Some((5, 0))).is_some());
-        assert!(c.matching(BlockKey(2), &[3, 4], Some((5, 1))).is_none(), "stale parent");
+        assert!(
+            c.matching(BlockKey(2), &[3, 4], Some((5, 1))).is_none(),
+            "stale parent"
+        );
         assert_eq!(c.len(), 2);
         assert_eq!(c.remove(BlockKey(1)).map(|e| e.block), Some(5));
         assert!(c.get(BlockKey(1)).is_none());

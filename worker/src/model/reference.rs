@@ -55,8 +55,8 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
                 .contiguous()?
                 .unsqueeze(0)?)
         };
-        let q = candle_nn::rotary_emb::rope_i(&heads(0, hq)?, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope_i(&heads(hq, hk)?, &cos, &sin)?;
+        let q = candle_nn::rotary_emb::rope(&heads(0, hq)?, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope(&heads(hq, hk)?, &cos, &sin)?;
         let v = heads(hq + hk, hk)?;
         // Grouped KV heads: query head h reads KV head h / rk.
         let repeat = |x: Tensor| -> Result<Tensor, WorkerError> {

@@ -40,7 +40,11 @@ impl ApiError {
     }
 
     /// 400 with the field at fault.
-    pub fn bad_request(code: &'static str, param: Option<&str>, message: impl Into<String>) -> Self {
+    pub fn bad_request(
+        code: &'static str,
+        param: Option<&str>,
+        message: impl Into<String>,
+    ) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, code, message).with_param(param)
     }
 
@@ -164,7 +168,13 @@ mod tests {
         assert_eq!(e.code, "queue_full");
         assert_eq!(e.retry_after_s, Some(2));
         assert_eq!(e.kind(), "rate_limit_error");
-        let e = ApiError::from_engine(&WorkerError::NeverFits { needed: 9, total: 4 }, 2);
+        let e = ApiError::from_engine(
+            &WorkerError::NeverFits {
+                needed: 9,
+                total: 4,
+            },
+            2,
+        );
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.details["blocks_needed"], 9);
         let e = ApiError::from_failed("admission_timeout", "late".into(), 1);

@@ -36,7 +36,7 @@ use super::protocol::{
     ChatDelta, CompletionChoice, CompletionResponse, UsageBody,
 };
 use super::tickets::{self, Admission, RECEIPT_HEADER, REQUEST_ID_HEADER};
-use super::validate::{self, GenerationPlan, PromptSource};
+use super::validate::{self, PromptSource};
 use super::AppState;
 use crate::engine::{GenerateRequest, SeqEvent};
 
@@ -135,7 +135,12 @@ fn with_ids(mut resp: Response, request_id: &str, receipt: bool) -> Response {
 }
 
 /// An error answer before any receipt context exists (no receipt written).
-fn early_error(st: &AppState, endpoint: Endpoint, e: ApiError, request_id: Option<&str>) -> Response {
+fn early_error(
+    st: &AppState,
+    endpoint: Endpoint,
+    e: ApiError,
+    request_id: Option<&str>,
+) -> Response {
     st.metrics.rejection(e.code);
     st.metrics.request(endpoint.label(), e.status.as_u16());
     let id = request_id
@@ -246,7 +251,11 @@ fn profile_error(e: &prompt_profile::ProfileError, param: &str) -> ApiError {
     if e.is_client_error() {
         ApiError::bad_request(e.error_type(), Some(param), e.to_string())
     } else {
-        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.error_type(), e.to_string())
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            e.error_type(),
+            e.to_string(),
+        )
     }
 }
 
@@ -299,7 +308,11 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
     }
     if !st.settings.served_model_names.is_empty()
-        && !st.settings.served_model_names.iter().any(|m| m == &plan.model)
+        && !st
+            .settings
+            .served_model_names
+            .iter()
+            .any(|m| m == &plan.model)
     {
         let e = ApiError::not_found(
             "model_not_found",
@@ -489,7 +502,9 @@ impl Driver {
                                 .observe_ttft(now.duration_since(self.received).as_secs_f64());
                             o.first_token_at_ms = Some(receipts::now_ms());
                         }
-                        Some(prev) => st.metrics.observe_itl(now.duration_since(prev).as_secs_f64()),
+                        Some(prev) => st
+                            .metrics
+                            .observe_itl(now.duration_since(prev).as_secs_f64()),
                     }
                     last_token = Some(now);
                     o.completion_tokens += 1;

@@ -111,7 +111,10 @@ impl ServerMetrics {
     /// Counts one answered request.
     pub fn request(&self, endpoint: &'static str, status: u16) {
         self.requests
-            .get_or_create(&vec![("endpoint", endpoint.to_string()), ("status", status.to_string())])
+            .get_or_create(&vec![
+                ("endpoint", endpoint.to_string()),
+                ("status", status.to_string()),
+            ])
             .inc();
     }
 

@@ -328,10 +328,11 @@ fn build_executor(
 /// Starts a worker on `listener`: loads the profile (and the model), starts the engine, opens
 /// the receipt log, serves HTTP, and runs the smoke inference in the background (`/ready`
 /// turns true when it produced a token).
-pub async fn spawn(config: WorkerConfig, listener: TcpListener) -> Result<RunningWorker, WorkerError> {
-    let addr = listener
-        .local_addr()
-        .map_err(|e| startup("listener", e))?;
+pub async fn spawn(
+    config: WorkerConfig,
+    listener: TcpListener,
+) -> Result<RunningWorker, WorkerError> {
+    let addr = listener.local_addr().map_err(|e| startup("listener", e))?;
     let WorkerConfig {
         model_path,
         profile,
@@ -525,9 +526,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(ops::health))
         .route("/ready", get(ops::ready))
         .route("/metrics", get(ops::metrics))
-        .fallback(|| async {
-            ApiError::not_found("not_found", "no such endpoint").into_response()
-        })
+        .fallback(|| async { ApiError::not_found("not_found", "no such endpoint").into_response() })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,

@@ -139,18 +139,18 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
         let (prompt, tokens) = match (req.messages, req.prompt) {
             (Some(m), None) => {
                 let add = req.add_generation_prompt.unwrap_or(true);
-                let text = profile
-                    .render(&m, add)
-                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("messages"), e.to_string()))?;
-                let ids = profile
-                    .encode(&text, true)
-                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("messages"), e.to_string()))?;
+                let text = profile.render(&m, add).map_err(|e| {
+                    ApiError::bad_request(e.error_type(), Some("messages"), e.to_string())
+                })?;
+                let ids = profile.encode(&text, true).map_err(|e| {
+                    ApiError::bad_request(e.error_type(), Some("messages"), e.to_string())
+                })?;
                 (text, ids)
             }
             (None, Some(p)) => {
-                let ids = profile
-                    .encode(&p, false)
-                    .map_err(|e| ApiError::bad_request(e.error_type(), Some("prompt"), e.to_string()))?;
+                let ids = profile.encode(&p, false).map_err(|e| {
+                    ApiError::bad_request(e.error_type(), Some("prompt"), e.to_string())
+                })?;
                 (p, ids)
             }
             _ => {
@@ -208,8 +208,12 @@ pub async fn keys(State(st): State<Arc<AppState>>) -> Response {
     let pem = match public.to_pem() {
         Ok(p) => p,
         Err(e) => {
-            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string())
-                .into_response()
+            return ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                e.to_string(),
+            )
+            .into_response()
         }
     };
     Json(KeysBody {
@@ -243,9 +247,17 @@ pub async fn receipt(State(st): State<Arc<AppState>>, Path(id): Path<String>) ->
             format!("no receipt for request `{id}` in this worker's log"),
         )
         .into_response(),
-        Ok(Err(e)) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.error_type(), e.to_string())
-            .into_response(),
-        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string())
-            .into_response(),
+        Ok(Err(e)) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            e.error_type(),
+            e.to_string(),
+        )
+        .into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        )
+        .into_response(),
     }
 }

@@ -180,7 +180,10 @@ mod tests {
         h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("abc-1"));
         assert_eq!(header_request_id(&h).unwrap().as_deref(), Some("abc-1"));
         h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("has space"));
-        assert_eq!(header_request_id(&h).unwrap_err().code, "invalid_request_id");
+        assert_eq!(
+            header_request_id(&h).unwrap_err().code,
+            "invalid_request_id"
+        );
         let long = "x".repeat(MAX_REQUEST_ID_LEN + 1);
         h.insert(REQUEST_ID_HEADER, HeaderValue::from_str(&long).unwrap());
         assert!(header_request_id(&h).is_err());
@@ -195,6 +198,9 @@ mod tests {
         h.insert(NO_CACHE_HEADER, HeaderValue::from_static("1"));
         assert!(no_cache_header(&h).unwrap());
         h.insert(NO_CACHE_HEADER, HeaderValue::from_static("maybe"));
-        assert_eq!(no_cache_header(&h).unwrap_err().param.as_deref(), Some(NO_CACHE_HEADER));
+        assert_eq!(
+            no_cache_header(&h).unwrap_err().param.as_deref(),
+            Some(NO_CACHE_HEADER)
+        );
     }
 }

@@ -216,7 +216,10 @@ fn common(
     if stop.len() > MAX_STOP_STRINGS {
         return Err(invalid_value(
             "stop",
-            format!("at most {MAX_STOP_STRINGS} stop strings, got {}", stop.len()),
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                stop.len()
+            ),
         ));
     }
     if stop.iter().any(String::is_empty) {
@@ -225,7 +228,10 @@ fn common(
     check_range("temperature", c.temperature, 0.0, 2.0)?;
     if let Some(p) = c.top_p {
         if !(p.is_finite() && p > 0.0 && p <= 1.0) {
-            return Err(invalid_value("top_p", format!("`top_p` must be within (0, 1], got {p}")));
+            return Err(invalid_value(
+                "top_p",
+                format!("`top_p` must be within (0, 1], got {p}"),
+            ));
         }
     }
     check_range("min_p", c.min_p, 0.0, 1.0)?;
@@ -249,7 +255,6 @@ fn common(
             ))
         }
     };
-    let defaults = SamplingParams::default();
     let sampling = SamplingParams {
         // OpenAI's default temperature is 1.0.
         temperature: c.temperature.unwrap_or(1.0),
@@ -261,10 +266,16 @@ fn common(
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
         // i64 → u64 bit pattern: negative seeds are valid and distinct.
         seed: c.seed.map(|s| s as u64),
-        ..defaults
     };
     let cache_insert = c.kvgate.and_then(|k| k.cache).unwrap_or(true);
-    Ok((stream, include_usage, max_tokens, stop, sampling, cache_insert))
+    Ok((
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        cache_insert,
+    ))
 }
 
 /// Validates a `/v1/chat/completions` body.
@@ -274,10 +285,22 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     // `#[serde(flatten)]`, so this pass names a mistyped common field exactly.
     let _: CommonParams = typed(value.clone())?;
     let r: ChatCompletionRequest = typed(value)?;
-    reject_unless_neutral("logprobs", &r.logprobs, "log probabilities are not returned")?;
-    reject_unless_neutral("top_logprobs", &r.top_logprobs, "log probabilities are not returned")?;
+    reject_unless_neutral(
+        "logprobs",
+        &r.logprobs,
+        "log probabilities are not returned",
+    )?;
+    reject_unless_neutral(
+        "top_logprobs",
+        &r.top_logprobs,
+        "log probabilities are not returned",
+    )?;
     reject_unless_neutral("tools", &r.tools, "tool calling is not supported")?;
-    reject_unless_neutral("functions", &r.functions, "function calling is not supported")?;
+    reject_unless_neutral(
+        "functions",
+        &r.functions,
+        "function calling is not supported",
+    )?;
     match &r.tool_choice {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) if s == "none" => {}
@@ -286,7 +309,12 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     match &r.function_call {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) if s == "none" => {}
-        Some(_) => return Err(unsupported("function_call", "function calling is not supported")),
+        Some(_) => {
+            return Err(unsupported(
+                "function_call",
+                "function calling is not supported",
+            ))
+        }
     }
     match &r.parallel_tool_calls {
         None | Some(Value::Null) | Some(Value::Bool(_)) => {}
@@ -330,8 +358,16 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         Some(_) => return Err(unsupported("modalities", "only text output")),
     }
     reject_unless_neutral("audio", &r.audio, "audio output is not supported")?;
-    reject_unless_neutral("prediction", &r.prediction, "predicted outputs are not supported")?;
-    reject_unless_neutral("reasoning_effort", &r.reasoning_effort, "not a reasoning model")?;
+    reject_unless_neutral(
+        "prediction",
+        &r.prediction,
+        "predicted outputs are not supported",
+    )?;
+    reject_unless_neutral(
+        "reasoning_effort",
+        &r.reasoning_effort,
+        "not a reasoning model",
+    )?;
     reject_unless_neutral("web_search_options", &r.web_search_options, "no web search")?;
     if r.messages.is_empty() {
         return Err(invalid_value("messages", "`messages` must not be empty"));
@@ -357,7 +393,12 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let r: CompletionRequest = typed(value)?;
     match &r.logprobs {
         None | Some(Value::Null) => {}
-        Some(_) => return Err(unsupported("logprobs", "log probabilities are not returned")),
+        Some(_) => {
+            return Err(unsupported(
+                "logprobs",
+                "log probabilities are not returned",
+            ))
+        }
     }
     reject_unless_neutral("echo", &r.echo, "echo is not supported")?;
     reject_unless_neutral("suffix", &r.suffix, "suffix (insertion) is not supported")?;
@@ -372,7 +413,10 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         PromptSpec::TextBatch(mut b) if b.len() == 1 => PromptSource::Text(b.remove(0)),
         PromptSpec::TokenBatch(mut b) if b.len() == 1 => PromptSource::Tokens(b.remove(0)),
         PromptSpec::TextBatch(_) | PromptSpec::TokenBatch(_) => {
-            return Err(unsupported("prompt", "a batch of prompts is not supported; send one"))
+            return Err(unsupported(
+                "prompt",
+                "a batch of prompts is not supported; send one",
+            ))
         }
     };
     let empty = match &prompt {
@@ -383,8 +427,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     if empty {
         return Err(invalid_value("prompt", "`prompt` must not be empty"));
     }
-    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) =
-        common(r.common, None)?;
+    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) = common(r.common, None)?;
     Ok(GenerationPlan {
         model: r.model,
         prompt,
@@ -459,32 +502,62 @@ mod tests {
         let e = chat_err("{not json");
         assert_eq!(e.code, "invalid_json");
         let e = chat_err(&format!(r#"{{{MSG},"bogus":1}}"#));
-        assert_eq!((e.code, e.param.as_deref()), ("unknown_parameter", Some("bogus")));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("unknown_parameter", Some("bogus"))
+        );
         let e = chat_err(&format!(r#"{{{MSG},"temperature":"hot"}}"#));
-        assert_eq!((e.code, e.param.as_deref()), ("invalid_type", Some("temperature")));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("invalid_type", Some("temperature"))
+        );
         let e = chat_err(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#);
         assert_eq!(e.code, "invalid_type");
         assert!(e.param.unwrap().starts_with("messages[0]"));
         let e = chat_err(r#"{"model":"m"}"#);
-        assert_eq!((e.code, e.param.as_deref()), ("missing_parameter", Some("messages")));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("missing_parameter", Some("messages"))
+        );
         let e = chat_err(&format!(r#"{{{MSG},"n":2}}"#));
-        assert_eq!((e.code, e.param.as_deref()), ("unsupported_parameter", Some("n")));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("unsupported_parameter", Some("n"))
+        );
         for (k, v) in [
             ("tools", r#"[{"type":"function","function":{"name":"f"}}]"#),
             ("logprobs", "true"),
             ("top_logprobs", "2"),
-            ("response_format", r#"{"type":"json_schema","json_schema":{}}"#),
+            (
+                "response_format",
+                r#"{"type":"json_schema","json_schema":{}}"#,
+            ),
             ("logit_bias", r#"{"5":1}"#),
             ("tool_choice", r#""auto""#),
         ] {
             let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
-            assert_eq!((e.code, e.param.as_deref()), ("unsupported_parameter", Some(k)), "{k}");
+            assert_eq!(
+                (e.code, e.param.as_deref()),
+                ("unsupported_parameter", Some(k)),
+                "{k}"
+            );
         }
-        for (k, v) in [("temperature", "3"), ("top_p", "0"), ("max_tokens", "0"), ("top_k", "-5")] {
+        for (k, v) in [
+            ("temperature", "3"),
+            ("top_p", "0"),
+            ("max_tokens", "0"),
+            ("top_k", "-5"),
+        ] {
             let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
-            assert_eq!((e.code, e.param.as_deref()), ("invalid_value", Some(k)), "{k}");
+            assert_eq!(
+                (e.code, e.param.as_deref()),
+                ("invalid_value", Some(k)),
+                "{k}"
+            );
         }
-        let e = chat_err(&format!(r#"{{{MSG},"stream_options":{{"include_usage":true}}}}"#));
+        let e = chat_err(&format!(
+            r#"{{{MSG},"stream_options":{{"include_usage":true}}}}"#
+        ));
         assert_eq!(e.param.as_deref(), Some("stream_options"));
         let e = chat_err(&format!(r#"{{{MSG},"stop":["a","b","c","d","e"]}}"#));
         assert_eq!(e.param.as_deref(), Some("stop"));

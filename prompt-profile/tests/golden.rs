@@ -1,0 +1,216 @@
+//! Golden tests against the pinned default model (SmolLM2-135M-Instruct Q4_1 GGUF).
+//!
+//! The model is found in `$KVGATE_MODEL_DIR` or `<workspace>/models/`; the tests fail with a
+//! clear message when it is missing (fetch it with the README's set-up command).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use prompt_profile::{parse_messages, ChatMessage, PromptProfile};
+use rand::{Rng, SeedableRng};
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn model_path() -> PathBuf {
+    let dir = match std::env::var_os("KVGATE_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"),
+    };
+    let path = dir.join(MODEL_FILE);
+    assert!(
+        path.is_file(),
+        "default model not found at {} (set KVGATE_MODEL_DIR or run scripts/fetch-model.sh)",
+        path.display()
+    );
+    path
+}
+
+fn profile() -> &'static PromptProfile {
+    static P: OnceLock<PromptProfile> = OnceLock::new();
+    P.get_or_init(|| PromptProfile::from_gguf(model_path()).unwrap())
+}
+
+#[test]
+fn im_start_user_newline() {
+    assert_eq!(
+        profile().encode("<|im_start|>user\n", true).unwrap(),
+        vec![1, 4093, 198]
+    );
+}
+
+#[test]
+fn special_text_is_plain_without_parse_special() {
+    let ids = profile().encode("<|im_start|>user\n", false).unwrap();
+    assert!(!ids.contains(&1), "{ids:?}");
+    assert!(ids.len() > 3);
+    assert_eq!(profile().decode(&ids, false).unwrap(), "<|im_start|>user\n");
+}
+
+#[test]
+fn no_leading_space_and_single_digit_tokens() {
+    let p = profile();
+    let hello = p.encode("Hello", true).unwrap();
+    assert_eq!(hello.len(), 1);
+    assert_eq!(p.id_to_token(hello[0]).unwrap(), "Hello");
+    // digits are split one per token: "2+2" -> 2, +, 2
+    let ids = p.encode("2+2", true).unwrap();
+    assert_eq!(ids, vec![34, 27, 34]);
+    let ids = p.encode("12345", true).unwrap();
+    assert_eq!(ids.len(), 5);
+}
+
+#[test]
+fn round_trip_mixed_text() {
+    let text = "fn main() {\n    let x: Vec<u32> = (0..10).map(|i| i * 2).collect();\n    println!(\"{x:?}\");\n}\n\
+        Prices: 3.14159, 1,000,000 and 2024-11-29T12:34:56Z.\n\
+        Unicode: naïve café, Grüße, 日本語のテキスト, Ελληνικά, עברית, हिन्दी.\n\
+        Emoji: 😀🎉👩‍👩‍👧‍👦 🇫🇷 ✓\n\
+        \ttabs\t and   spaces  \r\n trailing ";
+    let p = profile();
+    let ids = p.encode(text, true).unwrap();
+    assert_eq!(p.decode(&ids, false).unwrap(), text);
+    let ids = p.encode(text, false).unwrap();
+    assert_eq!(p.decode(&ids, false).unwrap(), text);
+}
+
+#[test]
+fn round_trip_random_unicode_seeded() {
+    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_2026);
+    println!("seed = {seed}");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let pools: [&[char]; 5] = [
+        &['a', 'b', 'z', ' ', '\n', '1', '9', '.', '{', '}', '_'],
+        &['é', 'ß', 'ø', 'ü'],
+        &['日', '本', '語', 'ق', 'ж'],
+        &['😀', '🎉', '👍', '\u{200d}', '\u{fe0f}'],
+        &['\u{0}', '\u{7f}', '\u{ffff}', '\u{10ffff}', '\u{fffd}'],
+    ];
+    let p = profile();
+    for case in 0..200 {
+        let len = rng.gen_range(0..60);
+        let s: String = (0..len)
+            .map(|_| {
+                let pool = pools[rng.gen_range(0..pools.len())];
+                pool[rng.gen_range(0..pool.len())]
+            })
+            .collect();
+        let ids = p.encode(&s, false).unwrap();
+        assert_eq!(p.decode(&ids, false).unwrap(), s, "seed {seed} case {case}");
+        // streaming decode gives the same text
+        let mut stream = p.decode_stream(false);
+        let mut out = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.step(id).unwrap() {
+                assert!(!piece.contains('\u{fffd}') || s.contains('\u{fffd}'));
+                out.push_str(&piece);
+            }
+        }
+        if let Some(rest) = stream.flush().unwrap() {
+            out.push_str(&rest);
+        }
+        assert_eq!(out, s, "stream, seed {seed} case {case}");
+    }
+}
+
+#[test]
+fn two_turn_conversation_renders_exactly() {
+    let messages = vec![
+        ChatMessage::new("system", "You are terse."),
+        ChatMessage::new("user", "What is 2+2?"),
+        ChatMessage::new("assistant", "4."),
+        ChatMessage::new("user", "And 3+3?"),
+    ];
+    let text = profile().render(&messages, true).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are terse.<|im_end|>\n\
+         <|im_start|>user\nWhat is 2+2?<|im_end|>\n\
+         <|im_start|>assistant\n4.<|im_end|>\n\
+         <|im_start|>user\nAnd 3+3?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    let without = profile().render(&messages, false).unwrap();
+    assert_eq!(format!("{without}<|im_start|>assistant\n"), text);
+
+    let rendered = profile().render_and_encode(&messages).unwrap();
+    assert_eq!(rendered.text, text);
+    assert_eq!(rendered.ids.first(), Some(&1));
+    // ends with the generation prompt <|im_start|>assistant\n
+    let tail = profile().encode("<|im_start|>assistant\n", true).unwrap();
+    assert_eq!(tail[0], 1);
+    assert_eq!(tail.last(), Some(&198));
+    assert!(rendered.ids.ends_with(&tail), "{:?}", rendered.ids);
+    assert_eq!(profile().decode(&rendered.ids, false).unwrap(), text);
+    assert_eq!(
+        rendered.ids.iter().filter(|&&id| id == 2).count(),
+        4,
+        "one <|im_end|> per message"
+    );
+}
+
+#[test]
+fn default_system_prompt_when_none_given() {
+    let messages = vec![ChatMessage::new("user", "Hi")];
+    let text = profile().render(&messages, true).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // no default prompt when a system message is given
+    let with_system = vec![ChatMessage::new("system", "S"), ChatMessage::new("user", "Hi")];
+    let text = profile().render(&with_system, true).unwrap();
+    assert!(!text.contains("SmolLM"), "{text}");
+}
+
+#[test]
+fn content_parts_render_like_strings() {
+    let parts: serde_json::Value = serde_json::json!([
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
+    ]);
+    let plain: serde_json::Value = serde_json::json!([{"role": "user", "content": "Hello\nworld"}]);
+    let a = profile().render(&parse_messages(&parts).unwrap(), true).unwrap();
+    let b = profile().render(&parse_messages(&plain).unwrap(), true).unwrap();
+    assert_eq!(a, b);
+    let image = serde_json::json!({"messages": [
+        {"role": "user", "content": "ok"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    ]});
+    let err = parse_messages(&image).unwrap_err();
+    assert_eq!(err.error_type(), "invalid_message");
+    let msg = err.to_string();
+    assert!(msg.contains("message 1") && msg.contains("image_url"), "{msg}");
+}
+
+#[test]
+fn identity_of_default_model() {
+    let p = profile();
+    let id = p.identity();
+    assert_eq!(id.model_id, "SmolLM2-135M-Instruct.Q4_1");
+    assert!(id.revision.starts_with("gguf-meta:"), "{}", id.revision);
+    assert_eq!(id.context_limit, 8192);
+    assert_eq!(id.eos_token_ids, vec![2]);
+    assert_eq!(id.bos_token_id, Some(1));
+    assert_eq!(p.vocab_size(), 49152);
+    assert!(p.is_special(0) && p.is_special(1) && p.is_special(2) && p.is_special(16));
+    assert!(!p.is_special(17) && !p.is_special(4093) && !p.is_special(1_000_000));
+    assert_eq!(id.template_sha256.len(), 64);
+    assert_eq!(id.tokenizer_sha256.len(), 64);
+    // Loading twice gives the same identity (stable hashes, no map-order dependence).
+    let again = PromptProfile::from_gguf(model_path()).unwrap();
+    assert_eq!(again.identity(), id);
+    assert_eq!(again.identity().digest(), id.digest());
+    let other = again.with_revision("v2");
+    assert_eq!(other.identity().differing_fields(id), vec!["revision"]);
+    assert_ne!(other.identity().digest(), id.digest());
+    // skip_special drops control tokens
+    let ids = p.encode("<|im_start|>user\nhi<|im_end|>", true).unwrap();
+    assert_eq!(p.decode(&ids, true).unwrap(), "user\nhi");
+    assert_eq!(
+        p.decode(&[49152], false).unwrap_err().error_type(),
+        "unknown_token_id"
+    );
+}

@@ -1,0 +1,203 @@
+//! The receipt log: append / get, chain, resume after restart, torn write + resume, concurrent
+//! appends, batched fsync, ownership.
+mod common;
+
+use std::io::Write;
+use std::sync::Arc;
+
+use common::*;
+use receipts::*;
+
+#[test]
+fn append_chains_and_get_finds_by_request_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_log(dir.path(), "w0.jsonl", 5);
+    let wk = worker_key();
+    let log = ReceiptLog::open(&path, FsyncPolicy::Always, &wk, "w0").unwrap();
+    assert_eq!(log.len(), 5);
+    assert_eq!(log.open_report().torn_tail, None);
+    let r3 = log.get("req-3").unwrap().unwrap();
+    assert_eq!(r3.seq, 3);
+    assert!(log.get("nope").unwrap().is_none());
+    // prev_hash of each line is the SHA-256 of the previous line.
+    let text = std::fs::read(&path).unwrap();
+    let lines: Vec<&[u8]> = text.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    let r4: Receipt = Receipt::from_line(lines[4]).unwrap();
+    assert_eq!(r4.prev_hash, Receipt::line_hash(lines[3]));
+    let r0: Receipt = Receipt::from_line(lines[0]).unwrap();
+    assert_eq!(r0.prev_hash, GENESIS_HASH);
+    // A new append continues the chain.
+    let r5 = log
+        .append(draft("req-5", None, T0 + 10_000))
+        .unwrap();
+    assert_eq!(r5.seq, 5);
+    assert_eq!(r5.prev_hash, Receipt::line_hash(lines[4]));
+    assert_eq!(log.get("req-5").unwrap().unwrap(), r5);
+    let keys = ring(&[&gateway_key(), &wk]);
+    let rep = verify_log(&path, &keys).unwrap();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.valid, 6);
+    assert_eq!(rep.tickets_verified, 4);
+    assert_eq!(rep.direct, 2);
+}
+
+#[test]
+fn torn_write_is_cut_reported_and_chain_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_log(dir.path(), "w0.jsonl", 4);
+    let intact = std::fs::read(&path).unwrap();
+    // Simulate kill -9 in the middle of writing a fifth receipt: half a line, no newline.
+    let wk = worker_key();
+    let other_dir = tempfile::tempdir().unwrap();
+    let full = write_log(other_dir.path(), "full.jsonl", 5);
+    let full_bytes = std::fs::read(&full).unwrap();
+    let fifth = &full_bytes[intact.len()..];
+    let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    f.write_all(&fifth[..fifth.len() / 2]).unwrap();
+    drop(f);
+
+    let keys = ring(&[&gateway_key(), &wk]);
+    // Before restart, verify names the torn line and does not count it.
+    let rep = verify_log(&path, &keys).unwrap();
+    assert!(!rep.ok());
+    assert_eq!(rep.valid, 4);
+    let first = rep.first_failure().unwrap();
+    assert_eq!((first.line, first.kind), (5, FailureKind::TornLine));
+
+    // Restart: the torn line is cut and reported; no complete line is lost.
+    let log = ReceiptLog::open(&path, FsyncPolicy::Always, &wk, "w0").unwrap();
+    let torn = log.open_report().torn_tail.clone().unwrap();
+    assert_eq!(torn.line, 5);
+    assert_eq!(torn.offset, intact.len() as u64);
+    assert_eq!(torn.len, (fifth.len() / 2) as u64);
+    assert_eq!(
+        std::fs::read(torn.saved_to.unwrap()).unwrap(),
+        &fifth[..fifth.len() / 2]
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), intact);
+    assert_eq!(log.len(), 4);
+    // The chain resumes at seq 4 from the last complete line.
+    let r = log.append(draft("after-crash", None, T0 + 99_000)).unwrap();
+    assert_eq!(r.seq, 4);
+    drop(log);
+    let rep = verify_log(&path, &keys).unwrap();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.valid, 5);
+}
+
+#[test]
+fn torn_line_missing_only_its_newline_is_still_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_log(dir.path(), "w0.jsonl", 3);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes.pop();
+    std::fs::write(&path, &bytes).unwrap();
+    let log = ReceiptLog::open(&path, FsyncPolicy::Always, &worker_key(), "w0").unwrap();
+    assert_eq!(log.open_report().torn_tail.as_ref().unwrap().line, 3);
+    assert_eq!(log.len(), 2);
+    assert_eq!(log.append(draft("x", None, T0)).unwrap().seq, 2);
+}
+
+#[test]
+fn open_refuses_corrupt_middle_and_foreign_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_log(dir.path(), "w0.jsonl", 4);
+    let wk = worker_key();
+    let err = ReceiptLog::open(&path, FsyncPolicy::Always, &wk, "w1").unwrap_err();
+    assert_eq!(err.error_type(), "log_owner");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.swap(1, 2);
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    let err = ReceiptLog::open(&path, FsyncPolicy::Always, &wk, "w0").unwrap_err();
+    assert_eq!(err.error_type(), "corrupt_log");
+    assert!(err.to_string().contains("line 2"), "{err}");
+}
+
+#[test]
+fn concurrent_appends_keep_one_valid_chain() {
+    for policy in [
+        FsyncPolicy::Always,
+        FsyncPolicy::Batched {
+            max_receipts: 16,
+            max_ms: 5,
+        },
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w0.jsonl");
+        let gw = gateway_key();
+        let wk = worker_key();
+        let log = Arc::new(ReceiptLog::open(&path, policy, &wk, "w0").unwrap());
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let log = Arc::clone(&log);
+                let gw = gw.clone();
+                std::thread::spawn(move || {
+                    for i in 0..25 {
+                        let rid = format!("t{t}-{i}");
+                        let tk = ticket(&rid, "w0", RouteMode::KvExact, T0).sign(&gw);
+                        log.append(draft(&rid, Some(tk), T0 + 1)).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(log.len(), 100);
+        assert_eq!(log.get("t3-24").unwrap().unwrap().request_id, "t3-24");
+        drop(log); // stops the flusher, final sync
+        let rep = verify_log(&path, &ring(&[&gw, &wk])).unwrap();
+        assert!(rep.ok(), "{policy:?}: {rep}");
+        assert_eq!(rep.valid, 100);
+        assert_eq!(rep.tickets_verified, 100);
+    }
+}
+
+#[test]
+fn decision_log_appends_and_recovers_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gw.jsonl");
+    let gw = gateway_key();
+    let log = DecisionLog::open(&path, FsyncPolicy::default()).unwrap();
+    let st = ticket("r1", "w0", RouteMode::RoundRobin, T0).sign(&gw);
+    let rec = DecisionRecord {
+        request_id: "r1".into(),
+        at_ms: T0 + 50,
+        ticket: Some(st.clone()),
+        service: Some("chat".into()),
+        rule_id: Some("rr-rule".into()),
+        rule_version: Some(7),
+        worker: Some("w0".into()),
+        status: 200,
+        error: None,
+    };
+    log.append(&rec).unwrap();
+    drop(log);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let line = bytes.clone();
+    assert_eq!(DecisionRecord::from_line(&line[..line.len() - 1]).unwrap(), rec);
+    bytes.extend_from_slice(&line[..20]);
+    std::fs::write(&path, &bytes).unwrap();
+    let log = DecisionLog::open(&path, FsyncPolicy::default()).unwrap();
+    assert_eq!(log.existing_lines(), 1);
+    assert_eq!(log.torn_tail().unwrap().line, 2);
+    assert_eq!(std::fs::read(&path).unwrap(), line);
+}
+
+#[test]
+fn fsync_policy_config_json() {
+    let p: FsyncPolicy =
+        serde_json::from_str(r#"{"mode":"batched","max_receipts":64,"max_ms":10}"#).unwrap();
+    assert_eq!(
+        p,
+        FsyncPolicy::Batched {
+            max_receipts: 64,
+            max_ms: 10
+        }
+    );
+    assert_eq!(
+        serde_json::to_string(&FsyncPolicy::Always).unwrap(),
+        r#"{"mode":"always"}"#
+    );
+}

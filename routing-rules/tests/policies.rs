@@ -1,0 +1,377 @@
+//! Selection policy properties (proptest) and a seeded randomized differential test of
+//! KvExact against a naive reading of its specification.
+
+use std::collections::HashMap;
+
+use prefix_index::WorkerId;
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use routing_rules::{
+    Candidate, KvExact, KvExactRule, NoMatchPolicy, Reason, RoundRobin, SelectionPolicy,
+};
+
+fn cand(i: usize, healthy: bool, load: u64, matched: usize) -> Candidate {
+    Candidate {
+        worker: WorkerId(format!("w{i}")),
+        healthy,
+        load,
+        matched_blocks: matched,
+        weight: 1,
+    }
+}
+
+fn kv_rule(ratio: f64, slack: Option<u64>, min_tokens: u32) -> KvExactRule {
+    KvExactRule {
+        profile: None,
+        salt: Default::default(),
+        max_load_ratio: ratio,
+        load_slack: slack,
+        min_match_tokens: min_tokens,
+        on_no_match: NoMatchPolicy::LeastLoaded,
+        load_metric: Default::default(),
+    }
+}
+
+fn idx(w: &WorkerId) -> usize {
+    w.0[1..].parse().unwrap()
+}
+
+proptest! {
+    /// RR over N healthy workers: any k·N consecutive requests give each worker exactly k
+    /// (so balance within ±1 holds for every window that is a multiple of N).
+    #[test]
+    fn rr_is_balanced_over_any_k_n_window(n in 1usize..8, warmup in 0usize..20, k in 1usize..5) {
+        let rr = RoundRobin::new(false);
+        let cands: Vec<Candidate> = (0..n).map(|i| cand(i, true, 0, 0)).collect();
+        for _ in 0..warmup {
+            rr.select(&cands);
+        }
+        let mut count = vec![0usize; n];
+        for _ in 0..k * n {
+            let s = rr.select(&cands);
+            prop_assert_eq!(s.reason, Reason::RoundRobin);
+            count[idx(&s.order[0])] += 1;
+        }
+        prop_assert!(count.iter().all(|&c| c == k), "{:?}", count);
+    }
+
+    /// RR never returns an unhealthy worker and lists every healthy one once.
+    #[test]
+    fn rr_skips_unhealthy(health in prop::collection::vec(any::<bool>(), 0..8), calls in 1usize..20) {
+        let rr = RoundRobin::new(false);
+        let cands: Vec<Candidate> =
+            health.iter().enumerate().map(|(i, &h)| cand(i, h, 0, 0)).collect();
+        let healthy: Vec<usize> = (0..cands.len()).filter(|&i| health[i]).collect();
+        for _ in 0..calls {
+            let s = rr.select(&cands);
+            let mut got: Vec<usize> = s.order.iter().map(idx).collect();
+            got.sort();
+            prop_assert_eq!(&got, &healthy);
+            if healthy.is_empty() {
+                prop_assert_eq!(s.reason, Reason::NoHealthyWorker);
+            }
+        }
+    }
+
+    /// Smooth weighted RR: any Σweight consecutive requests give each worker its weight.
+    #[test]
+    fn weighted_rr_follows_weights(weights in prop::collection::vec(1u32..6, 1..6), warmup in 0usize..30) {
+        let rr = RoundRobin::new(true);
+        let cands: Vec<Candidate> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| Candidate { weight: w, ..cand(i, true, 0, 0) })
+            .collect();
+        for _ in 0..warmup {
+            rr.select(&cands);
+        }
+        let total: u32 = weights.iter().sum();
+        let mut count = vec![0u32; weights.len()];
+        for _ in 0..total {
+            count[idx(&rr.select(&cands).order[0])] += 1;
+        }
+        prop_assert_eq!(count, weights);
+    }
+
+    /// KvExact never returns an unhealthy worker; it returns every healthy one exactly once;
+    /// it returns nothing only when nothing is healthy.
+    #[test]
+    fn kv_exact_never_returns_unhealthy(
+        cs in prop::collection::vec((any::<bool>(), 0u64..20, 0usize..6), 0..10),
+        ratio in 1.0f64..3.0,
+        min_tokens in 0u32..64,
+    ) {
+        let p = KvExact::new(&kv_rule(ratio, None, min_tokens), 16);
+        let cands: Vec<Candidate> =
+            cs.iter().enumerate().map(|(i, &(h, l, m))| cand(i, h, l, m)).collect();
+        let s = p.select(&cands);
+        let mut got: Vec<usize> = s.order.iter().map(idx).collect();
+        got.sort();
+        let healthy: Vec<usize> = (0..cands.len()).filter(|&i| cands[i].healthy).collect();
+        prop_assert_eq!(&got, &healthy);
+        prop_assert_eq!(s.order.is_empty(), s.reason == Reason::NoHealthyWorker);
+        if let Some(first) = s.order.first() {
+            prop_assert_eq!(s.matched_blocks, cands[idx(first)].matched_blocks);
+        }
+    }
+
+    /// At equal load every worker is admissible, so the longest match wins.
+    #[test]
+    fn kv_exact_prefers_longest_match_at_equal_load(
+        matched in prop::collection::vec(0usize..10, 1..8),
+        load in 0u64..50,
+    ) {
+        let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
+        let cands: Vec<Candidate> =
+            matched.iter().enumerate().map(|(i, &m)| cand(i, true, load, m)).collect();
+        let s = p.select(&cands);
+        let best = *matched.iter().max().unwrap();
+        prop_assert_eq!(s.matched_blocks, best);
+        prop_assert_eq!(s.reason, if best > 0 { Reason::Hit } else { Reason::NoMatch });
+        // Fallbacks are in non-increasing match order.
+        let ms: Vec<usize> = s.order.iter().map(|w| matched[idx(w)]).collect();
+        prop_assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{:?}", ms);
+    }
+
+    /// A single hot prefix, held by worker 0 only; requests arrive and never complete. At every
+    /// step no worker's load exceeds the guard's limit (computed from the current loads) by
+    /// more than the one request just assigned, and the hot worker is never chosen while it is
+    /// at or over the limit.
+    #[test]
+    fn kv_exact_hot_prefix_respects_the_guard(
+        n in 2usize..8,
+        ratio in 1.0f64..3.0,
+        slack in 1u64..4,
+        steps in 1usize..200,
+    ) {
+        let p = KvExact::new(&kv_rule(ratio, Some(slack), 0), 16);
+        let mut loads = vec![0u64; n];
+        for _ in 0..steps {
+            let cands: Vec<Candidate> =
+                (0..n).map(|i| cand(i, true, loads[i], if i == 0 { 8 } else { 0 })).collect();
+            let mean = loads.iter().sum::<u64>() as f64 / n as f64;
+            let limit = (ratio * mean).max(mean + slack as f64);
+            let s = p.select(&cands);
+            let first = idx(&s.order[0]);
+            if first == 0 {
+                prop_assert!((loads[0] as f64) < limit, "hot worker at {} chosen, limit {limit}", loads[0]);
+                prop_assert_eq!(s.reason, Reason::Hit);
+            } else {
+                prop_assert!((loads[0] as f64) >= limit);
+                prop_assert_eq!(s.reason, Reason::LoadGuard);
+            }
+            loads[first] += 1;
+            let mean = loads.iter().sum::<u64>() as f64 / n as f64;
+            let limit = (ratio * mean).max(mean + slack as f64);
+            prop_assert!(loads.iter().all(|&l| (l as f64) <= limit + 1.0), "{:?} limit {limit}", loads);
+        }
+        // While the others were idle, the hot worker took at most what the guard allows:
+        // with others at 0, load L is admissible only while L < max(ratio·L/n, L/n + slack).
+        prop_assert!(loads[0] >= 1);
+    }
+}
+
+#[test]
+fn kv_exact_hot_prefix_with_idle_others_stops_at_the_guard() {
+    // 4 workers, ratio 1.5, slack 1: with others idle, worker 0 takes requests while
+    // L < max(1.5·L/4, L/4 + 1), i.e. L = 0 and L = 1, then the guard sends the next one away.
+    let p = KvExact::new(&kv_rule(1.5, Some(1), 0), 16);
+    let mut loads = [0u64; 4];
+    let mut reasons = Vec::new();
+    for _ in 0..3 {
+        let cands: Vec<Candidate> = (0..4)
+            .map(|i| cand(i, true, loads[i], if i == 0 { 5 } else { 0 }))
+            .collect();
+        let s = p.select(&cands);
+        loads[idx(&s.order[0])] += 1;
+        reasons.push(s.reason);
+    }
+    assert_eq!(loads[0], 2);
+    assert_eq!(reasons, [Reason::Hit, Reason::Hit, Reason::LoadGuard]);
+}
+
+#[test]
+fn kv_exact_ties_rotate() {
+    let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
+    let cands: Vec<Candidate> = (0..3).map(|i| cand(i, true, 2, 4)).collect();
+    let mut firsts = std::collections::BTreeSet::new();
+    for _ in 0..3 {
+        firsts.insert(idx(&p.select(&cands).order[0]));
+    }
+    assert_eq!(firsts.len(), 3, "ties must rotate: {firsts:?}");
+}
+
+#[test]
+fn kv_exact_ties_prefer_lower_load() {
+    let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
+    let cands = vec![
+        cand(0, true, 3, 4),
+        cand(1, true, 2, 4),
+        cand(2, true, 2, 1),
+    ];
+    for _ in 0..5 {
+        let s = p.select(&cands);
+        assert_eq!(idx(&s.order[0]), 1);
+        assert_eq!(s.reason, Reason::Hit);
+    }
+}
+
+#[test]
+fn kv_exact_reasons() {
+    let p = KvExact::new(&kv_rule(1.5, None, 32), 16); // threshold: 2 blocks
+                                                       // Longest match unhealthy.
+    let s = p.select(&[cand(0, false, 0, 5), cand(1, true, 0, 3)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::Unhealthy));
+    // Only below-threshold matches.
+    let s = p.select(&[cand(0, true, 0, 1), cand(1, true, 0, 0)]);
+    assert_eq!(s.reason, Reason::BelowMinMatch);
+    // Nothing matched: least loaded.
+    let s = p.select(&[cand(0, true, 3, 0), cand(1, true, 1, 0)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::NoMatch));
+    // Guard: worker 0 has the match but is far above the mean.
+    let s = p.select(&[
+        cand(0, true, 10, 5),
+        cand(1, true, 0, 0),
+        cand(2, true, 0, 2),
+    ]);
+    assert_eq!((idx(&s.order[0]), s.reason), (2, Reason::LoadGuard));
+    assert_eq!(s.matched_blocks, 2);
+    assert_eq!(
+        idx(s.order.last().unwrap()),
+        0,
+        "the guarded worker is the last fallback"
+    );
+    // Nobody healthy.
+    let s = p.select(&[cand(0, false, 0, 5)]);
+    assert!(s.order.is_empty());
+    assert_eq!(s.reason.as_str(), "no_healthy_worker");
+    assert!(p.select(&[]).order.is_empty());
+}
+
+#[test]
+fn kv_exact_on_no_match_round_robin_rotates_over_unequal_loads() {
+    let mut rule = kv_rule(1.5, Some(10), 0);
+    rule.on_no_match = NoMatchPolicy::RoundRobin;
+    let p = KvExact::new(&rule, 16);
+    let cands = vec![
+        cand(0, true, 0, 0),
+        cand(1, true, 5, 0),
+        cand(2, true, 1, 0),
+    ];
+    let mut firsts = std::collections::BTreeSet::new();
+    for _ in 0..3 {
+        let s = p.select(&cands);
+        assert_eq!(s.reason, Reason::NoMatch);
+        firsts.insert(idx(&s.order[0]));
+    }
+    assert_eq!(firsts.len(), 3);
+}
+
+/// Seeded randomized differential test: the first choice of KvExact must be one that a naive
+/// reading of the specification allows (admissible, highest hit score among admissible, lowest
+/// load among those). Set KVGATE_TEST_SEED to reproduce a failure.
+#[test]
+fn kv_exact_matches_naive_specification() {
+    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    println!("kv_exact_matches_naive_specification seed = {seed}");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for case in 0..5_000 {
+        let n = rng.gen_range(1..10);
+        let ratio = rng.gen_range(1.0..4.0);
+        let slack = rng.gen_range(1..5);
+        let block = rng.gen_range(1..=32);
+        let min_tokens = rng.gen_range(0..100);
+        let p = KvExact::new(&kv_rule(ratio, Some(slack), min_tokens), block);
+        let cands: Vec<Candidate> = (0..n)
+            .map(|i| {
+                cand(
+                    i,
+                    rng.gen_bool(0.8),
+                    rng.gen_range(0..30),
+                    rng.gen_range(0..8),
+                )
+            })
+            .collect();
+        let s = p.select(&cands);
+
+        let healthy: Vec<&Candidate> = cands.iter().filter(|c| c.healthy).collect();
+        if healthy.is_empty() {
+            assert!(s.order.is_empty(), "seed {seed} case {case}");
+            continue;
+        }
+        let threshold = (min_tokens as usize).div_ceil(block as usize).max(1);
+        let mean = healthy.iter().map(|c| c.load).sum::<u64>() as f64 / healthy.len() as f64;
+        let limit = (ratio * mean).max(mean + slack as f64);
+        let score = |c: &Candidate| {
+            if c.matched_blocks >= threshold {
+                c.matched_blocks
+            } else {
+                0
+            }
+        };
+        let admissible: Vec<&&Candidate> =
+            healthy.iter().filter(|c| (c.load as f64) < limit).collect();
+        assert!(
+            !admissible.is_empty(),
+            "seed {seed} case {case}: least loaded is admissible"
+        );
+        let best = admissible.iter().map(|c| score(c)).max().unwrap();
+        let min_load = admissible
+            .iter()
+            .filter(|c| score(c) == best)
+            .map(|c| c.load)
+            .min()
+            .unwrap();
+        let allowed: Vec<&WorkerId> = admissible
+            .iter()
+            .filter(|c| score(c) == best && c.load == min_load)
+            .map(|c| &c.worker)
+            .collect();
+        assert!(
+            allowed.contains(&&s.order[0]),
+            "seed {seed} case {case}: chose {:?}, allowed {allowed:?}, cands {cands:?}",
+            s.order[0]
+        );
+        let best_healthy = healthy.iter().map(|c| score(c)).max().unwrap();
+        if best_healthy > best {
+            assert_eq!(s.reason, Reason::LoadGuard, "seed {seed} case {case}");
+        } else if best > 0 && s.reason != Reason::Unhealthy {
+            assert_eq!(s.reason, Reason::Hit, "seed {seed} case {case}");
+        }
+    }
+}
+
+#[test]
+fn policies_are_built_per_rule_and_shared_across_threads() {
+    use routing_rules::{policy, Rule};
+    let p = policy::build(&Rule::KvExact(kv_rule(1.5, None, 0)), 16);
+    assert_eq!(p.name(), "kv_exact");
+    let p: std::sync::Arc<dyn SelectionPolicy> =
+        std::sync::Arc::from(policy::build(&Rule::RoundRobin(Default::default()), 16));
+    assert_eq!(p.name(), "round_robin");
+    let cands: Vec<Candidate> = (0..4).map(|i| cand(i, true, 0, 0)).collect();
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let p = std::sync::Arc::clone(&p);
+            let cands = cands.clone();
+            std::thread::spawn(move || {
+                let mut c: HashMap<usize, usize> = HashMap::new();
+                for _ in 0..100 {
+                    *c.entry(idx(&p.select(&cands).order[0])).or_default() += 1;
+                }
+                c
+            })
+        })
+        .collect();
+    let mut total = vec![0usize; 4];
+    for h in handles {
+        for (k, v) in h.join().unwrap() {
+            total[k] += v;
+        }
+    }
+    // 400 calls over 4 workers from 4 threads: the shared counter keeps them exact.
+    assert_eq!(total, vec![100; 4]);
+}

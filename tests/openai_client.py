@@ -1,0 +1,91 @@
+"""Talks to a kvgate worker with the official `openai` Python client.
+
+Usage: python3 tests/openai_client.py BASE_URL   (e.g. http://127.0.0.1:8101/v1)
+
+Checks: a non-streaming chat completion (text, finish reason, usage with cached tokens), the
+same request streamed (same greedy text, usage chunk), a legacy completion, the model list,
+and that an unsupported parameter raises BadRequestError naming it. Exits non-zero on any
+failure; prints one line per check.
+"""
+import sys
+
+try:
+    import openai
+except ImportError:
+    sys.exit("the `openai` package is missing: python3 -m pip install openai")
+
+
+def main() -> None:
+    base = sys.argv[1]
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+
+    models = client.models.list()
+    assert len(models.data) >= 1, models
+    print("models:", [m.id for m in models.data])
+
+    r = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=12, temperature=0, seed=7
+    )
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion", r
+    assert text and text.strip(), r
+    assert r.choices[0].finish_reason in ("stop", "length"), r
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0, r.usage
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    print("chat:", repr(text), r.usage)
+
+    again = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=12, temperature=0, seed=7
+    )
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0, again.usage
+    assert again.choices[0].message.content == text
+    print("cached_tokens on repeat:", cached)
+
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                parts.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    streamed = "".join(parts)
+    assert streamed == text, (streamed, text)
+    assert finish in ("stop", "length"), finish
+    assert usage is not None and usage.completion_tokens > 0, usage
+    print("stream:", repr(streamed), usage)
+
+    c = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, temperature=0)
+    assert c.choices[0].text is not None and c.usage.completion_tokens > 0, c
+    print("completion:", repr(c.choices[0].text))
+
+    try:
+        client.chat.completions.create(model="smollm2", messages=messages, n=2, max_tokens=2)
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        err = body.get("error", body)
+        assert err.get("param") == "n", e.body
+        assert err.get("code") == "unsupported_parameter", e.body
+        print("n=2 refused:", err.get("message"))
+    else:
+        raise AssertionError("n=2 was accepted")
+
+    print("openai client: all checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+//! The worker server on the real SmolLM2 model (one worker for the whole file: loading takes
+//! seconds): readiness after the smoke inference, greedy answers that are repeatable, streamed
+//! text equal to the non-streamed text, and prefix reuse reported as cached tokens.
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_worker_answers_streams_and_reuses_prefixes() {
+    let opts = SimOpts {
+        real_model: true,
+        ..SimOpts::default()
+    };
+    let w = start_sim(opts).await;
+    let p: Value = client()
+        .get(w.url("/v1/profile"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(p["engine"], "model");
+    let body = json!({
+        "model": "smollm2",
+        "messages": [
+            {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"}
+        ],
+        "max_tokens": 12,
+        "temperature": 0
+    });
+    let a: Value = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let text_a = a["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!text_a.trim().is_empty(), "{a}");
+    assert!(text_a.contains("Paris"), "{text_a}");
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // Same request again: greedy ⇒ same text; the prompt's full blocks come from the cache.
+    let b: Value = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        b["choices"][0]["message"]["content"],
+        a["choices"][0]["message"]["content"]
+    );
+    let prompt = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= 16 && cached < prompt,
+        "cached {cached} of {prompt}"
+    );
+
+    // Streaming gives the same text.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let resp = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&sbody)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let events = read_sse(resp).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, text_a);
+    w.stop().await;
+}
