@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what building and testing kvgate needs on a fresh Debian machine with Rust and Python 3:
-#   - cmake (pingora's zlib-ng build needs it), promtool (Prometheus exposition-format checks)
+#   - cmake (pingora's zlib-ng build needs it)
 #   - the official `openai` Python client (used as a test client)
 #   - the pinned default model (scripts/fetch-model.sh)
 # Idempotent and quiet when everything is already there.
@@ -9,7 +9,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 
 need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
-command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -17,7 +17,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-OPENAI_VERSION="2.54.0"
+OPENAI_VERSION="3.57.0"
 if ! python3 -c "import openai, sys; sys.exit(0 if openai.__version__ == '$OPENAI_VERSION' else 1)" >/dev/null 2>&1; then
   echo "setup: pip install openai==$OPENAI_VERSION"
   python3 -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"

@@ -22,7 +22,11 @@ fn unhealthy_worker_is_skipped_and_comes_back() {
     // Every request still succeeds: a refused connection retries on the next candidate, and the
     // worker is marked unhealthy (passively at once, then by the active check).
     for i in 0..12 {
-        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("q{i}"))], 2), &[]);
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("q{i}"))], 2),
+            &[],
+        );
         assert_eq!(r.status, 200, "{}", r.text());
         assert_ne!(r.worker(), "w2");
     }
@@ -30,7 +34,13 @@ fn unhealthy_worker_is_skipped_and_comes_back() {
     let w2 = prefix_index::WorkerId("w2".into());
     assert!(!gw.views.load().workers[&w2].healthy);
     let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
-    let w2_json = workers["workers"].as_array().unwrap().iter().find(|w| w["id"] == "w2").unwrap().clone();
+    let w2_json = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["id"] == "w2")
+        .unwrap()
+        .clone();
     assert_eq!(w2_json["healthy"], false);
     // Back on the same port: the active check notices and traffic returns.
     fleet.restart_worker(1);
@@ -39,7 +49,11 @@ fn unhealthy_worker_is_skipped_and_comes_back() {
     });
     let mut seen_w2 = false;
     for i in 0..9 {
-        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("r{i}"))], 2), &[]);
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("r{i}"))], 2),
+            &[],
+        );
         assert_eq!(r.status, 200);
         seen_w2 |= r.worker() == "w2";
     }
@@ -55,9 +69,17 @@ fn admin_plane_applies_refuses_and_switches_live() {
     });
     fleet.start_gateway(RR_SERVICE, true);
     // Authentication.
-    let anon = fleet
-        .rt
-        .block_on(async { support::Reply::read(fleet.http.get(fleet.admin_url("/admin/rules")).send().await.unwrap()).await });
+    let anon = fleet.rt.block_on(async {
+        support::Reply::read(
+            fleet
+                .http
+                .get(fleet.admin_url("/admin/rules"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    });
     assert_eq!(anon.status, 401);
     assert_eq!(anon.json()["error"]["code"], "unauthorized");
     let rules = fleet.admin(Method::GET, "/admin/rules", None).json();
@@ -70,7 +92,12 @@ fn admin_plane_applies_refuses_and_switches_live() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "rules_rejected");
     assert!(r.text().contains("pool"), "{}", r.text());
-    assert_eq!(fleet.admin(Method::GET, "/admin/rules", None).json()["version"].as_u64().unwrap(), v1);
+    assert_eq!(
+        fleet.admin(Method::GET, "/admin/rules", None).json()["version"]
+            .as_u64()
+            .unwrap(),
+        v1
+    );
 
     // A kv_exact service whose profile pins another block size than the workers': refused,
     // naming the field.
@@ -81,26 +108,44 @@ fn admin_plane_applies_refuses_and_switches_live() {
     assert_eq!(reload.status, 200, "{}", reload.text());
     let v2 = reload.json()["version"].as_u64().unwrap();
     assert!(v2 > v1);
-    let mismatch = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol32"}});
+    let mismatch =
+        json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol32"}});
     let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(mismatch));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("block_size"), "{}", r.text());
-    assert_eq!(fleet.admin(Method::GET, "/admin/rules", None).json()["version"].as_u64().unwrap(), v2);
+    assert_eq!(
+        fleet.admin(Method::GET, "/admin/rules", None).json()["version"]
+            .as_u64()
+            .unwrap(),
+        v2
+    );
 
     // Switch the service to kv_exact live, read it back, see it in routing and metrics.
-    let kv = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
+    let kv =
+        json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
     let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(kv));
     assert_eq!(r.status, 200, "{}", r.text());
     let v3 = r.json()["version"].as_u64().unwrap();
     assert!(v3 > v2);
-    let back = fleet.admin(Method::GET, "/admin/services/chat", None).json();
+    let back = fleet
+        .admin(Method::GET, "/admin/services/chat", None)
+        .json();
     assert_eq!(back["rule"]["type"], "kv_exact");
     // Written back to the file: a restart would load it.
-    assert!(std::fs::read_to_string(&fleet.rules_path).unwrap().contains("kv_exact"));
-    let r = fleet.post("/v1/chat/completions", &chat(&[("user", "after the switch")], 2), &[]);
+    assert!(std::fs::read_to_string(&fleet.rules_path)
+        .unwrap()
+        .contains("kv_exact"));
+    let r = fleet.post(
+        "/v1/chat/completions",
+        &chat(&[("user", "after the switch")], 2),
+        &[],
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-kvgate-rules-version").unwrap(), v3.to_string());
-    assert_ne!(r.header("x-kvgate-route-reason").as_deref(), Some("round_robin"));
+    assert_ne!(
+        r.header("x-kvgate-route-reason").as_deref(),
+        Some("round_robin")
+    );
     let m = fleet.admin(Method::GET, "/metrics", None).text();
     assert!(m.contains("mode=\"kv_exact\""), "{m}");
     assert!(m.contains("kvgate_gateway_route_decision_seconds"), "{m}");
@@ -120,8 +165,7 @@ fn admin_plane_applies_refuses_and_switches_live() {
     assert_eq!(r.status, 404);
 
     // The file watch: write a service back into the file; the gateway picks it up.
-    let mut text = std::fs::read_to_string(&fleet.rules_path).unwrap();
-    text.push_str(RR_SERVICE);
+    let text = fleet.rules_toml(RR_SERVICE);
     std::fs::write(&fleet.rules_path, &text).unwrap();
     let gw = fleet.gw().shared.clone();
     fleet.wait_for("file-watch reload", Duration::from_secs(10), || {
@@ -143,12 +187,24 @@ fn admin_plane_applies_refuses_and_switches_live() {
         .lines()
         .map(|l| receipts::DecisionRecord::from_line(l.as_bytes()).unwrap())
         .collect();
-    assert!(lines.iter().any(|d| d.ticket.is_some() && d.status == 200), "{text}");
-    assert!(lines.iter().any(|d| d.ticket.is_none() && d.status == 404), "{text}");
+    assert!(
+        lines.iter().any(|d| d.ticket.is_some() && d.status == 200),
+        "{text}"
+    );
+    assert!(
+        lines.iter().any(|d| d.ticket.is_none() && d.status == 404),
+        "{text}"
+    );
     let report = receipts::audit(&decisions, &logs, &ring).unwrap();
-    assert!(report.discrepancies.is_empty(), "audit found discrepancies: {:?}", report.discrepancies);
+    assert!(
+        report.discrepancies.is_empty(),
+        "audit found discrepancies: {:?}",
+        report.discrepancies
+    );
     assert_eq!(report.receipted, report.routed, "{report:?}");
-    assert!(report.per_mode.contains_key("kv_exact") && report.per_mode.contains_key("round_robin"));
+    assert!(
+        report.per_mode.contains_key("kv_exact") && report.per_mode.contains_key("round_robin")
+    );
     drop(dir);
 }
 
@@ -171,7 +227,13 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
     let stream = fleet.rt.spawn(async move {
         use futures::StreamExt;
         let r = http.post(url).json(&body).send().await.unwrap();
-        let version = r.headers().get("x-kvgate-rules-version").unwrap().to_str().unwrap().to_owned();
+        let version = r
+            .headers()
+            .get("x-kvgate-rules-version")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned();
         let mut s = r.bytes_stream();
         let mut text = String::new();
         let mut signalled = false;
@@ -184,13 +246,18 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
         }
         (version, text)
     });
-    rx.recv_timeout(Duration::from_secs(10)).expect("stream started");
-    let kv = json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("stream started");
+    let kv =
+        json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
     let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(kv));
     assert_eq!(r.status, 200, "{}", r.text());
     let (version, text) = fleet.rt.block_on(stream).unwrap();
     assert_eq!(version, v_before.to_string());
-    assert!(text.trim_end().ends_with("data: [DONE]"), "stream cut: {text}");
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "stream cut: {text}"
+    );
     let chunks = text.matches("data: {").count();
     assert!(chunks >= 10, "only {chunks} chunks: {text}");
     assert!(fleet.gw().shared.views.load().version() > v_before);
@@ -219,7 +286,11 @@ fn one_mebibyte_bodies_route_and_expect_continue_works() {
     let sbody = body.replace(r#""max_tokens":3"#, r#""max_tokens":5,"stream":true"#);
     let r = fleet.post_raw("/v1/chat/completions", sbody.into_bytes(), &[]);
     assert_eq!(r.status, 200, "{}", r.text());
-    assert!(r.text().trim_end().ends_with("data: [DONE]"), "{}", r.text());
+    assert!(
+        r.text().trim_end().ends_with("data: [DONE]"),
+        "{}",
+        r.text()
+    );
     // A 1 MiB prompt of real text is over the context limit: the gateway refuses it itself.
     let long = "token ".repeat(180_000);
     let r = fleet.post("/v1/chat/completions", &chat(&[("user", &long)], 4), &[]);
@@ -227,7 +298,8 @@ fn one_mebibyte_bodies_route_and_expect_continue_works() {
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
 
     // Expect: 100-continue over a raw socket: the gateway answers 100 before the body is sent.
-    let small = r#"{"model":"smol","messages":[{"role":"user","content":"expect"}],"max_tokens":2}"#;
+    let small =
+        r#"{"model":"smol","messages":[{"role":"user","content":"expect"}],"max_tokens":2}"#;
     let mut s = std::net::TcpStream::connect(fleet.gw().listen_addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
@@ -263,7 +335,13 @@ fn openai_python_client_through_the_gateway() {
         .expect("python3 must be installed");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "gateway_openai.py failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("non-streaming ok") && stdout.contains("streaming ok"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "gateway_openai.py failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("non-streaming ok") && stdout.contains("streaming ok"),
+        "{stdout}"
+    );
     fleet.stop();
 }

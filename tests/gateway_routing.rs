@@ -16,9 +16,16 @@ fn round_robin_balances_three_workers() {
     fleet.start_gateway(RR_SERVICE, false);
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     for i in 0..30 {
-        let r = fleet.post("/v1/chat/completions", &chat(&[("user", &format!("hello {i}"))], 2), &[]);
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("hello {i}"))], 2),
+            &[],
+        );
         assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("round_robin"));
+        assert_eq!(
+            r.header("x-kvgate-route-reason").as_deref(),
+            Some("round_robin")
+        );
         *counts.entry(r.worker()).or_default() += 1;
     }
     assert_eq!(counts.len(), 3, "{counts:?}");
@@ -34,7 +41,12 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
     fleet.start_gateway(KV_SERVICE, false);
     // Six conversations, long enough system prompts to fill several blocks, interleaved turn by turn.
     let convs: Vec<String> = (0..6)
-        .map(|c| format!("You are assistant number {c}. {}", "Answer briefly and precisely. ".repeat(8)))
+        .map(|c| {
+            format!(
+                "You are assistant number {c}. {}",
+                "Answer briefly and precisely. ".repeat(8)
+            )
+        })
         .collect();
     let mut history: Vec<Vec<(String, String)>> = convs
         .iter()
@@ -43,8 +55,14 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
     let mut owner: Vec<Option<String>> = vec![None; convs.len()];
     for turn in 0..3 {
         for c in 0..convs.len() {
-            history[c].push(("user".into(), format!("conversation {c} turn {turn}: tell me more")));
-            let msgs: Vec<(&str, &str)> = history[c].iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+            history[c].push((
+                "user".into(),
+                format!("conversation {c} turn {turn}: tell me more"),
+            ));
+            let msgs: Vec<(&str, &str)> = history[c]
+                .iter()
+                .map(|(r, t)| (r.as_str(), t.as_str()))
+                .collect();
             let r = fleet.post("/v1/chat/completions", &chat(&msgs, 4), &[]);
             assert_eq!(r.status, 200, "{}", r.text());
             let w = r.worker();
@@ -53,7 +71,11 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
                 Some(o) => {
                     assert_eq!(&w, o, "conversation {c} turn {turn} left its worker");
                     assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("hit"));
-                    assert!(r.cached_tokens() > 0, "turn {turn} of {c} reused nothing: {}", r.text());
+                    assert!(
+                        r.cached_tokens() > 0,
+                        "turn {turn} of {c} reused nothing: {}",
+                        r.text()
+                    );
                 }
             }
             let reply = r.json()["choices"][0]["message"]["content"]
@@ -67,7 +89,10 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
     }
     // The load spread over more than one worker (first turns of idle workers go least-loaded).
     let distinct: std::collections::BTreeSet<_> = owner.iter().flatten().collect();
-    assert!(distinct.len() > 1, "all conversations on one worker: {owner:?}");
+    assert!(
+        distinct.len() > 1,
+        "all conversations on one worker: {owner:?}"
+    );
     fleet.stop();
 }
 
@@ -76,7 +101,12 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
 fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
     let shared = fleet.gw().shared.clone();
     let view = shared.views.load();
-    let svc = view.services.iter().find(|s| s.name() == "chat").unwrap().clone();
+    let svc = view
+        .services
+        .iter()
+        .find(|s| s.name() == "chat")
+        .unwrap()
+        .clone();
     let profile = svc.profile.clone().unwrap();
     // The prompt the worker just served: everything but the assistant reply.
     let served = &history[..history.len() - 1];
@@ -88,13 +118,17 @@ fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
         .keys(&gateway::protocol::PromptSource::Messages(msgs), None)
         .unwrap();
     let want = tok.keys.len();
-    fleet.wait_for("the served prompt's blocks in the index", std::time::Duration::from_secs(10), || {
-        shared
-            .index
-            .longest_matches(&tok.keys)
-            .iter()
-            .any(|m| m.blocks >= want)
-    });
+    fleet.wait_for(
+        "the served prompt's blocks in the index",
+        std::time::Duration::from_secs(10),
+        || {
+            shared
+                .index
+                .longest_matches(&tok.keys)
+                .iter()
+                .any(|m| m.blocks >= want)
+        },
+    );
 }
 
 #[test]
@@ -103,12 +137,20 @@ fn different_salts_never_share_a_cached_prefix() {
     fleet.start_gateway(KV_SERVICE, false);
     let system = format!("Shared system prompt. {}", "Be helpful. ".repeat(20));
     let body = chat(&[("system", &system), ("user", "hi")], 2);
-    let a1 = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", "tenant-a")]);
+    let a1 = fleet.post(
+        "/v1/chat/completions",
+        &body,
+        &[("x-tenant-id", "tenant-a")],
+    );
     assert_eq!(a1.status, 200, "{}", a1.text());
     let wa = a1.worker();
     wait_body_indexed(&fleet, &body, Some("tenant-a"));
     // Same tenant: hit on the same worker, cached tokens reused.
-    let a2 = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", "tenant-a")]);
+    let a2 = fleet.post(
+        "/v1/chat/completions",
+        &body,
+        &[("x-tenant-id", "tenant-a")],
+    );
     assert_eq!(a2.worker(), wa);
     assert_eq!(a2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
     assert!(a2.cached_tokens() > 0);
@@ -116,14 +158,30 @@ fn different_salts_never_share_a_cached_prefix() {
     for t in ["tenant-b", "tenant-c", "tenant-d"] {
         let r = fleet.post("/v1/chat/completions", &body, &[("x-tenant-id", t)]);
         assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("no_match"), "{t}");
-        assert_eq!(r.cached_tokens(), 0, "tenant {t} reused tenant-a's cache on {}", r.worker());
+        assert_eq!(
+            r.header("x-kvgate-route-reason").as_deref(),
+            Some("no_match"),
+            "{t}"
+        );
+        assert_eq!(
+            r.cached_tokens(),
+            0,
+            "tenant {t} reused tenant-a's cache on {}",
+            r.worker()
+        );
     }
     // The header overrides a body cache_salt: body says tenant-a, header says tenant-e.
     let mut salted = body.clone();
     salted["cache_salt"] = serde_json::json!("tenant-a");
-    let e = fleet.post("/v1/chat/completions", &salted, &[("x-tenant-id", "tenant-e")]);
-    assert_eq!(e.header("x-kvgate-route-reason").as_deref(), Some("no_match"));
+    let e = fleet.post(
+        "/v1/chat/completions",
+        &salted,
+        &[("x-tenant-id", "tenant-e")],
+    );
+    assert_eq!(
+        e.header("x-kvgate-route-reason").as_deref(),
+        Some("no_match")
+    );
     assert_eq!(e.cached_tokens(), 0);
     // Without the header the body salt applies and finds tenant-a's prefix.
     let b = fleet.post("/v1/chat/completions", &salted, &[]);
@@ -142,13 +200,17 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
         .unwrap();
     let want = tok.keys.len();
     assert!(want > 0);
-    fleet.wait_for("prompt blocks in the index", std::time::Duration::from_secs(10), || {
-        shared
-            .index
-            .longest_matches(&tok.keys)
-            .iter()
-            .any(|m| m.blocks >= want)
-    });
+    fleet.wait_for(
+        "prompt blocks in the index",
+        std::time::Duration::from_secs(10),
+        || {
+            shared
+                .index
+                .longest_matches(&tok.keys)
+                .iter()
+                .any(|m| m.blocks >= want)
+        },
+    );
 }
 
 #[test]
@@ -161,7 +223,10 @@ fn load_guard_spreads_a_single_hot_prefix() {
         ..FleetOptions::default()
     });
     fleet.start_gateway(KV_SERVICE, false);
-    let system = format!("Hot prefix. {}", "Everyone asks the same thing. ".repeat(20));
+    let system = format!(
+        "Hot prefix. {}",
+        "Everyone asks the same thing. ".repeat(20)
+    );
     let body = chat(&[("system", &system), ("user", "go")], 2);
     let warm = fleet.post("/v1/chat/completions", &body, &[]);
     assert_eq!(warm.status, 200);
@@ -189,7 +254,10 @@ fn load_guard_spreads_a_single_hot_prefix() {
             guarded += 1;
         }
     }
-    assert!(counts.len() > 1, "the hot prefix piled onto one worker: {counts:?}");
+    assert!(
+        counts.len() > 1,
+        "the hot prefix piled onto one worker: {counts:?}"
+    );
     assert!(counts.get(&hot).copied().unwrap_or(0) < 12);
     assert!(guarded > 0, "no load_guard decision: {counts:?}");
     let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
@@ -204,12 +272,23 @@ fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
         ..FleetOptions::default()
     });
     fleet.start_gateway(KV_SERVICE, false);
-    let r = fleet.post_raw("/v1/chat/completions", b"{\"model\": \"smol\", \"messages\": [".to_vec(), &[]);
+    let r = fleet.post_raw(
+        "/v1/chat/completions",
+        b"{\"model\": \"smol\", \"messages\": [".to_vec(),
+        &[],
+    );
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "invalid_request_body");
-    let r = fleet.post_raw("/v1/chat/completions", br#"{"messages": "nope"}"#.to_vec(), &[]);
+    let r = fleet.post_raw(
+        "/v1/chat/completions",
+        br#"{"messages": "nope"}"#.to_vec(),
+        &[],
+    );
     assert_eq!(r.status, 400);
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("messages"));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("messages"));
     // Over budget: a prompt of ~12k tokens against the model's context limit.
     let long = "word ".repeat(12_000);
     let r = fleet.post("/v1/chat/completions", &chat(&[("user", &long)], 16), &[]);

@@ -51,7 +51,8 @@ fn json_response(status: u16, value: &serde_json::Value) -> Response<Vec<u8>> {
 
 fn response(status: u16, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
     let mut r = Response::new(body);
-    *r.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    *r.status_mut() =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
     if let Ok(v) = http::HeaderValue::from_str(content_type) {
         r.headers_mut().insert(http::header::CONTENT_TYPE, v);
     }
@@ -71,7 +72,9 @@ fn outcome_json(o: &ApplyOutcome) -> serde_json::Value {
             previous,
             version,
             content_hash,
-        } => json!({"applied": true, "previous_version": previous.0, "version": version.0, "content_hash": content_hash.to_hex()}),
+        } => {
+            json!({"applied": true, "previous_version": previous.0, "version": version.0, "content_hash": content_hash.to_hex()})
+        }
         ApplyOutcome::Unchanged { version } => json!({"applied": false, "version": version.0}),
     }
 }
@@ -112,7 +115,10 @@ impl Admin {
         // Constant-time comparison of equal-length tokens.
         got.is_some_and(|g| {
             g.len() == token.len()
-                && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+                && g.bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
         })
     }
 
@@ -197,9 +203,10 @@ impl Admin {
                 Ok(json_response(200, &outcome_json(&o)))
             }
             ("GET", ["admin", "workers"]) => Ok(json_response(200, &self.workers_json())),
-            ("GET", ["admin", "services"]) => {
-                Ok(json_response(200, &json!(self.shared.store.list_services())))
-            }
+            ("GET", ["admin", "services"]) => Ok(json_response(
+                200,
+                &json!(self.shared.store.list_services()),
+            )),
             ("GET", ["admin", "services", name]) => match self.shared.store.get_service(name) {
                 Some(s) => Ok(json_response(200, &json!(s))),
                 None => Err(GatewayError::NotFound {

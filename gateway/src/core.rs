@@ -21,7 +21,6 @@ use crate::proxy::{request_labels, RequestCtx};
 use crate::supervisor::Supervisor;
 use crate::view::{Carry, ContractState, View, ViewCell};
 
-
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -92,10 +91,16 @@ pub fn rules_error(e: RulesError) -> GatewayError {
 }
 
 /// The fields of a worker's profile that differ from a pinned profile.
-pub fn profile_differences(pinned: &routing_rules::schema::ProfileSpec, got: &WorkerProfile) -> Vec<String> {
+pub fn profile_differences(
+    pinned: &routing_rules::schema::ProfileSpec,
+    got: &WorkerProfile,
+) -> Vec<String> {
     let mut out = Vec::new();
     if got.model_id != pinned.model_id {
-        out.push(format!("model_id (pinned {:?}, worker {:?})", pinned.model_id, got.model_id));
+        out.push(format!(
+            "model_id (pinned {:?}, worker {:?})",
+            pinned.model_id, got.model_id
+        ));
     }
     if got.template_sha256 != pinned.template_sha256 {
         out.push(format!(
@@ -174,32 +179,47 @@ pub fn kv_exact_workers(rules: &RulesFile) -> BTreeSet<WorkerId> {
 
 impl Shared {
     /// Fetches `/v1/profile` of the given workers (URLs from `rules`), in parallel.
-    pub async fn fetch_profiles(&self, rules: &RulesFile, ids: &BTreeSet<WorkerId>) -> FetchedProfiles {
-        let futs = rules.workers.iter().filter(|w| ids.contains(&w.id)).map(|w| {
-            let http = self.http.clone();
-            let id = w.id.clone();
-            let url = crate::view::Upstream::parse(&w.url).map(|u| format!("{}/v1/profile", u.base_url()));
-            async move {
-                let res = match url {
-                    Err(e) => Err(e.to_string()),
-                    Ok(url) => match http.get(&url).timeout(PROFILE_TIMEOUT).send().await {
-                        Err(e) => Err(format!("unreachable: {e}")),
-                        Ok(r) if !r.status().is_success() => Err(format!("GET /v1/profile: {}", r.status())),
-                        Ok(r) => r
-                            .json::<WorkerProfile>()
-                            .await
-                            .map_err(|e| format!("bad /v1/profile body: {e}")),
-                    },
-                };
-                (id, res)
-            }
-        });
+    pub async fn fetch_profiles(
+        &self,
+        rules: &RulesFile,
+        ids: &BTreeSet<WorkerId>,
+    ) -> FetchedProfiles {
+        let futs = rules
+            .workers
+            .iter()
+            .filter(|w| ids.contains(&w.id))
+            .map(|w| {
+                let http = self.http.clone();
+                let id = w.id.clone();
+                let url = crate::view::Upstream::parse(&w.url)
+                    .map(|u| format!("{}/v1/profile", u.base_url()));
+                async move {
+                    let res = match url {
+                        Err(e) => Err(e.to_string()),
+                        Ok(url) => match http.get(&url).timeout(PROFILE_TIMEOUT).send().await {
+                            Err(e) => Err(format!("unreachable: {e}")),
+                            Ok(r) if !r.status().is_success() => {
+                                Err(format!("GET /v1/profile: {}", r.status()))
+                            }
+                            Ok(r) => r
+                                .json::<WorkerProfile>()
+                                .await
+                                .map_err(|e| format!("bad /v1/profile body: {e}")),
+                        },
+                    };
+                    (id, res)
+                }
+            });
         join_all(futs).await.into_iter().collect()
     }
 
     /// The pre-apply check of every rules change: the pinned profiles load and match their
     /// files, and every reachable worker of a `kv_exact` pool agrees with its service's profile.
-    fn check_candidate(&self, snap: &RuleSnapshot, fetched: &FetchedProfiles) -> Result<(), Vec<Problem>> {
+    fn check_candidate(
+        &self,
+        snap: &RuleSnapshot,
+        fetched: &FetchedProfiles,
+    ) -> Result<(), Vec<Problem>> {
         if let Err(e) = self.profiles.load_for(snap.rules()) {
             return Err(vec![Problem::new("profiles", e.to_string())]);
         }
@@ -221,7 +241,10 @@ impl Shared {
             } else {
                 match fetched.get(id) {
                     Some(Ok(_)) => {
-                        let problems = contract_problems(rules, &BTreeMap::from([(id.clone(), fetched[id].clone())]));
+                        let problems = contract_problems(
+                            rules,
+                            &BTreeMap::from([(id.clone(), fetched[id].clone())]),
+                        );
                         if problems.is_empty() {
                             ContractState::Ok
                         } else {
@@ -244,7 +267,9 @@ impl Shared {
         let view = View::compile(snap.clone(), &profiles, Some(&previous), &self.carry)?;
         self.record_contracts(snap.rules(), fetched);
         self.views.store(view);
-        self.metrics.rules_version.set(i64::try_from(snap.version().0).unwrap_or(i64::MAX));
+        self.metrics
+            .rules_version
+            .set(i64::try_from(snap.version().0).unwrap_or(i64::MAX));
         if let Some(sup) = self.supervisor.lock().as_mut() {
             sup.sync(&self.views.load());
         }
@@ -254,7 +279,9 @@ impl Shared {
     async fn change(
         &self,
         candidate: RulesFile,
-        apply: impl FnOnce(&dyn Fn(&RuleSnapshot) -> Result<(), Vec<Problem>>) -> Result<ApplyOutcome, RulesError>,
+        apply: impl FnOnce(
+            &dyn Fn(&RuleSnapshot) -> Result<(), Vec<Problem>>,
+        ) -> Result<ApplyOutcome, RulesError>,
     ) -> Result<ApplyOutcome, GatewayError> {
         let _g = self.apply_lock.lock().await;
         let ids = kv_exact_workers(&candidate);
@@ -281,14 +308,18 @@ impl Shared {
     pub async fn put_service(&self, spec: ServiceSpec) -> Result<ApplyOutcome, GatewayError> {
         let mut candidate = self.store.snapshot().rules().clone();
         candidate.upsert_service(spec.clone());
-        self.change(candidate, |check| self.store.put_service_with(spec, check)).await
+        self.change(candidate, |check| self.store.put_service_with(spec, check))
+            .await
     }
 
     /// Admin: delete one service.
     pub async fn delete_service(&self, name: &str) -> Result<ApplyOutcome, GatewayError> {
         let mut candidate = self.store.snapshot().rules().clone();
         candidate.remove_service(name);
-        self.change(candidate, |check| self.store.delete_service_with(name, check)).await
+        self.change(candidate, |check| {
+            self.store.delete_service_with(name, check)
+        })
+        .await
     }
 
     /// File watch, SIGHUP, `POST /admin/reload`: re-read the rules file.
@@ -300,7 +331,8 @@ impl Shared {
                 .unwrap_or_else(|| self.store.snapshot().rules().clone()),
             None => self.store.snapshot().rules().clone(),
         };
-        self.change(candidate, |check| self.store.reload_from_file_with(check)).await
+        self.change(candidate, |check| self.store.reload_from_file_with(check))
+            .await
     }
 
     /// Re-checks the contract of one worker (after it became healthy or reachable).
@@ -309,7 +341,9 @@ impl Shared {
         if !kv_exact_workers(&rules).contains(id) {
             return;
         }
-        let fetched = self.fetch_profiles(&rules, &BTreeSet::from([id.clone()])).await;
+        let fetched = self
+            .fetch_profiles(&rules, &BTreeSet::from([id.clone()]))
+            .await;
         let runtimes = self.carry.runtimes.lock();
         if let (Some(rt), Some(res)) = (runtimes.get(id), fetched.get(id)) {
             *rt.contract.lock() = match res {
@@ -339,16 +373,23 @@ impl Shared {
             .set(i64::try_from(total).unwrap_or(i64::MAX));
         let view = self.views.load();
         for (id, e) in &view.workers {
-            let labels = WorkerLabels { worker: id.0.clone() };
-            let lag = match (&*e.runtime.events.lock(), *e.runtime.events_last_heard.lock()) {
+            let labels = WorkerLabels {
+                worker: id.0.clone(),
+            };
+            let lag = match (
+                &*e.runtime.events.lock(),
+                *e.runtime.events_last_heard.lock(),
+            ) {
                 (crate::view::EventStreamState::Connected, Some(t)) => t.elapsed().as_secs_f64(),
                 _ => -1.0,
             };
-            self.metrics.event_lag_seconds.get_or_create(&labels).set(lag);
             self.metrics
-                .worker_in_flight
+                .event_lag_seconds
                 .get_or_create(&labels)
-                .set(i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX));
+                .set(lag);
+            self.metrics.worker_in_flight.get_or_create(&labels).set(
+                i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
+            );
             self.metrics
                 .worker_healthy
                 .get_or_create(&labels)
@@ -361,7 +402,9 @@ impl Shared {
         let changed = self.views.set_health(id, healthy);
         self.metrics
             .worker_healthy
-            .get_or_create(&WorkerLabels { worker: id.0.clone() })
+            .get_or_create(&WorkerLabels {
+                worker: id.0.clone(),
+            })
             .set(i64::from(healthy));
         changed
     }
@@ -369,8 +412,14 @@ impl Shared {
     /// Passive mark: a connect error (at once) or a 5xx (after a few in a row).
     pub fn mark_failure(&self, id: &WorkerId, connect: bool) {
         let view = self.views.load();
-        let Some(entry) = view.workers.get(id) else { return };
-        let n = entry.runtime.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        let Some(entry) = view.workers.get(id) else {
+            return;
+        };
+        let n = entry
+            .runtime
+            .consecutive_failures
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
         if connect || n >= PASSIVE_5XX_THRESHOLD {
             self.set_health(id, false);
         }
@@ -380,7 +429,10 @@ impl Shared {
     pub fn mark_success(&self, id: &WorkerId) {
         let view = self.views.load();
         if let Some(entry) = view.workers.get(id) {
-            entry.runtime.consecutive_failures.store(0, Ordering::Relaxed);
+            entry
+                .runtime
+                .consecutive_failures
+                .store(0, Ordering::Relaxed);
         }
     }
 
@@ -419,7 +471,10 @@ impl Shared {
         }
         if let Some(log) = &self.decisions {
             let (service, rule_id) = match &ctx.decision {
-                Some(d) => (Some(d.service.name().to_owned()), Some(d.service.rule_id.clone())),
+                Some(d) => (
+                    Some(d.service.name().to_owned()),
+                    Some(d.service.rule_id.clone()),
+                ),
                 None => (None, None),
             };
             let record = DecisionRecord {

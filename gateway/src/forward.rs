@@ -19,7 +19,9 @@ use receipts::TICKET_HEADER;
 use routing_rules::schema::UpstreamSpec;
 
 use crate::error::GatewayError;
-use crate::proxy::{respond_error, Proxy, RequestCtx, REASON_HEADER, VERSION_HEADER, WORKER_HEADER};
+use crate::proxy::{
+    respond_error, Proxy, RequestCtx, REASON_HEADER, VERSION_HEADER, WORKER_HEADER,
+};
 use crate::view::{InFlight, Upstream};
 
 /// The pingora peer for a worker, with the service's timeouts.
@@ -34,7 +36,11 @@ pub fn peer_for(upstream: &Upstream, spec: &UpstreamSpec) -> HttpPeer {
 
 /// Forwards the buffered request of `ctx` and streams the answer to `session`. Always leaves a
 /// response on the session (an error response when no worker could be reached).
-pub(crate) async fn forward(proxy: &Proxy, session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+pub(crate) async fn forward(
+    proxy: &Proxy,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
     let (Some(view), Some(decision)) = (ctx.view.clone(), ctx.decision.clone()) else {
         let err = GatewayError::Internal {
             reason: "forward without a decision".into(),
@@ -46,13 +52,18 @@ pub(crate) async fn forward(proxy: &Proxy, session: &mut Session, ctx: &mut Requ
     let mut last_err = String::from("no candidate");
     for worker in &decision.order {
         ctx.next += 1;
-        let Some(entry) = view.workers.get(worker) else { continue };
+        let Some(entry) = view.workers.get(worker) else {
+            continue;
+        };
         let peer = peer_for(&entry.upstream, &decision.service.spec().upstream);
         let mut upstream = match connector.get_http_session(&peer).await {
             Ok((s, _reused)) => s,
             Err(e) => {
                 proxy.shared().mark_failure(worker, true);
-                proxy.shared().metrics.fallback(&decision.service.name(), "connect");
+                proxy
+                    .shared()
+                    .metrics
+                    .fallback(decision.service.name(), "connect");
                 last_err = e.to_string();
                 continue;
             }
@@ -62,7 +73,11 @@ pub(crate) async fn forward(proxy: &Proxy, session: &mut Session, ctx: &mut Requ
         let ticket = proxy.ticket_for(ctx, worker);
         let mut head: RequestHeader = session.req_header().clone();
         if !entry.upstream.base_path.is_empty() {
-            let pq = head.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+            let pq = head
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .to_owned();
             if let Ok(uri) = format!("{}{}", entry.upstream.base_path, pq).parse::<http::Uri>() {
                 head.set_uri(uri);
             }
@@ -134,7 +149,9 @@ pub(crate) async fn forward(proxy: &Proxy, session: &mut Session, ctx: &mut Requ
                 break;
             }
         }
-        session.write_response_body(Some(Bytes::new()), true).await?;
+        session
+            .write_response_body(Some(Bytes::new()), true)
+            .await?;
         upstream.shutdown().await;
         return Ok(());
     }

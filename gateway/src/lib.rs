@@ -170,8 +170,9 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         .build()
         .map_err(|e| cfg_err(format!("http client: {e}")))?;
     let snapshot = store.snapshot();
-    let empty = routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
-        .map_err(|e| cfg_err(e.to_string()))?;
+    let empty =
+        routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
+            .map_err(|e| cfg_err(e.to_string()))?;
     let shared = Arc::new(Shared {
         // Replaced by the real view (profiles loaded, contract checked) below.
         views: view::ViewCell::new(view::View::compile(
@@ -219,14 +220,20 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     shared.install_current(&fetched)?;
 
     let watcher = if config.watch_rules {
-        Some(watch_rules_file(&config.rules_path, &shared, runtime.handle())?)
+        Some(watch_rules_file(
+            &config.rules_path,
+            &shared,
+            runtime.handle(),
+        )?)
     } else {
         None
     };
     if config.sighup {
         let weak = Arc::downgrade(&shared);
         runtime.spawn(async move {
-            let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+            let Ok(mut hup) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            else {
                 return;
             };
             while hup.recv().await.is_some() {
@@ -324,12 +331,18 @@ fn watch_rules_file(
     let file = std::fs::canonicalize(path).map_err(|e| GatewayError::Config {
         reason: format!("rules {}: {e}", path.display()),
     })?;
-    let dir = file.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let dir = file
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     let name = file.file_name().map(|n| n.to_os_string());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res {
-            let ours = ev.paths.iter().any(|p| p.file_name().map(|n| n.to_os_string()) == name);
+            let ours = ev
+                .paths
+                .iter()
+                .any(|p| p.file_name().map(|n| n.to_os_string()) == name);
             let modifying = !matches!(ev.kind, notify::EventKind::Access(_));
             if ours && modifying {
                 let _ = tx.send(());

@@ -102,9 +102,14 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("kvgate_gateway");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests by service, rule, mode, worker and status", requests.clone());
-        let route_decision_seconds =
-            Family::<ModeLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "requests",
+            "Requests by service, rule, mode, worker and status",
+            requests.clone(),
+        );
+        let route_decision_seconds = Family::<ModeLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
         registry.register(
             "route_decision_seconds",
             "Time to take a routing decision",
@@ -123,16 +128,25 @@ impl Metrics {
             matched_tokens.clone(),
         );
         let fallbacks = Family::<FallbackLabels, Counter>::default();
-        registry.register("fallbacks", "Routing fallbacks by reason", fallbacks.clone());
-        let ttft_seconds =
-            Family::<ModeLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register(
+            "fallbacks",
+            "Routing fallbacks by reason",
+            fallbacks.clone(),
+        );
+        let ttft_seconds = Family::<ModeLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
         registry.register(
             "ttft_seconds",
             "Time to first response byte as seen by the gateway",
             ttft_seconds.clone(),
         );
         let index_blocks = Gauge::default();
-        registry.register("index_blocks", "Blocks in the prefix index", index_blocks.clone());
+        registry.register(
+            "index_blocks",
+            "Blocks in the prefix index",
+            index_blocks.clone(),
+        );
         let event_lag_seconds = Family::<WorkerLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "event_lag_seconds",
@@ -140,7 +154,11 @@ impl Metrics {
             event_lag_seconds.clone(),
         );
         let worker_healthy = Family::<WorkerLabels, Gauge>::default();
-        registry.register("worker_healthy", "1 when the worker is healthy", worker_healthy.clone());
+        registry.register(
+            "worker_healthy",
+            "1 when the worker is healthy",
+            worker_healthy.clone(),
+        );
         let worker_in_flight = Family::<WorkerLabels, Gauge>::default();
         registry.register(
             "worker_in_flight",
@@ -148,11 +166,23 @@ impl Metrics {
             worker_in_flight.clone(),
         );
         let rules_version = Gauge::default();
-        registry.register("rules_version", "Rules version in force", rules_version.clone());
+        registry.register(
+            "rules_version",
+            "Rules version in force",
+            rules_version.clone(),
+        );
         let rules_reloads = Counter::default();
-        registry.register("rules_changes", "Rules changes applied", rules_reloads.clone());
+        registry.register(
+            "rules_changes",
+            "Rules changes applied",
+            rules_reloads.clone(),
+        );
         let rules_rejected = Counter::default();
-        registry.register("rules_rejected", "Rules changes refused", rules_rejected.clone());
+        registry.register(
+            "rules_rejected",
+            "Rules changes refused",
+            rules_rejected.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             requests,
@@ -218,7 +248,9 @@ mod tests {
         assert!(text.contains(
             "kvgate_gateway_requests_total{service=\"chat\",rule=\"chat/kv_exact\",mode=\"kv_exact\",worker=\"w1\",status=\"200\"} 1"
         ), "{text}");
-        assert!(text.contains("kvgate_gateway_fallbacks_total{service=\"chat\",reason=\"no_match\"} 1"));
+        assert!(
+            text.contains("kvgate_gateway_fallbacks_total{service=\"chat\",reason=\"no_match\"} 1")
+        );
         assert!(text.ends_with("# EOF\n"));
     }
 }

@@ -76,7 +76,10 @@ impl LoadedProfile {
             ));
         }
         if !differ.is_empty() {
-            return Err(cfg(format!("loaded files differ from the pin: {}", differ.join(", "))));
+            return Err(cfg(format!(
+                "loaded files differ from the pin: {}",
+                differ.join(", ")
+            )));
         }
         let block_size = BlockSize::new(spec.block_size).map_err(|e| cfg(e.to_string()))?;
         Ok(LoadedProfile {
@@ -131,7 +134,11 @@ impl LoadedProfile {
     }
 
     /// Tokenizes and computes the block keys in the namespace of `salt`.
-    pub fn keys(&self, prompt: &PromptSource, salt: Option<&str>) -> Result<Tokenized, GatewayError> {
+    pub fn keys(
+        &self,
+        prompt: &PromptSource,
+        salt: Option<&str>,
+    ) -> Result<Tokenized, GatewayError> {
         let tokens = self.tokenize(prompt)?;
         let seed = self.seed(salt);
         let keys = KeyChain::new(seed, self.spec.hash_algorithm, self.block_size).keys(&tokens);

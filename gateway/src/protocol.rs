@@ -83,7 +83,10 @@ fn invalid(reason: impl Into<String>) -> GatewayError {
     }
 }
 
-fn opt_u64(obj: &serde_json::Map<String, serde_json::Value>, field: &str) -> Result<Option<u64>, GatewayError> {
+fn opt_u64(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    field: &str,
+) -> Result<Option<u64>, GatewayError> {
     match obj.get(field) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => v
@@ -96,8 +99,8 @@ fn opt_u64(obj: &serde_json::Map<String, serde_json::Value>, field: &str) -> Res
 impl InferenceBody {
     /// Parses a chat or completion body. Errors name the field; never panics on client input.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceBody, GatewayError> {
-        let value: serde_json::Value = serde_json::from_slice(body)
-            .map_err(|e| invalid(format!("malformed JSON: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
         let obj = value
             .as_object()
             .ok_or_else(|| invalid("the body must be a JSON object"))?;
@@ -118,10 +121,13 @@ impl InferenceBody {
                         return Err(invalid(format!("`messages[{i}].role` must be a string")));
                     }
                     match m.get("content") {
-                        None | Some(serde_json::Value::Null) | Some(serde_json::Value::String(_)) => {}
+                        None
+                        | Some(serde_json::Value::Null)
+                        | Some(serde_json::Value::String(_)) => {}
                         Some(serde_json::Value::Array(parts)) => {
                             for (j, p) in parts.iter().enumerate() {
-                                let text_part = p.get("type").and_then(|t| t.as_str()) == Some("text")
+                                let text_part = p.get("type").and_then(|t| t.as_str())
+                                    == Some("text")
                                     && p.get("text").is_some_and(|t| t.is_string());
                                 if !text_part {
                                     return Err(invalid(format!(
@@ -139,9 +145,7 @@ impl InferenceBody {
                 }
                 PromptSource::Messages(messages.clone())
             }
-            Endpoint::Completion => {
-                PromptSource::Prompt(parse_prompt(obj.get("prompt"))?)
-            }
+            Endpoint::Completion => PromptSource::Prompt(parse_prompt(obj.get("prompt"))?),
         };
         let max_tokens = match opt_u64(obj, "max_completion_tokens")? {
             Some(n) => Some(n),
@@ -169,7 +173,11 @@ impl InferenceBody {
 
 fn parse_prompt(v: Option<&serde_json::Value>) -> Result<PromptInput, GatewayError> {
     use serde_json::Value;
-    let bad = || invalid("`prompt` must be a string, an array of token ids, or a one-element array of either");
+    let bad = || {
+        invalid(
+            "`prompt` must be a string, an array of token ids, or a one-element array of either",
+        )
+    };
     match v {
         Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
         Some(Value::Array(items)) => {
@@ -247,7 +255,10 @@ mod tests {
             (b"[1]", "JSON object"),
             (br#"{"messages":"x"}"#, "`messages`"),
             (br#"{"messages":[{"content":"x"}]}"#, "messages[0].role"),
-            (br#"{"messages":[{"role":"user","content":5}]}"#, "messages[0].content"),
+            (
+                br#"{"messages":[{"role":"user","content":5}]}"#,
+                "messages[0].content",
+            ),
             (br#"{"messages":[],"max_tokens":-1}"#, "max_tokens"),
             (br#"{"messages":[],"cache_salt":1}"#, "cache_salt"),
             (br#"{"messages":[],"model":1}"#, "model"),
@@ -287,7 +298,10 @@ mod tests {
         assert_eq!(peek_model(br#"{"model":"a","x":1}"#).as_deref(), Some("a"));
         assert_eq!(peek_model(b"garbage"), None);
         assert_eq!(peek_model(b""), None);
-        assert_eq!(Endpoint::from_path("/v1/chat/completions"), Some(Endpoint::Chat));
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions"),
+            Some(Endpoint::Chat)
+        );
         assert_eq!(Endpoint::from_path("/v1/models"), None);
     }
 }

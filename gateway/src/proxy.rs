@@ -88,9 +88,7 @@ fn header_str(req: &RequestHeader, name: &str) -> Option<String> {
 fn request_id_for(req: &RequestHeader) -> String {
     match header_str(req, "x-request-id") {
         Some(id)
-            if !id.is_empty()
-                && id.len() <= 128
-                && id.bytes().all(|b| b.is_ascii_graphic()) =>
+            if !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()) =>
         {
             id
         }
@@ -99,7 +97,11 @@ fn request_id_for(req: &RequestHeader) -> String {
 }
 
 /// Writes an OpenAI-style error response and records it in the ctx.
-pub(crate) async fn respond_error(session: &mut Session, ctx: &mut RequestCtx, err: &GatewayError) -> Result<bool> {
+pub(crate) async fn respond_error(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    err: &GatewayError,
+) -> Result<bool> {
     let body = err.to_openai_json();
     let mut resp = ResponseHeader::build(err.status(), Some(4))?;
     resp.insert_header("content-type", "application/json")?;
@@ -111,13 +113,18 @@ pub(crate) async fn respond_error(session: &mut Session, ctx: &mut RequestCtx, e
     ctx.status = Some(err.status());
     ctx.error = Some(err.error_type().to_owned());
     session.write_response_header(Box::new(resp), false).await?;
-    session.write_response_body(Some(Bytes::from(body)), true).await?;
+    session
+        .write_response_body(Some(Bytes::from(body)), true)
+        .await?;
     Ok(true)
 }
 
 impl Proxy {
     /// Reads the whole request body with a cap. `Err(limit)` when over the cap.
-    async fn read_body(session: &mut Session, cap: usize) -> Result<std::result::Result<Bytes, usize>> {
+    async fn read_body(
+        session: &mut Session,
+        cap: usize,
+    ) -> Result<std::result::Result<Bytes, usize>> {
         let expected = session
             .req_header()
             .headers
@@ -199,7 +206,8 @@ impl ProxyHttp for Proxy {
         let path = req.uri.path().to_owned();
         let method = req.method.as_str().to_owned();
         let host = header_str(req, "host").or_else(|| req.uri.host().map(str::to_owned));
-        let expect_continue = header_str(req, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        let expect_continue =
+            header_str(req, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
 
         let Some(limit) = view.body_limit_for(host.as_deref(), &path) else {
             let err = GatewayError::ServiceNotFound {
@@ -223,8 +231,15 @@ impl ProxyHttp for Proxy {
             }
         };
         let model = crate::protocol::peek_model(&body);
-        let Some(service) = view.match_service(host.as_deref(), &path, model.as_deref()).cloned() else {
-            let err = GatewayError::ServiceNotFound { method, path, model };
+        let Some(service) = view
+            .match_service(host.as_deref(), &path, model.as_deref())
+            .cloned()
+        else {
+            let err = GatewayError::ServiceNotFound {
+                method,
+                path,
+                model,
+            };
             return respond_error(session, ctx, &err).await;
         };
         if body.len() as u64 > service.spec().max_body_bytes {
@@ -257,13 +272,15 @@ impl ProxyHttp for Proxy {
             Ok(d) => d,
             Err(err) => {
                 let label = match &err {
-                    GatewayError::InvalidBody { .. } | GatewayError::Prompt { .. } => Some("unparsable_body"),
+                    GatewayError::InvalidBody { .. } | GatewayError::Prompt { .. } => {
+                        Some("unparsable_body")
+                    }
                     GatewayError::ContextLengthExceeded { .. } => Some("budget"),
                     GatewayError::NoHealthyWorker { .. } => Some("unhealthy"),
                     _ => None,
                 };
                 if let Some(l) = label {
-                    self.shared.metrics.fallback(&service.name(), l);
+                    self.shared.metrics.fallback(service.name(), l);
                 }
                 ctx.decision = None;
                 ctx.body = body;
@@ -317,7 +334,11 @@ impl ProxyHttp for Proxy {
         Ok(false)
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
         let view = ctx
             .view
             .clone()
@@ -327,7 +348,10 @@ impl ProxyHttp for Proxy {
             .as_ref()
             .ok_or_else(|| Error::explain(ErrorType::InternalError, "no decision"))?;
         let Some(worker) = decision.order.get(ctx.next).cloned() else {
-            return Err(Error::explain(ErrorType::ConnectNoRoute, "no candidate left"));
+            return Err(Error::explain(
+                ErrorType::ConnectNoRoute,
+                "no candidate left",
+            ));
         };
         ctx.next += 1;
         let entry = view
@@ -349,7 +373,7 @@ impl ProxyHttp for Proxy {
         if let Some(w) = &ctx.current {
             self.shared.mark_failure(w, true);
             if let Some(d) = &ctx.decision {
-                self.shared.metrics.fallback(&d.service.name(), "connect");
+                self.shared.metrics.fallback(d.service.name(), "connect");
             }
         }
         // Nothing was sent yet: try the next candidate if there is one.
@@ -485,7 +509,12 @@ impl ProxyHttp for Proxy {
         self.shared.finish_request(ctx);
     }
 
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> pingora::proxy::FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> pingora::proxy::FailToProxy {
         let service = ctx
             .decision
             .as_ref()
@@ -500,7 +529,11 @@ impl ProxyHttp for Proxy {
                 reason: e.to_string(),
             },
             _ => GatewayError::Upstream {
-                worker: ctx.current.as_ref().map(|w| w.0.clone()).unwrap_or_default(),
+                worker: ctx
+                    .current
+                    .as_ref()
+                    .map(|w| w.0.clone())
+                    .unwrap_or_default(),
                 reason: e.etype().as_str().to_owned(),
             },
         };
@@ -532,7 +565,10 @@ pub(crate) fn request_labels(ctx: &RequestCtx) -> RequestLabels {
         service,
         rule,
         mode,
-        worker: ctx.current.as_ref().map_or_else(|| "-".to_owned(), |w| w.0.clone()),
+        worker: ctx
+            .current
+            .as_ref()
+            .map_or_else(|| "-".to_owned(), |w| w.0.clone()),
         status: ctx.status.map_or_else(|| "0".to_owned(), |s| s.to_string()),
     }
 }

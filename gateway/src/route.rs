@@ -95,7 +95,11 @@ fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
 }
 
 /// Decides where a request goes. Errors are client errors (400/503) to answer directly.
-pub fn decide(view: &View, index: &PrefixIndex, input: &RouteInput<'_>) -> Result<Decision, GatewayError> {
+pub fn decide(
+    view: &View,
+    index: &PrefixIndex,
+    input: &RouteInput<'_>,
+) -> Result<Decision, GatewayError> {
     let service = input.service;
     match &service.spec().rule {
         Rule::RoundRobin(_) => {
@@ -128,15 +132,19 @@ pub fn decide(view: &View, index: &PrefixIndex, input: &RouteInput<'_>) -> Resul
             })
         }
         Rule::KvExact(rule) => {
-            let profile = service.profile.as_ref().ok_or_else(|| GatewayError::Internal {
-                reason: format!("service {} has no loaded profile", service.name()),
-            })?;
-            let endpoint = Endpoint::from_path(input.path).ok_or_else(|| GatewayError::InvalidBody {
-                reason: format!(
-                    "kv_exact routes only /v1/chat/completions and /v1/completions, not {}",
-                    input.path
-                ),
-            })?;
+            let profile = service
+                .profile
+                .as_ref()
+                .ok_or_else(|| GatewayError::Internal {
+                    reason: format!("service {} has no loaded profile", service.name()),
+                })?;
+            let endpoint =
+                Endpoint::from_path(input.path).ok_or_else(|| GatewayError::InvalidBody {
+                    reason: format!(
+                        "kv_exact routes only /v1/chat/completions and /v1/completions, not {}",
+                        input.path
+                    ),
+                })?;
             let body = InferenceBody::parse(endpoint, input.body)?;
             let header_salt = match &rule.salt {
                 routing_rules::schema::SaltPolicy::TenantHeader { header, .. } => {
@@ -180,7 +188,9 @@ pub fn decide(view: &View, index: &PrefixIndex, input: &RouteInput<'_>) -> Resul
             let mut extra = Vec::new();
             let mut candidates = Vec::with_capacity(service.pool.len());
             for w in &service.pool {
-                let Some(e) = view.workers.get(w) else { continue };
+                let Some(e) = view.workers.get(w) else {
+                    continue;
+                };
                 let contract_ok = e.runtime.contract_ok();
                 if !contract_ok {
                     extra.push("contract");

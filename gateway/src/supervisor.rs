@@ -123,11 +123,24 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
     }
 }
 
-async fn health_loop(shared: Weak<Shared>, id: WorkerId, base_url: String, cancel: CancellationToken) {
+async fn health_loop(
+    shared: Weak<Shared>,
+    id: WorkerId,
+    base_url: String,
+    cancel: CancellationToken,
+) {
     let url = format!("{base_url}/ready");
     loop {
         let Some(s) = shared.upgrade() else { return };
-        let interval = Duration::from_millis(s.views.load().snapshot.rules().gateway.health_interval_ms.max(10));
+        let interval = Duration::from_millis(
+            s.views
+                .load()
+                .snapshot
+                .rules()
+                .gateway
+                .health_interval_ms
+                .max(10),
+        );
         let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(2));
         let probe = s.http.get(&url).timeout(timeout).send();
         let ok = tokio::select! {
@@ -160,7 +173,12 @@ enum StreamEnd {
     Gap,
 }
 
-async fn event_loop(shared: Weak<Shared>, id: WorkerId, base_url: String, cancel: CancellationToken) {
+async fn event_loop(
+    shared: Weak<Shared>,
+    id: WorkerId,
+    base_url: String,
+    cancel: CancellationToken,
+) {
     let mut position: Option<(u64, u64)> = None;
     let mut backoff = BACKOFF_MIN;
     loop {
@@ -171,7 +189,11 @@ async fn event_loop(shared: Weak<Shared>, id: WorkerId, base_url: String, cancel
         };
         let runtime = s.views.load().workers.get(&id).map(|e| e.runtime.clone());
         let Some(runtime) = runtime else { return };
-        let connect = s.http.get(&url).header("accept", "text/event-stream").send();
+        let connect = s
+            .http
+            .get(&url)
+            .header("accept", "text/event-stream")
+            .send();
         let resp = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
@@ -223,14 +245,18 @@ async fn read_stream(
             _ = cancel.cancelled() => return StreamEnd::Cancelled,
             c = stream.next() => c,
         };
-        let Some(Ok(chunk)) = chunk else { return StreamEnd::Ended };
+        let Some(Ok(chunk)) = chunk else {
+            return StreamEnd::Ended;
+        };
         *runtime.events_last_heard.lock() = Some(Instant::now());
         buf.extend_from_slice(&chunk);
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=nl).collect();
             let line = line.strip_suffix(b"\n").unwrap_or(&line);
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let Some(data) = line.strip_prefix(b"data:") else { continue };
+            let Some(data) = line.strip_prefix(b"data:") else {
+                continue;
+            };
             let data = data.strip_prefix(b" ").unwrap_or(data);
             let env: KvEventEnvelope = match serde_json::from_slice(data) {
                 Ok(e) => e,
@@ -252,7 +278,9 @@ async fn read_stream(
                     return StreamEnd::Gap;
                 }
             }
-            let Some(s) = shared.upgrade() else { return StreamEnd::Cancelled };
+            let Some(s) = shared.upgrade() else {
+                return StreamEnd::Cancelled;
+            };
             if !same_epoch && position.is_some() && env.event != KvEvent::Cleared {
                 // A new epoch means the worker's cache restarted empty.
                 let _ = s.index.apply_event(id, &KvEvent::Cleared);

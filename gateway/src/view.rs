@@ -53,7 +53,10 @@ impl Upstream {
         if authority.is_empty() {
             return Err(bad("no host"));
         }
-        let with_port = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+        let with_port = if authority
+            .rsplit_once(':')
+            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        {
             authority.to_owned()
         } else {
             format!("{authority}:80")
@@ -274,14 +277,11 @@ impl View {
                     let id = k.profile.as_ref().ok_or_else(|| GatewayError::Config {
                         reason: format!("service {}: kv_exact without a profile", s.name),
                     })?;
-                    Some(
-                        profiles
-                            .get(id.as_str())
-                            .cloned()
-                            .ok_or_else(|| GatewayError::Config {
-                                reason: format!("service {}: profile {id} not loaded", s.name),
-                            })?,
-                    )
+                    Some(profiles.get(id.as_str()).cloned().ok_or_else(|| {
+                        GatewayError::Config {
+                            reason: format!("service {}: profile {id} not loaded", s.name),
+                        }
+                    })?)
                 }
                 Rule::RoundRobin(_) => None,
             };

@@ -16,13 +16,14 @@
 //!
 //! # Concurrency: sharded locks
 //! Every method takes `&self`. Readers ([`PrefixIndex::longest_matches`]) run inline on the
-//! caller's thread and take one shard read lock per key; writers take one shard write lock per
-//! key, and a per-worker mutex that serializes the events of one worker (their order matters)
+//! caller's thread and read-lock each shard the chain touches once (all together, for the
+//! duration of the walk); writers write-lock one shard at a time (each shard once per event
+//! batch), and take a per-worker mutex that serializes the events of one worker (their order matters)
 //! while different workers' events apply in parallel. We chose this over Dynamo's sticky writer
 //! thread because the crate is a plain synchronous structure (no threads or channels of its own),
 //! a query then costs no channel hop, and readers only wait for a writer that holds the same shard
-//! for one key. The price: a query is not an atomic snapshot across keys — it may see part of a
-//! concurrent event batch. That only shortens or lengthens a match by the blocks in flight, which
+//! for one batch. The price: a query is not an atomic snapshot of an event — it may see part
+//! of a concurrent event batch (the shards it already holds versus those the writer holds). That only shortens or lengthens a match by the blocks in flight, which
 //! a routing heuristic tolerates; each key's holder set is always consistent.
 //!
 //! Lock order (no cycles): worker table → worker mutex → shard. A removed worker's slot is scrubbed
@@ -44,7 +45,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::IndexError;
@@ -527,22 +528,18 @@ impl PrefixIndex {
         match event {
             KvEvent::Stored { keys, .. } => {
                 let mut added = 0u64;
-                for &k in keys {
-                    let mut shard = self.precise[self.shard_of(k)].write();
-                    match shard.get_mut(&k) {
-                        Some(h) => added += u64::from(h.insert(slot)),
-                        None => {
-                            shard.insert(k, Holders::single(slot));
-                            added += 1;
-                        }
+                self.for_each_by_shard(keys, |shard, k| match shard.get_mut(&k) {
+                    Some(h) => added += u64::from(h.insert(slot)),
+                    None => {
+                        shard.insert(k, Holders::single(slot));
+                        added += 1;
                     }
-                }
+                });
                 ws.precise_blocks.fetch_add(added, Ordering::Relaxed);
             }
             KvEvent::Removed { keys } => {
                 let mut removed = 0u64;
-                for &k in keys {
-                    let mut shard = self.precise[self.shard_of(k)].write();
+                self.for_each_by_shard(keys, |shard, k| {
                     if let Some(h) = shard.get_mut(&k) {
                         if h.remove(slot) {
                             removed += 1;
@@ -551,10 +548,31 @@ impl PrefixIndex {
                             }
                         }
                     }
-                }
+                });
                 ws.precise_blocks.fetch_sub(removed, Ordering::Relaxed);
             }
             KvEvent::Cleared => self.scrub_precise(ws),
+        }
+    }
+
+    /// Calls `f` for every key under its shard's write lock. Small batches lock per key; larger
+    /// ones are grouped by shard (O(k log k) sort) so each shard is locked once and the map
+    /// updates of one shard run back to back.
+    fn for_each_by_shard(&self, keys: &[BlockKey], mut f: impl FnMut(&mut PreciseShard, BlockKey)) {
+        if keys.len() < 16 {
+            for &k in keys {
+                f(&mut self.precise[self.shard_of(k)].write(), k);
+            }
+            return;
+        }
+        let mut by_shard: Vec<(u16, BlockKey)> =
+            keys.iter().map(|&k| (self.shard_of(k) as u16, k)).collect();
+        by_shard.sort_unstable_by_key(|x| x.0);
+        for run in by_shard.chunk_by(|a, b| a.0 == b.0) {
+            let mut shard = self.precise[run[0].0 as usize].write();
+            for &(_, k) in run {
+                f(&mut shard, k);
+            }
         }
     }
 
@@ -726,19 +744,46 @@ impl PrefixIndex {
     }
 
     /// Pushes `(slot, matched blocks)` for every slot matching ≥ 1 block precisely.
+    ///
+    /// The first key is looked up alone (most chains nobody holds stop there). Then the read
+    /// locks of every shard the rest of the chain touches are taken once, in ascending order,
+    /// and the walk continues without further atomics: independent lookups can then overlap
+    /// their cache misses, which per-key locking (a locked instruction per key) prevents. Writers
+    /// hold one shard at a time and never wait while holding one, so this cannot deadlock.
     fn walk_precise(&self, keys: &[BlockKey], out: &mut Vec<(u32, usize)>) {
+        let Some((&first, rest)) = keys.split_first() else {
+            return;
+        };
         let mut active: Vec<Word> = Vec::new();
-        for (i, &k) in keys.iter().enumerate() {
-            let shard = self.precise[self.shard_of(k)].read();
-            match shard.get(&k) {
+        match self.precise[self.shard_of(first)].read().get(&first) {
+            Some(h) => h.with_words(|w| active.extend_from_slice(w)),
+            None => return,
+        }
+        if rest.is_empty() {
+            for_each_slot(&active, |s| out.push((s, 1)));
+            return;
+        }
+        let shard_ids: Vec<u16> = rest.iter().map(|&k| self.shard_of(k) as u16).collect();
+        let mut needed = vec![false; self.precise.len()];
+        for &s in &shard_ids {
+            needed[s as usize] = true;
+        }
+        let guards: Vec<Option<RwLockReadGuard<'_, PreciseShard>>> = self
+            .precise
+            .iter()
+            .zip(&needed)
+            .map(|(shard, &need)| need.then(|| shard.read()))
+            .collect();
+        for (j, (&k, &s)) in rest.iter().zip(&shard_ids).enumerate() {
+            let i = j + 1;
+            let holders = guards[s as usize].as_ref().and_then(|g| g.get(&k));
+            match holders {
                 None => {
                     for_each_slot(&active, |s| out.push((s, i)));
                     return;
                 }
-                Some(h) if i == 0 => h.with_words(|w| active.extend_from_slice(w)),
                 Some(h) => h.with_words(|w| intersect_into(&mut active, w, |s| out.push((s, i)))),
             }
-            drop(shard);
             if active.is_empty() {
                 return;
             }

@@ -8,7 +8,8 @@
 //!
 //! Robustness: every length read from the file is checked against the bytes left in the
 //! file before anything is allocated, so a corrupt or hostile file yields
-//! [`ProfileError::GgufTruncated`] / [`ProfileError::GgufMalformed`], never a panic or a
+//! [`ProfileError::GgufTruncated`] (lengths past the end of the file) or
+//! [`ProfileError::GgufMalformed`] (bad type codes, UTF-8, nesting), never a panic or a
 //! huge allocation. Cost: O(metadata bytes) time, O(metadata) memory.
 
 use std::fs::File;
@@ -192,7 +193,8 @@ impl GgufMetadata {
 
     /// The value of `key`, or [`ProfileError::MissingMetadata`].
     pub fn require(&self, key: &str) -> Result<&GgufValue> {
-        self.get(key).ok_or_else(|| ProfileError::MissingMetadata { key: key.into() })
+        self.get(key)
+            .ok_or_else(|| ProfileError::MissingMetadata { key: key.into() })
     }
 
     /// The string value of `key`, if present; an error if present with another type.
@@ -257,14 +259,16 @@ impl<R: Read> Cursor<R> {
         self.len.saturating_sub(self.pos)
     }
 
-    /// Fail unless `count` items of at least `min_size` bytes each can still fit in the file.
+    /// Fail unless `count` items of at least `min_size` bytes each can still fit in the file
+    /// (a file cut short, or a corrupt count; either way nothing is allocated for it).
     fn check_room(&self, count: u64, min_size: u64, what: &str) -> Result<()> {
         if count.saturating_mul(min_size) > self.remaining() {
-            return Err(ProfileError::GgufMalformed {
+            return Err(ProfileError::GgufTruncated {
                 path: self.path.clone(),
-                offset: self.pos,
-                reason: format!(
-                    "{what} {count} cannot fit in the {} bytes left in the file",
+                offset: self.len,
+                what: format!(
+                    "{what}: {count} items need at least {} bytes, {} left",
+                    count.saturating_mul(min_size),
                     self.remaining()
                 ),
             });

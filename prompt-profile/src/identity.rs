@@ -121,15 +121,40 @@ mod tests {
         let base = sample();
         let d = base.digest();
         let variants = [
-            ProfileIdentity { model_id: "m2".into(), ..base.clone() },
-            ProfileIdentity { revision: "r2".into(), ..base.clone() },
-            ProfileIdentity { template_sha256: "t2".into(), ..base.clone() },
-            ProfileIdentity { tokenizer_sha256: "k2".into(), ..base.clone() },
-            ProfileIdentity { context_limit: 4096, ..base.clone() },
-            ProfileIdentity { eos_token_ids: vec![2, 0], ..base.clone() },
-            ProfileIdentity { bos_token_id: None, ..base.clone() },
+            ProfileIdentity {
+                model_id: "m2".into(),
+                ..base.clone()
+            },
+            ProfileIdentity {
+                revision: "r2".into(),
+                ..base.clone()
+            },
+            ProfileIdentity {
+                template_sha256: "t2".into(),
+                ..base.clone()
+            },
+            ProfileIdentity {
+                tokenizer_sha256: "k2".into(),
+                ..base.clone()
+            },
+            ProfileIdentity {
+                context_limit: 4096,
+                ..base.clone()
+            },
+            ProfileIdentity {
+                eos_token_ids: vec![2, 0],
+                ..base.clone()
+            },
+            ProfileIdentity {
+                bos_token_id: None,
+                ..base.clone()
+            },
             // length prefixes: moving a byte between adjacent fields changes the digest
-            ProfileIdentity { model_id: "mr".into(), revision: "".into(), ..base.clone() },
+            ProfileIdentity {
+                model_id: "mr".into(),
+                revision: "".into(),
+                ..base.clone()
+            },
         ];
         for v in variants {
             assert_ne!(v.digest(), d, "{v:?}");

@@ -82,11 +82,11 @@ impl PromptProfile {
         let tok = tokenizer::from_gguf(meta)?;
         let tokenizer = BuiltTokenizer::from_tokenizer(tok)?;
 
-        let arch = meta
-            .get_str("general.architecture")?
-            .ok_or_else(|| ProfileError::MissingMetadata {
-                key: "general.architecture".into(),
-            })?;
+        let arch =
+            meta.get_str("general.architecture")?
+                .ok_or_else(|| ProfileError::MissingMetadata {
+                    key: "general.architecture".into(),
+                })?;
         let ctx_key = format!("{arch}.context_length");
         let context_limit = meta
             .get_u32(&ctx_key)?
@@ -114,11 +114,11 @@ impl PromptProfile {
             check_id(key, id, tokenizer.vocab_size)?;
         }
 
-        let source = meta
-            .get_str("tokenizer.chat_template")?
-            .ok_or_else(|| ProfileError::MissingChatTemplate {
+        let source = meta.get_str("tokenizer.chat_template")?.ok_or_else(|| {
+            ProfileError::MissingChatTemplate {
                 origin: "GGUF key `tokenizer.chat_template`".into(),
-            })?;
+            }
+        })?;
         let token_str = |id: Option<u32>| id.and_then(|id| tokenizer.parse_special.id_to_token(id));
         let tokens = TemplateTokens {
             bos: token_str(bos_token_id),
@@ -146,7 +146,9 @@ impl PromptProfile {
                 identity,
                 tokenizer,
                 template,
-                add_bos_token: meta.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
+                add_bos_token: meta
+                    .get_bool("tokenizer.ggml.add_bos_token")?
+                    .unwrap_or(false),
             }),
         })
     }
@@ -167,10 +169,11 @@ impl PromptProfile {
         let cfg_path = tokenizer_config_json.as_ref();
         let tok_bytes = read_file(tok_path)?;
         let cfg_bytes = read_file(cfg_path)?;
-        let tok = tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| ProfileError::Json {
-            path: tok_path.to_path_buf(),
-            reason: error::one_line(e.to_string()),
-        })?;
+        let tok =
+            tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| ProfileError::Json {
+                path: tok_path.to_path_buf(),
+                reason: error::one_line(e.to_string()),
+            })?;
         let tokenizer = BuiltTokenizer::from_tokenizer(tok)?;
         let cfg: serde_json::Value = parse_json(cfg_path, &cfg_bytes)?;
         let dir = cfg_path.parent().unwrap_or(Path::new("."));
@@ -475,8 +478,7 @@ pub fn parse_messages(value: &serde_json::Value) -> Result<Vec<ChatMessage>> {
         _ => {
             return Err(ProfileError::InvalidMessage {
                 index: 0,
-                reason: "expected an array of messages or an object with a `messages` array"
-                    .into(),
+                reason: "expected an array of messages or an object with a `messages` array".into(),
             })
         }
     };

@@ -116,9 +116,7 @@ impl ContentPart {
             Some(other) => Err(format!(
                 "content part {index} has type `{other}`; only `text` parts are supported"
             )),
-            None => Err(format!(
-                "content part {index} has no string field `type`"
-            )),
+            None => Err(format!("content part {index} has no string field `type`")),
         }
     }
 }

@@ -74,7 +74,11 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| template_error(&e))?;
-        Ok(ChatTemplate { env, source, tokens })
+        Ok(ChatTemplate {
+            env,
+            source,
+            tokens,
+        })
     }
 
     /// The template text.
@@ -255,7 +259,10 @@ fn write_json(
         _ => {
             return Err(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
-                format!("tojson: value of kind {} is not JSON serializable", value.kind()),
+                format!(
+                    "tojson: value of kind {} is not JSON serializable",
+                    value.kind()
+                ),
             ))
         }
     }
@@ -424,8 +431,7 @@ mod tests {
 
     #[test]
     fn raise_exception_becomes_template_raised() {
-        let err = render_expr("{{ raise_exception('bad role\nx') }}", Value::from(()))
-            .unwrap_err();
+        let err = render_expr("{{ raise_exception('bad role\nx') }}", Value::from(())).unwrap_err();
         match err {
             ProfileError::TemplateRaised { message } => assert_eq!(message, "bad role x"),
             other => panic!("unexpected {other:?}"),

@@ -80,11 +80,11 @@ impl BuiltTokenizer {
 
 /// Build the tokenizer described by GGUF metadata.
 pub(crate) fn from_gguf(meta: &GgufMetadata) -> Result<Tokenizer> {
-    let model = meta
-        .get_str("tokenizer.ggml.model")?
-        .ok_or_else(|| ProfileError::MissingMetadata {
-            key: "tokenizer.ggml.model".into(),
-        })?;
+    let model =
+        meta.get_str("tokenizer.ggml.model")?
+            .ok_or_else(|| ProfileError::MissingMetadata {
+                key: "tokenizer.ggml.model".into(),
+            })?;
     if model != "gpt2" {
         return Err(ProfileError::UnsupportedTokenizer {
             reason: format!(
@@ -160,11 +160,13 @@ pub(crate) fn from_gguf(meta: &GgufMetadata) -> Result<Tokenizer> {
     }
     let mut merges = Vec::with_capacity(merges_raw.len());
     for (i, m) in merges_raw.iter().enumerate() {
-        let (a, b) = m.split_once(' ').ok_or_else(|| ProfileError::WrongMetadataType {
-            key: "tokenizer.ggml.merges".into(),
-            expected: "merges of the form \"left right\"".into(),
-            found: format!("entry {i} = {m:?}"),
-        })?;
+        let (a, b) = m
+            .split_once(' ')
+            .ok_or_else(|| ProfileError::WrongMetadataType {
+                key: "tokenizer.ggml.merges".into(),
+                expected: "merges of the form \"left right\"".into(),
+                found: format!("entry {i} = {m:?}"),
+            })?;
         merges.push((a.to_string(), b.to_string()));
     }
     let bpe = BPE::builder()

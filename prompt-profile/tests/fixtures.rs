@@ -12,7 +12,9 @@ use serde_json::json;
 // ---------------------------------------------------------------- a tiny model
 
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-const MERGES: [&str; 8] = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ"];
+const MERGES: [&str; 8] = [
+    "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ",
+];
 const TEMPLATE: &str = "{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// GPT-2's byte → unicode table.
@@ -130,7 +132,11 @@ fn tiny_kvs() -> Vec<(&'static str, V)> {
     ]
 }
 
-fn with(kvs: Vec<(&'static str, V)>, key: &'static str, value: Option<V>) -> Vec<(&'static str, V)> {
+fn with(
+    kvs: Vec<(&'static str, V)>,
+    key: &'static str,
+    value: Option<V>,
+) -> Vec<(&'static str, V)> {
     let mut kvs: Vec<_> = kvs.into_iter().filter(|(k, _)| *k != key).collect();
     if let Some(v) = value {
         kvs.push((key, v));
@@ -313,11 +319,28 @@ fn hf_loader_matches_gguf_loader() {
     println!("seed = {seed}");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let alphabet: Vec<&str> = vec![
-        "h", "e", "l", "o", " ", "w", "r", "d", "1", "7", "é", "日", "😀", "\n", "<|im_end|>", "<|im_start|>",
+        "h",
+        "e",
+        "l",
+        "o",
+        " ",
+        "w",
+        "r",
+        "d",
+        "1",
+        "7",
+        "é",
+        "日",
+        "😀",
+        "\n",
+        "<|im_end|>",
+        "<|im_start|>",
     ];
     for case in 0..300 {
         let n = rng.gen_range(0..40);
-        let s: String = (0..n).map(|_| alphabet[rng.gen_range(0..alphabet.len())]).collect();
+        let s: String = (0..n)
+            .map(|_| alphabet[rng.gen_range(0..alphabet.len())])
+            .collect();
         for special in [true, false] {
             let a = g.encode(&s, special).unwrap();
             let b = h.encode(&s, special).unwrap();
@@ -332,13 +355,22 @@ fn hf_template_and_limit_fallbacks() {
     let dir = tempfile::tempdir().unwrap();
     // chat_template as a named list, model_max_length = HF's "unset" sentinel, config.json
     let mut cfg = hf_config();
-    cfg["chat_template"] = json!([{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]);
+    cfg["chat_template"] =
+        json!([{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]);
     cfg["model_max_length"] = json!(1000000000000000019884624838656.0f64);
     let (t, c) = tiny_hf(dir.path(), cfg.clone());
     let err = PromptProfile::from_hf(&t, &c).unwrap_err();
     assert_eq!(err.error_type(), "invalid_config", "{err}");
-    write(dir.path(), "config.json", br#"{"max_position_embeddings": 2048}"#);
-    write(dir.path(), "generation_config.json", br#"{"eos_token_id": [2, 0]}"#);
+    write(
+        dir.path(),
+        "config.json",
+        br#"{"max_position_embeddings": 2048}"#,
+    );
+    write(
+        dir.path(),
+        "generation_config.json",
+        br#"{"eos_token_id": [2, 0]}"#,
+    );
     let p = PromptProfile::from_hf(&t, &c).unwrap();
     assert_eq!(p.identity().context_limit, 2048);
     assert_eq!(p.identity().eos_token_ids, vec![2, 0]);
@@ -351,9 +383,16 @@ fn hf_template_and_limit_fallbacks() {
         PromptProfile::from_hf(&t, &c).unwrap_err().error_type(),
         "missing_chat_template"
     );
-    write(dir.path(), "chat_template.jinja", b"{{ messages[0]['content'] }}");
+    write(
+        dir.path(),
+        "chat_template.jinja",
+        b"{{ messages[0]['content'] }}",
+    );
     let p = PromptProfile::from_hf(&t, &c).unwrap();
-    assert_eq!(p.render(&[ChatMessage::new("user", "hey")], true).unwrap(), "hey");
+    assert_eq!(
+        p.render(&[ChatMessage::new("user", "hey")], true).unwrap(),
+        "hey"
+    );
 }
 
 // ---------------------------------------------------------------- error paths
@@ -364,11 +403,22 @@ fn missing_file_and_not_gguf() {
     let err = PromptProfile::from_gguf(dir.path().join("nope.gguf")).unwrap_err();
     assert_eq!(err.error_type(), "io");
     let text = write(dir.path(), "t.gguf", b"hello, this is not a model");
-    assert_eq!(PromptProfile::from_gguf(&text).unwrap_err().error_type(), "not_gguf");
+    assert_eq!(
+        PromptProfile::from_gguf(&text).unwrap_err().error_type(),
+        "not_gguf"
+    );
     let empty = write(dir.path(), "e.gguf", b"");
-    assert_eq!(PromptProfile::from_gguf(&empty).unwrap_err().error_type(), "not_gguf");
+    assert_eq!(
+        PromptProfile::from_gguf(&empty).unwrap_err().error_type(),
+        "not_gguf"
+    );
     // a directory is an io error, not a panic
-    assert_eq!(PromptProfile::from_gguf(dir.path()).unwrap_err().error_type(), "io");
+    assert_eq!(
+        PromptProfile::from_gguf(dir.path())
+            .unwrap_err()
+            .error_type(),
+        "io"
+    );
 }
 
 #[test]
@@ -408,7 +458,7 @@ fn absurd_lengths_are_refused_without_allocating() {
     arr.extend((1u64 << 60).to_le_bytes());
     let bytes = gguf_bytes(3, &[("x", V::Raw(9, arr))]);
     let err = GgufMetadata::from_reader(&bytes[..], bytes.len() as u64, "a".into()).unwrap_err();
-    assert_eq!(err.error_type(), "gguf_malformed", "{err}");
+    assert_eq!(err.error_type(), "gguf_truncated", "{err}");
     // a string claiming u64::MAX bytes
     let mut s = u64::MAX.to_le_bytes().to_vec();
     s.extend(b"abc");
@@ -419,15 +469,19 @@ fn absurd_lengths_are_refused_without_allocating() {
     let mut bytes = gguf_bytes(3, &[]);
     bytes[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     let err = GgufMetadata::from_reader(&bytes[..], bytes.len() as u64, "a".into()).unwrap_err();
-    assert_eq!(err.error_type(), "gguf_malformed", "{err}");
+    assert_eq!(err.error_type(), "gguf_truncated", "{err}");
     // unknown type code, invalid bool, invalid UTF-8, arrays nested too deep
     for (ty, payload) in [
         (13u32, vec![0u8; 8]),
         (7, vec![2]),
-        (8, [3u64.to_le_bytes().to_vec(), vec![0xff, 0xfe, 0xfd]].concat()),
+        (
+            8,
+            [3u64.to_le_bytes().to_vec(), vec![0xff, 0xfe, 0xfd]].concat(),
+        ),
     ] {
         let bytes = gguf_bytes(3, &[("x", V::Raw(ty, payload))]);
-        let err = GgufMetadata::from_reader(&bytes[..], bytes.len() as u64, "a".into()).unwrap_err();
+        let err =
+            GgufMetadata::from_reader(&bytes[..], bytes.len() as u64, "a".into()).unwrap_err();
         assert_eq!(err.error_type(), "gguf_malformed", "{err}");
     }
     let mut deep = Vec::new();
@@ -437,7 +491,7 @@ fn absurd_lengths_are_refused_without_allocating() {
     }
     deep.extend(4u32.to_le_bytes());
     deep.extend(0u64.to_le_bytes());
-    let bytes = gguf_bytes(3, &[("x", V::Raw(9, deep[4..].to_vec()))]);
+    let bytes = gguf_bytes(3, &[("x", V::Raw(9, deep))]);
     let err = GgufMetadata::from_reader(&bytes[..], bytes.len() as u64, "a".into()).unwrap_err();
     assert_eq!(err.error_type(), "gguf_malformed", "{err}");
 }
@@ -446,17 +500,82 @@ fn absurd_lengths_are_refused_without_allocating() {
 fn metadata_problems_are_typed_errors() {
     let dir = tempfile::tempdir().unwrap();
     let cases: Vec<(Vec<(&'static str, V)>, &str)> = vec![
-        (with(tiny_kvs(), "tokenizer.chat_template", None), "missing_chat_template"),
-        (with(tiny_kvs(), "tokenizer.ggml.model", Some(V::Str("llama".into()))), "unsupported_tokenizer"),
-        (with(tiny_kvs(), "tokenizer.ggml.pre", Some(V::Str("qwen2".into()))), "unsupported_tokenizer"),
-        (with(tiny_kvs(), "tokenizer.ggml.tokens", None), "missing_metadata"),
-        (with(tiny_kvs(), "llama.context_length", None), "missing_metadata"),
-        (with(tiny_kvs(), "tokenizer.ggml.eos_token_id", Some(V::U32(100_000))), "wrong_metadata_type"),
-        (with(tiny_kvs(), "tokenizer.ggml.eos_token_id", Some(V::Str("2".into()))), "wrong_metadata_type"),
-        (with(tiny_kvs(), "tokenizer.ggml.token_type", Some(V::I32Arr(vec![1, 3]))), "wrong_metadata_type"),
-        (with(tiny_kvs(), "tokenizer.ggml.merges", Some(V::StrArr(vec!["nospace".into()]))), "wrong_metadata_type"),
-        (with(tiny_kvs(), "tokenizer.ggml.merges", Some(V::StrArr(vec!["Q Z9".into()]))), "tokenizer"),
-        (with(tiny_kvs(), "tokenizer.chat_template", Some(V::Str("{% for %}".into()))), "template_error"),
+        (
+            with(tiny_kvs(), "tokenizer.chat_template", None),
+            "missing_chat_template",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.model",
+                Some(V::Str("llama".into())),
+            ),
+            "unsupported_tokenizer",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.pre",
+                Some(V::Str("qwen2".into())),
+            ),
+            "unsupported_tokenizer",
+        ),
+        (
+            with(tiny_kvs(), "tokenizer.ggml.tokens", None),
+            "missing_metadata",
+        ),
+        (
+            with(tiny_kvs(), "llama.context_length", None),
+            "missing_metadata",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.eos_token_id",
+                Some(V::U32(100_000)),
+            ),
+            "wrong_metadata_type",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.eos_token_id",
+                Some(V::Str("2".into())),
+            ),
+            "wrong_metadata_type",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.token_type",
+                Some(V::I32Arr(vec![1, 3])),
+            ),
+            "wrong_metadata_type",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.merges",
+                Some(V::StrArr(vec!["nospace".into()])),
+            ),
+            "wrong_metadata_type",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.merges",
+                Some(V::StrArr(vec!["Q Z9".into()])),
+            ),
+            "tokenizer",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.chat_template",
+                Some(V::Str("{% for %}".into())),
+            ),
+            "template_error",
+        ),
     ];
     for (i, (kvs, want)) in cases.into_iter().enumerate() {
         let path = write(dir.path(), &format!("c{i}.gguf"), &gguf_bytes(3, &kvs));
@@ -471,27 +590,47 @@ fn hf_error_paths() {
     let dir = tempfile::tempdir().unwrap();
     let (t, c) = tiny_hf(dir.path(), hf_config());
     let missing = dir.path().join("missing.json");
-    assert_eq!(PromptProfile::from_hf(&missing, &c).unwrap_err().error_type(), "io");
+    assert_eq!(
+        PromptProfile::from_hf(&missing, &c)
+            .unwrap_err()
+            .error_type(),
+        "io"
+    );
     let bad = write(dir.path(), "bad.json", b"{not json");
-    assert_eq!(PromptProfile::from_hf(&bad, &c).unwrap_err().error_type(), "invalid_json");
-    assert_eq!(PromptProfile::from_hf(&t, &bad).unwrap_err().error_type(), "invalid_json");
+    assert_eq!(
+        PromptProfile::from_hf(&bad, &c).unwrap_err().error_type(),
+        "invalid_json"
+    );
+    assert_eq!(
+        PromptProfile::from_hf(&t, &bad).unwrap_err().error_type(),
+        "invalid_json"
+    );
     let mut cfg = hf_config();
     cfg["eos_token"] = json!("<nope>");
     let c2 = write(dir.path(), "cfg2.json", cfg.to_string().as_bytes());
-    assert_eq!(PromptProfile::from_hf(&t, &c2).unwrap_err().error_type(), "invalid_config");
+    assert_eq!(
+        PromptProfile::from_hf(&t, &c2).unwrap_err().error_type(),
+        "invalid_config"
+    );
 }
 
 #[test]
 fn template_rejections_and_bad_messages() {
     let dir = tempfile::tempdir().unwrap();
     let p = PromptProfile::from_gguf(tiny_gguf(dir.path())).unwrap();
-    let err = p.render(&[ChatMessage::new("robot", "hi")], true).unwrap_err();
+    let err = p
+        .render(&[ChatMessage::new("robot", "hi")], true)
+        .unwrap_err();
     assert_eq!(err.error_type(), "template_raised");
     assert!(err.is_client_error());
     assert!(err.to_string().contains("unknown role: robot"), "{err}");
     // null content concatenated by the template: a template error, not a panic
-    let msgs = parse_messages(&json!([{"role": "assistant", "content": null, "tool_calls": []}])).unwrap();
-    assert_eq!(p.render(&msgs, true).unwrap_err().error_type(), "template_error");
+    let msgs =
+        parse_messages(&json!([{"role": "assistant", "content": null, "tool_calls": []}])).unwrap();
+    assert_eq!(
+        p.render(&msgs, true).unwrap_err().error_type(),
+        "template_error"
+    );
     for bad in [
         json!({"nope": 1}),
         json!([{"content": "no role"}]),
@@ -572,7 +711,13 @@ fn stream_holds_back_split_characters() {
     let pieces: Vec<Option<String>> = ids.iter().map(|&id| stream.step(id).unwrap()).collect();
     assert_eq!(
         pieces,
-        vec![None, None, None, Some("😀".to_string()), Some("!".to_string())]
+        vec![
+            None,
+            None,
+            None,
+            Some("😀".to_string()),
+            Some("!".to_string())
+        ]
     );
     // a dangling partial character is flushed lossily
     let mut stream = p.decode_stream(false);
@@ -581,8 +726,14 @@ fn stream_holds_back_split_characters() {
     // special tokens are skipped when asked
     let mut stream = p.decode_stream(true);
     assert_eq!(stream.step(2).unwrap(), None);
-    assert_eq!(stream.step(p.token_to_id("hello").unwrap()).unwrap(), Some("hello".into()));
+    assert_eq!(
+        stream.step(p.token_to_id("hello").unwrap()).unwrap(),
+        Some("hello".into())
+    );
     let mut stream = p.decode_stream(false);
     assert_eq!(stream.step(2).unwrap(), Some("<|im_end|>".into()));
-    assert_eq!(stream.step(u32::MAX).unwrap_err().error_type(), "unknown_token_id");
+    assert_eq!(
+        stream.step(u32::MAX).unwrap_err().error_type(),
+        "unknown_token_id"
+    );
 }

@@ -161,7 +161,10 @@ fn default_system_prompt_when_none_given() {
          <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
     // no default prompt when a system message is given
-    let with_system = vec![ChatMessage::new("system", "S"), ChatMessage::new("user", "Hi")];
+    let with_system = vec![
+        ChatMessage::new("system", "S"),
+        ChatMessage::new("user", "Hi"),
+    ];
     let text = profile().render(&with_system, true).unwrap();
     assert!(!text.contains("SmolLM"), "{text}");
 }
@@ -172,8 +175,12 @@ fn content_parts_render_like_strings() {
         {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
     ]);
     let plain: serde_json::Value = serde_json::json!([{"role": "user", "content": "Hello\nworld"}]);
-    let a = profile().render(&parse_messages(&parts).unwrap(), true).unwrap();
-    let b = profile().render(&parse_messages(&plain).unwrap(), true).unwrap();
+    let a = profile()
+        .render(&parse_messages(&parts).unwrap(), true)
+        .unwrap();
+    let b = profile()
+        .render(&parse_messages(&plain).unwrap(), true)
+        .unwrap();
     assert_eq!(a, b);
     let image = serde_json::json!({"messages": [
         {"role": "user", "content": "ok"},
@@ -182,7 +189,10 @@ fn content_parts_render_like_strings() {
     let err = parse_messages(&image).unwrap_err();
     assert_eq!(err.error_type(), "invalid_message");
     let msg = err.to_string();
-    assert!(msg.contains("message 1") && msg.contains("image_url"), "{msg}");
+    assert!(
+        msg.contains("message 1") && msg.contains("image_url"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! Checks: every receipt log verifies (signatures, chain, sequence, embedded tickets); every
 //! decision line parses and its ticket verifies with a gateway key; the decision's service, rule,
 //! rule version, worker and request id agree with its signed ticket; every routed decision has
-//! exactly one receipt carrying the same ticket, from the ticket's worker, with the same status
+//! exactly one receipt carrying the same ticket (log verification already requires the receipt's
+//! worker to be the ticket's), with the same status
 //! (a decision whose `error` is set, i.e. the gateway never got an answer, may have none); no
 //! receipt carries a ticket that the gateway did not record; a ticket is not issued twice.
 //! Direct (ticketless) receipts are counted per worker. Prefix parity (the gateway's and the
@@ -63,8 +64,6 @@ pub enum DiscrepancyKind {
     MissingReceipt,
     /// A ticket has more than one receipt (across all logs).
     DuplicateReceipt,
-    /// A receipt for a ticket came from a worker other than the ticket's.
-    WrongWorker,
     /// A receipt carries a ticket the gateway never recorded.
     UnissuedTicket,
     /// Gateway and worker recorded different HTTP statuses.
@@ -84,7 +83,6 @@ impl DiscrepancyKind {
             DiscrepancyKind::DuplicateDecision => "duplicate_decision",
             DiscrepancyKind::MissingReceipt => "missing_receipt",
             DiscrepancyKind::DuplicateReceipt => "duplicate_receipt",
-            DiscrepancyKind::WrongWorker => "wrong_worker",
             DiscrepancyKind::UnissuedTicket => "unissued_ticket",
             DiscrepancyKind::StatusMismatch => "status_mismatch",
             DiscrepancyKind::PrefixParity => "prefix_parity",
@@ -480,15 +478,6 @@ pub fn audit_with(
             }
             [one] => {
                 let r = &one.receipt;
-                if r.worker_id != t.worker {
-                    discrepancies.push(disc(
-                        D::WrongWorker,
-                        rid,
-                        one.location.clone(),
-                        format!("receipt from {} for a ticket to {}", r.worker_id, t.worker),
-                    ));
-                    continue;
-                }
                 rep.receipted += 1;
                 route.receipted += 1;
                 route.cached_tokens += u64::from(r.cached_tokens);

@@ -195,6 +195,19 @@ fn forged_expired_and_misdirected_tickets() {
         rep.first_failure().unwrap().kind,
         FailureKind::TicketUnknownKey
     );
+    // A genuine gateway ticket altered after signing (rule version changed), inside a receipt
+    // the worker signed correctly.
+    let good = ticket("r1", "w0", RouteMode::KvExact, T0).sign(&gateway_key());
+    let (p, sig) = good.header().split_once('.').unwrap();
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut json: serde_json::Value = serde_json::from_slice(&b64.decode(p).unwrap()).unwrap();
+    json["rule_version"] = serde_json::json!(8);
+    let payload = receipts::canonical::value_to_vec(&json).unwrap();
+    let altered = SignedTicket::parse_header(&format!("{}.{sig}", b64.encode(payload))).unwrap();
+    let rep = verify_bytes("log", &one_receipt_log(altered, T0), &k, opts());
+    let f = rep.first_failure().unwrap();
+    assert_eq!((f.line, f.kind), (1, FailureKind::TicketBadSignature));
     // Expired at the time the worker received the request.
     let t = ticket("r2", "w0", RouteMode::RoundRobin, T0).sign(&gateway_key());
     let late = T0 + DEFAULT_TICKET_TTL_MS + DEFAULT_MAX_CLOCK_SKEW_MS + 1;

@@ -151,3 +151,31 @@ pub fn load_toml(text: &str) -> Result<RulesFile, RulesError> {
         Err(RulesError::Invalid { problems })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_join_prefix_and_inner_path() {
+        let v: Value = serde_json::json!({"id": "w", "url": "u", "weight": "x"});
+        let p = from_value_at::<crate::schema::WorkerSpec>(v, "workers[3]").unwrap_err();
+        assert_eq!(p.path, "workers[3].weight");
+        let p =
+            from_value_at::<crate::schema::PoolSpec>(serde_json::json!(1), "pools[0]").unwrap_err();
+        assert_eq!(p.path, "pools[0]");
+        let p =
+            from_value_at::<Vec<crate::schema::PoolSpec>>(serde_json::json!([1]), "x").unwrap_err();
+        assert_eq!(p.path, "x[0]");
+    }
+
+    #[test]
+    fn non_table_root_and_non_list_sections() {
+        assert_eq!(
+            rules_from_json("[]").unwrap_err()[0].message,
+            "the rules must be a table"
+        );
+        let p = rules_from_json(r#"{"workers": {}}"#).unwrap_err();
+        assert_eq!(p[0].path, "workers");
+    }
+}

@@ -483,3 +483,38 @@ impl Validator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(listener: Option<&str>, host: Option<&str>, prefix: &str, models: &[&str]) -> MatchSpec {
+        MatchSpec {
+            listener: listener.map(|l| crate::schema::ListenerName(l.into())),
+            host: host.map(str::to_owned),
+            path_prefix: prefix.into(),
+            models: models.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn overlap_needs_every_dimension_to_overlap() {
+        let any = m(None, None, "/v1/", &[]);
+        assert!(overlap(&any, &any).is_some());
+        assert!(overlap(&any, &m(Some("a"), Some("h"), "/v1/x", &["m"])).is_some());
+        assert!(overlap(&m(Some("a"), None, "/", &[]), &m(Some("b"), None, "/", &[])).is_none());
+        assert!(overlap(&m(None, Some("h"), "/", &[]), &m(None, Some("H"), "/", &[])).is_some());
+        assert!(overlap(&m(None, Some("h"), "/", &[]), &m(None, Some("g"), "/", &[])).is_none());
+        assert!(overlap(&m(None, None, "/a", &[]), &m(None, None, "/b", &[])).is_none());
+        assert!(overlap(&m(None, None, "/", &["x"]), &m(None, None, "/", &["y"])).is_none());
+    }
+
+    #[test]
+    fn identifiers() {
+        assert!(is_valid_id("chat-rr.v2_1"));
+        assert!(!is_valid_id(""));
+        assert!(!is_valid_id("a b"));
+        assert!(!is_valid_id("a/b"));
+        assert!(!is_valid_id(&"a".repeat(129)));
+    }
+}

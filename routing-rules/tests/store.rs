@@ -329,3 +329,15 @@ fn in_memory_store_applies_without_a_file() {
         RuleVersion(2)
     );
 }
+
+#[test]
+fn written_file_is_canonical_toml_with_a_header() {
+    let (_d, path, store) = setup(BASE);
+    store.put_service(new_service("chat2", "other")).unwrap();
+    let text = fs::read_to_string(&path).unwrap();
+    println!("{text}");
+    assert!(text.starts_with("# kvgate rules file, written by the admin API (rule version 2"));
+    assert!(text.contains("[[services]]\nname = \"chat2\""), "{text}");
+    let reparsed = rules_from_toml(&text).unwrap();
+    assert_eq!(&reparsed, store.snapshot().rules());
+}

@@ -53,11 +53,12 @@ pub fn default_model_path() -> PathBuf {
 
 /// Timing model of a simulated worker: a small GPU-class engine (prefill 8k tok/s, a decode step
 /// 8 ms + 0.5 ms per sequence in the batch).
-fn sim_config() -> SimConfig {
+fn sim_config(vocab_size: usize) -> SimConfig {
     SimConfig {
         block_size: 16,
         num_blocks: 4096,
-        vocab_size: 512,
+        // The prompts are tokenized with the real tokenizer, so the simulated vocabulary is its.
+        vocab_size,
         prefill_us_per_token: 125,
         decode_us_base: 8_000,
         decode_us_per_seq: 500,
@@ -106,17 +107,21 @@ fn rules_toml(profile: &PromptProfile, model_path: &Path, workers: &[RunningWork
 
 async fn start_fleet(n: usize, dir: &Path, model_path: &Path, profile: &PromptProfile, rule: &str) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet { workers: Vec::with_capacity(n), gateway: None };
+    let gateway_key = KeyPair::generate();
+    let mut gateway_keys = receipts::KeyRing::new();
+    gateway_keys.insert("gateway", gateway_key.public().clone());
     let result = async {
         for i in 0..n {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let mut cfg = WorkerConfig::new(
                 model_path,
-                EngineChoice::Sim(sim_config()),
+                EngineChoice::Sim(sim_config(profile.vocab_size())),
                 KeyPair::generate(),
                 dir.join(format!("w{i}.receipts.jsonl")),
                 format!("w{i}"),
             );
             cfg.profile = Some(profile.clone());
+            cfg.gateway_keys = gateway_keys.clone();
             cfg.engine_config = EngineConfig { max_waiting: 256, ..EngineConfig::default() };
             let w = worker::server::spawn(cfg, listener)
                 .await
@@ -128,7 +133,7 @@ async fn start_fleet(n: usize, dir: &Path, model_path: &Path, profile: &PromptPr
         }
         let rules_path = dir.join("rules.toml");
         std::fs::write(&rules_path, rules_toml(profile, model_path, &fleet.workers, rule))?;
-        let mut gcfg = gateway::GatewayConfig::new(&rules_path, KeyPair::generate());
+        let mut gcfg = gateway::GatewayConfig::new(&rules_path, gateway_key);
         gcfg.watch_rules = false;
         gcfg.threads = 2;
         let g = tokio::task::spawn_blocking(move || gateway::spawn(gcfg)).await??;

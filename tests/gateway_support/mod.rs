@@ -106,20 +106,27 @@ impl Fleet {
     pub fn start_worker(&self, i: usize, addr: Option<SocketAddr>) -> RunningWorker {
         let mut ring = KeyRing::new();
         ring.insert("gateway", self.gateway_key.public().clone());
+        // The sim must emit ids the profile's tokenizer knows.
+        let mut sim = self.opts.sim.clone();
+        sim.vocab_size = self.profile.vocab_size();
         let mut cfg = WorkerConfig::new(
             model_path(),
-            EngineChoice::Sim(self.opts.sim.clone()),
+            EngineChoice::Sim(sim),
             self.worker_keys[i].clone(),
-            self.dir.path().join(format!("receipts-{}.jsonl", worker_id(i))),
+            self.dir
+                .path()
+                .join(format!("receipts-{}.jsonl", worker_id(i))),
             worker_id(i),
         );
         cfg.profile = Some(self.profile.clone());
         cfg.gateway_keys = ring;
         cfg.settings.ticket_policy = self.opts.ticket_policy;
         self.rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
-                .await
-                .unwrap();
+            let listener = tokio::net::TcpListener::bind(
+                addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()),
+            )
+            .await
+            .unwrap();
             let w = worker::server::spawn(cfg, listener).await.unwrap();
             w.wait_ready(Duration::from_secs(30)).await.unwrap();
             w
@@ -174,8 +181,13 @@ native_reserve_tokens = 0
                 worker_id(i)
             ));
         }
-        let ids: Vec<String> = (0..self.addrs.len()).map(|i| format!("\"{}\"", worker_id(i))).collect();
-        s.push_str(&format!("\n[[pools]]\nid = \"all\"\nworkers = [{}]\n", ids.join(", ")));
+        let ids: Vec<String> = (0..self.addrs.len())
+            .map(|i| format!("\"{}\"", worker_id(i)))
+            .collect();
+        s.push_str(&format!(
+            "\n[[pools]]\nid = \"all\"\nworkers = [{}]\n",
+            ids.join(", ")
+        ));
         s.push_str(&self.profile_toml("smol", 16));
         s.push_str(services);
         s
@@ -226,7 +238,12 @@ native_reserve_tokens = 0
     }
 
     /// Admin call with the bearer token.
-    pub fn admin(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Reply {
+    pub fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Reply {
         self.rt.block_on(async {
             let mut req = self
                 .http
@@ -251,14 +268,18 @@ native_reserve_tokens = 0
     /// Waits until the gateway's index holds at least `blocks` blocks of worker `id`.
     pub fn wait_indexed(&self, id: &str, blocks: usize) {
         let wid = prefix_index::WorkerId(id.to_owned());
-        self.wait_for(&format!("{blocks} indexed blocks of {id}"), Duration::from_secs(10), || {
-            self.gw()
-                .shared
-                .index
-                .worker_stats(&wid)
-                .map_or(0, |s| s.precise_blocks as usize)
-                >= blocks
-        });
+        self.wait_for(
+            &format!("{blocks} indexed blocks of {id}"),
+            Duration::from_secs(10),
+            || {
+                self.gw()
+                    .shared
+                    .index
+                    .worker_stats(&wid)
+                    .map_or(0, |s| s.precise_blocks as usize)
+                    >= blocks
+            },
+        );
     }
 
     /// A key ring with the gateway's and every worker's public key (for the audit).
@@ -321,8 +342,13 @@ impl Reply {
 
     /// The worker that served it (`x-kvgate-worker`).
     pub fn worker(&self) -> String {
-        self.header("x-kvgate-worker")
-            .unwrap_or_else(|| panic!("no worker header; status {} body {}", self.status, self.text()))
+        self.header("x-kvgate-worker").unwrap_or_else(|| {
+            panic!(
+                "no worker header; status {} body {}",
+                self.status,
+                self.text()
+            )
+        })
     }
 
     pub fn text(&self) -> String {

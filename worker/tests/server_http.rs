@@ -121,7 +121,7 @@ async fn chat_streaming_sends_role_content_finish_usage_and_done() {
         .iter()
         .filter(|c| {
             !c["choices"][0]["finish_reason"].is_null()
-                && c["choices"].as_array().map_or(false, |a| !a.is_empty())
+                && c["choices"].as_array().is_some_and(|a| !a.is_empty())
         })
         .collect();
     assert_eq!(finish.len(), 1);
@@ -187,10 +187,12 @@ async fn completions_accept_text_and_token_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_error_has_its_status_code_and_param() {
-    let mut opts = SimOpts::default();
-    opts.context_limit = Some(256);
-    opts.max_body_bytes = 4096;
-    opts.served_model_names = vec!["smollm2".into()];
+    let opts = SimOpts {
+        context_limit: Some(256),
+        max_body_bytes: 4096,
+        served_model_names: vec!["smollm2".into()],
+        ..SimOpts::default()
+    };
     let w = start_sim(opts).await;
 
     // Malformed JSON.
@@ -331,10 +333,12 @@ async fn every_request_error_has_its_status_code_and_param() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_429_with_retry_after() {
     // One running sequence and room for one waiting: a third concurrent request is refused.
-    let mut opts = SimOpts::default();
-    opts.max_running = 1;
-    opts.max_waiting = 1;
-    opts.decode_us_base = 20_000;
+    let opts = SimOpts {
+        max_running: 1,
+        max_waiting: 1,
+        decode_us_base: 20_000,
+        ..SimOpts::default()
+    };
     let w = start_sim(opts).await;
     let long = client()
         .post(w.url("/v1/chat/completions"))
@@ -376,11 +380,13 @@ async fn overload_is_429_with_retry_after() {
 async fn admission_timeout_is_429() {
     // The KV cache (16 blocks of 16) fits one request at a time; the second waits past its
     // admission deadline.
-    let mut opts = SimOpts::default();
-    opts.max_running = 4;
-    opts.num_blocks = 16;
-    opts.admission_timeout = Duration::from_millis(200);
-    opts.decode_us_base = 20_000;
+    let opts = SimOpts {
+        max_running: 4,
+        num_blocks: 16,
+        admission_timeout: Duration::from_millis(200),
+        decode_us_base: 20_000,
+        ..SimOpts::default()
+    };
     let w = start_sim(opts).await;
     let t: Value = post(
         &w,
@@ -431,8 +437,10 @@ async fn admission_timeout_is_429() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_stream_frees_blocks_at_once() {
-    let mut opts = SimOpts::default();
-    opts.decode_us_base = 10_000;
+    let opts = SimOpts {
+        decode_us_base: 10_000,
+        ..SimOpts::default()
+    };
     let w = start_sim(opts).await;
     let total = w.worker.engine().stats().blocks_total;
     let resp = client()
@@ -517,8 +525,10 @@ fn ticket_for(
 async fn tickets_are_required_verified_and_land_in_the_receipt() {
     let gw = KeyPair::generate();
     let other = KeyPair::generate();
-    let mut opts = SimOpts::default();
-    opts.ticket_policy = TicketPolicy::Require;
+    let mut opts = SimOpts {
+        ticket_policy: TicketPolicy::Require,
+        ..SimOpts::default()
+    };
     opts.gateway_keys.insert("gw-1", gw.public().clone());
     let w = start_sim(opts).await;
     let seed = w.worker.profile().default_namespace_seed;
@@ -876,8 +886,10 @@ async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
 async fn a_restarted_worker_continues_its_receipt_chain() {
     let dir = tempfile::tempdir().unwrap();
     let key = KeyPair::generate();
-    let mut opts = SimOpts::default();
-    opts.state = Some((dir.path().to_path_buf(), key.clone()));
+    let opts = SimOpts {
+        state: Some((dir.path().to_path_buf(), key.clone())),
+        ..SimOpts::default()
+    };
     let w = start_sim(opts.clone()).await;
     for i in 0..2 {
         let r = post(
@@ -913,8 +925,10 @@ async fn a_restarted_worker_continues_its_receipt_chain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_ends_open_streams_and_receipts_them() {
-    let mut opts = SimOpts::default();
-    opts.decode_us_base = 10_000;
+    let opts = SimOpts {
+        decode_us_base: 10_000,
+        ..SimOpts::default()
+    };
     let w = start_sim(opts).await;
     let resp = client()
         .post(w.url("/v1/chat/completions"))
@@ -1158,7 +1172,8 @@ fn parse_openmetrics(text: &str) -> Result<HashMap<String, Family>, String> {
         if fam.kind != "histogram" {
             continue;
         }
-        let mut series: BTreeMap<String, (Vec<(f64, f64)>, Option<f64>)> = BTreeMap::new();
+        type Series = (Vec<(f64, f64)>, Option<f64>);
+        let mut series: BTreeMap<String, Series> = BTreeMap::new();
         for (n, l, v) in &fam.samples {
             let mut base = l.clone();
             let le = base.remove("le");

@@ -221,7 +221,7 @@ impl LlamaExecutor {
         let rows = Tensor::from_vec(rows, n_rows, dev)?;
         let last = x.index_select(&rows, 0)?;
         let last = candle_nn::ops::rms_norm(&last, &w.output_norm, cfg.rms_eps)?;
-        let logits = candle_core::Module::forward(&w.lm_head, &last)?.to_vec2::<f32>()?;
+        let logits = w.lm_head(&last)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
         let mut logits = logits.into_iter();
         for (slot, c) in out.iter_mut().zip(chunks) {
             if c.want_logits {

@@ -26,7 +26,7 @@ pub mod weights;
 
 pub use bench::{run_engine_bench, EngineBenchConfig, EngineBenchReport};
 pub use executor::LlamaExecutor;
-pub use weights::{blocks_for_budget, LlamaConfig, LlamaWeights, WeightFormat};
+pub use weights::{blocks_for_budget, HeadPrecision, LlamaConfig, LlamaWeights, WeightFormat};
 
 use crate::WorkerError;
 

@@ -5,7 +5,7 @@
 //! Cost: every call recomputes the whole sequence, `O(T² · hidden)` attention and
 //! `O(T · params)` matmuls; it is a test oracle, not a serving path.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::weights::LlamaWeights;
 use crate::WorkerError;
@@ -55,8 +55,8 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
                 .contiguous()?
                 .unsqueeze(0)?)
         };
-        let q = candle_nn::rotary_emb::rope(&heads(0, hq)?, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope(&heads(hq, hk)?, &cos, &sin)?;
+        let q = candle_nn::rotary_emb::rope_i(&heads(0, hq)?, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope_i(&heads(hq, hk)?, &cos, &sin)?;
         let v = heads(hq + hk, hk)?;
         // Grouped KV heads: query head h reads KV head h / rk.
         let repeat = |x: Tensor| -> Result<Tensor, WorkerError> {
@@ -82,7 +82,7 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
     }
     let last = x.narrow(0, t - 1, 1)?;
     let last = candle_nn::ops::rms_norm(&last, &w.output_norm, cfg.rms_eps)?;
-    let logits = w.lm_head.forward(&last)?;
+    let logits = w.lm_head(&last)?;
     Ok(logits.squeeze(0)?.to_device(&Device::Cpu)?.to_vec1()?)
 }
 

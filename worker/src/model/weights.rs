@@ -174,9 +174,24 @@ pub struct LlamaWeights {
     pub(crate) embedding: Tensor,
     pub(crate) layers: Vec<LayerWeights>,
     pub(crate) output_norm: Tensor,
-    /// Output projection (tied to the embedding when the file has no `output.weight`),
-    /// always quantized: only the rows that want logits go through it.
-    pub(crate) lm_head: QMatMul,
+    /// Output projection, quantized (used with [`HeadPrecision::Quantized`]).
+    lm_head_q: Option<QMatMul>,
+    /// Output projection `[vocab, hidden]` F32 when the file has an untied `output.weight`
+    /// (tied models use `embedding`), used with [`HeadPrecision::F32`].
+    lm_head_dense: Option<Tensor>,
+    head: HeadPrecision,
+}
+
+/// How the output projection (the largest matrix: `vocab × hidden`) is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadPrecision {
+    /// F32 weights and activations. Measured necessary for SmolLM2: with a Q8_0 head (whose
+    /// kernel also quantizes the activations to 8 bits) the greedy answer to "What is the
+    /// capital of France?" flips from "The capital of France is Paris." to "L'Étoile, …"
+    /// (the top two logits are 0.08 apart). Costs about 2× the Q8_0 head per logits row.
+    F32,
+    /// The file's (or Q8_0) weights with 8-bit activations: faster, less exact.
+    Quantized,
 }
 
 /// Reads GGUF metadata value `key` as an integer.
@@ -326,6 +341,16 @@ impl LlamaWeights {
         device: &Device,
         format: WeightFormat,
     ) -> Result<Self, WorkerError> {
+        Self::load_with_head(path, device, format, HeadPrecision::F32)
+    }
+
+    /// [`LlamaWeights::load`] with a choice of output-projection precision.
+    pub fn load_with_head(
+        path: impl AsRef<Path>,
+        device: &Device,
+        format: WeightFormat,
+        head: HeadPrecision,
+    ) -> Result<Self, WorkerError> {
         let path = path.as_ref();
         let mut file = std::fs::File::open(path)
             .map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
@@ -346,12 +371,20 @@ impl LlamaWeights {
                 config.vocab_size, config.hidden
             )));
         }
-        let head_q = if content.tensor_infos.contains_key("output.weight") {
+        let untied = content.tensor_infos.contains_key("output.weight");
+        let head_q = if untied {
             r.qtensor("output.weight")?
         } else {
             embd_q
         };
-        let lm_head = quantized_head(head_q, device)?;
+        let (lm_head_q, lm_head_dense) = match head {
+            HeadPrecision::Quantized => (Some(quantized_head(head_q, device)?), None),
+            HeadPrecision::F32 if untied => (
+                None,
+                Some(head_q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?.to_device(device)?),
+            ),
+            HeadPrecision::F32 => (None, None),
+        };
         let output_norm = r.dense("output_norm.weight")?.0.to_device(device)?;
 
         let mut layers = Vec::with_capacity(config.n_layer);
@@ -393,8 +426,24 @@ impl LlamaWeights {
             embedding: embedding.to_device(device)?,
             layers,
             output_norm,
-            lm_head,
+            lm_head_q,
+            lm_head_dense,
+            head,
         })
+    }
+
+    /// Logits `[rows, vocab]` of final-normed hidden states `x` (`[rows, hidden]`).
+    pub(crate) fn lm_head(&self, x: &Tensor) -> Result<Tensor, WorkerError> {
+        match (&self.lm_head_q, &self.lm_head_dense) {
+            (Some(q), _) => Ok(q.forward(x)?),
+            (None, Some(w)) => Ok(x.matmul(&w.t()?)?),
+            (None, None) => Ok(x.matmul(&self.embedding.t()?)?),
+        }
+    }
+
+    /// How the output projection is computed.
+    pub fn head_precision(&self) -> HeadPrecision {
+        self.head
     }
 
     /// The architecture parameters.

@@ -166,11 +166,18 @@ fn check_range(param: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiE
     }
 }
 
+/// The common parameters, checked.
+struct Checked {
+    stream: bool,
+    include_usage: bool,
+    max_tokens: Option<usize>,
+    stop: Vec<String>,
+    sampling: SamplingParams,
+    cache_insert: bool,
+}
+
 /// Checks and converts the parameters common to both endpoints.
-fn common(
-    c: CommonParams,
-    max_completion_tokens: Option<u64>,
-) -> Result<(bool, bool, Option<usize>, Vec<String>, SamplingParams, bool), ApiError> {
+fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked, ApiError> {
     if let Some(n) = c.n {
         if n != 1 {
             return Err(unsupported("n", "only n = 1 is served"));
@@ -268,14 +275,14 @@ fn common(
         seed: c.seed.map(|s| s as u64),
     };
     let cache_insert = c.kvgate.and_then(|k| k.cache).unwrap_or(true);
-    Ok((
+    Ok(Checked {
         stream,
         include_usage,
         max_tokens,
         stop,
         sampling,
         cache_insert,
-    ))
+    })
 }
 
 /// Validates a `/v1/chat/completions` body.
@@ -372,8 +379,14 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     if r.messages.is_empty() {
         return Err(invalid_value("messages", "`messages` must not be empty"));
     }
-    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) =
-        common(r.common, r.max_completion_tokens)?;
+    let Checked {
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        cache_insert,
+    } = common(r.common, r.max_completion_tokens)?;
     Ok(GenerationPlan {
         model: r.model,
         prompt: PromptSource::Messages(r.messages),
@@ -427,7 +440,14 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     if empty {
         return Err(invalid_value("prompt", "`prompt` must not be empty"));
     }
-    let (stream, include_usage, max_tokens, stop, sampling, cache_insert) = common(r.common, None)?;
+    let Checked {
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        cache_insert,
+    } = common(r.common, None)?;
     Ok(GenerationPlan {
         model: r.model,
         prompt,

@@ -1,0 +1,274 @@
+//! The audit: gateway decisions against worker receipts, one test per discrepancy kind.
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use receipts::*;
+
+struct Fleet {
+    _dir: tempfile::TempDir,
+    decisions: PathBuf,
+    logs: Vec<PathBuf>,
+    keys: KeyRing,
+    gw: KeyPair,
+    workers: Vec<(String, KeyPair)>,
+}
+
+/// One gateway, two workers; `n` routed requests alternating workers and modes, plus one
+/// unrouted decision and one direct request per worker.
+fn fleet(n: usize) -> Fleet {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_key();
+    let workers = vec![
+        ("w0".to_string(), worker_key()),
+        ("w1".to_string(), KeyPair::from_seed(&[0x42; 32])),
+    ];
+    let decisions = dir.path().join("gateway.jsonl");
+    let dlog = DecisionLog::open(&decisions, FsyncPolicy::Always).unwrap();
+    let logs: Vec<PathBuf> = workers
+        .iter()
+        .map(|(w, _)| dir.path().join(format!("{w}.jsonl")))
+        .collect();
+    let rlogs: Vec<ReceiptLog> = workers
+        .iter()
+        .zip(&logs)
+        .map(|((w, k), p)| ReceiptLog::open(p, FsyncPolicy::Always, k, w).unwrap())
+        .collect();
+    for i in 0..n {
+        let wi = i % 2;
+        let w = &workers[wi].0;
+        let mode = if i % 4 < 2 { RouteMode::KvExact } else { RouteMode::RoundRobin };
+        let rid = format!("req-{i}");
+        let t0 = T0 + i as u64 * 10;
+        let st = ticket(&rid, w, mode, t0).sign(&gw);
+        rlogs[wi].append(draft(&rid, Some(st.clone()), t0 + 1)).unwrap();
+        dlog.append(&decision(&rid, Some(st), 200, None)).unwrap();
+    }
+    dlog.append(&DecisionRecord {
+        request_id: "unrouted".into(),
+        at_ms: T0,
+        ticket: None,
+        service: None,
+        rule_id: None,
+        rule_version: None,
+        worker: None,
+        status: 404,
+        error: None,
+    })
+    .unwrap();
+    for (i, l) in rlogs.iter().enumerate() {
+        l.append(draft(&format!("direct-{i}"), None, T0)).unwrap();
+    }
+    let mut keys = ring(&[&gw]);
+    for (w, k) in &workers {
+        keys.insert(w.clone(), k.public().clone());
+    }
+    Fleet {
+        _dir: dir,
+        decisions,
+        logs,
+        keys,
+        gw,
+        workers,
+    }
+}
+
+fn decision(rid: &str, st: Option<SignedTicket>, status: u16, error: Option<&str>) -> DecisionRecord {
+    let t = st.as_ref().map(|s| s.ticket_unverified().clone());
+    DecisionRecord {
+        request_id: rid.to_string(),
+        at_ms: T0,
+        service: t.as_ref().map(|t| t.service.clone()),
+        rule_id: t.as_ref().map(|t| t.rule_id.clone()),
+        rule_version: t.as_ref().map(|t| t.rule_version),
+        worker: t.as_ref().map(|t| t.worker.clone()),
+        ticket: st,
+        status,
+        error: error.map(str::to_string),
+    }
+}
+
+fn append_decision(path: &Path, d: &DecisionRecord) {
+    DecisionLog::open(path, FsyncPolicy::Always)
+        .unwrap()
+        .append(d)
+        .unwrap();
+}
+
+fn kinds(r: &AuditReport) -> Vec<DiscrepancyKind> {
+    r.discrepancies.iter().map(|d| d.kind).collect()
+}
+
+#[test]
+fn consistent_fleet_passes_with_counts() {
+    let f = fleet(8);
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!((r.decisions, r.routed, r.unrouted, r.receipted), (9, 8, 1, 8));
+    assert_eq!((r.receipts, r.direct_receipts), (10, 2));
+    assert_eq!(r.per_worker["w0"].decisions, 4);
+    assert_eq!(r.per_worker["w1"].direct_receipts, 1);
+    assert_eq!(r.per_mode["kv_exact"], 4);
+    let kv = &r.per_route[&("chat".to_string(), "kv-rule".to_string(), 7)];
+    assert_eq!((kv.decisions, kv.receipted, kv.predicted_tokens, kv.cached_tokens), (4, 4, 128, 128));
+    assert_eq!(
+        (r.parity.compared, r.parity.mismatched, r.parity.not_applicable),
+        (4, 0, 4)
+    );
+    let text = r.to_string();
+    assert!(text.starts_with("audit: OK"), "{text}");
+    assert!(text.contains("chat / kv-rule / v7: decisions 4"), "{text}");
+    // JSON form serializes.
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["per_route"][0]["rule_version"], 7);
+}
+
+#[test]
+fn missing_receipt_after_tail_truncation() {
+    let f = fleet(6);
+    // Drop the last two lines of w0's log (whole lines: the log alone still verifies).
+    let text = std::fs::read_to_string(&f.logs[0]).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(&f.logs[0], lines[..lines.len() - 2].join("\n") + "\n").unwrap();
+    assert!(verify_log(&f.logs[0], &f.keys).unwrap().ok());
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt], "{r}");
+    assert_eq!(r.discrepancies[0].request_id.as_deref(), Some("req-4"));
+    assert!(r.to_string().starts_with("audit: FAILED"));
+}
+
+#[test]
+fn upstream_error_without_receipt_is_allowed() {
+    let f = fleet(2);
+    let st = ticket("lost", "w1", RouteMode::RoundRobin, T0).sign(&f.gw);
+    append_decision(&f.decisions, &decision("lost", Some(st.clone()), 502, Some("connect refused")));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(r.failed_without_receipt, 1);
+    append_decision(&f.decisions, &decision("lost2", Some(
+        ticket("lost2", "w1", RouteMode::RoundRobin, T0).sign(&f.gw)), 502, None));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt]);
+}
+
+#[test]
+fn unissued_ticket_and_duplicate_receipt() {
+    let f = fleet(2);
+    // A receipt carrying a gateway-signed ticket that the decision log does not have.
+    let (w, k) = &f.workers[0];
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    let st = ticket("ghost", "w0", RouteMode::KvExact, T0).sign(&f.gw);
+    log.append(draft("ghost", Some(st), T0)).unwrap();
+    drop(log);
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::UnissuedTicket], "{r}");
+
+    // The same ticket receipted in two logs of w0 (e.g. a rotated log passed twice).
+    let f = fleet(2);
+    let mut logs = f.logs.clone();
+    let copy = f.decisions.with_file_name("w0-copy.jsonl");
+    std::fs::copy(&f.logs[0], &copy).unwrap();
+    logs.push(copy);
+    let r = audit(&f.decisions, &logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::DuplicateReceipt], "{r}");
+}
+
+#[test]
+fn decision_disagreeing_with_its_ticket() {
+    let f = fleet(0);
+    let (w, k) = &f.workers[0];
+    let st = ticket("r", w, RouteMode::KvExact, T0).sign(&f.gw);
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    log.append(draft("r", Some(st.clone()), T0)).unwrap();
+    drop(log);
+    let mut d = decision("r", Some(st), 200, None);
+    d.rule_version = Some(6);
+    d.worker = Some("w1".into());
+    append_decision(&f.decisions, &d);
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::DecisionTicketMismatch], "{r}");
+    let detail = &r.discrepancies[0].detail;
+    assert!(detail.contains("rule_version") && detail.contains("worker"), "{detail}");
+}
+
+#[test]
+fn status_mismatch_duplicate_decision_bad_ticket_and_malformed_line() {
+    let f = fleet(2);
+    // Re-record req-0's ticket with another status: duplicate decision.
+    let text = std::fs::read_to_string(&f.decisions).unwrap();
+    let first: DecisionRecord = DecisionRecord::from_line(text.lines().next().unwrap().as_bytes()).unwrap();
+    let mut dup = first.clone();
+    dup.status = 500;
+    append_decision(&f.decisions, &dup);
+    // A decision whose ticket was signed by an unknown key.
+    let rogue = KeyPair::generate();
+    let st = ticket("rogue", "w0", RouteMode::RoundRobin, T0).sign(&rogue);
+    append_decision(&f.decisions, &decision("rogue", Some(st), 200, None));
+    // A garbage line.
+    let mut bytes = std::fs::read(&f.decisions).unwrap();
+    bytes.extend_from_slice(b"{\"not\":\"a decision\"}\n");
+    std::fs::write(&f.decisions, bytes).unwrap();
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    let mut k = kinds(&r);
+    k.sort();
+    assert_eq!(
+        k,
+        vec![
+            DiscrepancyKind::DecisionMalformed,
+            DiscrepancyKind::DecisionTicketInvalid,
+            DiscrepancyKind::DuplicateDecision,
+        ],
+        "{r}"
+    );
+    let malformed = r.discrepancies.iter().find(|d| d.kind == DiscrepancyKind::DecisionMalformed).unwrap();
+    assert!(malformed.location.ends_with(":6"), "{}", malformed.location);
+
+    // Status disagreement between gateway and worker.
+    let f = fleet(0);
+    let (w, k) = &f.workers[1];
+    let st = ticket("s", w, RouteMode::RoundRobin, T0).sign(&f.gw);
+    let log = ReceiptLog::open(&f.logs[1], FsyncPolicy::Always, k, w).unwrap();
+    log.append(draft("s", Some(st.clone()), T0)).unwrap();
+    drop(log);
+    append_decision(&f.decisions, &decision("s", Some(st), 503, None));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::StatusMismatch], "{r}");
+}
+
+#[test]
+fn tampered_receipt_log_is_a_discrepancy_with_its_line() {
+    let f = fleet(4);
+    let mut bytes = std::fs::read(&f.logs[1]).unwrap();
+    let second_line = bytes.iter().position(|&b| b == b'\n').unwrap() + 1;
+    bytes[second_line + 40] ^= 0x01;
+    std::fs::write(&f.logs[1], bytes).unwrap();
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    let first = &r.discrepancies[0];
+    assert_eq!(first.kind, DiscrepancyKind::ReceiptLogInvalid);
+    assert!(first.location.ends_with("w1.jsonl:2"), "{}", first.location);
+    assert!(kinds(&r).contains(&DiscrepancyKind::MissingReceipt));
+}
+
+#[test]
+fn prefix_parity_mismatch_reported_and_optionally_fatal() {
+    let f = fleet(0);
+    let (w, k) = &f.workers[0];
+    let st = ticket("p", w, RouteMode::KvExact, T0).sign(&f.gw);
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    let mut d = draft("p", Some(st.clone()), T0);
+    d.last_block_key = Some("ffffffffffffffff".into());
+    log.append(d).unwrap();
+    drop(log);
+    append_decision(&f.decisions, &decision("p", Some(st), 200, None));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!((r.parity.compared, r.parity.mismatched), (1, 1));
+    assert!(r.to_string().contains("prefix_parity"), "{r}");
+    let strict = AuditOptions {
+        fail_on_parity_mismatch: true,
+        ..AuditOptions::default()
+    };
+    let r = audit_with(&f.decisions, &f.logs, &f.keys, strict).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::PrefixParity]);
+}

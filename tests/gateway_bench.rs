@@ -1,0 +1,240 @@
+//! Gateway measurements (ignored by default; run on purpose):
+//!
+//! ```text
+//! cargo test --test gateway_bench -- --ignored --nocapture --test-threads 1
+//! ```
+//!
+//! - `route_decision_vs_tokenization`: time of the whole KV-exact decision (parse, salt, render,
+//!   tokenize, keys, index lookup over 3 workers, policy) for 1k / 4k / 16k-token chats, beside
+//!   rendering + tokenizing alone (the floor). Median of 40 runs each.
+//! - `proxy_overhead_vs_nginx`: requests/s and p50 latency of `GET /v1/models` and a 1-token
+//!   chat completion straight to a simulated worker, through the gateway (round robin), and
+//!   through nginx (Debian package) as a reverse proxy — same worker, same `wrk` run settings.
+//!   Needs `nginx` and `wrk` (`apt-get install -y nginx wrk`); fails with a clear message
+//!   without them.
+//!
+//! Figures go to `docs/benchmarks.md` (section `## gateway`).
+
+#[path = "gateway_support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use gateway::protocol::PromptSource;
+use gateway::route::{decide, RouteInput};
+use support::{Fleet, FleetOptions};
+
+const KV_NO_BUDGET: &str = r#"
+[[services]]
+name = "chat"
+pool = "all"
+token_budget = "off"
+rule = { type = "kv_exact", profile = "smol" }
+"#;
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn route_decision_vs_tokenization() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(KV_NO_BUDGET, false);
+    let shared = fleet.gw().shared.clone();
+    let view = shared.views.load();
+    let service = view.services[0].clone();
+    let profile = service.profile.clone().unwrap();
+    println!("| prompt tokens | render + tokenize (floor) | full decision | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for target in [1_000usize, 4_000, 16_000] {
+        // Grow a user message until the rendered prompt has about `target` tokens.
+        let unit = "The quick brown fox jumps over the lazy dog, again and again. ";
+        let mut reps = target / 14;
+        let (body, tokens) = loop {
+            let msgs = vec![
+                serde_json::json!({"role": "system", "content": "You are a helpful assistant."}),
+                serde_json::json!({"role": "user", "content": unit.repeat(reps)}),
+            ];
+            let n = profile.tokenize(&PromptSource::Messages(msgs.clone())).unwrap().len();
+            if n >= target {
+                break (serde_json::json!({"model": "smol", "messages": msgs, "max_tokens": 16}), n);
+            }
+            reps += (target - n) / 13 + 1;
+        };
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let msgs: Vec<prompt_profile::ChatMessage> =
+            serde_json::from_value(body["messages"].clone()).unwrap();
+        // Index the prompt's keys on one worker so the lookup walks the whole chain.
+        let keys = profile
+            .keys(&PromptSource::Messages(body["messages"].as_array().unwrap().clone()), None)
+            .unwrap()
+            .keys;
+        let w1 = prefix_index::WorkerId("w1".into());
+        shared
+            .index
+            .apply_event(&w1, &prefix_index::KvEvent::Stored { parent: None, keys })
+            .unwrap();
+        let header = |_: &str| None;
+        let mut floor = Vec::new();
+        let mut full = Vec::new();
+        for _ in 0..40 {
+            let t = Instant::now();
+            let ids = fleet.profile.render_and_encode(&msgs).unwrap().ids;
+            floor.push(t.elapsed());
+            assert!(ids.len() >= target);
+            let t = Instant::now();
+            let d = decide(
+                &view,
+                &shared.index,
+                &RouteInput {
+                    service: &service,
+                    path: "/v1/chat/completions",
+                    body: &bytes,
+                    header: &header,
+                },
+            )
+            .unwrap();
+            full.push(t.elapsed());
+            assert_eq!(d.order[0], w1);
+        }
+        let (f, d) = (median(floor), median(full));
+        println!(
+            "| {tokens} | {:.2} ms | {:.2} ms | {:.2}× |",
+            f.as_secs_f64() * 1e3,
+            d.as_secs_f64() * 1e3,
+            d.as_secs_f64() / f.as_secs_f64()
+        );
+    }
+    fleet.stop();
+}
+
+fn need(tool: &str) {
+    let ok = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(ok, "{tool} is not installed: apt-get install -y nginx wrk");
+}
+
+/// Runs wrk and returns (requests/s, p50 ms).
+fn wrk(url: &str, script: Option<&std::path::Path>) -> (f64, f64) {
+    let mut cmd = std::process::Command::new("wrk");
+    cmd.args(["-t2", "-c32", "-d5s", "--latency"]);
+    if let Some(s) = script {
+        cmd.arg("-s").arg(s);
+    }
+    let out = cmd.arg(url).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "wrk failed: {text}");
+    assert!(!text.contains("Non-2xx"), "errors during the run: {text}");
+    let rps = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no Requests/sec in {text}"));
+    let p50 = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("50%"))
+        .map(|v| {
+            let v = v.trim();
+            if let Some(us) = v.strip_suffix("us") {
+                us.parse::<f64>().unwrap() / 1e3
+            } else if let Some(ms) = v.strip_suffix("ms") {
+                ms.parse::<f64>().unwrap()
+            } else if let Some(s) = v.strip_suffix('s') {
+                s.parse::<f64>().unwrap() * 1e3
+            } else {
+                panic!("latency unit in {v}")
+            }
+        })
+        .unwrap_or_else(|| panic!("no p50 in {text}"));
+    (rps, p50)
+}
+
+#[test]
+#[ignore = "measurement; needs nginx and wrk; run with --ignored --nocapture"]
+fn proxy_overhead_vs_nginx() {
+    need("nginx");
+    need("wrk");
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ticket_policy: worker::server::TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(support::RR_SERVICE, false);
+    let worker = fleet.addrs[0];
+    let dir = fleet.dir.path().to_owned();
+    // nginx: one worker process per core, keepalive to the upstream, no buffering (SSE-safe).
+    let nginx_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let conf = format!(
+        r#"daemon off;
+worker_processes 2;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir};
+  proxy_temp_path {dir};
+  upstream w {{ server {worker}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{nginx_port};
+    location / {{
+      proxy_pass http://w;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"#,
+        dir = dir.display()
+    );
+    let conf_path = dir.join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let mut nginx = std::process::Command::new("nginx")
+        .arg("-c")
+        .arg(&conf_path)
+        .arg("-p")
+        .arg(&dir)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", nginx_port)).is_err() {
+        assert!(Instant::now() < deadline, "nginx did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lua = dir.join("post.lua");
+    std::fs::write(
+        &lua,
+        r#"wrk.method = "POST"
+wrk.body = '{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
+wrk.headers["Content-Type"] = "application/json"
+"#,
+    )
+    .unwrap();
+    let targets = [
+        ("worker direct", format!("http://{worker}")),
+        ("gateway (RR)", format!("http://{}", fleet.gw().listen_addr)),
+        ("nginx", format!("http://127.0.0.1:{nginx_port}")),
+    ];
+    println!("| request | target | requests/s | p50 latency |");
+    println!("|---|---|---:|---:|");
+    for (label, script) in [("GET /v1/models", None), ("POST chat, 1 token", Some(lua.as_path()))] {
+        let path = if script.is_some() { "/v1/chat/completions" } else { "/v1/models" };
+        for (name, base) in &targets {
+            let (rps, p50) = wrk(&format!("{base}{path}"), script);
+            println!("| {label} | {name} | {rps:.0} | {p50:.2} ms |");
+        }
+    }
+    let _ = nginx.kill();
+    let _ = nginx.wait();
+    fleet.stop();
+}
