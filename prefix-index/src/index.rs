@@ -774,18 +774,32 @@ impl PrefixIndex {
             .zip(&needed)
             .map(|(shard, &need)| need.then(|| shard.read()))
             .collect();
-        for (j, (&k, &s)) in rest.iter().zip(&shard_ids).enumerate() {
-            let i = j + 1;
-            let holders = guards[s as usize].as_ref().and_then(|g| g.get(&k));
-            match holders {
-                None => {
-                    for_each_slot(&active, |s| out.push((s, i)));
+        // Look keys up LOOKAHEAD at a time (independent loads, so their cache misses overlap),
+        // then intersect; stop as soon as no worker is left.
+        const LOOKAHEAD: usize = 16;
+        let mut found: [Option<&Holders>; LOOKAHEAD] = [None; LOOKAHEAD];
+        for (c, (ks, ss)) in rest
+            .chunks(LOOKAHEAD)
+            .zip(shard_ids.chunks(LOOKAHEAD))
+            .enumerate()
+        {
+            for ((slot, &k), &s) in found.iter_mut().zip(ks).zip(ss) {
+                *slot = guards[s as usize].as_ref().and_then(|g| g.get(&k));
+            }
+            for (j, h) in found[..ks.len()].iter().enumerate() {
+                let i = 1 + c * LOOKAHEAD + j;
+                match h {
+                    None => {
+                        for_each_slot(&active, |s| out.push((s, i)));
+                        return;
+                    }
+                    Some(h) => {
+                        h.with_words(|w| intersect_into(&mut active, w, |s| out.push((s, i))))
+                    }
+                }
+                if active.is_empty() {
                     return;
                 }
-                Some(h) => h.with_words(|w| intersect_into(&mut active, w, |s| out.push((s, i)))),
-            }
-            if active.is_empty() {
-                return;
             }
         }
         for_each_slot(&active, |s| out.push((s, keys.len())));

@@ -15,6 +15,7 @@ pub mod error;
 pub mod gguf;
 pub mod identity;
 pub mod message;
+mod segments;
 pub mod stream;
 pub mod template;
 pub mod tokenizer;
@@ -396,7 +397,21 @@ impl PromptProfile {
 
     /// Tokenize `text`. With `parse_special`, special-token text such as `<|im_start|>` becomes
     /// the special id; without, it is tokenized as ordinary text. No BOS is added.
+    ///
+    /// With `parse_special`, the text between added tokens is tokenized piece by piece and
+    /// each piece's ids are cached (bounded, 64 MiB), so re-encoding a conversation that grew
+    /// by one turn mostly hits the cache. The ids are the same as [`Self::encode_uncached`].
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        if parse_special {
+            if let Some(seg) = &self.inner.tokenizer.segments {
+                return seg.encode(&self.inner.tokenizer.parse_special, text);
+            }
+        }
+        self.encode_uncached(text, parse_special)
+    }
+
+    /// [`Self::encode`] straight through the `tokenizers` pipeline, without the piece cache.
+    pub fn encode_uncached(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         let tok = if parse_special {
             &self.inner.tokenizer.parse_special
         } else {
@@ -404,6 +419,13 @@ impl PromptProfile {
         };
         let enc = tok.encode_fast(text, false).map_err(tokenizer::tk_err)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Drop the cached ids of text pieces (see [`Self::encode`]); for benchmarks and tests.
+    pub fn clear_token_cache(&self) {
+        if let Some(seg) = &self.inner.tokenizer.segments {
+            seg.clear();
+        }
     }
 
     /// Turn ids back into text; with `skip_special`, special tokens are left out.

@@ -14,6 +14,7 @@
 //! Building costs O(vocab + merges); encoding is the `tokenizers` BPE (with its word cache).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -26,6 +27,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::error::{one_line, ProfileError, Result};
 use crate::gguf::{GgufMetadata, GgufValue};
+use crate::segments::{SegmentEncoder, DEFAULT_CACHE_BYTES};
 
 /// GGUF token type of control tokens (`<|im_start|>`, …).
 const TOKEN_TYPE_CONTROL: i128 = 3;
@@ -51,6 +53,8 @@ pub(crate) struct BuiltTokenizer {
     pub vocab_size: usize,
     /// SHA-256 hex of the canonical serialization.
     pub sha256: String,
+    /// Cached segment-wise encoding with special tokens parsed (`None`: not applicable).
+    pub segments: Option<Arc<SegmentEncoder>>,
 }
 
 impl BuiltTokenizer {
@@ -68,7 +72,9 @@ impl BuiltTokenizer {
         let sha256 = canonical_sha256(&tok)?;
         let mut plain = tok.clone();
         plain.set_encode_special_tokens(true);
+        let segments = SegmentEncoder::new(&tok, DEFAULT_CACHE_BYTES).map(Arc::new);
         Ok(BuiltTokenizer {
+            segments,
             parse_special: tok,
             plain,
             special,

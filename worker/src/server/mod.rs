@@ -441,6 +441,14 @@ pub async fn spawn(
     let app = router(state.clone());
     let token = state.shutdown.clone();
     let server = tokio::spawn(async move {
+        // TCP_NODELAY: SSE writes are small; with Nagle on, the first content chunk after the
+        // role chunk waits for the peer's delayed ACK (~40 ms of TTFT).
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "set_nodelay failed");
+            }
+        });
         axum::serve(listener, app)
             .with_graceful_shutdown(token.cancelled_owned())
             .await
