@@ -5,6 +5,7 @@ its response headers (worker, rule, rule version, reason) and the prompt tokens 
 from its prefix cache (usage.prompt_tokens_details.cached_tokens).
 
 usage: demo_client.py GATEWAY_URL MODEL [MODEL ...]
+       demo_client.py --admin ADMIN_URL      (print the gateway's view of its workers)
 Exit status 1 when any request fails.
 """
 import sys
@@ -43,7 +44,25 @@ def converse(client, model):
         messages.append({"role": "assistant", "content": answer})
 
 
+def show_workers(admin_url):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(admin_url.rstrip("/") + "/admin/workers", timeout=10) as r:
+        view = json.load(r)
+    print(f"rules version {view.get('rules_version')}")
+    for w in view["workers"]:
+        ev = w.get("events", {})
+        print(
+            f"{w['id']}: healthy={w['healthy']} contract={w['contract']['state']} "
+            f"indexed_blocks={w['indexed_blocks']} events={ev.get('state')} applied={ev.get('applied')}"
+        )
+    return 0
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--admin":
+        return show_workers(sys.argv[2])
     if len(sys.argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2

@@ -98,25 +98,62 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     ];
     let mut rr = Vec::new();
     for (i, q) in questions.iter().enumerate() {
-        let c = Chat::new(RR_MODEL, &format!("e2e-rr-{i}"), &[msg("user", q)], MAX_TOKENS, i % 2 == 1);
+        let c = Chat::new(
+            RR_MODEL,
+            &format!("e2e-rr-{i}"),
+            &[msg("user", q)],
+            MAX_TOKENS,
+            i % 2 == 1,
+        );
         let r = chat(&fleet, &mut sent, c);
         r.assert_complete(MAX_TOKENS);
         assert_eq!(r.reason.as_deref(), Some("round_robin"), "{r:?}");
-        println!("rr {i} ({}) on {:?}: {:?}", if i % 2 == 1 { "stream" } else { "json" }, r.worker, r.text);
+        println!(
+            "rr {i} ({}) on {:?}: {:?}",
+            if i % 2 == 1 { "stream" } else { "json" },
+            r.worker,
+            r.text
+        );
         rr.push(r);
     }
-    let rr_workers: Vec<String> = rr.iter().map(|r| r.worker.clone().expect("worker header")).collect();
-    assert_ne!(rr_workers[0], rr_workers[1], "round robin did not alternate: {rr_workers:?}");
-    assert_eq!(rr_workers[2], rr_workers[0], "round robin did not alternate: {rr_workers:?}");
-    assert_eq!(rr_workers[3], rr_workers[1], "round robin did not alternate: {rr_workers:?}");
+    let rr_workers: Vec<String> = rr
+        .iter()
+        .map(|r| r.worker.clone().expect("worker header"))
+        .collect();
+    assert_ne!(
+        rr_workers[0], rr_workers[1],
+        "round robin did not alternate: {rr_workers:?}"
+    );
+    assert_eq!(
+        rr_workers[2], rr_workers[0],
+        "round robin did not alternate: {rr_workers:?}"
+    );
+    assert_eq!(
+        rr_workers[3], rr_workers[1],
+        "round robin did not alternate: {rr_workers:?}"
+    );
 
     // ---- Phase 1b: KV-exact keeps each conversation on the worker that caches its prefix.
     // Conversation A: turn 1 JSON, turn 2 streamed; B the other way round; interleaved.
-    let mut hist_a = vec![msg("system", SYSTEM_A), msg("user", "Which river flows through Cairo?")];
-    let mut hist_b = vec![msg("system", SYSTEM_B), msg("user", "How long should I boil an egg?")];
-    let a1 = chat(&fleet, &mut sent, Chat::new(KV_MODEL, "e2e-kv-a1", &hist_a, MAX_TOKENS, false));
+    let mut hist_a = vec![
+        msg("system", SYSTEM_A),
+        msg("user", "Which river flows through Cairo?"),
+    ];
+    let mut hist_b = vec![
+        msg("system", SYSTEM_B),
+        msg("user", "How long should I boil an egg?"),
+    ];
+    let a1 = chat(
+        &fleet,
+        &mut sent,
+        Chat::new(KV_MODEL, "e2e-kv-a1", &hist_a, MAX_TOKENS, false),
+    );
     a1.assert_complete(MAX_TOKENS);
-    let b1 = chat(&fleet, &mut sent, Chat::new(KV_MODEL, "e2e-kv-b1", &hist_b, MAX_TOKENS, true));
+    let b1 = chat(
+        &fleet,
+        &mut sent,
+        Chat::new(KV_MODEL, "e2e-kv-b1", &hist_b, MAX_TOKENS, true),
+    );
     b1.assert_complete(MAX_TOKENS);
     let owner_a = a1.worker.clone().expect("worker header");
     let owner_b = b1.worker.clone().expect("worker header");
@@ -127,8 +164,16 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     hist_a.push(msg("user", "And which sea does it flow into?"));
     hist_b.push(msg("assistant", &b1.text));
     hist_b.push(msg("user", "And how do I peel it easily?"));
-    let a2 = chat(&fleet, &mut sent, Chat::new(KV_MODEL, "e2e-kv-a2", &hist_a, MAX_TOKENS, true));
-    let b2 = chat(&fleet, &mut sent, Chat::new(KV_MODEL, "e2e-kv-b2", &hist_b, MAX_TOKENS, false));
+    let a2 = chat(
+        &fleet,
+        &mut sent,
+        Chat::new(KV_MODEL, "e2e-kv-a2", &hist_a, MAX_TOKENS, true),
+    );
+    let b2 = chat(
+        &fleet,
+        &mut sent,
+        Chat::new(KV_MODEL, "e2e-kv-b2", &hist_b, MAX_TOKENS, false),
+    );
     for (turn1, turn2, owner) in [(&a1, &a2, &owner_a), (&b1, &b2, &owner_b)] {
         turn2.assert_complete(MAX_TOKENS);
         println!(
@@ -140,19 +185,40 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
             turn2.worker,
             turn2.reason,
             turn2.cached_tokens(),
-            turn2.usage.as_ref().map_or(0, |u| u["prompt_tokens"].as_u64().unwrap_or(0)),
+            turn2
+                .usage
+                .as_ref()
+                .map_or(0, |u| u["prompt_tokens"].as_u64().unwrap_or(0)),
         );
-        assert_eq!(turn2.worker.as_ref(), Some(owner), "{} left its conversation's worker", turn2.request_id);
+        assert_eq!(
+            turn2.worker.as_ref(),
+            Some(owner),
+            "{} left its conversation's worker",
+            turn2.request_id
+        );
         assert_eq!(turn2.reason.as_deref(), Some("hit"), "{turn2:?}");
-        assert!(turn2.cached_tokens() >= 16, "{} reused no cached block: {:?}", turn2.request_id, turn2.usage);
+        assert!(
+            turn2.cached_tokens() >= 16,
+            "{} reused no cached block: {:?}",
+            turn2.request_id,
+            turn2.usage
+        );
     }
 
     // ---- Phase 2: the audit passes (library and CLI).
     let decisions = fleet.wait_decisions(sent.len());
     let logged: Vec<&str> = decisions.iter().map(|d| d.request_id.as_str()).collect();
-    assert_eq!(logged, sent, "the decision log does not hold exactly the requests sent");
+    assert_eq!(
+        logged, sent,
+        "the decision log does not hold exactly the requests sent"
+    );
     assert_logs_verify(&fleet);
-    let rep = receipts::audit(&fleet.decision_log, &fleet.receipt_logs(), &fleet.key_ring()).expect("audit");
+    let rep = receipts::audit(
+        &fleet.decision_log,
+        &fleet.receipt_logs(),
+        &fleet.key_ring(),
+    )
+    .expect("audit");
     println!("{rep}");
     assert!(rep.ok(), "audit failed:\n{rep}");
     assert_eq!(rep.decisions, sent.len() as u64);
@@ -163,7 +229,11 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     assert_eq!(rep.per_mode.get("round_robin"), Some(&4));
     assert_eq!(rep.per_mode.get("kv_exact"), Some(&4));
     // The gateway tokenized every kv_exact prompt exactly as the worker did.
-    assert_eq!((rep.parity.compared, rep.parity.mismatched), (4, 0), "{rep}");
+    assert_eq!(
+        (rep.parity.compared, rep.parity.mismatched),
+        (4, 0),
+        "{rep}"
+    );
     let (code, out) = cli_audit(&fleet);
     println!("{out}");
     assert_eq!(code, 0, "kvgate receipts audit failed:\n{out}");
@@ -177,7 +247,11 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         .map(|w| (*w).to_owned())
         .expect("two workers");
     let idle = fleet.engine_stats(&victim);
-    assert_eq!(idle.running + idle.waiting, 0, "{victim} is not idle: {idle:?}");
+    assert_eq!(
+        idle.running + idle.waiting,
+        0,
+        "{victim} is not idle: {idle:?}"
+    );
     // N1: a non-streaming KV-exact turn of conversation A (a hit on the victim).
     hist_a.push(msg("assistant", &a2.text));
     hist_a.push(msg("user", "Now count from 1 to 100, separated by commas."));
@@ -185,7 +259,9 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     sent.push(n1.request_id.clone());
     let n1_task = {
         let (http, base) = (fleet.http.clone(), fleet.base_url());
-        fleet.ctl.spawn(async move { send(&http, &base, &n1).await })
+        fleet
+            .ctl
+            .spawn(async move { send(&http, &base, &n1).await })
     };
     fleet.wait_for("N1 running on the victim", Duration::from_secs(20), || {
         fleet.engine_stats(&victim).running >= 1
@@ -193,7 +269,13 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     // S1: a streamed round-robin request; round robin's next pick is rr_workers[0] (four
     // alternating picks so far), so first spend one pick on the survivor if needed.
     if rr_workers[0] != victim {
-        let c = Chat::new(RR_MODEL, "e2e-rr-filler", &[msg("user", "Say hello.")], MAX_TOKENS, false);
+        let c = Chat::new(
+            RR_MODEL,
+            "e2e-rr-filler",
+            &[msg("user", "Say hello.")],
+            MAX_TOKENS,
+            false,
+        );
         let r = chat(&fleet, &mut sent, c);
         r.assert_complete(MAX_TOKENS);
         assert_eq!(r.worker.as_deref(), Some(survivor.as_str()), "{r:?}");
@@ -210,14 +292,26 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         Opened::Stream(s) => s,
         Opened::Whole(r) => panic!("S1 was not streamed: {r:?}"),
     };
-    assert_eq!(s1_stream.reply.worker.as_deref(), Some(victim.as_str()), "S1 not on the victim");
-    assert!(fleet.block_on(s1_stream.read_first_content()), "S1 ended before its first token");
-    fleet.wait_for("N1 and S1 generating on the victim", Duration::from_secs(20), || {
-        fleet.engine_stats(&victim).running == 2
-    });
+    assert_eq!(
+        s1_stream.reply.worker.as_deref(),
+        Some(victim.as_str()),
+        "S1 not on the victim"
+    );
+    assert!(
+        fleet.block_on(s1_stream.read_first_content()),
+        "S1 ended before its first token"
+    );
+    fleet.wait_for(
+        "N1 and S1 generating on the victim",
+        Duration::from_secs(20),
+        || fleet.engine_stats(&victim).running == 2,
+    );
     let killed_at = Instant::now();
     fleet.kill_worker(&victim);
-    println!("killed {victim} in {:.0} ms", killed_at.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "killed {victim} in {:.0} ms",
+        killed_at.elapsed().as_secs_f64() * 1e3
+    );
 
     // Both in-flight clients see a failure, and nobody answered them from the other worker.
     let n1_reply = fleet.block_on(n1_task).expect("N1 task");
@@ -226,20 +320,42 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         n1_reply.status >= 500 || n1_reply.error.is_some(),
         "N1 did not fail: {n1_reply:?}"
     );
-    assert_ne!(n1_reply.worker.as_deref(), Some(survivor.as_str()), "N1 was re-sent to {survivor}");
+    assert_ne!(
+        n1_reply.worker.as_deref(),
+        Some(survivor.as_str()),
+        "N1 was re-sent to {survivor}"
+    );
     fleet.block_on(s1_stream.read_to_end());
     println!("S1 after the kill: {:?}", s1_stream.reply);
-    assert!(!s1_stream.reply.done, "S1 completed although its worker was killed");
+    assert!(
+        !s1_stream.reply.done,
+        "S1 completed although its worker was killed"
+    );
 
     // The following requests go to the survivor and succeed (the first one right away, before
     // the gateway's health check can have noticed: a connect failure moves it on).
     let follow = [
-        Chat::new(RR_MODEL, "e2e-after-rr-json", &[msg("user", "Name a fruit.")], MAX_TOKENS, false),
-        Chat::new(RR_MODEL, "e2e-after-rr-stream", &[msg("user", "Name a colour.")], MAX_TOKENS, true),
+        Chat::new(
+            RR_MODEL,
+            "e2e-after-rr-json",
+            &[msg("user", "Name a fruit.")],
+            MAX_TOKENS,
+            false,
+        ),
+        Chat::new(
+            RR_MODEL,
+            "e2e-after-rr-stream",
+            &[msg("user", "Name a colour.")],
+            MAX_TOKENS,
+            true,
+        ),
         Chat::new(
             KV_MODEL,
             "e2e-after-kv-a",
-            &[msg("system", SYSTEM_A), msg("user", "Which river flows through Cairo? Answer again.")],
+            &[
+                msg("system", SYSTEM_A),
+                msg("user", "Which river flows through Cairo? Answer again."),
+            ],
             MAX_TOKENS,
             false,
         ),
@@ -255,9 +371,14 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     let killed: BTreeSet<&str> = ["e2e-kill-n1", "e2e-kill-s1"].into();
     let decisions = fleet.wait_decisions(sent.len());
     let logged: BTreeSet<&str> = decisions.iter().map(|d| d.request_id.as_str()).collect();
-    assert_eq!(logged, sent.iter().map(String::as_str).collect::<BTreeSet<_>>());
-    let by_id: BTreeMap<&str, &receipts::DecisionRecord> =
-        decisions.iter().map(|d| (d.request_id.as_str(), d)).collect();
+    assert_eq!(
+        logged,
+        sent.iter().map(String::as_str).collect::<BTreeSet<_>>()
+    );
+    let by_id: BTreeMap<&str, &receipts::DecisionRecord> = decisions
+        .iter()
+        .map(|d| (d.request_id.as_str(), d))
+        .collect();
     for id in &killed {
         let d = by_id[id];
         assert_eq!(d.worker.as_deref(), Some(victim.as_str()), "{id}: {d:?}");
@@ -282,10 +403,18 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         .filter(|d| d.error.is_some())
         .map(|d| d.request_id.as_str())
         .collect();
-    assert_eq!(gateway_errors, killed, "decisions the gateway recorded as failed");
+    assert_eq!(
+        gateway_errors, killed,
+        "decisions the gateway recorded as failed"
+    );
 
     assert_logs_verify(&fleet);
-    let rep = receipts::audit(&fleet.decision_log, &fleet.receipt_logs(), &fleet.key_ring()).expect("audit");
+    let rep = receipts::audit(
+        &fleet.decision_log,
+        &fleet.receipt_logs(),
+        &fleet.key_ring(),
+    )
+    .expect("audit");
     println!("{rep}");
     assert!(rep.discrepancies.is_empty(), "audit after the kill:\n{rep}");
     assert_eq!(rep.routed, sent.len() as u64);
@@ -300,18 +429,26 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     // generates two answers: both clients get the worker's `engine_stopped` error, both requests
     // are receipted, and the audit's verdict does not change.
     let idle = fleet.engine_stats(&survivor);
-    assert_eq!(idle.running + idle.waiting, 0, "{survivor} is not idle: {idle:?}");
+    assert_eq!(
+        idle.running + idle.waiting,
+        0,
+        "{survivor} is not idle: {idle:?}"
+    );
     let mut hist_c = hist_b.clone();
     hist_c.push(msg("user", "Now count from 1 to 100, separated by commas."));
     let g1 = Chat::new(KV_MODEL, "e2e-stop-g1", &hist_c, LONG_TOKENS, false);
     sent.push(g1.request_id.clone());
     let g1_task = {
         let (http, base) = (fleet.http.clone(), fleet.base_url());
-        fleet.ctl.spawn(async move { send(&http, &base, &g1).await })
+        fleet
+            .ctl
+            .spawn(async move { send(&http, &base, &g1).await })
     };
-    fleet.wait_for("G1 running on the last worker", Duration::from_secs(20), || {
-        fleet.engine_stats(&survivor).running >= 1
-    });
+    fleet.wait_for(
+        "G1 running on the last worker",
+        Duration::from_secs(20),
+        || fleet.engine_stats(&survivor).running >= 1,
+    );
     let g2 = Chat::new(
         RR_MODEL,
         "e2e-stop-g2",
@@ -324,42 +461,80 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         Opened::Stream(s) => s,
         Opened::Whole(r) => panic!("G2 was not streamed: {r:?}"),
     };
-    assert_eq!(g2_stream.reply.worker.as_deref(), Some(survivor.as_str()), "G2 not on {survivor}");
-    assert!(fleet.block_on(g2_stream.read_first_content()), "G2 ended before its first token");
-    fleet.wait_for("G1 and G2 generating on the last worker", Duration::from_secs(20), || {
-        fleet.engine_stats(&survivor).running == 2
-    });
+    assert_eq!(
+        g2_stream.reply.worker.as_deref(),
+        Some(survivor.as_str()),
+        "G2 not on {survivor}"
+    );
+    assert!(
+        fleet.block_on(g2_stream.read_first_content()),
+        "G2 ended before its first token"
+    );
+    fleet.wait_for(
+        "G1 and G2 generating on the last worker",
+        Duration::from_secs(20),
+        || fleet.engine_stats(&survivor).running == 2,
+    );
     let stopping = Instant::now();
     fleet.stop_worker(&survivor);
-    println!("stopped {survivor} gracefully in {:.0} ms", stopping.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "stopped {survivor} gracefully in {:.0} ms",
+        stopping.elapsed().as_secs_f64() * 1e3
+    );
     let g1_reply = fleet.block_on(g1_task).expect("G1 task");
     println!("G1 after the stop: {g1_reply:?}");
     assert_eq!(g1_reply.status, 503, "{g1_reply:?}");
-    assert_eq!(g1_reply.error.as_deref(), Some("engine_stopped"), "{g1_reply:?}");
+    assert_eq!(
+        g1_reply.error.as_deref(),
+        Some("engine_stopped"),
+        "{g1_reply:?}"
+    );
     fleet.block_on(g2_stream.read_to_end());
     println!("G2 after the stop: {:?}", g2_stream.reply);
-    assert!(!g2_stream.reply.done, "G2 completed although its worker stopped");
     assert!(
-        g2_stream.reply.error.as_deref().is_some_and(|e| e.contains("engine_stopped")),
+        !g2_stream.reply.done,
+        "G2 completed although its worker stopped"
+    );
+    assert!(
+        g2_stream
+            .reply
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("engine_stopped")),
         "G2 did not get the in-band engine_stopped error: {:?}",
         g2_stream.reply
     );
     let decisions = fleet.wait_decisions(sent.len());
     assert_eq!(decisions.len(), sent.len());
-    let stopped: BTreeMap<String, receipts::Receipt> = e2e_support::read_receipts(&fleet.host(&survivor).receipt_log)
-        .into_iter()
-        .filter(|r| r.request_id.starts_with("e2e-stop-"))
-        .map(|r| (r.request_id.clone(), r))
-        .collect();
+    let stopped: BTreeMap<String, receipts::Receipt> =
+        e2e_support::read_receipts(&fleet.host(&survivor).receipt_log)
+            .into_iter()
+            .filter(|r| r.request_id.starts_with("e2e-stop-"))
+            .map(|r| (r.request_id.clone(), r))
+            .collect();
     for (id, status) in [("e2e-stop-g1", 503), ("e2e-stop-g2", 200)] {
-        let r = stopped.get(id).unwrap_or_else(|| panic!("no receipt for {id}"));
-        assert_eq!(r.error_code.as_deref(), Some("engine_stopped"), "{id}: {r:?}");
+        let r = stopped
+            .get(id)
+            .unwrap_or_else(|| panic!("no receipt for {id}"));
+        assert_eq!(
+            r.error_code.as_deref(),
+            Some("engine_stopped"),
+            "{id}: {r:?}"
+        );
         assert_eq!(r.status, status, "{id}: {r:?}");
     }
     assert_logs_verify(&fleet);
-    let rep = receipts::audit(&fleet.decision_log, &fleet.receipt_logs(), &fleet.key_ring()).expect("audit");
+    let rep = receipts::audit(
+        &fleet.decision_log,
+        &fleet.receipt_logs(),
+        &fleet.key_ring(),
+    )
+    .expect("audit");
     println!("{rep}");
-    assert!(rep.discrepancies.is_empty(), "audit after the graceful stop:\n{rep}");
+    assert!(
+        rep.discrepancies.is_empty(),
+        "audit after the graceful stop:\n{rep}"
+    );
     assert_eq!(rep.routed, sent.len() as u64);
     assert_eq!(rep.failed_without_receipt, killed.len() as u64, "{rep}");
     assert_eq!(rep.receipted, (sent.len() - killed.len()) as u64, "{rep}");

@@ -118,13 +118,27 @@ fn keygen_writes_0600_key_and_refuses_overwrite() {
 fn verify_ok_then_tampered_names_the_line() {
     let dir = tempfile::tempdir().unwrap();
     let (keys, _, log) = scenario(dir.path(), 4);
-    let o = kvgate(&["receipts", "verify", s(&log), "--key", s(&keys.join("w0.pub")), "--keys", s(&keys)]);
+    let o = kvgate(&[
+        "receipts",
+        "verify",
+        s(&log),
+        "--key",
+        s(&keys.join("w0.pub")),
+        "--keys",
+        s(&keys),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains(": OK"), "{}", text(&o));
     assert!(text(&o).contains("valid receipts 4"), "{}", text(&o));
 
     // Without the gateway key the tickets are unchecked, and said so.
-    let o = kvgate(&["receipts", "verify", s(&log), "--key", s(&keys.join("w0.pub"))]);
+    let o = kvgate(&[
+        "receipts",
+        "verify",
+        s(&log),
+        "--key",
+        s(&keys.join("w0.pub")),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("tickets unchecked 4"), "{}", text(&o));
 
@@ -146,7 +160,13 @@ fn verify_ok_then_tampered_names_the_line() {
     // Wrong key.
     let other = dir.path().join("other");
     keygen(&other, "x");
-    let o = kvgate(&["receipts", "verify", s(&log), "--key", s(&other.join("x.pub"))]);
+    let o = kvgate(&[
+        "receipts",
+        "verify",
+        s(&log),
+        "--key",
+        s(&other.join("x.pub")),
+    ]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("unknown_key"), "{}", text(&o));
 }
@@ -156,18 +176,33 @@ fn audit_ok_then_missing_receipt() {
     let dir = tempfile::tempdir().unwrap();
     let (keys, decisions, log) = scenario(dir.path(), 3);
     let args = |d: &Path, l: &Path, k: &Path| -> Vec<String> {
-        ["receipts", "audit", "--decisions", s(d), "--receipts", s(l), "--keys", s(k)]
-            .iter()
-            .map(|x| x.to_string())
-            .collect()
+        [
+            "receipts",
+            "audit",
+            "--decisions",
+            s(d),
+            "--receipts",
+            s(l),
+            "--keys",
+            s(k),
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
     };
     let a = args(&decisions, &log, &keys);
     let o = kvgate(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", text(&o));
     let out = text(&o);
     assert!(out.starts_with("audit: OK"), "{out}");
-    assert!(out.contains("chat / kv / v2: decisions 3, receipted 3"), "{out}");
-    assert!(out.contains("prefix parity: compared 3, mismatched 0"), "{out}");
+    assert!(
+        out.contains("chat / kv / v2: decisions 3, receipted 3"),
+        "{out}"
+    );
+    assert!(
+        out.contains("prefix parity: compared 3, mismatched 0"),
+        "{out}"
+    );
 
     // Drop the last receipt: the gateway's decision has no receipt.
     let t = std::fs::read_to_string(&log).unwrap();

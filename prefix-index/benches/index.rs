@@ -6,6 +6,7 @@
 //!   256-block chain out of 25,000 (one worker matches all of it, mostly cache-cold lookups).
 //! * `ingest/stored_then_removed_256`: one `Stored` of 256 fresh keys then one `Removed` of
 //!   them, into the full index: 512 block operations per iteration.
+//!
 //! Targets: longest match ≤ 20 µs; ingestion ≥ 5 M blocks/s on one core.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
@@ -28,24 +29,45 @@ struct Fixture {
 fn fixture() -> Fixture {
     let mut rng = StdRng::seed_from_u64(42);
     let idx = PrefixIndex::new(IndexConfig::default()).unwrap();
-    let ids: Vec<WorkerId> = (0..WORKERS).map(|w| WorkerId(format!("worker-{w:02}"))).collect();
+    let ids: Vec<WorkerId> = (0..WORKERS)
+        .map(|w| WorkerId(format!("worker-{w:02}")))
+        .collect();
     let shared: Vec<BlockKey> = (0..CHAIN).map(|_| BlockKey(rng.gen())).collect();
     let mut chains = Vec::new();
     for id in &ids {
         idx.add_worker(id);
-        idx.apply_event(id, &KvEvent::Stored { parent: None, keys: shared.clone() }).unwrap();
+        idx.apply_event(
+            id,
+            &KvEvent::Stored {
+                parent: None,
+                keys: shared.clone(),
+            },
+        )
+        .unwrap();
         let mut held = CHAIN;
         while held < BLOCKS {
             let n = CHAIN.min(BLOCKS - held);
             let chain: Vec<BlockKey> = (0..n).map(|_| BlockKey(rng.gen())).collect();
-            idx.apply_event(id, &KvEvent::Stored { parent: None, keys: chain.clone() }).unwrap();
+            idx.apply_event(
+                id,
+                &KvEvent::Stored {
+                    parent: None,
+                    keys: chain.clone(),
+                },
+            )
+            .unwrap();
             held += n;
             if n == CHAIN {
                 chains.push(chain);
             }
         }
     }
-    Fixture { idx, ids, shared, chains }
+    Fixture {
+        idx,
+        ids,
+        shared,
+        chains,
+    }
 }
 
 fn index(c: &mut Criterion) {
@@ -80,8 +102,18 @@ fn index(c: &mut Criterion) {
         b.iter(|| {
             j = (j + 1) % fresh.len();
             let keys = &fresh[j];
-            f.idx.apply_event(id, &KvEvent::Stored { parent: None, keys: keys.clone() }).unwrap();
-            f.idx.apply_event(id, &KvEvent::Removed { keys: keys.clone() }).unwrap();
+            f.idx
+                .apply_event(
+                    id,
+                    &KvEvent::Stored {
+                        parent: None,
+                        keys: keys.clone(),
+                    },
+                )
+                .unwrap();
+            f.idx
+                .apply_event(id, &KvEvent::Removed { keys: keys.clone() })
+                .unwrap();
         })
     });
     g.finish();

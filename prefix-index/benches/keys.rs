@@ -6,7 +6,9 @@ use prefix_index::{BlockKey, BlockSize, HashAlgorithm, KeyChain, NamespaceInputs
 use std::time::Duration;
 
 fn keys(c: &mut Criterion) {
-    let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 49_152).collect();
+    let tokens: Vec<u32> = (0..4096u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 49_152)
+        .collect();
     let mut g = c.benchmark_group("keys_4096_tokens_b16");
     g.throughput(Throughput::Elements(tokens.len() as u64));
     for alg in [HashAlgorithm::Xxh3, HashAlgorithm::Sha256] {

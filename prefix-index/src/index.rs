@@ -434,8 +434,14 @@ impl PrefixIndex {
 
     /// Counts for every worker, in slot order.
     pub fn all_worker_stats(&self) -> Vec<WorkerStats> {
-        let slots: Vec<Arc<WorkerSlot>> =
-            self.workers.read().slots.iter().flatten().cloned().collect();
+        let slots: Vec<Arc<WorkerSlot>> = self
+            .workers
+            .read()
+            .slots
+            .iter()
+            .flatten()
+            .cloned()
+            .collect();
         slots.iter().map(|ws| Self::stats_of(ws)).collect()
     }
 
@@ -599,7 +605,11 @@ impl PrefixIndex {
     /// Records that `keys` were routed to `worker` (a worker without KV events): each is believed
     /// held until the TTL passes or the worker's approximate capacity evicts it (least recently
     /// routed first). Re-inserting a key refreshes it. Kept apart from precise holdings.
-    pub fn insert_approximate(&self, worker: &WorkerId, keys: &[BlockKey]) -> Result<(), IndexError> {
+    pub fn insert_approximate(
+        &self,
+        worker: &WorkerId,
+        keys: &[BlockKey],
+    ) -> Result<(), IndexError> {
         let ws = self.slot_of(worker)?;
         let mut st = ws.writer.lock();
         if !ws.alive.load(Ordering::Acquire) {
@@ -638,8 +648,14 @@ impl PrefixIndex {
     /// many were dropped. Call it periodically to bound memory.
     pub fn expire_approximate(&self) -> usize {
         let now = self.clock.now();
-        let slots: Vec<Arc<WorkerSlot>> =
-            self.workers.read().slots.iter().flatten().cloned().collect();
+        let slots: Vec<Arc<WorkerSlot>> = self
+            .workers
+            .read()
+            .slots
+            .iter()
+            .flatten()
+            .cloned()
+            .collect();
         let mut n = 0;
         for ws in slots {
             let mut st = ws.writer.lock();
@@ -739,7 +755,11 @@ impl PrefixIndex {
                 }
             }
         }
-        out.sort_unstable_by(|x, y| y.blocks.cmp(&x.blocks).then_with(|| x.worker.cmp(&y.worker)));
+        out.sort_unstable_by(|x, y| {
+            y.blocks
+                .cmp(&x.blocks)
+                .then_with(|| x.worker.cmp(&y.worker))
+        });
         out
     }
 
@@ -774,32 +794,18 @@ impl PrefixIndex {
             .zip(&needed)
             .map(|(shard, &need)| need.then(|| shard.read()))
             .collect();
-        // Look keys up LOOKAHEAD at a time (independent loads, so their cache misses overlap),
-        // then intersect; stop as soon as no worker is left.
-        const LOOKAHEAD: usize = 16;
-        let mut found: [Option<&Holders>; LOOKAHEAD] = [None; LOOKAHEAD];
-        for (c, (ks, ss)) in rest
-            .chunks(LOOKAHEAD)
-            .zip(shard_ids.chunks(LOOKAHEAD))
-            .enumerate()
-        {
-            for ((slot, &k), &s) in found.iter_mut().zip(ks).zip(ss) {
-                *slot = guards[s as usize].as_ref().and_then(|g| g.get(&k));
-            }
-            for (j, h) in found[..ks.len()].iter().enumerate() {
-                let i = 1 + c * LOOKAHEAD + j;
-                match h {
-                    None => {
-                        for_each_slot(&active, |s| out.push((s, i)));
-                        return;
-                    }
-                    Some(h) => {
-                        h.with_words(|w| intersect_into(&mut active, w, |s| out.push((s, i))))
-                    }
-                }
-                if active.is_empty() {
+        for (j, (&k, &s)) in rest.iter().zip(&shard_ids).enumerate() {
+            let i = j + 1;
+            let holders = guards[s as usize].as_ref().and_then(|g| g.get(&k));
+            match holders {
+                None => {
+                    for_each_slot(&active, |s| out.push((s, i)));
                     return;
                 }
+                Some(h) => h.with_words(|w| intersect_into(&mut active, w, |s| out.push((s, i)))),
+            }
+            if active.is_empty() {
+                return;
             }
         }
         for_each_slot(&active, |s| out.push((s, keys.len())));
@@ -812,10 +818,7 @@ impl PrefixIndex {
         for (i, &k) in keys.iter().enumerate() {
             here.clear();
             if let Some(v) = self.approx[self.shard_of(k)].read().get(&k) {
-                words_from_slots(
-                    v.iter().filter(|e| e.1 > now).map(|e| e.0),
-                    &mut here,
-                );
+                words_from_slots(v.iter().filter(|e| e.1 > now).map(|e| e.0), &mut here);
             }
             if i == 0 {
                 std::mem::swap(&mut active, &mut here);
@@ -846,7 +849,11 @@ impl PrefixIndex {
                 } else {
                     (cap * 8 / 7).next_power_of_two()
                 };
-                let table = if buckets == 0 { 0 } else { buckets * (entry + 1) + 16 };
+                let table = if buckets == 0 {
+                    0
+                } else {
+                    buckets * (entry + 1) + 16
+                };
                 table + s.values().map(Holders::heap_bytes).sum::<usize>()
             })
             .sum()
@@ -962,7 +969,10 @@ mod tests {
         idx.apply_event(&w("a"), &rm).unwrap();
         idx.apply_event(&w("a"), &rm).unwrap();
         assert_eq!(idx.worker_stats(&w("a")).unwrap().precise_blocks, 4);
-        assert_eq!(summary(&idx.longest_matches(&chain)), vec![("a".into(), 4, 4, 0)]);
+        assert_eq!(
+            summary(&idx.longest_matches(&chain)),
+            vec![("a".into(), 4, 4, 0)]
+        );
         idx.apply_event(&w("a"), &KvEvent::Cleared).unwrap();
         idx.apply_event(&w("a"), &KvEvent::Cleared).unwrap();
         assert_eq!(idx.worker_stats(&w("a")).unwrap().precise_blocks, 0);
@@ -1004,20 +1014,24 @@ mod tests {
         idx.add_worker(&a);
         let env = |epoch, seq, event| KvEventEnvelope { epoch, seq, event };
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 10, stored(&keys(1..3)))).unwrap(),
+            idx.apply_envelope(&a, &env(1, 10, stored(&keys(1..3))))
+                .unwrap(),
             EnvelopeOutcome::Applied
         );
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 11, stored(&keys(3..4)))).unwrap(),
+            idx.apply_envelope(&a, &env(1, 11, stored(&keys(3..4))))
+                .unwrap(),
             EnvelopeOutcome::Applied
         );
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 11, KvEvent::Cleared)).unwrap(),
+            idx.apply_envelope(&a, &env(1, 11, KvEvent::Cleared))
+                .unwrap(),
             EnvelopeOutcome::Duplicate
         );
         assert_eq!(idx.worker_stats(&a).unwrap().precise_blocks, 3);
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 14, stored(&keys(4..5)))).unwrap(),
+            idx.apply_envelope(&a, &env(1, 14, stored(&keys(4..5))))
+                .unwrap(),
             EnvelopeOutcome::Gap {
                 expected: 12,
                 got: 14
@@ -1025,11 +1039,13 @@ mod tests {
         );
         assert_eq!(idx.worker_stats(&a).unwrap().precise_blocks, 4);
         assert_eq!(
-            idx.apply_envelope(&a, &env(0, 99, KvEvent::Cleared)).unwrap(),
+            idx.apply_envelope(&a, &env(0, 99, KvEvent::Cleared))
+                .unwrap(),
             EnvelopeOutcome::Stale
         );
         assert_eq!(
-            idx.apply_envelope(&a, &env(2, 0, stored(&keys(7..8)))).unwrap(),
+            idx.apply_envelope(&a, &env(2, 0, stored(&keys(7..8))))
+                .unwrap(),
             EnvelopeOutcome::NewEpoch { previous: 1 }
         );
         let st = idx.worker_stats(&a).unwrap();

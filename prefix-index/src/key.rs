@@ -55,7 +55,10 @@ impl FromStr for BlockKey {
             reason,
         };
         if s.len() != 16 {
-            return Err(bad(format!("expected 16 hex digits, got {} bytes", s.len())));
+            return Err(bad(format!(
+                "expected 16 hex digits, got {} bytes",
+                s.len()
+            )));
         }
         if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad(format!("non-hex character in {s:?}")));
@@ -474,11 +477,13 @@ impl KeyChain {
                 let mut parent = self.seed.0;
                 for block in tokens.chunks_exact(b) {
                     parent = sha256_step(&mut buf, &parent, block);
-                    out.push(ChainLink {
-                        digest: parent,
-                        len: 32,
-                    }
-                    .key());
+                    out.push(
+                        ChainLink {
+                            digest: parent,
+                            len: 32,
+                        }
+                        .key(),
+                    );
                 }
             }
         }
@@ -581,7 +586,12 @@ mod tests {
         let back: BlockKey = serde_json::from_str("\"00abcdef01234567\"").unwrap();
         assert_eq!(back, k);
         assert_eq!("00ABCDEF01234567".parse::<BlockKey>().unwrap(), k);
-        for bad in ["\"abc\"", "\"+0abcdef01234567\"", "\"00abcdef0123456g\"", "17"] {
+        for bad in [
+            "\"abc\"",
+            "\"+0abcdef01234567\"",
+            "\"00abcdef0123456g\"",
+            "17",
+        ] {
             assert!(serde_json::from_str::<BlockKey>(bad).is_err(), "{bad}");
         }
     }

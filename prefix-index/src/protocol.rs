@@ -126,7 +126,10 @@ mod tests {
             r#"{"epoch":1,"seq":1,"type":"removed","keys":["xyz"]}"#,
             r#"{"epoch":1,"seq":1,"type":"removed"}"#,
         ] {
-            assert!(serde_json::from_str::<KvEventEnvelope>(bad).is_err(), "{bad}");
+            assert!(
+                serde_json::from_str::<KvEventEnvelope>(bad).is_err(),
+                "{bad}"
+            );
         }
     }
 }

@@ -219,7 +219,12 @@ fn run(seed: u64, steps: usize, shards: usize) {
             }
             72..=76 => clock.advance(Duration::from_millis(rng.gen_range(0..4000))),
             77..=78 => {
-                assert_eq!(idx.expire_approximate(), naive.expire(clock.now()), "{}", ctx());
+                assert_eq!(
+                    idx.expire_approximate(),
+                    naive.expire(clock.now()),
+                    "{}",
+                    ctx()
+                );
             }
             _ => {
                 queries += 1;
@@ -243,8 +248,18 @@ fn run(seed: u64, steps: usize, shards: usize) {
             let mut distinct = HashSet::new();
             for (id, nw) in &naive.workers {
                 let st = idx.worker_stats(id).unwrap();
-                assert_eq!(st.precise_blocks as usize, nw.precise.len(), "{} {id}", ctx());
-                assert_eq!(st.approximate_blocks as usize, nw.approx.len(), "{} {id}", ctx());
+                assert_eq!(
+                    st.precise_blocks as usize,
+                    nw.precise.len(),
+                    "{} {id}",
+                    ctx()
+                );
+                assert_eq!(
+                    st.approximate_blocks as usize,
+                    nw.approx.len(),
+                    "{} {id}",
+                    ctx()
+                );
                 assert_eq!(st.last_event, nw.last, "{} {id}", ctx());
                 distinct.extend(nw.precise.iter().copied());
             }

@@ -21,7 +21,10 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -46,10 +49,20 @@ fn measure(workers: u64, blocks: u64, shared: u64) -> (f64, f64, u64) {
     let mut batch = Vec::with_capacity(1024);
     for (w, id) in ids.iter().enumerate() {
         for i in 0..blocks {
-            batch.push(if i < shared { key(u64::MAX >> 24, i) } else { key(w as u64, i) });
+            batch.push(if i < shared {
+                key(u64::MAX >> 24, i)
+            } else {
+                key(w as u64, i)
+            });
             if batch.len() == 1024 || i + 1 == blocks {
-                idx.apply_event(id, &KvEvent::Stored { parent: None, keys: std::mem::take(&mut batch) })
-                    .unwrap();
+                idx.apply_event(
+                    id,
+                    &KvEvent::Stored {
+                        parent: None,
+                        keys: std::mem::take(&mut batch),
+                    },
+                )
+                .unwrap();
                 batch.reserve(1024);
             }
         }
@@ -68,8 +81,14 @@ fn bytes_per_worker_block_within_target() {
     eprintln!(
         "precise index, distinct keys: {measured:.1} bytes per (worker, block) over {pairs} pairs (estimate {estimated:.1})"
     );
-    assert!(measured <= 64.0, "{measured} bytes per (worker, block) > 64");
-    assert!((estimated - measured).abs() / measured < 0.1, "estimate {estimated} vs {measured}");
+    assert!(
+        measured <= 64.0,
+        "{measured} bytes per (worker, block) > 64"
+    );
+    assert!(
+        (estimated - measured).abs() / measured < 0.1,
+        "estimate {estimated} vs {measured}"
+    );
 
     // a shared system prompt: half of every worker's blocks are the same keys
     let (measured, estimated, pairs) = measure(64, 25_000, 12_500);
@@ -77,5 +96,8 @@ fn bytes_per_worker_block_within_target() {
         "precise index, half shared: {measured:.1} bytes per (worker, block) over {pairs} pairs (estimate {estimated:.1})"
     );
     assert!(measured <= 64.0);
-    assert!((estimated - measured).abs() / measured < 0.1, "estimate {estimated} vs {measured}");
+    assert!(
+        (estimated - measured).abs() / measured < 0.1,
+        "estimate {estimated} vs {measured}"
+    );
 }

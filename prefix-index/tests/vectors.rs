@@ -25,7 +25,10 @@ fn doc_vectors() -> Vec<Vector> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/block-keys.md");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     let marker = "```json vectors";
-    let start = text.find(marker).expect("vector block in docs/block-keys.md") + marker.len();
+    let start = text
+        .find(marker)
+        .expect("vector block in docs/block-keys.md")
+        + marker.len();
     let len = text[start..].find("```").expect("end of vector block");
     serde_json::from_str(&text[start..start + len]).expect("vectors are valid JSON")
 }
@@ -33,7 +36,10 @@ fn doc_vectors() -> Vec<Vector> {
 #[test]
 fn vectors_from_docs() {
     let vectors = doc_vectors();
-    assert!(vectors.len() >= 6, "the document must keep at least 6 vectors");
+    assert!(
+        vectors.len() >= 6,
+        "the document must keep at least 6 vectors"
+    );
     let mut algs = std::collections::HashSet::new();
     let mut sizes = std::collections::HashSet::new();
     let (mut salted, mut unsalted, mut long_chain) = (false, false, false);
@@ -56,7 +62,11 @@ fn vectors_from_docs() {
         );
         let chain = KeyChain::from_inputs(&inputs);
         assert_eq!(chain.seed(), v.seed, "{}: seed", v.name);
-        let keys: Vec<String> = chain.keys(&v.tokens).iter().map(|k| k.to_string()).collect();
+        let keys: Vec<String> = chain
+            .keys(&v.tokens)
+            .iter()
+            .map(|k| k.to_string())
+            .collect();
         assert_eq!(keys, v.keys, "{}: keys", v.name);
         // incremental form gives the same keys
         let mut link = chain.root();
@@ -71,6 +81,12 @@ fn vectors_from_docs() {
         long_chain |= v.keys.len() >= 3;
     }
     assert_eq!(algs.len(), 2, "both algorithms covered");
-    assert!(sizes.contains(&16) && sizes.contains(&4), "B = 16 and B = 4 covered");
-    assert!(salted && unsalted && long_chain, "salt / no salt / ≥ 3-block chain covered");
+    assert!(
+        sizes.contains(&16) && sizes.contains(&4),
+        "B = 16 and B = 4 covered"
+    );
+    assert!(
+        salted && unsalted && long_chain,
+        "salt / no salt / ≥ 3-block chain covered"
+    );
 }

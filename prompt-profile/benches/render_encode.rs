@@ -3,13 +3,15 @@
 //!
 //! Run: `cargo bench -p prompt-profile --bench render_encode`
 //!
-//! The chats are seeded pseudo-random prose and code with many distinct words; the BPE word
-//! cache is warm after the first iteration (as it is for a server re-rendering conversations).
+//! The chats are seeded pseudo-random prose and code with many distinct words. `cold` empties
+//! the profile's piece cache before each call (a new conversation); `next_turn` has every
+//! message but the last one cached (the next request of a growing conversation). The
+//! `tokenizers` BPE word cache stays warm in all cases, as in a running server.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use prompt_profile::{ChatMessage, PromptProfile};
 use rand::{Rng, SeedableRng};
 
@@ -85,11 +87,44 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("render", n), &messages, |b, m| {
             b.iter(|| profile.render(m, true).unwrap())
         });
+        // the same conversation again: every piece is cached
         g.bench_with_input(
-            BenchmarkId::new("render_and_encode", n),
+            BenchmarkId::new("render_and_encode_repeat", n),
             &messages,
             |b, m| b.iter(|| profile.render_and_encode(m).unwrap()),
         );
+        // a conversation never seen before: the piece cache is emptied before each call
+        g.bench_with_input(
+            BenchmarkId::new("render_and_encode_cold", n),
+            &messages,
+            |b, m| {
+                b.iter_batched(
+                    || profile.clear_token_cache(),
+                    |()| profile.render_and_encode(m).unwrap(),
+                    BatchSize::PerIteration,
+                )
+            },
+        );
+        // the next turn of a conversation: all but the last message were encoded before
+        g.bench_with_input(
+            BenchmarkId::new("render_and_encode_next_turn", n),
+            &messages,
+            |b, m| {
+                b.iter_batched(
+                    || {
+                        profile.clear_token_cache();
+                        profile.render_and_encode(&m[..m.len() - 1]).unwrap();
+                    },
+                    |()| profile.render_and_encode(m).unwrap(),
+                    BatchSize::PerIteration,
+                )
+            },
+        );
+        // the direct tokenizers pipeline, for comparison
+        let text = profile.render(&messages, true).unwrap();
+        g.bench_with_input(BenchmarkId::new("encode_uncached", n), &text, |b, t| {
+            b.iter(|| profile.encode_uncached(t, true).unwrap())
+        });
     }
     g.finish();
 }

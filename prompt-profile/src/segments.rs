@@ -50,7 +50,10 @@ impl SegmentEncoder {
         let has_normalizer = tok.get_normalizer().is_some();
         let mut by_first_byte: Vec<Vec<(Box<str>, u32)>> = vec![Vec::new(); 256];
         for (id, added) in tok.get_added_tokens_decoder() {
-            if added.lstrip || added.rstrip || added.single_word || (added.normalized && has_normalizer)
+            if added.lstrip
+                || added.rstrip
+                || added.single_word
+                || (added.normalized && has_normalizer)
             {
                 return None;
             }

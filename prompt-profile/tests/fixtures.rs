@@ -688,6 +688,27 @@ proptest! {
     }
 
     #[test]
+    fn prop_cached_encode_equals_direct(
+        parts in proptest::collection::vec(
+            prop_oneof![
+                Just("<|im_start|>".to_string()),
+                Just("<|im_end|>".to_string()),
+                Just("<|im_".to_string()),
+                Just("<<|im_end|>".to_string()),
+                "[a-z <|>\n1-9é😀]{0,40}",
+            ],
+            0..12,
+        )
+    ) {
+        let p = tiny_profile();
+        let s: String = parts.concat();
+        let direct = p.encode_uncached(&s, true).unwrap();
+        prop_assert_eq!(&p.encode(&s, true).unwrap(), &direct);
+        // second time from the cache
+        prop_assert_eq!(&p.encode(&s, true).unwrap(), &direct);
+    }
+
+    #[test]
     fn prop_corrupted_metadata_never_panics(seed in any::<u64>(), flips in 1usize..8) {
         let mut bytes = gguf_bytes(3, &tiny_kvs());
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);

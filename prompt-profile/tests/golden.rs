@@ -115,6 +115,71 @@ fn round_trip_random_unicode_seeded() {
     }
 }
 
+/// The piece cache of `encode` gives exactly the ids of the direct pipeline, on random text
+/// with special tokens and on a growing conversation (turn N+1 reuses turn N's pieces).
+#[test]
+fn cached_encode_equals_direct_seeded() {
+    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0xCAC4E);
+    println!("seed = {seed}");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let pieces = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<file_sep>",
+        "<|im_",
+        "<",
+        "|>",
+        "\n",
+        " the",
+        "Hello",
+        " world",
+        "123",
+        " 4.5",
+        "é",
+        "😀",
+        "fn x() {}",
+        "  ",
+        "\t",
+    ];
+    let p = profile();
+    p.clear_token_cache();
+    for case in 0..300 {
+        let n = rng.gen_range(0..30);
+        let s: String = (0..n)
+            .map(|_| pieces[rng.gen_range(0..pieces.len())])
+            .collect();
+        let direct = p.encode_uncached(&s, true).unwrap();
+        assert_eq!(
+            p.encode(&s, true).unwrap(),
+            direct,
+            "seed {seed} case {case} {s:?}"
+        );
+        assert_eq!(
+            p.encode(&s, true).unwrap(),
+            direct,
+            "cached, seed {seed} case {case}"
+        );
+    }
+    let mut messages = vec![ChatMessage::new("system", "You are terse.")];
+    for turn in 0..8 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let text: String = (0..rng.gen_range(1..40))
+            .map(|_| pieces[rng.gen_range(0..pieces.len())])
+            .collect();
+        messages.push(ChatMessage::new(role, text));
+        let r = p.render_and_encode(&messages).unwrap();
+        assert_eq!(
+            r.ids,
+            p.encode_uncached(&r.text, true).unwrap(),
+            "turn {turn}"
+        );
+    }
+}
+
 #[test]
 fn two_turn_conversation_renders_exactly() {
     let messages = vec![

@@ -239,7 +239,11 @@ impl fmt::Display for AuditReport {
         )?;
         for l in &self.logs {
             let state = if l.ok() { "ok" } else { "FAILED" };
-            write!(f, "  {}: {state}, {} valid of {} lines", l.source, l.valid, l.lines)?;
+            write!(
+                f,
+                "  {}: {state}, {} valid of {} lines",
+                l.source, l.valid, l.lines
+            )?;
             match l.first_failure() {
                 Some(first) => writeln!(f, ", first failure {first}")?,
                 None => writeln!(f)?,
@@ -254,7 +258,11 @@ impl fmt::Display for AuditReport {
                 c.decisions, c.receipted, c.predicted_tokens, c.cached_tokens, c.prompt_tokens
             )?;
         }
-        let modes: Vec<String> = self.per_mode.iter().map(|(m, n)| format!("{m} {n}")).collect();
+        let modes: Vec<String> = self
+            .per_mode
+            .iter()
+            .map(|(m, n)| format!("{m} {n}"))
+            .collect();
         writeln!(f, "per mode: {}", modes.join(", "))?;
         writeln!(f, "per worker:")?;
         for (w, c) in &self.per_worker {
@@ -274,8 +282,16 @@ impl fmt::Display for AuditReport {
         }
         let counts = self.discrepancy_counts();
         if !counts.is_empty() {
-            let c: Vec<String> = counts.iter().map(|(k, n)| format!("{} {n}", k.as_str())).collect();
-            writeln!(f, "discrepancies: {} ({})", self.discrepancies.len(), c.join(", "))?;
+            let c: Vec<String> = counts
+                .iter()
+                .map(|(k, n)| format!("{} {n}", k.as_str()))
+                .collect();
+            writeln!(
+                f,
+                "discrepancies: {} ({})",
+                self.discrepancies.len(),
+                c.join(", ")
+            )?;
         }
         for d in &self.discrepancies {
             writeln!(f, "  {d}")?;
@@ -427,7 +443,10 @@ pub fn audit_with(
         }
         let mut mismatches = Vec::new();
         if t.request_id != d.request_id {
-            mismatches.push(format!("request_id {} vs ticket {}", d.request_id, t.request_id));
+            mismatches.push(format!(
+                "request_id {} vs ticket {}",
+                d.request_id, t.request_id
+            ));
         }
         if d.service.as_deref().is_some_and(|s| s != t.service) {
             mismatches.push(format!("service {:?} vs ticket {}", d.service, t.service));
@@ -453,7 +472,10 @@ pub fn audit_with(
             ));
         }
         *rep.per_mode.entry(t.mode.as_str()).or_insert(0) += 1;
-        rep.per_worker.entry(t.worker.clone()).or_default().decisions += 1;
+        rep.per_worker
+            .entry(t.worker.clone())
+            .or_default()
+            .decisions += 1;
         let route = rep
             .per_route
             .entry((t.service.clone(), t.rule_id.clone(), t.rule_version))
@@ -462,7 +484,10 @@ pub fn audit_with(
         if t.mode == RouteMode::KvExact {
             route.predicted_tokens += u64::from(t.predicted_matched_tokens.unwrap_or(0));
         }
-        let found = by_ticket.get(st.signature()).map(Vec::as_slice).unwrap_or(&[]);
+        let found = by_ticket
+            .get(st.signature())
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
         match found {
             [] => {
                 if d.error.is_some() {
@@ -523,7 +548,11 @@ pub fn audit_with(
                     D::DuplicateReceipt,
                     rid,
                     loc,
-                    format!("{} receipts for one ticket: {}", many.len(), locs.join(", ")),
+                    format!(
+                        "{} receipts for one ticket: {}",
+                        many.len(),
+                        locs.join(", ")
+                    ),
                 ));
             }
         }

@@ -9,15 +9,14 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ReceiptsError {
     /// An I/O operation on a key or log file failed.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}: {io}")]
     Io {
         /// What was being done ("open", "read", "write", "fsync", ...).
         op: &'static str,
         /// The file concerned.
         path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        /// The underlying error (in the message, not repeated as a `source()`).
+        io: std::io::Error,
     },
     /// A private key file is readable or writable by group or others.
     #[error(
@@ -146,7 +145,7 @@ impl ReceiptsError {
         ReceiptsError::Io {
             op,
             path: path.into(),
-            source,
+            io: source,
         }
     }
 }

@@ -52,7 +52,12 @@ pub struct PublicKey {
 
 impl fmt::Debug for PublicKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PublicKey({}, {})", self.id, hex::encode(self.key.as_bytes()))
+        write!(
+            f,
+            "PublicKey({}, {})",
+            self.id,
+            hex::encode(self.key.as_bytes())
+        )
     }
 }
 
@@ -73,10 +78,11 @@ impl PublicKey {
 
     /// Parse an SPKI PEM (`-----BEGIN PUBLIC KEY-----`) public key.
     pub fn from_pem(pem: &str) -> Result<PublicKey> {
-        let key = VerifyingKey::from_public_key_pem(pem).map_err(|e| ReceiptsError::InvalidKey {
-            what: "public key PEM".into(),
-            detail: e.to_string(),
-        })?;
+        let key =
+            VerifyingKey::from_public_key_pem(pem).map_err(|e| ReceiptsError::InvalidKey {
+                what: "public key PEM".into(),
+                detail: e.to_string(),
+            })?;
         Ok(PublicKey::from_verifying(key))
     }
 
@@ -185,13 +191,13 @@ impl KeyPair {
                 return Err(ReceiptsError::KeyExists { path: p.clone() });
             }
         }
-        let pem = self
-            .signing
-            .to_pkcs8_pem(LineEnding::LF)
-            .map_err(|e| ReceiptsError::InvalidKey {
-                what: "private key".into(),
-                detail: e.to_string(),
-            })?;
+        let pem =
+            self.signing
+                .to_pkcs8_pem(LineEnding::LF)
+                .map_err(|e| ReceiptsError::InvalidKey {
+                    what: "private key".into(),
+                    detail: e.to_string(),
+                })?;
         write_new_file(&key_path, pem.as_bytes(), 0o600)?;
         write_new_file(&pub_path, self.public.to_pem()?.as_bytes(), 0o644)?;
         Ok((key_path, pub_path))
@@ -250,7 +256,8 @@ fn write_new_file(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     let _ = mode;
     f.write_all(bytes)
         .map_err(|e| ReceiptsError::io("write", path, e))?;
-    f.sync_all().map_err(|e| ReceiptsError::io("fsync", path, e))?;
+    f.sync_all()
+        .map_err(|e| ReceiptsError::io("fsync", path, e))?;
     Ok(())
 }
 
@@ -393,7 +400,10 @@ mod tests {
     fn rejects_bad_names() {
         let dir = tempfile::tempdir().unwrap();
         for bad in ["", "../x", "a/b", ".hidden"] {
-            assert!(KeyPair::generate().write_to_dir(dir.path(), bad).is_err(), "{bad}");
+            assert!(
+                KeyPair::generate().write_to_dir(dir.path(), bad).is_err(),
+                "{bad}"
+            );
         }
     }
 }

@@ -106,7 +106,8 @@ pub(crate) fn cut_torn_tail(
         .map_err(|e| ReceiptsError::io("open", path, e))?;
     f.set_len(valid_len)
         .map_err(|e| ReceiptsError::io("truncate", path, e))?;
-    f.sync_all().map_err(|e| ReceiptsError::io("fsync", path, e))?;
+    f.sync_all()
+        .map_err(|e| ReceiptsError::io("fsync", path, e))?;
     Ok(TornTail {
         line,
         offset: valid_len,
@@ -352,7 +353,10 @@ mod tests {
             if a.shared.state.lock().first_pending_at.is_none() {
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(10), "flusher never ran");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "flusher never ran"
+            );
             std::thread::yield_now();
         }
         a.append(b"two").unwrap();

@@ -220,10 +220,12 @@ impl Receipt {
 
     /// Check the receipt's signature with the key its `key_id` names.
     pub fn verify_signature(&self, keys: &KeyRing) -> Result<()> {
-        let key = keys.get(&self.key_id).ok_or_else(|| ReceiptsError::UnknownKey {
-            what: "receipt",
-            key_id: self.key_id.0.clone(),
-        })?;
+        let key = keys
+            .get(&self.key_id)
+            .ok_or_else(|| ReceiptsError::UnknownKey {
+                what: "receipt",
+                key_id: self.key_id.0.clone(),
+            })?;
         let bad = || ReceiptsError::BadSignature {
             what: "receipt",
             key_id: self.key_id.0.clone(),

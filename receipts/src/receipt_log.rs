@@ -84,7 +84,10 @@ impl ReceiptLog {
                 ));
             }
             if r.prev_hash != chain.last_hash {
-                return Err(corrupt(line_no, "prev_hash does not match the previous line".into()));
+                return Err(corrupt(
+                    line_no,
+                    "prev_hash does not match the previous line".into(),
+                ));
             }
             if r.worker_id != worker_id {
                 return Err(ReceiptsError::LogOwner {

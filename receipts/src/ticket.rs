@@ -88,7 +88,9 @@ pub struct RouteTicket {
 }
 
 fn is_lower_hex(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 impl RouteTicket {
@@ -99,7 +101,10 @@ impl RouteTicket {
             detail,
         };
         if self.key_id.0.len() != 16 || !is_lower_hex(&self.key_id.0) {
-            return Err(bad(format!("key_id {:?} is not 16 lowercase hex", self.key_id.0)));
+            return Err(bad(format!(
+                "key_id {:?} is not 16 lowercase hex",
+                self.key_id.0
+            )));
         }
         if !is_lower_hex(&self.namespace_seed) {
             return Err(bad("namespace_seed is not lowercase hex".into()));

@@ -112,7 +112,13 @@ pub struct VerifyFailure {
 
 impl fmt::Display for VerifyFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "line {}: {}: {}", self.line, self.kind.as_str(), self.detail)
+        write!(
+            f,
+            "line {}: {}: {}",
+            self.line,
+            self.kind.as_str(),
+            self.detail
+        )
     }
 }
 
@@ -256,7 +262,8 @@ impl<'k> LogVerifier<'k> {
         let r = match Receipt::from_line(bytes) {
             Ok(r) => r,
             Err(ReceiptsError::NonCanonical { .. }) => {
-                self.report.fail(line_no, K::NonCanonical, "receipt is not canonical JSON");
+                self.report
+                    .fail(line_no, K::NonCanonical, "receipt is not canonical JSON");
                 return None;
             }
             Err(e) => {
@@ -335,7 +342,9 @@ impl<'k> LogVerifier<'k> {
                             self.report.tickets_unchecked += 1;
                         }
                     }
-                    Err(e) => self.report.fail(line_no, K::TicketBadSignature, e.to_string()),
+                    Err(e) => self
+                        .report
+                        .fail(line_no, K::TicketBadSignature, e.to_string()),
                 }
                 let t = st.ticket_unverified();
                 if t.key_id == r.key_id {
@@ -350,8 +359,11 @@ impl<'k> LogVerifier<'k> {
                     self.report.fail(line_no, K::TicketMismatch, msg);
                 }
                 if let Err(e) = check_window(t, r.received_at_ms, self.opts.max_clock_skew_ms) {
-                    self.report
-                        .fail(line_no, K::TicketOutsideWindow, format!("at received_at_ms: {e}"));
+                    self.report.fail(
+                        line_no,
+                        K::TicketOutsideWindow,
+                        format!("at received_at_ms: {e}"),
+                    );
                 }
                 if !self.seen_tickets.insert(*st.signature()) {
                     let msg = format!("ticket for request {} already used", t.request_id);

@@ -38,11 +38,17 @@ fn fleet(n: usize) -> Fleet {
     for i in 0..n {
         let wi = i % 2;
         let w = &workers[wi].0;
-        let mode = if i % 4 < 2 { RouteMode::KvExact } else { RouteMode::RoundRobin };
+        let mode = if i % 4 < 2 {
+            RouteMode::KvExact
+        } else {
+            RouteMode::RoundRobin
+        };
         let rid = format!("req-{i}");
         let t0 = T0 + i as u64 * 10;
         let st = ticket(&rid, w, mode, t0).sign(&gw);
-        rlogs[wi].append(draft(&rid, Some(st.clone()), t0 + 1)).unwrap();
+        rlogs[wi]
+            .append(draft(&rid, Some(st.clone()), t0 + 1))
+            .unwrap();
         dlog.append(&decision(&rid, Some(st), 200, None)).unwrap();
     }
     dlog.append(&DecisionRecord {
@@ -74,7 +80,12 @@ fn fleet(n: usize) -> Fleet {
     }
 }
 
-fn decision(rid: &str, st: Option<SignedTicket>, status: u16, error: Option<&str>) -> DecisionRecord {
+fn decision(
+    rid: &str,
+    st: Option<SignedTicket>,
+    status: u16,
+    error: Option<&str>,
+) -> DecisionRecord {
     let t = st.as_ref().map(|s| s.ticket_unverified().clone());
     DecisionRecord {
         request_id: rid.to_string(),
@@ -105,15 +116,30 @@ fn consistent_fleet_passes_with_counts() {
     let f = fleet(8);
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
     assert!(r.ok(), "{r}");
-    assert_eq!((r.decisions, r.routed, r.unrouted, r.receipted), (9, 8, 1, 8));
+    assert_eq!(
+        (r.decisions, r.routed, r.unrouted, r.receipted),
+        (9, 8, 1, 8)
+    );
     assert_eq!((r.receipts, r.direct_receipts), (10, 2));
     assert_eq!(r.per_worker["w0"].decisions, 4);
     assert_eq!(r.per_worker["w1"].direct_receipts, 1);
     assert_eq!(r.per_mode["kv_exact"], 4);
     let kv = &r.per_route[&("chat".to_string(), "kv-rule".to_string(), 7)];
-    assert_eq!((kv.decisions, kv.receipted, kv.predicted_tokens, kv.cached_tokens), (4, 4, 128, 128));
     assert_eq!(
-        (r.parity.compared, r.parity.mismatched, r.parity.not_applicable),
+        (
+            kv.decisions,
+            kv.receipted,
+            kv.predicted_tokens,
+            kv.cached_tokens
+        ),
+        (4, 4, 128, 128)
+    );
+    assert_eq!(
+        (
+            r.parity.compared,
+            r.parity.mismatched,
+            r.parity.not_applicable
+        ),
         (4, 0, 4)
     );
     let text = r.to_string();
@@ -142,12 +168,22 @@ fn missing_receipt_after_tail_truncation() {
 fn upstream_error_without_receipt_is_allowed() {
     let f = fleet(2);
     let st = ticket("lost", "w1", RouteMode::RoundRobin, T0).sign(&f.gw);
-    append_decision(&f.decisions, &decision("lost", Some(st.clone()), 502, Some("connect refused")));
+    append_decision(
+        &f.decisions,
+        &decision("lost", Some(st.clone()), 502, Some("connect refused")),
+    );
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
     assert!(r.ok(), "{r}");
     assert_eq!(r.failed_without_receipt, 1);
-    append_decision(&f.decisions, &decision("lost2", Some(
-        ticket("lost2", "w1", RouteMode::RoundRobin, T0).sign(&f.gw)), 502, None));
+    append_decision(
+        &f.decisions,
+        &decision(
+            "lost2",
+            Some(ticket("lost2", "w1", RouteMode::RoundRobin, T0).sign(&f.gw)),
+            502,
+            None,
+        ),
+    );
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
     assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt]);
 }
@@ -187,9 +223,16 @@ fn decision_disagreeing_with_its_ticket() {
     d.worker = Some("w1".into());
     append_decision(&f.decisions, &d);
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
-    assert_eq!(kinds(&r), vec![DiscrepancyKind::DecisionTicketMismatch], "{r}");
+    assert_eq!(
+        kinds(&r),
+        vec![DiscrepancyKind::DecisionTicketMismatch],
+        "{r}"
+    );
     let detail = &r.discrepancies[0].detail;
-    assert!(detail.contains("rule_version") && detail.contains("worker"), "{detail}");
+    assert!(
+        detail.contains("rule_version") && detail.contains("worker"),
+        "{detail}"
+    );
 }
 
 #[test]
@@ -197,7 +240,8 @@ fn status_mismatch_duplicate_decision_bad_ticket_and_malformed_line() {
     let f = fleet(2);
     // Re-record req-0's ticket with another status: duplicate decision.
     let text = std::fs::read_to_string(&f.decisions).unwrap();
-    let first: DecisionRecord = DecisionRecord::from_line(text.lines().next().unwrap().as_bytes()).unwrap();
+    let first: DecisionRecord =
+        DecisionRecord::from_line(text.lines().next().unwrap().as_bytes()).unwrap();
     let mut dup = first.clone();
     dup.status = 500;
     append_decision(&f.decisions, &dup);
@@ -221,7 +265,11 @@ fn status_mismatch_duplicate_decision_bad_ticket_and_malformed_line() {
         ],
         "{r}"
     );
-    let malformed = r.discrepancies.iter().find(|d| d.kind == DiscrepancyKind::DecisionMalformed).unwrap();
+    let malformed = r
+        .discrepancies
+        .iter()
+        .find(|d| d.kind == DiscrepancyKind::DecisionMalformed)
+        .unwrap();
     assert!(malformed.location.ends_with(":6"), "{}", malformed.location);
 
     // Status disagreement between gateway and worker.

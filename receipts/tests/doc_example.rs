@@ -21,8 +21,7 @@ fn example_ticket() -> RouteTicket {
         predicted_matched_tokens: Some(32),
         prompt_tokens: Some(41),
         last_block_key: Some("9f3c2a71d04b8e65".into()),
-        namespace_seed: "6b76676174652d6578616d706c652d6e616d6573706163652d73656564000001"
-            .into(),
+        namespace_seed: "6b76676174652d6578616d706c652d6e616d6573706163652d73656564000001".into(),
         hash_algorithm: "xxh3_64".into(),
         issued_at_ms: 1_700_000_000_000,
         expires_at_ms: 1_700_000_060_000,
@@ -66,7 +65,10 @@ fn computed() -> BTreeMap<&'static str, String> {
     let signed = receipt.signed_bytes().unwrap();
     let mut m = BTreeMap::new();
     m.insert("gateway-secret-seed-hex", GATEWAY_SEED_HEX.to_string());
-    m.insert("gateway-public-key-hex", hex::encode(gw.public().to_bytes()));
+    m.insert(
+        "gateway-public-key-hex",
+        hex::encode(gw.public().to_bytes()),
+    );
     m.insert("gateway-key-id", gw.key_id().to_string());
     m.insert("gateway-public-pem", gw.public().to_pem().unwrap());
     m.insert("worker-secret-seed-hex", WORKER_SEED_HEX.to_string());
@@ -131,14 +133,17 @@ fn docs_worked_example_matches_code() {
         println!("```text example:{name}\n{}\n```\n", value.trim_end());
     }
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/receipts.md");
-    let doc = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    let doc = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     let blocks = doc_blocks(&doc);
     for (name, value) in &want {
         let got = blocks
             .get(*name)
             .unwrap_or_else(|| panic!("docs/receipts.md has no `example:{name}` block"));
-        assert_eq!(got.trim_end(), value.trim_end(), "example:{name} differs from the code");
+        assert_eq!(
+            got.trim_end(),
+            value.trim_end(),
+            "example:{name} differs from the code"
+        );
     }
     for name in blocks.keys() {
         assert!(

@@ -21,15 +21,16 @@ fn append_chains_and_get_finds_by_request_id() {
     assert!(log.get("nope").unwrap().is_none());
     // prev_hash of each line is the SHA-256 of the previous line.
     let text = std::fs::read(&path).unwrap();
-    let lines: Vec<&[u8]> = text.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    let lines: Vec<&[u8]> = text
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .collect();
     let r4: Receipt = Receipt::from_line(lines[4]).unwrap();
     assert_eq!(r4.prev_hash, Receipt::line_hash(lines[3]));
     let r0: Receipt = Receipt::from_line(lines[0]).unwrap();
     assert_eq!(r0.prev_hash, GENESIS_HASH);
     // A new append continues the chain.
-    let r5 = log
-        .append(draft("req-5", None, T0 + 10_000))
-        .unwrap();
+    let r5 = log.append(draft("req-5", None, T0 + 10_000)).unwrap();
     assert_eq!(r5.seq, 5);
     assert_eq!(r5.prev_hash, Receipt::line_hash(lines[4]));
     assert_eq!(log.get("req-5").unwrap().unwrap(), r5);
@@ -52,7 +53,10 @@ fn torn_write_is_cut_reported_and_chain_resumes() {
     let full = write_log(other_dir.path(), "full.jsonl", 5);
     let full_bytes = std::fs::read(&full).unwrap();
     let fifth = &full_bytes[intact.len()..];
-    let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
     f.write_all(&fifth[..fifth.len() / 2]).unwrap();
     drop(f);
 
@@ -176,7 +180,10 @@ fn decision_log_appends_and_recovers_torn_tail() {
     drop(log);
     let mut bytes = std::fs::read(&path).unwrap();
     let line = bytes.clone();
-    assert_eq!(DecisionRecord::from_line(&line[..line.len() - 1]).unwrap(), rec);
+    assert_eq!(
+        DecisionRecord::from_line(&line[..line.len() - 1]).unwrap(),
+        rec
+    );
     bytes.extend_from_slice(&line[..20]);
     std::fs::write(&path, &bytes).unwrap();
     let log = DecisionLog::open(&path, FsyncPolicy::default()).unwrap();

@@ -52,7 +52,9 @@ fn flipping_any_byte_fails_and_names_its_line() {
     let k = keys();
     let mut checked = 0;
     for pos in 0..b.len() {
-        for mask in [0x01u8, 0x20] {
+        // Every byte, with a low bit, the ASCII case bit (hex case!) or the UTF-8 high bit.
+        {
+            let mask = [0x01u8, 0x20, 0x80][pos % 3];
             let mut m = b.clone();
             m[pos] ^= mask;
             let rep = verify_bytes("log", &m, &k, opts());
@@ -67,7 +69,7 @@ fn flipping_any_byte_fails_and_names_its_line() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 2 * b.len());
+    assert_eq!(checked, b.len());
 }
 
 #[test]
@@ -112,7 +114,9 @@ fn reordered_and_duplicated_lines() {
     let rep = verify_bytes("log", &m.concat(), &k, opts());
     let f = rep.first_failure().unwrap();
     assert_eq!(f.line, 3);
-    assert!(rep.failure_counts.contains_key(&FailureKind::DuplicateTicket));
+    assert!(rep
+        .failure_counts
+        .contains_key(&FailureKind::DuplicateTicket));
     assert!(rep.failure_counts.contains_key(&FailureKind::ChainBreak));
 }
 
@@ -167,7 +171,10 @@ fn wrong_key() {
     assert!(rep.ok(), "{rep}");
     assert_eq!(rep.tickets_unchecked, 2);
     let rep = verify_bytes("log", &b, &wk, opts());
-    assert_eq!(rep.first_failure().unwrap().kind, FailureKind::TicketUnknownKey);
+    assert_eq!(
+        rep.first_failure().unwrap().kind,
+        FailureKind::TicketUnknownKey
+    );
 }
 
 fn one_receipt_log(t: SignedTicket, received_at_ms: u64) -> Vec<u8> {
@@ -186,7 +193,10 @@ fn forged_expired_and_misdirected_tickets() {
     // A worker inventing a ticket with its own (trusted) key.
     let forged = ticket("r1", "w0", RouteMode::KvExact, T0).sign(&worker_key());
     let rep = verify_bytes("log", &one_receipt_log(forged, T0), &k, opts());
-    assert_eq!(rep.first_failure().unwrap().kind, FailureKind::TicketMismatch);
+    assert_eq!(
+        rep.first_failure().unwrap().kind,
+        FailureKind::TicketMismatch
+    );
     assert!(rep.first_failure().unwrap().detail.contains("own key"));
     let attacker = KeyPair::generate();
     let forged = ticket("r1", "w0", RouteMode::KvExact, T0).sign(&attacker);
@@ -218,7 +228,10 @@ fn forged_expired_and_misdirected_tickets() {
     // A ticket for another worker.
     let t = ticket("r3", "w9", RouteMode::RoundRobin, T0).sign(&gateway_key());
     let rep = verify_bytes("log", &one_receipt_log(t, T0), &k, opts());
-    assert_eq!(rep.first_failure().unwrap().kind, FailureKind::TicketMismatch);
+    assert_eq!(
+        rep.first_failure().unwrap().kind,
+        FailureKind::TicketMismatch
+    );
 }
 
 /// Seeded randomized differential test against the naive model "a mutated log is valid iff it
@@ -229,7 +242,7 @@ fn random_mutations_match_naive_model() {
     let seed: u64 = std::env::var("RECEIPTS_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::random());
+        .unwrap_or_else(rand::random);
     println!("random_mutations_match_naive_model seed={seed} (RECEIPTS_TEST_SEED to replay)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let orig = log_bytes(6);
@@ -300,4 +313,3 @@ fn random_mutations_match_naive_model() {
         }
     }
 }
-

@@ -37,10 +37,7 @@ fn wrong_key_is_unknown_and_forged_signature_is_bad() {
     // Forgery: a ticket signed by another key but claiming the gateway's key id.
     let forged = ticket("r1", "w0", RouteMode::RoundRobin, T0).sign(&other);
     let (p, s) = forged.header().split_once('.').unwrap();
-    let mut json: serde_json::Value = serde_json::from_slice(
-        &base64_decode(p),
-    )
-    .unwrap();
+    let mut json: serde_json::Value = serde_json::from_slice(&base64_decode(p)).unwrap();
     json["key_id"] = serde_json::Value::String(gw.key_id().to_string());
     let payload = receipts::canonical::value_to_vec(&json).unwrap();
     let forged_header = format!("{}.{}", base64_encode(&payload), s);
@@ -53,7 +50,11 @@ fn wrong_key_is_unknown_and_forged_signature_is_bad() {
         serde_json::from_slice(&base64_decode(st.header().split_once('.').unwrap().0)).unwrap();
     json["worker"] = serde_json::Value::String("w9".into());
     let payload = receipts::canonical::value_to_vec(&json).unwrap();
-    let tampered = format!("{}.{}", base64_encode(&payload), st.header().split_once('.').unwrap().1);
+    let tampered = format!(
+        "{}.{}",
+        base64_encode(&payload),
+        st.header().split_once('.').unwrap().1
+    );
     let err = SignedTicket::parse_header(&tampered)
         .unwrap()
         .verify(&ring(&[&gw]), T0, 0)
@@ -63,7 +64,9 @@ fn wrong_key_is_unknown_and_forged_signature_is_bad() {
 
 fn base64_decode(s: &str) -> Vec<u8> {
     use base64::Engine;
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(s).unwrap()
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(s)
+        .unwrap()
 }
 
 fn base64_encode(b: &[u8]) -> String {
@@ -84,7 +87,9 @@ fn validity_window_with_skew() {
     );
     assert!(st.verify(&keys, exp + 1_000, 1_000).is_ok());
     assert_eq!(
-        st.verify(&keys, exp + 1_001, 1_000).unwrap_err().error_type(),
+        st.verify(&keys, exp + 1_001, 1_000)
+            .unwrap_err()
+            .error_type(),
         "ticket_expired"
     );
     assert_eq!(
@@ -107,7 +112,8 @@ fn replay_guard_rejects_second_use_until_expiry() {
     );
     // After the window the entry is pruned (the ticket itself is then expired anyway).
     let later = ticket("r2", "w0", RouteMode::RoundRobin, T0 + 100_000).sign(&gw);
-    g.check_and_insert(later.ticket_unverified(), T0 + 100_000).unwrap();
+    g.check_and_insert(later.ticket_unverified(), T0 + 100_000)
+        .unwrap();
     assert_eq!(g.len(), 1);
 }
 
@@ -154,7 +160,11 @@ fn arb_ticket() -> impl Strategy<Value = RouteTicket> {
             let mut t = ticket(
                 &rid,
                 "w-1",
-                if kv { RouteMode::KvExact } else { RouteMode::RoundRobin },
+                if kv {
+                    RouteMode::KvExact
+                } else {
+                    RouteMode::RoundRobin
+                },
                 iat,
             );
             t.service = svc;

@@ -108,10 +108,15 @@ pub fn rules_toml(profile: &PromptProfile, model: &Path, addrs: &[(String, Socke
     let id = profile.identity();
     let mut s = String::from("[gateway]\nhealth_interval_ms = 100\n");
     for (wid, a) in addrs {
-        s.push_str(&format!("\n[[workers]]\nid = \"{wid}\"\nurl = \"http://{a}\"\n"));
+        s.push_str(&format!(
+            "\n[[workers]]\nid = \"{wid}\"\nurl = \"http://{a}\"\n"
+        ));
     }
     let ids: Vec<String> = addrs.iter().map(|(w, _)| format!("\"{w}\"")).collect();
-    s.push_str(&format!("\n[[pools]]\nid = \"local\"\nworkers = [{}]\n", ids.join(", ")));
+    s.push_str(&format!(
+        "\n[[pools]]\nid = \"local\"\nworkers = [{}]\n",
+        ids.join(", ")
+    ));
     s.push_str(&format!(
         "\n[[profiles]]\nid = \"smollm2\"\nmodel_id = {:?}\nrevision = {:?}\nsource = {{ gguf = {:?} }}\n\
          template_sha256 = {:?}\ntokenizer_sha256 = {:?}\nblock_size = 16\nhash_algorithm = \"xxh3\"\n\
@@ -160,7 +165,9 @@ impl Fleet {
         let worker_keys: Vec<KeyPair> = WORKER_IDS.iter().map(|_| KeyPair::generate()).collect();
         let keys_dir = dir.path().join("keys");
         std::fs::create_dir_all(&keys_dir).expect("keys dir");
-        gateway_key.write_to_dir(&keys_dir, "gateway").expect("write gateway key");
+        gateway_key
+            .write_to_dir(&keys_dir, "gateway")
+            .expect("write gateway key");
         for (wid, k) in WORKER_IDS.iter().zip(&worker_keys) {
             k.write_to_dir(&keys_dir, wid).expect("write worker key");
         }
@@ -192,7 +199,10 @@ impl Fleet {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("worker start panicked".into())))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("worker start panicked".into()))
+                })
                 .collect()
         });
         let mut failures = Vec::new();
@@ -207,7 +217,8 @@ impl Fleet {
 
         let addrs: Vec<(String, SocketAddr)> =
             fleet.hosts.iter().map(|h| (h.id.clone(), h.addr)).collect();
-        std::fs::write(&fleet.rules_path, rules_toml(&profile, &model, &addrs)).expect("rules file");
+        std::fs::write(&fleet.rules_path, rules_toml(&profile, &model, &addrs))
+            .expect("rules file");
         let mut cfg = GatewayConfig::new(&fleet.rules_path, fleet.gateway_key.clone());
         cfg.decision_log = Some(fleet.decision_log.clone());
         cfg.watch_rules = false;
@@ -228,7 +239,9 @@ impl Fleet {
                 cuda: false,
             },
             self.worker_keys[i].clone(),
-            self.dir.path().join(format!("receipts-{}.jsonl", WORKER_IDS[i])),
+            self.dir
+                .path()
+                .join(format!("receipts-{}.jsonl", WORKER_IDS[i])),
             WORKER_IDS[i],
         );
         cfg.profile = Some(profile.clone());
@@ -294,7 +307,10 @@ impl Fleet {
     pub fn wait_for(&self, what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         let deadline = Instant::now() + timeout;
         while !f() {
-            assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {what}"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -303,16 +319,23 @@ impl Fleet {
     /// event stream connected.
     pub fn wait_routable(&self, ids: &[&str]) {
         let shared = self.gw().shared.clone();
-        self.wait_for("workers routable by the gateway", Duration::from_secs(20), || {
-            let view = shared.views.load();
-            ids.iter().all(|id| {
-                view.workers.get(&WorkerId((*id).to_owned())).is_some_and(|e| {
-                    e.healthy
-                        && e.runtime.contract_ok()
-                        && *e.runtime.events.lock() == gateway::view::EventStreamState::Connected
+        self.wait_for(
+            "workers routable by the gateway",
+            Duration::from_secs(20),
+            || {
+                let view = shared.views.load();
+                ids.iter().all(|id| {
+                    view.workers
+                        .get(&WorkerId((*id).to_owned()))
+                        .is_some_and(|e| {
+                            e.healthy
+                                && e.runtime.contract_ok()
+                                && *e.runtime.events.lock()
+                                    == gateway::view::EventStreamState::Connected
+                        })
                 })
-            })
-        });
+            },
+        );
     }
 
     /// Waits until the gateway's index holds every full block of the chat prompt `messages`
@@ -336,22 +359,30 @@ impl Fleet {
             .expect("gateway tokenizes the prompt");
         let want = tok.keys.len();
         assert!(want > 0, "the prompt fills no full block");
-        self.wait_for("the served prompt's blocks in the gateway index", Duration::from_secs(10), || {
-            shared
-                .index
-                .longest_matches(&tok.keys)
-                .iter()
-                .any(|m| m.blocks >= want)
-        });
+        self.wait_for(
+            "the served prompt's blocks in the gateway index",
+            Duration::from_secs(10),
+            || {
+                shared
+                    .index
+                    .longest_matches(&tok.keys)
+                    .iter()
+                    .any(|m| m.blocks >= want)
+            },
+        );
     }
 
     /// Waits until the decision log holds `n` complete lines; returns them.
     pub fn wait_decisions(&self, n: usize) -> Vec<DecisionRecord> {
         let mut records = Vec::new();
-        self.wait_for(&format!("{n} lines in the decision log"), Duration::from_secs(10), || {
-            records = read_decisions(&self.decision_log);
-            records.len() >= n
-        });
+        self.wait_for(
+            &format!("{n} lines in the decision log"),
+            Duration::from_secs(10),
+            || {
+                records = read_decisions(&self.decision_log);
+                records.len() >= n
+            },
+        );
         records
     }
 
@@ -465,7 +496,13 @@ pub struct Chat {
 }
 
 impl Chat {
-    pub fn new(model: &'static str, request_id: &str, messages: &[(String, String)], max_tokens: u32, stream: bool) -> Chat {
+    pub fn new(
+        model: &'static str,
+        request_id: &str,
+        messages: &[(String, String)],
+        max_tokens: u32,
+        stream: bool,
+    ) -> Chat {
         Chat {
             model,
             messages: messages.to_vec(),
@@ -529,17 +566,40 @@ impl ChatReply {
 
     /// Panics unless this is a complete 200 answer with text and a consistent `usage`.
     pub fn assert_complete(&self, max_tokens: u32) {
-        assert_eq!(self.status, 200, "{}: status {} body {}", self.request_id, self.status, self.raw);
-        assert!(self.error.is_none(), "{}: {:?}", self.request_id, self.error);
-        assert!(self.done, "{}: the answer did not end properly", self.request_id);
-        assert!(!self.text.trim().is_empty(), "{}: empty answer", self.request_id);
-        assert!(self.finish_reason.is_some(), "{}: no finish_reason", self.request_id);
+        assert_eq!(
+            self.status, 200,
+            "{}: status {} body {}",
+            self.request_id, self.status, self.raw
+        );
+        assert!(
+            self.error.is_none(),
+            "{}: {:?}",
+            self.request_id,
+            self.error
+        );
+        assert!(
+            self.done,
+            "{}: the answer did not end properly",
+            self.request_id
+        );
+        assert!(
+            !self.text.trim().is_empty(),
+            "{}: empty answer",
+            self.request_id
+        );
+        assert!(
+            self.finish_reason.is_some(),
+            "{}: no finish_reason",
+            self.request_id
+        );
         let u = self
             .usage
             .as_ref()
             .unwrap_or_else(|| panic!("{}: no usage", self.request_id));
         let prompt = u["prompt_tokens"].as_u64().expect("usage.prompt_tokens");
-        let completion = u["completion_tokens"].as_u64().expect("usage.completion_tokens");
+        let completion = u["completion_tokens"]
+            .as_u64()
+            .expect("usage.completion_tokens");
         let total = u["total_tokens"].as_u64().expect("usage.total_tokens");
         assert!(prompt > 0, "{}: usage {u}", self.request_id);
         assert!(
@@ -557,7 +617,10 @@ impl ChatReply {
 }
 
 fn header(r: &reqwest::Response, name: &str) -> Option<String> {
-    r.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 /// Sends `chat` to `base` and reads the whole answer (streamed or not).
@@ -626,7 +689,8 @@ pub async fn open(http: &reqwest::Client, base: &str, chat: &Chat) -> Opened {
                         .as_str()
                         .unwrap_or_default()
                         .to_owned();
-                    reply.finish_reason = v["choices"][0]["finish_reason"].as_str().map(str::to_owned);
+                    reply.finish_reason =
+                        v["choices"][0]["finish_reason"].as_str().map(str::to_owned);
                     reply.usage = v.get("usage").cloned().filter(|u| !u.is_null());
                     reply.done = true;
                 } else {
@@ -755,7 +819,10 @@ impl SseReply {
 /// Where the first event in `buf` ends: (length of the event, length of its separator).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),

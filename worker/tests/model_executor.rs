@@ -24,10 +24,10 @@ fn model_path() -> PathBuf {
 }
 
 fn weights(format: WeightFormat) -> Arc<LlamaWeights> {
-    static Q8: OnceLock<Arc<LlamaWeights>> = OnceLock::new();
+    static F32: OnceLock<Arc<LlamaWeights>> = OnceLock::new();
     static DEFAULT: OnceLock<Arc<LlamaWeights>> = OnceLock::new();
     let cell = match format {
-        WeightFormat::Q8_0 => &Q8,
+        WeightFormat::F32 => &F32,
         WeightFormat::CPU_DEFAULT => &DEFAULT,
         other => panic!("no cached weights for {other:?}"),
     };
@@ -45,6 +45,12 @@ const CHAT_PROMPT: [u32; 37] = [
     19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531,
     198,
 ];
+
+// The comparisons against the reference use F32 weights: with Q8_0 weights candle's kernel
+// also quantizes activations to 8 bits per 32-value block, which turns the last-bit
+// differences between two correct attention implementations (summation order, RoPE angles in
+// f64 vs f32) into logit differences of up to ~2 at 37 tokens (measured), so only the F32
+// path supports a tight tolerance. Both paths share the same matmul code.
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -137,7 +143,7 @@ fn scattered_tables(lens: &[usize], block_size: usize, num_blocks: usize, seed: 
 fn paged_batched_chunked_prefill_matches_reference() {
     let seed = 20_251_129u64;
     println!("block shuffle seed {seed}");
-    let w = weights(WeightFormat::Q8_0);
+    let w = weights(WeightFormat::F32);
     let n_new = 6;
     let prompts: Vec<Vec<u32>> = vec![
         CHAT_PROMPT.to_vec(),
@@ -178,7 +184,7 @@ fn paged_batched_chunked_prefill_matches_reference() {
         let want_logits = reference::last_logits(&w, p).unwrap();
         let diff = max_abs_diff(s.first_logits.as_ref().unwrap(), &want_logits);
         println!("sequence {i}: first-token logits max |diff| {diff}");
-        assert!(diff < 0.05, "sequence {i}: logits differ by {diff}");
+        assert!(diff < 1e-3, "sequence {i}: logits differ by {diff}");
         let want = reference::greedy(&w, p, n_new).unwrap();
         assert_eq!(got[i], want, "sequence {i}: greedy tokens differ");
     }
@@ -186,7 +192,7 @@ fn paged_batched_chunked_prefill_matches_reference() {
 
 #[test]
 fn prefix_reuse_matches_reference() {
-    let w = weights(WeightFormat::Q8_0);
+    let w = weights(WeightFormat::F32);
     let block_size = 8;
     let mut exec = LlamaExecutor::new(
         Arc::clone(&w),
@@ -223,7 +229,7 @@ fn prefix_reuse_matches_reference() {
     let want = reference::last_logits(&w, &b).unwrap();
     let diff = max_abs_diff(&got, &want);
     println!("prefix reuse: logits max |diff| {diff}");
-    assert!(diff < 0.05, "logits differ by {diff}");
+    assert!(diff < 1e-3, "logits differ by {diff}");
     assert_eq!(reference::argmax(&got), reference::argmax(&want));
 }
 
@@ -252,5 +258,8 @@ fn golden_smollm2_first_16_greedy_tokens() {
     assert_eq!(got, GOLDEN);
 }
 
-/// SmolLM2-135M-Instruct's greedy answer to [`CHAT_PROMPT`]: PLACEHOLDER.
-const GOLDEN: [u32; 16] = [0; 16];
+/// SmolLM2-135M-Instruct's greedy continuation of [`CHAT_PROMPT`] with the default CPU weights
+/// (dense F32 prefill, Q8_0 decode, F32 output head): "The capital of France is Paris." then
+/// `<|im_end|>` (id 2) — the engine would stop there; the raw executor keeps going with
+/// "\n<|im_end|><|im_start|>system\n<|im_end|>\n<|im_start|>".
+const GOLDEN: [u32; 16] = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2, 198, 1];

@@ -42,7 +42,11 @@ pub fn ticket(request_id: &str, worker: &str, mode: RouteMode, issued_at_ms: u64
         gateway_id: "gw-1".into(),
         key_id: KeyId(String::new()),
         service: "chat".into(),
-        rule_id: if kv { "kv-rule".into() } else { "rr-rule".into() },
+        rule_id: if kv {
+            "kv-rule".into()
+        } else {
+            "rr-rule".into()
+        },
         rule_version: 7,
         mode,
         worker: worker.to_string(),
