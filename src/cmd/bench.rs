@@ -38,6 +38,11 @@ pub struct Args {
     /// Label of this run in the outputs (with --target).
     #[arg(long, default_value = "target")]
     pub label: String,
+    /// With --target: run the workload once per `LABEL=MODEL` pair (e.g. a gateway's services
+    /// `round_robin=smollm2-rr,kv_exact=smollm2`) and compare them in one report; the labels
+    /// `round_robin` / `kv_exact` / `oracle` get the fleet targets as verdicts.
+    #[arg(long, value_delimiter = ',')]
+    pub compare: Vec<String>,
     /// Declared thresholds, e.g. `ttft_p50<=0.5`, `hit_rate>=0.3` (with --target).
     #[arg(long = "threshold")]
     pub thresholds: Vec<String>,
@@ -67,41 +72,58 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .collect::<Result<_, _>>()?;
         let client = reqwest::Client::builder().build()?;
         let context_limit = crate::bench::client::context_limit(&client, &target).await;
+        let runs: Vec<(String, String)> = if args.compare.is_empty() {
+            vec![(args.label.clone(), args.model.clone())]
+        } else {
+            args.compare
+                .iter()
+                .map(|p| {
+                    p.split_once('=')
+                        .map(|(l, m)| (l.to_string(), m.to_string()))
+                        .with_context(|| format!("--compare `{p}`: expected LABEL=MODEL"))
+                })
+                .collect::<Result<_, _>>()?
+        };
         let mut failed = false;
         for kind in &args.workload {
-            let plans = workload::plan(*kind, &args.shape);
-            let wave = run_wave(
-                &client,
-                WaveSpec {
-                    label: &args.label,
-                    target: &target,
-                    model: &args.model,
-                    kind: *kind,
-                    plans,
-                    concurrency: args.concurrency,
-                    max_duration: Duration::from_secs(args.max_seconds),
-                    request_timeout: Duration::from_secs(args.request_timeout),
-                    context_limit,
-                },
-            )
-            .await;
-            let s = report::summarize(&args.label, &wave.records, wave.seconds, wave.truncated);
-            let verdicts: Vec<_> = thresholds
-                .iter()
-                .map(|(name, le, limit)| {
-                    let v = report::metric(name, &s).ok().flatten();
+            let mut summaries = Vec::new();
+            let mut records = Vec::new();
+            for (label, model) in &runs {
+                let wave = run_wave(
+                    &client,
+                    WaveSpec {
+                        label,
+                        target: &target,
+                        model,
+                        kind: *kind,
+                        plans: workload::plan(*kind, &args.shape),
+                        concurrency: args.concurrency,
+                        max_duration: Duration::from_secs(args.max_seconds),
+                        request_timeout: Duration::from_secs(args.request_timeout),
+                        context_limit,
+                    },
+                )
+                .await;
+                summaries.push(report::summarize(label, &wave.records, wave.seconds, wave.truncated));
+                records.extend(wave.records);
+            }
+            let mut verdicts = crate::bench::fleet::fleet_verdicts(*kind, &summaries);
+            for s in &summaries {
+                for (name, le, limit) in &thresholds {
+                    let v = report::metric(name, s).ok().flatten();
                     let op = if *le { "<=" } else { ">=" };
-                    report::judge(format!("{name}{op}{limit}"), v, *le, *limit, &[&s])
-                })
-                .collect();
+                    verdicts.push(report::judge(format!("{}: {name}{op}{limit}", s.label), v, *le, *limit, &[s]));
+                }
+            }
             println!("== {} against {target}", kind.as_str());
-            print!("{}", report::table(std::slice::from_ref(&s)));
+            print!("{}", report::table(&summaries));
             for v in &verdicts {
-                println!("  {:<8} {} (value {:?})", v.outcome.as_str(), v.threshold, v.value);
+                let value = v.value.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
+                println!("  {:<8} {} (value {value})", v.outcome.as_str(), v.threshold);
                 failed |= v.outcome != Outcome::Pass;
             }
             let dir = args.out.join(kind.as_str());
-            report::write_outputs(&dir, &wave.records, std::slice::from_ref(&s), &verdicts)
+            report::write_outputs(&dir, &records, &summaries, &verdicts)
                 .with_context(|| format!("writing {}", dir.display()))?;
             println!("  outputs: {}", dir.display());
         }
