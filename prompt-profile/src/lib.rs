@@ -554,3 +554,16 @@ fn parse_json(path: &Path, bytes: &[u8]) -> Result<serde_json::Value> {
         reason: error::one_line(e.to_string()),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_and_stream_are_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync + 'static>() {}
+        assert_send_sync::<PromptProfile>();
+        assert_send_sync::<DecodeStream>();
+        assert_send_sync::<ProfileError>();
+    }
+}

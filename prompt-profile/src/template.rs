@@ -446,6 +446,30 @@ mod tests {
     }
 
     #[test]
+    fn message_fields_keep_their_order() {
+        #[derive(serde::Serialize)]
+        struct M {
+            role: &'static str,
+            content: &'static str,
+            name: &'static str,
+        }
+        let v = Value::from_serialize(vec![M {
+            role: "user",
+            content: "hi",
+            name: "bob",
+        }]);
+        let out = render_expr(
+            "{{ messages[0]|tojson }}|{% for k in messages[0] %}{{ k }},{% endfor %}",
+            v,
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            r#"{"role": "user", "content": "hi", "name": "bob"}|role,content,name,"#
+        );
+    }
+
+    #[test]
     fn pycompat_methods_and_strftime() {
         let v = Value::from_serialize(serde_json::json!({"s": "  Hi  ", "d": {"k": 1}}));
         let out = render_expr(

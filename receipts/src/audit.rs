@@ -152,6 +152,18 @@ pub struct ParityCounts {
 }
 
 /// The result of an audit.
+/// A routed request that failed upstream and has no receipt (allowed, but listed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FailedRequest {
+    pub request_id: String,
+    /// The worker the ticket chose.
+    pub worker: String,
+    /// The gateway's error for it.
+    pub error: String,
+    /// `file:line` of the decision.
+    pub location: String,
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct AuditReport {
     /// Decision lines read.
@@ -162,6 +174,9 @@ pub struct AuditReport {
     pub unrouted: u64,
     /// Routed decisions whose `error` is set and that have no receipt (allowed).
     pub failed_without_receipt: u64,
+    /// Those requests, one entry each: the requests the gateway routed but the worker never
+    /// answered (connect error, reset, worker killed).
+    pub failed_requests: Vec<FailedRequest>,
     /// Routed decisions matched to exactly one receipt.
     pub receipted: u64,
     /// Valid receipts across all logs.
@@ -230,6 +245,13 @@ impl fmt::Display for AuditReport {
              receipt {}",
             self.decisions, self.routed, self.unrouted, self.receipted, self.failed_without_receipt
         )?;
+        for r in &self.failed_requests {
+            writeln!(
+                f,
+                "  failed upstream: request {} on worker {} ({}) at {}",
+                r.request_id, r.worker, r.error, r.location
+            )?;
+        }
         writeln!(
             f,
             "receipts {} (direct {}) in {} log(s)",
@@ -490,8 +512,14 @@ pub fn audit_with(
             .unwrap_or(&[]);
         match found {
             [] => {
-                if d.error.is_some() {
+                if let Some(err) = &d.error {
                     rep.failed_without_receipt += 1;
+                    rep.failed_requests.push(FailedRequest {
+                        request_id: d.request_id.clone(),
+                        worker: t.worker.clone(),
+                        error: err.clone(),
+                        location: loc.clone(),
+                    });
                 } else {
                     discrepancies.push(disc(
                         D::MissingReceipt,

@@ -21,7 +21,9 @@ pub mod receipt_log;
 pub mod ticket;
 pub mod verify;
 
-pub use audit::{audit, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind};
+pub use audit::{
+    audit, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind, FailedRequest,
+};
 pub use decision::{DecisionLog, DecisionRecord};
 pub use error::{ReceiptsError, Result};
 pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};

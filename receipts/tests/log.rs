@@ -208,3 +208,93 @@ fn fsync_policy_config_json() {
         r#"{"mode":"always"}"#
     );
 }
+
+/// Child side of `kill_9_mid_stream_then_resume`: appends until killed. A no-op unless the
+/// parent set RECEIPTS_CRASH_CHILD.
+#[test]
+fn crash_child_helper() {
+    let Some(path) = std::env::var_os("RECEIPTS_CRASH_CHILD") else {
+        return;
+    };
+    let gw = gateway_key();
+    let log = ReceiptLog::open(
+        std::path::Path::new(&path),
+        FsyncPolicy::Batched {
+            max_receipts: 8,
+            max_ms: 5,
+        },
+        &worker_key(),
+        "w0",
+    )
+    .unwrap();
+    let mut out = std::io::stdout();
+    for i in 0.. {
+        let rid = format!("c{i}");
+        let t = ticket(&rid, "w0", RouteMode::KvExact, T0).sign(&gw);
+        let r = log.append(draft(&rid, Some(t), T0 + 1)).unwrap();
+        writeln!(out, "appended {}", r.seq).unwrap();
+        out.flush().unwrap();
+    }
+}
+
+/// A real `kill -9` of a process appending receipts: every acknowledged receipt survives, the
+/// chain resumes, and the log verifies.
+#[cfg(unix)]
+#[test]
+fn kill_9_mid_stream_then_resume() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w0.jsonl");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "crash_child_helper",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("RECEIPTS_CRASH_CHILD", &path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut acked = 0u64;
+    // Keep the pipe open until after the kill, so the child dies by SIGKILL and not by EPIPE.
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    for line in &mut lines {
+        let line = line.unwrap();
+        if let Some(seq) = line.strip_prefix("appended ") {
+            acked = seq.trim().parse::<u64>().unwrap() + 1;
+            if acked >= 40 {
+                break;
+            }
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    let status = child.wait().unwrap();
+    drop(lines);
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "child did not die by SIGKILL: {status:?}"
+        );
+    }
+    assert!(acked >= 40, "child stopped early after {acked} receipts");
+    let wk = worker_key();
+    let log = ReceiptLog::open(&path, FsyncPolicy::Always, &wk, "w0").unwrap();
+    assert!(
+        log.len() >= acked,
+        "lost acknowledged receipts: {} < {acked}",
+        log.len()
+    );
+    let before = log.len();
+    let r = log.append(draft("after-kill", None, T0 + 5)).unwrap();
+    assert_eq!(r.seq, before);
+    drop(log);
+    let rep = verify_log(&path, &ring(&[&gateway_key(), &wk])).unwrap();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.valid, before + 1);
+}

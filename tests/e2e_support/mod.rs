@@ -7,15 +7,14 @@
 //! also while a failing test unwinds), the rules file (one `round_robin` and one `kv_exact`
 //! service over the two workers, told apart by the body's `model`), the keys (one per worker
 //! plus the gateway's, public halves written as `*.pub` for `kvgate receipts audit --keys`), and
-//! the log paths the audit reads. Does not own any assertion about routing or receipts: the
-//! test file does.
+//! the log paths the audit reads. Its only check is the generic one on a complete answer
+//! ([`ChatReply::assert_complete`]); routing and receipt assertions live in the test file.
 //!
 //! Each worker runs on its own tokio runtime so that [`Fleet::kill_worker`] can end it the way a
 //! `kill -9` would: the runtime is dropped with `shutdown_background`, which drops every task of
 //! the worker at once (its listener, open connections and in-flight request drivers: no
 //! response, no receipt); the engine thread and the receipt log are then reaped with
 //! `RunningWorker::shutdown`. [`Fleet::stop_worker`] is the graceful stop.
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -68,13 +67,6 @@ pub struct WorkerHost {
     pub receipt_log: PathBuf,
     rt: Option<tokio::runtime::Runtime>,
     worker: Option<RunningWorker>,
-}
-
-impl WorkerHost {
-    /// Whether the worker is still running.
-    pub fn alive(&self) -> bool {
-        self.worker.is_some()
-    }
 }
 
 /// Two real model workers behind a gateway.
