@@ -54,7 +54,10 @@ const CHAT_PROMPT: [u32; 37] = [
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// One sequence driven through the executor.
@@ -99,7 +102,11 @@ fn run_batched(exec: &mut LlamaExecutor, seqs: &mut [Seq], n_new: usize) -> Vec<
                 want_logits: end >= seqs[i].prompt_len,
             })
             .collect();
-        let out = if chunks.is_empty() { Vec::new() } else { exec.forward(&chunks).unwrap() };
+        let out = if chunks.is_empty() {
+            Vec::new()
+        } else {
+            exec.forward(&chunks).unwrap()
+        };
         drop(chunks);
         assert_eq!(out.len(), plan.len());
         for (&(i, _, end), logits) in plan.iter().zip(out) {
@@ -115,11 +122,18 @@ fn run_batched(exec: &mut LlamaExecutor, seqs: &mut [Seq], n_new: usize) -> Vec<
         }
         step += 1;
     }
-    seqs.iter().map(|s| s.tokens[s.prompt_len..].to_vec()).collect()
+    seqs.iter()
+        .map(|s| s.tokens[s.prompt_len..].to_vec())
+        .collect()
 }
 
 /// Block tables drawn from a shuffled pool so that positions are scattered over the cache.
-fn scattered_tables(lens: &[usize], block_size: usize, num_blocks: usize, seed: u64) -> Vec<Vec<BlockId>> {
+fn scattered_tables(
+    lens: &[usize],
+    block_size: usize,
+    num_blocks: usize,
+    seed: u64,
+) -> Vec<Vec<BlockId>> {
     let mut ids: Vec<BlockId> = (0..num_blocks as BlockId).collect();
     let mut s = seed | 1;
     for i in (1..ids.len()).rev() {
@@ -149,7 +163,9 @@ fn paged_batched_chunked_prefill_matches_reference() {
         CHAT_PROMPT.to_vec(),
         CHAT_PROMPT[21..].to_vec(),
         // "<|im_start|>user\nHi! Name three colors.<|im_end|>\n<|im_start|>assistant\n"
-        vec![1, 4093, 198, 26843, 17, 10181, 1296, 4683, 30, 2, 198, 1, 520, 9531, 198],
+        vec![
+            1, 4093, 198, 26843, 17, 10181, 1296, 4683, 30, 2, 198, 1, 520, 9531, 198,
+        ],
     ];
     let chunk_sizes = [7, 13, 64];
     let join_at = [0, 1, 3];
@@ -214,7 +230,9 @@ fn prefix_reuse_matches_reference() {
     // B shares A's first 32 tokens (4 full blocks), then a second user turn:
     // "\n<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n".
     let mut b = CHAT_PROMPT[..32].to_vec();
-    b.extend_from_slice(&[198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4521, 47, 2, 198, 1, 520, 9531, 198]);
+    b.extend_from_slice(&[
+        198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4521, 47, 2, 198, 1, 520, 9531, 198,
+    ]);
     let mut b_table = a_table[..4].to_vec();
     b_table.extend_from_slice(&[7, 14, 2]);
     let out = exec
@@ -262,4 +280,6 @@ fn golden_smollm2_first_16_greedy_tokens() {
 /// (dense F32 prefill, Q8_0 decode, F32 output head): "The capital of France is Paris." then
 /// `<|im_end|>` (id 2) — the engine would stop there; the raw executor keeps going with
 /// "\n<|im_end|><|im_start|>system\n<|im_end|>\n<|im_start|>".
-const GOLDEN: [u32; 16] = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2, 198, 1];
+const GOLDEN: [u32; 16] = [
+    504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2, 198, 1,
+];

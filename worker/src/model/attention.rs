@@ -214,7 +214,15 @@ mod tests {
     use super::*;
 
     /// Naive attention over a contiguous cache, for comparison.
-    fn naive(q: &[f32], k: &[f32], v: &[f32], pos: usize, hq: usize, hk: usize, d: usize) -> Vec<f32> {
+    fn naive(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        pos: usize,
+        hq: usize,
+        hk: usize,
+        d: usize,
+    ) -> Vec<f32> {
         let rk = hq / hk;
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = vec![0f32; hq * d];
@@ -222,7 +230,10 @@ mod tests {
             let g = h / rk;
             let scores: Vec<f32> = (0..=pos)
                 .map(|j| {
-                    (0..d).map(|i| q[h * d + i] * k[(j * hk + g) * d + i]).sum::<f32>() * scale
+                    (0..d)
+                        .map(|i| q[h * d + i] * k[(j * hk + g) * d + i])
+                        .sum::<f32>()
+                        * scale
                 })
                 .collect();
             let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -243,13 +254,17 @@ mod tests {
         println!("seed {seed}");
         let mut state = seed;
         let mut rnd = || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
         };
         let (hq, hk, d, n_pos, block) = (6, 2, 20, 11, 4);
         // Blocks 2, 0, 3 hold positions 0..4, 4..8, 8..11.
         let table = [2usize, 0, 3];
-        let slots: Vec<usize> = (0..n_pos).map(|p| table[p / block] * block + p % block).collect();
+        let slots: Vec<usize> = (0..n_pos)
+            .map(|p| table[p / block] * block + p % block)
+            .collect();
         let k_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
         let v_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
         let mut k_cache = vec![0f32; 4 * block * hk * d];
@@ -261,7 +276,12 @@ mod tests {
         }
         // A chunk of the last 3 positions.
         let q: Vec<f32> = (0..3 * hq * d).map(|_| rnd()).collect();
-        let chunks = [ChunkSlots { token_offset: 0, len: 3, start_pos: 8, slots }];
+        let chunks = [ChunkSlots {
+            token_offset: 0,
+            len: 3,
+            start_pos: 8,
+            slots,
+        }];
         let shape = AttnShape {
             n_head: hq,
             n_kv_head: hk,
@@ -272,7 +292,15 @@ mod tests {
         let mut out = vec![0f32; 3 * hq * d];
         paged_attention(&q, &k_cache, &v_cache, &chunks, &[0, 0, 0], shape, &mut out);
         for t in 0..3 {
-            let want = naive(&q[t * hq * d..][..hq * d], &k_contig, &v_contig, 8 + t, hq, hk, d);
+            let want = naive(
+                &q[t * hq * d..][..hq * d],
+                &k_contig,
+                &v_contig,
+                8 + t,
+                hq,
+                hk,
+                d,
+            );
             for (a, b) in out[t * hq * d..][..hq * d].iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "token {t}: {a} vs {b}");
             }

@@ -89,7 +89,11 @@ pub struct EngineBenchReport {
 
 impl std::fmt::Display for EngineBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "threads {}, weights {:?}, load {:.2} s", self.threads, self.format, self.load_s)?;
+        writeln!(
+            f,
+            "threads {}, weights {:?}, load {:.2} s",
+            self.threads, self.format, self.load_s
+        )?;
         writeln!(f, "| measure | value |")?;
         writeln!(f, "|---|---|")?;
         writeln!(
@@ -102,7 +106,12 @@ impl std::fmt::Display for EngineBenchReport {
             writeln!(f, "| decode, {n} streams (aggregate) | {r:.1} tok/s |")?;
         }
         let (p, s) = self.ttft_shape;
-        writeln!(f, "| prefill {} tokens uncached | {:.1} ms |", p + s, self.ttft_uncached_ms)?;
+        writeln!(
+            f,
+            "| prefill {} tokens uncached | {:.1} ms |",
+            p + s,
+            self.ttft_uncached_ms
+        )?;
         writeln!(
             f,
             "| prefill {s} tokens after {p} cached | {:.1} ms ({:.1}% of uncached) |",

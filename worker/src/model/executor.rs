@@ -54,7 +54,9 @@ impl LlamaExecutor {
             .num_blocks
             .checked_mul(geometry.block_size)
             .and_then(|s| s.checked_mul(cfg.n_kv_head * cfg.head_dim))
-            .ok_or_else(|| WorkerError::InvalidRequest(format!("KV geometry too large: {geometry:?}")))?;
+            .ok_or_else(|| {
+                WorkerError::InvalidRequest(format!("KV geometry too large: {geometry:?}"))
+            })?;
         let alloc = |n: usize| -> Result<Vec<f32>, WorkerError> {
             let mut v = Vec::new();
             v.try_reserve_exact(n).map_err(|e| {
@@ -84,7 +86,11 @@ impl LlamaExecutor {
 
     /// Checks a chunk against the geometry and vocabulary and lists the cache slot of every
     /// position `0..start_pos + len`.
-    fn chunk_slots(&self, c: &SeqChunk<'_>, token_offset: usize) -> Result<ChunkSlots, WorkerError> {
+    fn chunk_slots(
+        &self,
+        c: &SeqChunk<'_>,
+        token_offset: usize,
+    ) -> Result<ChunkSlots, WorkerError> {
         let bs = self.geometry.block_size;
         if c.tokens.is_empty() {
             return Err(WorkerError::InvalidRequest("empty chunk".into()));
@@ -189,16 +195,9 @@ impl LlamaExecutor {
                     vc[slot * kv_width..][..kv_width].copy_from_slice(&row[q_width + kv_width..]);
                 }
             }
-            paged_attention(
-                &qkv,
-                kc,
-                vc,
-                &layouts,
-                &token_chunk,
-                shape,
-                &mut attn_out,
-            );
-            let o = Tensor::from_slice(&attn_out, (total, q_width), &Device::Cpu)?.to_device(dev)?;
+            paged_attention(&qkv, kc, vc, &layouts, &token_chunk, shape, &mut attn_out);
+            let o =
+                Tensor::from_slice(&attn_out, (total, q_width), &Device::Cpu)?.to_device(dev)?;
             x = (x + layer.wo.forward(&o, dense)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let gu = layer.w_gate_up.forward(&h, dense)?;
@@ -221,7 +220,10 @@ impl LlamaExecutor {
         let rows = Tensor::from_vec(rows, n_rows, dev)?;
         let last = x.index_select(&rows, 0)?;
         let last = candle_nn::ops::rms_norm(&last, &w.output_norm, cfg.rms_eps)?;
-        let logits = w.lm_head(&last)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        let logits = w
+            .lm_head(&last)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
         let mut logits = logits.into_iter();
         for (slot, c) in out.iter_mut().zip(chunks) {
             if c.want_logits {

@@ -381,7 +381,12 @@ impl LlamaWeights {
             HeadPrecision::Quantized => (Some(quantized_head(head_q, device)?), None),
             HeadPrecision::F32 if untied => (
                 None,
-                Some(head_q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?.to_device(device)?),
+                Some(
+                    head_q
+                        .dequantize(&Device::Cpu)?
+                        .to_dtype(DType::F32)?
+                        .to_device(device)?,
+                ),
             ),
             HeadPrecision::F32 => (None, None),
         };
