@@ -122,7 +122,10 @@ fn need(tool: &str) {
 /// Runs wrk and returns (requests/s, p50 ms).
 fn wrk(url: &str, script: Option<&std::path::Path>) -> (f64, f64) {
     let mut cmd = std::process::Command::new("wrk");
-    cmd.args(["-t2", "-c32", "-d5s", "--latency"]);
+    let conns = std::env::var("KVGATE_BENCH_CONNS").unwrap_or_else(|_| "32".into());
+    let secs = std::env::var("KVGATE_BENCH_SECS").unwrap_or_else(|_| "5".into());
+    let threads = if conns == "1" { "-t1" } else { "-t2" };
+    cmd.args([threads, &format!("-c{conns}"), &format!("-d{secs}s"), "--latency"]);
     if let Some(s) = script {
         cmd.arg("-s").arg(s);
     }
@@ -199,13 +202,16 @@ http {{
     );
     let conf_path = dir.join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
-    let mut nginx = std::process::Command::new("nginx")
+    let nginx = std::process::Command::new("nginx")
         .arg("-c")
         .arg(&conf_path)
         .arg("-p")
         .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let _nginx = Nginx(nginx);
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(("127.0.0.1", nginx_port)).is_err() {
         assert!(Instant::now() < deadline, "nginx did not start");
@@ -234,7 +240,19 @@ wrk.headers["Content-Type"] = "application/json"
             println!("| {label} | {name} | {rps:.0} | {p50:.2} ms |");
         }
     }
-    let _ = nginx.kill();
-    let _ = nginx.wait();
     fleet.stop();
+}
+
+/// Stops nginx on drop (also when an assertion fails): SIGQUIT is nginx's graceful stop and takes
+/// its worker processes with it (SIGKILL would orphan them).
+struct Nginx(std::process::Child);
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .arg("-QUIT")
+            .arg(self.0.id().to_string())
+            .status();
+        let _ = self.0.wait();
+    }
 }

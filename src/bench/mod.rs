@@ -90,6 +90,11 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
             }
             let mut out = Vec::new();
             for (turn, user) in plan.user_turns.iter().enumerate() {
+                // The user's think time (part of the workload's arrival pattern, not a wait for
+                // an event).
+                if let Some(t) = plan.think.get(turn).filter(|t| !t.is_zero()) {
+                    tokio::time::sleep(*t).await;
+                }
                 if Instant::now() >= deadline {
                     break;
                 }

@@ -53,9 +53,14 @@ pub struct WorkloadShape {
     /// Output tokens requested per request (`max_tokens`).
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u32,
-    /// Seed of the generated text.
+    /// Seed of the generated text, the shuffles and the think times.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Upper bound of a user's think time before each follow-up turn, ms (uniform, seeded).
+    /// Real users don't arrive in lockstep; without it round-robin over N workers with N
+    /// lockstep sessions is accidentally sticky.
+    #[arg(long, default_value_t = 50)]
+    pub think_ms: u64,
 }
 
 /// One session: a system prompt (optional) and user turns sent one after another.
@@ -68,6 +73,8 @@ pub struct SessionPlan {
     pub user_turns: Vec<String>,
     /// Delay after the wave starts before this session's first request.
     pub start_delay: Duration,
+    /// Think time before each turn after the first (same length as `user_turns`; entry 0 unused).
+    pub think: Vec<Duration>,
     pub max_tokens: u32,
 }
 
@@ -95,6 +102,12 @@ fn words(rng: &mut ChaCha8Rng, n: usize) -> String {
     out
 }
 
+fn think(rng: &mut ChaCha8Rng, turns: usize, max_ms: u64) -> Vec<Duration> {
+    (0..turns)
+        .map(|i| if i == 0 || max_ms == 0 { Duration::ZERO } else { Duration::from_millis(rng.gen_range(0..=max_ms)) })
+        .collect()
+}
+
 fn question(rng: &mut ChaCha8Rng) -> String {
     format!("In one short sentence, what is a {}?", WORDS[rng.gen_range(0..WORDS.len())])
 }
@@ -117,6 +130,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                     system: Some(system),
                     user_turns: turns,
                     start_delay: Duration::ZERO,
+                    think: think(&mut rng, shape.turns, shape.think_ms),
                     max_tokens: shape.max_tokens,
                 });
             }
@@ -134,10 +148,15 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                         system: Some(p.clone()),
                         user_turns: vec![question(&mut rng)],
                         start_delay: Duration::ZERO,
+                        think: vec![Duration::ZERO],
                         max_tokens: shape.max_tokens,
                     });
                 }
             }
+            // Arrivals in a seeded random order: interleaved in a fixed rotation, round-robin
+            // over as many workers as prefixes would be sticky by accident.
+            use rand::seq::SliceRandom;
+            out.shuffle(&mut rng);
         }
         WorkloadKind::Mixed => {
             for i in 0..shape.conversations.max(1) {
@@ -150,6 +169,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                         words(&mut rng, shape.long_words)
                     )],
                     start_delay: Duration::ZERO,
+                    think: vec![Duration::ZERO],
                     max_tokens: shape.max_tokens,
                 });
                 out.push(SessionPlan {
@@ -158,6 +178,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                     system: None,
                     user_turns: (0..shape.turns.max(1)).map(|_| question(&mut rng)).collect(),
                     start_delay: Duration::ZERO,
+                    think: think(&mut rng, shape.turns.max(1), shape.think_ms),
                     max_tokens: shape.max_tokens,
                 });
             }
@@ -173,6 +194,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                         words(&mut rng, shape.long_words)
                     )],
                     start_delay: Duration::ZERO,
+                    think: vec![Duration::ZERO],
                     max_tokens: shape.max_tokens,
                 });
             }
@@ -182,6 +204,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                 system: None,
                 user_turns: vec![question(&mut rng)],
                 start_delay: Duration::from_millis(200),
+                think: vec![Duration::ZERO],
                 max_tokens: shape.max_tokens,
             });
         }
@@ -202,6 +225,7 @@ mod tests {
             long_words: 50,
             max_tokens: 8,
             seed: 1,
+            think_ms: 10,
         }
     }
 

@@ -4,7 +4,8 @@
 //! ```text
 //! KVGATE_BENCH_THREADS=2 cargo test -p worker --test model_bench -- --ignored --nocapture
 //! ```
-//! `KVGATE_BENCH_FORMAT` = `hybrid` (default) | `q8_0` | `f32` picks the weight format.
+//! `KVGATE_BENCH_FORMAT` = `hybrid` (default) | `q8_0` | `f32` picks the weight format;
+//! `KVGATE_BENCH_REPEATS` the runs per figure (default 3, best reported).
 
 use std::path::PathBuf;
 
@@ -28,6 +29,12 @@ fn engine_bench() {
         Ok("f32") => WeightFormat::F32,
         _ => WeightFormat::CPU_DEFAULT,
     };
+    if let Some(r) = std::env::var("KVGATE_BENCH_REPEATS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        cfg.repeats = r;
+    }
     let report = bench::run(&cfg).unwrap();
     println!("{report}");
 }

@@ -479,12 +479,9 @@ impl LlamaWeights {
 
 /// How many blocks of `block_size` tokens at `bytes_per_token` fit in `budget_bytes`.
 pub fn blocks_for_budget(bytes_per_token: usize, budget_bytes: usize, block_size: usize) -> usize {
-    let per_block = bytes_per_token.saturating_mul(block_size);
-    if per_block == 0 {
-        0
-    } else {
-        budget_bytes / per_block
-    }
+    budget_bytes
+        .checked_div(bytes_per_token.saturating_mul(block_size))
+        .unwrap_or(0)
 }
 
 /// The output projection: kept quantized (Q8_0 on CPU when the file's format has no fast
