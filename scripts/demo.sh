@@ -19,56 +19,12 @@ bin="$root/target/debug/kvgate"
 model="${KVGATE_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 out="$root/demo-out"
+name=demo
 rm -rf "$out"
-mkdir -p "$out/keys" "$out/gateway-keys"
-
-pids=()
-cleanup() {
-  local code=$?
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  if [ $code -ne 0 ]; then
-    echo "demo: FAILED (exit $code); process logs are in $out/*.log" >&2
-  fi
-  exit $code
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-for port in 8101 8102 8080 9000; do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    echo "demo: port $port is already in use; stop what listens there first" >&2
-    exit 1
-  fi
-done
-
-"$bin" keygen --out "$out/gateway-keys" --name gateway >/dev/null
-for w in w1 w2; do
-  port=$([ "$w" = w1 ] && echo 8101 || echo 8102)
-  "$bin" worker --model "$model" --listen "127.0.0.1:$port" --id "$w" \
-    --state-dir "$out/$w" --gateway-keys "$out/gateway-keys" --require-ticket \
-    >"$out/$w.log" 2>&1 &
-  pids+=($!)
-done
-
-wait_ready() { # url name
-  for _ in $(seq 1 240); do
-    if curl -fsS "$1" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "demo: $2 did not become ready; see its log" >&2
-  return 1
-}
-wait_ready http://127.0.0.1:8101/ready "worker w1"
-wait_ready http://127.0.0.1:8102/ready "worker w2"
-echo "demo: workers w1, w2 ready (smoke inference done)"
-
-"$bin" gateway --rules examples/rules.toml --listen 127.0.0.1:8080 --admin 127.0.0.1:9000 \
-  --key "$out/gateway-keys/gateway.key" --decision-log "$out/decisions.jsonl" --no-watch \
-  >"$out/gateway.log" 2>&1 &
-pids+=($!)
-wait_ready http://127.0.0.1:9000/metrics "gateway"
-echo "demo: gateway on 127.0.0.1:8080 (admin 127.0.0.1:9000)"
+mkdir -p "$out"
+# shellcheck source=scripts/local-fleet.sh
+. "$root/scripts/local-fleet.sh"
+fleet_start
 
 python3 examples/demo_client.py http://127.0.0.1:8080 smollm2-rr smollm2
 
@@ -77,9 +33,7 @@ echo "=== gateway workers (GET /admin/workers) ==="
 python3 examples/demo_client.py --admin http://127.0.0.1:9000
 
 # Stop the workers so their receipt logs are complete, then verify and audit.
-for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-pids=()
+fleet_stop
 
 cp "$out/gateway-keys/gateway.pub" "$out/keys/"
 cp "$out/w1/w1.pub" "$out/w2/w2.pub" "$out/keys/"

@@ -256,3 +256,35 @@ impl Drop for Nginx {
         let _ = self.0.wait();
     }
 }
+
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn ticket_signing_cost() {
+    // What every routed request pays for its signed route ticket (canonical JSON + Ed25519).
+    let key = receipts::KeyPair::generate();
+    let ticket = receipts::RouteTicket {
+        request_id: "0f0e7a4e-2b1c-4d8e-9a57-3c1d2e4f5a6b".into(),
+        gateway_id: "gateway".into(),
+        key_id: key.key_id().clone(),
+        service: "chat".into(),
+        rule_id: "chat/round_robin".into(),
+        rule_version: 3,
+        mode: receipts::RouteMode::RoundRobin,
+        worker: "w1".into(),
+        predicted_matched_tokens: None,
+        prompt_tokens: None,
+        last_block_key: None,
+        namespace_seed: "0".repeat(64),
+        hash_algorithm: "xxh3".into(),
+        issued_at_ms: 1,
+        expires_at_ms: 2,
+    };
+    let n = 2_000;
+    let t = Instant::now();
+    let mut len = 0;
+    for _ in 0..n {
+        len += ticket.sign(&key).header().len();
+    }
+    let per = t.elapsed() / n;
+    println!("ticket sign + encode: {:.1} µs per request (header {} bytes)", per.as_secs_f64() * 1e6, len / n as usize);
+}
