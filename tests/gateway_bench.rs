@@ -57,9 +57,15 @@ fn route_decision_vs_tokenization() {
                 serde_json::json!({"role": "system", "content": "You are a helpful assistant."}),
                 serde_json::json!({"role": "user", "content": unit.repeat(reps)}),
             ];
-            let n = profile.tokenize(&PromptSource::Messages(msgs.clone())).unwrap().len();
+            let n = profile
+                .tokenize(&PromptSource::Messages(msgs.clone()))
+                .unwrap()
+                .len();
             if n >= target {
-                break (serde_json::json!({"model": "smol", "messages": msgs, "max_tokens": 16}), n);
+                break (
+                    serde_json::json!({"model": "smol", "messages": msgs, "max_tokens": 16}),
+                    n,
+                );
             }
             reps += (target - n) / 13 + 1;
         };
@@ -68,7 +74,10 @@ fn route_decision_vs_tokenization() {
             serde_json::from_value(body["messages"].clone()).unwrap();
         // Index the prompt's keys on one worker so the lookup walks the whole chain.
         let keys = profile
-            .keys(&PromptSource::Messages(body["messages"].as_array().unwrap().clone()), None)
+            .keys(
+                &PromptSource::Messages(body["messages"].as_array().unwrap().clone()),
+                None,
+            )
             .unwrap()
             .keys;
         let w1 = prefix_index::WorkerId("w1".into());
@@ -125,7 +134,12 @@ fn wrk(url: &str, script: Option<&std::path::Path>) -> (f64, f64) {
     let conns = std::env::var("KVGATE_BENCH_CONNS").unwrap_or_else(|_| "32".into());
     let secs = std::env::var("KVGATE_BENCH_SECS").unwrap_or_else(|_| "5".into());
     let threads = if conns == "1" { "-t1" } else { "-t2" };
-    cmd.args([threads, &format!("-c{conns}"), &format!("-d{secs}s"), "--latency"]);
+    cmd.args([
+        threads,
+        &format!("-c{conns}"),
+        &format!("-d{secs}s"),
+        "--latency",
+    ]);
     if let Some(s) = script {
         cmd.arg("-s").arg(s);
     }
@@ -233,8 +247,15 @@ wrk.headers["Content-Type"] = "application/json"
     ];
     println!("| request | target | requests/s | p50 latency |");
     println!("|---|---|---:|---:|");
-    for (label, script) in [("GET /v1/models", None), ("POST chat, 1 token", Some(lua.as_path()))] {
-        let path = if script.is_some() { "/v1/chat/completions" } else { "/v1/models" };
+    for (label, script) in [
+        ("GET /v1/models", None),
+        ("POST chat, 1 token", Some(lua.as_path())),
+    ] {
+        let path = if script.is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/models"
+        };
         for (name, base) in &targets {
             let (rps, p50) = wrk(&format!("{base}{path}"), script);
             println!("| {label} | {name} | {rps:.0} | {p50:.2} ms |");
@@ -286,5 +307,9 @@ fn ticket_signing_cost() {
         len += ticket.sign(&key).header().len();
     }
     let per = t.elapsed() / n;
-    println!("ticket sign + encode: {:.1} µs per request (header {} bytes)", per.as_secs_f64() * 1e6, len / n as usize);
+    println!(
+        "ticket sign + encode: {:.1} µs per request (header {} bytes)",
+        per.as_secs_f64() * 1e6,
+        len / n as usize
+    );
 }

@@ -503,3 +503,82 @@ impl Shared {
         ctx.in_flight = None;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RULES: &str = r#"
+[[workers]]
+id = "w1"
+url = "http://127.0.0.1:1"
+[[workers]]
+id = "w2"
+url = "http://127.0.0.1:2"
+[[workers]]
+id = "w3"
+url = "http://127.0.0.1:3"
+[[pools]]
+id = "p"
+workers = ["w1", "w2", "w3"]
+[[profiles]]
+id = "smol"
+model_id = "m"
+revision = "r"
+source = { gguf = "x.gguf" }
+template_sha256 = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+tokenizer_sha256 = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+block_size = 16
+context_limit = 8192
+[[services]]
+name = "chat"
+pool = "p"
+rule = { type = "kv_exact", profile = "smol" }
+"#;
+
+    fn agreeing() -> WorkerProfile {
+        WorkerProfile {
+            model_id: "m".into(),
+            revision: Some("r".into()),
+            template_sha256: "a".repeat(64),
+            tokenizer_sha256: "b".repeat(64),
+            block_size: 16,
+            hash_algorithm: "xxh3".into(),
+            context_limit: Some(8192),
+            native_reserve: Some(0),
+        }
+    }
+
+    #[test]
+    fn contract_check_names_workers_and_fields() {
+        let rules = routing_rules::rules_from_toml(RULES).unwrap();
+        assert_eq!(kv_exact_workers(&rules).len(), 3);
+        let mut bad = agreeing();
+        bad.block_size = 32;
+        bad.hash_algorithm = "sha256".into();
+        let fetched: FetchedProfiles = BTreeMap::from([
+            (WorkerId("w1".into()), Ok(agreeing())),
+            (WorkerId("w2".into()), Ok(bad)),
+            (WorkerId("w3".into()), Err("unreachable".into())),
+        ]);
+        let problems = contract_problems(&rules, &fetched);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let msg = &problems[0].message;
+        assert!(msg.contains("worker w2"), "{msg}");
+        assert!(msg.contains("block_size (pinned 16, worker 32)"), "{msg}");
+        assert!(
+            msg.contains("hash_algorithm (pinned xxh3, worker sha256)"),
+            "{msg}"
+        );
+        assert!(!msg.contains("template_sha256"), "{msg}");
+        assert_eq!(problems[0].path, "services.chat.rule.profile");
+        // Round-robin services need no contract.
+        let rr = RULES.replace(
+            r#"{ type = "kv_exact", profile = "smol" }"#,
+            r#"{ type = "round_robin" }"#,
+        );
+        let rules = routing_rules::rules_from_toml(&rr).unwrap();
+        assert!(kv_exact_workers(&rules).is_empty());
+        assert!(contract_problems(&rules, &fetched).is_empty());
+    }
+}

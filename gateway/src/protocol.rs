@@ -304,4 +304,23 @@ mod tests {
         );
         assert_eq!(Endpoint::from_path("/v1/models"), None);
     }
+
+    proptest::proptest! {
+        /// Arbitrary bytes never panic the parsers, and a parsed body's fields are what the JSON says.
+        #[test]
+        fn parsing_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = InferenceBody::parse(Endpoint::Chat, &bytes);
+            let _ = InferenceBody::parse(Endpoint::Completion, &bytes);
+            let _ = peek_model(&bytes);
+        }
+
+        #[test]
+        fn max_tokens_and_salt_round_trip(n in 0u64..1_000_000, salt in "[a-z0-9]{0,12}", model in "[a-z]{1,8}") {
+            let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": n, "cache_salt": salt});
+            let p = InferenceBody::parse(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+            proptest::prop_assert_eq!(p.max_tokens, Some(n));
+            proptest::prop_assert_eq!(p.cache_salt.as_deref(), Some(salt.as_str()));
+            proptest::prop_assert_eq!(p.model.as_deref(), Some(model.as_str()));
+        }
+    }
 }
