@@ -217,7 +217,7 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
 fn load_guard_spreads_a_single_hot_prefix() {
     // Slow decoding so that a burst overlaps.
     let mut sim = worker::sim::SimConfig::instant(16, 4096);
-    sim.decode_us_base = 20_000;
+    sim.decode_us_base = 20_000; // 500 tokens = 10 s: the streams stay open for the whole burst
     let mut fleet = Fleet::workers(FleetOptions {
         sim,
         ..FleetOptions::default()
@@ -232,34 +232,43 @@ fn load_guard_spreads_a_single_hot_prefix() {
     assert_eq!(warm.status, 200);
     let hot = warm.worker();
     wait_body_indexed(&fleet, &body, None);
-    // A burst of 12 concurrent requests with the hot prefix, 10 tokens each.
+    // A burst of 9 long streams with the hot prefix, each held open (in flight) before the next
+    // is sent, so the loads the policy sees are deterministic.
     let mut burst = body.clone();
-    burst["max_tokens"] = serde_json::json!(10);
+    burst["max_tokens"] = serde_json::json!(500);
+    burst["stream"] = serde_json::json!(true);
     let url = fleet.url("/v1/chat/completions");
-    let replies = fleet.rt.block_on(async {
-        let futs = (0..12).map(|_| {
-            let c = fleet.http.clone();
-            let url = url.clone();
-            let b = burst.clone();
-            async move { support::Reply::read(c.post(url).json(&b).send().await.unwrap()).await }
-        });
-        futures::future::join_all(futs).await
+    let (workers, reasons) = fleet.rt.block_on(async {
+        let mut open = Vec::new();
+        let mut workers = Vec::new();
+        let mut reasons = Vec::new();
+        for _ in 0..9 {
+            let r = fleet.http.post(&url).json(&burst).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let h = |n: &str| r.headers().get(n).unwrap().to_str().unwrap().to_owned();
+            workers.push(h("x-kvgate-worker"));
+            reasons.push(h("x-kvgate-route-reason"));
+            open.push(r);
+        }
+        drop(open); // client disconnects: the workers cancel the streams
+        (workers, reasons)
     });
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    let mut guarded = 0;
-    for r in &replies {
-        assert_eq!(r.status, 200, "{}", r.text());
-        *counts.entry(r.worker()).or_default() += 1;
-        if r.header("x-kvgate-route-reason").as_deref() == Some("load_guard") {
-            guarded += 1;
-        }
+    for w in &workers {
+        *counts.entry(w.clone()).or_default() += 1;
     }
-    assert!(
-        counts.len() > 1,
-        "the hot prefix piled onto one worker: {counts:?}"
-    );
-    assert!(counts.get(&hot).copied().unwrap_or(0) < 12);
-    assert!(guarded > 0, "no load_guard decision: {counts:?}");
+    let guarded = reasons
+        .iter()
+        .filter(|r| r.as_str() == "load_guard")
+        .count();
+    // With 3 workers, max_load_ratio 1.5 and slack 1, a worker at load L is skipped once
+    // L >= max(1.5 × mean, mean + 1): the hot worker takes 2, then the guard spreads the rest.
+    assert_eq!(workers[0], hot, "{workers:?}");
+    assert_eq!(workers[1], hot, "{workers:?}");
+    assert_ne!(workers[2], hot, "{workers:?} {reasons:?}");
+    assert!(counts.len() == 3, "the hot prefix piled up: {counts:?}");
+    assert!(counts[&hot] <= 5, "{counts:?}");
+    assert!(guarded > 0, "no load_guard decision: {reasons:?}");
     let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
     assert!(metrics.contains("reason=\"load_guard\""), "{metrics}");
     fleet.stop();

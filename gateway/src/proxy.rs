@@ -210,6 +210,8 @@ impl ProxyHttp for Proxy {
             header_str(req, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
 
         let Some(limit) = view.body_limit_for(host.as_deref(), &path) else {
+            // The body stays unread: the connection can't be reused.
+            session.set_keepalive(None);
             let err = GatewayError::ServiceNotFound {
                 method,
                 path,

@@ -160,6 +160,8 @@ async fn health_loop(
             }
         }
         s.set_health(&id, ok);
+        // Bound the memory of approximate holdings (queries already ignore expired ones).
+        s.index.expire_approximate();
         drop(s);
         if !sleep_or_cancel(interval, &cancel).await {
             return;

@@ -16,8 +16,15 @@ pub struct Args {
     pub target: Option<String>,
     /// Simulated fleet: `sim:N` starts N simulated workers and a gateway in-process and runs the
     /// workload under round_robin, kv_exact and an oracle.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "engine_model")]
     pub fleet: Option<String>,
+    /// Engine benchmark on a GGUF model (no HTTP): single-stream prefill and decode tok/s,
+    /// aggregate decode at 1/4/8/16 streams, cached vs uncached prefill of a 1,040-token prompt.
+    #[arg(long, conflicts_with = "target")]
+    pub engine_model: Option<PathBuf>,
+    /// Compute threads of the engine benchmark (0 = candle's default).
+    #[arg(long, default_value_t = 1)]
+    pub engine_threads: usize,
     /// Workloads to run, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "multi-turn")]
     pub workload: Vec<WorkloadKind>,
@@ -52,6 +59,12 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if let Some(model) = &args.engine_model {
+        let report = worker::model::bench::run_engine_bench(model, args.engine_threads)
+            .with_context(|| format!("engine benchmark on {}", model.display()))?;
+        println!("{report}");
+        return Ok(ExitCode::SUCCESS);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         if let Some(fleet) = &args.fleet {

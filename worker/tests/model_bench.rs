@@ -4,7 +4,8 @@
 //! ```text
 //! KVGATE_BENCH_THREADS=2 cargo test -p worker --test model_bench -- --ignored --nocapture
 //! ```
-//! `KVGATE_BENCH_FORMAT` = `hybrid` (default) | `q8_0` | `f32` picks the weight format;
+//! `KVGATE_BENCH_FORMAT` = `exact` (default, `WeightFormat::CPU_DEFAULT`) | `hybrid` | `q8_0` |
+//! `f32` picks the weight format;
 //! `KVGATE_BENCH_REPEATS` the runs per figure (default 3, best reported).
 
 use std::path::PathBuf;
@@ -27,6 +28,9 @@ fn engine_bench() {
     cfg.format = match std::env::var("KVGATE_BENCH_FORMAT").as_deref() {
         Ok("q8_0") => WeightFormat::Q8_0,
         Ok("f32") => WeightFormat::F32,
+        Ok("hybrid") => WeightFormat::Hybrid {
+            dense_min_tokens: 32,
+        },
         _ => WeightFormat::CPU_DEFAULT,
     };
     if let Some(r) = std::env::var("KVGATE_BENCH_REPEATS")

@@ -46,7 +46,9 @@ const CHAT_PROMPT: [u32; 37] = [
     198,
 ];
 
-// The comparisons against the reference use F32 weights: with Q8_0 weights candle's kernel
+// The comparisons against the reference use F32 weights (the default `Exact` format computes
+// the same products, see `prefix_cached_greedy_equals_uncached_default_format`): with Q8_0
+// weights candle's kernel
 // also quantizes activations to 8 bits per 32-value block, which turns the last-bit
 // differences between two correct attention implementations (summation order, RoPE angles in
 // f64 vs f32) into logit differences of up to ~2 at 37 tokens (measured), so only the F32
@@ -251,6 +253,92 @@ fn prefix_reuse_matches_reference() {
     assert_eq!(reference::argmax(&got), reference::argmax(&want));
 }
 
+/// Prefills `prompt[cached..]` in one step (positions `0..cached` must already be in `table`'s
+/// blocks), then decodes `n_new` tokens one step at a time. Returns the greedy tokens.
+fn greedy_paged(
+    exec: &mut LlamaExecutor,
+    prompt: &[u32],
+    table: &[BlockId],
+    cached: usize,
+    n_new: usize,
+) -> Vec<u32> {
+    let mut tokens = prompt.to_vec();
+    let mut done = cached;
+    for _ in 0..n_new {
+        let out = exec
+            .forward(&[SeqChunk {
+                tokens: &tokens[done..],
+                start_pos: done,
+                block_table: table,
+                want_logits: true,
+            }])
+            .unwrap();
+        done = tokens.len();
+        tokens.push(reference::argmax(out[0].as_ref().unwrap()));
+    }
+    tokens[prompt.len()..].to_vec()
+}
+
+/// With the DEFAULT weight format, a prompt whose prefix is served from the KV cache gives the
+/// same greedy tokens as the same prompt prefilled uncached in one step — even though the
+/// uncached prefill of a long prompt and the short cached remainder take different matmul
+/// paths (dense GEMM vs the packed kernel). Checked for the golden prompt (cached from its own
+/// earlier run), a second chat that shares the golden prompt's first 32 tokens (cached from
+/// the golden run) and a short prompt (one cached block).
+#[test]
+fn prefix_cached_greedy_equals_uncached_default_format() {
+    let w = weights(WeightFormat::CPU_DEFAULT);
+    let bs = 8;
+    let mut exec = LlamaExecutor::new(
+        Arc::clone(&w),
+        KvGeometry {
+            block_size: bs,
+            num_blocks: 64,
+        },
+    )
+    .unwrap();
+    let mut germany = CHAT_PROMPT[..32].to_vec();
+    germany.extend_from_slice(&[
+        198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4521, 47, 2, 198, 1, 520, 9531, 198,
+    ]);
+    let colors: Vec<u32> = vec![
+        1, 4093, 198, 26843, 17, 10181, 1296, 4683, 30, 2, 198, 1, 520, 9531, 198,
+    ];
+    let mut next_block: BlockId = 0;
+    let mut take = |tokens: usize| -> Vec<BlockId> {
+        let n = tokens.div_ceil(bs) as BlockId;
+        let t = (next_block..next_block + n).collect();
+        next_block += n;
+        t
+    };
+    // Uncached golden run; its first 4 blocks (positions 0..32) become the cached prefix.
+    let n_golden = 16;
+    let golden_table = take(CHAT_PROMPT.len() + n_golden);
+    let uncached = greedy_paged(&mut exec, &CHAT_PROMPT, &golden_table, 0, n_golden);
+    assert_eq!(uncached, GOLDEN, "uncached golden run");
+    let mut cached_table = golden_table[..4].to_vec();
+    cached_table.extend(take(CHAT_PROMPT.len() + n_golden - 32));
+    let cached = greedy_paged(&mut exec, &CHAT_PROMPT, &cached_table, 32, n_golden);
+    assert_eq!(cached, uncached, "golden prompt: cached vs uncached");
+
+    let n_new = 8;
+    let table = take(germany.len() + n_new);
+    let uncached = greedy_paged(&mut exec, &germany, &table, 0, n_new);
+    let mut cached_table = golden_table[..4].to_vec();
+    cached_table.extend(take(germany.len() + n_new - 32));
+    let cached = greedy_paged(&mut exec, &germany, &cached_table, 32, n_new);
+    println!("germany: {uncached:?}");
+    assert_eq!(cached, uncached, "shared-prefix prompt: cached vs uncached");
+
+    let table = take(colors.len() + n_new);
+    let uncached = greedy_paged(&mut exec, &colors, &table, 0, n_new);
+    let mut cached_table = table[..1].to_vec();
+    cached_table.extend(take(colors.len() + n_new - bs));
+    let cached = greedy_paged(&mut exec, &colors, &cached_table, bs, n_new);
+    println!("colors: {uncached:?}");
+    assert_eq!(cached, uncached, "short prompt: cached vs uncached");
+}
+
 #[test]
 fn golden_smollm2_first_16_greedy_tokens() {
     let w = weights(WeightFormat::CPU_DEFAULT);
@@ -277,7 +365,8 @@ fn golden_smollm2_first_16_greedy_tokens() {
 }
 
 /// SmolLM2-135M-Instruct's greedy continuation of [`CHAT_PROMPT`] with the default CPU weights
-/// (dense F32 prefill, Q8_0 decode, F32 output head): "The capital of France is Paris." then
+/// (`WeightFormat::Exact`: the file's weights exactly, F32 activations; the same tokens as the
+/// earlier dense-F32-prefill / Q8_0-decode default and as the F32 reference): "The capital of France is Paris." then
 /// `<|im_end|>` (id 2) — the engine would stop there; the raw executor keeps going with
 /// "\n<|im_end|><|im_start|>system\n<|im_end|>\n<|im_start|>".
 const GOLDEN: [u32; 16] = [

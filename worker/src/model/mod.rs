@@ -21,6 +21,7 @@
 pub mod attention;
 pub mod bench;
 pub mod executor;
+pub(crate) mod packed;
 pub mod reference;
 pub mod weights;
 
@@ -62,7 +63,7 @@ pub fn device(cuda: bool) -> Result<candle_core::Device, WorkerError> {
     Ok(candle_core::Device::Cpu)
 }
 
-/// The default weight format for a device: Q8_0 + dense F32 hybrid on CPU, the file's own
+/// The default weight format for a device: [`WeightFormat::Exact`] on CPU, the file's own
 /// quantization on GPUs (candle has Q4_1 CUDA kernels).
 pub fn default_format(device: &candle_core::Device) -> WeightFormat {
     if device.is_cpu() {

@@ -16,6 +16,7 @@ use std::path::Path;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use super::packed::PackedMatrix;
 use crate::WorkerError;
 
 /// Architecture parameters of a Llama-family model, read from GGUF metadata.
@@ -53,7 +54,19 @@ pub enum WeightFormat {
     Q8_0,
     /// Dequantize to dense F32 (fast GEMM for large batches, slow for single rows).
     F32,
-    /// Q8_0 for steps with fewer than `dense_min_tokens` tokens, dense F32 otherwise.
+    /// The file's weights exactly, always with F32 activations: steps with fewer than
+    /// `dense_min_tokens` tokens multiply the stored blocks (Q4_0 / Q4_1 / Q8_0) with this
+    /// crate's kernel ([`super::packed`]), larger steps use a dense F32 GEMM over the same
+    /// dequantized values. Both paths compute the same products (only the summation order
+    /// differs), so greedy results do not depend on step size, chunking or prefix caching.
+    /// Matrices in other formats use the dense copy for every step.
+    Exact {
+        /// Smallest step (total tokens) that uses the dense F32 copy.
+        dense_min_tokens: usize,
+    },
+    /// Q8_0 for steps with fewer than `dense_min_tokens` tokens, dense F32 otherwise. Not
+    /// step-size invariant: candle's Q8_0 kernel rounds activations to 8 bits, so a cached
+    /// continuation can take a different greedy path than an uncached prefill.
     Hybrid {
         /// Smallest step (total tokens) that uses the dense F32 copy.
         dense_min_tokens: usize,
@@ -61,9 +74,9 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    /// The CPU default: Q8_0 for decode, dense F32 from 32 tokens per step (measured crossover
-    /// on the 2-core bench machine; see docs/benchmarks.md).
-    pub const CPU_DEFAULT: WeightFormat = WeightFormat::Hybrid {
+    /// The CPU default: [`WeightFormat::Exact`], packed kernel below 32 tokens per step, dense
+    /// F32 GEMM from 32 (see docs/benchmarks.md, section "worker engine").
+    pub const CPU_DEFAULT: WeightFormat = WeightFormat::Exact {
         dense_min_tokens: 32,
     };
 
@@ -72,7 +85,9 @@ impl WeightFormat {
         match self {
             WeightFormat::AsStored | WeightFormat::Q8_0 => false,
             WeightFormat::F32 => true,
-            WeightFormat::Hybrid { dense_min_tokens } => tokens >= *dense_min_tokens,
+            WeightFormat::Hybrid { dense_min_tokens } | WeightFormat::Exact { dense_min_tokens } => {
+                tokens >= *dense_min_tokens
+            }
         }
     }
 }
@@ -80,6 +95,8 @@ impl WeightFormat {
 /// One weight matrix `[out, in]`, in the representations its [`WeightFormat`] asks for.
 #[derive(Debug)]
 pub(crate) struct Linear {
+    /// Stored blocks for the F32-activation kernel ([`WeightFormat::Exact`], CPU only).
+    packed: Option<PackedMatrix>,
     quant: Option<QMatMul>,
     dense: Option<Tensor>,
     out_features: usize,
@@ -89,13 +106,25 @@ impl Linear {
     /// Builds a matrix from F32 data on the CPU (`[out, in]`), in `format`, on `device`.
     fn from_dense_cpu(
         w: Tensor,
-        stored: &QTensor,
+        stored: &[QTensor],
         format: WeightFormat,
         device: &Device,
     ) -> Result<Self, WorkerError> {
         let (out_features, _) = w.dims2()?;
+        let stored_refs: Vec<&QTensor> = stored.iter().collect();
+        let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
+            PackedMatrix::stacked(&stored_refs)?
+        } else {
+            None
+        };
+        let stored = stored
+            .first()
+            .ok_or_else(|| WorkerError::Model("weight matrix without stored tensor".into()))?;
         let want_q8 = matches!(format, WeightFormat::Q8_0 | WeightFormat::Hybrid { .. });
-        let want_dense = matches!(format, WeightFormat::F32 | WeightFormat::Hybrid { .. });
+        let want_dense = matches!(
+            format,
+            WeightFormat::F32 | WeightFormat::Hybrid { .. } | WeightFormat::Exact { .. }
+        );
         let quant = if format == WeightFormat::AsStored {
             Some(QMatMul::from_qtensor(requantize_onto(
                 &w,
@@ -117,6 +146,7 @@ impl Linear {
             None
         };
         Ok(Linear {
+            packed,
             quant,
             dense,
             out_features,
@@ -130,6 +160,11 @@ impl Linear {
 
     /// `x [T, in] → [T, out]`; `dense` selects the dense copy when there is one.
     pub(crate) fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, WorkerError> {
+        if let Some(p) = &self.packed {
+            if !dense || self.dense.is_none() {
+                return packed_forward(p, x);
+            }
+        }
         match (&self.dense, &self.quant) {
             (Some(w), _) if dense => Ok(x.matmul(&w.t()?)?),
             (_, Some(q)) => Ok(q.forward(x)?),
@@ -137,6 +172,20 @@ impl Linear {
             (None, None) => Err(WorkerError::Model("weight matrix has no storage".into())),
         }
     }
+}
+
+/// `x [T, in] · Wᵀ` through the packed kernel (CPU tensors).
+fn packed_forward(p: &PackedMatrix, x: &Tensor) -> Result<Tensor, WorkerError> {
+    let (m, k) = x.dims2()?;
+    if k != p.cols() {
+        return Err(WorkerError::Tensor(format!(
+            "matmul input width {k}, weight width {}",
+            p.cols()
+        )));
+    }
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let out = p.matmul(&xs, m)?;
+    Ok(Tensor::from_vec(out, (m, p.rows()), &Device::Cpu)?)
 }
 
 /// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
@@ -179,6 +228,10 @@ pub struct LlamaWeights {
     /// Output projection `[vocab, hidden]` F32 when the file has an untied `output.weight`
     /// (tied models use `embedding`), used with [`HeadPrecision::F32`].
     lm_head_dense: Option<Tensor>,
+    /// Output projection as stored, for the F32-activation kernel ([`WeightFormat::Exact`]
+    /// with [`HeadPrecision::F32`] on CPU: same values as the F32 head, a quarter of the reads
+    /// for SmolLM2's Q8_0 embedding).
+    lm_head_packed: Option<PackedMatrix>,
     head: HeadPrecision,
 }
 
@@ -312,23 +365,25 @@ impl GgufReader<'_> {
             .map_err(|e| WorkerError::Model(format!("reading tensor `{name}`: {e}")))
     }
 
-    fn dense(&mut self, name: &str) -> Result<(Tensor, QTensor), WorkerError> {
+    fn dense(&mut self, name: &str) -> Result<(Tensor, Vec<QTensor>), WorkerError> {
         let q = self.qtensor(name)?;
         let t = q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
-        Ok((t, q))
+        Ok((t, vec![q]))
     }
 
     /// Several matrices with the same input width, concatenated along the output rows.
-    fn fused(&mut self, names: &[String]) -> Result<(Tensor, QTensor), WorkerError> {
+    fn fused(&mut self, names: &[String]) -> Result<(Tensor, Vec<QTensor>), WorkerError> {
         let mut parts = Vec::with_capacity(names.len());
-        let mut first = None;
+        let mut stored = Vec::with_capacity(names.len());
         for n in names {
             let (t, q) = self.dense(n)?;
             parts.push(t);
-            first.get_or_insert(q);
+            stored.extend(q);
         }
-        let first = first.ok_or_else(|| WorkerError::Model("no tensors to fuse".into()))?;
-        Ok((Tensor::cat(&parts, 0)?, first))
+        if parts.is_empty() {
+            return Err(WorkerError::Model("no tensors to fuse".into()));
+        }
+        Ok((Tensor::cat(&parts, 0)?, stored))
     }
 }
 
@@ -377,8 +432,17 @@ impl LlamaWeights {
         } else {
             embd_q
         };
+        let lm_head_packed = if matches!(format, WeightFormat::Exact { .. })
+            && device.is_cpu()
+            && head == HeadPrecision::F32
+        {
+            PackedMatrix::from_qtensor(&head_q)?
+        } else {
+            None
+        };
         let (lm_head_q, lm_head_dense) = match head {
             HeadPrecision::Quantized => (Some(quantized_head(head_q, device)?), None),
+            HeadPrecision::F32 if lm_head_packed.is_some() => (None, None),
             HeadPrecision::F32 if untied => (
                 None,
                 Some(
@@ -433,12 +497,16 @@ impl LlamaWeights {
             output_norm,
             lm_head_q,
             lm_head_dense,
+            lm_head_packed,
             head,
         })
     }
 
     /// Logits `[rows, vocab]` of final-normed hidden states `x` (`[rows, hidden]`).
     pub(crate) fn lm_head(&self, x: &Tensor) -> Result<Tensor, WorkerError> {
+        if let Some(p) = &self.lm_head_packed {
+            return packed_forward(p, x);
+        }
         match (&self.lm_head_q, &self.lm_head_dense) {
             (Some(q), _) => Ok(q.forward(x)?),
             (None, Some(w)) => Ok(x.matmul(&w.t()?)?),

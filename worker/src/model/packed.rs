@@ -1,0 +1,379 @@
+//! Packed quantized weights multiplied with **F32 activations** on the CPU: the kernel behind
+//! [`super::WeightFormat::Exact`] for small steps (decode, short chunks) and behind the output
+//! head.
+//!
+//! Why not candle's quantized matmul: its CPU kernels first quantize the activations to 8 bits
+//! per 32-value block, which flips SmolLM2's greedy answers and makes results depend on how a
+//! prompt was chunked (a cached continuation took a different path than an uncached prefill).
+//! Here each weight is dequantized exactly as `QTensor::dequantize` does (`q·d + m` in f32 for
+//! Q4_1, `(q−8)·d` for Q4_0, `q·d` for Q8_0) right before it is multiplied, so the result equals
+//! the dense F32 matmul over the dequantized matrix up to summation order, while the matrix is
+//! read at its stored size (0.75 / 0.56 / 1.06 bytes per weight as packed here, versus 4 for
+//! F32).
+//!
+//! Cost of `x [m, k] · Wᵀ` with `W [n, k]`: `O(m · n · k)` multiply-adds; every weight block is
+//! unpacked once per group of up to [`ROW_GROUP`] activation rows, so a batch of decode rows
+//! (one per sequence) reads the weights about once per group. Work is split over output rows
+//! on the rayon pool; memory `O(m · n)` for the output. The inner loops are plain Rust over
+//! fixed-size arrays, compiled twice (generic, and with AVX-512 enabled, chosen at run time).
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use rayon::prelude::*;
+
+use crate::WorkerError;
+
+/// Values per quantization block (Q4_0, Q4_1, Q8_0).
+const QK: usize = 32;
+/// Activation rows sharing one unpacked weight block.
+pub(crate) const ROW_GROUP: usize = 4;
+
+/// The block formats this kernel reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// `q·d + m`, 4-bit `q` in 0..16.
+    Q4_1,
+    /// `(q − 8)·d`, 4-bit `q`.
+    Q4_0,
+    /// `q·d`, 8-bit signed `q`.
+    Q8_0,
+}
+
+/// A `[rows, cols]` matrix in one of the supported block formats, repacked with its scales as
+/// f32 (converted exactly from the file's f16).
+#[derive(Debug)]
+pub(crate) struct PackedMatrix {
+    kind: Kind,
+    rows: usize,
+    cols: usize,
+    /// Per block, `d`.
+    scale: Vec<f32>,
+    /// Per block, `m` (Q4_1 only; empty otherwise).
+    min: Vec<f32>,
+    /// Per block, 16 bytes of nibbles (Q4_x: element `j` low nibble, `j + 16` high nibble of
+    /// byte `j`) or 32 signed bytes (Q8_0).
+    qs: Vec<u8>,
+}
+
+/// Exact f16 → f32 conversion (every f16 is representable in f32).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let mant = u32::from(h & 0x3ff);
+    match exp {
+        0 => {
+            // Zero or subnormal: mant · 2^-24, exact in f32.
+            let v = mant as f32 * (1.0 / 16_777_216.0);
+            if sign != 0 {
+                -v
+            } else {
+                v
+            }
+        }
+        31 => f32::from_bits(sign | 0x7f80_0000 | (mant << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (mant << 13)),
+    }
+}
+
+impl PackedMatrix {
+    /// Repacks a `[rows, cols]` quantized tensor; `Ok(None)` when its format is not one this
+    /// kernel reads (the caller then uses dense F32 weights).
+    pub(crate) fn from_qtensor(q: &QTensor) -> Result<Option<Self>, WorkerError> {
+        let (kind, block_bytes) = match q.dtype() {
+            GgmlDType::Q4_1 => (Kind::Q4_1, 20),
+            GgmlDType::Q4_0 => (Kind::Q4_0, 18),
+            GgmlDType::Q8_0 => (Kind::Q8_0, 34),
+            _ => return Ok(None),
+        };
+        let (rows, cols) = q.shape().dims2()?;
+        if cols % QK != 0 {
+            return Ok(None);
+        }
+        let data = q.data()?;
+        let blocks = rows * (cols / QK);
+        if data.len() != blocks * block_bytes {
+            return Err(WorkerError::Model(format!(
+                "{:?} tensor of {rows}×{cols} has {} bytes, expected {}",
+                q.dtype(),
+                data.len(),
+                blocks * block_bytes
+            )));
+        }
+        Ok(Some(Self::from_blocks(kind, rows, cols, &data, block_bytes)))
+    }
+
+    /// Several matrices with the same width and format stacked along the rows (fused
+    /// projections); `Ok(None)` when any is unsupported or the formats differ.
+    pub(crate) fn stacked(parts: &[&QTensor]) -> Result<Option<Self>, WorkerError> {
+        let mut out: Option<PackedMatrix> = None;
+        for q in parts {
+            let Some(p) = Self::from_qtensor(q)? else {
+                return Ok(None);
+            };
+            match &mut out {
+                None => out = Some(p),
+                Some(o) => {
+                    if o.kind != p.kind || o.cols != p.cols {
+                        return Ok(None);
+                    }
+                    o.rows += p.rows;
+                    o.scale.extend_from_slice(&p.scale);
+                    o.min.extend_from_slice(&p.min);
+                    o.qs.extend_from_slice(&p.qs);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn from_blocks(kind: Kind, rows: usize, cols: usize, data: &[u8], block_bytes: usize) -> Self {
+        let blocks = data.len() / block_bytes;
+        let q_bytes = if kind == Kind::Q8_0 { QK } else { QK / 2 };
+        let mut scale = Vec::with_capacity(blocks);
+        let mut min = Vec::with_capacity(if kind == Kind::Q4_1 { blocks } else { 0 });
+        let mut qs = Vec::with_capacity(blocks * q_bytes);
+        for b in data.chunks_exact(block_bytes) {
+            scale.push(f16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+            let q_start = if kind == Kind::Q4_1 {
+                min.push(f16_to_f32(u16::from_le_bytes([b[2], b[3]])));
+                4
+            } else {
+                2
+            };
+            qs.extend_from_slice(&b[q_start..q_start + q_bytes]);
+        }
+        PackedMatrix {
+            kind,
+            rows,
+            cols,
+            scale,
+            min,
+            qs,
+        }
+    }
+
+    /// Output width (`rows` of the weight matrix).
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input width.
+    pub(crate) fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Dequantizes block `block` (row-major block index) into `out`, exactly as candle does.
+    #[inline(always)]
+    fn dequant_block(&self, block: usize, out: &mut [f32; QK]) {
+        let d = self.scale[block];
+        match self.kind {
+            Kind::Q4_1 => {
+                let m = self.min[block];
+                let q = &self.qs[block * 16..][..16];
+                for j in 0..16 {
+                    out[j] = f32::from(q[j] & 0x0f) * d + m;
+                    out[j + 16] = f32::from(q[j] >> 4) * d + m;
+                }
+            }
+            Kind::Q4_0 => {
+                let q = &self.qs[block * 16..][..16];
+                for j in 0..16 {
+                    out[j] = f32::from(i16::from(q[j] & 0x0f) - 8) * d;
+                    out[j + 16] = f32::from(i16::from(q[j] >> 4) - 8) * d;
+                }
+            }
+            Kind::Q8_0 => {
+                let q = &self.qs[block * QK..][..QK];
+                for j in 0..QK {
+                    out[j] = f32::from(q[j] as i8) * d;
+                }
+            }
+        }
+    }
+
+    /// `x [m, cols] · Wᵀ → [m, rows]` (row-major), F32 activations.
+    pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, WorkerError> {
+        if x.len() != m * self.cols {
+            return Err(WorkerError::Tensor(format!(
+                "packed matmul: input has {} values, expected {m}×{}",
+                x.len(),
+                self.cols
+            )));
+        }
+        let n = self.rows;
+        // Transposed output [n, m]: each task owns a contiguous run of weight rows.
+        let mut out_t = vec![0f32; n * m];
+        let threads = rayon::current_num_threads().max(1);
+        let rows_per_task = n.div_ceil(threads * 4).clamp(8, 256);
+        out_t
+            .par_chunks_mut(rows_per_task * m)
+            .enumerate()
+            .for_each(|(task, dst)| {
+                let first = task * rows_per_task;
+                self.rows_into(x, m, first, dst);
+            });
+        if m == 1 {
+            return Ok(out_t);
+        }
+        let mut out = vec![0f32; m * n];
+        for (r, row) in out_t.chunks_exact(m).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                out[i * n + r] = v;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fills `dst` (`[rows, m]`, starting at weight row `first`).
+    fn rows_into(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+            {
+                // SAFETY: the CPU supports AVX-512F/BW (checked just above); the function has
+                // no other safety requirement.
+                unsafe { self.rows_into_avx512(x, m, first, dst) };
+                return;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                unsafe { self.rows_into_avx2(x, m, first, dst) };
+                return;
+            }
+        }
+        self.rows_into_impl(x, m, first, dst);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn rows_into_avx512(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
+        self.rows_into_impl(x, m, first, dst);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_into_avx2(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
+        self.rows_into_impl(x, m, first, dst);
+    }
+
+    #[inline(always)]
+    fn rows_into_impl(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
+        let nb = self.cols / QK;
+        let mut w = [0f32; QK];
+        for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
+            let r = first + i;
+            let mut g = 0;
+            while g < m {
+                let rows = (m - g).min(ROW_GROUP);
+                let mut acc = [[0f32; 16]; ROW_GROUP];
+                for b in 0..nb {
+                    self.dequant_block(r * nb + b, &mut w);
+                    for (a, acc_r) in acc.iter_mut().enumerate().take(rows) {
+                        let xb = &x[(g + a) * self.cols + b * QK..][..QK];
+                        for j in 0..16 {
+                            acc_r[j] += w[j] * xb[j];
+                        }
+                        for j in 0..16 {
+                            acc_r[j] += w[j + 16] * xb[j + 16];
+                        }
+                    }
+                }
+                for (a, acc_r) in acc.iter().enumerate().take(rows) {
+                    let mut s = [0f32; 4];
+                    for k in 0..4 {
+                        s[k] = (acc_r[k] + acc_r[k + 4]) + (acc_r[k + 8] + acc_r[k + 12]);
+                    }
+                    out_row[g + a] = (s[0] + s[2]) + (s[1] + s[3]);
+                }
+                g += rows;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) as f32 / (1u64 << 53) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn f16_conversion_is_exact() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        assert!(f16_to_f32(0x7c00).is_infinite());
+    }
+
+    /// The packed kernel equals a dense F32 matmul over candle's dequantized weights (same
+    /// weights exactly; only summation order differs) for every supported format and batch
+    /// sizes around the row group.
+    #[test]
+    fn matches_dense_matmul_over_dequantized_weights() {
+        let seed = 0x9ac4_u64;
+        println!("seed {seed}");
+        let (n, k) = (37, 96);
+        let w = Tensor::from_vec(rnd_vec(seed, n * k), (n, k), &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q4_0, GgmlDType::Q8_0] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
+            let deq = q.dequantize(&Device::Cpu).unwrap();
+            for m in [1, 3, 4, 9] {
+                let x = rnd_vec(seed + m as u64, m * k);
+                let got = p.matmul(&x, m).unwrap();
+                let xt = Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap();
+                let want: Vec<f32> = xt
+                    .matmul(&deq.t().unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-4, "{dtype:?} m={m}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stacking_equals_separate_matrices() {
+        let a = Tensor::from_vec(rnd_vec(1, 3 * 64), (3, 64), &Device::Cpu).unwrap();
+        let b = Tensor::from_vec(rnd_vec(2, 5 * 64), (5, 64), &Device::Cpu).unwrap();
+        let qa = QTensor::quantize(&a, GgmlDType::Q4_1).unwrap();
+        let qb = QTensor::quantize(&b, GgmlDType::Q4_1).unwrap();
+        let s = PackedMatrix::stacked(&[&qa, &qb]).unwrap().unwrap();
+        assert_eq!((s.rows(), s.cols()), (8, 64));
+        let x = rnd_vec(3, 64);
+        let got = s.matmul(&x, 1).unwrap();
+        let mut want = PackedMatrix::from_qtensor(&qa)
+            .unwrap()
+            .unwrap()
+            .matmul(&x, 1)
+            .unwrap();
+        want.extend(
+            PackedMatrix::from_qtensor(&qb)
+                .unwrap()
+                .unwrap()
+                .matmul(&x, 1)
+                .unwrap(),
+        );
+        assert_eq!(got, want);
+        let q8 = QTensor::quantize(&b, GgmlDType::Q8_0).unwrap();
+        assert!(PackedMatrix::stacked(&[&qa, &q8]).unwrap().is_none());
+    }
+}
