@@ -6,7 +6,11 @@ mod bench;
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "kvgate", version, about = "Cache-aware inference gateway with embedded engine workers")]
+#[command(
+    name = "kvgate",
+    version,
+    about = "Cache-aware inference gateway with embedded engine workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -421,15 +421,25 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     assert_eq!(rep.failed_without_receipt, killed.len() as u64, "{rep}");
     assert_eq!(rep.receipted, (sent.len() - killed.len()) as u64, "{rep}");
     // The audit itself names exactly the killed requests.
-    let listed: BTreeSet<&str> = rep.failed_requests.iter().map(|f| f.request_id.as_str()).collect();
+    let listed: BTreeSet<&str> = rep
+        .failed_requests
+        .iter()
+        .map(|f| f.request_id.as_str())
+        .collect();
     assert_eq!(listed, killed, "audit's failed requests:\n{rep}");
-    assert!(rep.failed_requests.iter().all(|f| f.worker == victim), "{rep}");
+    assert!(
+        rep.failed_requests.iter().all(|f| f.worker == victim),
+        "{rep}"
+    );
     let (code, out) = cli_audit(&fleet);
     println!("{out}");
     assert_eq!(code, 0, "kvgate receipts audit failed:\n{out}");
     assert!(out.contains("failed upstream without receipt 2"), "{out}");
     for id in &killed {
-        assert!(out.contains(&format!("failed upstream: request {id}")), "{out}");
+        assert!(
+            out.contains(&format!("failed upstream: request {id}")),
+            "{out}"
+        );
     }
 
     // ---- Phase 4: a graceful stop (`RunningWorker::shutdown`) of the last worker while it

@@ -65,7 +65,10 @@ pub async fn chat(client: &reqwest::Client, call: ChatCall<'_>, rec: &mut Reques
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let url = format!("{}/v1/chat/completions", call.base_url.trim_end_matches('/'));
+    let url = format!(
+        "{}/v1/chat/completions",
+        call.base_url.trim_end_matches('/')
+    );
     let t0 = Instant::now();
     rec.request_id = call.request_id.clone();
     rec.requested_output_tokens = call.max_tokens;
@@ -117,7 +120,9 @@ pub async fn chat(client: &reqwest::Client, call: ChatCall<'_>, rec: &mut Reques
         while let Some(pos) = find_event_end(&buf) {
             let event: Vec<u8> = buf.drain(..pos).collect();
             for line in String::from_utf8_lossy(&event).lines() {
-                let Some(data) = line.strip_prefix("data:") else { continue };
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
                 let data = data.trim();
                 if data == "[DONE]" {
                     done = true;
@@ -128,7 +133,12 @@ pub async fn chat(client: &reqwest::Client, call: ChatCall<'_>, rec: &mut Reques
                     continue;
                 };
                 if v.get("error").is_some() {
-                    rec.error = Some(v["error"]["code"].as_str().unwrap_or("stream_error").to_string());
+                    rec.error = Some(
+                        v["error"]["code"]
+                            .as_str()
+                            .unwrap_or("stream_error")
+                            .to_string(),
+                    );
                 }
                 if let Some(choice) = v["choices"].get(0) {
                     if let Some(text) = choice["delta"]["content"].as_str() {
@@ -136,7 +146,9 @@ pub async fn chat(client: &reqwest::Client, call: ChatCall<'_>, rec: &mut Reques
                             let now = Instant::now();
                             match last_token_at {
                                 None => rec.ttft_seconds = Some((now - t0).as_secs_f64()),
-                                Some(prev) => rec.inter_token_latencies.push((now - prev).as_secs_f64()),
+                                Some(prev) => {
+                                    rec.inter_token_latencies.push((now - prev).as_secs_f64())
+                                }
                             }
                             last_token_at = Some(now);
                             rec.answer.push_str(text);

@@ -83,14 +83,25 @@ impl Fleet {
     }
 }
 
-fn rules_toml(profile: &PromptProfile, model_path: &Path, workers: &[RunningWorker], rule: &str) -> String {
+fn rules_toml(
+    profile: &PromptProfile,
+    model_path: &Path,
+    workers: &[RunningWorker],
+    rule: &str,
+) -> String {
     let id = profile.identity();
     let mut s = String::new();
     for (i, w) in workers.iter().enumerate() {
-        s.push_str(&format!("[[workers]]\nid = \"w{i}\"\nurl = \"http://{}\"\n\n", w.addr()));
+        s.push_str(&format!(
+            "[[workers]]\nid = \"w{i}\"\nurl = \"http://{}\"\n\n",
+            w.addr()
+        ));
     }
     let ids: Vec<String> = (0..workers.len()).map(|i| format!("\"w{i}\"")).collect();
-    s.push_str(&format!("[[pools]]\nid = \"fleet\"\nworkers = [{}]\n\n", ids.join(", ")));
+    s.push_str(&format!(
+        "[[pools]]\nid = \"fleet\"\nworkers = [{}]\n\n",
+        ids.join(", ")
+    ));
     s.push_str(&format!(
         "[[profiles]]\nid = \"sim\"\nmodel_id = {:?}\nrevision = {:?}\nsource = {{ gguf = {:?} }}\ntemplate_sha256 = {:?}\ntokenizer_sha256 = {:?}\nblock_size = 16\nhash_algorithm = \"xxh3\"\ncontext_limit = {}\nnative_reserve_tokens = 0\n\n",
         id.model_id,
@@ -105,8 +116,17 @@ fn rules_toml(profile: &PromptProfile, model_path: &Path, workers: &[RunningWork
     s
 }
 
-async fn start_fleet(n: usize, dir: &Path, model_path: &Path, profile: &PromptProfile, rule: &str) -> anyhow::Result<Fleet> {
-    let mut fleet = Fleet { workers: Vec::with_capacity(n), gateway: None };
+async fn start_fleet(
+    n: usize,
+    dir: &Path,
+    model_path: &Path,
+    profile: &PromptProfile,
+    rule: &str,
+) -> anyhow::Result<Fleet> {
+    let mut fleet = Fleet {
+        workers: Vec::with_capacity(n),
+        gateway: None,
+    };
     let gateway_key = KeyPair::generate();
     let mut gateway_keys = receipts::KeyRing::new();
     gateway_keys.insert("gateway", gateway_key.public().clone());
@@ -122,17 +142,25 @@ async fn start_fleet(n: usize, dir: &Path, model_path: &Path, profile: &PromptPr
             );
             cfg.profile = Some(profile.clone());
             cfg.gateway_keys = gateway_keys.clone();
-            cfg.engine_config = EngineConfig { max_waiting: 256, ..EngineConfig::default() };
+            cfg.engine_config = EngineConfig {
+                max_waiting: 256,
+                ..EngineConfig::default()
+            };
             let w = worker::server::spawn(cfg, listener)
                 .await
                 .with_context(|| format!("starting simulated worker w{i}"))?;
             fleet.workers.push(w);
         }
         for w in &fleet.workers {
-            w.wait_ready(Duration::from_secs(30)).await.context("simulated worker not ready")?;
+            w.wait_ready(Duration::from_secs(30))
+                .await
+                .context("simulated worker not ready")?;
         }
         let rules_path = dir.join("rules.toml");
-        std::fs::write(&rules_path, rules_toml(profile, model_path, &fleet.workers, rule))?;
+        std::fs::write(
+            &rules_path,
+            rules_toml(profile, model_path, &fleet.workers, rule),
+        )?;
         let mut gcfg = gateway::GatewayConfig::new(&rules_path, gateway_key);
         gcfg.watch_rules = false;
         gcfg.threads = 2;
@@ -201,9 +229,14 @@ pub fn fleet_verdicts(kind: WorkloadKind, s: &[Summary]) -> Vec<Verdict> {
 pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
     let model_path = default_model_path();
     let profile = PromptProfile::from_gguf(&model_path).with_context(|| {
-        format!("loading the prompt profile from {} (run scripts/fetch-model.sh)", model_path.display())
+        format!(
+            "loading the prompt profile from {} (run scripts/fetch-model.sh)",
+            model_path.display()
+        )
     })?;
-    let client = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()?;
     let mut failed = false;
     println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, oracle");
     for kind in &args.workload {
@@ -232,15 +265,27 @@ pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
             )
             .await;
             fleet.stop().await;
-            summaries.push(report::summarize(label, &wave.records, wave.seconds, wave.truncated));
+            summaries.push(report::summarize(
+                label,
+                &wave.records,
+                wave.seconds,
+                wave.truncated,
+            ));
             records.extend(wave.records);
         }
         let verdicts = fleet_verdicts(*kind, &summaries);
         println!("\n== {} (fleet sim:{n})", kind.as_str());
         print!("{}", report::table(&summaries));
         for v in &verdicts {
-            let value = v.value.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
-            println!("  {:<8} {} (value {value})", v.outcome.as_str(), v.threshold);
+            let value = v
+                .value
+                .map(|v| format!("{v:.3}"))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "  {:<8} {} (value {value})",
+                v.outcome.as_str(),
+                v.threshold
+            );
             failed |= v.outcome != Outcome::Pass;
         }
         let dir = args.out.join(format!("fleet-sim-{n}")).join(kind.as_str());
@@ -248,5 +293,9 @@ pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("writing {}", dir.display()))?;
         println!("  outputs: {}", dir.display());
     }
-    Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    Ok(if failed {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -83,7 +83,9 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
         let context_limit = spec.context_limit;
         tasks.spawn(async move {
             tokio::time::sleep(plan.start_delay).await;
-            let Ok(_permit) = sem.acquire_owned().await else { return Vec::new() };
+            let Ok(_permit) = sem.acquire_owned().await else {
+                return Vec::new();
+            };
             let mut messages: Vec<Value> = Vec::new();
             if let Some(s) = &plan.system {
                 messages.push(json!({"role": "system", "content": s}));
@@ -156,5 +158,9 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
     }
     let truncated = Instant::now() >= deadline && records.len() < total;
     records.sort_by(|a, b| a.started_at.total_cmp(&b.started_at));
-    Wave { records, seconds, truncated }
+    Wave {
+        records,
+        seconds,
+        truncated,
+    }
 }

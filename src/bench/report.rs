@@ -29,7 +29,11 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 
 fn pcts(mut v: Vec<f64>) -> Option<Pcts> {
     v.sort_by(|a, b| a.total_cmp(b));
-    Some(Pcts { p50: percentile(&v, 50.0)?, p95: percentile(&v, 95.0)?, p99: percentile(&v, 99.0)? })
+    Some(Pcts {
+        p50: percentile(&v, 50.0)?,
+        p95: percentile(&v, 95.0)?,
+        p99: percentile(&v, 99.0)?,
+    })
 }
 
 /// The summary of one label (one policy, or one target).
@@ -59,10 +63,19 @@ pub struct Summary {
     pub probe_ttft: Option<f64>,
 }
 
-pub fn summarize(label: &str, recs: &[RequestRecord], wave_seconds: f64, truncated: bool) -> Summary {
+pub fn summarize(
+    label: &str,
+    recs: &[RequestRecord],
+    wave_seconds: f64,
+    truncated: bool,
+) -> Summary {
     let ok: Vec<&RequestRecord> = recs.iter().filter(|r| r.ok()).collect();
     let ttft = pcts(ok.iter().filter_map(|r| r.ttft_seconds).collect());
-    let itl = pcts(ok.iter().flat_map(|r| r.inter_token_latencies.iter().copied()).collect());
+    let itl = pcts(
+        ok.iter()
+            .flat_map(|r| r.inter_token_latencies.iter().copied())
+            .collect(),
+    );
     let e2e = pcts(ok.iter().map(|r| r.e2e_seconds).collect());
     let out_tokens: u64 = ok.iter().filter_map(|r| r.actual_output_tokens).sum();
     let prompt_tokens: u64 = ok.iter().filter_map(|r| r.actual_prompt_tokens).sum();
@@ -74,11 +87,17 @@ pub fn summarize(label: &str, recs: &[RequestRecord], wave_seconds: f64, truncat
         }
     }
     let known: usize = counts.values().sum();
-    let worker_share: BTreeMap<String, f64> =
-        counts.iter().map(|(w, c)| (w.clone(), *c as f64 / known.max(1) as f64)).collect();
+    let worker_share: BTreeMap<String, f64> = counts
+        .iter()
+        .map(|(w, c)| (w.clone(), *c as f64 / known.max(1) as f64))
+        .collect();
     let max_share_over_mean = if known > 0 {
         let mean = 1.0 / counts.len() as f64;
-        worker_share.values().copied().fold(None, |m: Option<f64>, s| Some(m.map_or(s, |m| m.max(s)))).map(|m| m / mean)
+        worker_share
+            .values()
+            .copied()
+            .fold(None, |m: Option<f64>, s| Some(m.map_or(s, |m| m.max(s))))
+            .map(|m| m / mean)
     } else {
         None
     };
@@ -90,7 +109,11 @@ pub fn summarize(label: &str, recs: &[RequestRecord], wave_seconds: f64, truncat
         ttft,
         itl,
         e2e,
-        wall_output_tok_per_s: if wave_seconds > 0.0 { out_tokens as f64 / wave_seconds } else { 0.0 },
+        wall_output_tok_per_s: if wave_seconds > 0.0 {
+            out_tokens as f64 / wave_seconds
+        } else {
+            0.0
+        },
         wave_seconds,
         prompt_tokens,
         cached_tokens,
@@ -98,7 +121,10 @@ pub fn summarize(label: &str, recs: &[RequestRecord], wave_seconds: f64, truncat
         worker_share,
         max_share_over_mean,
         truncated,
-        probe_ttft: ok.iter().find(|r| r.class == "probe").and_then(|r| r.ttft_seconds),
+        probe_ttft: ok
+            .iter()
+            .find(|r| r.class == "probe")
+            .and_then(|r| r.ttft_seconds),
     }
 }
 
@@ -141,9 +167,17 @@ pub struct Verdict {
 }
 
 /// Judge `value OP limit` where `value` may be missing; `valid` says whether the run is sound.
-pub fn judge(threshold: String, value: Option<f64>, le: bool, limit: f64, s: &[&Summary]) -> Verdict {
+pub fn judge(
+    threshold: String,
+    value: Option<f64>,
+    le: bool,
+    limit: f64,
+    s: &[&Summary],
+) -> Verdict {
     let ran = s.iter().all(|s| s.requests > 0);
-    let sound = s.iter().all(|s| s.ok > 0 && (s.errors as f64) <= 0.05 * s.requests as f64);
+    let sound = s
+        .iter()
+        .all(|s| s.ok > 0 && (s.errors as f64) <= 0.05 * s.requests as f64);
     let truncated = s.iter().any(|s| s.truncated);
     let outcome = match value {
         _ if !ran => Outcome::NotRun,
@@ -158,7 +192,12 @@ pub fn judge(threshold: String, value: Option<f64>, le: bool, limit: f64, s: &[&
             }
         }
     };
-    Verdict { threshold, value, limit, outcome }
+    Verdict {
+        threshold,
+        value,
+        limit,
+        outcome,
+    }
 }
 
 /// A user-declared threshold `metric<=x` or `metric>=x` on one label's summary.
@@ -170,9 +209,14 @@ pub fn parse_threshold(s: &str) -> Result<(String, bool, f64), String> {
     } else if let Some((a, b)) = s.split_once(">=") {
         (a, false, b)
     } else {
-        return Err(format!("threshold `{s}`: expected METRIC<=VALUE or METRIC>=VALUE"));
+        return Err(format!(
+            "threshold `{s}`: expected METRIC<=VALUE or METRIC>=VALUE"
+        ));
     };
-    let v: f64 = rest.trim().parse().map_err(|_| format!("threshold `{s}`: `{rest}` is not a number"))?;
+    let v: f64 = rest
+        .trim()
+        .parse()
+        .map_err(|_| format!("threshold `{s}`: `{rest}` is not a number"))?;
     let name = name.trim().to_string();
     if metric(&name, &empty_summary()).is_err() {
         return Err(format!("threshold `{s}`: unknown metric `{name}`"));
@@ -282,7 +326,13 @@ pub fn ttft_svg(recs: &[RequestRecord]) -> String {
         }
     }
     let (w, h, m) = (640.0, 400.0, 50.0);
-    let xmax = by_label.values().flatten().copied().fold(0.0f64, f64::max).max(1e-3) * 1.05;
+    let xmax = by_label
+        .values()
+        .flatten()
+        .copied()
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.05;
     let colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd"];
     let mut svg = String::new();
     let _ = write!(
@@ -340,7 +390,16 @@ pub fn table(summaries: &[Summary]) -> String {
     let _ = writeln!(
         out,
         "{:<14} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9} {:>10}",
-        "label", "reqs", "err", "ttft_p50", "ttft_p95", "itl_p50", "e2e_p50", "hit", "wall_tok/s", "max_share"
+        "label",
+        "reqs",
+        "err",
+        "ttft_p50",
+        "ttft_p95",
+        "itl_p50",
+        "e2e_p50",
+        "hit",
+        "wall_tok/s",
+        "max_share"
     );
     let f = |v: Option<f64>| v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
     for s in summaries {
@@ -366,7 +425,14 @@ pub fn table(summaries: &[Summary]) -> String {
 mod tests {
     use super::*;
 
-    fn rec(label: &str, ttft: f64, worker: &str, prompt: u64, cached: u64, status: u16) -> RequestRecord {
+    fn rec(
+        label: &str,
+        ttft: f64,
+        worker: &str,
+        prompt: u64,
+        cached: u64,
+        status: u16,
+    ) -> RequestRecord {
         RequestRecord {
             label: label.into(),
             workload: "w".into(),
@@ -424,19 +490,40 @@ mod tests {
     fn verdicts() {
         let recs = vec![rec("a", 0.1, "w1", 10, 5, 200)];
         let s = summarize("a", &recs, 1.0, false);
-        assert_eq!(judge("x".into(), Some(1.0), true, 2.0, &[&s]).outcome, Outcome::Pass);
-        assert_eq!(judge("x".into(), Some(3.0), true, 2.0, &[&s]).outcome, Outcome::Fail);
-        assert_eq!(judge("x".into(), None, true, 2.0, &[&s]).outcome, Outcome::Invalid);
+        assert_eq!(
+            judge("x".into(), Some(1.0), true, 2.0, &[&s]).outcome,
+            Outcome::Pass
+        );
+        assert_eq!(
+            judge("x".into(), Some(3.0), true, 2.0, &[&s]).outcome,
+            Outcome::Fail
+        );
+        assert_eq!(
+            judge("x".into(), None, true, 2.0, &[&s]).outcome,
+            Outcome::Invalid
+        );
         let t = summarize("a", &recs, 1.0, true);
-        assert_eq!(judge("x".into(), Some(1.0), true, 2.0, &[&t]).outcome, Outcome::Partial);
+        assert_eq!(
+            judge("x".into(), Some(1.0), true, 2.0, &[&t]).outcome,
+            Outcome::Partial
+        );
         let e = summarize("a", &[], 1.0, false);
-        assert_eq!(judge("x".into(), Some(1.0), true, 2.0, &[&e]).outcome, Outcome::NotRun);
+        assert_eq!(
+            judge("x".into(), Some(1.0), true, 2.0, &[&e]).outcome,
+            Outcome::NotRun
+        );
     }
 
     #[test]
     fn thresholds_parse() {
-        assert_eq!(parse_threshold("ttft_p50<=0.5").unwrap(), ("ttft_p50".into(), true, 0.5));
-        assert_eq!(parse_threshold("hit_rate >= 0.9").unwrap(), ("hit_rate".into(), false, 0.9));
+        assert_eq!(
+            parse_threshold("ttft_p50<=0.5").unwrap(),
+            ("ttft_p50".into(), true, 0.5)
+        );
+        assert_eq!(
+            parse_threshold("hit_rate >= 0.9").unwrap(),
+            ("hit_rate".into(), false, 0.9)
+        );
         assert!(parse_threshold("nope<=1").is_err());
         assert!(parse_threshold("ttft_p50<1").is_err());
         assert!(parse_threshold("ttft_p50<=x").is_err());
@@ -449,7 +536,10 @@ mod tests {
         let c = csv(&[r.clone()]);
         assert_eq!(c.lines().count(), 2);
         assert!(c.contains("\"a,b\""));
-        let svg = ttft_svg(&[rec("rr", 0.1, "w1", 10, 0, 200), rec("kv", 0.05, "w2", 10, 5, 200)]);
+        let svg = ttft_svg(&[
+            rec("rr", 0.1, "w1", 10, 0, 200),
+            rec("kv", 0.05, "w2", 10, 5, 200),
+        ]);
         assert!(svg.starts_with("<svg") && svg.contains("rr (n=1)") && svg.contains("kv (n=1)"));
     }
 }

@@ -79,12 +79,58 @@ pub struct SessionPlan {
 }
 
 const WORDS: &[&str] = &[
-    "cache", "router", "token", "block", "worker", "gateway", "prefix", "latency", "stream",
-    "tensor", "request", "model", "answer", "policy", "service", "memory", "signal", "budget",
-    "river", "mountain", "garden", "window", "letter", "market", "winter", "silver", "engine",
-    "harbor", "planet", "forest", "bridge", "candle", "pocket", "ladder", "rocket", "orange",
-    "number", "silence", "journey", "pattern", "morning", "library", "picture", "season",
-    "quickly", "slowly", "carefully", "brightly", "always", "never", "today", "tomorrow",
+    "cache",
+    "router",
+    "token",
+    "block",
+    "worker",
+    "gateway",
+    "prefix",
+    "latency",
+    "stream",
+    "tensor",
+    "request",
+    "model",
+    "answer",
+    "policy",
+    "service",
+    "memory",
+    "signal",
+    "budget",
+    "river",
+    "mountain",
+    "garden",
+    "window",
+    "letter",
+    "market",
+    "winter",
+    "silver",
+    "engine",
+    "harbor",
+    "planet",
+    "forest",
+    "bridge",
+    "candle",
+    "pocket",
+    "ladder",
+    "rocket",
+    "orange",
+    "number",
+    "silence",
+    "journey",
+    "pattern",
+    "morning",
+    "library",
+    "picture",
+    "season",
+    "quickly",
+    "slowly",
+    "carefully",
+    "brightly",
+    "always",
+    "never",
+    "today",
+    "tomorrow",
 ];
 
 fn words(rng: &mut ChaCha8Rng, n: usize) -> String {
@@ -104,12 +150,21 @@ fn words(rng: &mut ChaCha8Rng, n: usize) -> String {
 
 fn think(rng: &mut ChaCha8Rng, turns: usize, max_ms: u64) -> Vec<Duration> {
     (0..turns)
-        .map(|i| if i == 0 || max_ms == 0 { Duration::ZERO } else { Duration::from_millis(rng.gen_range(0..=max_ms)) })
+        .map(|i| {
+            if i == 0 || max_ms == 0 {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(rng.gen_range(0..=max_ms))
+            }
+        })
         .collect()
 }
 
 fn question(rng: &mut ChaCha8Rng) -> String {
-    format!("In one short sentence, what is a {}?", WORDS[rng.gen_range(0..WORDS.len())])
+    format!(
+        "In one short sentence, what is a {}?",
+        WORDS[rng.gen_range(0..WORDS.len())]
+    )
 }
 
 /// Build the plan of a workload. Deterministic for a given shape and seed.
@@ -164,10 +219,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                     id: format!("long{i}"),
                     class: "long",
                     system: None,
-                    user_turns: vec![format!(
-                        "Summarise: {}",
-                        words(&mut rng, shape.long_words)
-                    )],
+                    user_turns: vec![format!("Summarise: {}", words(&mut rng, shape.long_words))],
                     start_delay: Duration::ZERO,
                     think: vec![Duration::ZERO],
                     max_tokens: shape.max_tokens,
@@ -176,7 +228,9 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                     id: format!("short{i}"),
                     class: "short",
                     system: None,
-                    user_turns: (0..shape.turns.max(1)).map(|_| question(&mut rng)).collect(),
+                    user_turns: (0..shape.turns.max(1))
+                        .map(|_| question(&mut rng))
+                        .collect(),
                     start_delay: Duration::ZERO,
                     think: think(&mut rng, shape.turns.max(1), shape.think_ms),
                     max_tokens: shape.max_tokens,
@@ -189,10 +243,7 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                     id: format!("long{i}"),
                     class: "long",
                     system: None,
-                    user_turns: vec![format!(
-                        "Summarise: {}",
-                        words(&mut rng, shape.long_words)
-                    )],
+                    user_turns: vec![format!("Summarise: {}", words(&mut rng, shape.long_words))],
                     start_delay: Duration::ZERO,
                     think: vec![Duration::ZERO],
                     max_tokens: shape.max_tokens,

@@ -65,7 +65,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{report}");
         return Ok(ExitCode::SUCCESS);
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         if let Some(fleet) = &args.fleet {
             let n: usize = fleet
@@ -117,7 +119,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     },
                 )
                 .await;
-                summaries.push(report::summarize(label, &wave.records, wave.seconds, wave.truncated));
+                summaries.push(report::summarize(
+                    label,
+                    &wave.records,
+                    wave.seconds,
+                    wave.truncated,
+                ));
                 records.extend(wave.records);
             }
             let mut verdicts = crate::bench::fleet::fleet_verdicts(*kind, &summaries);
@@ -125,14 +132,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 for (name, le, limit) in &thresholds {
                     let v = report::metric(name, s).ok().flatten();
                     let op = if *le { "<=" } else { ">=" };
-                    verdicts.push(report::judge(format!("{}: {name}{op}{limit}", s.label), v, *le, *limit, &[s]));
+                    verdicts.push(report::judge(
+                        format!("{}: {name}{op}{limit}", s.label),
+                        v,
+                        *le,
+                        *limit,
+                        &[s],
+                    ));
                 }
             }
             println!("== {} against {target}", kind.as_str());
             print!("{}", report::table(&summaries));
             for v in &verdicts {
-                let value = v.value.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
-                println!("  {:<8} {} (value {value})", v.outcome.as_str(), v.threshold);
+                let value = v
+                    .value
+                    .map(|v| format!("{v:.3}"))
+                    .unwrap_or_else(|| "-".into());
+                println!(
+                    "  {:<8} {} (value {value})",
+                    v.outcome.as_str(),
+                    v.threshold
+                );
                 failed |= v.outcome != Outcome::Pass;
             }
             let dir = args.out.join(kind.as_str());
@@ -140,6 +160,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("writing {}", dir.display()))?;
             println!("  outputs: {}", dir.display());
         }
-        Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+        Ok(if failed {
+            ExitCode::from(2)
+        } else {
+            ExitCode::SUCCESS
+        })
     })
 }

@@ -10,8 +10,8 @@
 //! - `sampler`, `scheduler`, `engine` — continuous batching and the public engine API
 //! - `server`    — the OpenAI-compatible HTTP server
 
-pub mod error;
 pub mod engine;
+pub mod error;
 pub mod executor;
 pub mod kv;
 pub mod model;

@@ -98,7 +98,13 @@ impl PackedMatrix {
                 blocks * block_bytes
             )));
         }
-        Ok(Some(Self::from_blocks(kind, rows, cols, &data, block_bytes)))
+        Ok(Some(Self::from_blocks(
+            kind,
+            rows,
+            cols,
+            &data,
+            block_bytes,
+        )))
     }
 
     /// Several matrices with the same width and format stacked along the rows (fused

@@ -85,9 +85,8 @@ impl WeightFormat {
         match self {
             WeightFormat::AsStored | WeightFormat::Q8_0 => false,
             WeightFormat::F32 => true,
-            WeightFormat::Hybrid { dense_min_tokens } | WeightFormat::Exact { dense_min_tokens } => {
-                tokens >= *dense_min_tokens
-            }
+            WeightFormat::Hybrid { dense_min_tokens }
+            | WeightFormat::Exact { dense_min_tokens } => tokens >= *dense_min_tokens,
         }
     }
 }
