@@ -95,6 +95,10 @@ fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
 }
 
 /// Decides where a request goes. Errors are client errors (400/503) to answer directly.
+/// How long the keys of a just-routed request count as held by its worker before that worker's
+/// KV events confirm them (or they expire).
+pub const PENDING_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub fn decide(
     view: &View,
     index: &PrefixIndex,
@@ -113,6 +117,7 @@ pub fn decide(
                     load: e.runtime.in_flight.load(Ordering::Relaxed),
                     matched_blocks: 0,
                     weight: e.spec.weight,
+                    cached_blocks: 0,
                 })
                 .collect();
             let sel = service.policy().select(&candidates);
@@ -201,6 +206,9 @@ pub fn decide(
                     load: load_of(view, w, rule.load_metric),
                     matched_blocks: matched_of(w),
                     weight: e.spec.weight,
+                    cached_blocks: index
+                        .worker_stats(w)
+                        .map_or(0, |s| s.precise_blocks + s.approximate_blocks),
                 });
             }
             let sel = service.policy().select(&candidates);
@@ -208,6 +216,16 @@ pub fn decide(
                 return Err(GatewayError::NoHealthyWorker {
                     service: service.name().to_owned(),
                 });
+            }
+            // Until the worker's `stored` events arrive, believe it holds what we just sent it:
+            // concurrent requests sharing this prefix then follow it (load guard permitting)
+            // instead of each cold-starting the prefix on another worker.
+            if let Some(first) = sel.order.first() {
+                if !tok.keys.is_empty() {
+                    if let Err(e) = index.insert_approximate_for(first, &tok.keys, PENDING_TTL) {
+                        tracing::debug!(worker = %first, error = %e, "pending holdings skipped");
+                    }
+                }
             }
             let matched = candidates
                 .iter()

@@ -12,6 +12,7 @@ use routing_rules::{
 
 fn cand(i: usize, healthy: bool, load: u64, matched: usize) -> Candidate {
     Candidate {
+        cached_blocks: 0,
         worker: WorkerId(format!("w{i}")),
         healthy,
         load,
@@ -374,4 +375,25 @@ fn policies_are_built_per_rule_and_shared_across_threads() {
     }
     // 400 calls over 4 workers from 4 threads: the shared counter keeps them exact.
     assert_eq!(total, vec![100; 4]);
+}
+
+#[test]
+fn kv_exact_places_unmatched_requests_on_the_worker_holding_least() {
+    let p = KvExact::new(&kv_rule(1.5, Some(1), 16), 16);
+    let mut c: Vec<Candidate> = (0..4).map(|i| cand(i, true, 0, 0)).collect();
+    c[0].cached_blocks = 40;
+    c[1].cached_blocks = 8;
+    c[2].cached_blocks = 0;
+    c[3].cached_blocks = 16;
+    for _ in 0..8 {
+        let sel = p.select(&c);
+        assert_eq!(sel.order[0], WorkerId("w2".into()), "{sel:?}");
+        assert_eq!(sel.reason, Reason::NoMatch);
+    }
+    // Load still comes first: a busier empty worker loses to an idle one holding more.
+    c[2].load = 3;
+    assert_eq!(p.select(&c).order[0], WorkerId("w1".into()));
+    // And a match still wins over holding less.
+    c[0].matched_blocks = 4;
+    assert_eq!(p.select(&c).order[0], WorkerId("w0".into()));
 }

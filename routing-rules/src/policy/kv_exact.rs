@@ -108,7 +108,14 @@ impl SelectionPolicy for KvExact {
             let c = &candidates[i];
             let adm = admissible(i);
             let load = if rotate_no_match && adm { 0 } else { c.load };
-            (!adm, Reverse(self.score(c)), load, rank(i))
+            let score = self.score(c);
+            // Without a match, prefer the worker holding least (then rotation).
+            let spread = if score == 0 && !rotate_no_match {
+                c.cached_blocks
+            } else {
+                0
+            };
+            (!adm, Reverse(score), load, spread, rank(i))
         });
 
         let first = &candidates[order[0]];

@@ -35,6 +35,10 @@ pub struct Candidate {
     pub matched_blocks: usize,
     /// Its weight (from the rules file; 0 is treated as 1).
     pub weight: u32,
+    /// Blocks the index believes it holds in all (0 when unknown). KV-exact uses it to place a
+    /// request that matches nowhere: among equally loaded workers, the one holding least, so new
+    /// conversations spread over the fleet instead of landing beside others' cached prefixes.
+    pub cached_blocks: u64,
 }
 
 /// Why the first choice was chosen; a metric label via [`Reason::as_str`].
