@@ -95,10 +95,6 @@ fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
 }
 
 /// Decides where a request goes. Errors are client errors (400/503) to answer directly.
-/// How long the keys of a just-routed request count as held by its worker before that worker's
-/// KV events confirm them (or they expire).
-pub const PENDING_TTL: std::time::Duration = std::time::Duration::from_secs(10);
-
 pub fn decide(
     view: &View,
     index: &PrefixIndex,
@@ -216,16 +212,6 @@ pub fn decide(
                 return Err(GatewayError::NoHealthyWorker {
                     service: service.name().to_owned(),
                 });
-            }
-            // Until the worker's `stored` events arrive, believe it holds what we just sent it:
-            // concurrent requests sharing this prefix then follow it (load guard permitting)
-            // instead of each cold-starting the prefix on another worker.
-            if let Some(first) = sel.order.first() {
-                if !tok.keys.is_empty() {
-                    if let Err(e) = index.insert_approximate_for(first, &tok.keys, PENDING_TTL) {
-                        tracing::debug!(worker = %first, error = %e, "pending holdings skipped");
-                    }
-                }
             }
             let matched = candidates
                 .iter()

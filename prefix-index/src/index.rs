@@ -610,19 +610,6 @@ impl PrefixIndex {
         worker: &WorkerId,
         keys: &[BlockKey],
     ) -> Result<(), IndexError> {
-        self.insert_approximate_for(worker, keys, self.config.approximate_ttl)
-    }
-
-    /// [`insert_approximate`](Self::insert_approximate) with its own TTL: the gateway uses a
-    /// short one for the keys of a request it has just routed to a worker *with* KV events,
-    /// so that concurrent requests sharing that prefix find it before the worker's `stored`
-    /// events arrive. A later insert of the same key sets its expiry again.
-    pub fn insert_approximate_for(
-        &self,
-        worker: &WorkerId,
-        keys: &[BlockKey],
-        ttl: Duration,
-    ) -> Result<(), IndexError> {
         let ws = self.slot_of(worker)?;
         let mut st = ws.writer.lock();
         if !ws.alive.load(Ordering::Acquire) {
@@ -632,7 +619,7 @@ impl PrefixIndex {
         }
         let now = self.clock.now();
         self.expire_locked(&ws, &mut st, now);
-        let expires = now + ttl;
+        let expires = now + self.config.approximate_ttl;
         let slot = ws.slot;
         for &k in keys {
             st.lru.touch(k, expires);

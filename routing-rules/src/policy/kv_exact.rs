@@ -103,8 +103,7 @@ impl SelectionPolicy for KvExact {
         let rotate_no_match =
             best_admissible_score == 0 && self.on_no_match == NoMatchPolicy::RoundRobin;
 
-        let mut order = healthy.clone();
-        order.sort_by_key(|&i| {
+        let key = |i: usize| {
             let c = &candidates[i];
             let adm = admissible(i);
             let load = if rotate_no_match && adm { 0 } else { c.load };
@@ -115,8 +114,17 @@ impl SelectionPolicy for KvExact {
             } else {
                 0
             };
-            (!adm, Reverse(score), load, spread, rank(i))
-        });
+            (!adm, Reverse(score), load, spread)
+        };
+        let mut order = healthy.clone();
+        order.sort_by_key(|&i| (key(i), rank(i)));
+        // Rotate within the group tied for first place, so that consecutive decisions pick
+        // different members even when the group is a sparse subset of the pool.
+        let top = key(order[0]);
+        let tied = order.iter().take_while(|&&i| key(i) == top).count();
+        if tied > 1 {
+            order[..tied].rotate_left(rot % tied);
+        }
 
         let first = &candidates[order[0]];
         let chosen = self.score(first);
