@@ -5,7 +5,7 @@
 //! KVGATE_BENCH_THREADS=2 cargo test -p worker --test model_bench -- --ignored --nocapture
 //! ```
 //! `KVGATE_BENCH_FORMAT` = `exact` (default, `WeightFormat::CPU_DEFAULT`) | `hybrid` | `q8_0` |
-//! `f32` picks the weight format;
+//! `f32` | `packed` (`Exact` with the packed kernel for every step size) picks the weight format;
 //! `KVGATE_BENCH_REPEATS` the runs per figure (default 3, best reported).
 
 use std::path::PathBuf;
@@ -28,6 +28,9 @@ fn engine_bench() {
     cfg.format = match std::env::var("KVGATE_BENCH_FORMAT").as_deref() {
         Ok("q8_0") => WeightFormat::Q8_0,
         Ok("f32") => WeightFormat::F32,
+        Ok("packed") => WeightFormat::Exact {
+            dense_min_tokens: usize::MAX,
+        },
         Ok("hybrid") => WeightFormat::Hybrid {
             dense_min_tokens: 32,
         },

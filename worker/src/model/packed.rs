@@ -12,10 +12,14 @@
 //! F32).
 //!
 //! Cost of `x [m, k] · Wᵀ` with `W [n, k]`: `O(m · n · k)` multiply-adds; every weight block is
-//! unpacked once per group of up to [`ROW_GROUP`] activation rows, so a batch of decode rows
-//! (one per sequence) reads the weights about once per group. Work is split over output rows
-//! on the rayon pool; memory `O(m · n)` for the output. The inner loops are plain Rust over
-//! fixed-size arrays, compiled twice (generic, and with AVX-512 enabled, chosen at run time).
+//! unpacked once per group of activation rows (8 with AVX-512, [`ROW_GROUP`] otherwise), so a
+//! batch of decode rows (one per sequence) reads the weights about once per group. Work is
+//! split over output rows on the rayon pool; memory `O(m · n)` for the output. Kernels:
+//! hand-written AVX-512 for Q4_1 and Q8_0 (run-time detected), else plain Rust over fixed-size
+//! arrays compiled with AVX2+FMA enabled or generic.
+//!
+//! Measured (docs/benchmarks.md, "worker engine"): faster than candle's F32 GEMM only for
+//! small steps, hence the dense copy for prefill; not yet tiled over several weight rows.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use rayon::prelude::*;
@@ -233,12 +237,13 @@ impl PackedMatrix {
     fn rows_into(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
+            if self.kind != Kind::Q4_0
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
             {
-                // SAFETY: the CPU supports AVX-512F/BW (checked just above); the function has
-                // no other safety requirement.
-                unsafe { self.rows_into_avx512(x, m, first, dst) };
+                // SAFETY: the CPU supports AVX-512F and FMA (checked just above); slice bounds
+                // are checked inside before any raw load.
+                unsafe { avx512::rows_into(self, x, m, first, dst) };
                 return;
             }
             if std::arch::is_x86_feature_detected!("avx2")
@@ -249,12 +254,6 @@ impl PackedMatrix {
                 return;
             }
         }
-        self.rows_into_impl(x, m, first, dst);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    unsafe fn rows_into_avx512(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
         self.rows_into_impl(x, m, first, dst);
     }
 
@@ -299,6 +298,106 @@ impl PackedMatrix {
     }
 }
 
+/// Hand-written AVX-512 kernels for Q4_1 and Q8_0: one weight block is dequantized into two
+/// 16-lane registers (exactly as candle dequantizes: `q·d + m` with separate rounding), then
+/// multiply-added (FMA) into one accumulator per activation row, up to 8 rows per pass.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Kind, PackedMatrix, QK};
+
+    /// Dequantized block `blk` as two 16-lane halves (elements 0..16 and 16..32).
+    #[inline(always)]
+    unsafe fn block(p: &PackedMatrix, blk: usize) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(*p.scale.get_unchecked(blk));
+        match p.kind {
+            Kind::Q4_1 => {
+                let mn = _mm512_set1_ps(*p.min.get_unchecked(blk));
+                let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
+                let b = _mm512_cvtepu8_epi32(q);
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(b));
+                (
+                    _mm512_add_ps(_mm512_mul_ps(lo, d), mn),
+                    _mm512_add_ps(_mm512_mul_ps(hi, d), mn),
+                )
+            }
+            _ => {
+                let base = p.qs.as_ptr().add(blk * QK);
+                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base as *const __m128i));
+                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(16) as *const __m128i));
+                (
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
+                )
+            }
+        }
+    }
+
+    /// `R` activation rows starting at `x` (row stride `cols`) against weight row `r`.
+    #[inline(always)]
+    unsafe fn dot_rows<const R: usize>(p: &PackedMatrix, r: usize, x: *const f32, out: &mut [f32]) {
+        let nb = p.cols / QK;
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let (w0, w1) = block(p, r * nb + b);
+            for (a, acc_a) in acc.iter_mut().enumerate() {
+                let xa = x.add(a * p.cols + b * QK);
+                *acc_a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xa), *acc_a);
+                *acc_a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xa.add(16)), *acc_a);
+            }
+        }
+        for (o, acc_a) in out.iter_mut().zip(acc) {
+            *o = _mm512_reduce_add_ps(acc_a);
+        }
+    }
+
+    /// Fills `dst` (`[rows, m]` from weight row `first`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and FMA; `x.len() == m · cols`, `first + dst.len() / m`
+    /// at most `rows` (checked here).
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn rows_into(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        let n_rows = dst.len() / m.max(1);
+        assert!(x.len() == m * p.cols && first + n_rows <= p.rows && p.kind != Kind::Q4_0);
+        // Activation rows outer (a group of up to 8 rows, ≤ 8 · cols floats, stays in L1),
+        // weight rows inner (the task's rows stay in L2).
+        let mut g = 0;
+        while g < m {
+            let xg = x.as_ptr().add(g * p.cols);
+            let left = m - g;
+            let step = if left >= 8 {
+                8
+            } else if left >= 4 {
+                4
+            } else if left >= 2 {
+                2
+            } else {
+                1
+            };
+            for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
+                let r = first + i;
+                let o = &mut out_row[g..g + step];
+                match step {
+                    8 => dot_rows::<8>(p, r, xg, o),
+                    4 => dot_rows::<4>(p, r, xg, o),
+                    2 => dot_rows::<2>(p, r, xg, o),
+                    _ => dot_rows::<1>(p, r, xg, o),
+                }
+            }
+            g += step;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,7 +437,7 @@ mod tests {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             let deq = q.dequantize(&Device::Cpu).unwrap();
-            for m in [1, 3, 4, 9] {
+            for m in [1, 3, 4, 9, 15, 17] {
                 let x = rnd_vec(seed + m as u64, m * k);
                 let got = p.matmul(&x, m).unwrap();
                 let xt = Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap();
@@ -353,6 +452,50 @@ mod tests {
                     assert!((a - b).abs() < 1e-4, "{dtype:?} m={m}: {a} vs {b}");
                 }
             }
+        }
+    }
+
+    /// Kernel timing (run on purpose: `cargo test -p worker --lib kernel_timing -- --ignored
+    /// --nocapture`): the AVX-512 and the compiler-vectorized (AVX2) kernels alternated in one
+    /// process on SmolLM2's gate/up shape, so machine load affects both alike.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore = "timing: run explicitly with --ignored --nocapture"]
+    fn kernel_timing() {
+        let (n, k) = (3072, 576);
+        let w = Tensor::from_vec(rnd_vec(5, n * k), (n, k), &Device::Cpu).unwrap();
+        let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+            .unwrap()
+            .unwrap();
+        let wt = w.t().unwrap();
+        for m in [1usize, 8, 16, 24, 32] {
+            let x = rnd_vec(6, m * k);
+            let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+            let mut best = [f64::INFINITY; 3];
+            for _ in 0..20 {
+                let mut dst = vec![0f32; n * m];
+                let t = std::time::Instant::now();
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    unsafe { avx512::rows_into(&p, &x, m, 0, &mut dst) };
+                }
+                best[0] = best[0].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                unsafe { p.rows_into_avx2(&x, m, 0, &mut dst) };
+                best[1] = best[1].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                let _ = xt.matmul(&wt).unwrap();
+                best[2] = best[2].min(t.elapsed().as_secs_f64());
+            }
+            let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
+            println!(
+                "m={m}: avx512 {:.3} ms ({:.1} GMAC/s), autovec {:.3} ms ({:.1}), candle F32 {:.3} ms ({:.1})",
+                best[0] * 1e3,
+                gmac(best[0]),
+                best[1] * 1e3,
+                gmac(best[1]),
+                best[2] * 1e3,
+                gmac(best[2])
+            );
         }
     }
 

@@ -5,10 +5,14 @@
 //! state lives here. Q, K and V projections are fused into one `[q+2kv, hidden]` matrix and the
 //! gate and up projections into one `[2·ffn, hidden]` matrix, so a layer runs four matmuls.
 //!
-//! On CPU, candle's Q4_1 matmul is scalar (measured 5× slower than Q8_0), so the default
-//! [`WeightFormat::Hybrid`] requantizes every matrix to Q8_0 (fast for decode-sized batches)
-//! and also keeps a dense F32 copy used when a step has many tokens (prefill), where a dense
-//! GEMM wins. See `docs/benchmarks.md` (section "worker engine") for the measurements.
+//! On CPU, candle's Q4_1 matmul is scalar (measured 5× slower than Q8_0) and its quantized
+//! kernels round activations to 8 bits. The default [`WeightFormat::Exact`] keeps the file's
+//! blocks packed for this crate's F32-activation kernel ([`super::packed`], small steps: decode)
+//! and a dense F32 copy of the same values for large steps (prefill GEMM), so every step size
+//! computes the same products and greedy answers do not depend on chunking or prefix caching.
+//! The output head uses the packed kernel too (SmolLM2's tied embedding is Q8_0: the same
+//! values as an F32 head at a quarter of the reads). See `docs/benchmarks.md` (section
+//! "worker engine") for the measurements.
 
 use std::borrow::Cow;
 use std::path::Path;
