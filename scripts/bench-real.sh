@@ -2,7 +2,7 @@
 # Real-engine comparison: two SmolLM2 workers and a gateway on this machine (as in the demo), then
 # `kvgate bench` runs the same workload through the round-robin service and the kv_exact service
 # of examples/rules.toml and judges them side by side. Outputs under bench-out/real/.
-# Extra arguments go to `kvgate bench` (e.g. --conversations 6 --turns 4).
+# Arguments replace the default workload flags (e.g. --conversations 6 --turns 3 --long-words 900).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -17,9 +17,11 @@ mkdir -p "$out"
 # shellcheck source=scripts/local-fleet.sh
 . "$root/scripts/local-fleet.sh"
 fleet_start
+workload=("$@")
+[ ${#workload[@]} -gt 0 ] || workload=(--conversations 6 --turns 3 --long-words 900)
 "$bin" bench --target http://127.0.0.1:8080 --compare round_robin=smollm2-rr,kv_exact=smollm2 \
-  --workload multi-turn --conversations 4 --turns 4 --long-words 300 --max-tokens 16 \
-  --concurrency 2 --max-seconds 600 --out "$out" "$@" && code=0 || code=$?
+  --workload multi-turn --max-tokens 16 --concurrency 2 --max-seconds 900 --out "$out" \
+  "${workload[@]}" && code=0 || code=$?
 fleet_stop
 [ $code -eq 0 ] || echo "$name: not every verdict is PASS (exit $code); see above" >&2
 trap - EXIT
