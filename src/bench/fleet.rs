@@ -25,7 +25,7 @@ use worker::engine::EngineConfig;
 use worker::server::{EngineChoice, RunningWorker, WorkerConfig};
 use worker::sim::SimConfig;
 
-use super::report::{self, Outcome, Summary, Verdict};
+use super::report::{self, Summary, Verdict};
 use super::workload::{self, WorkloadKind};
 use super::{run_wave, WaveSpec};
 use crate::cmd::bench::Args;
@@ -275,23 +275,8 @@ pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
         }
         let verdicts = fleet_verdicts(*kind, &summaries);
         println!("\n== {} (fleet sim:{n})", kind.as_str());
-        print!("{}", report::table(&summaries));
-        for v in &verdicts {
-            let value = v
-                .value
-                .map(|v| format!("{v:.3}"))
-                .unwrap_or_else(|| "-".into());
-            println!(
-                "  {:<8} {} (value {value})",
-                v.outcome.as_str(),
-                v.threshold
-            );
-            failed |= v.outcome != Outcome::Pass;
-        }
         let dir = args.out.join(format!("fleet-sim-{n}")).join(kind.as_str());
-        report::write_outputs(&dir, &records, &summaries, &verdicts)
-            .with_context(|| format!("writing {}", dir.display()))?;
-        println!("  outputs: {}", dir.display());
+        failed |= !report::print_and_write(&dir, &records, &summaries, &verdicts)?;
     }
     Ok(if failed {
         ExitCode::from(2)

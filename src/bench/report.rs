@@ -384,6 +384,32 @@ pub fn ttft_svg(recs: &[RequestRecord]) -> String {
     svg
 }
 
+/// Print the summaries and verdicts, write the output files into `dir`; true when every verdict
+/// is PASS.
+pub fn print_and_write(
+    dir: &Path,
+    recs: &[RequestRecord],
+    summaries: &[Summary],
+    verdicts: &[Verdict],
+) -> anyhow::Result<bool> {
+    print!("{}", table(summaries));
+    for v in verdicts {
+        let value = v
+            .value
+            .map(|v| format!("{v:.3}"))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "  {:<8} {} (value {value})",
+            v.outcome.as_str(),
+            v.threshold
+        );
+    }
+    write_outputs(dir, recs, summaries, verdicts)
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", dir.display()))?;
+    println!("  outputs: {}", dir.display());
+    Ok(verdicts.iter().all(|v| v.outcome == Outcome::Pass))
+}
+
 /// A human-readable table of summaries.
 pub fn table(summaries: &[Summary]) -> String {
     let mut out = String::new();

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use crate::bench::report::{self, Outcome};
+use crate::bench::report;
 use crate::bench::workload::{self, WorkloadKind, WorkloadShape};
 use crate::bench::{run_wave, WaveSpec};
 
@@ -142,23 +142,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 }
             }
             println!("== {} against {target}", kind.as_str());
-            print!("{}", report::table(&summaries));
-            for v in &verdicts {
-                let value = v
-                    .value
-                    .map(|v| format!("{v:.3}"))
-                    .unwrap_or_else(|| "-".into());
-                println!(
-                    "  {:<8} {} (value {value})",
-                    v.outcome.as_str(),
-                    v.threshold
-                );
-                failed |= v.outcome != Outcome::Pass;
-            }
             let dir = args.out.join(kind.as_str());
-            report::write_outputs(&dir, &records, &summaries, &verdicts)
-                .with_context(|| format!("writing {}", dir.display()))?;
-            println!("  outputs: {}", dir.display());
+            failed |= !report::print_and_write(&dir, &records, &summaries, &verdicts)?;
         }
         Ok(if failed {
             ExitCode::from(2)
