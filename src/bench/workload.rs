@@ -17,7 +17,7 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Short chats beside long prompts.
     Mixed,
-    /// Twelve long prompts, then one short request (its TTFT is the probe).
+    /// Twelve long prompts, then one short (≈ 64-token) request (its TTFT is the probe).
     OverloadFairness,
 }
 
@@ -253,7 +253,12 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                 id: "probe".into(),
                 class: "probe",
                 system: None,
-                user_turns: vec![question(&mut rng)],
+                // About 64 prompt tokens with SmolLM2's default system prompt (the probe).
+                user_turns: vec![format!(
+                    "{} Context: {}",
+                    question(&mut rng),
+                    words(&mut rng, 18)
+                )],
                 start_delay: Duration::from_millis(200),
                 think: vec![Duration::ZERO],
                 max_tokens: shape.max_tokens,

@@ -2,13 +2,25 @@
 //! keys `0..=position`, read in place through the sequence's block table (no gather copy),
 //! with grouped KV heads and the causal mask given by true positions.
 //!
-//! Work is split into `(token, kv head)` items run on candle's rayon pool; each item computes
-//! the scores of the `n_head / n_kv_head` query heads sharing that KV head in one pass over the
-//! keys, a softmax, then one pass over the values. Cost per layer: `O(Σ_tokens pos · n_head ·
-//! head_dim)` multiply-adds, memory `O(n_head / n_kv_head · max_pos)` scratch per thread.
-//! The inner loops are compiled twice, generic and with AVX2+FMA enabled (chosen at run time).
+//! KV layout ([`KvLayout`], per layer): K as `[blocks, n_kv_head, head_dim, block_size]` — each
+//! block's keys stored dimension-major, so one 16-lane load reads one dimension of 16
+//! consecutive keys — and V as `[blocks, n_kv_head, block_size, head_dim]`. Scores are then an
+//! outer-product accumulation (lanes = keys, no horizontal sums) and the weighted values one
+//! (lanes = dimensions).
+//!
+//! Work is split into `(chunk, group of up to [`TQ`] consecutive tokens, kv head)` items on the
+//! rayon pool; an item computes the scores of all its query vectors (tokens × the
+//! `n_head / n_kv_head` heads sharing the KV head) in one pass over the keys — each key block is
+//! loaded once per item, not once per query — then a masked softmax per query, then one pass
+//! over the values. Cost per layer: `O(Σ_tokens pos · n_head · head_dim)` multiply-adds (plus
+//! up to `TQ − 1` masked keys per query), memory `O(TQ · n_head / n_kv_head · max_pos)` scratch
+//! per thread. Hand-written AVX-512 kernels when the CPU has them and `block_size` and
+//! `head_dim` are multiples of 16; a portable loop over the same layout otherwise.
 
 use rayon::prelude::*;
+
+/// Tokens of one chunk sharing a pass over the keys.
+const TQ: usize = 4;
 
 /// Where one chunk's tokens sit in the packed step and where its keys live.
 #[derive(Clone, Debug)]
@@ -34,150 +46,445 @@ pub(crate) struct AttnShape {
     pub scale: f32,
 }
 
+/// Where each key and value lives in a layer's K and V buffers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KvLayout {
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// Floats per block in each of K and V.
+    pub(crate) fn block_floats(&self) -> usize {
+        self.n_kv_head * self.head_dim * self.block_size
+    }
+
+    /// Stores one token's keys and values (`[n_kv_head · head_dim]` each) in `slot`.
+    pub(crate) fn write(&self, kc: &mut [f32], vc: &mut [f32], slot: usize, k: &[f32], v: &[f32]) {
+        let (hk, d, bs) = (self.n_kv_head, self.head_dim, self.block_size);
+        let (b, o) = (slot / bs, slot % bs);
+        let kb = &mut kc[b * self.block_floats()..][..self.block_floats()];
+        for g in 0..hk {
+            for i in 0..d {
+                kb[(g * d + i) * bs + o] = k[g * d + i];
+            }
+        }
+        let vb = &mut vc[b * self.block_floats()..][..self.block_floats()];
+        for g in 0..hk {
+            vb[(g * bs + o) * d..][..d].copy_from_slice(&v[g * d..][..d]);
+        }
+    }
+
+    /// Block `b`'s keys of KV head `g`: `[head_dim, block_size]`.
+    fn keys<'a>(&self, kc: &'a [f32], b: usize, g: usize) -> &'a [f32] {
+        let n = self.head_dim * self.block_size;
+        &kc[b * self.block_floats() + g * n..][..n]
+    }
+
+    /// Block `b`'s values of KV head `g`: `[block_size, head_dim]`.
+    fn values<'a>(&self, vc: &'a [f32], b: usize, g: usize) -> &'a [f32] {
+        let n = self.head_dim * self.block_size;
+        &vc[b * self.block_floats() + g * n..][..n]
+    }
+}
+
+/// One unit of work: tokens `t0..t0 + nt` of chunk `c`, KV head `g`.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    c: usize,
+    t0: usize,
+    nt: usize,
+    g: usize,
+}
+
+/// A raw output pointer shared by items that write disjoint parts of the output.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every item writes only the head slices of its own tokens and KV head group, and the
+// output outlives the parallel loop (joined before `paged_attention` returns).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
 /// Computes attention for every token of `chunks` into `out` (`[tokens, n_head · head_dim]`).
 ///
 /// `q` holds each token's query heads at `q[t · q_stride ..][.. n_head · head_dim]` (RoPE
-/// applied); `k_cache` / `v_cache` are `[slots, n_kv_head, head_dim]` and already hold this
+/// applied); `k_cache` / `v_cache` are one layer's buffers in `layout` and already hold this
 /// step's keys and values.
 pub(crate) fn paged_attention(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     chunks: &[ChunkSlots],
-    token_chunk: &[usize],
+    layout: KvLayout,
     shape: AttnShape,
     out: &mut [f32],
 ) {
-    let rk = shape.n_head / shape.n_kv_head;
-    let d = shape.head_dim;
-    let group = rk * d;
-    out.par_chunks_mut(group)
-        .enumerate()
-        .for_each_init(Vec::new, |scratch, (item, out_group)| {
-            let t = item / shape.n_kv_head;
-            let g = item % shape.n_kv_head;
-            let c = &chunks[token_chunk[t]];
-            let pos = c.start_pos + (t - c.token_offset);
-            let q_group = &q[t * shape.q_stride + g * group..][..group];
-            let keys = &c.slots[..=pos];
-            attend_group(
-                q_group, k_cache, v_cache, keys, g, shape, scratch, out_group,
-            );
+    let hq = shape.n_head;
+    let total: usize = chunks.iter().map(|c| c.len).sum();
+    assert!(
+        out.len() >= total * hq * shape.head_dim
+            && layout.n_kv_head == shape.n_kv_head
+            && layout.head_dim == shape.head_dim
+    );
+    let mut items = Vec::new();
+    for (ci, c) in chunks.iter().enumerate() {
+        let mut t0 = 0;
+        while t0 < c.len {
+            let nt = (c.len - t0).min(TQ);
+            for g in 0..shape.n_kv_head {
+                items.push(Item { c: ci, t0, nt, g });
+            }
+            t0 += nt;
+        }
+    }
+    let ptr = OutPtr(out.as_mut_ptr());
+    items
+        .par_iter()
+        .for_each_init(Scratch::default, |scratch, item| {
+            // SAFETY: items write disjoint (token, head group) slices of `out`, sized above.
+            unsafe {
+                attend_item(
+                    q,
+                    k_cache,
+                    v_cache,
+                    &chunks[item.c],
+                    *item,
+                    layout,
+                    shape,
+                    scratch,
+                    ptr,
+                )
+            };
         });
 }
 
-/// One `(token, kv head)` item, dispatched to the best compiled variant.
+/// Per-thread buffers.
+#[derive(Default)]
+struct Scratch {
+    /// `[queries, keys]` scores, then probabilities.
+    p: Vec<f32>,
+    /// `[queries, head_dim]` outputs.
+    o: Vec<f32>,
+    /// `[queries, head_dim]` query vectors, gathered.
+    q: Vec<f32>,
+}
+
+/// One item: its queries are `(token i, head r)` → row `i · rk + r`.
+///
+/// # Safety
+/// `out` points to the whole `[tokens, n_head · head_dim]` output; no other item writes this
+/// item's slices.
 #[allow(clippy::too_many_arguments)]
-fn attend_group(
+unsafe fn attend_item(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
-    slots: &[usize],
-    g: usize,
+    c: &ChunkSlots,
+    item: Item,
+    layout: KvLayout,
     shape: AttnShape,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
+    s: &mut Scratch,
+    out: OutPtr,
+) {
+    let (d, bs) = (shape.head_dim, layout.block_size);
+    let rk = shape.n_head / shape.n_kv_head;
+    let nq = item.nt * rk;
+    let last_pos = c.start_pos + item.t0 + item.nt - 1;
+    let n = last_pos + 1;
+    let n_blocks = n.div_ceil(bs);
+    let stride = n_blocks * bs;
+    s.q.clear();
+    for i in 0..item.nt {
+        let t = c.token_offset + item.t0 + i;
+        s.q.extend_from_slice(&q[t * shape.q_stride + item.g * rk * d..][..rk * d]);
+    }
+    s.p.clear();
+    s.p.resize(nq * stride, 0.0);
+    // Scores, one key block at a time.
+    for kb in 0..n_blocks {
+        let b = c.slots[kb * bs] / bs;
+        let keys = layout.keys(k_cache, b, item.g);
+        scores_block(&s.q, nq, d, bs, keys, &mut s.p, stride, kb * bs);
+    }
+    // Scale, causal mask and softmax per query.
+    for i in 0..item.nt {
+        let visible = c.start_pos + item.t0 + i + 1;
+        for r in 0..rk {
+            let row = &mut s.p[(i * rk + r) * stride..][..stride];
+            softmax_prefix(row, visible, shape.scale);
+        }
+    }
+    // Weighted values.
+    s.o.clear();
+    s.o.resize(nq * d, 0.0);
+    for kb in 0..n_blocks {
+        let b = c.slots[kb * bs] / bs;
+        let values = layout.values(v_cache, b, item.g);
+        let keys = bs.min(n - kb * bs);
+        values_block(&s.p, stride, kb * bs, keys, nq, d, values, &mut s.o);
+    }
+    for i in 0..item.nt {
+        let t = c.token_offset + item.t0 + i;
+        let dst = out.0.add(t * shape.n_head * d + item.g * rk * d);
+        std::ptr::copy_nonoverlapping(s.o.as_ptr().add(i * rk * d), dst, rk * d);
+    }
+}
+
+/// `p[r][j0 + j] = q_r · key_j` for the `bs` keys of one block (`keys` is `[d, bs]`).
+#[allow(clippy::too_many_arguments)]
+fn scores_block(
+    q: &[f32],
+    nq: usize,
+    d: usize,
+    bs: usize,
+    keys: &[f32],
+    p: &mut [f32],
+    stride: usize,
+    j0: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above); the function has
-            // no other safety requirement.
-            unsafe { attend_group_avx2(q, k_cache, v_cache, slots, g, shape, scratch, out) };
+        if bs.is_multiple_of(16) && avx512::available() {
+            // SAFETY: AVX-512F/FMA present; shapes as documented (checked inside).
+            unsafe { avx512::scores_block(q, nq, d, bs, keys, p, stride, j0) };
             return;
         }
     }
-    attend_group_impl(q, k_cache, v_cache, slots, g, shape, scratch, out);
+    for r in 0..nq {
+        let qr = &q[r * d..][..d];
+        let row = &mut p[r * stride + j0..][..bs];
+        row.fill(0.0);
+        for (i, &qv) in qr.iter().enumerate() {
+            for (o, &k) in row.iter_mut().zip(&keys[i * bs..][..bs]) {
+                *o = qv.mul_add(k, *o);
+            }
+        }
+    }
+}
+
+/// `o[r] += Σ_j p[r][j0 + j] · value_j` over the first `keys` values of one block
+/// (`values` is `[bs, d]`).
+#[allow(clippy::too_many_arguments)]
+fn values_block(
+    p: &[f32],
+    stride: usize,
+    j0: usize,
+    keys: usize,
+    nq: usize,
+    d: usize,
+    values: &[f32],
+    o: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if d.is_multiple_of(16) && avx512::available() {
+            // SAFETY: AVX-512F/FMA present; shapes as documented (checked inside).
+            unsafe { avx512::values_block(p, stride, j0, keys, nq, d, values, o) };
+            return;
+        }
+    }
+    for r in 0..nq {
+        let orow = &mut o[r * d..][..d];
+        for j in 0..keys {
+            let w = p[r * stride + j0 + j];
+            for (x, &v) in orow.iter_mut().zip(&values[j * d..][..d]) {
+                *x = w.mul_add(v, *x);
+            }
+        }
+    }
+}
+
+/// Scales the first `visible` scores, applies a softmax over them and zeroes the rest.
+fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(visible);
+    masked.fill(0.0);
+    let mut m = f32::NEG_INFINITY;
+    for x in live.iter_mut() {
+        *x *= scale;
+        m = m.max(*x);
+    }
+    let mut sum = 0f32;
+    for x in live.iter_mut() {
+        *x = (*x - m).exp();
+        sum += *x;
+    }
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    for x in live.iter_mut() {
+        *x *= inv;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_group_avx2(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    slots: &[usize],
-    g: usize,
-    shape: AttnShape,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    attend_group_impl(q, k_cache, v_cache, slots, g, shape, scratch, out);
-}
+mod avx512 {
+    use std::arch::x86_64::*;
 
-/// Dot product with 16 independent accumulators (vectorizes without float reassociation).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut ca = a.chunks_exact(16);
-    let mut cb = b.chunks_exact(16);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
     }
-    let mut tail = 0f32;
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail += x * y;
-    }
-    let mut s = [0f32; 4];
-    for i in 0..4 {
-        s[i] = acc[i] + acc[i + 4] + acc[i + 8] + acc[i + 12];
-    }
-    (s[0] + s[2]) + (s[1] + s[3]) + tail
-}
 
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_group_impl(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    slots: &[usize],
-    g: usize,
-    shape: AttnShape,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let d = shape.head_dim;
-    let hk = shape.n_kv_head;
-    let rk = shape.n_head / hk;
-    let n = slots.len();
-    scratch.clear();
-    scratch.resize(rk * n, 0.0);
-    // Scores: one pass over the keys, all query heads of the group.
-    for (j, &slot) in slots.iter().enumerate() {
-        let kr = &k_cache[(slot * hk + g) * d..][..d];
-        for r in 0..rk {
-            scratch[r * n + j] = dot(&q[r * d..][..d], kr) * shape.scale;
-        }
-    }
-    // Softmax per query head.
-    for r in 0..rk {
-        let row = &mut scratch[r * n..][..n];
-        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in row.iter_mut() {
-            *x = (*x - m).exp();
-            sum += *x;
-        }
-        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-        for x in row.iter_mut() {
-            *x *= inv;
-        }
-    }
-    // Weighted values: one pass over the values.
-    out.fill(0.0);
-    for (j, &slot) in slots.iter().enumerate() {
-        let vr = &v_cache[(slot * hk + g) * d..][..d];
-        for r in 0..rk {
-            let p = scratch[r * n + j];
-            let o = &mut out[r * d..][..d];
-            for (oi, vi) in o.iter_mut().zip(vr) {
-                *oi += p * vi;
+    /// `R` queries × 16 keys (lanes): `acc_r += q_r[i] · keys[i][l0..l0 + 16]`.
+    #[inline(always)]
+    unsafe fn scores_tile<const R: usize>(
+        q: *const f32,
+        d: usize,
+        bs: usize,
+        keys: *const f32,
+        l0: usize,
+        dst: *mut f32,
+        stride: usize,
+    ) {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for i in 0..d {
+            let k = _mm512_loadu_ps(keys.add(i * bs + l0));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(r * d + i)), k, *a);
             }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(dst.add(r * stride + l0), *a);
+        }
+    }
+
+    /// See [`super::scores_block`].
+    ///
+    /// # Safety
+    /// AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn scores_block(
+        q: &[f32],
+        nq: usize,
+        d: usize,
+        bs: usize,
+        keys: &[f32],
+        p: &mut [f32],
+        stride: usize,
+        j0: usize,
+    ) {
+        assert!(
+            bs.is_multiple_of(16)
+                && q.len() >= nq * d
+                && keys.len() >= d * bs
+                && j0 + bs <= stride
+                && p.len() >= nq * stride
+        );
+        let dst = p.as_mut_ptr().add(j0);
+        for l0 in (0..bs).step_by(16) {
+            let mut r = 0;
+            while r < nq {
+                let left = nq - r;
+                let qp = q.as_ptr().add(r * d);
+                let out = dst.add(r * stride);
+                r += if left >= 8 {
+                    scores_tile::<8>(qp, d, bs, keys.as_ptr(), l0, out, stride);
+                    8
+                } else if left >= 4 {
+                    scores_tile::<4>(qp, d, bs, keys.as_ptr(), l0, out, stride);
+                    4
+                } else if left == 3 {
+                    scores_tile::<3>(qp, d, bs, keys.as_ptr(), l0, out, stride);
+                    3
+                } else if left == 2 {
+                    scores_tile::<2>(qp, d, bs, keys.as_ptr(), l0, out, stride);
+                    2
+                } else {
+                    scores_tile::<1>(qp, d, bs, keys.as_ptr(), l0, out, stride);
+                    1
+                };
+            }
+        }
+    }
+
+    /// `R` queries × `C` 16-dimension columns from `c0`: `o_r += Σ_j p_r[j] · v_j`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values_tile<const R: usize, const C: usize>(
+        p: *const f32,
+        stride: usize,
+        keys: usize,
+        d: usize,
+        values: *const f32,
+        c0: usize,
+        o: *mut f32,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            for (c, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(o.add(r * d + c0 + 16 * c));
+            }
+        }
+        for j in 0..keys {
+            let mut v = [_mm512_setzero_ps(); C];
+            for (c, vc) in v.iter_mut().enumerate() {
+                *vc = _mm512_loadu_ps(values.add(j * d + c0 + 16 * c));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*p.add(r * stride + j));
+                for (a, vc) in acc_r.iter_mut().zip(v) {
+                    *a = _mm512_fmadd_ps(w, vc, *a);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, a) in acc_r.iter().enumerate() {
+                _mm512_storeu_ps(o.add(r * d + c0 + 16 * c), *a);
+            }
+        }
+    }
+
+    /// See [`super::values_block`].
+    ///
+    /// # Safety
+    /// AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn values_block(
+        p: &[f32],
+        stride: usize,
+        j0: usize,
+        keys: usize,
+        nq: usize,
+        d: usize,
+        values: &[f32],
+        o: &mut [f32],
+    ) {
+        assert!(
+            d.is_multiple_of(16)
+                && p.len() >= nq * stride
+                && j0 + keys <= stride
+                && values.len() >= keys * d
+                && o.len() >= nq * d
+        );
+        let pp = p.as_ptr().add(j0);
+        let mut c0 = 0;
+        while c0 < d {
+            let cols = if d - c0 >= 64 { 4 } else { 1 };
+            let mut r = 0;
+            while r < nq {
+                let left = nq - r;
+                let (pr, or) = (pp.add(r * stride), o.as_mut_ptr().add(r * d));
+                let vp = values.as_ptr();
+                r += match (left >= 4, cols) {
+                    (true, 4) => {
+                        values_tile::<4, 4>(pr, stride, keys, d, vp, c0, or);
+                        4
+                    }
+                    (true, _) => {
+                        values_tile::<4, 1>(pr, stride, keys, d, vp, c0, or);
+                        4
+                    }
+                    (false, 4) => {
+                        values_tile::<1, 4>(pr, stride, keys, d, vp, c0, or);
+                        1
+                    }
+                    (false, _) => {
+                        values_tile::<1, 1>(pr, stride, keys, d, vp, c0, or);
+                        1
+                    }
+                };
+            }
+            c0 += 16 * cols;
         }
     }
 }
@@ -248,10 +555,10 @@ mod tests {
         out
     }
 
-    #[test]
-    fn paged_matches_naive_with_scattered_slots() {
-        let seed = 0x5eed_u64;
-        println!("seed {seed}");
+    /// One chunk of the last `chunk` of `n_pos` positions, blocks placed in reverse order, against
+    /// the naive attention over contiguous K/V.
+    fn check(seed: u64, hq: usize, hk: usize, d: usize, block: usize, n_pos: usize, chunk: usize) {
+        println!("seed {seed} hq {hq} hk {hk} d {d} block {block} n_pos {n_pos} chunk {chunk}");
         let mut state = seed;
         let mut rnd = || {
             state = state
@@ -259,27 +566,45 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
         };
-        let (hq, hk, d, n_pos, block) = (6, 2, 20, 11, 4);
-        // Blocks 2, 0, 3 hold positions 0..4, 4..8, 8..11.
-        let table = [2usize, 0, 3];
+        let n_blocks = n_pos.div_ceil(block);
+        // Scattered: logical block i lives in physical block n_blocks − i (block 0 unused).
         let slots: Vec<usize> = (0..n_pos)
-            .map(|p| table[p / block] * block + p % block)
+            .map(|p| (n_blocks - p / block) * block + p % block)
             .collect();
+        let layout = KvLayout {
+            n_kv_head: hk,
+            head_dim: d,
+            block_size: block,
+        };
         let k_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
         let v_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
-        let mut k_cache = vec![0f32; 4 * block * hk * d];
-        let mut v_cache = vec![0f32; 4 * block * hk * d];
+        let mut k_cache = vec![f32::NAN; (n_blocks + 1) * layout.block_floats()];
+        let mut v_cache = vec![f32::NAN; (n_blocks + 1) * layout.block_floats()];
+        // Unwritten slots of the last block hold garbage that must never be read into a result.
+        for b in 0..=n_blocks {
+            for x in &mut k_cache[b * layout.block_floats()..][..layout.block_floats()] {
+                *x = 1e3;
+            }
+            for x in &mut v_cache[b * layout.block_floats()..][..layout.block_floats()] {
+                *x = 1e3;
+            }
+        }
         for p in 0..n_pos {
             let row = hk * d;
-            k_cache[slots[p] * row..][..row].copy_from_slice(&k_contig[p * row..][..row]);
-            v_cache[slots[p] * row..][..row].copy_from_slice(&v_contig[p * row..][..row]);
+            layout.write(
+                &mut k_cache,
+                &mut v_cache,
+                slots[p],
+                &k_contig[p * row..][..row],
+                &v_contig[p * row..][..row],
+            );
         }
-        // A chunk of the last 3 positions.
-        let q: Vec<f32> = (0..3 * hq * d).map(|_| rnd()).collect();
+        let start = n_pos - chunk;
+        let q: Vec<f32> = (0..chunk * hq * d).map(|_| rnd()).collect();
         let chunks = [ChunkSlots {
             token_offset: 0,
-            len: 3,
-            start_pos: 8,
+            len: chunk,
+            start_pos: start,
             slots,
         }];
         let shape = AttnShape {
@@ -289,14 +614,14 @@ mod tests {
             q_stride: hq * d,
             scale: 1.0 / (d as f32).sqrt(),
         };
-        let mut out = vec![0f32; 3 * hq * d];
-        paged_attention(&q, &k_cache, &v_cache, &chunks, &[0, 0, 0], shape, &mut out);
-        for t in 0..3 {
+        let mut out = vec![0f32; chunk * hq * d];
+        paged_attention(&q, &k_cache, &v_cache, &chunks, layout, shape, &mut out);
+        for t in 0..chunk {
             let want = naive(
                 &q[t * hq * d..][..hq * d],
                 &k_contig,
                 &v_contig,
-                8 + t,
+                start + t,
                 hq,
                 hk,
                 d,
@@ -305,6 +630,18 @@ mod tests {
                 assert!((a - b).abs() < 1e-5, "token {t}: {a} vs {b}");
             }
         }
+    }
+
+    /// The portable path (shapes that are not multiples of 16) and the AVX-512 path (SmolLM2's
+    /// head shape, block sizes 16 and 32), chunks shorter and longer than a token group,
+    /// starting mid-block.
+    #[test]
+    fn paged_matches_naive_with_scattered_slots() {
+        check(0x5eed, 6, 2, 20, 4, 11, 3);
+        check(0x5eee, 9, 3, 64, 16, 70, 9);
+        check(0x5eef, 9, 3, 64, 16, 17, 1);
+        check(0x5ef0, 8, 2, 32, 32, 75, 6);
+        check(0x5ef1, 4, 4, 48, 16, 33, 33);
     }
 
     #[test]

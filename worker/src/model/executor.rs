@@ -2,7 +2,7 @@
 //! [`Executor`].
 //!
 //! The executor owns the KV *storage* — per layer one K and one V buffer of
-//! `[num_blocks, block_size, n_kv_head, head_dim]` f32, preallocated — and nothing else: which
+//! `num_blocks` blocks of `block_size` tokens in [`KvLayout`] (f32), preallocated — and nothing else: which
 //! blocks a sequence uses is the caller's block table. One `forward` packs the tokens of all
 //! chunks into one `[total_tokens, hidden]` activation so every matmul runs once per step,
 //! writes each token's K/V into its slot, attends through the block tables
@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use super::attention::{paged_attention, rope_cos_sin, rope_interleaved, AttnShape, ChunkSlots};
+use super::attention::{
+    paged_attention, rope_cos_sin, rope_interleaved, AttnShape, ChunkSlots, KvLayout,
+};
 use super::weights::LlamaWeights;
 use crate::executor::{Executor, KvGeometry, SeqChunk};
 use crate::WorkerError;
@@ -26,7 +28,8 @@ use crate::WorkerError;
 pub struct LlamaExecutor {
     weights: Arc<LlamaWeights>,
     geometry: KvGeometry,
-    /// Per layer, `[num_blocks · block_size, n_kv_head, head_dim]`.
+    /// Per layer, `num_blocks` blocks in [`KvLayout`] (K dimension-major within a block, V
+    /// token-major).
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
 }
@@ -140,11 +143,9 @@ impl LlamaExecutor {
 
         let mut ids = Vec::new();
         let mut layouts = Vec::with_capacity(chunks.len());
-        let mut token_chunk = Vec::new();
-        for (ci, c) in chunks.iter().enumerate() {
+        for c in chunks {
             layouts.push(self.chunk_slots(c, ids.len())?);
             ids.extend_from_slice(c.tokens);
-            token_chunk.extend(std::iter::repeat_n(ci, c.tokens.len()));
         }
         let total = ids.len();
         // cos/sin of every token's position, [total, head_dim].
@@ -166,6 +167,11 @@ impl LlamaExecutor {
             head_dim: d,
             q_stride: qkv_width,
             scale: 1.0 / (d as f32).sqrt(),
+        };
+        let kv_layout = KvLayout {
+            n_kv_head: hk,
+            head_dim: d,
+            block_size: self.geometry.block_size,
         };
 
         let id_tensor = Tensor::from_vec(ids, total, dev)?;
@@ -189,13 +195,11 @@ impl LlamaExecutor {
                     let row = &mut qkv[t * qkv_width..][..qkv_width];
                     let cs = &cos_sin[t * d..][..d];
                     rope_interleaved(&mut row[..q_width + kv_width], hq + hk, d, cs);
-                    let slot = l.slots[l.start_pos + i];
-                    kc[slot * kv_width..][..kv_width]
-                        .copy_from_slice(&row[q_width..q_width + kv_width]);
-                    vc[slot * kv_width..][..kv_width].copy_from_slice(&row[q_width + kv_width..]);
+                    let (k, v) = row[q_width..].split_at(kv_width);
+                    kv_layout.write(kc, vc, l.slots[l.start_pos + i], k, v);
                 }
             }
-            paged_attention(&qkv, kc, vc, &layouts, &token_chunk, shape, &mut attn_out);
+            paged_attention(&qkv, kc, vc, &layouts, kv_layout, shape, &mut attn_out);
             let o =
                 Tensor::from_slice(&attn_out, (total, q_width), &Device::Cpu)?.to_device(dev)?;
             x = (x + layer.wo.forward(&o, dense)?)?;

@@ -21,6 +21,7 @@
 pub mod attention;
 pub mod bench;
 pub mod executor;
+pub(crate) mod gemm;
 pub(crate) mod packed;
 pub mod reference;
 pub mod weights;

@@ -18,8 +18,9 @@
 //! hand-written AVX-512 for Q4_1 and Q8_0 (run-time detected), else plain Rust over fixed-size
 //! arrays compiled with AVX2+FMA enabled or generic.
 //!
-//! Measured (docs/benchmarks.md, "worker engine"): faster than candle's F32 GEMM only for
-//! small steps, hence the dense copy for prefill; not yet tiled over several weight rows.
+//! Measured (docs/benchmarks.md, "worker engine"; `kernel_timing` below): faster than a dense
+//! F32 GEMM for small steps (it reads a quarter of the bytes), slower for large ones, hence the
+//! dense copy ([`super::gemm`]) for prefill.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use rayon::prelude::*;
@@ -213,7 +214,8 @@ impl PackedMatrix {
         // Transposed output [n, m]: each task owns a contiguous run of weight rows.
         let mut out_t = vec![0f32; n * m];
         let threads = rayon::current_num_threads().max(1);
-        let rows_per_task = n.div_ceil(threads * 4).clamp(8, 256);
+        // A multiple of every tile height (3, 4, 6, 8 weight rows).
+        let rows_per_task = n.div_ceil(threads * 4).clamp(24, 240).div_ceil(24) * 24;
         out_t
             .par_chunks_mut(rows_per_task * m)
             .enumerate()
@@ -298,58 +300,149 @@ impl PackedMatrix {
     }
 }
 
-/// Hand-written AVX-512 kernels for Q4_1 and Q8_0: one weight block is dequantized into two
-/// 16-lane registers (exactly as candle dequantizes: `q·d + m` with separate rounding), then
-/// multiply-added (FMA) into one accumulator per activation row, up to 8 rows per pass.
+/// Hand-written AVX-512 kernels for Q4_1 and Q8_0, register-tiled: a tile of `R` activation
+/// rows × `C` weight rows keeps `R·C` 16-lane accumulators, so every dequantized weight block
+/// is used `R` times and every loaded activation vector `C` times, and the `R·C` independent
+/// FMA chains hide the FMA latency (one chain per tile was latency-bound: 3.4 GMAC/s for one
+/// activation row). Dequantization is exactly candle's (`q·d + m` with separate rounding, `q·d`
+/// for Q8_0): Q4_1 builds the 16 possible values of a block once (`iota·d + m`) and looks the
+/// nibbles up with a lane permute.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{Kind, PackedMatrix, QK};
 
-    /// Dequantized block `blk` as two 16-lane halves (elements 0..16 and 16..32).
+    /// A block format: how one 32-value block is dequantized into two 16-lane halves.
+    trait Format {
+        /// Elements `0..16` and `16..32` of block `blk`.
+        ///
+        /// # Safety
+        /// AVX-512F available; `blk` is a valid block index of `p` (not checked).
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> (__m512, __m512);
+    }
+
+    struct Q41;
+    struct Q80;
+
+    impl Format for Q41 {
+        #[inline(always)]
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> (__m512, __m512) {
+            let iota = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            let d = _mm512_set1_ps(*p.scale.get_unchecked(blk));
+            let mn = _mm512_set1_ps(*p.min.get_unchecked(blk));
+            // The 16 values a nibble can stand for, rounded as candle rounds `q·d + m`.
+            let table = _mm512_add_ps(_mm512_mul_ps(iota, d), mn);
+            let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
+            let b = _mm512_cvtepu8_epi32(q);
+            // vpermps reads only the low 4 bits of each index: the low nibble needs no mask.
+            (
+                _mm512_permutexvar_ps(b, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), table),
+            )
+        }
+    }
+
+    impl Format for Q80 {
+        #[inline(always)]
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> (__m512, __m512) {
+            let d = _mm512_set1_ps(*p.scale.get_unchecked(blk));
+            let base = p.qs.as_ptr().add(blk * QK);
+            let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base as *const __m128i));
+            let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(16) as *const __m128i));
+            (
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
+            )
+        }
+    }
+
+    /// `R` activation rows from `x` (row stride `cols`) against weight rows `r0..r0 + C`;
+    /// result `(r0 + c, a)` goes to `dst[(r0 + c − first)·m + a]` (`dst` already offset to the
+    /// first activation row of the tile).
     #[inline(always)]
-    unsafe fn block(p: &PackedMatrix, blk: usize) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(*p.scale.get_unchecked(blk));
-        match p.kind {
-            Kind::Q4_1 => {
-                let mn = _mm512_set1_ps(*p.min.get_unchecked(blk));
-                let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
-                let b = _mm512_cvtepu8_epi32(q);
-                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)));
-                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(b));
-                (
-                    _mm512_add_ps(_mm512_mul_ps(lo, d), mn),
-                    _mm512_add_ps(_mm512_mul_ps(hi, d), mn),
-                )
+    unsafe fn tile<F: Format, const R: usize, const C: usize>(
+        p: &PackedMatrix,
+        r0: usize,
+        x: *const f32,
+        dst: *mut f32,
+        m: usize,
+    ) {
+        let nb = p.cols / QK;
+        let mut acc = [[_mm512_setzero_ps(); R]; C];
+        for b in 0..nb {
+            for (c, acc_c) in acc.iter_mut().enumerate() {
+                let (w0, w1) = F::block(p, (r0 + c) * nb + b);
+                for (a, acc_ca) in acc_c.iter_mut().enumerate() {
+                    let xa = x.add(a * p.cols + b * QK);
+                    *acc_ca = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xa), *acc_ca);
+                    *acc_ca = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xa.add(16)), *acc_ca);
+                }
             }
-            _ => {
-                let base = p.qs.as_ptr().add(blk * QK);
-                let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base as *const __m128i));
-                let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(16) as *const __m128i));
-                (
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d),
-                )
+        }
+        for (c, acc_c) in acc.iter().enumerate() {
+            for (a, acc_ca) in acc_c.iter().enumerate() {
+                *dst.add(c * m + a) = _mm512_reduce_add_ps(*acc_ca);
             }
         }
     }
 
-    /// `R` activation rows starting at `x` (row stride `cols`) against weight row `r`.
+    /// All weight rows of the task against activation rows `g..g + R`, `C` weight rows at a
+    /// time (single rows for the remainder).
     #[inline(always)]
-    unsafe fn dot_rows<const R: usize>(p: &PackedMatrix, r: usize, x: *const f32, out: &mut [f32]) {
-        let nb = p.cols / QK;
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            let (w0, w1) = block(p, r * nb + b);
-            for (a, acc_a) in acc.iter_mut().enumerate() {
-                let xa = x.add(a * p.cols + b * QK);
-                *acc_a = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xa), *acc_a);
-                *acc_a = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xa.add(16)), *acc_a);
-            }
+    unsafe fn sweep<F: Format, const R: usize, const C: usize>(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        g: usize,
+        first: usize,
+        n_rows: usize,
+        dst: &mut [f32],
+    ) {
+        let xg = x.as_ptr().add(g * p.cols);
+        let out = dst.as_mut_ptr().add(g);
+        let mut i = 0;
+        while i + C <= n_rows {
+            tile::<F, R, C>(p, first + i, xg, out.add(i * m), m);
+            i += C;
         }
-        for (o, acc_a) in out.iter_mut().zip(acc) {
-            *o = _mm512_reduce_add_ps(acc_a);
+        while i < n_rows {
+            tile::<F, R, 1>(p, first + i, xg, out.add(i * m), m);
+            i += 1;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_into_format<F: Format>(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        let n_rows = dst.len() / m;
+        // Activation rows outer (a group of up to 6 rows, ≤ 6 · cols floats, stays close),
+        // weight rows inner (the task's rows stay in L2).
+        let mut g = 0;
+        while g < m {
+            let left = m - g;
+            let step = if left >= 6 {
+                sweep::<F, 6, 2>(p, x, m, g, first, n_rows, dst);
+                6
+            } else if left >= 4 {
+                sweep::<F, 4, 3>(p, x, m, g, first, n_rows, dst);
+                4
+            } else if left >= 2 {
+                sweep::<F, 2, 4>(p, x, m, g, first, n_rows, dst);
+                2
+            } else {
+                sweep::<F, 1, 4>(p, x, m, g, first, n_rows, dst);
+                1
+            };
+            g += step;
         }
     }
 
@@ -366,34 +459,19 @@ mod avx512 {
         first: usize,
         dst: &mut [f32],
     ) {
-        let n_rows = dst.len() / m.max(1);
-        assert!(x.len() == m * p.cols && first + n_rows <= p.rows && p.kind != Kind::Q4_0);
-        // Activation rows outer (a group of up to 8 rows, ≤ 8 · cols floats, stays in L1),
-        // weight rows inner (the task's rows stay in L2).
-        let mut g = 0;
-        while g < m {
-            let xg = x.as_ptr().add(g * p.cols);
-            let left = m - g;
-            let step = if left >= 8 {
-                8
-            } else if left >= 4 {
-                4
-            } else if left >= 2 {
-                2
-            } else {
-                1
-            };
-            for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
-                let r = first + i;
-                let o = &mut out_row[g..g + step];
-                match step {
-                    8 => dot_rows::<8>(p, r, xg, o),
-                    4 => dot_rows::<4>(p, r, xg, o),
-                    2 => dot_rows::<2>(p, r, xg, o),
-                    _ => dot_rows::<1>(p, r, xg, o),
-                }
-            }
-            g += step;
+        if m == 0 {
+            return;
+        }
+        let n_rows = dst.len() / m;
+        assert!(
+            x.len() == m * p.cols
+                && dst.len() == n_rows * m
+                && first + n_rows <= p.rows
+                && p.kind != Kind::Q4_0
+        );
+        match p.kind {
+            Kind::Q4_1 => rows_into_format::<Q41>(p, x, m, first, dst),
+            _ => rows_into_format::<Q80>(p, x, m, first, dst),
         }
     }
 }
@@ -437,7 +515,7 @@ mod tests {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             let deq = q.dequantize(&Device::Cpu).unwrap();
-            for m in [1, 3, 4, 9, 15, 17] {
+            for m in [1, 2, 3, 4, 8, 9, 15, 17] {
                 let x = rnd_vec(seed + m as u64, m * k);
                 let got = p.matmul(&x, m).unwrap();
                 let xt = Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap();
@@ -468,7 +546,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let wt = w.t().unwrap();
-        for m in [1usize, 8, 16, 24, 32] {
+        for m in [1usize, 2, 4, 8, 16, 32] {
             let x = rnd_vec(6, m * k);
             let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
             let mut best = [f64::INFINITY; 3];

@@ -8,7 +8,8 @@
 //! On CPU, candle's Q4_1 matmul is scalar (measured 5× slower than Q8_0) and its quantized
 //! kernels round activations to 8 bits. The default [`WeightFormat::Exact`] keeps the file's
 //! blocks packed for this crate's F32-activation kernel ([`super::packed`], small steps: decode)
-//! and a dense F32 copy of the same values for large steps (prefill GEMM), so every step size
+//! and a dense F32 copy of the same values for large steps (prefill GEMM: this crate's AVX-512
+//! panel GEMM, [`super::gemm`], where the CPU has AVX-512, else candle's), so every step size
 //! computes the same products and greedy answers do not depend on chunking or prefix caching.
 //! The output head uses the packed kernel too (SmolLM2's tied embedding is Q8_0: the same
 //! values as an F32 head at a quarter of the reads). See `docs/benchmarks.md` (section
@@ -20,6 +21,7 @@ use std::path::Path;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use super::gemm::DensePanels;
 use super::packed::PackedMatrix;
 use crate::WorkerError;
 
@@ -100,6 +102,9 @@ impl WeightFormat {
 pub(crate) struct Linear {
     /// Stored blocks for the F32-activation kernel ([`WeightFormat::Exact`], CPU only).
     packed: Option<PackedMatrix>,
+    /// The dense copy in panel layout for this crate's AVX-512 GEMM ([`super::gemm`]; CPU
+    /// with AVX-512 only, replacing `dense`).
+    panels: Option<DensePanels>,
     quant: Option<QMatMul>,
     dense: Option<Tensor>,
     out_features: usize,
@@ -143,13 +148,21 @@ impl Linear {
         } else {
             None
         };
-        let dense = if want_dense {
+        let panels = if want_dense && device.is_cpu() && DensePanels::is_fast() {
+            let (n, k) = w.dims2()?;
+            let values: Vec<f32> = w.flatten_all()?.to_vec1()?;
+            Some(DensePanels::new(&values, n, k)?)
+        } else {
+            None
+        };
+        let dense = if want_dense && panels.is_none() {
             Some(w.to_device(device)?)
         } else {
             None
         };
         Ok(Linear {
             packed,
+            panels,
             quant,
             dense,
             out_features,
@@ -163,9 +176,15 @@ impl Linear {
 
     /// `x [T, in] → [T, out]`; `dense` selects the dense copy when there is one.
     pub(crate) fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, WorkerError> {
+        let has_dense = self.dense.is_some() || self.panels.is_some();
         if let Some(p) = &self.packed {
-            if !dense || self.dense.is_none() {
+            if !dense || !has_dense {
                 return packed_forward(p, x);
+            }
+        }
+        if let Some(p) = &self.panels {
+            if dense || self.quant.is_none() {
+                return panels_forward(p, x);
             }
         }
         match (&self.dense, &self.quant) {
@@ -179,6 +198,20 @@ impl Linear {
 
 /// `x [T, in] · Wᵀ` through the packed kernel (CPU tensors).
 fn packed_forward(p: &PackedMatrix, x: &Tensor) -> Result<Tensor, WorkerError> {
+    let (m, k) = x.dims2()?;
+    if k != p.cols() {
+        return Err(WorkerError::Tensor(format!(
+            "matmul input width {k}, weight width {}",
+            p.cols()
+        )));
+    }
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let out = p.matmul(&xs, m)?;
+    Ok(Tensor::from_vec(out, (m, p.rows()), &Device::Cpu)?)
+}
+
+/// `x [T, in] · Wᵀ` through the panel GEMM (CPU tensors).
+fn panels_forward(p: &DensePanels, x: &Tensor) -> Result<Tensor, WorkerError> {
     let (m, k) = x.dims2()?;
     if k != p.cols() {
         return Err(WorkerError::Tensor(format!(
