@@ -9,9 +9,11 @@
 //! ([`super::attention`]), and computes the output projection only for the last token of the
 //! chunks that want logits.
 //!
-//! Attention and the KV buffers live in host memory. On a CUDA device the matmuls run on the
-//! GPU and the per-layer Q/K/V round-trip through the host (correct, not yet fast: a device
-//! KV cache and kernel are not written).
+//! The residual stream, the element-wise ops (RMSNorm, SiLU·up, residual adds; computed as
+//! candle computes them), attention and the KV buffers live in host memory: on the CPU the
+//! matmuls read host slices directly (no tensor round trips, no per-op thread-pool dispatch,
+//! which dominated decode). On a CUDA device every matmul's input and output round-trip
+//! through the host (correct, not fast: a device KV cache and kernels are not written).
 
 use std::sync::Arc;
 
@@ -175,12 +177,18 @@ impl LlamaExecutor {
         };
 
         let id_tensor = Tensor::from_vec(ids, total, dev)?;
-        let mut x = w.embedding.index_select(&id_tensor, 0)?;
+        let hidden = cfg.hidden;
+        let mut x: Vec<f32> = w
+            .embedding
+            .index_select(&id_tensor, 0)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?;
+        let mut h = vec![0f32; total * hidden];
         let mut attn_out = vec![0f32; total * q_width];
         for (li, layer) in w.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let qkv = layer.wqkv.forward(&h, dense)?;
-            let mut qkv: Vec<f32> = qkv.flatten_all()?.to_vec1()?;
+            rms_norm(&x, &layer.attn_norm_host, cfg.rms_eps, &mut h);
+            let mut qkv = layer.wqkv.forward_host(&h, total, dense, dev)?;
             if qkv.len() != total * qkv_width {
                 return Err(WorkerError::Tensor(format!(
                     "QKV projection gave {} values, expected {}",
@@ -200,42 +208,93 @@ impl LlamaExecutor {
                 }
             }
             paged_attention(&qkv, kc, vc, &layouts, kv_layout, shape, &mut attn_out);
-            let o =
-                Tensor::from_slice(&attn_out, (total, q_width), &Device::Cpu)?.to_device(dev)?;
-            x = (x + layer.wo.forward(&o, dense)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            let gu = layer.w_gate_up.forward(&h, dense)?;
+            let o = layer.wo.forward_host(&attn_out, total, dense, dev)?;
+            add_into(&mut x, &o)?;
+            rms_norm(&x, &layer.ffn_norm_host, cfg.rms_eps, &mut h);
+            let gu = layer.w_gate_up.forward_host(&h, total, dense, dev)?;
             let ffn = layer.w_gate_up.out_features() / 2;
-            let act = (gu.narrow(1, 0, ffn)?.silu()? * gu.narrow(1, ffn, ffn)?)?;
-            x = (x + layer.w_down.forward(&act, dense)?)?;
+            let act = silu_mul(&gu, total, ffn)?;
+            let down = layer.w_down.forward_host(&act, total, dense, dev)?;
+            add_into(&mut x, &down)?;
         }
 
-        let rows: Vec<u32> = chunks
+        let rows: Vec<usize> = chunks
             .iter()
             .zip(&layouts)
             .filter(|(c, _)| c.want_logits)
-            .map(|(_, l)| (l.token_offset + l.len - 1) as u32)
+            .map(|(_, l)| l.token_offset + l.len - 1)
             .collect();
         let mut out = vec![None; chunks.len()];
         if rows.is_empty() {
             return Ok(out);
         }
         let n_rows = rows.len();
-        let rows = Tensor::from_vec(rows, n_rows, dev)?;
-        let last = x.index_select(&rows, 0)?;
-        let last = candle_nn::ops::rms_norm(&last, &w.output_norm, cfg.rms_eps)?;
-        let logits = w
-            .lm_head(&last)?
-            .to_device(&Device::Cpu)?
-            .to_vec2::<f32>()?;
-        let mut logits = logits.into_iter();
+        let mut last = Vec::with_capacity(n_rows * hidden);
+        for &r in &rows {
+            last.extend_from_slice(&x[r * hidden..][..hidden]);
+        }
+        let mut normed = vec![0f32; n_rows * hidden];
+        rms_norm(&last, &w.output_norm_host, cfg.rms_eps, &mut normed);
+        let logits = w.lm_head_host(&normed, n_rows)?;
+        let vocab = logits.len() / n_rows;
+        let mut rows_out = logits.chunks_exact(vocab.max(1));
         for (slot, c) in out.iter_mut().zip(chunks) {
             if c.want_logits {
-                *slot = logits.next();
+                *slot = rows_out.next().map(<[f32]>::to_vec);
             }
         }
         Ok(out)
     }
+}
+
+/// RMSNorm of every row of `x` (`[rows, alpha.len()]`) into `out`, computed as candle's
+/// `rms_norm` computes it (sequential sum of squares in f32, `x / rms · alpha`).
+fn rms_norm(x: &[f32], alpha: &[f32], eps: f32, out: &mut [f32]) {
+    let n = alpha.len();
+    for (src, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let sum2: f32 = src.iter().map(|&v| v * v).sum();
+        let m = (sum2 / n as f32 + eps).sqrt();
+        for ((d, &s), &a) in dst.iter_mut().zip(src).zip(alpha) {
+            *d = s / m * a;
+        }
+    }
+}
+
+/// `x += y`, element-wise.
+fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), WorkerError> {
+    if x.len() != y.len() {
+        return Err(WorkerError::Tensor(format!(
+            "residual add of {} and {} values",
+            x.len(),
+            y.len()
+        )));
+    }
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+    Ok(())
+}
+
+/// `silu(gate) · up` for rows of `[gate (ffn) | up (ffn)]`, as candle computes `silu`
+/// (`v / (1 + e^(−v))`).
+fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, WorkerError> {
+    if gu.len() != rows * 2 * ffn {
+        return Err(WorkerError::Tensor(format!(
+            "gate/up projection gave {} values, expected {rows}×{}",
+            gu.len(),
+            2 * ffn
+        )));
+    }
+    let mut out = Vec::with_capacity(rows * ffn);
+    for row in gu.chunks_exact(2 * ffn) {
+        let (gate, up) = row.split_at(ffn);
+        out.extend(
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+        );
+    }
+    Ok(out)
 }
 
 impl Executor for LlamaExecutor {

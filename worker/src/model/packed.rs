@@ -12,8 +12,8 @@
 //! F32).
 //!
 //! Cost of `x [m, k] · Wᵀ` with `W [n, k]`: `O(m · n · k)` multiply-adds; every weight block is
-//! unpacked once per group of activation rows (8 with AVX-512, [`ROW_GROUP`] otherwise), so a
-//! batch of decode rows (one per sequence) reads the weights about once per group. Work is
+//! unpacked once per group of activation rows (up to 6 with AVX-512, [`ROW_GROUP`] otherwise),
+//! so a batch of decode rows (one per sequence) reads the weights about once per group. Work is
 //! split over output rows on the rayon pool; memory `O(m · n)` for the output. Kernels:
 //! hand-written AVX-512 for Q4_1 and Q8_0 (run-time detected), else plain Rust over fixed-size
 //! arrays compiled with AVX2+FMA enabled or generic.
@@ -306,7 +306,9 @@ impl PackedMatrix {
 /// FMA chains hide the FMA latency (one chain per tile was latency-bound: 3.4 GMAC/s for one
 /// activation row). Dequantization is exactly candle's (`q·d + m` with separate rounding, `q·d`
 /// for Q8_0): Q4_1 builds the 16 possible values of a block once (`iota·d + m`) and looks the
-/// nibbles up with a lane permute.
+/// nibbles up with a lane permute. Tiles (R × C): 6 × 2, 4 × 3, 2 × 4, 1 × 8. One activation
+/// row is bound by dequantization (≈ 10 vector µops per 32-weight block): two rows cost the
+/// same time as one (`kernel_timing`).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -439,7 +441,7 @@ mod avx512 {
                 sweep::<F, 2, 4>(p, x, m, g, first, n_rows, dst);
                 2
             } else {
-                sweep::<F, 1, 4>(p, x, m, g, first, n_rows, dst);
+                sweep::<F, 1, 8>(p, x, m, g, first, n_rows, dst);
                 1
             };
             g += step;
@@ -535,12 +537,16 @@ mod tests {
 
     /// Kernel timing (run on purpose: `cargo test -p worker --lib kernel_timing -- --ignored
     /// --nocapture`): the AVX-512 and the compiler-vectorized (AVX2) kernels alternated in one
-    /// process on SmolLM2's gate/up shape, so machine load affects both alike.
+    /// process on SmolLM2's gate/up shape (`KVGATE_KERNEL_ROWS=98304` for a 42 MB matrix that
+    /// does not stay in L2), so machine load affects both alike. Single thread.
     #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore = "timing: run explicitly with --ignored --nocapture"]
     fn kernel_timing() {
-        let (n, k) = (3072, 576);
+        let (n, k) = match std::env::var("KVGATE_KERNEL_ROWS") {
+            Ok(v) => (v.parse().expect("KVGATE_KERNEL_ROWS is a row count"), 576),
+            Err(_) => (3072, 576),
+        };
         let w = Tensor::from_vec(rnd_vec(5, n * k), (n, k), &Device::Cpu).unwrap();
         let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
             .unwrap()

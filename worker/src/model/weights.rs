@@ -108,6 +108,7 @@ pub(crate) struct Linear {
     quant: Option<QMatMul>,
     dense: Option<Tensor>,
     out_features: usize,
+    in_features: usize,
 }
 
 impl Linear {
@@ -118,7 +119,7 @@ impl Linear {
         format: WeightFormat,
         device: &Device,
     ) -> Result<Self, WorkerError> {
-        let (out_features, _) = w.dims2()?;
+        let (out_features, in_features) = w.dims2()?;
         let stored_refs: Vec<&QTensor> = stored.iter().collect();
         let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
             PackedMatrix::stacked(&stored_refs)?
@@ -166,12 +167,48 @@ impl Linear {
             quant,
             dense,
             out_features,
+            in_features,
         })
     }
 
     /// Output width.
     pub(crate) fn out_features(&self) -> usize {
         self.out_features
+    }
+
+    /// `x [m, in] → [m, out]` on host slices: the packed kernel or the panel GEMM directly,
+    /// else (other formats, other devices) through candle tensors on `device` and back.
+    pub(crate) fn forward_host(
+        &self,
+        x: &[f32],
+        m: usize,
+        dense: bool,
+        device: &Device,
+    ) -> Result<Vec<f32>, WorkerError> {
+        let has_dense = self.dense.is_some() || self.panels.is_some();
+        if let Some(p) = &self.packed {
+            if !dense || !has_dense {
+                return p.matmul(x, m);
+            }
+        }
+        if let Some(p) = &self.panels {
+            if dense || self.quant.is_none() {
+                return p.matmul(x, m);
+            }
+        }
+        if x.len() != m * self.in_features {
+            return Err(WorkerError::Tensor(format!(
+                "matmul input has {} values, expected {m}×{}",
+                x.len(),
+                self.in_features
+            )));
+        }
+        let t = Tensor::from_slice(x, (m, self.in_features), &Device::Cpu)?.to_device(device)?;
+        Ok(self
+            .forward(&t, dense)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
     }
 
     /// `x [T, in] → [T, out]`; `dense` selects the dense copy when there is one.
@@ -242,6 +279,10 @@ fn requantize_onto(w: &Tensor, dtype: GgmlDType, device: &Device) -> Result<QTen
 #[derive(Debug)]
 pub(crate) struct LayerWeights {
     pub(crate) attn_norm: Tensor,
+    /// `attn_norm` on the host (the executor's element-wise ops run on host slices).
+    pub(crate) attn_norm_host: Vec<f32>,
+    /// `ffn_norm` on the host.
+    pub(crate) ffn_norm_host: Vec<f32>,
     pub(crate) wqkv: Linear,
     pub(crate) wo: Linear,
     pub(crate) ffn_norm: Tensor,
@@ -259,6 +300,8 @@ pub struct LlamaWeights {
     pub(crate) embedding: Tensor,
     pub(crate) layers: Vec<LayerWeights>,
     pub(crate) output_norm: Tensor,
+    /// `output_norm` on the host.
+    pub(crate) output_norm_host: Vec<f32>,
     /// Output projection, quantized (used with [`HeadPrecision::Quantized`]).
     lm_head_q: Option<QMatMul>,
     /// Output projection `[vocab, hidden]` F32 when the file has an untied `output.weight`
@@ -490,7 +533,9 @@ impl LlamaWeights {
             ),
             HeadPrecision::F32 => (None, None),
         };
-        let output_norm = r.dense("output_norm.weight")?.0.to_device(device)?;
+        let output_norm = r.dense("output_norm.weight")?.0;
+        let output_norm_host: Vec<f32> = output_norm.to_vec1()?;
+        let output_norm = output_norm.to_device(device)?;
 
         let mut layers = Vec::with_capacity(config.n_layer);
         for i in 0..config.n_layer {
@@ -515,11 +560,15 @@ impl LlamaWeights {
                 )));
             }
             let (down, down_q) = r.dense(&p("ffn_down"))?;
+            let attn_norm = r.dense(&p("attn_norm"))?.0;
+            let ffn_norm = r.dense(&p("ffn_norm"))?.0;
             layers.push(LayerWeights {
-                attn_norm: r.dense(&p("attn_norm"))?.0.to_device(device)?,
+                attn_norm_host: attn_norm.to_vec1()?,
+                ffn_norm_host: ffn_norm.to_vec1()?,
+                attn_norm: attn_norm.to_device(device)?,
                 wqkv: Linear::from_dense_cpu(qkv, &qkv_q, format, device)?,
                 wo: Linear::from_dense_cpu(wo, &wo_q, format, device)?,
-                ffn_norm: r.dense(&p("ffn_norm"))?.0.to_device(device)?,
+                ffn_norm: ffn_norm.to_device(device)?,
                 w_gate_up: Linear::from_dense_cpu(gu, &gu_q, format, device)?,
                 w_down: Linear::from_dense_cpu(down, &down_q, format, device)?,
             });
@@ -531,6 +580,7 @@ impl LlamaWeights {
             embedding: embedding.to_device(device)?,
             layers,
             output_norm,
+            output_norm_host,
             lm_head_q,
             lm_head_dense,
             lm_head_packed,
@@ -548,6 +598,20 @@ impl LlamaWeights {
             (None, Some(w)) => Ok(x.matmul(&w.t()?)?),
             (None, None) => Ok(x.matmul(&self.embedding.t()?)?),
         }
+    }
+
+    /// [`LlamaWeights::lm_head`] on host slices (`x` is `[rows, hidden]`, final-normed).
+    pub(crate) fn lm_head_host(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, WorkerError> {
+        if let Some(p) = &self.lm_head_packed {
+            return p.matmul(x, rows);
+        }
+        let t = Tensor::from_slice(x, (rows, self.config.hidden), &Device::Cpu)?
+            .to_device(&self.device)?;
+        Ok(self
+            .lm_head(&t)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
     }
 
     /// How the output projection is computed.
