@@ -214,7 +214,7 @@ impl PackedMatrix {
         // Transposed output [n, m]: each task owns a contiguous run of weight rows.
         let mut out_t = vec![0f32; n * m];
         let threads = rayon::current_num_threads().max(1);
-        // A multiple of every tile height (3, 4, 6, 8 weight rows).
+        // A multiple of every tile width (2, 3, 4, 8 weight rows).
         let rows_per_task = n.div_ceil(threads * 4).clamp(24, 240).div_ceil(24) * 24;
         out_t
             .par_chunks_mut(rows_per_task * m)
@@ -306,7 +306,7 @@ impl PackedMatrix {
 /// FMA chains hide the FMA latency (one chain per tile was latency-bound: 3.4 GMAC/s for one
 /// activation row). Dequantization is exactly candle's (`q·d + m` with separate rounding, `q·d`
 /// for Q8_0): Q4_1 builds the 16 possible values of a block once (`iota·d + m`) and looks the
-/// nibbles up with a lane permute. Tiles (R × C): 6 × 2, 4 × 3, 2 × 4, 1 × 8. One activation
+/// nibbles up with a lane permute. Tiles (R × C): 6 × 2, 4 × 3, 2 × 4, 1 × 4. One activation
 /// row is bound by dequantization (≈ 10 vector µops per 32-weight block): two rows cost the
 /// same time as one (`kernel_timing`).
 #[cfg(target_arch = "x86_64")]
@@ -441,7 +441,7 @@ mod avx512 {
                 sweep::<F, 2, 4>(p, x, m, g, first, n_rows, dst);
                 2
             } else {
-                sweep::<F, 1, 8>(p, x, m, g, first, n_rows, dst);
+                sweep::<F, 1, 4>(p, x, m, g, first, n_rows, dst);
                 1
             };
             g += step;
