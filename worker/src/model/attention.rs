@@ -299,6 +299,14 @@ fn values_block(
 fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(visible);
     masked.fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512::available() {
+            // SAFETY: AVX-512F/FMA present (checked just above).
+            unsafe { avx512::softmax(live, scale) };
+            return;
+        }
+    }
     let mut m = f32::NEG_INFINITY;
     for x in live.iter_mut() {
         *x *= scale;
@@ -321,6 +329,80 @@ mod avx512 {
 
     pub(super) fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// `e^x` for `x ≤ 0` (scores minus their maximum): `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`,
+    /// Cephes' degree-6 polynomial for `e^r` (relative error ≈ 1e-7, like libm's `expf` to an ulp
+    /// or two), scaled by `2^n`; below −88 the result is 0 or a denormal, as `expf` gives.
+    #[inline(always)]
+    unsafe fn exp_nonpositive(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-88.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            5.000_000_1e-1,
+        ] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let p = _mm512_fmadd_ps(
+            p,
+            _mm512_mul_ps(r, r),
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// Softmax of `scale · row` in place.
+    ///
+    /// # Safety
+    /// AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn softmax(row: &mut [f32], scale: f32) {
+        let n = row.len();
+        let full = n / 16 * 16;
+        let tail = (1u32 << (n - full)) as u16 - 1;
+        let ptr = row.as_mut_ptr();
+        let sc = _mm512_set1_ps(scale);
+        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..full).step_by(16) {
+            let v = _mm512_mul_ps(_mm512_loadu_ps(ptr.add(i)), sc);
+            _mm512_storeu_ps(ptr.add(i), v);
+            mx = _mm512_max_ps(mx, v);
+        }
+        if tail != 0 {
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, ptr.add(full)), sc);
+            _mm512_mask_storeu_ps(ptr.add(full), tail, v);
+            mx = _mm512_mask_max_ps(mx, tail, mx, v);
+        }
+        let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        let mut sum = _mm512_setzero_ps();
+        for i in (0..full).step_by(16) {
+            let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(i)), m));
+            _mm512_storeu_ps(ptr.add(i), e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if tail != 0 {
+            let e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, ptr.add(full)), m));
+            _mm512_mask_storeu_ps(ptr.add(full), tail, e);
+            sum = _mm512_mask_add_ps(sum, tail, sum, e);
+        }
+        let total = _mm512_reduce_add_ps(sum);
+        let inv = _mm512_set1_ps(if total > 0.0 { 1.0 / total } else { 0.0 });
+        for i in (0..full).step_by(16) {
+            _mm512_storeu_ps(ptr.add(i), _mm512_mul_ps(_mm512_loadu_ps(ptr.add(i)), inv));
+        }
+        if tail != 0 {
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, ptr.add(full)), inv);
+            _mm512_mask_storeu_ps(ptr.add(full), tail, v);
+        }
     }
 
     /// `R` queries × 16 keys (lanes): `acc_r += q_r[i] · keys[i][l0..l0 + 16]`.
@@ -642,6 +724,59 @@ mod tests {
         check(0x5eef, 9, 3, 64, 16, 17, 1);
         check(0x5ef0, 8, 2, 32, 32, 75, 6);
         check(0x5ef1, 4, 4, 48, 16, 33, 33);
+    }
+
+    /// The AVX-512 softmax (own `exp`) against the scalar one (libm `expf`) on rows of every
+    /// length around the vector width, with large negative gaps (underflow to 0).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_softmax_matches_scalar() {
+        if !avx512::available() {
+            return;
+        }
+        let seed = 0x50f7_u64;
+        println!("seed {seed}");
+        let mut state = seed;
+        for n in [1usize, 2, 15, 16, 17, 33, 100, 1040] {
+            let row: Vec<f32> = (0..n)
+                .map(|i| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let v = ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 40.0;
+                    if i % 7 == 3 {
+                        v - 200.0
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let mut want = row.clone();
+            let scale = 0.125;
+            // Scalar reference (the portable path).
+            let mut m = f32::NEG_INFINITY;
+            for x in want.iter_mut() {
+                *x *= scale;
+                m = m.max(*x);
+            }
+            let sum: f32 = want
+                .iter_mut()
+                .map(|x| {
+                    *x = (*x - m).exp();
+                    *x
+                })
+                .sum();
+            want.iter_mut().for_each(|x| *x /= sum);
+            let mut got = row.clone();
+            // SAFETY: AVX-512 checked above.
+            unsafe { avx512::softmax(&mut got, scale) };
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 2e-6 * b.abs().max(1e-30) + 1e-12,
+                    "n={n}: {a} vs {b}"
+                );
+            }
+        }
     }
 
     #[test]
