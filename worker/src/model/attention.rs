@@ -19,6 +19,8 @@
 
 use rayon::prelude::*;
 
+use super::gemm::OutPtr;
+
 /// Tokens of one chunk sharing a pass over the keys.
 const TQ: usize = 4;
 
@@ -98,14 +100,6 @@ struct Item {
     g: usize,
 }
 
-/// A raw output pointer shared by items that write disjoint parts of the output.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every item writes only the head slices of its own tokens and KV head group, and the
-// output outlives the parallel loop (joined before `paged_attention` returns).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// Computes attention for every token of `chunks` into `out` (`[tokens, n_head · head_dim]`).
 ///
 /// `q` holds each token's query heads at `q[t · q_stride ..][.. n_head · head_dim]` (RoPE
@@ -138,7 +132,8 @@ pub(crate) fn paged_attention(
             t0 += nt;
         }
     }
-    let ptr = OutPtr(out.as_mut_ptr());
+    // Every item writes only the head slices of its own tokens and KV head group.
+    let ptr = OutPtr::new(out);
     items
         .par_iter()
         .for_each_init(Scratch::default, |scratch, item| {
@@ -226,7 +221,7 @@ unsafe fn attend_item(
     }
     for i in 0..item.nt {
         let t = c.token_offset + item.t0 + i;
-        let dst = out.0.add(t * shape.n_head * d + item.g * rk * d);
+        let dst = out.get().add(t * shape.n_head * d + item.g * rk * d);
         std::ptr::copy_nonoverlapping(s.o.as_ptr().add(i * rk * d), dst, rk * d);
     }
 }

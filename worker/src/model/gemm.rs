@@ -40,17 +40,23 @@ pub(crate) struct DensePanels {
     data: Vec<f32>,
 }
 
-/// A raw output pointer shared by tasks that write disjoint rectangles.
+/// A raw output pointer shared by parallel tasks that each write a disjoint part of one output
+/// (this GEMM's rectangles, attention's per-item head slices).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes only its own (row block × panel group) rectangle of the output,
-// and the output outlives the parallel loop (it is joined before `matmul` returns).
+pub(crate) struct OutPtr(*mut f32);
+// SAFETY: every user hands each task a part of the output no other task writes, and the output
+// outlives the parallel loop (joined before the user returns).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// Wraps the output's base pointer.
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        OutPtr(out.as_mut_ptr())
+    }
+
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -120,7 +126,7 @@ impl DensePanels {
         let want_groups = (threads * 2).div_ceil(row_blocks).max(1);
         let panels_per_group = panels.div_ceil(want_groups).max(1);
         let groups = panels.div_ceil(panels_per_group);
-        let ptr = OutPtr(out.as_mut_ptr());
+        let ptr = OutPtr::new(&mut out);
         (0..row_blocks * groups).into_par_iter().for_each(|task| {
             let (rb, g) = (task / groups, task % groups);
             let rows = rb * MC..((rb + 1) * MC).min(m);
@@ -273,19 +279,8 @@ mod avx512 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::packed::tests::rnd_vec;
     use super::*;
-
-    fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f32 / (1u64 << 53) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     fn naive(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
         let mut out = vec![0f32; m * n];

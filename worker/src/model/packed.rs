@@ -479,11 +479,12 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
-    fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
+    /// Deterministic values in [−1, 1) (xorshift), shared by the kernel tests.
+    pub(crate) fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
         let mut s = seed | 1;
         (0..n)
             .map(|_| {

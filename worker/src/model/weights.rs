@@ -216,12 +216,12 @@ impl Linear {
         let has_dense = self.dense.is_some() || self.panels.is_some();
         if let Some(p) = &self.packed {
             if !dense || !has_dense {
-                return packed_forward(p, x);
+                return host_forward(x, p.cols(), p.rows(), |xs, m| p.matmul(xs, m));
             }
         }
         if let Some(p) = &self.panels {
             if dense || self.quant.is_none() {
-                return panels_forward(p, x);
+                return host_forward(x, p.cols(), p.rows(), |xs, m| p.matmul(xs, m));
             }
         }
         match (&self.dense, &self.quant) {
@@ -233,32 +233,22 @@ impl Linear {
     }
 }
 
-/// `x [T, in] · Wᵀ` through the packed kernel (CPU tensors).
-fn packed_forward(p: &PackedMatrix, x: &Tensor) -> Result<Tensor, WorkerError> {
+/// `x [T, cols] · Wᵀ → [T, rows]` for a CPU tensor through a host-slice kernel `mm`
+/// (the packed kernel or the panel GEMM).
+fn host_forward(
+    x: &Tensor,
+    cols: usize,
+    rows: usize,
+    mm: impl FnOnce(&[f32], usize) -> Result<Vec<f32>, WorkerError>,
+) -> Result<Tensor, WorkerError> {
     let (m, k) = x.dims2()?;
-    if k != p.cols() {
+    if k != cols {
         return Err(WorkerError::Tensor(format!(
-            "matmul input width {k}, weight width {}",
-            p.cols()
+            "matmul input width {k}, weight width {cols}"
         )));
     }
     let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-    let out = p.matmul(&xs, m)?;
-    Ok(Tensor::from_vec(out, (m, p.rows()), &Device::Cpu)?)
-}
-
-/// `x [T, in] · Wᵀ` through the panel GEMM (CPU tensors).
-fn panels_forward(p: &DensePanels, x: &Tensor) -> Result<Tensor, WorkerError> {
-    let (m, k) = x.dims2()?;
-    if k != p.cols() {
-        return Err(WorkerError::Tensor(format!(
-            "matmul input width {k}, weight width {}",
-            p.cols()
-        )));
-    }
-    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-    let out = p.matmul(&xs, m)?;
-    Ok(Tensor::from_vec(out, (m, p.rows()), &Device::Cpu)?)
+    Ok(Tensor::from_vec(mm(&xs, m)?, (m, rows), &Device::Cpu)?)
 }
 
 /// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
@@ -591,7 +581,7 @@ impl LlamaWeights {
     /// Logits `[rows, vocab]` of final-normed hidden states `x` (`[rows, hidden]`).
     pub(crate) fn lm_head(&self, x: &Tensor) -> Result<Tensor, WorkerError> {
         if let Some(p) = &self.lm_head_packed {
-            return packed_forward(p, x);
+            return host_forward(x, p.cols(), p.rows(), |xs, m| p.matmul(xs, m));
         }
         match (&self.lm_head_q, &self.lm_head_dense) {
             (Some(q), _) => Ok(q.forward(x)?),
