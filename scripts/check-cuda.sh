@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prove that the `cuda` feature of the `worker` crate compiles on a machine with NO system CUDA
+# Prove that the `cuda` feature of the `engine` crate compiles on a machine with NO system CUDA
 # toolkit and NO GPU (Debian + Rust + Python 3, x86_64), using NVIDIA's CUDA 13.0 wheels from PyPI.
 #
 # What it does (idempotent; a second run reuses everything):
@@ -21,8 +21,8 @@
 # Kernels are built for compute capability 90 (H100/H200); cudaforge turns it into sm_90a.
 #
 # Usage: scripts/check-cuda.sh [check|build|env]
-#   check (default)  cargo check -p worker --features cuda --all-targets
-#   build            check, then cargo build -p worker --features cuda --lib
+#   check (default)  cargo check -p engine --features cuda --all-targets
+#   build            check, then cargo build -p engine --features cuda --lib
 #                    (runs nvcc on every candle kernel: PTX + libmoe.a under the target dir)
 #   env              only set up the venv and print `export ...` lines: eval "$(scripts/check-cuda.sh env)"
 # Environment overrides:
@@ -132,14 +132,14 @@ log "CUDA_HOME=$CUDA_HOME CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CARGO_TARGET_DIR=$C
 cd "$root"
 
 t0=$SECONDS
-log "cargo check -p worker --features cuda --all-targets"
-cargo check -p worker --features cuda --all-targets
+log "cargo check -p engine --features cuda --all-targets"
+cargo check -p engine --features cuda --all-targets
 log "check passed in $((SECONDS - t0)) s"
 
 if [ "$mode" = build ]; then
   t1=$SECONDS
-  log "cargo build -p worker --features cuda --lib"
-  cargo build -p worker --features cuda --lib
+  log "cargo build -p engine --features cuda --lib"
+  cargo build -p engine --features cuda --lib
   ptx="$(find "$CARGO_TARGET_DIR/debug/build" -path '*candle-kernels-*/out/*.ptx' | wc -l)"
   moe="$(find "$CARGO_TARGET_DIR/debug/build" -path '*candle-kernels-*/out/libmoe.a' | head -1)"
   log "build passed in $((SECONDS - t1)) s: $ptx PTX files, libmoe.a: ${moe:-MISSING}"

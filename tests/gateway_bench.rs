@@ -20,8 +20,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use gateway::protocol::PromptSource;
 use gateway::route::{decide, RouteInput};
+use prompt_profile::{ChatMessage, ChatPrompt, PromptSource};
 use support::{Fleet, FleetOptions};
 
 const KV_NO_BUDGET: &str = r#"
@@ -57,8 +57,9 @@ fn route_decision_vs_tokenization() {
                 serde_json::json!({"role": "system", "content": "You are a helpful assistant."}),
                 serde_json::json!({"role": "user", "content": unit.repeat(reps)}),
             ];
+            let chat: Vec<ChatMessage> = serde_json::from_value(serde_json::json!(msgs)).unwrap();
             let n = profile
-                .tokenize(&PromptSource::Messages(msgs.clone()))
+                .tokenize(&PromptSource::Chat(ChatPrompt::new(chat)))
                 .unwrap()
                 .len();
             if n >= target {
@@ -74,10 +75,7 @@ fn route_decision_vs_tokenization() {
             serde_json::from_value(body["messages"].clone()).unwrap();
         // Index the prompt's keys on one worker so the lookup walks the whole chain.
         let keys = profile
-            .keys(
-                &PromptSource::Messages(body["messages"].as_array().unwrap().clone()),
-                None,
-            )
+            .keys(&PromptSource::Chat(ChatPrompt::new(msgs.clone())), None)
             .unwrap()
             .keys;
         let w1 = prefix_index::WorkerId("w1".into());
@@ -178,7 +176,7 @@ fn proxy_overhead_vs_nginx() {
     need("wrk");
     let mut fleet = Fleet::workers(FleetOptions {
         workers: 1,
-        ticket_policy: worker::server::TicketPolicy::Optional,
+        ticket_policy: worker::TicketPolicy::Optional,
         ..FleetOptions::default()
     });
     fleet.start_gateway(support::RR_SERVICE, false);

@@ -210,7 +210,7 @@ fn admin_plane_applies_refuses_and_switches_live() {
 
 #[test]
 fn rules_change_during_a_long_stream_does_not_break_it() {
-    let mut sim = worker::sim::SimConfig::instant(16, 4096);
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
     sim.decode_us_base = 10_000; // 10 ms per token: a 60-token stream lasts ~0.6 s
     let mut fleet = Fleet::workers(FleetOptions {
         workers: 2,

@@ -110,12 +110,15 @@ fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
     let profile = svc.profile.clone().unwrap();
     // The prompt the worker just served: everything but the assistant reply.
     let served = &history[..history.len() - 1];
-    let msgs: Vec<serde_json::Value> = served
+    let msgs: Vec<prompt_profile::ChatMessage> = served
         .iter()
-        .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+        .map(|(r, c)| prompt_profile::ChatMessage::new(r.clone(), c.clone()))
         .collect();
     let tok = profile
-        .keys(&gateway::protocol::PromptSource::Messages(msgs), None)
+        .keys(
+            &prompt_profile::PromptSource::Chat(prompt_profile::ChatPrompt::new(msgs)),
+            None,
+        )
         .unwrap();
     let want = tok.keys.len();
     fleet.wait_for(
@@ -194,9 +197,13 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
     let shared = fleet.gw().shared.clone();
     let view = shared.views.load();
     let profile = view.services[0].profile.clone().unwrap();
-    let msgs = body["messages"].as_array().unwrap().clone();
+    let msgs: Vec<prompt_profile::ChatMessage> =
+        serde_json::from_value(body["messages"].clone()).unwrap();
     let tok = profile
-        .keys(&gateway::protocol::PromptSource::Messages(msgs), salt)
+        .keys(
+            &prompt_profile::PromptSource::Chat(prompt_profile::ChatPrompt::new(msgs)),
+            salt,
+        )
         .unwrap();
     let want = tok.keys.len();
     assert!(want > 0);
@@ -216,7 +223,7 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
 #[test]
 fn load_guard_spreads_a_single_hot_prefix() {
     // Slow decoding so that a burst overlaps.
-    let mut sim = worker::sim::SimConfig::instant(16, 4096);
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
     sim.decode_us_base = 20_000; // 500 tokens = 10 s: the streams stay open for the whole burst
     let mut fleet = Fleet::workers(FleetOptions {
         sim,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use receipts::KeyPair;
-use worker::server::{self, EngineChoice, WorkerConfig};
+use worker::{EngineChoice, WorkerConfig};
 
 fn model_path() -> PathBuf {
     let dir = std::env::var_os("KVGATE_MODEL_DIR")
@@ -45,7 +45,7 @@ async fn official_openai_python_client_talks_to_a_real_worker() {
         "w-openai",
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let w = server::spawn(cfg, listener).await.unwrap();
+    let w = worker::spawn(cfg, listener).await.unwrap();
     w.wait_ready(Duration::from_secs(300)).await.unwrap();
     let base = format!("http://{}/v1", w.addr());
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");

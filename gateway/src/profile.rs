@@ -11,12 +11,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use prefix_index::{BlockKey, BlockSize, HashAlgorithm, KeyChain, NamespaceInputs, NamespaceSeed};
-use prompt_profile::{ChatMessage, PromptProfile};
+use prefix_index::{BlockKey, BlockSize, HashAlgorithm, NamespaceSeed};
+use prompt_profile::{KeySpace, PromptProfile, PromptSource, TokenBudget};
 use routing_rules::schema::{ProfileSource, ProfileSpec};
 
 use crate::error::GatewayError;
-use crate::protocol::{PromptInput, PromptSource};
 
 /// A loaded, verified profile.
 pub struct LoadedProfile {
@@ -26,6 +25,8 @@ pub struct LoadedProfile {
     pub profile: PromptProfile,
     /// Block size, validated.
     pub block_size: BlockSize,
+    /// The pinned block-key space (the prompt contract's namespace rule).
+    pub key_space: KeySpace,
 }
 
 impl std::fmt::Debug for LoadedProfile {
@@ -82,10 +83,19 @@ impl LoadedProfile {
             )));
         }
         let block_size = BlockSize::new(spec.block_size).map_err(|e| cfg(e.to_string()))?;
+        let key_space = KeySpace {
+            model_id: spec.model_id.clone(),
+            revision: spec.revision.clone(),
+            template_sha256: spec.template_sha256.clone(),
+            tokenizer_sha256: spec.tokenizer_sha256.clone(),
+            block_size,
+            algorithm: spec.hash_algorithm,
+        };
         Ok(LoadedProfile {
             spec: spec.clone(),
             profile,
             block_size,
+            key_space,
         })
     }
 
@@ -96,41 +106,30 @@ impl LoadedProfile {
 
     /// The namespace seed for a salt (no adapter).
     pub fn seed(&self, salt: Option<&str>) -> NamespaceSeed {
-        NamespaceSeed::derive(&NamespaceInputs {
-            model_id: &self.spec.model_id,
-            revision: &self.spec.revision,
-            template_sha256: &self.spec.template_sha256,
-            tokenizer_sha256: &self.spec.tokenizer_sha256,
-            block_size: self.block_size,
-            algorithm: self.spec.hash_algorithm,
-            salt,
-            adapter: None,
-        })
+        self.key_space.seed(salt)
     }
 
-    /// Renders (chat) or takes (completion) the prompt and tokenizes it.
-    pub fn tokenize(&self, prompt: &PromptSource) -> Result<Vec<u32>, GatewayError> {
-        let prompt_err = |reason: String| GatewayError::Prompt { reason };
-        match prompt {
-            PromptSource::Messages(values) => {
-                let messages = values
-                    .iter()
-                    .map(|v| serde_json::from_value::<ChatMessage>(v.clone()))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| GatewayError::InvalidBody {
-                        reason: format!("`messages`: {e}"),
-                    })?;
-                self.profile
-                    .render_and_encode(&messages)
-                    .map(|r| r.ids)
-                    .map_err(|e| prompt_err(e.to_string()))
-            }
-            PromptSource::Prompt(PromptInput::Text(text)) => self
-                .profile
-                .encode(text, true)
-                .map_err(|e| prompt_err(e.to_string())),
-            PromptSource::Prompt(PromptInput::Tokens(ids)) => Ok(ids.clone()),
+    /// The token budget of the pinned profile (the worker applies the same rule).
+    pub fn budget(&self) -> TokenBudget {
+        TokenBudget {
+            context_limit: self.spec.context_limit as usize,
+            native_reserve: self.spec.native_reserve_tokens as usize,
         }
+    }
+
+    /// The prompt's token ids, by the prompt contract the worker uses too.
+    pub fn tokenize(&self, prompt: &PromptSource) -> Result<Vec<u32>, GatewayError> {
+        use prompt_profile::ProfileError as P;
+        self.profile.prompt_ids(prompt).map_err(|e| match e {
+            P::EmptyPrompt { .. } | P::PromptBatch { .. } | P::PromptTokenOutOfVocab { .. } => {
+                GatewayError::InvalidBody {
+                    reason: format!("`{}`: {e}", prompt.param()),
+                }
+            }
+            e => GatewayError::Prompt {
+                reason: e.to_string(),
+            },
+        })
     }
 
     /// Tokenizes and computes the block keys in the namespace of `salt`.
@@ -141,7 +140,7 @@ impl LoadedProfile {
     ) -> Result<Tokenized, GatewayError> {
         let tokens = self.tokenize(prompt)?;
         let seed = self.seed(salt);
-        let keys = KeyChain::new(seed, self.spec.hash_algorithm, self.block_size).keys(&tokens);
+        let keys = self.key_space.chain(seed).keys(&tokens);
         Ok(Tokenized { tokens, keys, seed })
     }
 }

@@ -5,6 +5,7 @@
 //! types only *read* what routing needs, so unknown fields are ignored here (the worker is the
 //! one that refuses unsupported parameters).
 
+use prompt_profile::{ChatMessage, ChatPrompt, CompletionPrompt, PromptSource};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
@@ -29,30 +30,12 @@ impl Endpoint {
     }
 }
 
-/// A completion prompt: a string, token ids, or a one-element array of either.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PromptInput {
-    /// Text, to be tokenized (no chat template).
-    Text(String),
-    /// Token ids, used as they are.
-    Tokens(Vec<u32>),
-}
-
-/// The prompt of a request as routing sees it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PromptSource {
-    /// Chat messages, each a JSON object with `role` and `content` (string or text parts).
-    Messages(Vec<serde_json::Value>),
-    /// A completion prompt.
-    Prompt(PromptInput),
-}
-
 /// The fields of an OpenAI body that routing reads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct InferenceBody {
     /// The body's `model`.
     pub model: Option<String>,
-    /// Messages or prompt.
+    /// Messages or prompt, as the prompt contract (`prompt_profile`) reads them.
     pub prompt: PromptSource,
     /// `max_completion_tokens`, else `max_tokens`.
     pub max_tokens: Option<u64>,
@@ -83,123 +66,84 @@ fn invalid(reason: impl Into<String>) -> GatewayError {
     }
 }
 
-fn opt_u64(
-    obj: &serde_json::Map<String, serde_json::Value>,
-    field: &str,
-) -> Result<Option<u64>, GatewayError> {
-    match obj.get(field) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| invalid(format!("`{field}` must be a non-negative integer"))),
-    }
+/// What routing reads of a body, typed by the same types the worker uses (`ChatMessage`,
+/// `CompletionPrompt`); every other field is ignored here (the worker judges them).
+#[derive(Deserialize)]
+struct RoutingFields {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    prompt: Option<CompletionPrompt>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
 }
 
 impl InferenceBody {
     /// Parses a chat or completion body. Errors name the field; never panics on client input.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceBody, GatewayError> {
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| invalid("the body must be a JSON object"))?;
-        let model = match obj.get("model") {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(_) => return Err(invalid("`model` must be a string")),
-        };
-        let prompt = match endpoint {
-            Endpoint::Chat => {
-                let messages = obj
-                    .get("messages")
-                    .and_then(|m| m.as_array())
-                    .ok_or_else(|| invalid("`messages` must be an array"))?;
-                for (i, m) in messages.iter().enumerate() {
-                    let role_ok = m.get("role").is_some_and(|r| r.is_string());
-                    if !role_ok {
-                        return Err(invalid(format!("`messages[{i}].role` must be a string")));
+        // serde would read a struct from an array too: an object is required.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => invalid("the body must be a JSON object"),
+                    Err(e) => invalid(format!("malformed JSON: {e}")),
+                },
+            );
+        }
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let fields: RoutingFields = match serde_path_to_error::deserialize(&mut de) {
+            Ok(f) => f,
+            Err(e) => {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                return Err(match inner.classify() {
+                    serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                        invalid(format!("malformed JSON: {inner}"))
                     }
-                    match m.get("content") {
-                        None
-                        | Some(serde_json::Value::Null)
-                        | Some(serde_json::Value::String(_)) => {}
-                        Some(serde_json::Value::Array(parts)) => {
-                            for (j, p) in parts.iter().enumerate() {
-                                let text_part = p.get("type").and_then(|t| t.as_str())
-                                    == Some("text")
-                                    && p.get("text").is_some_and(|t| t.is_string());
-                                if !text_part {
-                                    return Err(invalid(format!(
-                                        "`messages[{i}].content[{j}]` must be a text part"
-                                    )));
-                                }
-                            }
-                        }
-                        Some(_) => {
-                            return Err(invalid(format!(
-                                "`messages[{i}].content` must be a string or an array of text parts"
-                            )))
+                    _ if path == "." => invalid(format!("the body must be a JSON object: {inner}")),
+                    _ => {
+                        let msg = inner.to_string();
+                        match msg
+                            .strip_prefix("missing field `")
+                            .and_then(|r| r.split('`').next())
+                        {
+                            Some(field) => invalid(format!("`{path}.{field}` is required")),
+                            None => invalid(format!("`{path}`: {msg}")),
                         }
                     }
-                }
-                PromptSource::Messages(messages.clone())
+                });
             }
-            Endpoint::Completion => PromptSource::Prompt(parse_prompt(obj.get("prompt"))?),
         };
-        let max_tokens = match opt_u64(obj, "max_completion_tokens")? {
-            Some(n) => Some(n),
-            None => opt_u64(obj, "max_tokens")?,
-        };
-        let cache_salt = match obj.get("cache_salt") {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(_) => return Err(invalid("`cache_salt` must be a string")),
-        };
-        let stream = match obj.get("stream") {
-            None | Some(serde_json::Value::Null) => false,
-            Some(serde_json::Value::Bool(b)) => *b,
-            Some(_) => return Err(invalid("`stream` must be a boolean")),
+        de.end()
+            .map_err(|e| invalid(format!("malformed JSON: {e}")))?;
+        let prompt = match endpoint {
+            Endpoint::Chat => PromptSource::Chat(ChatPrompt::new(
+                fields
+                    .messages
+                    .ok_or_else(|| invalid("`messages` is required"))?,
+            )),
+            Endpoint::Completion => fields
+                .prompt
+                .ok_or_else(|| invalid("`prompt` is required"))?
+                .into_source()
+                .map_err(|e| invalid(format!("`prompt`: {e}")))?,
         };
         Ok(InferenceBody {
-            model,
+            model: fields.model,
             prompt,
-            max_tokens,
-            cache_salt,
-            stream,
+            max_tokens: fields.max_completion_tokens.or(fields.max_tokens),
+            cache_salt: fields.cache_salt,
+            stream: fields.stream.unwrap_or(false),
         })
     }
-}
-
-fn parse_prompt(v: Option<&serde_json::Value>) -> Result<PromptInput, GatewayError> {
-    use serde_json::Value;
-    let bad = || {
-        invalid(
-            "`prompt` must be a string, an array of token ids, or a one-element array of either",
-        )
-    };
-    match v {
-        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
-        Some(Value::Array(items)) => {
-            if items.len() == 1 {
-                match &items[0] {
-                    Value::String(s) => return Ok(PromptInput::Text(s.clone())),
-                    Value::Array(inner) => return token_ids(inner).ok_or_else(bad),
-                    _ => {}
-                }
-            }
-            token_ids(items).ok_or_else(bad)
-        }
-        _ => Err(bad()),
-    }
-}
-
-fn token_ids(items: &[serde_json::Value]) -> Option<PromptInput> {
-    items
-        .iter()
-        .map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .map(PromptInput::Tokens)
 }
 
 /// A worker's `GET /v1/profile` answer (the contract check's input; the worker's
@@ -239,10 +183,11 @@ mod tests {
         assert_eq!(p.max_tokens, Some(7));
         assert_eq!(p.cache_salt.as_deref(), Some("t"));
         assert!(p.stream);
-        let PromptSource::Messages(m) = p.prompt else {
+        let PromptSource::Chat(c) = p.prompt else {
             panic!("messages expected")
         };
-        assert_eq!(m.len(), 2);
+        assert_eq!(c.messages.len(), 2);
+        assert!(c.add_generation_prompt);
 
         let b = br#"{"model":"m","messages":[],"max_tokens":3,"max_completion_tokens":9}"#;
         assert_eq!(
@@ -252,11 +197,18 @@ mod tests {
 
         for (body, needle) in [
             (&b"{not json"[..], "malformed JSON"),
+            (b"", "malformed JSON"),
+            (br#"{"messages":[]} x"#, "malformed JSON"),
             (b"[1]", "JSON object"),
             (br#"{"messages":"x"}"#, "`messages`"),
+            (br#"{}"#, "`messages` is required"),
             (br#"{"messages":[{"content":"x"}]}"#, "messages[0].role"),
             (
                 br#"{"messages":[{"role":"user","content":5}]}"#,
+                "messages[0].content",
+            ),
+            (
+                br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
                 "messages[0].content",
             ),
             (br#"{"messages":[],"max_tokens":-1}"#, "max_tokens"),
@@ -274,22 +226,23 @@ mod tests {
         let p = |b: &[u8]| InferenceBody::parse(Endpoint::Completion, b).map(|x| x.prompt);
         assert_eq!(
             p(br#"{"prompt":"abc"}"#).unwrap(),
-            PromptSource::Prompt(PromptInput::Text("abc".into()))
+            PromptSource::Text("abc".into())
         );
         assert_eq!(
             p(br#"{"prompt":[1,2,3]}"#).unwrap(),
-            PromptSource::Prompt(PromptInput::Tokens(vec![1, 2, 3]))
+            PromptSource::Tokens(vec![1, 2, 3])
         );
         assert_eq!(
             p(br#"{"prompt":[[4,5]]}"#).unwrap(),
-            PromptSource::Prompt(PromptInput::Tokens(vec![4, 5]))
+            PromptSource::Tokens(vec![4, 5])
         );
         assert_eq!(
             p(br#"{"prompt":["x"]}"#).unwrap(),
-            PromptSource::Prompt(PromptInput::Text("x".into()))
+            PromptSource::Text("x".into())
         );
         assert!(p(br#"{"prompt":[-1]}"#).is_err());
         assert!(p(br#"{"prompt":{}}"#).is_err());
+        assert!(p(br#"{"prompt":["a","b"]}"#).is_err());
         assert!(p(br#"{}"#).is_err());
     }
 

@@ -161,21 +161,25 @@ pub fn decide(
                 })?;
             let tok = profile.keys(&body.prompt, salt.as_deref())?;
             if service.spec().token_budget == TokenBudgetPolicy::Reject {
-                let prompt_tokens = tok.tokens.len();
-                let reserve = profile.spec.native_reserve_tokens as usize;
-                let limit = profile.spec.context_limit as usize;
-                // Without max_tokens the worker uses the remaining budget: at least one token.
-                let max_tokens = body.max_tokens.map_or(1, |m| m as usize);
-                if prompt_tokens
-                    .saturating_add(max_tokens)
-                    .saturating_add(reserve)
-                    > limit
+                let requested = body
+                    .max_tokens
+                    .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+                // The worker's own cap does not change the verdict (see `TokenBudget`).
+                if let Err(prompt_profile::ProfileError::ContextLengthExceeded {
+                    context_limit,
+                    prompt_tokens,
+                    max_tokens,
+                    native_reserve,
+                    ..
+                }) = profile
+                    .budget()
+                    .output_tokens(tok.tokens.len(), requested, usize::MAX)
                 {
                     return Err(GatewayError::ContextLengthExceeded {
                         prompt_tokens,
                         max_tokens,
-                        reserve_tokens: reserve,
-                        context_limit: limit,
+                        reserve_tokens: native_reserve,
+                        context_limit,
                     });
                 }
             }

@@ -3,20 +3,26 @@
 //! and a kept `JoinHandle`; [`Supervisor::sync`] starts tasks for new workers and cancels those
 //! of removed ones (and drops them from the index); [`Supervisor::shutdown`] cancels all.
 //!
-//! Event subscription: the stream is resumed from the last applied `(epoch, seq)`; the worker
-//! answers an unknown position or a new epoch with `cleared` followed by a snapshot of every
-//! cached key, so applying events in order always converges. A sequence gap inside a stream
-//! makes the subscriber reconnect from its last position (which yields that snapshot).
-//! Reconnects back off exponentially (100 ms .. 5 s). A worker that answers 404 has no event
+//! Event subscription: envelopes are parsed by `eventsource-stream` (one event at most
+//! [`MAX_EVENT_BYTES`]) and applied by the index's own stream rule
+//! ([`prefix_index::PrefixIndex::apply_envelope`], the protocol of docs/kv-events.md). The
+//! stream is resumed from the last applied `(epoch, seq)`; the worker answers an unknown
+//! position or a new epoch with `cleared` followed by a snapshot of every cached key, so
+//! applying events in order always converges. A sequence gap makes the subscriber reconnect
+//! from its last position (which yields the missed events or that snapshot); an envelope the
+//! index refuses makes it reconnect from scratch. Nothing ends a worker's subscription but its
+//! removal or the gateway's shutdown. Reconnects after failures back off exponentially
+//! (100 ms .. 5 s). A worker that answers 404 has no event
 //! stream: its holdings are approximated from routed keys, and the stream is probed again
 //! every 30 s.
 
 use std::collections::BTreeMap;
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use eventsource_stream::Eventsource;
 use futures::StreamExt;
-use prefix_index::{KvEvent, KvEventEnvelope, WorkerId};
+use prefix_index::{EnvelopeOutcome, KvEventEnvelope, WorkerId};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -169,11 +175,21 @@ async fn health_loop(
     }
 }
 
+/// Why one event stream ended.
 enum StreamEnd {
+    /// The task was cancelled (worker removed, gateway stopping).
     Cancelled,
+    /// The worker closed the stream, or it broke (network, an event over the size cap).
     Ended,
+    /// An envelope skipped some seqs: resubscribe from the last applied position.
     Gap,
+    /// The index refused an envelope: resubscribe from scratch (a snapshot rebuilds it).
+    IndexError,
 }
+
+/// Largest SSE event accepted from a worker (bytes between two blank lines). A snapshot run is
+/// one prompt chain (context / block size keys, ~19 bytes each), far below this.
+pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
 async fn event_loop(
     shared: Weak<Shared>,
@@ -209,13 +225,27 @@ async fn event_loop(
             Ok(r) if r.status().is_success() => {
                 *runtime.events.lock() = EventStreamState::Connected;
                 *runtime.events_last_heard.lock() = Some(Instant::now());
-                backoff = BACKOFF_MIN;
                 drop(s);
                 let end = read_stream(&shared, &id, &runtime, r, &mut position, &cancel).await;
                 *runtime.events.lock() = EventStreamState::Connecting;
                 match end {
                     StreamEnd::Cancelled => return,
-                    StreamEnd::Gap | StreamEnd::Ended => BACKOFF_MIN,
+                    StreamEnd::Gap => {
+                        backoff = BACKOFF_MIN;
+                        BACKOFF_MIN
+                    }
+                    StreamEnd::Ended => {
+                        backoff = BACKOFF_MIN;
+                        BACKOFF_MIN
+                    }
+                    StreamEnd::IndexError => {
+                        // The index's view of this worker is unknown now: start over (the worker
+                        // answers a subscription without position with cleared + snapshot).
+                        position = None;
+                        let w = backoff;
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                        w
+                    }
                 }
             }
             _ => {
@@ -231,71 +261,139 @@ async fn event_loop(
     }
 }
 
+/// Applies one subscription's envelopes to the index by the stream protocol
+/// ([`prefix_index::PrefixIndex::apply_envelope`]), keeping `position` at the last applied one.
 async fn read_stream(
     shared: &Weak<Shared>,
     id: &WorkerId,
-    runtime: &crate::view::WorkerRuntime,
+    runtime: &Arc<crate::view::WorkerRuntime>,
     resp: reqwest::Response,
     position: &mut Option<(u64, u64)>,
     cancel: &CancellationToken,
 ) -> StreamEnd {
-    let mut stream = resp.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let heard = runtime.clone();
+    let bytes = BoundedEvents::new(resp.bytes_stream(), MAX_EVENT_BYTES, move || {
+        *heard.events_last_heard.lock() = Some(Instant::now());
+    });
+    let mut events = bytes.eventsource();
     loop {
-        let chunk = tokio::select! {
+        let next = tokio::select! {
             biased;
             _ = cancel.cancelled() => return StreamEnd::Cancelled,
-            c = stream.next() => c,
+            e = events.next() => e,
         };
-        let Some(Ok(chunk)) = chunk else {
-            return StreamEnd::Ended;
+        let ev = match next {
+            None => return StreamEnd::Ended,
+            Some(Err(e)) => {
+                tracing::debug!(worker = %id, error = %e, "KV event stream broke");
+                return StreamEnd::Ended;
+            }
+            Some(Ok(ev)) => ev,
         };
-        *runtime.events_last_heard.lock() = Some(Instant::now());
-        buf.extend_from_slice(&chunk);
-        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=nl).collect();
-            let line = line.strip_suffix(b"\n").unwrap_or(&line);
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let Some(data) = line.strip_prefix(b"data:") else {
+        if ev.data.is_empty() {
+            continue;
+        }
+        let env: KvEventEnvelope = match serde_json::from_str(&ev.data) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(worker = %id, error = %e, "malformed KV event ignored");
                 continue;
-            };
-            let data = data.strip_prefix(b" ").unwrap_or(data);
-            let env: KvEventEnvelope = match serde_json::from_slice(data) {
-                Ok(e) => e,
-                Err(e) => {
-                    tracing::warn!(worker = %id, error = %e, "malformed KV event ignored");
-                    continue;
-                }
-            };
-            // Snapshot envelopes share the seq S of the last event they include (after a
-            // `cleared` with that seq), live events continue at S + 1: accept `seq >= last`
-            // (re-applying an equal-seq event is idempotent), skip older ones, and resync on
-            // a gap.
-            let same_epoch = position.is_some_and(|(epoch, _)| epoch == env.epoch);
-            if let (true, Some((_, seq))) = (same_epoch, *position) {
-                if env.seq < seq {
-                    continue;
-                }
-                if env.seq > seq + 1 {
-                    return StreamEnd::Gap;
-                }
             }
-            let Some(s) = shared.upgrade() else {
-                return StreamEnd::Cancelled;
-            };
-            if !same_epoch && position.is_some() && env.event != KvEvent::Cleared {
-                // A new epoch means the worker's cache restarted empty.
-                let _ = s.index.apply_event(id, &KvEvent::Cleared);
+        };
+        let Some(s) = shared.upgrade() else {
+            return StreamEnd::Cancelled;
+        };
+        match s.index.apply_envelope(id, &env) {
+            Ok(EnvelopeOutcome::Applied | EnvelopeOutcome::NewEpoch { .. }) => {
+                *position = Some((env.epoch, env.seq));
+                *runtime.events_position.lock() = *position;
+                runtime
+                    .events_applied
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            if let Err(e) = s.index.apply_event(id, &env.event) {
+            Ok(EnvelopeOutcome::Duplicate) => {}
+            Ok(EnvelopeOutcome::Gap { expected, got }) => {
+                tracing::debug!(worker = %id, expected, got, "KV event gap: resubscribing");
+                return StreamEnd::Gap;
+            }
+            Err(e) => {
                 tracing::debug!(worker = %id, error = %e, "KV event not applied");
-                return StreamEnd::Cancelled;
+                return StreamEnd::IndexError;
             }
-            *position = Some((env.epoch, env.seq));
-            *runtime.events_position.lock() = *position;
-            runtime
-                .events_applied
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// A byte stream that fails once one SSE event (the bytes between two blank lines) grows
+/// past a cap, so a worker that never ends an event cannot grow the gateway's memory; calls
+/// `on_bytes` for every chunk (keep-alive comments included). O(1) per byte, no rescans.
+struct BoundedEvents<S, F> {
+    inner: S,
+    cap: usize,
+    since_boundary: usize,
+    /// The last byte seen was `\n` (ignoring `\r`): a second one ends an event.
+    after_newline: bool,
+    on_bytes: F,
+}
+
+impl<S, F> BoundedEvents<S, F> {
+    fn new(inner: S, cap: usize, on_bytes: F) -> Self {
+        BoundedEvents {
+            inner,
+            cap,
+            since_boundary: 0,
+            after_newline: true,
+            on_bytes,
+        }
+    }
+}
+
+/// The error of a [`BoundedEvents`] stream.
+#[derive(Debug, thiserror::Error)]
+enum EventStreamError {
+    #[error("an event exceeds {0} bytes")]
+    TooLarge(usize),
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+}
+
+impl<S, F> futures::Stream for BoundedEvents<S, F>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, reqwest::Error>> + Unpin,
+    F: FnMut() + Unpin,
+{
+    type Item = Result<bytes::Bytes, EventStreamError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::pin::Pin::new(&mut this.inner).poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                (this.on_bytes)();
+                for &b in chunk.iter() {
+                    match b {
+                        b'\r' => {}
+                        b'\n' if this.after_newline => this.since_boundary = 0,
+                        b'\n' => this.after_newline = true,
+                        _ => {
+                            this.after_newline = false;
+                            this.since_boundary += 1;
+                            if this.since_boundary > this.cap {
+                                return Poll::Ready(Some(Err(EventStreamError::TooLarge(
+                                    this.cap,
+                                ))));
+                            }
+                        }
+                    }
+                }
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
         }
     }
 }

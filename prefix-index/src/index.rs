@@ -131,14 +131,14 @@ pub struct WorkerStats {
 /// What [`PrefixIndex::apply_envelope`] did with an envelope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EnvelopeOutcome {
-    /// The next envelope in sequence (or the first one seen): applied.
+    /// The next envelope in sequence, a `cleared` opening a snapshot or a part of that
+    /// snapshot (or the first envelope seen): applied.
     Applied,
-    /// Same epoch, `seq` not after the last applied one: ignored (a replay).
+    /// Same epoch, `seq` not after the last applied one (and not part of a snapshot): ignored
+    /// (a replay).
     Duplicate,
-    /// An older epoch than the last applied one: ignored.
-    Stale,
-    /// Same epoch, but envelopes `expected..got` were never seen: applied anyway; the caller
-    /// should resynchronize (ask the worker for a snapshot).
+    /// Same epoch, but envelopes `expected..got` were never seen: NOT applied, the position is
+    /// unchanged; the caller resubscribes from it (the worker then replays or sends a snapshot).
     Gap {
         /// The seq that should have come.
         expected: u64,
@@ -256,6 +256,9 @@ impl ApproxLru {
 #[derive(Default)]
 struct WriterState {
     last: Option<(u64, u64)>,
+    /// A `cleared` envelope was applied at `last`'s seq and nothing after it yet: envelopes
+    /// with that same seq are parts of the worker's snapshot.
+    in_snapshot: bool,
     lru: ApproxLru,
 }
 
@@ -496,8 +499,18 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// Applies an envelope with sequence checking; see [`EnvelopeOutcome`]. A newer epoch clears
-    /// the worker's precise holdings first (its cache restarted empty).
+    /// Applies an envelope by the stream protocol of docs/kv-events.md; see
+    /// [`EnvelopeOutcome`]. Per worker, with `(E, S)` the last applied position:
+    /// - nothing applied yet, or another epoch (epochs are random, not ordered): apply (another
+    ///   epoch first drops the worker's precise holdings: its cache restarted empty);
+    /// - a `cleared` with seq ≥ S: apply; it opens a snapshot, whose `stored` envelopes all carry
+    ///   that same seq and are applied too;
+    /// - seq = S + 1: apply (a live event; it closes any snapshot);
+    /// - seq ≤ S otherwise: ignore ([`EnvelopeOutcome::Duplicate`]);
+    /// - seq > S + 1: ignore and report [`EnvelopeOutcome::Gap`] — the position stays at `S`, so
+    ///   resubscribing from it yields the missed events or a snapshot.
+    ///
+    /// Sequence arithmetic saturates (a `seq` of `u64::MAX` is no panic).
     pub fn apply_envelope(
         &self,
         worker: &WorkerId,
@@ -510,21 +523,27 @@ impl PrefixIndex {
                 worker: worker.0.clone(),
             });
         }
+        let cleared = env.event == KvEvent::Cleared;
         let outcome = match st.last {
             None => EnvelopeOutcome::Applied,
-            Some((epoch, _)) if env.epoch < epoch => return Ok(EnvelopeOutcome::Stale),
-            Some((epoch, _)) if env.epoch > epoch => {
+            Some((epoch, _)) if env.epoch != epoch => {
                 self.scrub_precise(&ws);
                 EnvelopeOutcome::NewEpoch { previous: epoch }
             }
+            Some((_, seq)) if cleared && env.seq >= seq => EnvelopeOutcome::Applied,
+            Some((_, seq)) if env.seq == seq && st.in_snapshot => EnvelopeOutcome::Applied,
             Some((_, seq)) if env.seq <= seq => return Ok(EnvelopeOutcome::Duplicate),
-            Some((_, seq)) if env.seq == seq + 1 => EnvelopeOutcome::Applied,
-            Some((_, seq)) => EnvelopeOutcome::Gap {
-                expected: seq + 1,
-                got: env.seq,
-            },
+            Some((_, seq)) if Some(env.seq) == seq.checked_add(1) => EnvelopeOutcome::Applied,
+            Some((_, seq)) => {
+                return Ok(EnvelopeOutcome::Gap {
+                    expected: seq.saturating_add(1),
+                    got: env.seq,
+                })
+            }
         };
         self.apply_locked(&ws, &env.event);
+        let same_seq = st.last.is_some_and(|(e, s)| e == env.epoch && s == env.seq);
+        st.in_snapshot = cleared || (st.in_snapshot && same_seq);
         st.last = Some((env.epoch, env.seq));
         Ok(outcome)
     }
@@ -1008,50 +1027,99 @@ mod tests {
     }
 
     #[test]
-    fn envelopes_dedupe_detect_gaps_and_reset_on_new_epoch() {
+    fn envelopes_follow_the_stream_protocol() {
         let (idx, _) = small();
         let a = w("a");
         idx.add_worker(&a);
         let env = |epoch, seq, event| KvEventEnvelope { epoch, seq, event };
+        let apply = |e: KvEventEnvelope| idx.apply_envelope(&a, &e).unwrap();
+        let blocks = || idx.worker_stats(&a).unwrap().precise_blocks;
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 10, stored(&keys(1..3))))
-                .unwrap(),
+            apply(env(1, 10, stored(&keys(1..3)))),
             EnvelopeOutcome::Applied
         );
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 11, stored(&keys(3..4))))
-                .unwrap(),
+            apply(env(1, 11, stored(&keys(3..4)))),
             EnvelopeOutcome::Applied
         );
+        // A replayed live event is ignored.
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 11, KvEvent::Cleared))
-                .unwrap(),
+            apply(env(1, 11, stored(&keys(9..10)))),
             EnvelopeOutcome::Duplicate
         );
-        assert_eq!(idx.worker_stats(&a).unwrap().precise_blocks, 3);
+        assert_eq!(blocks(), 3);
+        // A gap is reported and NOT applied: the position stays, so a resubscription from it
+        // gets the missed events.
         assert_eq!(
-            idx.apply_envelope(&a, &env(1, 14, stored(&keys(4..5))))
-                .unwrap(),
+            apply(env(1, 14, stored(&keys(4..5)))),
             EnvelopeOutcome::Gap {
                 expected: 12,
                 got: 14
             }
         );
-        assert_eq!(idx.worker_stats(&a).unwrap().precise_blocks, 4);
+        assert_eq!(blocks(), 3);
+        assert_eq!(idx.worker_stats(&a).unwrap().last_event, Some((1, 11)));
+        // A snapshot after resuming at 11: `cleared` and every `stored` of it carry seq 11...
         assert_eq!(
-            idx.apply_envelope(&a, &env(0, 99, KvEvent::Cleared))
-                .unwrap(),
-            EnvelopeOutcome::Stale
+            apply(env(1, 11, KvEvent::Cleared)),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(blocks(), 0);
+        assert_eq!(
+            apply(env(1, 11, stored(&keys(1..3)))),
+            EnvelopeOutcome::Applied
         );
         assert_eq!(
-            idx.apply_envelope(&a, &env(2, 0, stored(&keys(7..8))))
-                .unwrap(),
+            apply(env(1, 11, stored(&keys(5..6)))),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(blocks(), 3);
+        // ...then live events continue at 12, which closes the snapshot.
+        assert_eq!(
+            apply(env(1, 12, stored(&keys(6..7)))),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(
+            apply(env(1, 12, stored(&keys(9..10)))),
+            EnvelopeOutcome::Duplicate
+        );
+        assert_eq!(blocks(), 4);
+        // An old `cleared` (seq before the position) is a replay, not a reset.
+        assert_eq!(
+            apply(env(1, 5, KvEvent::Cleared)),
+            EnvelopeOutcome::Duplicate
+        );
+        assert_eq!(blocks(), 4);
+        // Another epoch, numerically smaller or larger (epochs are random): the cache restarted.
+        assert_eq!(
+            apply(env(0, 99, stored(&keys(7..8)))),
             EnvelopeOutcome::NewEpoch { previous: 1 }
         );
         let st = idx.worker_stats(&a).unwrap();
         assert_eq!(st.precise_blocks, 1);
-        assert_eq!(st.last_event, Some((2, 0)));
+        assert_eq!(st.last_event, Some((0, 99)));
         assert!(idx.longest_matches(&keys(1..3)).is_empty());
+        // The largest seq does not overflow.
+        assert_eq!(
+            apply(env(0, u64::MAX, stored(&keys(8..9)))),
+            EnvelopeOutcome::Gap {
+                expected: 100,
+                got: u64::MAX
+            }
+        );
+        assert_eq!(
+            apply(env(0, u64::MAX, KvEvent::Cleared)),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(
+            apply(env(0, u64::MAX, stored(&keys(8..9)))),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(
+            apply(env(0, u64::MAX, KvEvent::Cleared)),
+            EnvelopeOutcome::Applied
+        );
+        assert_eq!(blocks(), 0);
     }
 
     #[test]

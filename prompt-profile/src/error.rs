@@ -121,6 +121,46 @@ pub enum ProfileError {
         /// What is wrong.
         reason: String,
     },
+    /// A request's prompt is empty (no messages, no text, no ids).
+    #[error("`{param}` must not be empty")]
+    EmptyPrompt {
+        /// The request field (`messages` or `prompt`).
+        param: &'static str,
+    },
+    /// A completion request carries a batch of several prompts; one is served per request.
+    #[error("a batch of {len} prompts is not supported; send one prompt per request")]
+    PromptBatch {
+        /// Prompts in the batch.
+        len: usize,
+    },
+    /// A token id of a completion prompt is outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
+    PromptTokenOutOfVocab {
+        /// Position in the prompt.
+        index: usize,
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab_size: usize,
+    },
+    /// Prompt + output + reserve exceed the context limit (see [`crate::TokenBudget`]).
+    #[error(
+        "this model's context limit is {context_limit} tokens, but the request needs {}: \
+         {prompt_tokens} prompt tokens + {max_tokens} output tokens + {native_reserve} reserved tokens",
+        prompt_tokens.saturating_add(*max_tokens).saturating_add(*native_reserve)
+    )]
+    ContextLengthExceeded {
+        /// The model's context limit.
+        context_limit: usize,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Output tokens asked for (or the one token a request without a count needs).
+        max_tokens: usize,
+        /// Reserved tokens.
+        native_reserve: usize,
+        /// Whether the request named its output count (`max_tokens` is then at fault).
+        requested: bool,
+    },
     /// A token id is outside the vocabulary.
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     UnknownTokenId {
@@ -151,6 +191,10 @@ impl ProfileError {
             ProfileError::TemplateRaised { .. } => "template_raised",
             ProfileError::InvalidMessage { .. } => "invalid_message",
             ProfileError::UnknownTokenId { .. } => "unknown_token_id",
+            ProfileError::EmptyPrompt { .. } => "empty_prompt",
+            ProfileError::PromptBatch { .. } => "prompt_batch_not_supported",
+            ProfileError::PromptTokenOutOfVocab { .. } => "token_out_of_vocabulary",
+            ProfileError::ContextLengthExceeded { .. } => "context_length_exceeded",
         }
     }
 
@@ -162,6 +206,10 @@ impl ProfileError {
             ProfileError::TemplateRaised { .. }
                 | ProfileError::InvalidMessage { .. }
                 | ProfileError::UnknownTokenId { .. }
+                | ProfileError::EmptyPrompt { .. }
+                | ProfileError::PromptBatch { .. }
+                | ProfileError::PromptTokenOutOfVocab { .. }
+                | ProfileError::ContextLengthExceeded { .. }
         )
     }
 }

@@ -1,13 +1,14 @@
-//! prompt-profile: everything that turns an OpenAI chat into token ids, shared by the gateway
-//! (KV-exact routing) and the worker (inference), so both produce the same ids.
+//! prompt-profile: everything that turns an OpenAI request into token ids, shared by the
+//! gateway (KV-exact routing) and the worker (inference), so both produce the same ids.
 //!
 //! It owns: a minimal GGUF metadata reader ([`gguf`], never reads weights), the tokenizer
 //! built from GGUF metadata or loaded from a HF `tokenizer.json` ([`tokenizer`]), the chat
 //! template compiled once with HF-compatible extras ([`template`]), OpenAI chat messages
-//! ([`message`]), the profile identity and its digest ([`identity`]), and incremental
-//! detokenization for streaming ([`stream`]).
-//! It does not own: model weights, block keys, HTTP, or anything async. It depends on no
-//! other kvgate crate and not on candle.
+//! ([`message`]), the prompt contract — prompt source, the one tokenize function and its
+//! special-token policy, the token budget, the block-key namespace ([`prompt`]) — the profile
+//! identity and its digest ([`identity`]), and the one incremental detokenizer ([`stream`]).
+//! It does not own: model weights, the block-key definition itself (`prefix-index`, the only
+//! kvgate crate it depends on), HTTP, or anything async. It does not depend on candle.
 //!
 //! [`PromptProfile`] is cheap to clone (an `Arc` inside) and `Send + Sync`.
 
@@ -15,6 +16,7 @@ pub mod error;
 pub mod gguf;
 pub mod identity;
 pub mod message;
+pub mod prompt;
 mod segments;
 pub mod stream;
 pub mod template;
@@ -30,7 +32,8 @@ pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;
 pub use message::{ChatMessage, ContentPart, MessageContent};
-pub use stream::DecodeStream;
+pub use prompt::{ChatPrompt, CompletionPrompt, KeySpace, PromptSource, PromptTokens, TokenBudget};
+pub use stream::{DecodeStream, TokenDecoder};
 pub use template::{ChatTemplate, TemplateTokens};
 
 use tokenizer::BuiltTokenizer;
@@ -444,7 +447,7 @@ impl PromptProfile {
 
     /// An incremental detokenizer for streaming output.
     pub fn decode_stream(&self, skip_special: bool) -> DecodeStream {
-        DecodeStream::new(self.clone(), skip_special)
+        DecodeStream::new(Arc::new(self.clone()), skip_special)
     }
 
     /// Render `messages` with the chat template.
@@ -479,6 +482,12 @@ impl PromptProfile {
         let text = self.render(messages, true)?;
         let ids = self.encode(&text, true)?;
         Ok(RenderedPrompt { text, ids })
+    }
+}
+
+impl TokenDecoder for PromptProfile {
+    fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        PromptProfile::decode(self, ids, skip_special)
     }
 }
 

@@ -1,5 +1,5 @@
 //! Incremental detokenization for streaming: feed token ids one at a time, get back the
-//! newly completed text.
+//! newly completed text. The engine's one detokenizer (every generated token goes through it).
 //!
 //! Byte-level BPE tokens can end in the middle of a multi-byte UTF-8 character (an emoji is
 //! often split over two or three tokens), so decoding each token alone would emit
@@ -8,16 +8,32 @@
 //! emitted only when it grew past the already-emitted prefix and does not end in U+FFFD
 //! (an incomplete character). The window then slides, so a step costs O(tokens since the
 //! previous emission + one emission's tokens), independent of the stream length.
+//!
+//! This is the algorithm of `tokenizers`' own `DecodeStream` (prefix/read offsets), and gives
+//! the same pieces (differential test `stream_equals_tokenizers_decode_stream`). It is written
+//! here rather than used from `tokenizers` because that type borrows its `Tokenizer` for its
+//! whole life, which a sequence living inside the engine's step loop cannot do, and because it
+//! works over any [`TokenDecoder`] (the simulated executor's too).
+//!
 //! The concatenation of every emitted piece plus [`DecodeStream::flush`] equals
-//! `decode(all ids)` (tested with property tests).
+//! `decode(all ids)` (property test).
+
+use std::sync::Arc;
 
 use crate::error::{ProfileError, Result};
-use crate::PromptProfile;
 
-/// An incremental detokenizer bound to a profile. Cheap to create (the profile is shared).
-#[derive(Debug, Clone)]
+/// Turns token ids into text. Implemented by [`crate::PromptProfile`]; the engine's simulated
+/// executor has its own.
+pub trait TokenDecoder: Send + Sync {
+    /// The text of `ids`; with `skip_special`, special tokens are left out. Incomplete UTF-8
+    /// at the end comes out as U+FFFD. Ids the decoder does not know are an error.
+    fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String>;
+}
+
+/// An incremental detokenizer over a shared [`TokenDecoder`]. Cheap to create.
+#[derive(Clone)]
 pub struct DecodeStream {
-    profile: PromptProfile,
+    decoder: Arc<dyn TokenDecoder>,
     skip_special: bool,
     ids: Vec<u32>,
     /// Start of the context (already emitted) part of `ids`.
@@ -26,10 +42,22 @@ pub struct DecodeStream {
     read: usize,
 }
 
+impl std::fmt::Debug for DecodeStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeStream")
+            .field("skip_special", &self.skip_special)
+            .field("ids", &self.ids)
+            .field("prefix", &self.prefix)
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
+}
+
 impl DecodeStream {
-    pub(crate) fn new(profile: PromptProfile, skip_special: bool) -> Self {
+    /// A stream over `decoder`; with `skip_special`, special tokens produce no text.
+    pub fn new(decoder: Arc<dyn TokenDecoder>, skip_special: bool) -> Self {
         DecodeStream {
-            profile,
+            decoder,
             skip_special,
             ids: Vec::new(),
             prefix: 0,
@@ -41,10 +69,10 @@ impl DecodeStream {
     pub fn step(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let prefix_text = self
-            .profile
+            .decoder
             .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
         let new_text = self
-            .profile
+            .decoder
             .decode(&self.ids[self.prefix..], self.skip_special)?;
         if new_text.len() <= prefix_text.len() || new_text.ends_with('\u{FFFD}') {
             return Ok(None);
@@ -66,10 +94,10 @@ impl DecodeStream {
     /// reset the stream.
     pub fn flush(&mut self) -> Result<Option<String>> {
         let prefix_text = self
-            .profile
+            .decoder
             .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
         let new_text = self
-            .profile
+            .decoder
             .decode(&self.ids[self.prefix..], self.skip_special)?;
         self.ids.clear();
         self.prefix = 0;
@@ -80,7 +108,7 @@ impl DecodeStream {
             .map(str::to_string))
     }
 
-    /// Number of ids fed since creation that have not been emitted yet.
+    /// Number of ids fed that have not been emitted yet.
     pub fn pending(&self) -> usize {
         self.ids.len() - self.read
     }

@@ -19,11 +19,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use engine::sim::SimConfig;
+use engine::EngineConfig;
 use prompt_profile::PromptProfile;
 use receipts::KeyPair;
-use worker::engine::EngineConfig;
-use worker::server::{EngineChoice, RunningWorker, WorkerConfig};
-use worker::sim::SimConfig;
+use worker::{EngineChoice, RunningWorker, WorkerConfig};
 
 use super::report::{self, Summary, Verdict};
 use super::workload::{self, WorkloadKind};
@@ -146,7 +146,7 @@ async fn start_fleet(
                 max_waiting: 256,
                 ..EngineConfig::default()
             };
-            let w = worker::server::spawn(cfg, listener)
+            let w = worker::spawn(cfg, listener)
                 .await
                 .with_context(|| format!("starting simulated worker w{i}"))?;
             fleet.workers.push(w);

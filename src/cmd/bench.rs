@@ -60,7 +60,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(model) = &args.engine_model {
-        let report = worker::model::bench::run_engine_bench(model, args.engine_threads)
+        let report = engine::model::bench::run_engine_bench(model, args.engine_threads)
             .with_context(|| format!("engine benchmark on {}", model.display()))?;
         println!("{report}");
         return Ok(ExitCode::SUCCESS);

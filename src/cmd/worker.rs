@@ -12,11 +12,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use engine::sim::SimConfig;
+use engine::EngineConfig;
 use prefix_index::{BlockSize, HashAlgorithm};
 use receipts::{FsyncPolicy, KeyPair, KeyRing};
-use worker::engine::EngineConfig;
-use worker::server::{self, EngineChoice, ServerSettings, TicketPolicy, WorkerConfig};
-use worker::sim::SimConfig;
+use worker::{EngineChoice, ServerSettings, TicketPolicy, WorkerConfig};
 
 /// The default model file name inside the model folder.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -278,7 +278,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .await
             .with_context(|| format!("binding {}", args.listen))?;
         let receipts_path = cfg.receipt_log.clone();
-        let w = server::spawn(cfg, listener).await?;
+        let w = worker::spawn(cfg, listener).await?;
         eprintln!(
             "kvgate worker {}: listening on http://{} (engine {}), receipts in {}",
             args.id,

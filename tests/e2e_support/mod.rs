@@ -1,5 +1,5 @@
 //! Shared machinery of the end-to-end tests (`tests/e2e_fleet.rs`): a fleet of REAL SmolLM2
-//! workers (`worker::server::spawn` with `EngineChoice::Model`) and a pingora gateway, all
+//! workers (`worker::spawn` with `EngineChoice::Model`) and a pingora gateway, all
 //! in-process on ephemeral 127.0.0.1 ports, plus an OpenAI client (non-streaming and SSE) that
 //! reads the gateway's routing headers.
 //!
@@ -21,14 +21,14 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use engine::engine::EngineStats;
 use futures::StreamExt;
 use gateway::{GatewayConfig, RunningGateway};
 use prefix_index::WorkerId;
 use prompt_profile::PromptProfile;
 use receipts::{DecisionRecord, KeyPair, KeyRing, Receipt};
 use serde_json::{json, Value};
-use worker::engine::EngineStats;
-use worker::server::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
+use worker::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
 
 /// `model` of requests for the round-robin service.
 pub const RR_MODEL: &str = "smol-rr";
@@ -342,12 +342,15 @@ impl Fleet {
             .expect("kv_exact service in the view")
             .clone();
         let profile = svc.profile.clone().expect("kv_exact service has a profile");
-        let msgs: Vec<Value> = messages
+        let msgs: Vec<prompt_profile::ChatMessage> = messages
             .iter()
-            .map(|(r, c)| json!({"role": r, "content": c}))
+            .map(|(r, c)| prompt_profile::ChatMessage::new(r.clone(), c.clone()))
             .collect();
         let tok = profile
-            .keys(&gateway::protocol::PromptSource::Messages(msgs), None)
+            .keys(
+                &prompt_profile::PromptSource::Chat(prompt_profile::ChatPrompt::new(msgs)),
+                None,
+            )
             .expect("gateway tokenizes the prompt");
         let want = tok.keys.len();
         assert!(want > 0, "the prompt fills no full block");
@@ -429,7 +432,7 @@ fn start_worker(id: &str, cfg: WorkerConfig, receipt_log: PathBuf) -> Result<Wor
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|e| format!("{id}: bind: {e}"))?;
-        let w = worker::server::spawn(cfg, listener)
+        let w = worker::spawn(cfg, listener)
             .await
             .map_err(|e| format!("{id}: spawn: {e}"))?;
         if let Err(e) = w.wait_ready(READY_TIMEOUT).await {

@@ -9,11 +9,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use engine::sim::SimConfig;
 use gateway::{GatewayConfig, RunningGateway};
 use prompt_profile::PromptProfile;
 use receipts::{KeyPair, KeyRing};
-use worker::server::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
-use worker::sim::SimConfig;
+use worker::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
 
 /// The default model file (its prompt profile; sim workers never load weights).
 pub fn model_path() -> PathBuf {
@@ -127,7 +127,7 @@ impl Fleet {
             )
             .await
             .unwrap();
-            let w = worker::server::spawn(cfg, listener).await.unwrap();
+            let w = worker::spawn(cfg, listener).await.unwrap();
             w.wait_ready(Duration::from_secs(30)).await.unwrap();
             w
         })

@@ -1,23 +1,548 @@
-//! worker: the embedded engine and its HTTP server (skeleton; being written).
+//! The worker's HTTP server: an OpenAI-compatible API over the embedded [`Engine`], route-ticket
+//! verification, signed receipts, the KV event stream, readiness and metrics.
 //!
-//! Module map (each owned by one piece of work; the contracts in `executor.rs` and the
-//! public API of `engine.rs` are shared — extend them, do not rename):
-//! - `error`     — the crate's one error enum
-//! - `executor`  — the contract between the scheduler and what computes tokens
-//! - `model`     — the candle Llama executor (real engine)
-//! - `sim`       — the simulated executor (timing model)
-//! - `kv`        — block pool, prefix cache, KV events
-//! - `sampler`, `scheduler`, `engine` — continuous batching and the public engine API
-//! - `server`    — the OpenAI-compatible HTTP server
+//! Owns: the wire protocol ([`protocol`]), request validation ([`validate`]), error answers
+//! ([`api_error`]), tickets and request ids ([`tickets`]), the generation endpoints
+//! ([`generate`]), the KV event SSE endpoint ([`kv_events`]), the operations endpoints
+//! ([`ops`]) and the metrics registry ([`metrics`]). Does not own: scheduling, KV blocks or
+//! sampling (the engine), tokenization and templates (`prompt-profile`), signatures and the log
+//! format (`receipts`). The HTTP contract is documented in `docs/worker-api.md` and
+//! `docs/kv-events.md`.
+//!
+//! [`spawn`] starts a worker on a bound listener and returns a [`RunningWorker`]; tests and the
+//! fleet simulator start many in one process this way (with [`EngineChoice::Sim`] they need no
+//! model weights, but still render and tokenize with the GGUF's prompt profile).
 
-pub mod engine;
+pub mod api_error;
 pub mod error;
-pub mod executor;
-pub mod kv;
-pub mod model;
-pub mod sampler;
-pub mod scheduler;
-pub mod server;
-pub mod sim;
+pub mod generate;
+pub mod kv_events;
+pub mod metrics;
+pub mod ops;
+pub mod protocol;
+pub mod tickets;
+pub mod validate;
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use parking_lot::Mutex;
+use prefix_index::{BlockSize, HashAlgorithm, NamespaceSeed};
+use prometheus_client::registry::Registry;
+use prompt_profile::{ChatMessage, KeySpace, ProfileIdentity, PromptProfile};
+use receipts::{FsyncPolicy, KeyPair, KeyRing, ReceiptLog, ReplayGuard};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use engine::executor::{Executor, KvGeometry};
+use engine::sampler::SamplingParams;
+use engine::sim::{SimConfig, SimExecutor};
+use engine::{Engine, EngineConfig, GenerateRequest, SeqEvent};
+
+pub use api_error::ApiError;
 pub use error::WorkerError;
+pub use tickets::{TicketPolicy, NO_CACHE_HEADER, RECEIPT_HEADER, REQUEST_ID_HEADER};
+
+/// What computes tokens.
+#[derive(Clone, Debug)]
+pub enum EngineChoice {
+    /// The candle Llama model loaded from the worker's GGUF file.
+    Model {
+        /// Bytes of KV cache to preallocate.
+        kv_budget_bytes: usize,
+        /// candle compute threads (0 = candle's default). Process-wide; effective only for
+        /// the first model loaded in the process.
+        threads: usize,
+        /// Use CUDA device 0 (needs the `cuda` feature).
+        cuda: bool,
+    },
+    /// The simulated executor (timing model, deterministic tokens).
+    Sim(SimConfig),
+}
+
+impl EngineChoice {
+    /// `model` or `sim`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineChoice::Model { .. } => "model",
+            EngineChoice::Sim(_) => "sim",
+        }
+    }
+}
+
+/// Default preallocated KV budget of a model worker: 256 MiB (≈ 5,700 SmolLM2 tokens in f32).
+pub const DEFAULT_KV_BUDGET_BYTES: usize = 256 << 20;
+
+/// The server's knobs (everything but the objects a worker is built from).
+#[derive(Clone, Debug)]
+pub struct ServerSettings {
+    /// The worker's id: must equal the `worker` of the route tickets it accepts, and signs
+    /// its receipts.
+    pub worker_id: String,
+    pub ticket_policy: TicketPolicy,
+    /// Clock skew tolerated on both ends of a ticket's validity window.
+    pub ticket_skew_ms: u64,
+    /// Larger bodies get 413. Default 8 MiB.
+    pub max_body_bytes: usize,
+    /// Output budget of a request without `max_tokens`: the remaining context, capped here.
+    /// Default 1024.
+    pub default_max_tokens: usize,
+    /// Tokens kept free beyond prompt + output (part of the token budget). Default 0.
+    pub native_reserve: usize,
+    /// Tokens per KV block (must equal the executor's). Default 16.
+    pub block_size: BlockSize,
+    pub hash_algorithm: HashAlgorithm,
+    /// Accepted `model` values; empty = any (the default).
+    pub served_model_names: Vec<String>,
+    /// `Retry-After` seconds on 429 / 503. Default 1.
+    pub retry_after_s: u64,
+    /// Lower the profile's context limit (`None` = the profile's).
+    pub context_limit: Option<usize>,
+}
+
+impl ServerSettings {
+    /// Documented defaults for a worker named `worker_id`.
+    pub fn new(worker_id: impl Into<String>) -> Self {
+        ServerSettings {
+            worker_id: worker_id.into(),
+            ticket_policy: TicketPolicy::Optional,
+            ticket_skew_ms: receipts::DEFAULT_MAX_CLOCK_SKEW_MS,
+            max_body_bytes: 8 << 20,
+            default_max_tokens: 1024,
+            native_reserve: 0,
+            block_size: BlockSize::default(),
+            hash_algorithm: HashAlgorithm::default(),
+            served_model_names: Vec::new(),
+            retry_after_s: 1,
+            context_limit: None,
+        }
+    }
+}
+
+/// Everything a worker is built from.
+pub struct WorkerConfig {
+    /// The GGUF file: its prompt profile always, its weights with [`EngineChoice::Model`].
+    pub model_path: PathBuf,
+    /// An already loaded profile of `model_path` (saves the load when starting many workers).
+    pub profile: Option<PromptProfile>,
+    pub engine: EngineChoice,
+    /// The engine's scheduler knobs; its `hash_algorithm` is overridden by the settings'.
+    pub engine_config: EngineConfig,
+    /// The worker's receipt-signing key.
+    pub key: KeyPair,
+    /// Gateway public keys trusted for route tickets.
+    pub gateway_keys: KeyRing,
+    pub receipt_log: PathBuf,
+    pub fsync: FsyncPolicy,
+    pub settings: ServerSettings,
+}
+
+impl WorkerConfig {
+    /// A config with the documented defaults.
+    pub fn new(
+        model_path: impl Into<PathBuf>,
+        engine: EngineChoice,
+        key: KeyPair,
+        receipt_log: impl Into<PathBuf>,
+        worker_id: impl Into<String>,
+    ) -> Self {
+        WorkerConfig {
+            model_path: model_path.into(),
+            profile: None,
+            engine,
+            engine_config: EngineConfig::default(),
+            key,
+            gateway_keys: KeyRing::new(),
+            receipt_log: receipt_log.into(),
+            fsync: FsyncPolicy::default(),
+            settings: ServerSettings::new(worker_id),
+        }
+    }
+}
+
+/// Shared state of one running worker.
+pub struct AppState {
+    pub(crate) settings: ServerSettings,
+    pub(crate) engine: Engine,
+    pub(crate) engine_kind: &'static str,
+    pub(crate) profile: PromptProfile,
+    pub(crate) identity: ProfileIdentity,
+    pub(crate) profile_digest: String,
+    pub(crate) fingerprint: String,
+    pub(crate) context_limit: usize,
+    pub(crate) block_size: BlockSize,
+    pub(crate) default_namespace: NamespaceSeed,
+    /// The block-key space of this worker's profile (the prompt contract's namespace rule).
+    pub(crate) key_space: KeySpace,
+    pub(crate) key: KeyPair,
+    pub(crate) gateway_keys: KeyRing,
+    pub(crate) replay: Mutex<ReplayGuard>,
+    pub(crate) receipts: Arc<ReceiptLog>,
+    pub(crate) metrics: metrics::ServerMetrics,
+    pub(crate) registry: Registry,
+    pub(crate) ready: Arc<AtomicBool>,
+    pub(crate) ready_reason: Mutex<String>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) started_at_ms: u64,
+}
+
+fn startup(what: &'static str, detail: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Startup {
+        what,
+        detail: detail.to_string(),
+    }
+}
+
+/// A started worker.
+pub struct RunningWorker {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    server: JoinHandle<std::io::Result<()>>,
+    smoke: JoinHandle<()>,
+    ready_rx: watch::Receiver<Option<Result<(), String>>>,
+}
+
+impl RunningWorker {
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The engine (stats, block counts).
+    pub fn engine(&self) -> &Engine {
+        &self.state.engine
+    }
+
+    /// The worker's `/v1/profile` body.
+    pub fn profile(&self) -> protocol::ProfileBody {
+        ops::profile_body(&self.state)
+    }
+
+    /// Whether the smoke inference has produced a token.
+    pub fn is_ready(&self) -> bool {
+        self.state.ready.load(Ordering::Acquire)
+    }
+
+    /// Waits for the smoke inference; `Err` if it failed or `timeout` passed.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<(), WorkerError> {
+        let mut rx = self.ready_rx.clone();
+        let res = tokio::time::timeout(timeout, rx.wait_for(Option::is_some)).await;
+        match res {
+            Err(_) => Err(startup("smoke inference", "timed out")),
+            Ok(Err(_)) => Err(startup("smoke inference", "worker stopped")),
+            Ok(Ok(v)) => match v.clone() {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) => Err(startup("smoke inference", e)),
+                None => Err(startup("smoke inference", "no result")),
+            },
+        }
+    }
+
+    /// Graceful stop: stop accepting, end streams (their receipts are written), stop the
+    /// engine, flush the receipt log.
+    pub async fn shutdown(self) {
+        self.state.shutdown.cancel();
+        self.smoke.abort();
+        match tokio::time::timeout(Duration::from_secs(10), self.server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server ended with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
+            Err(_) => tracing::warn!("server did not stop within 10 s"),
+        }
+        let engine = self.state.engine.clone();
+        let receipts = self.state.receipts.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            engine.shutdown();
+            if let Err(e) = receipts.sync() {
+                tracing::warn!(error = %e, "receipt log sync failed at shutdown");
+            }
+        })
+        .await;
+    }
+}
+
+/// Builds the executor (loading weights for the model engine: seconds).
+fn build_executor(
+    choice: &EngineChoice,
+    model_path: &std::path::Path,
+    block_size: usize,
+) -> Result<Box<dyn Executor>, WorkerError> {
+    match choice {
+        EngineChoice::Sim(cfg) => {
+            if cfg.block_size != block_size {
+                return Err(startup(
+                    "sim engine",
+                    format!(
+                        "sim block size {} differs from the worker's {block_size}",
+                        cfg.block_size
+                    ),
+                ));
+            }
+            Ok(Box::new(SimExecutor::new(cfg.clone())?))
+        }
+        EngineChoice::Model {
+            kv_budget_bytes,
+            threads,
+            cuda,
+        } => {
+            engine::model::configure_compute_threads(*threads);
+            let device = engine::model::device(*cuda)?;
+            let format = engine::model::default_format(&device);
+            let weights = engine::model::LlamaWeights::load(model_path, &device, format)?;
+            let num_blocks = weights.blocks_for_budget(*kv_budget_bytes, block_size);
+            if num_blocks == 0 {
+                return Err(startup(
+                    "model engine",
+                    format!("a KV budget of {kv_budget_bytes} bytes holds no block"),
+                ));
+            }
+            let exec = engine::model::LlamaExecutor::new(
+                Arc::new(weights),
+                KvGeometry {
+                    block_size,
+                    num_blocks,
+                },
+            )?;
+            Ok(Box::new(exec))
+        }
+    }
+}
+
+/// Starts a worker on `listener`: loads the profile (and the model), starts the engine, opens
+/// the receipt log, serves HTTP, and runs the smoke inference in the background (`/ready`
+/// turns true when it produced a token).
+pub async fn spawn(
+    config: WorkerConfig,
+    listener: TcpListener,
+) -> Result<RunningWorker, WorkerError> {
+    let addr = listener.local_addr().map_err(|e| startup("listener", e))?;
+    let WorkerConfig {
+        model_path,
+        profile,
+        engine: choice,
+        mut engine_config,
+        key,
+        gateway_keys,
+        receipt_log,
+        fsync,
+        settings,
+    } = config;
+    let block_size = settings.block_size;
+    engine_config.hash_algorithm = settings.hash_algorithm;
+
+    let (profile, executor) = {
+        let path = model_path.clone();
+        let choice = choice.clone();
+        tokio::task::spawn_blocking(move || -> Result<_, WorkerError> {
+            let profile = match profile {
+                Some(p) => p,
+                None => PromptProfile::from_gguf(&path)
+                    .map_err(|e| startup("prompt profile", format!("{}: {e}", path.display())))?,
+            };
+            let exec = build_executor(&choice, &path, block_size.get())?;
+            Ok((profile, exec))
+        })
+        .await
+        .map_err(|e| startup("loader task", e))??
+    };
+    let decoder: Arc<dyn prompt_profile::TokenDecoder> = Arc::new(profile.clone());
+    let engine = Engine::start(executor, decoder, engine_config)?;
+    if engine.block_size() != block_size.get() {
+        engine.shutdown();
+        return Err(startup(
+            "engine",
+            format!(
+                "engine block size {} differs from the configured {}",
+                engine.block_size(),
+                block_size
+            ),
+        ));
+    }
+    let receipts = {
+        let (path, key, id) = (receipt_log.clone(), key.clone(), settings.worker_id.clone());
+        let opened = tokio::task::spawn_blocking(move || ReceiptLog::open(&path, fsync, &key, &id))
+            .await
+            .map_err(|e| startup("receipt log", e))?;
+        match opened {
+            Ok(log) => Arc::new(log),
+            Err(e) => {
+                engine.shutdown();
+                return Err(startup(
+                    "receipt log",
+                    format!("{}: {e}", receipt_log.display()),
+                ));
+            }
+        }
+    };
+    if let Some(t) = &receipts.open_report().torn_tail {
+        tracing::warn!("receipt log: {}", receipts::receipt_log::describe_torn(t));
+    }
+
+    let identity = profile.identity().clone();
+    let key_space = KeySpace::of(&identity, block_size, settings.hash_algorithm);
+    let default_namespace = key_space.seed(None);
+    let profile_limit = identity.context_limit as usize;
+    let context_limit = settings
+        .context_limit
+        .map_or(profile_limit, |c| c.min(profile_limit));
+    let profile_digest = identity.digest();
+    let fingerprint = format!("kvgate-{}", &profile_digest[..profile_digest.len().min(16)]);
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut registry = Registry::default();
+    let metrics = metrics::ServerMetrics::register(&mut registry, engine.clone(), ready.clone());
+    let state = Arc::new(AppState {
+        replay: Mutex::new(ReplayGuard::new(settings.ticket_skew_ms)),
+        settings,
+        engine_kind: choice.kind(),
+        engine,
+        profile,
+        identity,
+        profile_digest,
+        fingerprint,
+        context_limit,
+        block_size,
+        default_namespace,
+        key_space,
+        key,
+        gateway_keys,
+        receipts,
+        metrics,
+        registry,
+        ready: ready.clone(),
+        ready_reason: Mutex::new("smoke inference pending".into()),
+        shutdown: CancellationToken::new(),
+        started_at_ms: receipts::now_ms(),
+    });
+
+    let app = router(state.clone());
+    let token = state.shutdown.clone();
+    let server = tokio::spawn(async move {
+        // TCP_NODELAY: SSE writes are small; with Nagle on, the first content chunk after the
+        // role chunk waits for the peer's delayed ACK (~40 ms of TTFT).
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "set_nodelay failed");
+            }
+        });
+        axum::serve(listener, app)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await
+    });
+    let (ready_tx, ready_rx) = watch::channel(None);
+    let smoke = tokio::spawn(smoke_inference(state.clone(), ready_tx));
+    Ok(RunningWorker {
+        addr,
+        state,
+        server,
+        smoke,
+        ready_rx,
+    })
+}
+
+/// One greedy token through the whole engine; sets readiness.
+async fn smoke_inference(st: Arc<AppState>, ready_tx: watch::Sender<Option<Result<(), String>>>) {
+    let started = Instant::now();
+    let result = smoke_once(&st).await;
+    match &result {
+        Ok(()) => {
+            st.ready.store(true, Ordering::Release);
+            tracing::info!(
+                worker = %st.settings.worker_id,
+                ms = started.elapsed().as_millis() as u64,
+                "smoke inference produced a token: ready"
+            );
+        }
+        Err(e) => {
+            *st.ready_reason.lock() = format!("smoke inference failed: {e}");
+            tracing::error!(worker = %st.settings.worker_id, error = %e, "smoke inference failed");
+        }
+    }
+    let _ = ready_tx.send(Some(result));
+}
+
+async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
+    let profile = st.profile.clone();
+    let prompt = tokio::task::spawn_blocking(move || {
+        profile.render_and_encode(&[ChatMessage::new("user", "Hi")])
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())?
+    .ids;
+    let mut handle = st
+        .engine
+        .submit(GenerateRequest {
+            request_id: format!("smoke-{}", st.settings.worker_id),
+            prompt,
+            namespace: st.default_namespace,
+            sampling: SamplingParams::greedy(),
+            max_tokens: 1,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            cache_insert: false,
+            deadline: None,
+        })
+        .map_err(|e| e.to_string())?;
+    loop {
+        match handle.next().await {
+            Some(SeqEvent::Token { .. }) => return Ok(()),
+            Some(SeqEvent::Finished { usage, .. }) if usage.completion_tokens > 0 => return Ok(()),
+            Some(SeqEvent::Finished { .. }) => return Err("finished without a token".into()),
+            Some(SeqEvent::Failed { error, code }) => return Err(format!("{code}: {error}")),
+            Some(SeqEvent::Started { .. }) => {}
+            None => return Err("engine stopped".into()),
+        }
+    }
+}
+
+/// The routes.
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/models", get(ops::models))
+        .route("/v1/profile", get(ops::profile))
+        .route("/v1/tokenize", post(ops::tokenize))
+        .route("/v1/kv/events", get(kv_events::kv_events))
+        .route("/v1/receipts/{request_id}", get(ops::receipt))
+        .route("/v1/keys", get(ops::keys))
+        .route("/health", get(ops::health))
+        .route("/ready", get(ops::ready))
+        .route("/metrics", get(ops::metrics))
+        .fallback(|| async { ApiError::not_found("not_found", "no such endpoint").into_response() })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed on this endpoint",
+            )
+            .into_response()
+        })
+        .layer(axum::middleware::from_fn(echo_request_id))
+        .with_state(state)
+}
+
+/// Echoes a valid `x-request-id` (or a generated one) on answers that don't set their own.
+async fn echo_request_id(req: Request, next: Next) -> Response {
+    let id = tickets::header_request_id(req.headers()).ok().flatten();
+    let mut resp = next.run(req).await;
+    if !resp.headers().contains_key(REQUEST_ID_HEADER) {
+        let id = id.unwrap_or_else(tickets::generate_request_id);
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+        }
+    }
+    resp
+}

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use engine::sim::SimConfig;
+use engine::EngineConfig;
 use futures::StreamExt;
 use prompt_profile::PromptProfile;
 use receipts::{KeyPair, KeyRing, Receipt};
-use worker::engine::EngineConfig;
-use worker::server::{self, EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
-use worker::sim::SimConfig;
+use worker::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
 
 /// The default model file: `$KVGATE_MODEL_DIR` or `<workspace>/models/`. Panics with a clear
 /// message when it is missing (the test command fetches it first).
@@ -143,7 +143,7 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
     cfg.settings.max_body_bytes = o.max_body_bytes;
     cfg.settings.served_model_names = o.served_model_names.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let worker = server::spawn(cfg, listener).await.unwrap();
+    let worker = worker::spawn(cfg, listener).await.unwrap();
     worker.wait_ready(Duration::from_secs(120)).await.unwrap();
     TestWorker {
         worker,

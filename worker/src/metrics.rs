@@ -5,7 +5,7 @@
 //! - request-path series the server updates itself ([`ServerMetrics`]): requests by endpoint and
 //!   status, rejections by reason (the `ApiError` code), TTFT, inter-token latency, queue time,
 //!   end-to-end duration, receipts written / failed;
-//! - engine series read from [`crate::engine::EngineStats`] at scrape time ([`EngineCollector`]):
+//! - engine series read from [`engine::EngineStats`] at scrape time ([`EngineCollector`]):
 //!   running / waiting sequences, KV blocks by state, prefix-hit / prompt / generation tokens,
 //!   engine steps. Reading them at scrape time keeps the engine free of metric code.
 //!
@@ -24,7 +24,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::engine::{Engine, EngineStats};
+use engine::{Engine, EngineStats};
 
 type Labels = Vec<(&'static str, String)>;
 

@@ -30,15 +30,16 @@ use futures::stream::{self, Stream, StreamExt};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
-use super::api_error::ApiError;
-use super::protocol::{
+use crate::api_error::ApiError;
+use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, CompletionChoice, CompletionResponse, UsageBody,
 };
-use super::tickets::{self, Admission, RECEIPT_HEADER, REQUEST_ID_HEADER};
-use super::validate::{self, PromptSource};
-use super::AppState;
-use crate::engine::{GenerateRequest, SeqEvent};
+use crate::tickets::{self, Admission, RECEIPT_HEADER, REQUEST_ID_HEADER};
+use crate::validate;
+use crate::AppState;
+use engine::{GenerateRequest, SeqEvent};
+use prompt_profile::{PromptSource, TokenBudget};
 
 /// Which OpenAI endpoint (shapes the response objects).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,30 +214,13 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     }
 }
 
-/// Tokenizes the plan's prompt with the worker's profile (on the blocking pool).
+/// Tokenizes the plan's prompt by the prompt contract (on the blocking pool).
 async fn tokenize(st: &Arc<AppState>, prompt: PromptSource) -> Result<Vec<u32>, ApiError> {
     let profile = st.profile.clone();
-    let vocab = profile.vocab_size();
-    let job = move || -> Result<Vec<u32>, ApiError> {
-        match prompt {
-            PromptSource::Messages(m) => profile
-                .render_and_encode(&m)
-                .map(|r| r.ids)
-                .map_err(|e| profile_error(&e, "messages")),
-            PromptSource::Text(t) => profile
-                .encode(&t, false)
-                .map_err(|e| profile_error(&e, "prompt")),
-            PromptSource::Tokens(t) => {
-                if let Some((i, id)) = t.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-                    return Err(ApiError::bad_request(
-                        "invalid_value",
-                        Some(&format!("prompt[{i}]")),
-                        format!("token id {id} is outside the vocabulary (size {vocab})"),
-                    ));
-                }
-                Ok(t)
-            }
-        }
+    let job = move || {
+        profile
+            .prompt_ids(&prompt)
+            .map_err(|e| validate::prompt_error(&e, prompt.param()))
     };
     tokio::task::spawn_blocking(job).await.unwrap_or_else(|e| {
         Err(ApiError::new(
@@ -245,18 +229,6 @@ async fn tokenize(st: &Arc<AppState>, prompt: PromptSource) -> Result<Vec<u32>, 
             format!("tokenizer task failed: {e}"),
         ))
     })
-}
-
-fn profile_error(e: &prompt_profile::ProfileError, param: &str) -> ApiError {
-    if e.is_client_error() {
-        ApiError::bad_request(e.error_type(), Some(param), e.to_string())
-    } else {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            e.error_type(),
-            e.to_string(),
-        )
-    }
 }
 
 /// `POST /v1/chat/completions`.
@@ -325,23 +297,25 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         .with_param(Some("model"));
         return receipted_error(&st, endpoint, &ctx, e, 0).await;
     }
-    let prompt = match tokenize(&st, plan.prompt.clone()).await {
+    let source = std::mem::replace(&mut plan.prompt, PromptSource::Tokens(Vec::new()));
+    let param = source.param();
+    let prompt = match tokenize(&st, source).await {
         Ok(p) => p,
         Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
     };
     let prompt_tokens = prompt.len();
-    let max_tokens = match validate::budget(
+    let budget = TokenBudget {
+        context_limit: st.context_limit,
+        native_reserve: st.settings.native_reserve,
+    };
+    let max_tokens = match budget.output_tokens(
         prompt_tokens,
         plan.max_tokens,
-        st.settings.native_reserve,
-        st.context_limit,
         st.settings.default_max_tokens,
     ) {
         Ok(n) => n,
-        Err(mut e) => {
-            if endpoint == Endpoint::Completion && e.param.as_deref() == Some("messages") {
-                e.param = Some("prompt".into());
-            }
+        Err(e) => {
+            let e = validate::prompt_error(&e, param);
             return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
         }
     };
@@ -445,7 +419,7 @@ impl Driver {
     /// Owns the sequence until it ends, the client goes away or the server shuts down.
     async fn run(
         self,
-        mut handle: crate::engine::SequenceHandle,
+        mut handle: engine::SequenceHandle,
         head_tx: oneshot::Sender<Result<(), ApiError>>,
         tx: mpsc::Sender<Msg>,
     ) {

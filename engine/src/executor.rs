@@ -2,7 +2,7 @@
 //! (`model`) or the timing simulator (`sim`). The executor owns the paged KV *storage*;
 //! the engine's block pool owns which block ids are in use.
 
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Index of one block in the executor's KV storage, `0..num_blocks`.
 pub type BlockId = u32;
@@ -39,5 +39,5 @@ pub trait Executor: Send {
     fn vocab_size(&self) -> usize;
     /// Run one step: write the K/V of every chunk's tokens into its blocks and return, per
     /// chunk in order, `Some(logits of its last token)` when `want_logits`, else `None`.
-    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, WorkerError>;
+    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError>;
 }

@@ -20,8 +20,8 @@ use axum::response::{IntoResponse, Response};
 use futures::stream;
 use serde::Deserialize;
 
-use super::api_error::ApiError;
-use super::AppState;
+use crate::api_error::ApiError;
+use crate::AppState;
 
 /// Query parameters of `GET /v1/kv/events`.
 #[derive(Debug, Default, Deserialize)]

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use worker::executor::{BlockId, Executor, KvGeometry, SeqChunk};
-use worker::model::{reference, LlamaExecutor, LlamaWeights, WeightFormat};
+use engine::executor::{BlockId, Executor, KvGeometry, SeqChunk};
+use engine::model::{reference, LlamaExecutor, LlamaWeights, WeightFormat};
 
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 

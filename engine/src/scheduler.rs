@@ -40,7 +40,7 @@ use prefix_index::{BlockKey, HashAlgorithm};
 use crate::executor::{BlockId, KvGeometry, SeqChunk};
 use crate::kv::prefix_cache::ContentRef;
 use crate::kv::KvCache;
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Engine-wide id of a sequence (submission order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -228,11 +228,11 @@ impl<P> Scheduler<P> {
     }
 
     /// Rejects a request that could never be admitted, even into an empty pool.
-    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<(), WorkerError> {
+    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<(), EngineError> {
         let needed = self.blocks_needed(prompt_len, max_tokens);
         let total = self.kv.pool().total();
         if needed > total {
-            return Err(WorkerError::NeverFits { needed, total });
+            return Err(EngineError::NeverFits { needed, total });
         }
         Ok(())
     }

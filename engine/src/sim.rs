@@ -28,9 +28,10 @@
 //! Cost of the simulation itself: O(1) per token written, O(vocab) per logits vector (use a
 //! small vocabulary, e.g. 512); memory 16 bytes per KV slot.
 
-use crate::engine::TokenDecoder;
+use prompt_profile::TokenDecoder;
+
 use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Parameters of a [`SimExecutor`].
 #[derive(Clone, Debug, PartialEq)]
@@ -102,15 +103,15 @@ fn mix(prev: u64, token: u32) -> u64 {
 impl SimExecutor {
     /// Allocates the slot storage (4 bytes per slot). Errors on a zero or oversized
     /// geometry.
-    pub fn new(cfg: SimConfig) -> Result<Self, WorkerError> {
+    pub fn new(cfg: SimConfig) -> Result<Self, EngineError> {
         if cfg.block_size == 0 || cfg.block_size > 1024 {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "sim block_size {} outside 1..=1024",
                 cfg.block_size
             )));
         }
         if cfg.vocab_size < 4 || cfg.eos_token_id as usize >= cfg.vocab_size {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "sim vocab_size {} must be >= 4 and hold eos {}",
                 cfg.vocab_size, cfg.eos_token_id
             )));
@@ -119,7 +120,7 @@ impl SimExecutor {
             .block_size
             .checked_mul(cfg.num_blocks)
             .filter(|&n| n <= 1 << 32)
-            .ok_or_else(|| WorkerError::InvalidRequest("sim KV too large".into()))?;
+            .ok_or_else(|| EngineError::InvalidRequest("sim KV too large".into()))?;
         Ok(SimExecutor {
             slots: vec![(EMPTY, 0); n],
             cfg,
@@ -131,23 +132,23 @@ impl SimExecutor {
         &self.cfg
     }
 
-    fn slot(&self, table: &[BlockId], pos: usize) -> Result<usize, WorkerError> {
+    fn slot(&self, table: &[BlockId], pos: usize) -> Result<usize, EngineError> {
         let b = self.cfg.block_size;
         let blk = *table
             .get(pos / b)
-            .ok_or_else(|| WorkerError::Tensor(format!("position {pos} beyond the block table")))?
+            .ok_or_else(|| EngineError::Tensor(format!("position {pos} beyond the block table")))?
             as usize;
         if blk >= self.cfg.num_blocks {
-            return Err(WorkerError::Tensor(format!("block {blk} out of range")));
+            return Err(EngineError::Tensor(format!("block {blk} out of range")));
         }
         Ok(blk * b + pos % b)
     }
 
     /// The running hash stored at `pos`, read through `table`.
-    fn hash_at(&self, table: &[BlockId], pos: usize) -> Result<u64, WorkerError> {
+    fn hash_at(&self, table: &[BlockId], pos: usize) -> Result<u64, EngineError> {
         let (t, h) = self.slots[self.slot(table, pos)?];
         if t == EMPTY {
-            return Err(WorkerError::Tensor(format!(
+            return Err(EngineError::Tensor(format!(
                 "position {pos} read before it was written"
             )));
         }
@@ -155,7 +156,7 @@ impl SimExecutor {
     }
 
     /// The greedy token after the sequence stored through `table` up to position `last`.
-    fn next_token(&self, table: &[BlockId], last: usize) -> Result<(u32, u64), WorkerError> {
+    fn next_token(&self, table: &[BlockId], last: usize) -> Result<(u32, u64), EngineError> {
         let mut h = self.hash_at(table, last)?;
         h = (h ^ last as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         h ^= h >> 29;
@@ -188,7 +189,7 @@ impl Executor for SimExecutor {
         self.cfg.vocab_size
     }
 
-    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, WorkerError> {
+    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }
@@ -245,7 +246,7 @@ impl Executor for SimExecutor {
 pub struct SimDecoder;
 
 impl TokenDecoder for SimDecoder {
-    fn decode(&self, ids: &[u32]) -> String {
+    fn decode(&self, ids: &[u32], _skip_special: bool) -> prompt_profile::Result<String> {
         let mut s = String::with_capacity(ids.len() * 5);
         for &id in ids {
             if id == 2 {
@@ -255,7 +256,7 @@ impl TokenDecoder for SimDecoder {
             s.push_str(&id.to_string());
             s.push(' ');
         }
-        s
+        Ok(s)
     }
 }
 
@@ -395,7 +396,7 @@ mod tests {
 
     #[test]
     fn sim_decoder_is_ascii() {
-        assert_eq!(SimDecoder.decode(&[5, 2, 17]), "t5 t17 ");
+        assert_eq!(SimDecoder.decode(&[5, 2, 17], true).unwrap(), "t5 t17 ");
     }
 
     #[test]

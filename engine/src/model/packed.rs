@@ -25,7 +25,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use rayon::prelude::*;
 
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Values per quantization block (Q4_0, Q4_1, Q8_0).
 const QK: usize = 32;
@@ -82,7 +82,7 @@ fn f16_to_f32(h: u16) -> f32 {
 impl PackedMatrix {
     /// Repacks a `[rows, cols]` quantized tensor; `Ok(None)` when its format is not one this
     /// kernel reads (the caller then uses dense F32 weights).
-    pub(crate) fn from_qtensor(q: &QTensor) -> Result<Option<Self>, WorkerError> {
+    pub(crate) fn from_qtensor(q: &QTensor) -> Result<Option<Self>, EngineError> {
         let (kind, block_bytes) = match q.dtype() {
             GgmlDType::Q4_1 => (Kind::Q4_1, 20),
             GgmlDType::Q4_0 => (Kind::Q4_0, 18),
@@ -96,7 +96,7 @@ impl PackedMatrix {
         let data = q.data()?;
         let blocks = rows * (cols / QK);
         if data.len() != blocks * block_bytes {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "{:?} tensor of {rows}×{cols} has {} bytes, expected {}",
                 q.dtype(),
                 data.len(),
@@ -114,7 +114,7 @@ impl PackedMatrix {
 
     /// Several matrices with the same width and format stacked along the rows (fused
     /// projections); `Ok(None)` when any is unsupported or the formats differ.
-    pub(crate) fn stacked(parts: &[&QTensor]) -> Result<Option<Self>, WorkerError> {
+    pub(crate) fn stacked(parts: &[&QTensor]) -> Result<Option<Self>, EngineError> {
         let mut out: Option<PackedMatrix> = None;
         for q in parts {
             let Some(p) = Self::from_qtensor(q)? else {
@@ -202,9 +202,9 @@ impl PackedMatrix {
     }
 
     /// `x [m, cols] · Wᵀ → [m, rows]` (row-major), F32 activations.
-    pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, WorkerError> {
+    pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, EngineError> {
         if x.len() != m * self.cols {
-            return Err(WorkerError::Tensor(format!(
+            return Err(EngineError::Tensor(format!(
                 "packed matmul: input has {} values, expected {m}×{}",
                 x.len(),
                 self.cols
@@ -536,7 +536,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// Kernel timing (run on purpose: `cargo test -p worker --lib kernel_timing -- --ignored
+    /// Kernel timing (run on purpose: `cargo test -p engine --lib kernel_timing -- --ignored
     /// --nocapture`): the AVX-512 and the compiler-vectorized (AVX2) kernels alternated in one
     /// process on SmolLM2's gate/up shape (`KVGATE_KERNEL_ROWS=98304` for a 42 MB matrix that
     /// does not stay in L2), so machine load affects both alike. Single thread.

@@ -23,7 +23,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use super::gemm::DensePanels;
 use super::packed::PackedMatrix;
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Architecture parameters of a Llama-family model, read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -118,7 +118,7 @@ impl Linear {
         stored: &[QTensor],
         format: WeightFormat,
         device: &Device,
-    ) -> Result<Self, WorkerError> {
+    ) -> Result<Self, EngineError> {
         let (out_features, in_features) = w.dims2()?;
         let stored_refs: Vec<&QTensor> = stored.iter().collect();
         let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
@@ -128,7 +128,7 @@ impl Linear {
         };
         let stored = stored
             .first()
-            .ok_or_else(|| WorkerError::Model("weight matrix without stored tensor".into()))?;
+            .ok_or_else(|| EngineError::Model("weight matrix without stored tensor".into()))?;
         let want_q8 = matches!(format, WeightFormat::Q8_0 | WeightFormat::Hybrid { .. });
         let want_dense = matches!(
             format,
@@ -184,7 +184,7 @@ impl Linear {
         m: usize,
         dense: bool,
         device: &Device,
-    ) -> Result<Vec<f32>, WorkerError> {
+    ) -> Result<Vec<f32>, EngineError> {
         let has_dense = self.dense.is_some() || self.panels.is_some();
         if let Some(p) = &self.packed {
             if !dense || !has_dense {
@@ -197,7 +197,7 @@ impl Linear {
             }
         }
         if x.len() != m * self.in_features {
-            return Err(WorkerError::Tensor(format!(
+            return Err(EngineError::Tensor(format!(
                 "matmul input has {} values, expected {m}×{}",
                 x.len(),
                 self.in_features
@@ -212,7 +212,7 @@ impl Linear {
     }
 
     /// `x [T, in] → [T, out]`; `dense` selects the dense copy when there is one.
-    pub(crate) fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, WorkerError> {
+    pub(crate) fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, EngineError> {
         let has_dense = self.dense.is_some() || self.panels.is_some();
         if let Some(p) = &self.packed {
             if !dense || !has_dense {
@@ -228,7 +228,7 @@ impl Linear {
             (Some(w), _) if dense => Ok(x.matmul(&w.t()?)?),
             (_, Some(q)) => Ok(q.forward(x)?),
             (Some(w), None) => Ok(x.matmul(&w.t()?)?),
-            (None, None) => Err(WorkerError::Model("weight matrix has no storage".into())),
+            (None, None) => Err(EngineError::Model("weight matrix has no storage".into())),
         }
     }
 }
@@ -239,11 +239,11 @@ fn host_forward(
     x: &Tensor,
     cols: usize,
     rows: usize,
-    mm: impl FnOnce(&[f32], usize) -> Result<Vec<f32>, WorkerError>,
-) -> Result<Tensor, WorkerError> {
+    mm: impl FnOnce(&[f32], usize) -> Result<Vec<f32>, EngineError>,
+) -> Result<Tensor, EngineError> {
     let (m, k) = x.dims2()?;
     if k != cols {
-        return Err(WorkerError::Tensor(format!(
+        return Err(EngineError::Tensor(format!(
             "matmul input width {k}, weight width {cols}"
         )));
     }
@@ -253,7 +253,7 @@ fn host_forward(
 
 /// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
 /// not divide into the format's blocks) and places it on `device`.
-fn requantize_onto(w: &Tensor, dtype: GgmlDType, device: &Device) -> Result<QTensor, WorkerError> {
+fn requantize_onto(w: &Tensor, dtype: GgmlDType, device: &Device) -> Result<QTensor, EngineError> {
     let (_, k) = w.dims2()?;
     let dtype = if k % dtype.block_size() == 0 {
         dtype
@@ -317,11 +317,11 @@ pub enum HeadPrecision {
 }
 
 /// Reads GGUF metadata value `key` as an integer.
-fn meta_usize(content: &gguf_file::Content, key: &str) -> Result<usize, WorkerError> {
+fn meta_usize(content: &gguf_file::Content, key: &str) -> Result<usize, EngineError> {
     let v = content
         .metadata
         .get(key)
-        .ok_or_else(|| WorkerError::Model(format!("GGUF metadata key `{key}` is missing")))?;
+        .ok_or_else(|| EngineError::Model(format!("GGUF metadata key `{key}` is missing")))?;
     let n = match v {
         gguf_file::Value::U8(x) => u64::from(*x),
         gguf_file::Value::U16(x) => u64::from(*x),
@@ -330,38 +330,38 @@ fn meta_usize(content: &gguf_file::Content, key: &str) -> Result<usize, WorkerEr
         gguf_file::Value::I32(x) if *x >= 0 => *x as u64,
         gguf_file::Value::I64(x) if *x >= 0 => *x as u64,
         other => {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "GGUF metadata key `{key}` is not a non-negative integer: {other:?}"
             )))
         }
     };
-    usize::try_from(n).map_err(|_| WorkerError::Model(format!("`{key}` = {n} is too large")))
+    usize::try_from(n).map_err(|_| EngineError::Model(format!("`{key}` = {n} is too large")))
 }
 
 /// Reads GGUF metadata value `key` as a float, `default` when absent.
-fn meta_f32(content: &gguf_file::Content, key: &str, default: f32) -> Result<f32, WorkerError> {
+fn meta_f32(content: &gguf_file::Content, key: &str, default: f32) -> Result<f32, EngineError> {
     match content.metadata.get(key) {
         None => Ok(default),
         Some(v) => v
             .to_f32()
             .or_else(|_| v.to_f64().map(|x| x as f32))
-            .map_err(|e| WorkerError::Model(format!("GGUF metadata key `{key}`: {e}"))),
+            .map_err(|e| EngineError::Model(format!("GGUF metadata key `{key}`: {e}"))),
     }
 }
 
 impl LlamaConfig {
     /// Reads the architecture parameters from GGUF metadata (`{arch}.*` keys where `arch` is
     /// `general.architecture`, which must be a Llama-family name).
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, WorkerError> {
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, EngineError> {
         let arch = match content.metadata.get("general.architecture") {
             Some(v) => v
                 .to_string()
-                .map_err(|e| WorkerError::Model(format!("general.architecture: {e}")))?
+                .map_err(|e| EngineError::Model(format!("general.architecture: {e}")))?
                 .clone(),
             None => "llama".to_string(),
         };
         if !matches!(arch.as_str(), "llama" | "mistral") {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "unsupported architecture `{arch}` (expected a Llama-family GGUF)"
             )));
         }
@@ -373,7 +373,7 @@ impl LlamaConfig {
             None => n_head,
         };
         if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || hidden % n_head != 0 {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "inconsistent heads: hidden {hidden}, heads {n_head}, kv heads {n_kv_head}"
             )));
         }
@@ -382,17 +382,17 @@ impl LlamaConfig {
             None => hidden / n_head,
         };
         if head_dim % 2 != 0 {
-            return Err(WorkerError::Model(format!("odd head dimension {head_dim}")));
+            return Err(EngineError::Model(format!("odd head dimension {head_dim}")));
         }
         let embd = content
             .tensor_infos
             .get("token_embd.weight")
-            .ok_or_else(|| WorkerError::Model("tensor `token_embd.weight` is missing".into()))?;
+            .ok_or_else(|| EngineError::Model("tensor `token_embd.weight` is missing".into()))?;
         let vocab_size = embd.shape.dims().first().copied().unwrap_or(0);
         if let Some(gguf_file::Value::Array(tokens)) = content.metadata.get("tokenizer.ggml.tokens")
         {
             if tokens.len() > vocab_size {
-                return Err(WorkerError::Model(format!(
+                return Err(EngineError::Model(format!(
                     "token list has {} entries but the embedding only {vocab_size} rows",
                     tokens.len()
                 )));
@@ -425,23 +425,23 @@ struct GgufReader<'a> {
 }
 
 impl GgufReader<'_> {
-    fn qtensor(&mut self, name: &str) -> Result<QTensor, WorkerError> {
+    fn qtensor(&mut self, name: &str) -> Result<QTensor, EngineError> {
         if !self.content.tensor_infos.contains_key(name) {
-            return Err(WorkerError::Model(format!("tensor `{name}` is missing")));
+            return Err(EngineError::Model(format!("tensor `{name}` is missing")));
         }
         self.content
             .tensor(&mut self.file, name, &Device::Cpu)
-            .map_err(|e| WorkerError::Model(format!("reading tensor `{name}`: {e}")))
+            .map_err(|e| EngineError::Model(format!("reading tensor `{name}`: {e}")))
     }
 
-    fn dense(&mut self, name: &str) -> Result<(Tensor, Vec<QTensor>), WorkerError> {
+    fn dense(&mut self, name: &str) -> Result<(Tensor, Vec<QTensor>), EngineError> {
         let q = self.qtensor(name)?;
         let t = q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
         Ok((t, vec![q]))
     }
 
     /// Several matrices with the same input width, concatenated along the output rows.
-    fn fused(&mut self, names: &[String]) -> Result<(Tensor, Vec<QTensor>), WorkerError> {
+    fn fused(&mut self, names: &[String]) -> Result<(Tensor, Vec<QTensor>), EngineError> {
         let mut parts = Vec::with_capacity(names.len());
         let mut stored = Vec::with_capacity(names.len());
         for n in names {
@@ -450,7 +450,7 @@ impl GgufReader<'_> {
             stored.extend(q);
         }
         if parts.is_empty() {
-            return Err(WorkerError::Model("no tensors to fuse".into()));
+            return Err(EngineError::Model("no tensors to fuse".into()));
         }
         Ok((Tensor::cat(&parts, 0)?, stored))
     }
@@ -464,7 +464,7 @@ impl LlamaWeights {
         path: impl AsRef<Path>,
         device: &Device,
         format: WeightFormat,
-    ) -> Result<Self, WorkerError> {
+    ) -> Result<Self, EngineError> {
         Self::load_with_head(path, device, format, HeadPrecision::F32)
     }
 
@@ -474,12 +474,12 @@ impl LlamaWeights {
         device: &Device,
         format: WeightFormat,
         head: HeadPrecision,
-    ) -> Result<Self, WorkerError> {
+    ) -> Result<Self, EngineError> {
         let path = path.as_ref();
         let mut file = std::fs::File::open(path)
-            .map_err(|e| WorkerError::Model(format!("opening {}: {e}", path.display())))?;
+            .map_err(|e| EngineError::Model(format!("opening {}: {e}", path.display())))?;
         let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| WorkerError::Model(format!("reading GGUF {}: {e}", path.display())))?;
+            .map_err(|e| EngineError::Model(format!("reading GGUF {}: {e}", path.display())))?;
         let config = LlamaConfig::from_gguf(&content)?;
         let mut r = GgufReader {
             content: &content,
@@ -490,7 +490,7 @@ impl LlamaWeights {
         let embedding = embd_q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
         let (rows, cols) = embedding.dims2()?;
         if rows != config.vocab_size || cols != config.hidden {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "token_embd.weight is {rows}×{cols}, expected {}×{}",
                 config.vocab_size, config.hidden
             )));
@@ -533,7 +533,7 @@ impl LlamaWeights {
             let (qkv, qkv_q) = r.fused(&[p("attn_q"), p("attn_k"), p("attn_v")])?;
             let expect_qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim;
             if qkv.dims2()? != (expect_qkv, config.hidden) {
-                return Err(WorkerError::Model(format!(
+                return Err(EngineError::Model(format!(
                     "layer {i}: fused QKV is {:?}, expected ({expect_qkv}, {})",
                     qkv.dims(),
                     config.hidden
@@ -542,7 +542,7 @@ impl LlamaWeights {
             let (wo, wo_q) = r.dense(&p("attn_output"))?;
             let (gu, gu_q) = r.fused(&[p("ffn_gate"), p("ffn_up")])?;
             if gu.dims2()? != (2 * config.ffn, config.hidden) {
-                return Err(WorkerError::Model(format!(
+                return Err(EngineError::Model(format!(
                     "layer {i}: fused gate/up is {:?}, expected ({}, {})",
                     gu.dims(),
                     2 * config.ffn,
@@ -579,7 +579,7 @@ impl LlamaWeights {
     }
 
     /// Logits `[rows, vocab]` of final-normed hidden states `x` (`[rows, hidden]`).
-    pub(crate) fn lm_head(&self, x: &Tensor) -> Result<Tensor, WorkerError> {
+    pub(crate) fn lm_head(&self, x: &Tensor) -> Result<Tensor, EngineError> {
         if let Some(p) = &self.lm_head_packed {
             return host_forward(x, p.cols(), p.rows(), |xs, m| p.matmul(xs, m));
         }
@@ -591,7 +591,7 @@ impl LlamaWeights {
     }
 
     /// [`LlamaWeights::lm_head`] on host slices (`x` is `[rows, hidden]`, final-normed).
-    pub(crate) fn lm_head_host(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, WorkerError> {
+    pub(crate) fn lm_head_host(&self, x: &[f32], rows: usize) -> Result<Vec<f32>, EngineError> {
         if let Some(p) = &self.lm_head_packed {
             return p.matmul(x, rows);
         }
@@ -644,7 +644,7 @@ pub fn blocks_for_budget(bytes_per_token: usize, budget_bytes: usize, block_size
 
 /// The output projection: kept quantized (Q8_0 on CPU when the file's format has no fast
 /// CPU kernel; as stored on CUDA).
-fn quantized_head(q: QTensor, device: &Device) -> Result<QMatMul, WorkerError> {
+fn quantized_head(q: QTensor, device: &Device) -> Result<QMatMul, EngineError> {
     let fast_on_cpu = matches!(
         q.dtype(),
         GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K | GgmlDType::Q6K

@@ -6,7 +6,8 @@
 //! detokenizes, applies stop conditions, and sends [`SeqEvent`]s to each sequence's
 //! [`SequenceHandle`] over an unbounded tokio channel (bounded in practice by `max_tokens`).
 //! Does not own the model (any [`Executor`]: the candle model or [`crate::sim::SimExecutor`]),
-//! the tokenizer (a [`TokenDecoder`] is passed in) or the HTTP surface (`server`).
+//! the tokenizer (a [`TokenDecoder`] is passed in; each sequence detokenizes through one
+//! [`DecodeStream`]) or the HTTP surface (the `worker` crate).
 //!
 //! Per step: drain commands → drop cancelled sequences (a dropped handle is noticed at the
 //! next step boundary at the latest; a dropped waiting handle also wakes an idle loop) →
@@ -29,17 +30,13 @@ use prefix_index::key::{BlockSize, KeyChain};
 use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed};
 use tokio::sync::mpsc;
 
+use prompt_profile::{DecodeStream, TokenDecoder};
+
 use crate::executor::Executor;
 use crate::kv::KvEventFeed;
 use crate::sampler::{Sampler, SamplingParams, StopChecker};
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
-use crate::WorkerError;
-
-/// Text of token ids (no special tokens), for stop strings and streamed text.
-pub trait TokenDecoder: Send + Sync {
-    /// Decodes `ids` to text; incomplete UTF-8 at the end may come out as U+FFFD.
-    fn decode(&self, ids: &[u32]) -> String;
-}
+use crate::EngineError;
 
 /// Engine limits. Defaults are documented per field.
 #[derive(Clone, Debug)]
@@ -73,7 +70,7 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// Every problem with the limits, or Ok.
-    pub fn validate(&self) -> Result<(), WorkerError> {
+    pub fn validate(&self) -> Result<(), EngineError> {
         let mut problems = Vec::new();
         if self.max_running == 0 {
             problems.push("max_running must be >= 1".to_string());
@@ -90,7 +87,7 @@ impl EngineConfig {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(WorkerError::InvalidRequest(format!(
+            Err(EngineError::InvalidRequest(format!(
                 "engine config: {}",
                 problems.join("; ")
             )))
@@ -186,7 +183,7 @@ pub enum SeqEvent {
     Failed {
         /// Human-readable cause.
         error: String,
-        /// Stable code (`WorkerError::error_type`).
+        /// Stable code (`EngineError::error_type`).
         code: &'static str,
     },
 }
@@ -323,13 +320,13 @@ impl Engine {
         executor: Box<dyn Executor>,
         decoder: Arc<dyn TokenDecoder>,
         config: EngineConfig,
-    ) -> Result<Engine, WorkerError> {
+    ) -> Result<Engine, EngineError> {
         config.validate()?;
         let geometry = executor.geometry();
         let bs = BlockSize::new(u32::try_from(geometry.block_size).unwrap_or(u32::MAX))
-            .map_err(|e| WorkerError::InvalidRequest(format!("executor block size: {e}")))?;
+            .map_err(|e| EngineError::InvalidRequest(format!("executor block size: {e}")))?;
         if geometry.num_blocks == 0 {
-            return Err(WorkerError::InvalidRequest(
+            return Err(EngineError::InvalidRequest(
                 "executor has no KV blocks".into(),
             ));
         }
@@ -368,7 +365,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("kvgate-engine".into())
             .spawn(move || step_loop.run())
-            .map_err(|e| WorkerError::Model(format!("cannot spawn engine thread: {e}")))?;
+            .map_err(|e| EngineError::Model(format!("cannot spawn engine thread: {e}")))?;
         Ok(Engine {
             inner: Arc::new(Inner {
                 cmd: Mutex::new(Some(cmd_tx)),
@@ -388,31 +385,31 @@ impl Engine {
 
     /// Queues a request. Fails at once with `InvalidRequest`, `NeverFits`, `QueueFull` or
     /// `EngineStopped`; an admission timeout arrives later as `Failed`.
-    pub fn submit(&self, req: GenerateRequest) -> Result<SequenceHandle, WorkerError> {
+    pub fn submit(&self, req: GenerateRequest) -> Result<SequenceHandle, EngineError> {
         let inner = &self.inner;
         if inner.stopped.load(Ordering::SeqCst) {
-            return Err(WorkerError::EngineStopped);
+            return Err(EngineError::EngineStopped);
         }
         if req.prompt.is_empty() {
-            return Err(WorkerError::InvalidRequest("empty prompt".into()));
+            return Err(EngineError::InvalidRequest("empty prompt".into()));
         }
         if req.max_tokens == 0 {
-            return Err(WorkerError::InvalidRequest(
+            return Err(EngineError::InvalidRequest(
                 "max_tokens must be >= 1".into(),
             ));
         }
         if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= inner.vocab_size) {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} outside the vocabulary ({})",
                 inner.vocab_size
             )));
         }
         req.sampling
             .validate()
-            .map_err(WorkerError::InvalidRequest)?;
+            .map_err(EngineError::InvalidRequest)?;
         let needed = (req.prompt.len() + req.max_tokens - 1).div_ceil(inner.block_size);
         if needed > inner.num_blocks {
-            return Err(WorkerError::NeverFits {
+            return Err(EngineError::NeverFits {
                 needed,
                 total: inner.num_blocks,
             });
@@ -424,7 +421,7 @@ impl Engine {
                 (q < max_waiting).then_some(q + 1)
             })
         {
-            return Err(WorkerError::QueueFull { waiting });
+            return Err(EngineError::QueueFull { waiting });
         }
         let id = SeqId(inner.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = mpsc::unbounded_channel();
@@ -447,7 +444,7 @@ impl Engine {
             }),
             _ => {
                 inner.queued.fetch_sub(1, Ordering::SeqCst);
-                Err(WorkerError::EngineStopped)
+                Err(EngineError::EngineStopped)
             }
         }
     }
@@ -492,51 +489,13 @@ impl Engine {
     }
 }
 
-/// Incremental detokenization over the generated ids (TGI's prefix/read offsets): text is
-/// released only when it grew and does not end in an incomplete UTF-8 sequence.
-#[derive(Default)]
-struct Detokenizer {
-    prefix_offset: usize,
-    read_offset: usize,
-}
-
-impl Detokenizer {
-    fn next_text(&mut self, decoder: &dyn TokenDecoder, ids: &[u32]) -> String {
-        let prefix = decoder.decode(&ids[self.prefix_offset..self.read_offset]);
-        let full = decoder.decode(&ids[self.prefix_offset..]);
-        if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
-            && full.is_char_boundary(prefix.len())
-        {
-            self.prefix_offset = self.read_offset;
-            self.read_offset = ids.len();
-            full[prefix.len()..].to_string()
-        } else {
-            String::new()
-        }
-    }
-
-    /// Whatever is still pending at the end (incomplete UTF-8 included, as U+FFFD).
-    fn flush(&mut self, decoder: &dyn TokenDecoder, ids: &[u32]) -> String {
-        let prefix = decoder.decode(&ids[self.prefix_offset..self.read_offset]);
-        let full = decoder.decode(&ids[self.prefix_offset..]);
-        self.prefix_offset = ids.len();
-        self.read_offset = ids.len();
-        if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
-            full[prefix.len()..].to_string()
-        } else {
-            String::new()
-        }
-    }
-}
-
 /// The engine's per-sequence data inside the scheduler.
 struct SeqPayload {
     tx: mpsc::UnboundedSender<SeqEvent>,
     sampler: Sampler,
     stop_ids: Vec<u32>,
     stop: StopChecker,
-    detok: Detokenizer,
+    detok: DecodeStream,
 }
 
 struct StepLoop {
@@ -609,7 +568,7 @@ impl StepLoop {
             let now = Instant::now();
             for s in self.sched.expire(now) {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
-                let e = WorkerError::AdmissionTimeout;
+                let e = EngineError::AdmissionTimeout;
                 let _ = s.payload.tx.send(SeqEvent::Failed {
                     error: e.to_string(),
                     code: e.error_type(),
@@ -632,7 +591,7 @@ impl StepLoop {
             for id in broken {
                 self.fail(
                     id,
-                    &WorkerError::Tensor("KV reservation broken (engine bug)".into()),
+                    &EngineError::Tensor("KV reservation broken (engine bug)".into()),
                 );
             }
             if !plan.is_empty() {
@@ -679,7 +638,7 @@ impl StepLoop {
             sampler: Sampler::new(req.sampling, &req.prompt),
             stop_ids: req.stop_token_ids,
             stop: StopChecker::new(&req.stop_strings),
-            detok: Detokenizer::default(),
+            detok: DecodeStream::new(self.decoder.clone(), true),
         };
         self.sched.enqueue(
             id,
@@ -713,7 +672,7 @@ impl StepLoop {
         }
     }
 
-    fn fail(&mut self, id: SeqId, e: &WorkerError) {
+    fn fail(&mut self, id: SeqId, e: &EngineError) {
         if let Some(s) = self.sched.remove(id) {
             if s.admitted_at().is_none() {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
@@ -743,7 +702,7 @@ impl StepLoop {
         let result = {
             let chunks = self.sched.chunks(plan);
             if chunks.len() != plan.len() {
-                Err(WorkerError::Tensor("plan and chunks disagree".into()))
+                Err(EngineError::Tensor("plan and chunks disagree".into()))
             } else {
                 self.executor.forward(&chunks)
             }
@@ -752,7 +711,7 @@ impl StepLoop {
         let outs = match result {
             Ok(outs) if outs.len() == plan.len() => outs,
             Ok(outs) => {
-                let e = WorkerError::Tensor(format!(
+                let e = EngineError::Tensor(format!(
                     "executor returned {} outputs for {} chunks",
                     outs.len(),
                     plan.len()
@@ -781,27 +740,40 @@ impl StepLoop {
                 Some(logits) => self.on_logits(c.id, logits),
                 None => self.fail(
                     c.id,
-                    &WorkerError::Tensor("executor returned no logits".into()),
+                    &EngineError::Tensor("executor returned no logits".into()),
                 ),
             }
         }
     }
 
     fn on_logits(&mut self, id: SeqId, mut logits: Vec<f32>) {
-        let decoder = self.decoder.clone();
-        let decoder = decoder.as_ref();
+        match self.sample_and_emit(id, &mut logits) {
+            Ok(None) => {}
+            Ok(Some((reason, completion))) => self.finish(id, reason, completion),
+            Err(e) => self.fail(id, &e),
+        }
+    }
+
+    /// Samples one token for `id` and sends its text; `Some((reason, completion tokens))` when
+    /// the sequence ends with it.
+    fn sample_and_emit(
+        &mut self,
+        id: SeqId,
+        logits: &mut [f32],
+    ) -> Result<Option<(FinishReason, usize)>, EngineError> {
+        let detok_err = |e: prompt_profile::ProfileError| EngineError::Detokenize(e.to_string());
         let Some(s) = self.sched.get_mut(id) else {
-            return;
+            return Ok(None);
         };
         let max_tokens = s.max_tokens();
         let (p, generated) = s.payload_and_generated();
-        let token = p.sampler.sample(&mut logits);
+        let token = p.sampler.sample(logits);
         p.sampler.record(token);
         self.totals.generation_tokens += 1;
         let completion = generated.len() + 1;
         if p.stop_ids.contains(&token) {
             // Release held-back text that turned out not to be a stop string.
-            let tail = p.detok.flush(decoder, generated);
+            let tail = p.detok.flush().map_err(detok_err)?.unwrap_or_default();
             let st = p.stop.push_text(&tail);
             let mut text = st.emit;
             if !st.stopped {
@@ -813,21 +785,15 @@ impl StepLoop {
                 let last = generated.last().copied().unwrap_or(token);
                 let _ = p.tx.send(SeqEvent::Token { id: last, text });
             }
-            self.finish(id, FinishReason::Stop, completion);
-            return;
+            return Ok(Some((FinishReason::Stop, completion)));
         }
-        self.sched.append_token(id, token);
-        let Some(s) = self.sched.get_mut(id) else {
-            return;
-        };
-        let (p, generated) = s.payload_and_generated();
-        let new_text = p.detok.next_text(decoder, generated);
+        let new_text = p.detok.step(token).map_err(detok_err)?.unwrap_or_default();
         let st = p.stop.push_text(&new_text);
         let mut text = st.emit;
         let mut stopped = st.stopped;
         let at_limit = completion >= max_tokens;
         if at_limit && !stopped {
-            let tail = p.detok.flush(decoder, generated);
+            let tail = p.detok.flush().map_err(detok_err)?.unwrap_or_default();
             let st2 = p.stop.push_text(&tail);
             text.push_str(&st2.emit);
             stopped = st2.stopped;
@@ -836,11 +802,14 @@ impl StepLoop {
             }
         }
         let _ = p.tx.send(SeqEvent::Token { id: token, text });
-        if stopped {
-            self.finish(id, FinishReason::Stop, completion);
+        self.sched.append_token(id, token);
+        Ok(if stopped {
+            Some((FinishReason::Stop, completion))
         } else if at_limit {
-            self.finish(id, FinishReason::Length, completion);
-        }
+            Some((FinishReason::Length, completion))
+        } else {
+            None
+        })
     }
 
     fn publish_stats(&mut self) {
@@ -859,7 +828,7 @@ impl StepLoop {
 
     fn stop(&mut self) {
         // Fail queued submissions still in the channel, then every known sequence.
-        let e = WorkerError::EngineStopped;
+        let e = EngineError::EngineStopped;
         while let Ok(cmd) = self.rx.try_recv() {
             if let Command::Submit(sub) = cmd {
                 self.queued.fetch_sub(1, Ordering::SeqCst);

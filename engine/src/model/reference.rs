@@ -8,17 +8,17 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::weights::LlamaWeights;
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Logits of the last token of `tokens` (positions `0..tokens.len()`).
-pub fn last_logits(weights: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, WorkerError> {
+pub fn last_logits(weights: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
     let dev = weights.device().clone();
     dev.with_context(|| last_logits_inner(weights, tokens))
 }
 
-fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, WorkerError> {
+fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
     if tokens.is_empty() {
-        return Err(WorkerError::InvalidRequest("empty sequence".into()));
+        return Err(EngineError::InvalidRequest("empty sequence".into()));
     }
     let cfg = w.config();
     let dev = w.device();
@@ -47,7 +47,7 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
     for layer in &w.layers {
         let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
         let qkv = layer.wqkv.forward(&h, dense)?;
-        let heads = |off: usize, n: usize| -> Result<Tensor, WorkerError> {
+        let heads = |off: usize, n: usize| -> Result<Tensor, EngineError> {
             Ok(qkv
                 .narrow(1, off * d, n * d)?
                 .reshape((t, n, d))?
@@ -59,7 +59,7 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
         let k = candle_nn::rotary_emb::rope_i(&heads(hq, hk)?, &cos, &sin)?;
         let v = heads(hq + hk, hk)?;
         // Grouped KV heads: query head h reads KV head h / rk.
-        let repeat = |x: Tensor| -> Result<Tensor, WorkerError> {
+        let repeat = |x: Tensor| -> Result<Tensor, EngineError> {
             Ok(x.unsqueeze(2)?
                 .expand((1, hk, rk, t, d))?
                 .reshape((1, hq, t, d))?)
@@ -87,7 +87,7 @@ fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, Worke
 }
 
 /// Greedy continuation of `prompt` for `n` tokens, recomputing the whole sequence each step.
-pub fn greedy(weights: &LlamaWeights, prompt: &[u32], n: usize) -> Result<Vec<u32>, WorkerError> {
+pub fn greedy(weights: &LlamaWeights, prompt: &[u32], n: usize) -> Result<Vec<u32>, EngineError> {
     let mut seq = prompt.to_vec();
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {

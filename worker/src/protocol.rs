@@ -3,7 +3,7 @@
 //! kvgate operations bodies (`/v1/profile`, `/v1/tokenize`, `/v1/keys`). The exact JSON of each
 //! is pinned by the round-trip tests at the bottom and documented in `docs/worker-api.md`.
 //!
-//! Requests are parsed in two steps (see `server::validate`): the body is first read as a JSON
+//! Requests are parsed in two steps (see `validate`): the body is first read as a JSON
 //! object whose keys are checked against [`CHAT_FIELDS`] / [`COMPLETION_FIELDS`] (an unknown key
 //! is a 400 naming it), then deserialized into the typed structs below with
 //! `serde_path_to_error`, so a wrong type is a 400 naming the exact field path.
@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// Every top-level key a chat completion request may carry. Keys listed here but not supported
-/// (e.g. `tools`) are accepted only with their neutral value; see `server::validate`.
+/// (e.g. `tools`) are accepted only with their neutral value; see `validate`.
 pub const CHAT_FIELDS: &[&str] = &[
     "model",
     "messages",
@@ -166,22 +166,12 @@ pub struct ChatCompletionRequest {
     pub web_search_options: Option<Value>,
 }
 
-/// `prompt` of a completion request: text, or token ids.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
-pub enum PromptSpec {
-    Text(String),
-    Tokens(Vec<u32>),
-    /// A batch (`["a","b"]` or `[[1,2],[3]]`): only a batch of one is supported.
-    TextBatch(Vec<String>),
-    TokenBatch(Vec<Vec<u32>>),
-}
-
 /// `POST /v1/completions` body.
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
-    pub prompt: PromptSpec,
+    /// Parsed by the prompt contract's own type (shared with the gateway).
+    pub prompt: prompt_profile::CompletionPrompt,
     #[serde(flatten)]
     pub common: CommonParams,
     pub logprobs: Option<Value>,
@@ -483,16 +473,7 @@ mod tests {
     }
 
     #[test]
-    fn prompt_spec_and_stop_accept_openai_shapes() {
-        let p: PromptSpec = serde_json::from_str(r#""hello""#).unwrap();
-        assert!(matches!(p, PromptSpec::Text(ref s) if s == "hello"));
-        let p: PromptSpec = serde_json::from_str("[1,2,3]").unwrap();
-        assert!(matches!(p, PromptSpec::Tokens(ref v) if v == &[1, 2, 3]));
-        let p: PromptSpec = serde_json::from_str(r#"["a","b"]"#).unwrap();
-        assert!(matches!(p, PromptSpec::TextBatch(ref v) if v.len() == 2));
-        let p: PromptSpec = serde_json::from_str("[[1],[2]]").unwrap();
-        assert!(matches!(p, PromptSpec::TokenBatch(ref v) if v.len() == 2));
-        assert!(serde_json::from_str::<PromptSpec>("[-1]").is_err());
+    fn stop_accepts_openai_shapes() {
         let s: StopSpec = serde_json::from_str(r#""x""#).unwrap();
         assert_eq!(s.into_vec(), vec!["x".to_string()]);
         let s: StopSpec = serde_json::from_str(r#"["x","y"]"#).unwrap();

@@ -17,26 +17,15 @@ use std::collections::HashSet;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use super::api_error::ApiError;
-use super::protocol::{
-    ChatCompletionRequest, CommonParams, CompletionRequest, PromptSpec, CHAT_FIELDS,
-    COMPLETION_FIELDS,
+use crate::api_error::ApiError;
+use crate::protocol::{
+    ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
-use crate::sampler::SamplingParams;
+use engine::sampler::SamplingParams;
+use prompt_profile::{ChatPrompt, ProfileError, PromptSource};
 
 /// The most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
-
-/// Where the prompt comes from.
-#[derive(Clone, Debug)]
-pub enum PromptSource {
-    /// Chat messages, rendered with the profile's template (generation prompt added).
-    Messages(Vec<prompt_profile::ChatMessage>),
-    /// Raw text, encoded as is.
-    Text(String),
-    /// Token ids, used as is (checked against the vocabulary later).
-    Tokens(Vec<u32>),
-}
 
 /// A validated generation request, before tokenization.
 #[derive(Clone, Debug)]
@@ -389,7 +378,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     } = common(r.common, r.max_completion_tokens)?;
     Ok(GenerationPlan {
         model: r.model,
-        prompt: PromptSource::Messages(r.messages),
+        prompt: PromptSource::Chat(ChatPrompt::new(r.messages)),
         stream,
         include_usage,
         max_tokens,
@@ -420,26 +409,10 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         Some(v) if v.as_u64() == Some(1) => {}
         Some(_) => return Err(unsupported("best_of", "only best_of = 1 is served")),
     }
-    let prompt = match r.prompt {
-        PromptSpec::Text(t) => PromptSource::Text(t),
-        PromptSpec::Tokens(t) => PromptSource::Tokens(t),
-        PromptSpec::TextBatch(mut b) if b.len() == 1 => PromptSource::Text(b.remove(0)),
-        PromptSpec::TokenBatch(mut b) if b.len() == 1 => PromptSource::Tokens(b.remove(0)),
-        PromptSpec::TextBatch(_) | PromptSpec::TokenBatch(_) => {
-            return Err(unsupported(
-                "prompt",
-                "a batch of prompts is not supported; send one",
-            ))
-        }
-    };
-    let empty = match &prompt {
-        PromptSource::Text(t) => t.is_empty(),
-        PromptSource::Tokens(t) => t.is_empty(),
-        PromptSource::Messages(m) => m.is_empty(),
-    };
-    if empty {
-        return Err(invalid_value("prompt", "`prompt` must not be empty"));
-    }
+    let prompt = r
+        .prompt
+        .into_source()
+        .map_err(|e| prompt_error(&e, "prompt"))?;
     let Checked {
         stream,
         include_usage,
@@ -460,47 +433,46 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     })
 }
 
-/// The output budget of a request: `prompt + max_tokens + reserve <= context_limit`, else
-/// `context_length_exceeded` with the three numbers. Without a requested `max_tokens` the
-/// output budget is the remaining context, capped at `default_cap`.
-pub fn budget(
-    prompt_tokens: usize,
-    requested: Option<usize>,
-    native_reserve: usize,
-    context_limit: usize,
-    default_cap: usize,
-) -> Result<usize, ApiError> {
-    let remaining = context_limit
-        .saturating_sub(prompt_tokens)
-        .saturating_sub(native_reserve);
-    let (max_tokens, param) = match requested {
-        Some(n) => (n, "max_tokens"),
-        // With no explicit request at least one output token must fit.
-        None => (remaining.min(default_cap).max(1), "messages"),
-    };
-    let needed = prompt_tokens
-        .saturating_add(max_tokens)
-        .saturating_add(native_reserve);
-    if needed > context_limit {
-        return Err(ApiError::bad_request(
-            "context_length_exceeded",
-            Some(param),
-            format!(
-                "this model's context limit is {context_limit} tokens, but the request needs {needed}: \
-                 {prompt_tokens} prompt tokens + {max_tokens} output tokens + {native_reserve} reserved tokens"
-            ),
+/// A prompt-contract error (`prompt_profile`) as the worker answers it: the request's fault
+/// is a 400 naming the field (`param`: the prompt's field, `messages` or `prompt`, when the
+/// error names none), a model-file failure a 500.
+pub fn prompt_error(e: &ProfileError, param: &str) -> ApiError {
+    match e {
+        ProfileError::PromptBatch { .. } => unsupported("prompt", &e.to_string()),
+        ProfileError::EmptyPrompt { param } => invalid_value(param, e.to_string()),
+        ProfileError::PromptTokenOutOfVocab { index, .. } => {
+            invalid_value(&format!("prompt[{index}]"), e.to_string())
+        }
+        ProfileError::ContextLengthExceeded {
+            context_limit,
+            prompt_tokens,
+            max_tokens,
+            native_reserve,
+            requested,
+        } => ApiError::bad_request(
+            e.error_type(),
+            Some(if *requested { "max_tokens" } else { param }),
+            e.to_string(),
         )
-        .with_detail("context_limit", context_limit)
-        .with_detail("prompt_tokens", prompt_tokens)
-        .with_detail("max_tokens", max_tokens)
-        .with_detail("native_reserve", native_reserve));
+        .with_detail("context_limit", *context_limit)
+        .with_detail("prompt_tokens", *prompt_tokens)
+        .with_detail("max_tokens", *max_tokens)
+        .with_detail("native_reserve", *native_reserve),
+        e if e.is_client_error() => {
+            ApiError::bad_request(e.error_type(), Some(param), e.to_string())
+        }
+        e => ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            e.error_type(),
+            e.to_string(),
+        ),
     }
-    Ok(max_tokens)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prompt_profile::TokenBudget;
 
     fn chat_err(body: &str) -> ApiError {
         chat(body.as_bytes()).unwrap_err()
@@ -614,18 +586,23 @@ mod tests {
     }
 
     #[test]
-    fn budget_reports_the_three_numbers() {
-        assert_eq!(budget(100, Some(50), 10, 200, 1000).unwrap(), 50);
-        assert_eq!(budget(100, None, 10, 200, 1000).unwrap(), 90);
-        assert_eq!(budget(100, None, 10, 200, 16).unwrap(), 16);
-        let e = budget(100, Some(95), 10, 200, 1000).unwrap_err();
+    fn budget_errors_name_the_field_and_the_numbers() {
+        let b = TokenBudget {
+            context_limit: 200,
+            native_reserve: 10,
+        };
+        let e = prompt_error(
+            &b.output_tokens(100, Some(95), 1000).unwrap_err(),
+            "messages",
+        );
         assert_eq!(e.code, "context_length_exceeded");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
         assert_eq!(e.details["prompt_tokens"], 100);
         assert_eq!(e.details["max_tokens"], 95);
         assert_eq!(e.details["native_reserve"], 10);
         assert_eq!(e.details["context_limit"], 200);
-        let e = budget(195, None, 10, 200, 1000).unwrap_err();
-        assert_eq!(e.code, "context_length_exceeded");
-        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = prompt_error(&b.output_tokens(195, None, 1000).unwrap_err(), "prompt");
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
     }
 }

@@ -7,15 +7,15 @@ mod engine_common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use engine::engine::{EngineConfig, FinishReason, SeqEvent};
+use engine::sampler::SamplingParams;
+use engine::sim::SimConfig;
+use engine::EngineError;
 use engine_common::{collect, ns, reference_greedy, req, sim_engine, test_seed, wait_stats};
 use futures::FutureExt;
 use prefix_index::key::{BlockSize, KeyChain};
 use prefix_index::{HashAlgorithm, KvEvent};
 use rand::{Rng, SeedableRng};
-use worker::engine::{EngineConfig, FinishReason, SeqEvent};
-use worker::sampler::SamplingParams;
-use worker::sim::SimConfig;
-use worker::WorkerError;
 
 fn small_cfg() -> EngineConfig {
     EngineConfig {
@@ -173,7 +173,7 @@ async fn immediate_rejections() {
     assert!(
         matches!(
             e,
-            WorkerError::NeverFits {
+            EngineError::NeverFits {
                 needed: 9,
                 total: 8
             }
@@ -235,7 +235,7 @@ async fn queue_full_and_admission_timeout() {
     let e = engine
         .submit(req("full", (0..8).collect(), 4, ns(1)))
         .unwrap_err();
-    assert!(matches!(e, WorkerError::QueueFull { waiting: 1 }), "{e}");
+    assert!(matches!(e, EngineError::QueueFull { waiting: 1 }), "{e}");
     let o = collect(waiting).await;
     assert_eq!(o.failed, Some("admission_timeout"));
     assert_eq!(o.cached_tokens, None, "never started");
@@ -454,7 +454,7 @@ async fn randomized_accounting_mix() {
                 assert!(
                     matches!(
                         e,
-                        WorkerError::QueueFull { .. } | WorkerError::NeverFits { .. }
+                        EngineError::QueueFull { .. } | EngineError::NeverFits { .. }
                     ),
                     "seed {seed}: {e}"
                 );

@@ -22,8 +22,8 @@ use prefix_index::NamespaceSeed;
 use receipts::{SignedTicket, TICKET_HEADER};
 use serde::{Deserialize, Serialize};
 
-use super::api_error::ApiError;
-use super::AppState;
+use crate::api_error::ApiError;
+use crate::AppState;
 
 /// Header echoed on every answer and read from requests.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";

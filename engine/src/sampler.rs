@@ -3,7 +3,7 @@
 //! Owns: [`SamplingParams`] (the OpenAI-style knobs), [`Sampler`] (logits → token id, with a
 //! per-sequence ChaCha RNG so the same seed gives the same output), and [`StopChecker`]
 //! (stop token ids, stop strings with held-back text, max tokens). It does not own
-//! detokenization (the engine's `TokenDecoder`) or the logits (the executor).
+//! detokenization (`prompt_profile::DecodeStream`) or the logits (the executor).
 //!
 //! Pipeline of [`Sampler::sample`], in order: repetition penalty (over prompt and output
 //! tokens, HF/vLLM convention: positive logits divided, negative multiplied), presence and

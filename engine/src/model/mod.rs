@@ -30,7 +30,7 @@ pub use bench::{run_engine_bench, EngineBenchConfig, EngineBenchReport};
 pub use executor::LlamaExecutor;
 pub use weights::{blocks_for_budget, HeadPrecision, LlamaConfig, LlamaWeights, WeightFormat};
 
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Sets the size of candle's CPU compute pool (process-wide). Effective only before the first
 /// candle CPU operation of the process; returns the thread count candle will use (or already
@@ -47,16 +47,16 @@ pub fn configure_compute_threads(threads: usize) -> usize {
 
 /// The compute device: CUDA device 0 when `cuda` is requested and the crate was built with the
 /// `cuda` feature, else the CPU.
-pub fn device(cuda: bool) -> Result<candle_core::Device, WorkerError> {
+pub fn device(cuda: bool) -> Result<candle_core::Device, EngineError> {
     if cuda {
         #[cfg(feature = "cuda")]
         {
             return candle_core::Device::new_cuda(0)
-                .map_err(|e| WorkerError::Model(format!("CUDA device 0: {e}")));
+                .map_err(|e| EngineError::Model(format!("CUDA device 0: {e}")));
         }
         #[cfg(not(feature = "cuda"))]
         {
-            return Err(WorkerError::Model(
+            return Err(EngineError::Model(
                 "this build has no CUDA support (build with `--features cuda`)".into(),
             ));
         }

@@ -7,7 +7,7 @@
 //! kernels (8 lanes; its AVX-512 kernels need a nightly compiler), 19 GMAC/s per core on this
 //! machine kind, where AVX-512 FMA peaks near 87. This kernel holds a `MR × 32` tile of the
 //! output in 2·MR zmm registers (MR = 12: 24 accumulators) and is FMA-bound. Measured in
-//! `docs/benchmarks.md` ("worker engine") and by `cargo test --release -p worker --lib
+//! `docs/benchmarks.md` ("worker engine") and by `cargo test --release -p engine --lib
 //! gemm_timing -- --ignored --nocapture`.
 //!
 //! Numerics: every output is `Σ_kk x[i][kk] · W[j][kk]` accumulated in `kk` order with fused
@@ -22,7 +22,7 @@
 
 use rayon::prelude::*;
 
-use crate::WorkerError;
+use crate::EngineError;
 
 /// Weight rows per panel (two 16-lane registers).
 pub(crate) const NR: usize = 32;
@@ -63,9 +63,9 @@ impl OutPtr {
 
 impl DensePanels {
     /// Repacks row-major `w` (`[n, k]`).
-    pub(crate) fn new(w: &[f32], n: usize, k: usize) -> Result<Self, WorkerError> {
+    pub(crate) fn new(w: &[f32], n: usize, k: usize) -> Result<Self, EngineError> {
         if w.len() != n * k || n == 0 || k == 0 {
-            return Err(WorkerError::Model(format!(
+            return Err(EngineError::Model(format!(
                 "dense matrix of {} values is not {n}×{k}",
                 w.len()
             )));
@@ -106,9 +106,9 @@ impl DensePanels {
     }
 
     /// `x [m, k] · Wᵀ → [m, n]` (row-major).
-    pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, WorkerError> {
+    pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, EngineError> {
         if x.len() != m * self.k {
-            return Err(WorkerError::Tensor(format!(
+            return Err(EngineError::Tensor(format!(
                 "dense matmul: input has {} values, expected {m}×{}",
                 x.len(),
                 self.k
@@ -335,7 +335,7 @@ mod tests {
         assert_eq!(p.matmul(&[1.0; 4], 1).unwrap(), vec![4.0, 4.0]);
     }
 
-    /// Kernel timing (run on purpose: `cargo test --release -p worker --lib gemm_timing --
+    /// Kernel timing (run on purpose: `cargo test --release -p engine --lib gemm_timing --
     /// --ignored --nocapture`): this GEMM and candle's alternated in one process on SmolLM2's
     /// gate/up shape, all on all cores, with the packed Q4_1 kernel for comparison.
     #[test]

@@ -5,14 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prefix_index::NamespaceSeed;
-use worker::engine::{
+use engine::engine::{
     Engine, EngineConfig, EngineStats, FinishReason, GenerateRequest, SeqEvent, SequenceHandle,
     Usage,
 };
-use worker::executor::{Executor, SeqChunk};
-use worker::sampler::{argmax, SamplingParams};
-use worker::sim::{SimConfig, SimDecoder, SimExecutor};
+use engine::executor::{Executor, SeqChunk};
+use engine::sampler::{argmax, SamplingParams};
+use engine::sim::{SimConfig, SimDecoder, SimExecutor};
+use prefix_index::NamespaceSeed;
 
 /// A namespace seed made of one repeated byte.
 pub fn ns(n: u8) -> NamespaceSeed {

@@ -10,13 +10,13 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use prefix_index::KeyChain;
+use prompt_profile::{ChatPrompt, PromptSource};
 
-use super::api_error::ApiError;
-use super::protocol::{
+use crate::api_error::ApiError;
+use crate::protocol::{
     KeysBody, ModelCard, ModelList, ProfileBody, ReadyBody, TokenizeRequest, TokenizeResponse,
 };
-use super::AppState;
+use crate::AppState;
 
 /// `GET /health`: the process is up.
 pub async fn health() -> Response {
@@ -87,7 +87,7 @@ pub fn profile_body(st: &AppState) -> ProfileBody {
         hash_algorithm: st.settings.hash_algorithm,
         default_namespace_seed: st.default_namespace.to_hex(),
         engine: st.engine_kind.to_string(),
-        require_ticket: st.settings.ticket_policy == super::TicketPolicy::Require,
+        require_ticket: st.settings.ticket_policy == crate::TicketPolicy::Require,
     }
 }
 
@@ -129,30 +129,15 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
         },
     };
     let profile = st.profile.clone();
-    let chain = KeyChain::new(
-        st.default_namespace,
-        st.settings.hash_algorithm,
-        st.block_size,
-    );
+    let chain = st.key_space.chain(st.default_namespace);
     let context_limit = st.context_limit;
     let job = move || -> Result<TokenizeResponse, ApiError> {
-        let (prompt, tokens) = match (req.messages, req.prompt) {
-            (Some(m), None) => {
-                let add = req.add_generation_prompt.unwrap_or(true);
-                let text = profile.render(&m, add).map_err(|e| {
-                    ApiError::bad_request(e.error_type(), Some("messages"), e.to_string())
-                })?;
-                let ids = profile.encode(&text, true).map_err(|e| {
-                    ApiError::bad_request(e.error_type(), Some("messages"), e.to_string())
-                })?;
-                (text, ids)
-            }
-            (None, Some(p)) => {
-                let ids = profile.encode(&p, false).map_err(|e| {
-                    ApiError::bad_request(e.error_type(), Some("prompt"), e.to_string())
-                })?;
-                (p, ids)
-            }
+        let source = match (req.messages, req.prompt) {
+            (Some(messages), None) => PromptSource::Chat(ChatPrompt {
+                messages,
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+            }),
+            (None, Some(p)) => PromptSource::Text(p),
             _ => {
                 return Err(ApiError::bad_request(
                     "invalid_value",
@@ -160,6 +145,14 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
                     "give exactly one of `messages` or `prompt`",
                 ))
             }
+        };
+        let tokenized = profile
+            .tokenize_prompt(&source)
+            .map_err(|e| crate::validate::prompt_error(&e, source.param()))?;
+        let tokens = tokenized.ids;
+        let prompt = match (tokenized.rendered, source) {
+            (Some(text), _) | (None, PromptSource::Text(text)) => text,
+            (None, _) => String::new(),
         };
         Ok(TokenizeResponse {
             count: tokens.len(),
@@ -183,7 +176,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
 
 /// `GET /metrics`: OpenMetrics text.
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    match super::metrics::render(&st.registry) {
+    match crate::metrics::render(&st.registry) {
         Ok(text) => (
             StatusCode::OK,
             [(

@@ -7,14 +7,14 @@ mod engine_common;
 
 use std::time::{Duration, Instant};
 
+use engine::executor::Executor;
+use engine::sampler::argmax;
+use engine::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqSpec};
+use engine::sim::{SimConfig, SimExecutor};
 use engine_common::{ns, reference_greedy, test_seed};
 use prefix_index::key::{BlockSize, KeyChain};
 use prefix_index::{HashAlgorithm, NamespaceSeed};
 use rand::{Rng, SeedableRng};
-use worker::executor::Executor;
-use worker::sampler::argmax;
-use worker::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqSpec};
-use worker::sim::{SimConfig, SimExecutor};
 
 fn chain(seed: NamespaceSeed, bs: usize) -> KeyChain {
     KeyChain::new(

@@ -13,7 +13,7 @@ use super::executor::LlamaExecutor;
 use super::reference::argmax;
 use super::weights::{LlamaWeights, WeightFormat};
 use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
-use crate::WorkerError;
+use crate::EngineError;
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -142,10 +142,10 @@ struct Tables {
 }
 
 impl Tables {
-    fn take(&mut self, tokens: usize) -> Result<Vec<BlockId>, WorkerError> {
+    fn take(&mut self, tokens: usize) -> Result<Vec<BlockId>, EngineError> {
         let n = tokens.div_ceil(self.block_size);
         if self.next + n > self.num_blocks {
-            return Err(WorkerError::NeverFits {
+            return Err(EngineError::NeverFits {
                 needed: self.next + n,
                 total: self.num_blocks,
             });
@@ -160,12 +160,12 @@ impl Tables {
 pub fn run_engine_bench(
     model_path: impl AsRef<Path>,
     threads: usize,
-) -> Result<EngineBenchReport, WorkerError> {
+) -> Result<EngineBenchReport, EngineError> {
     run(&EngineBenchConfig::new(model_path.as_ref(), threads))
 }
 
 /// Runs the benchmark described by `cfg`.
-pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, WorkerError> {
+pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, EngineError> {
     let threads = super::configure_compute_threads(cfg.threads);
     let t0 = Instant::now();
     let weights = Arc::new(LlamaWeights::load(

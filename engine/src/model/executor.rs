@@ -24,7 +24,7 @@ use super::attention::{
 };
 use super::weights::LlamaWeights;
 use crate::executor::{Executor, KvGeometry, SeqChunk};
-use crate::WorkerError;
+use crate::EngineError;
 
 /// The candle Llama model with its paged KV storage.
 pub struct LlamaExecutor {
@@ -48,9 +48,9 @@ impl std::fmt::Debug for LlamaExecutor {
 impl LlamaExecutor {
     /// Preallocates the KV storage for `geometry` (`kv_bytes_per_token · block_size ·
     /// num_blocks` bytes; see [`LlamaWeights::blocks_for_budget`]).
-    pub fn new(weights: Arc<LlamaWeights>, geometry: KvGeometry) -> Result<Self, WorkerError> {
+    pub fn new(weights: Arc<LlamaWeights>, geometry: KvGeometry) -> Result<Self, EngineError> {
         if geometry.block_size == 0 || geometry.num_blocks == 0 {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "KV geometry needs at least one block of at least one token: {geometry:?}"
             )));
         }
@@ -60,12 +60,12 @@ impl LlamaExecutor {
             .checked_mul(geometry.block_size)
             .and_then(|s| s.checked_mul(cfg.n_kv_head * cfg.head_dim))
             .ok_or_else(|| {
-                WorkerError::InvalidRequest(format!("KV geometry too large: {geometry:?}"))
+                EngineError::InvalidRequest(format!("KV geometry too large: {geometry:?}"))
             })?;
-        let alloc = |n: usize| -> Result<Vec<f32>, WorkerError> {
+        let alloc = |n: usize| -> Result<Vec<f32>, EngineError> {
             let mut v = Vec::new();
             v.try_reserve_exact(n).map_err(|e| {
-                WorkerError::Model(format!("cannot allocate KV cache of {n} floats: {e}"))
+                EngineError::Model(format!("cannot allocate KV cache of {n} floats: {e}"))
             })?;
             v.resize(n, 0.0);
             Ok(v)
@@ -95,21 +95,21 @@ impl LlamaExecutor {
         &self,
         c: &SeqChunk<'_>,
         token_offset: usize,
-    ) -> Result<ChunkSlots, WorkerError> {
+    ) -> Result<ChunkSlots, EngineError> {
         let bs = self.geometry.block_size;
         if c.tokens.is_empty() {
-            return Err(WorkerError::InvalidRequest("empty chunk".into()));
+            return Err(EngineError::InvalidRequest("empty chunk".into()));
         }
         let vocab = self.weights.config().vocab_size;
         if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "token id {t} outside the vocabulary of {vocab}"
             )));
         }
         let end = c.start_pos + c.tokens.len();
         let blocks = end.div_ceil(bs);
         if c.block_table.len() < blocks {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(EngineError::InvalidRequest(format!(
                 "block table has {} blocks, positions up to {end} need {blocks}",
                 c.block_table.len()
             )));
@@ -118,7 +118,7 @@ impl LlamaExecutor {
         for &b in &c.block_table[..blocks] {
             let b = b as usize;
             if b >= self.geometry.num_blocks {
-                return Err(WorkerError::InvalidRequest(format!(
+                return Err(EngineError::InvalidRequest(format!(
                     "block id {b} outside the cache of {} blocks",
                     self.geometry.num_blocks
                 )));
@@ -137,7 +137,7 @@ impl LlamaExecutor {
     fn forward_inner(
         &mut self,
         chunks: &[SeqChunk<'_>],
-    ) -> Result<Vec<Option<Vec<f32>>>, WorkerError> {
+    ) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         let w = Arc::clone(&self.weights);
         let cfg = w.config();
         let dev = w.device();
@@ -190,7 +190,7 @@ impl LlamaExecutor {
             rms_norm(&x, &layer.attn_norm_host, cfg.rms_eps, &mut h);
             let mut qkv = layer.wqkv.forward_host(&h, total, dense, dev)?;
             if qkv.len() != total * qkv_width {
-                return Err(WorkerError::Tensor(format!(
+                return Err(EngineError::Tensor(format!(
                     "QKV projection gave {} values, expected {}",
                     qkv.len(),
                     total * qkv_width
@@ -261,9 +261,9 @@ fn rms_norm(x: &[f32], alpha: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// `x += y`, element-wise.
-fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), WorkerError> {
+fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), EngineError> {
     if x.len() != y.len() {
-        return Err(WorkerError::Tensor(format!(
+        return Err(EngineError::Tensor(format!(
             "residual add of {} and {} values",
             x.len(),
             y.len()
@@ -277,9 +277,9 @@ fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), WorkerError> {
 
 /// `silu(gate) · up` for rows of `[gate (ffn) | up (ffn)]`, as candle computes `silu`
 /// (`v / (1 + e^(−v))`).
-fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, WorkerError> {
+fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, EngineError> {
     if gu.len() != rows * 2 * ffn {
-        return Err(WorkerError::Tensor(format!(
+        return Err(EngineError::Tensor(format!(
             "gate/up projection gave {} values, expected {rows}×{}",
             gu.len(),
             2 * ffn
@@ -306,7 +306,7 @@ impl Executor for LlamaExecutor {
         self.weights.config().vocab_size
     }
 
-    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, WorkerError> {
+    fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }

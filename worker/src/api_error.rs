@@ -8,8 +8,8 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use super::protocol::{ErrorBody, ErrorObject};
-use crate::WorkerError;
+use crate::protocol::{ErrorBody, ErrorObject};
+use engine::EngineError;
 
 /// One error answer.
 #[derive(Clone, Debug)]
@@ -96,21 +96,21 @@ impl ApiError {
 
     /// The engine's refusal of a submission (or a `Failed` event before any token), mapped to
     /// an HTTP answer: overload → 429 with `Retry-After`, never-fits → 400, stopped → 503.
-    pub fn from_engine(e: &WorkerError, retry_after_s: u64) -> Self {
+    pub fn from_engine(e: &EngineError, retry_after_s: u64) -> Self {
         let code = e.error_type();
         match e {
-            WorkerError::QueueFull { .. } | WorkerError::AdmissionTimeout => {
+            EngineError::QueueFull { .. } | EngineError::AdmissionTimeout => {
                 let mut err = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, e.to_string());
                 err.retry_after_s = Some(retry_after_s);
                 err
             }
-            WorkerError::NeverFits { needed, total } => {
+            EngineError::NeverFits { needed, total } => {
                 ApiError::bad_request(code, Some("max_tokens"), e.to_string())
                     .with_detail("blocks_needed", *needed)
                     .with_detail("blocks_total", *total)
             }
-            WorkerError::InvalidRequest(_) => ApiError::bad_request(code, None, e.to_string()),
-            WorkerError::EngineStopped => {
+            EngineError::InvalidRequest(_) => ApiError::bad_request(code, None, e.to_string()),
+            EngineError::EngineStopped => {
                 let mut err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, e.to_string());
                 err.retry_after_s = Some(retry_after_s);
                 err
@@ -163,13 +163,13 @@ mod tests {
 
     #[test]
     fn engine_errors_map_to_stable_statuses() {
-        let e = ApiError::from_engine(&WorkerError::QueueFull { waiting: 3 }, 2);
+        let e = ApiError::from_engine(&EngineError::QueueFull { waiting: 3 }, 2);
         assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(e.code, "queue_full");
         assert_eq!(e.retry_after_s, Some(2));
         assert_eq!(e.kind(), "rate_limit_error");
         let e = ApiError::from_engine(
-            &WorkerError::NeverFits {
+            &EngineError::NeverFits {
                 needed: 9,
                 total: 4,
             },

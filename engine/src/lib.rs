@@ -1,0 +1,32 @@
+//! engine: kvgate's embedded inference engine — everything between a request's prompt token ids
+//! and its generated tokens, with no HTTP stack and no receipts code.
+//!
+//! Owns:
+//! - [`executor`] — the contract between the scheduler and whatever computes tokens;
+//! - [`model`] — the candle Llama executor (paged KV, batched forward, AVX-512 kernels), its
+//!   uncached reference forward and the engine benchmark;
+//! - [`sim`] — the simulated executor (timing model, deterministic tokens);
+//! - [`kv`] — block pool, prefix cache (keyed by `prefix-index` block keys) and the KV-event feed;
+//! - [`scheduler`] — continuous batching with chunked prefill and KV reservations;
+//! - [`sampler`] — sampling, penalties and stop strings;
+//! - [`engine`] — the step loop on its own thread and the [`Engine`] handle.
+//!
+//! Does not own: tokenization and templates (`prompt-profile`; the engine only turns generated
+//! ids into text with [`prompt_profile::DecodeStream`]), HTTP, tickets, receipts, metrics
+//! registries (`worker`), routing (`gateway`).
+
+pub mod engine;
+pub mod error;
+pub mod executor;
+pub mod kv;
+pub mod model;
+pub mod sampler;
+pub mod scheduler;
+pub mod sim;
+
+pub use engine::{
+    Engine, EngineConfig, EngineStats, FinishReason, GenerateRequest, SeqEvent, SequenceHandle,
+    Usage,
+};
+pub use error::EngineError;
+pub use executor::{BlockId, Executor, KvGeometry, SeqChunk};

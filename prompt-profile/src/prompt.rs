@@ -1,0 +1,338 @@
+//! The prompt contract between gateway and worker: which part of an OpenAI request is the
+//! prompt ([`PromptSource`], [`CompletionPrompt`]), how it becomes token ids
+//! ([`PromptProfile::prompt_ids`], one special-token policy), the token budget
+//! ([`TokenBudget`]) and the block-key namespace ([`KeySpace`]). The gateway (to predict block
+//! keys) and the worker (to run the request) both call exactly these, so the same body gives the
+//! same ids, the same budget verdict and the same keys on both sides.
+//!
+//! Special-token policy (as vLLM and llama.cpp's server do it):
+//! - chat messages are rendered with the chat template (generation prompt added) and the text
+//!   is tokenized with special-token text parsed (`<|im_start|>` → its id); no BOS is added —
+//!   templates that want one write `bos_token` themselves;
+//! - completion text is tokenized with special-token text parsed, after a BOS when the model
+//!   asks for one (`add_bos_token`);
+//! - token ids are used as they are, each checked against the vocabulary.
+
+use prefix_index::{BlockSize, HashAlgorithm, KeyChain, NamespaceInputs, NamespaceSeed};
+use serde::Deserialize;
+
+use crate::error::{ProfileError, Result};
+use crate::identity::ProfileIdentity;
+use crate::message::ChatMessage;
+use crate::PromptProfile;
+
+/// A chat conversation and how to render it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatPrompt {
+    /// The messages, in order.
+    pub messages: Vec<ChatMessage>,
+    /// End the rendered text with the assistant turn's opening (default true).
+    pub add_generation_prompt: bool,
+}
+
+impl ChatPrompt {
+    /// `messages` with the generation prompt added (what a chat completion renders).
+    pub fn new(messages: Vec<ChatMessage>) -> Self {
+        ChatPrompt {
+            messages,
+            add_generation_prompt: true,
+        }
+    }
+}
+
+/// Where a request's prompt comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptSource {
+    /// Chat messages (`/v1/chat/completions`), rendered with the profile's template.
+    Chat(ChatPrompt),
+    /// Completion text (`/v1/completions`), tokenized as it is.
+    Text(String),
+    /// Completion token ids, used as they are.
+    Tokens(Vec<u32>),
+}
+
+impl PromptSource {
+    /// The request field the prompt came from (`messages` or `prompt`), for error messages.
+    pub fn param(&self) -> &'static str {
+        match self {
+            PromptSource::Chat(_) => "messages",
+            PromptSource::Text(_) | PromptSource::Tokens(_) => "prompt",
+        }
+    }
+
+    /// No messages, no text, no ids.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            PromptSource::Chat(c) => c.messages.is_empty(),
+            PromptSource::Text(t) => t.is_empty(),
+            PromptSource::Tokens(t) => t.is_empty(),
+        }
+    }
+}
+
+/// The `prompt` of a completion request as JSON carries it: a string, token ids, or a batch of
+/// either (only a batch of one is served).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    /// `"text"`.
+    Text(String),
+    /// `[1, 2, 3]`.
+    Tokens(Vec<u32>),
+    /// `["text", ...]`.
+    TextBatch(Vec<String>),
+    /// `[[1, 2], ...]`.
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+impl CompletionPrompt {
+    /// The prompt source, or an error for a batch of more than one prompt or an empty prompt.
+    pub fn into_source(self) -> Result<PromptSource> {
+        let source = match self {
+            CompletionPrompt::Text(t) => PromptSource::Text(t),
+            CompletionPrompt::Tokens(t) => PromptSource::Tokens(t),
+            CompletionPrompt::TextBatch(mut b) if b.len() == 1 => PromptSource::Text(b.remove(0)),
+            CompletionPrompt::TokenBatch(mut b) if b.len() == 1 => {
+                PromptSource::Tokens(b.remove(0))
+            }
+            CompletionPrompt::TextBatch(b) => {
+                return Err(ProfileError::PromptBatch { len: b.len() })
+            }
+            CompletionPrompt::TokenBatch(b) => {
+                return Err(ProfileError::PromptBatch { len: b.len() })
+            }
+        };
+        if source.is_empty() {
+            return Err(ProfileError::EmptyPrompt { param: "prompt" });
+        }
+        Ok(source)
+    }
+}
+
+/// A prompt's token ids, and the text a chat was rendered to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptTokens {
+    /// The chat template's output (`None` for completion text and ids).
+    pub rendered: Option<String>,
+    /// The token ids.
+    pub ids: Vec<u32>,
+}
+
+impl PromptProfile {
+    /// The token ids of a prompt (and a chat's rendered text), by the crate's one
+    /// special-token policy (module docs). Errors are client errors
+    /// ([`ProfileError::is_client_error`]) except tokenizer or template failures that come from
+    /// the model files.
+    pub fn tokenize_prompt(&self, source: &PromptSource) -> Result<PromptTokens> {
+        match source {
+            PromptSource::Chat(chat) => {
+                if chat.messages.is_empty() {
+                    return Err(ProfileError::EmptyPrompt { param: "messages" });
+                }
+                let text = self.render(&chat.messages, chat.add_generation_prompt)?;
+                let ids = self.encode(&text, true)?;
+                Ok(PromptTokens {
+                    rendered: Some(text),
+                    ids,
+                })
+            }
+            PromptSource::Text(t) => {
+                let mut ids = self.encode(t, true)?;
+                if let (true, Some(bos)) = (self.add_bos_token(), self.bos_token_id()) {
+                    ids.insert(0, bos);
+                }
+                Ok(PromptTokens {
+                    rendered: None,
+                    ids,
+                })
+            }
+            PromptSource::Tokens(t) => {
+                let vocab_size = self.vocab_size();
+                if let Some((index, &id)) = t
+                    .iter()
+                    .enumerate()
+                    .find(|(_, &id)| id as usize >= vocab_size)
+                {
+                    return Err(ProfileError::PromptTokenOutOfVocab {
+                        index,
+                        id,
+                        vocab_size,
+                    });
+                }
+                Ok(PromptTokens {
+                    rendered: None,
+                    ids: t.clone(),
+                })
+            }
+        }
+    }
+
+    /// [`Self::tokenize_prompt`]'s ids.
+    pub fn prompt_ids(&self, source: &PromptSource) -> Result<Vec<u32>> {
+        Ok(self.tokenize_prompt(source)?.ids)
+    }
+}
+
+/// The token budget of a served model: `prompt + output + native_reserve <= context_limit`,
+/// else the request is refused (never silently truncated).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenBudget {
+    /// Context length in tokens (prompt + output).
+    pub context_limit: usize,
+    /// Tokens kept free beyond prompt and output.
+    pub native_reserve: usize,
+}
+
+impl TokenBudget {
+    /// The output tokens of a request: `requested`, or (when the request names none) the
+    /// remaining context capped at `default_cap`, at least 1. `Err(ContextLengthExceeded)` with
+    /// the numbers when they do not fit. Whether a request fits never depends on `default_cap`
+    /// (without a requested count, one output token must fit), so a gateway that does not know
+    /// the worker's cap reaches the same verdict with any cap.
+    pub fn output_tokens(
+        &self,
+        prompt_tokens: usize,
+        requested: Option<usize>,
+        default_cap: usize,
+    ) -> Result<usize> {
+        let remaining = self
+            .context_limit
+            .saturating_sub(prompt_tokens)
+            .saturating_sub(self.native_reserve);
+        let max_tokens = requested.unwrap_or_else(|| remaining.min(default_cap).max(1));
+        let needed = prompt_tokens
+            .saturating_add(max_tokens)
+            .saturating_add(self.native_reserve);
+        if needed > self.context_limit {
+            return Err(ProfileError::ContextLengthExceeded {
+                context_limit: self.context_limit,
+                prompt_tokens,
+                max_tokens,
+                native_reserve: self.native_reserve,
+                requested: requested.is_some(),
+            });
+        }
+        Ok(max_tokens)
+    }
+
+    /// The most prompt tokens a request asking for `requested` output tokens (1 when `None`)
+    /// can have and still fit: a tokenizer may stop counting once it passes this.
+    pub fn max_prompt_tokens(&self, requested: Option<usize>) -> usize {
+        self.context_limit
+            .saturating_sub(self.native_reserve)
+            .saturating_sub(requested.unwrap_or(1))
+    }
+}
+
+/// Everything a block-key namespace folds in besides the salt: the profile identity's model
+/// id, revision and hashes, the block size and the hash algorithm (docs/block-keys.md §1).
+/// The gateway builds it from a pinned profile, the worker from its loaded profile; the
+/// contract check makes the two equal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeySpace {
+    /// Model id.
+    pub model_id: String,
+    /// Model revision.
+    pub revision: String,
+    /// SHA-256 hex of the chat template.
+    pub template_sha256: String,
+    /// SHA-256 hex of the canonical tokenizer.
+    pub tokenizer_sha256: String,
+    /// Tokens per block.
+    pub block_size: BlockSize,
+    /// Hash algorithm of the chain.
+    pub algorithm: HashAlgorithm,
+}
+
+impl KeySpace {
+    /// The key space of a loaded profile.
+    pub fn of(identity: &ProfileIdentity, block_size: BlockSize, algorithm: HashAlgorithm) -> Self {
+        KeySpace {
+            model_id: identity.model_id.clone(),
+            revision: identity.revision.clone(),
+            template_sha256: identity.template_sha256.clone(),
+            tokenizer_sha256: identity.tokenizer_sha256.clone(),
+            block_size,
+            algorithm,
+        }
+    }
+
+    /// The namespace seed for `salt` (no adapter).
+    pub fn seed(&self, salt: Option<&str>) -> NamespaceSeed {
+        NamespaceSeed::derive(&NamespaceInputs {
+            model_id: &self.model_id,
+            revision: &self.revision,
+            template_sha256: &self.template_sha256,
+            tokenizer_sha256: &self.tokenizer_sha256,
+            block_size: self.block_size,
+            algorithm: self.algorithm,
+            salt,
+            adapter: None,
+        })
+    }
+
+    /// The key chain of a namespace seed in this key space.
+    pub fn chain(&self, seed: NamespaceSeed) -> KeyChain {
+        KeyChain::new(seed, self.algorithm, self.block_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_reports_the_numbers_and_ignores_the_cap_for_the_verdict() {
+        let b = TokenBudget {
+            context_limit: 200,
+            native_reserve: 10,
+        };
+        assert_eq!(b.output_tokens(100, Some(50), 1000).unwrap(), 50);
+        assert_eq!(b.output_tokens(100, None, 1000).unwrap(), 90);
+        assert_eq!(b.output_tokens(100, None, 16).unwrap(), 16);
+        match b.output_tokens(100, Some(95), 1000).unwrap_err() {
+            ProfileError::ContextLengthExceeded {
+                context_limit: 200,
+                prompt_tokens: 100,
+                max_tokens: 95,
+                native_reserve: 10,
+                requested: true,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let e = b.output_tokens(195, None, 1000).unwrap_err();
+        assert_eq!(e.error_type(), "context_length_exceeded");
+        assert!(e.is_client_error());
+        // The verdict without a requested count is the same for every cap.
+        for prompt in [0, 100, 189, 190, 191, 250] {
+            let a = b.output_tokens(prompt, None, 1).is_ok();
+            let c = b.output_tokens(prompt, None, usize::MAX).is_ok();
+            assert_eq!(a, c, "prompt {prompt}");
+            assert_eq!(a, prompt <= b.max_prompt_tokens(None), "prompt {prompt}");
+        }
+        assert_eq!(b.max_prompt_tokens(Some(50)), 140);
+        assert!(b.output_tokens(140, Some(50), 1).is_ok());
+        assert!(b.output_tokens(141, Some(50), 1).is_err());
+    }
+
+    #[test]
+    fn completion_prompts_become_sources() {
+        let p = |j: &str| {
+            serde_json::from_str::<CompletionPrompt>(j)
+                .unwrap()
+                .into_source()
+        };
+        assert_eq!(p(r#""abc""#).unwrap(), PromptSource::Text("abc".into()));
+        assert_eq!(p("[1,2,3]").unwrap(), PromptSource::Tokens(vec![1, 2, 3]));
+        assert_eq!(p("[[4,5]]").unwrap(), PromptSource::Tokens(vec![4, 5]));
+        assert_eq!(p(r#"["x"]"#).unwrap(), PromptSource::Text("x".into()));
+        assert_eq!(
+            p(r#"["a","b"]"#).unwrap_err().error_type(),
+            "prompt_batch_not_supported"
+        );
+        assert_eq!(p(r#""""#).unwrap_err().error_type(), "empty_prompt");
+        assert_eq!(p("[]").unwrap_err().error_type(), "empty_prompt");
+        assert!(serde_json::from_str::<CompletionPrompt>("[-1]").is_err());
+        assert!(serde_json::from_str::<CompletionPrompt>("{}").is_err());
+    }
+}
