@@ -381,7 +381,11 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         .collect();
     for id in &killed {
         let d = by_id[id];
-        assert_eq!(d.worker.as_deref(), Some(victim.as_str()), "{id}: {d:?}");
+        assert_eq!(
+            d.worker.as_ref().map(|w| w.as_str()),
+            Some(victim.as_str()),
+            "{id}: {d:?}"
+        );
         assert!(d.ticket.is_some(), "{id} was not routed: {d:?}");
     }
     // Requests that have a receipt, across both logs.
@@ -389,8 +393,8 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         .receipt_logs()
         .iter()
         .flat_map(|l| e2e_support::read_receipts(l))
-        .filter(|r| r.ticket.is_some())
-        .map(|r| r.request_id)
+        .filter(|r| r.body.ticket.is_some())
+        .map(|r| r.body.request_id)
         .collect();
     let without_receipt: BTreeSet<&str> = decisions
         .iter()
@@ -526,19 +530,19 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     let stopped: BTreeMap<String, receipts::Receipt> =
         e2e_support::read_receipts(&fleet.host(&survivor).receipt_log)
             .into_iter()
-            .filter(|r| r.request_id.starts_with("e2e-stop-"))
-            .map(|r| (r.request_id.clone(), r))
+            .filter(|r| r.body.request_id.starts_with("e2e-stop-"))
+            .map(|r| (r.body.request_id.clone(), r))
             .collect();
     for (id, status) in [("e2e-stop-g1", 503), ("e2e-stop-g2", 200)] {
         let r = stopped
             .get(id)
             .unwrap_or_else(|| panic!("no receipt for {id}"));
         assert_eq!(
-            r.error_code.as_deref(),
+            r.body.error_code.as_deref(),
             Some("engine_stopped"),
             "{id}: {r:?}"
         );
-        assert_eq!(r.status, status, "{id}: {r:?}");
+        assert_eq!(r.body.status, status, "{id}: {r:?}");
     }
     assert_logs_verify(&fleet);
     let rep = receipts::audit(

@@ -42,10 +42,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 fn route_decision_vs_tokenization() {
     let mut fleet = Fleet::workers(FleetOptions::default());
     fleet.start_gateway(KV_NO_BUDGET, false);
-    let shared = fleet.gw().shared.clone();
+    let shared = fleet.gw().data.clone();
     let view = shared.views.load();
     let service = view.services[0].clone();
-    let profile = service.profile.clone().unwrap();
+    let profile = service.profile().cloned().unwrap();
     println!("| prompt tokens | render + tokenize (floor) | full decision | ratio |");
     println!("|---:|---:|---:|---:|");
     for target in [1_000usize, 4_000, 16_000] {
@@ -293,8 +293,8 @@ fn ticket_signing_cost() {
         predicted_matched_tokens: None,
         prompt_tokens: None,
         last_block_key: None,
-        namespace_seed: "0".repeat(64),
-        hash_algorithm: "xxh3".into(),
+        namespace_seed: prefix_index::NamespaceSeed([0; 32]),
+        hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
         issued_at_ms: 1,
         expires_at_ms: 2,
     };

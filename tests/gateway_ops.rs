@@ -30,7 +30,7 @@ fn unhealthy_worker_is_skipped_and_comes_back() {
         assert_eq!(r.status, 200, "{}", r.text());
         assert_ne!(r.worker(), "w2");
     }
-    let gw = fleet.gw().shared.clone();
+    let gw = fleet.gw().data.clone();
     let w2 = prefix_index::WorkerId("w2".into());
     assert!(!gw.views.load().workers[&w2].healthy);
     let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
@@ -167,7 +167,7 @@ fn admin_plane_applies_refuses_and_switches_live() {
     // The file watch: write a service back into the file; the gateway picks it up.
     let text = fleet.rules_toml(RR_SERVICE);
     std::fs::write(&fleet.rules_path, &text).unwrap();
-    let gw = fleet.gw().shared.clone();
+    let gw = fleet.gw().data.clone();
     fleet.wait_for("file-watch reload", Duration::from_secs(10), || {
         gw.views.load().services.iter().any(|s| s.name() == "chat")
     });
@@ -218,7 +218,7 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
         ..FleetOptions::default()
     });
     fleet.start_gateway(RR_SERVICE, false);
-    let v_before = fleet.gw().shared.views.load().version();
+    let v_before = fleet.gw().data.views.load().version();
     let mut body = chat(&[("user", "stream please")], 60);
     body["stream"] = json!(true);
     let url = fleet.url("/v1/chat/completions");
@@ -260,7 +260,7 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
     );
     let chunks = text.matches("data: {").count();
     assert!(chunks >= 10, "only {chunks} chunks: {text}");
-    assert!(fleet.gw().shared.views.load().version() > v_before);
+    assert!(fleet.gw().data.views.load().version() > v_before);
     fleet.stop();
 }
 

@@ -99,7 +99,7 @@ fn kv_exact_follows_each_conversation_to_its_prefix() {
 /// Waits until every full block of the conversation so far (rendered without the next user
 /// turn, as the worker cached it) is in the gateway's index for some worker.
 fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
-    let shared = fleet.gw().shared.clone();
+    let shared = fleet.gw().data.clone();
     let view = shared.views.load();
     let svc = view
         .services
@@ -107,7 +107,7 @@ fn wait_keys_indexed(fleet: &Fleet, history: &[(String, String)]) {
         .find(|s| s.name() == "chat")
         .unwrap()
         .clone();
-    let profile = svc.profile.clone().unwrap();
+    let profile = svc.profile().cloned().unwrap();
     // The prompt the worker just served: everything but the assistant reply.
     let served = &history[..history.len() - 1];
     let msgs: Vec<prompt_profile::ChatMessage> = served
@@ -194,9 +194,9 @@ fn different_salts_never_share_a_cached_prefix() {
 }
 
 fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>) {
-    let shared = fleet.gw().shared.clone();
+    let shared = fleet.gw().data.clone();
     let view = shared.views.load();
-    let profile = view.services[0].profile.clone().unwrap();
+    let profile = view.services[0].profile().cloned().unwrap();
     let msgs: Vec<prompt_profile::ChatMessage> =
         serde_json::from_value(body["messages"].clone()).unwrap();
     let tok = profile

@@ -53,9 +53,9 @@ fn scenario(dir: &Path, n: usize) -> (PathBuf, PathBuf, PathBuf) {
             worker: "w0".into(),
             predicted_matched_tokens: Some(16),
             prompt_tokens: Some(20),
-            last_block_key: Some("00000000000000ff".into()),
-            namespace_seed: "ab".repeat(32),
-            hash_algorithm: "xxh3_64".into(),
+            last_block_key: Some(prefix_index::BlockKey(0x00000000000000ff)),
+            namespace_seed: prefix_index::NamespaceSeed([0xab; 32]),
+            hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
             issued_at_ms: t0,
             expires_at_ms: t0 + DEFAULT_TICKET_TTL_MS,
         }
@@ -76,7 +76,7 @@ fn scenario(dir: &Path, n: usize) -> (PathBuf, PathBuf, PathBuf) {
             received_at_ms: t0 + 1,
             first_token_at_ms: Some(t0 + 2),
             completed_at_ms: t0 + 3,
-            last_block_key: Some("00000000000000ff".into()),
+            last_block_key: Some(prefix_index::BlockKey(0x00000000000000ff)),
         })
         .unwrap();
         dlog.append(&DecisionRecord {

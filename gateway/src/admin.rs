@@ -25,7 +25,7 @@ use pingora::protocols::http::ServerSession;
 use routing_rules::ApplyOutcome;
 use serde_json::json;
 
-use crate::core::Shared;
+use crate::control_plane::ControlPlane;
 use crate::error::GatewayError;
 use crate::view::{ContractState, EventStreamState};
 
@@ -34,13 +34,13 @@ const ADMIN_BODY_LIMIT: usize = 1024 * 1024;
 
 /// The admin application.
 pub struct Admin {
-    shared: Arc<Shared>,
+    control: Arc<ControlPlane>,
 }
 
 impl Admin {
-    /// An admin plane over the gateway's shared state.
-    pub fn new(shared: Arc<Shared>) -> Admin {
-        Admin { shared }
+    /// An admin plane over the gateway's control plane (and through it, the data plane).
+    pub fn new(control: Arc<ControlPlane>) -> Admin {
+        Admin { control }
     }
 }
 
@@ -103,7 +103,7 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, GatewayError>
 
 impl Admin {
     fn authorized(&self, session: &ServerSession) -> bool {
-        let Some(token) = &self.shared.admin_token else {
+        let Some(token) = &self.control.admin_token else {
             return true;
         };
         let got = session
@@ -123,9 +123,10 @@ impl Admin {
     }
 
     fn workers_json(&self) -> serde_json::Value {
-        let view = self.shared.views.load();
+        let view = self.control.data.views.load();
         let stats: std::collections::BTreeMap<_, _> = self
-            .shared
+            .control
+            .data
             .index
             .all_worker_stats()
             .into_iter()
@@ -180,15 +181,15 @@ impl Admin {
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (method.as_str(), segments.as_slice()) {
             ("GET", ["metrics"]) => {
-                self.shared.refresh_gauges();
+                self.control.data.refresh_gauges();
                 Ok(response(
                     200,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    self.shared.metrics.encode().into_bytes(),
+                    self.control.data.metrics.encode().into_bytes(),
                 ))
             }
             ("GET", ["admin", "rules"]) => {
-                let snap = self.shared.store.snapshot();
+                let snap = self.control.store.snapshot();
                 Ok(json_response(
                     200,
                     &json!({
@@ -199,15 +200,15 @@ impl Admin {
                 ))
             }
             ("POST", ["admin", "reload"]) => {
-                let o = self.shared.reload_from_file().await?;
+                let o = self.control.reload_from_file().await?;
                 Ok(json_response(200, &outcome_json(&o)))
             }
             ("GET", ["admin", "workers"]) => Ok(json_response(200, &self.workers_json())),
             ("GET", ["admin", "services"]) => Ok(json_response(
                 200,
-                &json!(self.shared.store.list_services()),
+                &json!(self.control.store.list_services()),
             )),
-            ("GET", ["admin", "services", name]) => match self.shared.store.get_service(name) {
+            ("GET", ["admin", "services", name]) => match self.control.store.get_service(name) {
                 Some(s) => Ok(json_response(200, &json!(s))),
                 None => Err(GatewayError::NotFound {
                     what: format!("service {name:?}"),
@@ -236,11 +237,11 @@ impl Admin {
                         ),
                     });
                 }
-                let o = self.shared.put_service(spec).await?;
+                let o = self.control.put_service(spec).await?;
                 Ok(json_response(200, &outcome_json(&o)))
             }
             ("DELETE", ["admin", "services", name]) => {
-                let o = self.shared.delete_service(name).await?;
+                let o = self.control.delete_service(name).await?;
                 Ok(json_response(200, &outcome_json(&o)))
             }
             _ => Err(GatewayError::NotFound {

@@ -2,46 +2,38 @@
 //! buffer (pingora 0.9 re-sends a body consumed before peer selection only from that buffer;
 //! above it the upstream would get the headers and no body).
 //!
-//! Same semantics as the proxy path: candidates in the decision's order; a connect failure
-//! (nothing sent) moves to the next candidate; once the request head was written to a worker
-//! the request is never sent anywhere else. The response streams back chunk by chunk (SSE
-//! included). A fresh upstream connection is used for each such request and closed after it,
-//! so a stale pooled connection can never turn into a spurious failure after bytes were sent.
+//! Same semantics as the proxy path, through the same [`crate::upstream`] steps: candidates in
+//! the decision's order; a connect failure (nothing sent) moves to the next candidate; once the
+//! request head was written to a worker the request is never sent anywhere else. The response
+//! streams back chunk by chunk (SSE included). A fresh upstream connection is used for each
+//! such request and closed after it, so a stale pooled connection can never turn into a
+//! spurious failure after bytes were sent.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
-use pingora::prelude::{HttpPeer, Session};
+use pingora::prelude::Session;
 use pingora::Result;
-use receipts::TICKET_HEADER;
-use routing_rules::schema::UpstreamSpec;
 
+use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
-use crate::proxy::{
-    respond_error, Proxy, RequestCtx, REASON_HEADER, VERSION_HEADER, WORKER_HEADER,
-};
-use crate::view::{InFlight, Upstream};
-
-/// The pingora peer for a worker, with the service's timeouts.
-pub fn peer_for(upstream: &Upstream, spec: &UpstreamSpec) -> HttpPeer {
-    let mut peer = HttpPeer::new(upstream.addr, false, String::new());
-    peer.options.connection_timeout = Some(Duration::from_millis(spec.connect_timeout_ms));
-    peer.options.read_timeout = Some(Duration::from_millis(spec.read_timeout_ms));
-    peer.options.idle_timeout = Some(Duration::from_millis(spec.idle_timeout_ms));
-    peer.options.write_timeout = Some(Duration::from_millis(spec.read_timeout_ms));
-    peer
-}
+use crate::request::{respond_error, RequestCtx};
+use crate::upstream;
 
 /// Forwards the buffered request of `ctx` and streams the answer to `session`. Always leaves a
 /// response on the session (an error response when no worker could be reached).
 pub(crate) async fn forward(
-    proxy: &Proxy,
+    data: &DataPlane,
     session: &mut Session,
     ctx: &mut RequestCtx,
 ) -> Result<()> {
-    let (Some(view), Some(decision)) = (ctx.view.clone(), ctx.decision.clone()) else {
+    let (Some(view), Some(service), Some(order)) = (
+        ctx.view.clone(),
+        ctx.service.clone(),
+        ctx.decision.as_ref().map(|d| d.order.clone()),
+    ) else {
         let err = GatewayError::Internal {
             reason: "forward without a decision".into(),
         };
@@ -50,58 +42,34 @@ pub(crate) async fn forward(
     };
     let connector = Connector::new(None);
     let mut last_err = String::from("no candidate");
-    for worker in &decision.order {
+    for worker in &order {
         ctx.next += 1;
         let Some(entry) = view.workers.get(worker) else {
             continue;
         };
-        let peer = peer_for(&entry.upstream, &decision.service.spec().upstream);
-        let mut upstream = match connector.get_http_session(&peer).await {
+        let peer = upstream::peer_for(&entry.upstream, &service.spec().upstream);
+        let mut up = match connector.get_http_session(&peer).await {
             Ok((s, _reused)) => s,
             Err(e) => {
-                proxy.shared().mark_failure(worker, true);
-                proxy
-                    .shared()
-                    .metrics
-                    .fallback(decision.service.name(), "connect");
+                data.mark_failure(worker, true);
+                data.metrics.fallback(service.name(), "connect");
                 last_err = e.to_string();
                 continue;
             }
         };
-        ctx.current = Some(worker.clone());
-        ctx.in_flight = Some(InFlight::start(entry.runtime.clone()));
-        let ticket = proxy.ticket_for(ctx, worker);
+        upstream::begin_attempt(data, ctx, worker);
         let mut head: RequestHeader = session.req_header().clone();
-        if !entry.upstream.base_path.is_empty() {
-            let pq = head
-                .uri
-                .path_and_query()
-                .map_or("/", |p| p.as_str())
-                .to_owned();
-            if let Ok(uri) = format!("{}{}", entry.upstream.base_path, pq).parse::<http::Uri>() {
-                head.set_uri(uri);
-            }
-        }
-        head.insert_header("host", entry.upstream.authority.as_str())?;
-        head.insert_header("x-request-id", ctx.request_id.as_str())?;
-        if let Some(t) = &ticket {
-            head.insert_header(TICKET_HEADER, t.header())?;
-        }
-        head.remove_header("expect");
-        head.remove_header("transfer-encoding");
-        head.insert_header("content-length", ctx.body.len().to_string())?;
-        head.insert_header("connection", "close")?;
-        ctx.ticket = ticket;
+        upstream::prepare_head(&mut head, ctx, true)?;
         // From here on the worker may have accepted the request: no retry elsewhere.
         let sent = async {
-            upstream.write_request_header(Box::new(head)).await?;
-            upstream.write_request_body(ctx.body.clone(), true).await?;
-            upstream.finish_request_body().await?;
-            upstream.read_response_header().await
+            up.write_request_header(Box::new(head)).await?;
+            up.write_request_body(ctx.body.clone(), true).await?;
+            up.finish_request_body().await?;
+            up.read_response_header().await
         }
         .await;
         if let Err(e) = sent {
-            proxy.shared().mark_failure(worker, false);
+            data.mark_failure(worker, false);
             let err = GatewayError::Upstream {
                 worker: worker.0.clone(),
                 reason: e.to_string(),
@@ -109,7 +77,7 @@ pub(crate) async fn forward(
             respond_error(session, ctx, &err).await?;
             return Ok(());
         }
-        let Some(resp) = upstream.response_header() else {
+        let Some(resp) = up.response_header() else {
             let err = GatewayError::Upstream {
                 worker: worker.0.clone(),
                 reason: "no response header".into(),
@@ -118,21 +86,11 @@ pub(crate) async fn forward(
             return Ok(());
         };
         let mut resp: ResponseHeader = resp.clone();
-        let status = resp.status.as_u16();
-        ctx.status = Some(status);
-        if status >= 500 {
-            proxy.shared().mark_failure(worker, false);
-        } else {
-            proxy.shared().mark_success(worker);
-        }
-        resp.insert_header(WORKER_HEADER, worker.0.as_str())?;
-        resp.insert_header(REASON_HEADER, decision.reason.as_str())?;
-        resp.insert_header(VERSION_HEADER, view.version().to_string())?;
-        resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+        upstream::on_response(data, &mut resp, ctx)?;
         resp.remove_header("connection");
         session.write_response_header(Box::new(resp), false).await?;
         loop {
-            match upstream.read_response_body().await {
+            match up.read_response_body().await {
                 Ok(Some(chunk)) => {
                     if ctx.first_byte.is_none() && !chunk.is_empty() {
                         ctx.first_byte = Some(Instant::now());
@@ -145,18 +103,18 @@ pub(crate) async fn forward(
                     break;
                 }
             }
-            if upstream.response_done() {
+            if up.response_done() {
                 break;
             }
         }
         session
             .write_response_body(Some(Bytes::new()), true)
             .await?;
-        upstream.shutdown().await;
+        up.shutdown().await;
         return Ok(());
     }
     let err = GatewayError::UpstreamUnavailable {
-        service: decision.service.name().to_owned(),
+        service: service.name().to_owned(),
         reason: last_err,
     };
     respond_error(session, ctx, &err).await?;

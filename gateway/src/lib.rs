@@ -2,12 +2,20 @@
 //! routes it round-robin or KV-exact (to the worker holding the longest cached prefix of the
 //! prompt), signs a route ticket, and streams the answer back.
 //!
-//! Owns: the `ProxyHttp` implementation ([`proxy`], with its own forwarding path for bodies
-//! over pingora's 64 KiB retry buffer in [`forward`]), the per-request snapshot of rules +
-//! workers + health ([`view`]), the routing decision ([`route`]), the pinned prompt profiles
-//! ([`profile`]), KV-event subscription and active health checks ([`supervisor`]), the worker
-//! contract check and rules changes ([`core`]), the admin plane ([`admin`]), metrics
-//! ([`metrics`]) and hot reload (file watch + SIGHUP, in this module).
+//! Owns, in two planes:
+//! - the **data plane** ([`data_plane`]), everything one request touches: the `ProxyHttp`
+//!   implementation ([`proxy`]) and its own forwarding path for bodies over pingora's 64 KiB
+//!   retry buffer ([`forward`]), the steps both share ([`upstream`]: attempt, ticket, request
+//!   head, response decoration), the per-request state ([`request`]), the routing decision
+//!   ([`route`]), the snapshot of rules + workers + health ([`view`]), the pinned prompt
+//!   profiles ([`profile`]), the wire types routing reads ([`protocol`]) and metrics
+//!   ([`metrics`]);
+//! - the **control plane** ([`control_plane`]): rules changes and the worker contract check,
+//!   the owned background tasks (KV-event subscriptions and health checks, [`supervisor`]), the
+//!   admin API ([`admin`]) and hot reload (file watch + SIGHUP, in this module).
+//!
+//! The control plane holds the data plane and installs views into it; nothing on the request
+//! path imports the control plane.
 //!
 //! Does not own: the rules schema, store and selection policies (`routing-rules`), block keys and
 //! the prefix index (`prefix-index`), tokenization (`prompt-profile`), tickets and the decision
@@ -16,15 +24,18 @@
 //! Start one in-process with [`spawn`]; stop it with [`RunningGateway::shutdown`].
 
 pub mod admin;
-pub mod core;
+pub mod control_plane;
+pub mod data_plane;
 pub mod error;
 pub mod forward;
 pub mod metrics;
 pub mod profile;
 pub mod protocol;
 pub mod proxy;
+pub mod request;
 pub mod route;
 pub mod supervisor;
+pub mod upstream;
 pub mod view;
 
 use std::collections::BTreeSet;
@@ -41,7 +52,8 @@ use prefix_index::{IndexConfig, PrefixIndex};
 use receipts::{DecisionLog, FsyncPolicy, KeyPair};
 use routing_rules::RuleStore;
 
-pub use crate::core::Shared;
+pub use crate::control_plane::ControlPlane;
+pub use crate::data_plane::DataPlane;
 pub use crate::error::GatewayError;
 
 /// Default TTL of approximate holdings (keys routed to a worker without an event stream).
@@ -100,8 +112,10 @@ pub struct RunningGateway {
     pub listen_addr: SocketAddr,
     /// The admin plane.
     pub admin_addr: SocketAddr,
-    /// Shared state (for tests and embedding: view, index, metrics).
-    pub shared: Arc<Shared>,
+    /// The data plane (for tests and embedding: view, index, metrics).
+    pub data: Arc<DataPlane>,
+    /// The control plane (rules store, profiles, contract state).
+    pub control: Arc<ControlPlane>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<std::thread::JoinHandle<()>>,
     runtime: Option<tokio::runtime::Runtime>,
@@ -173,7 +187,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let empty =
         routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
             .map_err(|e| cfg_err(e.to_string()))?;
-    let shared = Arc::new(Shared {
+    let data = Arc::new(DataPlane {
         // Replaced by the real view (profiles loaded, contract checked) below.
         views: view::ViewCell::new(view::View::compile(
             Arc::new(empty),
@@ -181,9 +195,6 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
             None,
             &Default::default(),
         )?),
-        carry: Default::default(),
-        profiles: Default::default(),
-        store,
         index: PrefixIndex::new(IndexConfig {
             approximate_ttl: config.approx_ttl,
             ..IndexConfig::default()
@@ -192,18 +203,20 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         metrics: metrics::Metrics::new(),
         key: config.key.clone(),
         gateway_id: config.gateway_id.clone(),
-        default_seed_hex: "0".repeat(64),
         decisions,
-        http,
-        admin_token: config.admin_token.clone(),
-        supervisor: Mutex::new(None),
-        apply_lock: tokio::sync::Mutex::new(()),
     });
-    // Start-up contract check: reachable kv_exact workers must agree with their profiles.
+    let control = Arc::new(ControlPlane::new(
+        data.clone(),
+        store,
+        http,
+        config.admin_token.clone(),
+    ));
+    // Start-up: every worker's profile is read (round-robin tickets carry its hash algorithm);
+    // reachable kv_exact workers must agree with their profiles.
     let rules = snapshot.rules().clone();
-    let ids: BTreeSet<_> = core::kv_exact_workers(&rules);
-    let fetched = runtime.block_on(shared.fetch_profiles(&rules, &ids));
-    let problems = core::contract_problems(&rules, &fetched);
+    let ids: BTreeSet<_> = rules.workers.iter().map(|w| w.id.clone()).collect();
+    let fetched = runtime.block_on(control.fetch_profiles(&rules, &ids));
+    let problems = control_plane::contract_problems(&rules, &fetched);
     if !problems.is_empty() {
         return Err(GatewayError::Contract {
             reason: problems
@@ -213,23 +226,20 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
                 .join("; "),
         });
     }
-    *shared.supervisor.lock() = Some(supervisor::Supervisor::new(
-        runtime.handle().clone(),
-        Arc::downgrade(&shared),
-    ));
-    shared.install_current(&fetched)?;
+    control.install_current(&fetched)?;
+    control.start_supervisor(runtime.handle().clone());
 
     let watcher = if config.watch_rules {
         Some(watch_rules_file(
             &config.rules_path,
-            &shared,
+            &control,
             runtime.handle(),
         )?)
     } else {
         None
     };
     if config.sighup {
-        let weak = Arc::downgrade(&shared);
+        let weak = Arc::downgrade(&control);
         runtime.spawn(async move {
             let Ok(mut hup) =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
@@ -257,13 +267,13 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     server.bootstrap();
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
-        proxy::Proxy::new(shared.clone()),
+        proxy::Proxy::new(data.clone()),
         "kvgate-proxy",
     );
     proxy.add_tcp(&listen_addr.to_string());
     let mut admin = pingora::services::listening::Service::new(
         "kvgate-admin".to_owned(),
-        admin::Admin::new(shared.clone()),
+        admin::Admin::new(control.clone()),
     );
     admin.add_tcp(&admin_addr.to_string());
     server.add_service(proxy);
@@ -284,7 +294,8 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let mut running = RunningGateway {
         listen_addr,
         admin_addr,
-        shared,
+        data,
+        control,
         stop: Some(stop_tx),
         server: Some(thread),
         runtime: Some(runtime),
@@ -324,7 +335,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
 /// Watches the rules file's directory and reloads when the file changes (debounced 100 ms).
 fn watch_rules_file(
     path: &std::path::Path,
-    shared: &Arc<Shared>,
+    control: &Arc<ControlPlane>,
     handle: &tokio::runtime::Handle,
 ) -> Result<notify::RecommendedWatcher, GatewayError> {
     use notify::Watcher;
@@ -357,7 +368,7 @@ fn watch_rules_file(
         .map_err(|e| GatewayError::Config {
             reason: format!("file watch {}: {e}", dir.display()),
         })?;
-    let weak = Arc::downgrade(shared);
+    let weak = Arc::downgrade(control);
     handle.spawn(async move {
         while rx.recv().await.is_some() {
             // Debounce: editors write in several steps.
@@ -382,13 +393,7 @@ impl RunningGateway {
         if let Some(t) = self.server.take() {
             let _ = t.join();
         }
-        let handles = self
-            .shared
-            .supervisor
-            .lock()
-            .as_mut()
-            .map(|s| s.shutdown())
-            .unwrap_or_default();
+        let handles = self.control.stop_supervisor();
         self._watcher = None;
         if let Some(rt) = self.runtime.take() {
             rt.block_on(async {

@@ -162,7 +162,7 @@ pub struct WorkerProfile {
     /// Tokens per block.
     pub block_size: u32,
     /// `xxh3` or `sha256`.
-    pub hash_algorithm: String,
+    pub hash_algorithm: prefix_index::HashAlgorithm,
     /// Context limit in tokens.
     #[serde(default)]
     pub context_limit: Option<u64>,

@@ -1,16 +1,18 @@
 //! The pingora `ProxyHttp`: one request from the VIP to a worker.
 //!
 //! Hook by hook (see `docs/gateway.md` for why the body is read before routing):
-//! - `request_filter`: take one [`View`]; answer `Expect: 100-continue`; enable pingora's retry
+//! - `request_filter`: take one [`crate::view::View`]; answer `Expect: 100-continue`; enable pingora's retry
 //!   buffer and read the whole body (cap → 413); match the service; decide the route
 //!   ([`crate::route::decide`]). Bodies up to pingora's 64 KiB retry buffer continue on
 //!   pingora's proxy path; larger ones go through [`crate::forward`] from here (pingora would
 //!   send their headers without the body).
 //! - `upstream_peer`: the next candidate of the decision (called again after a connect failure).
-//! - `upstream_request_filter`: sign the ticket for the worker actually used, add it and
-//!   `x-request-id`, fix framing headers (`content-length`, no `expect`/`transfer-encoding`).
+//! - `upstream_request_filter`: start the attempt and prepare the head
+//!   ([`crate::upstream::begin_attempt`], [`crate::upstream::prepare_head`]: the ticket signed
+//!   for the worker actually used, `x-request-id`, framing headers).
 //! - `request_body_filter`: at end of stream, send the buffered body.
-//! - response hooks: passive health (5xx), first-byte time; the body streams through untouched.
+//! - response hooks: [`crate::upstream::on_response`] (decoration, passive health), first-byte
+//!   time; the body streams through untouched.
 //! - `logging`: metrics, the decision log line, approximate index holdings.
 
 use std::sync::Arc;
@@ -21,59 +23,31 @@ use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use pingora::{Error, ErrorType, Result};
-use prefix_index::WorkerId;
-use receipts::{RouteMode, RouteTicket, SignedTicket, TICKET_HEADER};
 
-use crate::core::Shared;
+use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
-use crate::metrics::{ModeLabels, RequestLabels, ServiceLabels};
-use crate::route::{self, Decision, RouteInput};
-use crate::view::{InFlight, View};
+use crate::metrics::{ModeLabels, ServiceLabels};
+use crate::request::{respond_error, RequestCtx};
+use crate::route::{self, RouteInput};
+use crate::upstream;
 
 /// pingora's retry buffer size (`BODY_BUF_LIMIT`): bodies above it take the forward path.
 pub const RETRY_BUFFER_LIMIT: usize = 64 * 1024;
 
-/// Header naming the worker that served a response (set by the gateway).
-pub const WORKER_HEADER: &str = "x-kvgate-worker";
-/// Header naming the route reason (`hit`, `no_match`, `load_guard`, `round_robin`, ...).
-pub const REASON_HEADER: &str = "x-kvgate-route-reason";
-/// Header carrying the rules version that routed the request.
-pub const VERSION_HEADER: &str = "x-kvgate-rules-version";
-
-/// Per-request state, from `request_filter` to `logging`.
-#[derive(Default)]
-pub struct RequestCtx {
-    pub(crate) started: Option<Instant>,
-    pub(crate) request_id: String,
-    pub(crate) view: Option<Arc<View>>,
-    pub(crate) body: Bytes,
-    pub(crate) decision: Option<Decision>,
-    /// Index into `decision.order` of the next worker to try.
-    pub(crate) next: usize,
-    /// The worker of the current (last) attempt.
-    pub(crate) current: Option<WorkerId>,
-    pub(crate) ticket: Option<SignedTicket>,
-    pub(crate) in_flight: Option<InFlight>,
-    pub(crate) status: Option<u16>,
-    pub(crate) error: Option<String>,
-    pub(crate) first_byte: Option<Instant>,
-    pub(crate) decision_done: Option<Instant>,
-}
-
 /// The proxy application.
 pub struct Proxy {
-    shared: Arc<Shared>,
+    data: Arc<DataPlane>,
 }
 
 impl Proxy {
-    /// A proxy over the gateway's shared state.
-    pub fn new(shared: Arc<Shared>) -> Proxy {
-        Proxy { shared }
+    /// A proxy over the gateway's data plane.
+    pub fn new(data: Arc<DataPlane>) -> Proxy {
+        Proxy { data }
     }
 
-    /// The shared state.
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    /// The data plane.
+    pub fn data(&self) -> &Arc<DataPlane> {
+        &self.data
     }
 }
 
@@ -94,29 +68,6 @@ fn request_id_for(req: &RequestHeader) -> String {
         }
         _ => uuid::Uuid::new_v4().to_string(),
     }
-}
-
-/// Writes an OpenAI-style error response and records it in the ctx.
-pub(crate) async fn respond_error(
-    session: &mut Session,
-    ctx: &mut RequestCtx,
-    err: &GatewayError,
-) -> Result<bool> {
-    let body = err.to_openai_json();
-    let mut resp = ResponseHeader::build(err.status(), Some(4))?;
-    resp.insert_header("content-type", "application/json")?;
-    resp.insert_header("content-length", body.len().to_string())?;
-    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
-    if let Some(v) = &ctx.view {
-        resp.insert_header(VERSION_HEADER, v.version().to_string())?;
-    }
-    ctx.status = Some(err.status());
-    ctx.error = Some(err.error_type().to_owned());
-    session.write_response_header(Box::new(resp), false).await?;
-    session
-        .write_response_body(Some(Bytes::from(body)), true)
-        .await?;
-    Ok(true)
 }
 
 impl Proxy {
@@ -143,50 +94,6 @@ impl Proxy {
         }
         Ok(Ok(buf.freeze()))
     }
-
-    /// Builds and signs the ticket for `worker`.
-    pub(crate) fn ticket_for(&self, ctx: &RequestCtx, worker: &WorkerId) -> Option<SignedTicket> {
-        let view = ctx.view.as_ref()?;
-        let d = ctx.decision.as_ref()?;
-        let now = crate::core::now_ms();
-        let mode = match d.service.spec().rule {
-            routing_rules::schema::Rule::RoundRobin(_) => RouteMode::RoundRobin,
-            routing_rules::schema::Rule::KvExact(_) => RouteMode::KvExact,
-        };
-        let ticket = RouteTicket {
-            request_id: ctx.request_id.clone(),
-            gateway_id: self.shared.gateway_id.clone(),
-            key_id: self.shared.key.key_id().clone(),
-            service: d.service.name().to_owned(),
-            rule_id: d.service.rule_id.clone(),
-            rule_version: view.version(),
-            mode,
-            worker: worker.0.clone(),
-            predicted_matched_tokens: d.predicted_tokens(worker),
-            prompt_tokens: d
-                .prompt
-                .as_ref()
-                .and_then(|p| u32::try_from(p.prompt_tokens).ok()),
-            last_block_key: d
-                .prompt
-                .as_ref()
-                .and_then(|p| p.keys.last())
-                .map(|k| k.to_string()),
-            namespace_seed: if d.seed_hex.is_empty() {
-                self.shared.default_seed_hex.clone()
-            } else {
-                d.seed_hex.clone()
-            },
-            hash_algorithm: if d.hash_algorithm.is_empty() {
-                "xxh3".to_owned()
-            } else {
-                d.hash_algorithm.clone()
-            },
-            issued_at_ms: now,
-            expires_at_ms: now + receipts::DEFAULT_TICKET_TTL_MS,
-        };
-        Some(ticket.sign(&self.shared.key))
-    }
 }
 
 #[async_trait]
@@ -200,7 +107,7 @@ impl ProxyHttp for Proxy {
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         ctx.started = Some(Instant::now());
         ctx.request_id = request_id_for(session.req_header());
-        let view = self.shared.views.load();
+        let view = self.data.views.load();
         ctx.view = Some(view.clone());
         let req = session.req_header();
         let path = req.uri.path().to_owned();
@@ -250,9 +157,10 @@ impl ProxyHttp for Proxy {
         }
         let req = session.req_header();
         let header = |name: &str| header_str(req, name);
+        ctx.service = Some(service.clone());
         let decided = route::decide(
             &view,
-            &self.shared.index,
+            &self.data.index,
             &RouteInput {
                 service: &service,
                 path: &path,
@@ -262,12 +170,12 @@ impl ProxyHttp for Proxy {
         );
         let decision_time = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
         ctx.decision_done = Some(Instant::now());
-        self.shared
+        self.data
             .metrics
             .route_decision_seconds
             .get_or_create(&ModeLabels {
                 service: service.name().to_owned(),
-                mode: service.mode().to_owned(),
+                mode: service.mode.as_str().to_owned(),
             })
             .observe(decision_time.as_secs_f64());
         let decision = match decided {
@@ -282,44 +190,31 @@ impl ProxyHttp for Proxy {
                     _ => None,
                 };
                 if let Some(l) = label {
-                    self.shared.metrics.fallback(service.name(), l);
+                    self.data.metrics.fallback(service.name(), l);
                 }
-                ctx.decision = None;
                 ctx.body = body;
-                // Keep the service for logging labels.
-                ctx.error = Some(err.error_type().to_owned());
-                let r = respond_error(session, ctx, &err).await;
-                ctx.decision = Some(Decision {
-                    service,
-                    order: Vec::new(),
-                    reason: routing_rules::policy::Reason::NoHealthyWorker,
-                    extra_fallbacks: Vec::new(),
-                    prompt: None,
-                    seed_hex: String::new(),
-                    hash_algorithm: String::new(),
-                });
-                return r;
+                return respond_error(session, ctx, &err).await;
             }
         };
-        let svc_name = decision.service.name().to_owned();
+        let svc_name = service.name().to_owned();
         if let Some(l) = route::fallback_label(decision.reason) {
-            self.shared.metrics.fallback(&svc_name, l);
+            self.data.metrics.fallback(&svc_name, l);
         }
         for l in &decision.extra_fallbacks {
-            self.shared.metrics.fallback(&svc_name, l);
+            self.data.metrics.fallback(&svc_name, l);
         }
         if let Some(p) = &decision.prompt {
             let labels = ServiceLabels {
                 service: svc_name.clone(),
             };
-            self.shared
+            self.data
                 .metrics
                 .lookup_tokens
                 .get_or_create(&labels)
                 .inc_by(p.prompt_tokens as u64);
             if let Some(first) = decision.order.first() {
                 let predicted = decision.predicted_tokens(first).unwrap_or(0);
-                self.shared
+                self.data
                     .metrics
                     .matched_tokens
                     .get_or_create(&labels)
@@ -330,7 +225,7 @@ impl ProxyHttp for Proxy {
         ctx.body = body;
         if ctx.body.len() > RETRY_BUFFER_LIMIT {
             // pingora would forward only the headers of a body its retry buffer truncated.
-            crate::forward::forward(self, session, ctx).await?;
+            crate::forward::forward(&self.data, session, ctx).await?;
             return Ok(true);
         }
         Ok(false)
@@ -360,7 +255,12 @@ impl ProxyHttp for Proxy {
             .workers
             .get(&worker)
             .ok_or_else(|| Error::explain(ErrorType::InternalError, "worker left the view"))?;
-        let peer = crate::forward::peer_for(&entry.upstream, &decision.service.spec().upstream);
+        let spec = ctx
+            .service
+            .as_ref()
+            .map(|s| s.spec().upstream.clone())
+            .unwrap_or_default();
+        let peer = upstream::peer_for(&entry.upstream, &spec);
         ctx.current = Some(worker);
         Ok(Box::new(peer))
     }
@@ -373,9 +273,9 @@ impl ProxyHttp for Proxy {
         mut e: Box<Error>,
     ) -> Box<Error> {
         if let Some(w) = &ctx.current {
-            self.shared.mark_failure(w, true);
-            if let Some(d) = &ctx.decision {
-                self.shared.metrics.fallback(d.service.name(), "connect");
+            self.data.mark_failure(w, true);
+            if let Some(s) = &ctx.service {
+                self.data.metrics.fallback(s.name(), "connect");
             }
         }
         // Nothing was sent yet: try the next candidate if there is one.
@@ -390,40 +290,14 @@ impl ProxyHttp for Proxy {
     async fn upstream_request_filter(
         &self,
         _session: &mut Session,
-        upstream: &mut RequestHeader,
+        head: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         let Some(worker) = ctx.current.clone() else {
             return Err(Error::explain(ErrorType::InternalError, "no worker chosen"));
         };
-        let view = ctx.view.clone();
-        if let Some(entry) = view.as_ref().and_then(|v| v.workers.get(&worker)) {
-            ctx.in_flight = Some(InFlight::start(entry.runtime.clone()));
-            if !entry.upstream.base_path.is_empty() {
-                let pq = upstream
-                    .uri
-                    .path_and_query()
-                    .map_or("/", |p| p.as_str())
-                    .to_owned();
-                let uri: http::Uri = format!("{}{}", entry.upstream.base_path, pq)
-                    .parse()
-                    .map_err(|_| Error::explain(ErrorType::InternalError, "bad upstream path"))?;
-                upstream.set_uri(uri);
-            }
-            upstream.insert_header("host", entry.upstream.authority.as_str())?;
-        }
-        let ticket = self.ticket_for(ctx, &worker);
-        upstream.insert_header("x-request-id", ctx.request_id.as_str())?;
-        if let Some(t) = &ticket {
-            upstream.insert_header(TICKET_HEADER, t.header())?;
-        }
-        ctx.ticket = ticket;
-        upstream.remove_header("expect");
-        if !ctx.body.is_empty() || upstream.headers.contains_key("content-length") {
-            upstream.remove_header("transfer-encoding");
-            upstream.insert_header("content-length", ctx.body.len().to_string())?;
-        }
-        Ok(())
+        upstream::begin_attempt(&self.data, ctx, &worker);
+        upstream::prepare_head(head, ctx, false)
     }
 
     async fn request_body_filter(
@@ -448,27 +322,10 @@ impl ProxyHttp for Proxy {
     async fn upstream_response_filter(
         &self,
         _session: &mut Session,
-        upstream: &mut ResponseHeader,
+        resp: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        let status = upstream.status.as_u16();
-        ctx.status = Some(status);
-        if let Some(w) = &ctx.current {
-            if status >= 500 {
-                self.shared.mark_failure(w, false);
-            } else {
-                self.shared.mark_success(w);
-            }
-            upstream.insert_header(WORKER_HEADER, w.0.as_str())?;
-        }
-        if let Some(d) = &ctx.decision {
-            upstream.insert_header(REASON_HEADER, d.reason.as_str())?;
-        }
-        if let Some(v) = &ctx.view {
-            upstream.insert_header(VERSION_HEADER, v.version().to_string())?;
-        }
-        upstream.insert_header("x-request-id", ctx.request_id.as_str())?;
-        Ok(())
+        upstream::on_response(&self.data, resp, ctx)
     }
 
     fn response_body_filter(
@@ -508,7 +365,7 @@ impl ProxyHttp for Proxy {
                 });
             }
         }
-        self.shared.finish_request(ctx);
+        self.data.finish_request(ctx);
     }
 
     async fn fail_to_proxy(
@@ -518,9 +375,9 @@ impl ProxyHttp for Proxy {
         ctx: &mut RequestCtx,
     ) -> pingora::proxy::FailToProxy {
         let service = ctx
-            .decision
+            .service
             .as_ref()
-            .map(|d| d.service.name().to_owned())
+            .map(|s| s.name().to_owned())
             .unwrap_or_default();
         let err = match e.etype() {
             ErrorType::ConnectNoRoute
@@ -550,27 +407,5 @@ impl ProxyHttp for Proxy {
             error_code: code,
             can_reuse_downstream: false,
         }
-    }
-}
-
-/// Labels for the request counter from a finished ctx.
-pub(crate) fn request_labels(ctx: &RequestCtx) -> RequestLabels {
-    let (service, rule, mode) = match &ctx.decision {
-        Some(d) => (
-            d.service.name().to_owned(),
-            d.service.rule_id.clone(),
-            d.service.mode().to_owned(),
-        ),
-        None => ("-".into(), "-".into(), "-".into()),
-    };
-    RequestLabels {
-        service,
-        rule,
-        mode,
-        worker: ctx
-            .current
-            .as_ref()
-            .map_or_else(|| "-".to_owned(), |w| w.0.clone()),
-        status: ctx.status.map_or_else(|| "0".to_owned(), |s| s.to_string()),
     }
 }

@@ -1,20 +1,24 @@
-//! The routing decision for one request, from one [`View`]: round robin, or KV-exact
-//! (parse → salt → render + tokenize → block keys → token budget → index lookup → policy).
+//! The routing decision for one request, from one [`View`]: build a candidate per pool worker,
+//! let the service's selection policy order them. The rule kind is looked at once, when the view
+//! is compiled ([`ServiceRoute::prefix`] is set for KV-exact services); here a service with
+//! prefix routing parses the body, takes the salt, renders + tokenizes by the prompt contract,
+//! computes block keys, checks the token budget and looks the keys up in the index, and every
+//! service goes through the same candidate building and [`routing_rules::policy::SelectionPolicy`].
 //!
-//! Cost: round robin is O(pool). KV-exact is dominated by rendering + tokenizing the prompt
+//! Cost: O(pool) without prefix routing. With it, dominated by rendering + tokenizing the prompt
 //! (O(prompt length)); keys are one hash per full block; the index lookup costs O(blocks matched
 //! + workers holding the first block) per the prefix-index crate; the policy O(pool · log pool).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use prefix_index::{BlockKey, NamespaceSeed, PrefixIndex, WorkerId};
+use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed, PrefixIndex, WorkerId};
 use routing_rules::policy::{Candidate, Reason};
-use routing_rules::schema::{LoadMetric, Rule, TokenBudgetPolicy};
+use routing_rules::schema::{LoadMetric, SaltPolicy, TokenBudgetPolicy};
 
 use crate::error::GatewayError;
 use crate::protocol::{Endpoint, InferenceBody};
-use crate::view::{ServiceRoute, View};
+use crate::view::{PrefixRoute, ServiceRoute, View};
 
 /// Why a request fell back from the plain choice, as a metric label. `None` for a hit or plain RR.
 pub fn fallback_label(reason: Reason) -> Option<&'static str> {
@@ -26,42 +30,38 @@ pub fn fallback_label(reason: Reason) -> Option<&'static str> {
     }
 }
 
-/// What the gateway learned about a `kv_exact` prompt.
+/// What the gateway learned about a prompt it routed by prefix.
 #[derive(Clone, Debug)]
 pub struct PromptFacts {
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Block keys of the full blocks.
     pub keys: Vec<BlockKey>,
-    /// The namespace seed.
+    /// The namespace seed the keys were computed in (goes into the ticket).
     pub seed: NamespaceSeed,
+    /// The hash algorithm of the keys (goes into the ticket).
+    pub hash_algorithm: HashAlgorithm,
     /// Matched blocks per candidate worker (for the ticket's prediction).
     pub matched: Vec<(WorkerId, usize)>,
     /// Tokens per block.
     pub block_size: usize,
 }
 
-/// A routing decision.
+/// A routing decision (the service it was taken for is kept beside it, in the request ctx).
 #[derive(Clone, Debug)]
 pub struct Decision {
-    /// The matched service.
-    pub service: Arc<ServiceRoute>,
     /// First choice, then fallbacks for connect retries (healthy workers only).
     pub order: Vec<WorkerId>,
     /// The policy's reason for the first choice.
     pub reason: Reason,
     /// Extra fallback labels (e.g. `contract` when a worker was excluded for its profile).
     pub extra_fallbacks: Vec<&'static str>,
-    /// KV-exact facts (None for round robin).
+    /// Prefix-routing facts (`None` without prefix routing).
     pub prompt: Option<PromptFacts>,
-    /// The namespace seed of the request (unsalted profile-less seed for round robin).
-    pub seed_hex: String,
-    /// The hash algorithm name for the ticket.
-    pub hash_algorithm: String,
 }
 
 impl Decision {
-    /// Predicted matched tokens on `worker` (KV-exact only).
+    /// Predicted matched tokens on `worker` (prefix routing only).
     pub fn predicted_tokens(&self, worker: &WorkerId) -> Option<u32> {
         let p = self.prompt.as_ref()?;
         let blocks = p
@@ -85,6 +85,72 @@ pub struct RouteInput<'a> {
     pub header: &'a dyn Fn(&str) -> Option<String>,
 }
 
+/// What prefix routing found before the policy runs.
+struct Looked {
+    keys: Vec<BlockKey>,
+    prompt_tokens: usize,
+    seed: NamespaceSeed,
+    matches: Vec<prefix_index::WorkerMatch>,
+}
+
+/// Parse, salt, tokenize, keys, budget, lookup.
+fn look_up(
+    prefix: &PrefixRoute,
+    index: &PrefixIndex,
+    input: &RouteInput<'_>,
+) -> Result<Looked, GatewayError> {
+    let endpoint = Endpoint::from_path(input.path).ok_or_else(|| GatewayError::InvalidBody {
+        reason: format!(
+            "kv_exact routes only /v1/chat/completions and /v1/completions, not {}",
+            input.path
+        ),
+    })?;
+    let body = InferenceBody::parse(endpoint, input.body)?;
+    let header_salt = match &prefix.rule.salt {
+        SaltPolicy::TenantHeader { header, .. } => (input.header)(&header.to_ascii_lowercase()),
+        _ => None,
+    };
+    let salt = prefix
+        .rule
+        .salt
+        .effective_salt(header_salt.as_deref(), body.cache_salt.as_deref())
+        .map_err(|r| GatewayError::InvalidBody {
+            reason: r.reason.to_owned(),
+        })?;
+    let tok = prefix.profile.keys(&body.prompt, salt.as_deref())?;
+    if prefix.token_budget == TokenBudgetPolicy::Reject {
+        let requested = body
+            .max_tokens
+            .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+        // The worker's own cap does not change the verdict (see `TokenBudget`).
+        if let Err(prompt_profile::ProfileError::ContextLengthExceeded {
+            context_limit,
+            prompt_tokens,
+            max_tokens,
+            native_reserve,
+            ..
+        }) = prefix
+            .profile
+            .budget()
+            .output_tokens(tok.tokens.len(), requested, usize::MAX)
+        {
+            return Err(GatewayError::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens,
+                reserve_tokens: native_reserve,
+                context_limit,
+            });
+        }
+    }
+    let matches = index.longest_matches(&tok.keys);
+    Ok(Looked {
+        prompt_tokens: tok.tokens.len(),
+        keys: tok.keys,
+        seed: tok.seed,
+        matches,
+    })
+}
+
 fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
     // Only in-flight requests are known to the gateway; `active_tokens` falls back to it
     // (documented in docs/gateway.md).
@@ -101,141 +167,63 @@ pub fn decide(
     input: &RouteInput<'_>,
 ) -> Result<Decision, GatewayError> {
     let service = input.service;
-    match &service.spec().rule {
-        Rule::RoundRobin(_) => {
-            let candidates: Vec<Candidate> = service
-                .pool
-                .iter()
-                .filter_map(|w| view.workers.get(w))
-                .map(|e| Candidate {
-                    worker: e.spec.id.clone(),
-                    healthy: e.healthy,
-                    load: e.runtime.in_flight.load(Ordering::Relaxed),
-                    matched_blocks: 0,
-                    weight: e.spec.weight,
-                    cached_blocks: 0,
-                })
-                .collect();
-            let sel = service.policy().select(&candidates);
-            if sel.order.is_empty() {
-                return Err(GatewayError::NoHealthyWorker {
-                    service: service.name().to_owned(),
-                });
-            }
-            Ok(Decision {
-                service: service.clone(),
-                order: sel.order,
-                reason: sel.reason,
-                extra_fallbacks: Vec::new(),
-                prompt: None,
-                seed_hex: String::new(),
-                hash_algorithm: String::new(),
-            })
-        }
-        Rule::KvExact(rule) => {
-            let profile = service
-                .profile
-                .as_ref()
-                .ok_or_else(|| GatewayError::Internal {
-                    reason: format!("service {} has no loaded profile", service.name()),
-                })?;
-            let endpoint =
-                Endpoint::from_path(input.path).ok_or_else(|| GatewayError::InvalidBody {
-                    reason: format!(
-                        "kv_exact routes only /v1/chat/completions and /v1/completions, not {}",
-                        input.path
-                    ),
-                })?;
-            let body = InferenceBody::parse(endpoint, input.body)?;
-            let header_salt = match &rule.salt {
-                routing_rules::schema::SaltPolicy::TenantHeader { header, .. } => {
-                    (input.header)(&header.to_ascii_lowercase())
-                }
-                _ => None,
-            };
-            let salt = rule
-                .salt
-                .effective_salt(header_salt.as_deref(), body.cache_salt.as_deref())
-                .map_err(|r| GatewayError::InvalidBody {
-                    reason: r.reason.to_owned(),
-                })?;
-            let tok = profile.keys(&body.prompt, salt.as_deref())?;
-            if service.spec().token_budget == TokenBudgetPolicy::Reject {
-                let requested = body
-                    .max_tokens
-                    .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
-                // The worker's own cap does not change the verdict (see `TokenBudget`).
-                if let Err(prompt_profile::ProfileError::ContextLengthExceeded {
-                    context_limit,
-                    prompt_tokens,
-                    max_tokens,
-                    native_reserve,
-                    ..
-                }) = profile
-                    .budget()
-                    .output_tokens(tok.tokens.len(), requested, usize::MAX)
-                {
-                    return Err(GatewayError::ContextLengthExceeded {
-                        prompt_tokens,
-                        max_tokens,
-                        reserve_tokens: native_reserve,
-                        context_limit,
-                    });
-                }
-            }
-            let matches = index.longest_matches(&tok.keys);
-            let matched_of = |w: &WorkerId| -> usize {
-                matches
+    let looked = match &service.prefix {
+        Some(p) => Some((p, look_up(p, index, input)?)),
+        None => None,
+    };
+    let mut extra = Vec::new();
+    let mut candidates = Vec::with_capacity(service.pool.len());
+    for w in &service.pool {
+        let Some(e) = view.workers.get(w) else {
+            continue;
+        };
+        let (contract_ok, matched_blocks, cached_blocks, metric) = match &looked {
+            None => (true, 0, 0, LoadMetric::InFlight),
+            Some((p, l)) => (
+                e.runtime.contract_ok(),
+                l.matches
                     .iter()
                     .find(|m| &m.worker == w)
-                    .map_or(0, |m| m.blocks)
-            };
-            let mut extra = Vec::new();
-            let mut candidates = Vec::with_capacity(service.pool.len());
-            for w in &service.pool {
-                let Some(e) = view.workers.get(w) else {
-                    continue;
-                };
-                let contract_ok = e.runtime.contract_ok();
-                if !contract_ok {
-                    extra.push("contract");
-                }
-                candidates.push(Candidate {
-                    worker: w.clone(),
-                    healthy: e.healthy && contract_ok,
-                    load: load_of(view, w, rule.load_metric),
-                    matched_blocks: matched_of(w),
-                    weight: e.spec.weight,
-                    cached_blocks: index
-                        .worker_stats(w)
-                        .map_or(0, |s| s.precise_blocks + s.approximate_blocks),
-                });
-            }
-            let sel = service.policy().select(&candidates);
-            if sel.order.is_empty() {
-                return Err(GatewayError::NoHealthyWorker {
-                    service: service.name().to_owned(),
-                });
-            }
-            let matched = candidates
-                .iter()
-                .map(|c| (c.worker.clone(), c.matched_blocks))
-                .collect();
-            Ok(Decision {
-                service: service.clone(),
-                order: sel.order,
-                reason: sel.reason,
-                extra_fallbacks: extra,
-                seed_hex: tok.seed.to_hex(),
-                hash_algorithm: profile.algorithm().as_str().to_owned(),
-                prompt: Some(PromptFacts {
-                    prompt_tokens: tok.tokens.len(),
-                    keys: tok.keys,
-                    seed: tok.seed,
-                    matched,
-                    block_size: profile.block_size.get(),
-                }),
-            })
+                    .map_or(0, |m| m.blocks),
+                index
+                    .worker_stats(w)
+                    .map_or(0, |s| s.precise_blocks + s.approximate_blocks),
+                p.rule.load_metric,
+            ),
+        };
+        if !contract_ok {
+            extra.push("contract");
         }
+        candidates.push(Candidate {
+            worker: w.clone(),
+            healthy: e.healthy && contract_ok,
+            load: load_of(view, w, metric),
+            matched_blocks,
+            weight: e.spec.weight,
+            cached_blocks,
+        });
     }
+    let sel = service.policy().select(&candidates);
+    if sel.order.is_empty() {
+        return Err(GatewayError::NoHealthyWorker {
+            service: service.name().to_owned(),
+        });
+    }
+    let prompt = looked.map(|(p, l)| PromptFacts {
+        prompt_tokens: l.prompt_tokens,
+        keys: l.keys,
+        seed: l.seed,
+        hash_algorithm: p.profile.algorithm(),
+        matched: candidates
+            .iter()
+            .map(|c| (c.worker.clone(), c.matched_blocks))
+            .collect(),
+        block_size: p.profile.block_size.get(),
+    });
+    Ok(Decision {
+        order: sel.order,
+        reason: sel.reason,
+        extra_fallbacks: extra,
+        prompt,
+    })
 }

@@ -21,14 +21,31 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use eventsource_stream::Eventsource;
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use prefix_index::{EnvelopeOutcome, KvEventEnvelope, WorkerId};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::Shared;
+use crate::data_plane::DataPlane;
 use crate::view::{EventStreamState, View};
+
+/// What the health loop asks of the control plane, which owns the rules and the contract.
+pub trait WorkerChecks: Send + Sync {
+    /// Re-reads a worker's profile and contract state (it became healthy, its contract is not
+    /// ok, or its profile is not known yet).
+    fn recheck(&self, id: WorkerId) -> BoxFuture<'_, ()>;
+}
+
+/// What every task of a worker holds: the data plane (weakly: the tasks never keep a stopped
+/// gateway alive), the HTTP client and the control plane's checks.
+#[derive(Clone)]
+struct TaskCtx {
+    data: Weak<DataPlane>,
+    http: reqwest::Client,
+    checks: Weak<dyn WorkerChecks>,
+}
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -43,17 +60,22 @@ struct WorkerTasks {
 /// The background tasks of every worker in the current view.
 pub struct Supervisor {
     handle: Handle,
-    shared: Weak<Shared>,
+    ctx: TaskCtx,
     root: CancellationToken,
     tasks: BTreeMap<WorkerId, WorkerTasks>,
 }
 
 impl Supervisor {
     /// A supervisor spawning on `handle`.
-    pub fn new(handle: Handle, shared: Weak<Shared>) -> Supervisor {
+    pub fn new(
+        handle: Handle,
+        data: Weak<DataPlane>,
+        http: reqwest::Client,
+        checks: Weak<dyn WorkerChecks>,
+    ) -> Supervisor {
         Supervisor {
             handle,
-            shared,
+            ctx: TaskCtx { data, http, checks },
             root: CancellationToken::new(),
             tasks: BTreeMap::new(),
         }
@@ -76,26 +98,26 @@ impl Supervisor {
             if let Some(t) = self.tasks.remove(&id) {
                 t.cancel.cancel();
             }
-            if let Some(shared) = self.shared.upgrade() {
-                shared.index.remove_worker(&id);
+            if let Some(data) = self.ctx.data.upgrade() {
+                data.index.remove_worker(&id);
             }
         }
         for (id, base_url) in wanted {
             if self.tasks.contains_key(&id) {
                 continue;
             }
-            if let Some(shared) = self.shared.upgrade() {
-                shared.index.add_worker(&id);
+            if let Some(data) = self.ctx.data.upgrade() {
+                data.index.add_worker(&id);
             }
             let cancel = self.root.child_token();
             let health = self.handle.spawn(health_loop(
-                self.shared.clone(),
+                self.ctx.clone(),
                 id.clone(),
                 base_url.clone(),
                 cancel.clone(),
             ));
             let events = self.handle.spawn(event_loop(
-                self.shared.clone(),
+                self.ctx.clone(),
                 id.clone(),
                 base_url.clone(),
                 cancel.clone(),
@@ -129,17 +151,14 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
     }
 }
 
-async fn health_loop(
-    shared: Weak<Shared>,
-    id: WorkerId,
-    base_url: String,
-    cancel: CancellationToken,
-) {
+async fn health_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: CancellationToken) {
     let url = format!("{base_url}/ready");
     loop {
-        let Some(s) = shared.upgrade() else { return };
+        let Some(data) = ctx.data.upgrade() else {
+            return;
+        };
         let interval = Duration::from_millis(
-            s.views
+            data.views
                 .load()
                 .snapshot
                 .rules()
@@ -148,27 +167,31 @@ async fn health_loop(
                 .max(10),
         );
         let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(2));
-        let probe = s.http.get(&url).timeout(timeout).send();
+        let probe = ctx.http.get(&url).timeout(timeout).send();
         let ok = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
             r = probe => r.is_ok_and(|r| r.status().is_success()),
         };
-        let was_healthy = s.views.load().workers.get(&id).is_some_and(|e| e.healthy);
-        if ok {
-            if let Some(e) = s.views.load().workers.get(&id) {
-                e.runtime
-                    .consecutive_failures
-                    .store(0, std::sync::atomic::Ordering::Relaxed);
-                if !e.runtime.contract_ok() || !was_healthy {
-                    s.recheck_contract(&id).await;
+        let view = data.views.load();
+        let entry = view.workers.get(&id);
+        let was_healthy = entry.is_some_and(|e| e.healthy);
+        if let (true, Some(e)) = (ok, entry) {
+            e.runtime
+                .consecutive_failures
+                .store(0, std::sync::atomic::Ordering::Relaxed);
+            let unknown = e.runtime.reported.lock().is_none();
+            if !e.runtime.contract_ok() || !was_healthy || unknown {
+                if let Some(checks) = ctx.checks.upgrade() {
+                    checks.recheck(id.clone()).await;
                 }
             }
         }
-        s.set_health(&id, ok);
+        drop(view);
+        data.set_health(&id, ok);
         // Bound the memory of approximate holdings (queries already ignore expired ones).
-        s.index.expire_approximate();
-        drop(s);
+        data.index.expire_approximate();
+        drop(data);
         if !sleep_or_cancel(interval, &cancel).await {
             return;
         }
@@ -191,23 +214,26 @@ enum StreamEnd {
 /// one prompt chain (context / block size keys, ~19 bytes each), far below this.
 pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
-async fn event_loop(
-    shared: Weak<Shared>,
-    id: WorkerId,
-    base_url: String,
-    cancel: CancellationToken,
-) {
+async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: CancellationToken) {
     let mut position: Option<(u64, u64)> = None;
     let mut backoff = BACKOFF_MIN;
     loop {
-        let Some(s) = shared.upgrade() else { return };
+        let Some(data) = ctx.data.upgrade() else {
+            return;
+        };
         let url = match position {
             Some((e, q)) => format!("{base_url}/v1/kv/events?since_epoch={e}&since_seq={q}"),
             None => format!("{base_url}/v1/kv/events"),
         };
-        let runtime = s.views.load().workers.get(&id).map(|e| e.runtime.clone());
+        let runtime = data
+            .views
+            .load()
+            .workers
+            .get(&id)
+            .map(|e| e.runtime.clone());
         let Some(runtime) = runtime else { return };
-        let connect = s
+        drop(data);
+        let connect = ctx
             .http
             .get(&url)
             .header("accept", "text/event-stream")
@@ -225,8 +251,7 @@ async fn event_loop(
             Ok(r) if r.status().is_success() => {
                 *runtime.events.lock() = EventStreamState::Connected;
                 *runtime.events_last_heard.lock() = Some(Instant::now());
-                drop(s);
-                let end = read_stream(&shared, &id, &runtime, r, &mut position, &cancel).await;
+                let end = read_stream(&ctx.data, &id, &runtime, r, &mut position, &cancel).await;
                 *runtime.events.lock() = EventStreamState::Connecting;
                 match end {
                     StreamEnd::Cancelled => return,
@@ -264,7 +289,7 @@ async fn event_loop(
 /// Applies one subscription's envelopes to the index by the stream protocol
 /// ([`prefix_index::PrefixIndex::apply_envelope`]), keeping `position` at the last applied one.
 async fn read_stream(
-    shared: &Weak<Shared>,
+    data: &Weak<DataPlane>,
     id: &WorkerId,
     runtime: &Arc<crate::view::WorkerRuntime>,
     resp: reqwest::Response,
@@ -300,10 +325,10 @@ async fn read_stream(
                 continue;
             }
         };
-        let Some(s) = shared.upgrade() else {
+        let Some(d) = data.upgrade() else {
             return StreamEnd::Cancelled;
         };
-        match s.index.apply_envelope(id, &env) {
+        match d.index.apply_envelope(id, &env) {
             Ok(EnvelopeOutcome::Applied | EnvelopeOutcome::NewEpoch { .. }) => {
                 *position = Some((env.epoch, env.seq));
                 *runtime.events_position.lock() = *position;

@@ -18,13 +18,15 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
-use prefix_index::WorkerId;
+use prefix_index::{HashAlgorithm, WorkerId};
+use receipts::RouteMode;
 use routing_rules::policy::SelectionPolicy;
-use routing_rules::schema::{Rule, ServiceSpec, WorkerSpec};
+use routing_rules::schema::{KvExactRule, Rule, ServiceSpec, TokenBudgetPolicy, WorkerSpec};
 use routing_rules::{RequestInfo, RuleSnapshot, ServiceEntry};
 
 use crate::error::GatewayError;
 use crate::profile::LoadedProfile;
+use crate::protocol::WorkerProfile;
 
 /// Where a worker is reached.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,6 +127,8 @@ pub struct WorkerRuntime {
     pub contract: Mutex<ContractState>,
     /// Consecutive failed checks or passive failures.
     pub consecutive_failures: AtomicU64,
+    /// The worker's last `GET /v1/profile` answer (re-read when it becomes healthy).
+    pub reported: Mutex<Option<WorkerProfile>>,
 }
 
 impl WorkerRuntime {
@@ -139,7 +143,13 @@ impl WorkerRuntime {
             events_applied: AtomicU64::new(0),
             contract: Mutex::new(ContractState::NotRequired),
             consecutive_failures: AtomicU64::new(0),
+            reported: Mutex::new(None),
         }
+    }
+
+    /// The block-key hash algorithm the worker reported (`None` before its profile was read).
+    pub fn reported_algorithm(&self) -> Option<HashAlgorithm> {
+        self.reported.lock().as_ref().map(|p| p.hash_algorithm)
     }
 
     /// Whether `kv_exact` holdings of this worker must be approximated from routed keys.
@@ -169,7 +179,20 @@ pub struct WorkerEntry {
     pub runtime: Arc<WorkerRuntime>,
 }
 
+/// What a service routing by cached prefix (`kv_exact`) needs per request.
+#[derive(Debug)]
+pub struct PrefixRoute {
+    /// The pinned profile, loaded and verified.
+    pub profile: Arc<LoadedProfile>,
+    /// The rule's parameters (salt policy, load metric, ...).
+    pub rule: KvExactRule,
+    /// The service's token-budget policy.
+    pub token_budget: TokenBudgetPolicy,
+}
+
 /// One service of a view: its entry in the rules snapshot plus what the gateway loaded for it.
+/// The rule kind is resolved here, once: the request path reads `mode`, `prefix` and the
+/// policy, never the kind.
 #[derive(Debug)]
 pub struct ServiceRoute {
     snapshot: Arc<RuleSnapshot>,
@@ -178,8 +201,10 @@ pub struct ServiceRoute {
     pub rule_id: String,
     /// The pool's worker ids, in pool order.
     pub pool: Vec<WorkerId>,
-    /// The pinned profile of a `kv_exact` rule, loaded and verified.
-    pub profile: Option<Arc<LoadedProfile>>,
+    /// The routing mode written into tickets (and the `mode` metric label).
+    pub mode: RouteMode,
+    /// Prefix routing (`kv_exact`): `None` for round robin.
+    pub prefix: Option<PrefixRoute>,
 }
 
 impl ServiceRoute {
@@ -202,9 +227,9 @@ impl ServiceRoute {
         self.entry().policy.as_ref()
     }
 
-    /// `round_robin` or `kv_exact`.
-    pub fn mode(&self) -> &'static str {
-        self.spec().rule.kind()
+    /// The pinned profile of a prefix-routed service.
+    pub fn profile(&self) -> Option<&Arc<LoadedProfile>> {
+        self.prefix.as_ref().map(|p| &p.profile)
     }
 }
 
@@ -272,25 +297,33 @@ impl View {
         let mut services = Vec::new();
         for (idx, entry) in snapshot.services().iter().enumerate() {
             let s = &entry.spec;
-            let profile = match &s.rule {
-                Rule::KvExact(k) => {
-                    let id = k.profile.as_ref().ok_or_else(|| GatewayError::Config {
-                        reason: format!("service {}: kv_exact without a profile", s.name),
-                    })?;
-                    Some(profiles.get(id.as_str()).cloned().ok_or_else(|| {
-                        GatewayError::Config {
-                            reason: format!("service {}: profile {id} not loaded", s.name),
-                        }
-                    })?)
-                }
-                Rule::RoundRobin(_) => None,
-            };
+            let (mode, prefix) =
+                match &s.rule {
+                    Rule::KvExact(k) => {
+                        let id = k.profile.as_ref().ok_or_else(|| GatewayError::Config {
+                            reason: format!("service {}: kv_exact without a profile", s.name),
+                        })?;
+                        let profile = profiles.get(id.as_str()).cloned().ok_or_else(|| {
+                            GatewayError::Config {
+                                reason: format!("service {}: profile {id} not loaded", s.name),
+                            }
+                        })?;
+                        let prefix = PrefixRoute {
+                            profile,
+                            rule: k.clone(),
+                            token_budget: s.token_budget,
+                        };
+                        (RouteMode::KvExact, Some(prefix))
+                    }
+                    Rule::RoundRobin(_) => (RouteMode::RoundRobin, None),
+                };
             services.push(Arc::new(ServiceRoute {
                 snapshot: snapshot.clone(),
                 idx,
                 rule_id: format!("{}/{}", s.name, s.rule.kind()),
                 pool: entry.workers.iter().map(|w| w.id.clone()).collect(),
-                profile,
+                mode,
+                prefix,
             }));
         }
         Ok(View {

@@ -45,7 +45,6 @@ impl Holders {
     }
 
     /// Is `slot` in the set?
-    #[cfg(test)]
     pub(crate) fn contains(&self, slot: u32) -> bool {
         let (w, bit) = split(slot);
         match self {

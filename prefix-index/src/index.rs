@@ -463,6 +463,24 @@ impl PrefixIndex {
         self.precise.iter().map(|s| s.read().len()).sum()
     }
 
+    /// Every key `worker` holds precisely, sorted. O(total keys): for diagnostics and tests
+    /// (comparing the index with a worker's own cache), not for the request path.
+    pub fn precise_keys_of(&self, worker: &WorkerId) -> Result<Vec<BlockKey>, IndexError> {
+        let ws = self.slot_of(worker)?;
+        let mut out: Vec<BlockKey> = Vec::new();
+        for shard in &self.precise {
+            out.extend(
+                shard
+                    .read()
+                    .iter()
+                    .filter(|(_, h)| h.contains(ws.slot))
+                    .map(|(k, _)| *k),
+            );
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
     /// Workers that precisely hold `key`, in slot order.
     pub fn holders(&self, key: BlockKey) -> Vec<WorkerId> {
         let w = self.workers.read();

@@ -23,9 +23,9 @@ fn draft(i: usize, gw: &KeyPair, t0: u64) -> ReceiptDraft {
         worker: "w0".into(),
         predicted_matched_tokens: Some(64),
         prompt_tokens: Some(100),
-        last_block_key: Some("0123456789abcdef".into()),
-        namespace_seed: "ab".repeat(32),
-        hash_algorithm: "xxh3_64".into(),
+        last_block_key: Some(prefix_index::BlockKey(0x0123456789abcdef)),
+        namespace_seed: prefix_index::NamespaceSeed([0xab; 32]),
+        hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
         issued_at_ms: t0,
         expires_at_ms: t0 + DEFAULT_TICKET_TTL_MS,
     }
@@ -46,7 +46,7 @@ fn draft(i: usize, gw: &KeyPair, t0: u64) -> ReceiptDraft {
         received_at_ms: t0 + 1,
         first_token_at_ms: Some(t0 + 5),
         completed_at_ms: t0 + 50,
-        last_block_key: Some("0123456789abcdef".into()),
+        last_block_key: Some(prefix_index::BlockKey(0x0123456789abcdef)),
     }
 }
 

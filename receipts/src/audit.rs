@@ -369,8 +369,8 @@ pub fn audit_with(
         let display = path.display().to_string();
         let report = verify_log_collect(path, keys, vopts, |line, r| {
             rep.receipts += 1;
-            let wc = rep.per_worker.entry(r.worker_id.clone()).or_default();
-            match &r.ticket {
+            let wc = rep.per_worker.entry(r.worker_id.0.clone()).or_default();
+            match &r.body.ticket {
                 None => {
                     rep.direct_receipts += 1;
                     wc.direct_receipts += 1;
@@ -482,7 +482,7 @@ pub fn audit_with(
                 d.rule_version, t.rule_version
             ));
         }
-        if d.worker.as_deref().is_some_and(|w| w != t.worker) {
+        if d.worker.as_ref().is_some_and(|w| *w != t.worker) {
             mismatches.push(format!("worker {:?} vs ticket {}", d.worker, t.worker));
         }
         if !mismatches.is_empty() {
@@ -495,7 +495,7 @@ pub fn audit_with(
         }
         *rep.per_mode.entry(t.mode.as_str()).or_insert(0) += 1;
         rep.per_worker
-            .entry(t.worker.clone())
+            .entry(t.worker.0.clone())
             .or_default()
             .decisions += 1;
         let route = rep
@@ -516,7 +516,7 @@ pub fn audit_with(
                     rep.failed_without_receipt += 1;
                     rep.failed_requests.push(FailedRequest {
                         request_id: d.request_id.clone(),
-                        worker: t.worker.clone(),
+                        worker: t.worker.0.clone(),
                         error: err.clone(),
                         location: loc.clone(),
                     });
@@ -533,28 +533,34 @@ pub fn audit_with(
                 let r = &one.receipt;
                 rep.receipted += 1;
                 route.receipted += 1;
-                route.cached_tokens += u64::from(r.cached_tokens);
-                route.prompt_tokens += u64::from(r.prompt_tokens);
-                if d.error.is_none() && d.status != r.status {
+                route.cached_tokens += u64::from(r.body.cached_tokens);
+                route.prompt_tokens += u64::from(r.body.prompt_tokens);
+                if d.error.is_none() && d.status != r.body.status {
                     discrepancies.push(disc(
                         D::StatusMismatch,
                         rid,
                         format!("{loc} / {}", one.location),
-                        format!("gateway status {}, worker status {}", d.status, r.status),
+                        format!(
+                            "gateway status {}, worker status {}",
+                            d.status, r.body.status
+                        ),
                     ));
                 }
                 match &t.last_block_key {
                     None => rep.parity.not_applicable += 1,
                     Some(gk) => {
                         rep.parity.compared += 1;
-                        let key_ok = r.last_block_key.as_deref() == Some(gk.as_str());
-                        let tok_ok = t.prompt_tokens.is_none_or(|p| p == r.prompt_tokens);
+                        let key_ok = r.body.last_block_key.as_ref() == Some(gk);
+                        let tok_ok = t.prompt_tokens.is_none_or(|p| p == r.body.prompt_tokens);
                         if !(key_ok && tok_ok) {
                             rep.parity.mismatched += 1;
                             let detail = format!(
                                 "prefix parity: gateway last block {gk} / {:?} prompt tokens, \
                                  worker {} {:?} / {} prompt tokens",
-                                t.prompt_tokens, r.worker_id, r.last_block_key, r.prompt_tokens
+                                t.prompt_tokens,
+                                r.worker_id,
+                                r.body.last_block_key,
+                                r.body.prompt_tokens
                             );
                             let d = disc(
                                 D::PrefixParity,
@@ -596,7 +602,7 @@ pub fn audit_with(
     for f in unissued {
         discrepancies.push(disc(
             D::UnissuedTicket,
-            Some(&f.receipt.request_id),
+            Some(&f.receipt.body.request_id),
             f.location.clone(),
             "receipt carries a ticket that is not in the decision log".into(),
         ));

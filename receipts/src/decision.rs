@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use prefix_index::WorkerId;
 use serde::{Deserialize, Serialize};
 
 use crate::canonical;
@@ -32,7 +33,7 @@ pub struct DecisionRecord {
     /// The rules snapshot version used, if any (must agree with the ticket).
     pub rule_version: Option<u64>,
     /// The worker the request went to, if any (must agree with the ticket).
-    pub worker: Option<String>,
+    pub worker: Option<WorkerId>,
     /// The HTTP status the gateway returned to the client.
     pub status: u16,
     /// A gateway-side failure talking to the worker (connect error, timeout, reset, ...). When

@@ -6,6 +6,7 @@
 //! The receipt's hash (what the next receipt's `prev_hash` holds) is SHA-256 of the complete
 //! line bytes without the trailing newline, i.e. of the canonical JSON of the whole receipt.
 
+use prefix_index::{BlockKey, WorkerId};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -20,7 +21,9 @@ pub const RECEIPT_DOMAIN: &[u8] = b"kvgate.receipt.v1\n";
 /// `prev_hash` of the first receipt of a log: 64 zeros.
 pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
-/// What the worker knows about a served request; the log adds the chain fields and signs it.
+/// What the worker knows about a served request: the body of a receipt, carried once from the
+/// worker's request handling into the signed [`Receipt`] (which flattens it); the log adds the
+/// chain fields and signs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ReceiptDraft {
     /// The request id (from the ticket, or `x-request-id`, or generated for direct requests).
@@ -54,53 +57,25 @@ pub struct ReceiptDraft {
     /// When the response completed (Unix ms).
     pub completed_at_ms: u64,
     /// The worker's own key of the prompt's last full block (16 lowercase hex), if any.
-    pub last_block_key: Option<String>,
+    pub last_block_key: Option<BlockKey>,
 }
 
-/// A signed, chained receipt (one line of a [`crate::ReceiptLog`]).
+/// A signed, chained receipt (one line of a [`crate::ReceiptLog`]): the chain fields, the
+/// worker's [`ReceiptDraft`] (its fields sit at the top level of the JSON object) and the
+/// signature. Unknown members are refused by [`Receipt::from_line`]'s canonical re-encoding.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Receipt {
     /// Position in this log, from 0, without gaps.
     pub seq: u64,
     /// Hash of the previous receipt of this log ([`GENESIS_HASH`] for seq 0).
     pub prev_hash: String,
     /// The worker that served the request.
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     /// The key id of the worker key that signed this receipt.
     pub key_id: KeyId,
-    /// See [`ReceiptDraft::request_id`].
-    pub request_id: String,
-    /// See [`ReceiptDraft::ticket`] (serialized as the header string).
-    pub ticket: Option<SignedTicket>,
-    /// See [`ReceiptDraft::model`].
-    pub model: String,
-    /// See [`ReceiptDraft::profile_digest`].
-    pub profile_digest: String,
-    /// See [`ReceiptDraft::request_sha256`].
-    pub request_sha256: String,
-    /// See [`ReceiptDraft::response_sha256`].
-    pub response_sha256: String,
-    /// See [`ReceiptDraft::prompt_tokens`].
-    pub prompt_tokens: u32,
-    /// See [`ReceiptDraft::cached_tokens`].
-    pub cached_tokens: u32,
-    /// See [`ReceiptDraft::completion_tokens`].
-    pub completion_tokens: u32,
-    /// See [`ReceiptDraft::finish_reason`].
-    pub finish_reason: Option<String>,
-    /// See [`ReceiptDraft::status`].
-    pub status: u16,
-    /// See [`ReceiptDraft::error_code`].
-    pub error_code: Option<String>,
-    /// See [`ReceiptDraft::received_at_ms`].
-    pub received_at_ms: u64,
-    /// See [`ReceiptDraft::first_token_at_ms`].
-    pub first_token_at_ms: Option<u64>,
-    /// See [`ReceiptDraft::completed_at_ms`].
-    pub completed_at_ms: u64,
-    /// See [`ReceiptDraft::last_block_key`].
-    pub last_block_key: Option<String>,
+    /// What the worker recorded about the request.
+    #[serde(flatten)]
+    pub body: ReceiptDraft,
     /// Ed25519 signature, 128 lowercase hex digits.
     pub signature: String,
 }
@@ -110,24 +85,10 @@ pub struct Receipt {
 struct Unsigned<'a> {
     seq: u64,
     prev_hash: &'a str,
-    worker_id: &'a str,
+    worker_id: &'a WorkerId,
     key_id: &'a KeyId,
-    request_id: &'a str,
-    ticket: &'a Option<SignedTicket>,
-    model: &'a str,
-    profile_digest: &'a str,
-    request_sha256: &'a str,
-    response_sha256: &'a str,
-    prompt_tokens: u32,
-    cached_tokens: u32,
-    completion_tokens: u32,
-    finish_reason: &'a Option<String>,
-    status: u16,
-    error_code: &'a Option<String>,
-    received_at_ms: u64,
-    first_token_at_ms: Option<u64>,
-    completed_at_ms: u64,
-    last_block_key: &'a Option<String>,
+    #[serde(flatten)]
+    body: &'a ReceiptDraft,
 }
 
 impl Receipt {
@@ -136,7 +97,7 @@ impl Receipt {
         draft: ReceiptDraft,
         seq: u64,
         prev_hash: String,
-        worker_id: String,
+        worker_id: WorkerId,
         key: &KeyPair,
     ) -> Result<Receipt> {
         let mut r = Receipt {
@@ -144,22 +105,7 @@ impl Receipt {
             prev_hash,
             worker_id,
             key_id: key.key_id().clone(),
-            request_id: draft.request_id,
-            ticket: draft.ticket,
-            model: draft.model,
-            profile_digest: draft.profile_digest,
-            request_sha256: draft.request_sha256,
-            response_sha256: draft.response_sha256,
-            prompt_tokens: draft.prompt_tokens,
-            cached_tokens: draft.cached_tokens,
-            completion_tokens: draft.completion_tokens,
-            finish_reason: draft.finish_reason,
-            status: draft.status,
-            error_code: draft.error_code,
-            received_at_ms: draft.received_at_ms,
-            first_token_at_ms: draft.first_token_at_ms,
-            completed_at_ms: draft.completed_at_ms,
-            last_block_key: draft.last_block_key,
+            body: draft,
             signature: String::new(),
         };
         let sig = key.sign(&r.signed_bytes()?);
@@ -174,22 +120,7 @@ impl Receipt {
             prev_hash: &self.prev_hash,
             worker_id: &self.worker_id,
             key_id: &self.key_id,
-            request_id: &self.request_id,
-            ticket: &self.ticket,
-            model: &self.model,
-            profile_digest: &self.profile_digest,
-            request_sha256: &self.request_sha256,
-            response_sha256: &self.response_sha256,
-            prompt_tokens: self.prompt_tokens,
-            cached_tokens: self.cached_tokens,
-            completion_tokens: self.completion_tokens,
-            finish_reason: &self.finish_reason,
-            status: self.status,
-            error_code: &self.error_code,
-            received_at_ms: self.received_at_ms,
-            first_token_at_ms: self.first_token_at_ms,
-            completed_at_ms: self.completed_at_ms,
-            last_block_key: &self.last_block_key,
+            body: &self.body,
         };
         let mut out = RECEIPT_DOMAIN.to_vec();
         out.extend_from_slice(&canonical::to_vec(&unsigned)?);

@@ -12,6 +12,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
+use prefix_index::WorkerId;
 
 use crate::error::{ReceiptsError, Result};
 use crate::keys::KeyPair;
@@ -39,7 +40,7 @@ pub struct ReceiptLog {
     appender: Appender,
     reader: File,
     key: KeyPair,
-    worker_id: String,
+    worker_id: WorkerId,
     chain: Mutex<Chain>,
     report: OpenReport,
 }
@@ -89,18 +90,18 @@ impl ReceiptLog {
                     "prev_hash does not match the previous line".into(),
                 ));
             }
-            if r.worker_id != worker_id {
+            if r.worker_id.as_str() != worker_id {
                 return Err(ReceiptsError::LogOwner {
                     path: path.to_path_buf(),
                     expected: worker_id.to_string(),
-                    found: r.worker_id,
+                    found: r.worker_id.0,
                 });
             }
             chain.next_seq += 1;
             chain.last_hash = Receipt::line_hash(bytes);
             let len = u32::try_from(bytes.len())
                 .map_err(|_| corrupt(line_no, "line longer than 4 GiB".into()))?;
-            chain.index.insert(r.request_id, (offset, len));
+            chain.index.insert(r.body.request_id, (offset, len));
             Ok(())
         })?;
         let torn_tail = match torn {
@@ -113,7 +114,7 @@ impl ReceiptLog {
             appender,
             reader,
             key: key.clone(),
-            worker_id: worker_id.to_string(),
+            worker_id: WorkerId::from(worker_id),
             report: OpenReport {
                 receipts: chain.next_seq,
                 torn_tail,
@@ -134,7 +135,7 @@ impl ReceiptLog {
 
     /// The worker id the log signs for.
     pub fn worker_id(&self) -> &str {
-        &self.worker_id
+        self.worker_id.as_str()
     }
 
     /// Number of receipts in the log (the next sequence number).
@@ -167,7 +168,7 @@ impl ReceiptLog {
         chain.last_hash = Receipt::line_hash(&line);
         chain
             .index
-            .insert(receipt.request_id.clone(), (offset, len));
+            .insert(receipt.body.request_id.clone(), (offset, len));
         Ok(receipt)
     }
 

@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
+use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed, WorkerId};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::canonical;
@@ -70,17 +71,17 @@ pub struct RouteTicket {
     /// The routing policy.
     pub mode: RouteMode,
     /// The chosen worker id.
-    pub worker: String,
+    pub worker: WorkerId,
     /// Prefix tokens the gateway predicted the worker holds (KV-exact only).
     pub predicted_matched_tokens: Option<u32>,
     /// Prompt tokens as the gateway counted them (when it tokenized).
     pub prompt_tokens: Option<u32>,
     /// The block key of the prompt's last full block, 16 lowercase hex digits (when it tokenized).
-    pub last_block_key: Option<String>,
-    /// The namespace seed the worker must use for its block keys (lowercase hex).
-    pub namespace_seed: String,
-    /// The block-key hash algorithm name.
-    pub hash_algorithm: String,
+    pub last_block_key: Option<BlockKey>,
+    /// The namespace seed the worker must use for its block keys (64 lowercase hex digits).
+    pub namespace_seed: NamespaceSeed,
+    /// The block-key hash algorithm: `xxh3` or `sha256` (docs/block-keys.md).
+    pub hash_algorithm: HashAlgorithm,
     /// When the ticket was issued (Unix ms, gateway clock).
     pub issued_at_ms: u64,
     /// End of the ticket's validity window (Unix ms, gateway clock).
@@ -94,7 +95,8 @@ fn is_lower_hex(s: &str) -> bool {
 }
 
 impl RouteTicket {
-    /// Field-level checks (hex fields, window order). Signatures are checked separately.
+    /// Field-level checks (key id, window order); the typed fields check themselves when
+    /// parsed. Signatures are checked separately.
     pub fn validate(&self) -> Result<()> {
         let bad = |detail: String| ReceiptsError::Malformed {
             what: "ticket",
@@ -105,14 +107,6 @@ impl RouteTicket {
                 "key_id {:?} is not 16 lowercase hex",
                 self.key_id.0
             )));
-        }
-        if !is_lower_hex(&self.namespace_seed) {
-            return Err(bad("namespace_seed is not lowercase hex".into()));
-        }
-        if let Some(k) = &self.last_block_key {
-            if k.len() != 16 || !is_lower_hex(k) {
-                return Err(bad(format!("last_block_key {k:?} is not 16 lowercase hex")));
-            }
         }
         if self.expires_at_ms < self.issued_at_ms {
             return Err(bad("expires_at_ms is before issued_at_ms".into()));

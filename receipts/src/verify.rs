@@ -317,16 +317,16 @@ impl<'k> LogVerifier<'k> {
             Err(e) => self.report.fail(line_no, K::BadSignature, e.to_string()),
         }
         match &self.first_worker {
-            None => self.first_worker = Some(r.worker_id.clone()),
-            Some(w) if *w != r.worker_id => {
+            None => self.first_worker = Some(r.worker_id.0.clone()),
+            Some(w) if *w != r.worker_id.0 => {
                 let msg = format!("worker_id {} in a log of {w}", r.worker_id);
                 self.report.fail(line_no, K::WorkerChanged, msg);
             }
             Some(_) => {}
         }
-        self.report.worker_ids.insert(r.worker_id.clone());
+        self.report.worker_ids.insert(r.worker_id.0.clone());
         self.report.key_ids.insert(r.key_id.clone());
-        match &r.ticket {
+        match &r.body.ticket {
             None => self.report.direct += 1,
             Some(st) => {
                 match st.verify_signature(self.keys) {
@@ -351,14 +351,15 @@ impl<'k> LogVerifier<'k> {
                     let msg = format!("ticket signed by the worker's own key {}", r.key_id);
                     self.report.fail(line_no, K::TicketMismatch, msg);
                 }
-                if t.worker != r.worker_id || t.request_id != r.request_id {
+                if t.worker != r.worker_id || t.request_id != r.body.request_id {
                     let msg = format!(
                         "ticket is for worker {} / request {}, receipt is worker {} / request {}",
-                        t.worker, t.request_id, r.worker_id, r.request_id
+                        t.worker, t.request_id, r.worker_id, r.body.request_id
                     );
                     self.report.fail(line_no, K::TicketMismatch, msg);
                 }
-                if let Err(e) = check_window(t, r.received_at_ms, self.opts.max_clock_skew_ms) {
+                if let Err(e) = check_window(t, r.body.received_at_ms, self.opts.max_clock_skew_ms)
+                {
                     self.report.fail(
                         line_no,
                         K::TicketOutsideWindow,

@@ -305,7 +305,7 @@ fn prefix_parity_mismatch_reported_and_optionally_fatal() {
     let st = ticket("p", w, RouteMode::KvExact, T0).sign(&f.gw);
     let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
     let mut d = draft("p", Some(st.clone()), T0);
-    d.last_block_key = Some("ffffffffffffffff".into());
+    d.last_block_key = Some(prefix_index::BlockKey(u64::MAX));
     log.append(d).unwrap();
     drop(log);
     append_decision(&f.decisions, &decision("p", Some(st), 200, None));

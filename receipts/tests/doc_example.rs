@@ -20,9 +20,12 @@ fn example_ticket() -> RouteTicket {
         worker: "worker-a".into(),
         predicted_matched_tokens: Some(32),
         prompt_tokens: Some(41),
-        last_block_key: Some("9f3c2a71d04b8e65".into()),
-        namespace_seed: "6b76676174652d6578616d706c652d6e616d6573706163652d73656564000001".into(),
-        hash_algorithm: "xxh3_64".into(),
+        last_block_key: Some(prefix_index::BlockKey(0x9f3c2a71d04b8e65)),
+        namespace_seed: prefix_index::NamespaceSeed::from_hex(
+            "6b76676174652d6578616d706c652d6e616d6573706163652d73656564000001",
+        )
+        .unwrap(),
+        hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
         issued_at_ms: 1_700_000_000_000,
         expires_at_ms: 1_700_000_060_000,
     }
@@ -45,7 +48,7 @@ fn example_draft(ticket: SignedTicket) -> ReceiptDraft {
         received_at_ms: 1_700_000_000_012,
         first_token_at_ms: Some(1_700_000_000_020),
         completed_at_ms: 1_700_000_000_031,
-        last_block_key: Some("9f3c2a71d04b8e65".into()),
+        last_block_key: Some(prefix_index::BlockKey(0x9f3c2a71d04b8e65)),
     }
 }
 

@@ -149,7 +149,7 @@ fn concurrent_appends_keep_one_valid_chain() {
             t.join().unwrap();
         }
         assert_eq!(log.len(), 100);
-        assert_eq!(log.get("t3-24").unwrap().unwrap().request_id, "t3-24");
+        assert_eq!(log.get("t3-24").unwrap().unwrap().body.request_id, "t3-24");
         drop(log); // stops the flusher, final sync
         let rep = verify_log(&path, &ring(&[&gw, &wk])).unwrap();
         assert!(rep.ok(), "{policy:?}: {rep}");

@@ -152,7 +152,7 @@ fn arb_ticket() -> impl Strategy<Value = RouteTicket> {
         any::<u64>(),
         any::<bool>(),
         prop::option::of(any::<u32>()),
-        prop::option::of("[0-9a-f]{16}"),
+        prop::option::of(any::<u64>().prop_map(prefix_index::BlockKey)),
         0u64..(1 << 50),
         0u64..(1 << 20),
     )

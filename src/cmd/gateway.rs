@@ -65,7 +65,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "kvgate gateway: VIP on http://{}, admin on http://{} (rules version {})",
         running.listen_addr,
         running.admin_addr,
-        running.shared.views.load().version()
+        running.data.views.load().version()
     );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -310,7 +310,7 @@ impl Fleet {
     /// Waits until the gateway sees each of `ids` healthy, contract-checked and with its KV
     /// event stream connected.
     pub fn wait_routable(&self, ids: &[&str]) {
-        let shared = self.gw().shared.clone();
+        let shared = self.gw().data.clone();
         self.wait_for(
             "workers routable by the gateway",
             Duration::from_secs(20),
@@ -333,7 +333,7 @@ impl Fleet {
     /// Waits until the gateway's index holds every full block of the chat prompt `messages`
     /// (as the `kv_exact` service renders it, unsalted) on some worker.
     pub fn wait_prompt_indexed(&self, messages: &[(String, String)]) {
-        let shared = self.gw().shared.clone();
+        let shared = self.gw().data.clone();
         let view = shared.views.load();
         let svc = view
             .services
@@ -341,7 +341,10 @@ impl Fleet {
             .find(|s| s.name() == KV_SERVICE)
             .expect("kv_exact service in the view")
             .clone();
-        let profile = svc.profile.clone().expect("kv_exact service has a profile");
+        let profile = svc
+            .profile()
+            .cloned()
+            .expect("kv_exact service has a profile");
         let msgs: Vec<prompt_profile::ChatMessage> = messages
             .iter()
             .map(|(r, c)| prompt_profile::ChatMessage::new(r.clone(), c.clone()))

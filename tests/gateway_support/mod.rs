@@ -35,8 +35,9 @@ pub struct FleetOptions {
     pub workers: usize,
     /// Sim timing; `SimConfig::instant` by default.
     pub sim: SimConfig,
-    /// Stop generating at this position (eos), None = run to max_tokens.
     pub ticket_policy: TicketPolicy,
+    /// The workers' block-key hash algorithm (and the pinned profile's).
+    pub hash_algorithm: prefix_index::HashAlgorithm,
 }
 
 impl Default for FleetOptions {
@@ -45,6 +46,7 @@ impl Default for FleetOptions {
             workers: 3,
             sim: SimConfig::instant(16, 4096),
             ticket_policy: TicketPolicy::Require,
+            hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
         }
     }
 }
@@ -121,6 +123,7 @@ impl Fleet {
         cfg.profile = Some(self.profile.clone());
         cfg.gateway_keys = ring;
         cfg.settings.ticket_policy = self.opts.ticket_policy;
+        cfg.settings.hash_algorithm = self.opts.hash_algorithm;
         self.rt.block_on(async {
             let listener = tokio::net::TcpListener::bind(
                 addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()),
@@ -159,7 +162,7 @@ source = {{ gguf = "{}" }}
 template_sha256 = "{}"
 tokenizer_sha256 = "{}"
 block_size = {block_size}
-hash_algorithm = "xxh3"
+hash_algorithm = "{}"
 context_limit = {}
 native_reserve_tokens = 0
 "#,
@@ -168,6 +171,7 @@ native_reserve_tokens = 0
             model_path().display(),
             p.template_sha256,
             p.tokenizer_sha256,
+            self.opts.hash_algorithm,
             p.context_limit,
         )
     }
@@ -273,7 +277,7 @@ native_reserve_tokens = 0
             Duration::from_secs(10),
             || {
                 self.gw()
-                    .shared
+                    .data
                     .index
                     .worker_stats(&wid)
                     .map_or(0, |s| s.precise_blocks as usize)
@@ -290,6 +294,19 @@ native_reserve_tokens = 0
             ring.insert(worker_id(i), k.public().clone());
         }
         ring
+    }
+
+    /// The receipt worker `i` wrote for `request_id`, read from its log file.
+    pub fn receipt(&self, i: usize, request_id: &str) -> Option<receipts::Receipt> {
+        let path = self
+            .dir
+            .path()
+            .join(format!("receipts-{}.jsonl", worker_id(i)));
+        let text = std::fs::read_to_string(path).ok()?;
+        text.lines()
+            .filter_map(|l| receipts::Receipt::from_line(l.as_bytes()).ok())
+            .filter(|r| r.body.request_id == request_id)
+            .last()
     }
 
     /// Stops the gateway and the workers.

@@ -60,26 +60,26 @@ impl Endpoint {
 /// HTTP status recorded in the receipt of a request whose client went away.
 pub const CLIENT_CLOSED_STATUS: u16 = 499;
 
-/// What the receipt needs that is known before the engine runs.
+/// Who asked, and the receipt as far as it is known before the engine runs (request id,
+/// ticket, model, profile, request hash, arrival); the outcome fields are filled in place by
+/// whoever ends the request, so each receipt field is written once.
 #[derive(Clone, Debug)]
 struct ReceiptCtx {
     admission: Admission,
-    request_sha256: String,
-    received_at_ms: u64,
+    draft: receipts::ReceiptDraft,
 }
 
-/// The outcome part of a receipt.
-#[derive(Clone, Debug, Default)]
-struct Outcome {
-    status: u16,
-    error_code: Option<String>,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    completion_tokens: usize,
-    finish_reason: Option<String>,
-    response_sha256: String,
-    first_token_at_ms: Option<u64>,
-    last_block_key: Option<String>,
+impl ReceiptCtx {
+    /// The receipt of an answer that ran no generation (validation, budget, engine refusal).
+    fn refused(&self, e: &ApiError, prompt_tokens: usize) -> receipts::ReceiptDraft {
+        receipts::ReceiptDraft {
+            status: e.status.as_u16(),
+            error_code: Some(e.code.to_string()),
+            prompt_tokens: to_u32(prompt_tokens),
+            response_sha256: empty_sha256(),
+            ..self.draft.clone()
+        }
+    }
 }
 
 fn empty_sha256() -> String {
@@ -90,26 +90,10 @@ fn to_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// Signs and appends the receipt (on the blocking pool: the log may fsync).
-async fn write_receipt(st: &Arc<AppState>, ctx: &ReceiptCtx, o: Outcome) {
-    let draft = receipts::ReceiptDraft {
-        request_id: ctx.admission.request_id.clone(),
-        ticket: ctx.admission.ticket.clone(),
-        model: st.identity.model_id.clone(),
-        profile_digest: st.profile_digest.clone(),
-        request_sha256: ctx.request_sha256.clone(),
-        response_sha256: o.response_sha256,
-        prompt_tokens: to_u32(o.prompt_tokens),
-        cached_tokens: to_u32(o.cached_tokens),
-        completion_tokens: to_u32(o.completion_tokens),
-        finish_reason: o.finish_reason,
-        status: o.status,
-        error_code: o.error_code,
-        received_at_ms: ctx.received_at_ms,
-        first_token_at_ms: o.first_token_at_ms,
-        completed_at_ms: receipts::now_ms(),
-        last_block_key: o.last_block_key,
-    };
+/// Stamps the completion time, signs and appends the receipt (on the blocking pool: the log
+/// may fsync).
+async fn write_receipt(st: &Arc<AppState>, mut draft: receipts::ReceiptDraft) {
+    draft.completed_at_ms = receipts::now_ms();
     let log = st.receipts.clone();
     let res = tokio::task::spawn_blocking(move || log.append(draft)).await;
     match res {
@@ -160,18 +144,7 @@ async fn receipted_error(
 ) -> Response {
     st.metrics.rejection(e.code);
     st.metrics.request(endpoint.label(), e.status.as_u16());
-    write_receipt(
-        st,
-        ctx,
-        Outcome {
-            status: e.status.as_u16(),
-            error_code: Some(e.code.to_string()),
-            prompt_tokens,
-            response_sha256: empty_sha256(),
-            ..Outcome::default()
-        },
-    )
-    .await;
+    write_receipt(st, ctx.refused(&e, prompt_tokens)).await;
     with_ids(e.into_response(), &ctx.admission.request_id, true)
 }
 
@@ -262,9 +235,16 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Err(e) => return early_error(&st, endpoint, e, Some(&admission.request_id)),
     };
     let ctx = ReceiptCtx {
-        request_sha256: hex::encode(Sha256::digest(&bytes)),
+        draft: receipts::ReceiptDraft {
+            request_id: admission.request_id.clone(),
+            ticket: admission.ticket.clone(),
+            model: st.identity.model_id.clone(),
+            profile_digest: st.profile_digest.clone(),
+            request_sha256: hex::encode(Sha256::digest(&bytes)),
+            received_at_ms,
+            ..receipts::ReceiptDraft::default()
+        },
         admission,
-        received_at_ms,
     };
     let plan = match endpoint {
         Endpoint::Chat => validate::chat(&bytes),
@@ -426,9 +406,9 @@ impl Driver {
         let st = self.st.clone();
         let mut head_tx = Some(head_tx);
         let mut hasher = Sha256::new();
-        let mut o = Outcome {
-            prompt_tokens: self.prompt_tokens,
-            ..Outcome::default()
+        let mut o = receipts::ReceiptDraft {
+            prompt_tokens: to_u32(self.prompt_tokens),
+            ..self.ctx.draft.clone()
         };
         let mut last_token: Option<Instant> = None;
         let retry = st.settings.retry_after_s;
@@ -461,7 +441,7 @@ impl Driver {
                     queue_time,
                 } => {
                     st.metrics.observe_queue_time(queue_time.as_secs_f64());
-                    o.cached_tokens = cached_tokens;
+                    o.cached_tokens = to_u32(cached_tokens);
                     if let Some(h) = head_tx.take() {
                         if h.send(Ok(())).is_err() {
                             break End::Cancelled;
@@ -494,11 +474,11 @@ impl Driver {
                     usage,
                     last_block_key,
                 } => {
-                    o.prompt_tokens = usage.prompt_tokens;
-                    o.cached_tokens = usage.cached_tokens;
-                    o.completion_tokens = usage.completion_tokens;
+                    o.prompt_tokens = to_u32(usage.prompt_tokens);
+                    o.cached_tokens = to_u32(usage.cached_tokens);
+                    o.completion_tokens = to_u32(usage.completion_tokens);
                     o.finish_reason = Some(reason.as_str().to_string());
-                    o.last_block_key = last_block_key.map(|k| k.to_string());
+                    o.last_block_key = last_block_key;
                     let msg = Msg::End {
                         finish: reason.as_str().to_string(),
                         usage: UsageBody::new(
@@ -530,12 +510,12 @@ impl Driver {
                 st.metrics.cancelled();
                 o.status = CLIENT_CLOSED_STATUS;
                 o.error_code = Some("client_disconnected".into());
-                write_receipt(&st, &self.ctx, o).await;
+                write_receipt(&st, o).await;
             }
             End::HeadFailed(e) => {
                 o.status = e.status.as_u16();
                 o.error_code = Some(e.code.to_string());
-                write_receipt(&st, &self.ctx, o).await;
+                write_receipt(&st, o).await;
                 if let Some(h) = head_tx.take() {
                     let _ = h.send(Err(e));
                 }
@@ -550,7 +530,7 @@ impl Driver {
                     }
                     _ => o.status = 200,
                 }
-                write_receipt(&st, &self.ctx, o).await;
+                write_receipt(&st, o).await;
                 st.metrics
                     .observe_e2e(Instant::now().duration_since(self.received).as_secs_f64());
                 let _ = tx.send(msg).await;

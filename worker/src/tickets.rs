@@ -111,7 +111,7 @@ pub fn admit(st: &AppState, headers: &HeaderMap) -> Result<Admission, ApiError> 
     let ticket = signed
         .verify(&st.gateway_keys, now, st.settings.ticket_skew_ms)
         .map_err(|e| ApiError::unauthorized(e.error_type(), format!("route ticket: {e}")))?;
-    if ticket.worker != st.settings.worker_id {
+    if ticket.worker.as_str() != st.settings.worker_id {
         return Err(ApiError::unauthorized(
             "ticket_wrong_worker",
             format!(
@@ -131,7 +131,7 @@ pub fn admit(st: &AppState, headers: &HeaderMap) -> Result<Admission, ApiError> 
             ));
         }
     }
-    if ticket.hash_algorithm != st.settings.hash_algorithm.as_str() {
+    if ticket.hash_algorithm != st.settings.hash_algorithm {
         return Err(ApiError::bad_request(
             "hash_algorithm_mismatch",
             None,
@@ -141,8 +141,7 @@ pub fn admit(st: &AppState, headers: &HeaderMap) -> Result<Admission, ApiError> 
             ),
         ));
     }
-    let namespace = NamespaceSeed::from_hex(&ticket.namespace_seed)
-        .map_err(|e| ApiError::unauthorized("malformed", format!("route ticket: {e}")))?;
+    let namespace = ticket.namespace_seed;
     st.replay
         .lock()
         .check_and_insert(&ticket, now)

@@ -77,19 +77,19 @@ async fn chat_non_streaming_answers_with_usage_ids_and_a_verifiable_receipt() {
     let mut ring = KeyRing::new();
     ring.insert("w", w.key.public().clone());
     receipt.verify_signature(&ring).unwrap();
-    assert_eq!(receipt.request_id, "test-req-1");
-    assert_eq!(receipt.status, 200);
-    assert_eq!(receipt.finish_reason.as_deref(), Some("length"));
-    assert_eq!(receipt.prompt_tokens as u64, prompt_tokens);
-    assert_eq!(receipt.completion_tokens, 4);
-    assert!(receipt.ticket.is_none());
+    assert_eq!(receipt.body.request_id, "test-req-1");
+    assert_eq!(receipt.body.status, 200);
+    assert_eq!(receipt.body.finish_reason.as_deref(), Some("length"));
+    assert_eq!(receipt.body.prompt_tokens as u64, prompt_tokens);
+    assert_eq!(receipt.body.completion_tokens, 4);
+    assert!(receipt.body.ticket.is_none());
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert_eq!(
-        receipt.response_sha256,
+        receipt.body.response_sha256,
         receipts::sha256_hex(content.as_bytes())
     );
     // Prompt of more than one block: the worker reports its last full block key.
-    assert!(receipt.last_block_key.is_some());
+    assert!(receipt.body.last_block_key.is_some());
     w.stop().await;
 }
 
@@ -138,10 +138,10 @@ async fn chat_streaming_sends_role_content_finish_usage_and_done() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     let receipt = get_receipt(&w, &id).await;
-    assert_eq!(receipt.status, 200);
-    assert_eq!(receipt.completion_tokens, 5);
+    assert_eq!(receipt.body.status, 200);
+    assert_eq!(receipt.body.completion_tokens, 5);
     assert_eq!(
-        receipt.response_sha256,
+        receipt.body.response_sha256,
         receipts::sha256_hex(text.as_bytes())
     );
     w.stop().await;
@@ -324,7 +324,7 @@ async fn every_request_error_has_its_status_code_and_param() {
     assert_eq!(resp.status(), 400);
     let r = get_receipt(&w, "bad-n").await;
     assert_eq!(
-        (r.status, r.error_code.as_deref()),
+        (r.body.status, r.body.error_code.as_deref()),
         (400, Some("unsupported_parameter"))
     );
     w.stop().await;
@@ -368,7 +368,7 @@ async fn overload_is_429_with_retry_after() {
     assert_eq!(e["code"], "queue_full");
     assert_eq!(e["type"], "rate_limit_error");
     let r = get_receipt(&w, &id).await;
-    assert_eq!(r.status, 429);
+    assert_eq!(r.body.status, 429);
     drop(long);
     // Once the long stream is gone the waiting request is served.
     let resp = waiting.await.unwrap().unwrap();
@@ -479,10 +479,10 @@ async fn client_disconnect_mid_stream_frees_blocks_at_once() {
     assert_eq!(s.blocks_free + s.blocks_cached, total);
     let r = wait_receipt(&w, "to-cancel").await;
     assert_eq!(
-        (r.status, r.error_code.as_deref()),
+        (r.body.status, r.body.error_code.as_deref()),
         (499, Some("client_disconnected"))
     );
-    assert!(r.completion_tokens < 2000);
+    assert!(r.body.completion_tokens < 2000);
     let m = metrics_text(&w).await;
     let fams = parse_openmetrics(&m).unwrap();
     assert_eq!(
@@ -512,8 +512,8 @@ fn ticket_for(
         predicted_matched_tokens: Some(0),
         prompt_tokens: Some(10),
         last_block_key: None,
-        namespace_seed: seed_hex.into(),
-        hash_algorithm: "xxh3".into(),
+        namespace_seed: prefix_index::NamespaceSeed::from_hex(seed_hex).unwrap(),
+        hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
         issued_at_ms: issued,
         expires_at_ms: expires,
     }
@@ -572,7 +572,10 @@ async fn tickets_are_required_verified_and_land_in_the_receipt() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-request-id"], "t-good2");
     let r = get_receipt(&w, "t-good2").await;
-    assert_eq!(r.ticket.as_ref().map(|t| t.header()), Some(good.as_str()));
+    assert_eq!(
+        r.body.ticket.as_ref().map(|t| t.header()),
+        Some(good.as_str())
+    );
     // A replayed ticket is refused.
     let (s, e) = error_of(send(Some(good), None).await.unwrap()).await;
     assert_eq!((s, e["code"].as_str()), (401, Some("ticket_replayed")));
@@ -964,8 +967,8 @@ async fn shutdown_ends_open_streams_and_receipts_them() {
     assert_eq!(last["error"]["code"], "engine_stopped");
     let text = std::fs::read_to_string(&log).unwrap();
     let r = Receipt::from_line(text.lines().last().unwrap().as_bytes()).unwrap();
-    assert_eq!(r.request_id, "cut-by-shutdown");
-    assert_eq!(r.error_code.as_deref(), Some("engine_stopped"));
+    assert_eq!(r.body.request_id, "cut-by-shutdown");
+    assert_eq!(r.body.error_code.as_deref(), Some("engine_stopped"));
 }
 
 /// Metric families parsed from OpenMetrics text.

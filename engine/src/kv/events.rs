@@ -108,6 +108,14 @@ impl KvEventFeed {
         self.state.lock().keys.len()
     }
 
+    /// Every key the feed believes is cached, sorted (what a snapshot sends). O(n): for
+    /// diagnostics and tests.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        let mut out: Vec<BlockKey> = self.state.lock().keys.keys().copied().collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Publishes events in order, one envelope each. Called by the step thread only.
     pub fn publish(&self, events: Vec<KvEvent>) {
         if events.is_empty() {

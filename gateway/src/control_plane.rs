@@ -1,70 +1,47 @@
-//! The gateway's shared state and the operations on it that are not one HTTP hook: applying a
-//! rules change (contract check included), passive health marks, and the end-of-request
-//! bookkeeping (metrics, decision log, approximate index holdings).
+//! The control plane: the versioned rules, the pinned profiles, the worker contract check,
+//! rules changes (admin API, file watch, SIGHUP) and the owned background tasks (health checks
+//! and KV-event subscriptions, [`crate::supervisor`]). It installs each new [`View`] into the
+//! data plane ([`crate::data_plane::DataPlane`]) it holds; the request path never reaches back
+//! here.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::Duration;
 
-use futures::future::join_all;
+use futures::future::{join_all, BoxFuture};
 use parking_lot::Mutex;
-use prefix_index::{PrefixIndex, WorkerId};
-use receipts::{DecisionLog, DecisionRecord, KeyPair};
+use prefix_index::WorkerId;
 use routing_rules::schema::{Rule, RulesFile, ServiceSpec};
 use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError};
 
+use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
-use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
 use crate::profile::ProfileCache;
 use crate::protocol::WorkerProfile;
-use crate::proxy::{request_labels, RequestCtx};
-use crate::supervisor::Supervisor;
-use crate::view::{Carry, ContractState, View, ViewCell};
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-/// Consecutive 5xx answers after which a worker is marked unhealthy (a connect error marks it
-/// at once). Active checks bring it back.
-pub const PASSIVE_5XX_THRESHOLD: u64 = 3;
+use crate::supervisor::{Supervisor, WorkerChecks};
+use crate::view::{Carry, ContractState, View};
 
 /// How long a worker's `/v1/profile` may take during a contract check.
 pub const PROFILE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Everything the proxy, the admin plane and the background tasks share.
-pub struct Shared {
-    /// The current view.
-    pub views: ViewCell,
+/// Rules, profiles, contract checks and background tasks.
+pub struct ControlPlane {
+    /// The data plane this control plane installs views into.
+    pub data: Arc<DataPlane>,
     /// Per-worker state carried across views.
     pub carry: Carry,
     /// Loaded profiles.
     pub profiles: ProfileCache,
     /// The versioned rules.
     pub store: RuleStore,
-    /// Which worker holds which blocks.
-    pub index: PrefixIndex,
-    /// Metrics.
-    pub metrics: Metrics,
-    /// The gateway's signing key.
-    pub key: KeyPair,
-    /// The gateway id written into tickets.
-    pub gateway_id: String,
-    /// Seed put in round-robin tickets (no profile: all zeros).
-    pub default_seed_hex: String,
-    /// The decision log, when configured.
-    pub decisions: Option<DecisionLog>,
     /// Client for the gateway's own calls to workers (health, profile, events).
     pub http: reqwest::Client,
     /// Bearer token of the admin plane (`None`: admin plane open, for local use only).
     pub admin_token: Option<String>,
     /// Background tasks (health checks and event subscriptions), one set per worker.
-    pub supervisor: Mutex<Option<Supervisor>>,
+    supervisor: Mutex<Option<Supervisor>>,
     /// Serializes rules changes (the contract check is async, the store's lock is not).
-    pub apply_lock: tokio::sync::Mutex<()>,
+    apply_lock: tokio::sync::Mutex<()>,
 }
 
 fn problems_text(problems: &[Problem]) -> String {
@@ -120,11 +97,10 @@ pub fn profile_differences(
             pinned.block_size, got.block_size
         ));
     }
-    if got.hash_algorithm != pinned.hash_algorithm.as_str() {
+    if got.hash_algorithm != pinned.hash_algorithm {
         out.push(format!(
             "hash_algorithm (pinned {}, worker {})",
-            pinned.hash_algorithm.as_str(),
-            got.hash_algorithm
+            pinned.hash_algorithm, got.hash_algorithm
         ));
     }
     out
@@ -177,7 +153,51 @@ pub fn kv_exact_workers(rules: &RulesFile) -> BTreeSet<WorkerId> {
     out
 }
 
-impl Shared {
+impl ControlPlane {
+    /// A control plane over `data`, with no background tasks yet ([`Self::start_supervisor`]).
+    pub fn new(
+        data: Arc<DataPlane>,
+        store: RuleStore,
+        http: reqwest::Client,
+        admin_token: Option<String>,
+    ) -> ControlPlane {
+        ControlPlane {
+            data,
+            carry: Carry::default(),
+            profiles: ProfileCache::default(),
+            store,
+            http,
+            admin_token,
+            supervisor: Mutex::new(None),
+            apply_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Starts owning the background tasks (on `handle`); they follow every installed view.
+    pub fn start_supervisor(self: &Arc<Self>, handle: tokio::runtime::Handle) {
+        let checks: std::sync::Weak<dyn WorkerChecks> = Arc::downgrade(self) as _;
+        let sup = Supervisor::new(
+            handle,
+            Arc::downgrade(&self.data),
+            self.http.clone(),
+            checks,
+        );
+        *self.supervisor.lock() = Some(sup);
+        let view = self.data.views.load();
+        if let Some(s) = self.supervisor.lock().as_mut() {
+            s.sync(&view);
+        }
+    }
+
+    /// Stops the background tasks; returns their handles to await.
+    pub fn stop_supervisor(&self) -> Vec<tokio::task::JoinHandle<()>> {
+        self.supervisor
+            .lock()
+            .as_mut()
+            .map(Supervisor::shutdown)
+            .unwrap_or_default()
+    }
+
     /// Fetches `/v1/profile` of the given workers (URLs from `rules`), in parallel.
     pub async fn fetch_profiles(
         &self,
@@ -236,6 +256,9 @@ impl Shared {
         let needed = kv_exact_workers(rules);
         let runtimes = self.carry.runtimes.lock();
         for (id, rt) in runtimes.iter() {
+            if let Some(Ok(p)) = fetched.get(id) {
+                *rt.reported.lock() = Some(p.clone());
+            }
             let state = if !needed.contains(id) {
                 ContractState::NotRequired
             } else {
@@ -263,15 +286,16 @@ impl Shared {
     pub fn install_current(&self, fetched: &FetchedProfiles) -> Result<(), GatewayError> {
         let snap = self.store.snapshot();
         let profiles = self.profiles.load_for(snap.rules())?;
-        let previous = self.views.load();
+        let previous = self.data.views.load();
         let view = View::compile(snap.clone(), &profiles, Some(&previous), &self.carry)?;
         self.record_contracts(snap.rules(), fetched);
-        self.views.store(view);
-        self.metrics
+        self.data.views.store(view);
+        self.data
+            .metrics
             .rules_version
             .set(i64::try_from(snap.version().0).unwrap_or(i64::MAX));
         if let Some(sup) = self.supervisor.lock().as_mut() {
-            sup.sync(&self.views.load());
+            sup.sync(&self.data.views.load());
         }
         Ok(())
     }
@@ -290,7 +314,7 @@ impl Shared {
         match apply(&check) {
             Ok(outcome) => {
                 if let ApplyOutcome::Applied { .. } = outcome {
-                    self.metrics.rules_reloads.inc();
+                    self.data.metrics.rules_reloads.inc();
                     self.install_current(&fetched)?;
                 } else {
                     self.record_contracts(self.store.snapshot().rules(), &fetched);
@@ -298,7 +322,7 @@ impl Shared {
                 Ok(outcome)
             }
             Err(e) => {
-                self.metrics.rules_rejected.inc();
+                self.data.metrics.rules_rejected.inc();
                 Err(rules_error(e))
             }
         }
@@ -335,172 +359,40 @@ impl Shared {
             .await
     }
 
-    /// Re-checks the contract of one worker (after it became healthy or reachable).
-    pub async fn recheck_contract(&self, id: &WorkerId) {
+    /// Re-reads one worker's profile (after it became healthy or reachable, or while it is
+    /// unknown): keeps what it reports (round-robin tickets carry its hash algorithm) and, for a
+    /// worker of a `kv_exact` pool, its contract state.
+    pub async fn refresh_worker(&self, id: &WorkerId) {
         let rules = self.store.snapshot().rules().clone();
-        if !kv_exact_workers(&rules).contains(id) {
-            return;
-        }
         let fetched = self
             .fetch_profiles(&rules, &BTreeSet::from([id.clone()]))
             .await;
+        let needs_contract = kv_exact_workers(&rules).contains(id);
         let runtimes = self.carry.runtimes.lock();
         if let (Some(rt), Some(res)) = (runtimes.get(id), fetched.get(id)) {
-            *rt.contract.lock() = match res {
-                Ok(_) => {
-                    let problems = contract_problems(&rules, &fetched);
-                    if problems.is_empty() {
-                        ContractState::Ok
-                    } else {
-                        ContractState::Mismatch(problems_text(&problems))
-                    }
-                }
-                Err(e) => ContractState::Unverified(e.clone()),
-            };
-        }
-    }
-
-    /// Refreshes the gauges that mirror state owned elsewhere (index size, event lag, load).
-    pub fn refresh_gauges(&self) {
-        let total: u64 = self
-            .index
-            .all_worker_stats()
-            .iter()
-            .map(|s| s.precise_blocks + s.approximate_blocks)
-            .sum();
-        self.metrics
-            .index_blocks
-            .set(i64::try_from(total).unwrap_or(i64::MAX));
-        let view = self.views.load();
-        for (id, e) in &view.workers {
-            let labels = WorkerLabels {
-                worker: id.0.clone(),
-            };
-            let lag = match (
-                &*e.runtime.events.lock(),
-                *e.runtime.events_last_heard.lock(),
-            ) {
-                (crate::view::EventStreamState::Connected, Some(t)) => t.elapsed().as_secs_f64(),
-                _ => -1.0,
-            };
-            self.metrics
-                .event_lag_seconds
-                .get_or_create(&labels)
-                .set(lag);
-            self.metrics.worker_in_flight.get_or_create(&labels).set(
-                i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
-            );
-            self.metrics
-                .worker_healthy
-                .get_or_create(&labels)
-                .set(i64::from(e.healthy));
-        }
-    }
-
-    /// Sets a worker's health in the view; returns whether it changed.
-    pub fn set_health(&self, id: &WorkerId, healthy: bool) -> bool {
-        let changed = self.views.set_health(id, healthy);
-        self.metrics
-            .worker_healthy
-            .get_or_create(&WorkerLabels {
-                worker: id.0.clone(),
-            })
-            .set(i64::from(healthy));
-        changed
-    }
-
-    /// Passive mark: a connect error (at once) or a 5xx (after a few in a row).
-    pub fn mark_failure(&self, id: &WorkerId, connect: bool) {
-        let view = self.views.load();
-        let Some(entry) = view.workers.get(id) else {
-            return;
-        };
-        let n = entry
-            .runtime
-            .consecutive_failures
-            .fetch_add(1, Ordering::Relaxed)
-            + 1;
-        if connect || n >= PASSIVE_5XX_THRESHOLD {
-            self.set_health(id, false);
-        }
-    }
-
-    /// Passive mark: a good answer resets the failure count.
-    pub fn mark_success(&self, id: &WorkerId) {
-        let view = self.views.load();
-        if let Some(entry) = view.workers.get(id) {
-            entry
-                .runtime
-                .consecutive_failures
-                .store(0, Ordering::Relaxed);
-        }
-    }
-
-    /// End-of-request bookkeeping: metrics, decision log, approximate holdings.
-    pub fn finish_request(&self, ctx: &mut RequestCtx) {
-        let labels = request_labels(ctx);
-        self.metrics.requests.get_or_create(&labels).inc();
-        if let (Some(fb), Some(dd)) = (ctx.first_byte, ctx.decision_done) {
-            if let Some(d) = &ctx.decision {
-                self.metrics
-                    .ttft_seconds
-                    .get_or_create(&ModeLabels {
-                        service: d.service.name().to_owned(),
-                        mode: d.service.mode().to_owned(),
-                    })
-                    .observe(fb.saturating_duration_since(dd).as_secs_f64());
+            if let Ok(p) = res {
+                *rt.reported.lock() = Some(p.clone());
             }
-        }
-        // Approximate holdings: a worker without an event stream is assumed to hold the blocks
-        // of a prompt it answered successfully, for a while.
-        if let (Some(d), Some(w), Some(status)) = (&ctx.decision, &ctx.current, ctx.status) {
-            if (200..300).contains(&status) {
-                if let Some(p) = &d.prompt {
-                    let approximate = ctx
-                        .view
-                        .as_ref()
-                        .and_then(|v| v.workers.get(w))
-                        .is_some_and(|e| e.runtime.approximate());
-                    if approximate && !p.keys.is_empty() {
-                        if let Err(e) = self.index.insert_approximate(w, &p.keys) {
-                            tracing::debug!(worker = %w, error = %e, "approximate insert skipped");
+            if needs_contract {
+                *rt.contract.lock() = match res {
+                    Ok(_) => {
+                        let problems = contract_problems(&rules, &fetched);
+                        if problems.is_empty() {
+                            ContractState::Ok
+                        } else {
+                            ContractState::Mismatch(problems_text(&problems))
                         }
                     }
-                }
+                    Err(e) => ContractState::Unverified(e.clone()),
+                };
             }
         }
-        if let Some(log) = &self.decisions {
-            let (service, rule_id) = match &ctx.decision {
-                Some(d) => (
-                    Some(d.service.name().to_owned()),
-                    Some(d.service.rule_id.clone()),
-                ),
-                None => (None, None),
-            };
-            let record = DecisionRecord {
-                request_id: ctx.request_id.clone(),
-                at_ms: now_ms(),
-                ticket: ctx.ticket.clone(),
-                service: service.filter(|_| ctx.ticket.is_some()),
-                rule_id: rule_id.filter(|_| ctx.ticket.is_some()),
-                rule_version: ctx
-                    .view
-                    .as_ref()
-                    .filter(|_| ctx.ticket.is_some())
-                    .map(|v| v.version()),
-                worker: ctx
-                    .current
-                    .as_ref()
-                    .filter(|_| ctx.ticket.is_some())
-                    .map(|w| w.0.clone()),
-                status: ctx.status.unwrap_or(0),
-                error: ctx.error.clone(),
-            };
-            if let Err(e) = log.append(&record) {
-                tracing::warn!(error = %e, "decision log append failed");
-            }
-        }
-        ctx.in_flight = None;
+    }
+}
+
+impl WorkerChecks for ControlPlane {
+    fn recheck(&self, id: WorkerId) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.refresh_worker(&id).await })
     }
 }
 
@@ -543,7 +435,7 @@ rule = { type = "kv_exact", profile = "smol" }
             template_sha256: "a".repeat(64),
             tokenizer_sha256: "b".repeat(64),
             block_size: 16,
-            hash_algorithm: "xxh3".into(),
+            hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
             context_limit: Some(8192),
             native_reserve: Some(0),
         }
@@ -555,7 +447,7 @@ rule = { type = "kv_exact", profile = "smol" }
         assert_eq!(kv_exact_workers(&rules).len(), 3);
         let mut bad = agreeing();
         bad.block_size = 32;
-        bad.hash_algorithm = "sha256".into();
+        bad.hash_algorithm = prefix_index::HashAlgorithm::Sha256;
         let fetched: FetchedProfiles = BTreeMap::from([
             (WorkerId("w1".into()), Ok(agreeing())),
             (WorkerId("w2".into()), Ok(bad)),

@@ -1,0 +1,180 @@
+//! The data plane: what every request reads and writes — the current [`View`] (rules, workers,
+//! health in one snapshot), the prefix index, the metrics, the ticket signing key, the
+//! decision log — and the operations of the request path on them: passive health marks and
+//! the end-of-request bookkeeping (metrics, decision log, approximate index holdings).
+//! Rules changes, contract checks and background tasks belong to the control plane
+//! ([`crate::control_plane`]), which owns a handle to this one.
+
+use std::sync::atomic::Ordering;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prefix_index::{PrefixIndex, WorkerId};
+use receipts::{DecisionLog, DecisionRecord, KeyPair};
+
+use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
+use crate::request::RequestCtx;
+use crate::view::{EventStreamState, ViewCell};
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Consecutive 5xx answers after which a worker is marked unhealthy (a connect error marks it
+/// at once). Active checks bring it back.
+pub const PASSIVE_5XX_THRESHOLD: u64 = 3;
+
+/// Everything the request path shares.
+pub struct DataPlane {
+    /// The current view.
+    pub views: ViewCell,
+    /// Which worker holds which blocks.
+    pub index: PrefixIndex,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// The gateway's signing key (route tickets).
+    pub key: KeyPair,
+    /// The gateway id written into tickets.
+    pub gateway_id: String,
+    /// The decision log, when configured.
+    pub decisions: Option<DecisionLog>,
+}
+
+impl DataPlane {
+    /// Sets a worker's health in the view; returns whether it changed.
+    pub fn set_health(&self, id: &WorkerId, healthy: bool) -> bool {
+        let changed = self.views.set_health(id, healthy);
+        self.metrics
+            .worker_healthy
+            .get_or_create(&WorkerLabels {
+                worker: id.0.clone(),
+            })
+            .set(i64::from(healthy));
+        changed
+    }
+
+    /// Passive mark: a connect error (at once) or a 5xx (after a few in a row).
+    pub fn mark_failure(&self, id: &WorkerId, connect: bool) {
+        let view = self.views.load();
+        let Some(entry) = view.workers.get(id) else {
+            return;
+        };
+        let n = entry
+            .runtime
+            .consecutive_failures
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        if connect || n >= PASSIVE_5XX_THRESHOLD {
+            self.set_health(id, false);
+        }
+    }
+
+    /// Passive mark: a good answer resets the failure count.
+    pub fn mark_success(&self, id: &WorkerId) {
+        let view = self.views.load();
+        if let Some(entry) = view.workers.get(id) {
+            entry
+                .runtime
+                .consecutive_failures
+                .store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Refreshes the gauges that mirror state owned elsewhere (index size, event lag, load).
+    pub fn refresh_gauges(&self) {
+        let total: u64 = self
+            .index
+            .all_worker_stats()
+            .iter()
+            .map(|s| s.precise_blocks + s.approximate_blocks)
+            .sum();
+        self.metrics
+            .index_blocks
+            .set(i64::try_from(total).unwrap_or(i64::MAX));
+        let view = self.views.load();
+        for (id, e) in &view.workers {
+            let labels = WorkerLabels {
+                worker: id.0.clone(),
+            };
+            let lag = match (
+                &*e.runtime.events.lock(),
+                *e.runtime.events_last_heard.lock(),
+            ) {
+                (EventStreamState::Connected, Some(t)) => t.elapsed().as_secs_f64(),
+                _ => -1.0,
+            };
+            self.metrics
+                .event_lag_seconds
+                .get_or_create(&labels)
+                .set(lag);
+            self.metrics.worker_in_flight.get_or_create(&labels).set(
+                i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
+            );
+            self.metrics
+                .worker_healthy
+                .get_or_create(&labels)
+                .set(i64::from(e.healthy));
+        }
+    }
+
+    /// End-of-request bookkeeping: metrics, decision log, approximate holdings.
+    pub fn finish_request(&self, ctx: &mut RequestCtx) {
+        self.metrics.requests.get_or_create(&ctx.labels()).inc();
+        if let (Some(fb), Some(dd), Some(s)) = (ctx.first_byte, ctx.decision_done, &ctx.service) {
+            self.metrics
+                .ttft_seconds
+                .get_or_create(&ModeLabels {
+                    service: s.name().to_owned(),
+                    mode: s.mode.as_str().to_owned(),
+                })
+                .observe(fb.saturating_duration_since(dd).as_secs_f64());
+        }
+        // Approximate holdings: a worker without an event stream is assumed to hold the blocks
+        // of a prompt it answered successfully, for a while.
+        if let (Some(d), Some(w), Some(status)) = (&ctx.decision, &ctx.current, ctx.status) {
+            if (200..300).contains(&status) {
+                if let Some(p) = &d.prompt {
+                    let approximate = ctx
+                        .view
+                        .as_ref()
+                        .and_then(|v| v.workers.get(w))
+                        .is_some_and(|e| e.runtime.approximate());
+                    if approximate && !p.keys.is_empty() {
+                        if let Err(e) = self.index.insert_approximate(w, &p.keys) {
+                            tracing::debug!(worker = %w, error = %e, "approximate insert skipped");
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(log) = &self.decisions {
+            // Only a request that was routed (has a ticket) names service, rule, version, worker.
+            let routed = ctx.ticket.is_some();
+            let record = DecisionRecord {
+                request_id: ctx.request_id.clone(),
+                at_ms: now_ms(),
+                ticket: ctx.ticket.clone(),
+                service: ctx
+                    .service
+                    .as_ref()
+                    .filter(|_| routed)
+                    .map(|s| s.name().to_owned()),
+                rule_id: ctx
+                    .service
+                    .as_ref()
+                    .filter(|_| routed)
+                    .map(|s| s.rule_id.clone()),
+                rule_version: ctx.view.as_ref().filter(|_| routed).map(|v| v.version()),
+                worker: ctx.current.clone().filter(|_| routed),
+                status: ctx.status.unwrap_or(0),
+                error: ctx.error.clone(),
+            };
+            if let Err(e) = log.append(&record) {
+                tracing::warn!(error = %e, "decision log append failed");
+            }
+        }
+        ctx.in_flight = None;
+    }
+}

@@ -1,0 +1,98 @@
+//! One request's state from `request_filter` to `logging` ([`RequestCtx`]), its metric labels,
+//! and the gateway's own error answers. Shared by both forwarding paths (pingora's proxy loop
+//! and [`crate::forward`]) and by the end-of-request bookkeeping of the data plane.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use pingora::http::ResponseHeader;
+use pingora::prelude::Session;
+use pingora::Result;
+use prefix_index::WorkerId;
+use receipts::SignedTicket;
+
+use crate::error::GatewayError;
+use crate::metrics::RequestLabels;
+use crate::route::Decision;
+use crate::view::{InFlight, ServiceRoute, View};
+
+/// Header naming the worker that served a response (set by the gateway).
+pub const WORKER_HEADER: &str = "x-kvgate-worker";
+/// Header naming the route reason (`hit`, `no_match`, `load_guard`, `round_robin`, ...).
+pub const REASON_HEADER: &str = "x-kvgate-route-reason";
+/// Header carrying the rules version that routed the request.
+pub const VERSION_HEADER: &str = "x-kvgate-rules-version";
+
+/// Per-request state, from `request_filter` to `logging`.
+#[derive(Default)]
+pub struct RequestCtx {
+    pub(crate) started: Option<Instant>,
+    pub(crate) request_id: String,
+    /// The one view this request reads, kept to the end.
+    pub(crate) view: Option<Arc<View>>,
+    pub(crate) body: Bytes,
+    /// The matched service, once matched (also when routing it then failed).
+    pub(crate) service: Option<Arc<ServiceRoute>>,
+    /// The routing decision, only when one was taken.
+    pub(crate) decision: Option<Decision>,
+    /// Index into `decision.order` of the next worker to try.
+    pub(crate) next: usize,
+    /// The worker of the current (last) attempt.
+    pub(crate) current: Option<WorkerId>,
+    pub(crate) ticket: Option<SignedTicket>,
+    pub(crate) in_flight: Option<InFlight>,
+    pub(crate) status: Option<u16>,
+    pub(crate) error: Option<String>,
+    pub(crate) first_byte: Option<Instant>,
+    pub(crate) decision_done: Option<Instant>,
+}
+
+impl RequestCtx {
+    /// Labels for the request counter.
+    pub(crate) fn labels(&self) -> RequestLabels {
+        let (service, rule, mode) = match &self.service {
+            Some(s) => (
+                s.name().to_owned(),
+                s.rule_id.clone(),
+                s.mode.as_str().to_owned(),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        RequestLabels {
+            service,
+            rule,
+            mode,
+            worker: self
+                .current
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |w| w.0.clone()),
+            status: self
+                .status
+                .map_or_else(|| "0".to_owned(), |s| s.to_string()),
+        }
+    }
+}
+
+/// Writes an OpenAI-style error response and records it in the ctx.
+pub(crate) async fn respond_error(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    err: &GatewayError,
+) -> Result<bool> {
+    let body = err.to_openai_json();
+    let mut resp = ResponseHeader::build(err.status(), Some(4))?;
+    resp.insert_header("content-type", "application/json")?;
+    resp.insert_header("content-length", body.len().to_string())?;
+    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    if let Some(v) = &ctx.view {
+        resp.insert_header(VERSION_HEADER, v.version().to_string())?;
+    }
+    ctx.status = Some(err.status());
+    ctx.error = Some(err.error_type().to_owned());
+    session.write_response_header(Box::new(resp), false).await?;
+    session
+        .write_response_body(Some(Bytes::from(body)), true)
+        .await?;
+    Ok(true)
+}

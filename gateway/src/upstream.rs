@@ -1,0 +1,137 @@
+//! What both forwarding paths (pingora's proxy loop in [`crate::proxy`] and the >64 KiB path in
+//! [`crate::forward`]) do the same way: the peer of a worker, the start of an attempt (in-flight
+//! count, the ticket signed for the worker actually used), the request head sent upstream, the
+//! decoration of the worker's response head, and passive health from its status.
+
+use std::time::Duration;
+
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::HttpPeer;
+use pingora::{Error, ErrorType, Result};
+use prefix_index::{NamespaceSeed, WorkerId};
+use receipts::{RouteTicket, SignedTicket, TICKET_HEADER};
+use routing_rules::schema::UpstreamSpec;
+
+use crate::data_plane::DataPlane;
+use crate::request::{RequestCtx, REASON_HEADER, VERSION_HEADER, WORKER_HEADER};
+use crate::view::{InFlight, Upstream, WorkerEntry};
+
+/// The pingora peer for a worker, with the service's timeouts.
+pub fn peer_for(upstream: &Upstream, spec: &UpstreamSpec) -> HttpPeer {
+    let mut peer = HttpPeer::new(upstream.addr, false, String::new());
+    peer.options.connection_timeout = Some(Duration::from_millis(spec.connect_timeout_ms));
+    peer.options.read_timeout = Some(Duration::from_millis(spec.read_timeout_ms));
+    peer.options.idle_timeout = Some(Duration::from_millis(spec.idle_timeout_ms));
+    peer.options.write_timeout = Some(Duration::from_millis(spec.read_timeout_ms));
+    peer
+}
+
+/// Starts an attempt on `worker`: records it as the current one, counts it in flight and signs
+/// the ticket for it (kept in the ctx for the decision log).
+pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
+    let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
+    ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone()));
+    ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
+    ctx.current = Some(worker.clone());
+}
+
+/// The signed route ticket of the request for one worker. `None` without a decision.
+fn ticket_for(data: &DataPlane, ctx: &RequestCtx, entry: &WorkerEntry) -> Option<SignedTicket> {
+    let view = ctx.view.as_ref()?;
+    let service = ctx.service.as_ref()?;
+    let d = ctx.decision.as_ref()?;
+    let worker = &entry.spec.id;
+    let now = crate::data_plane::now_ms();
+    let prompt = d.prompt.as_ref();
+    let ticket = RouteTicket {
+        request_id: ctx.request_id.clone(),
+        gateway_id: data.gateway_id.clone(),
+        key_id: data.key.key_id().clone(),
+        service: service.name().to_owned(),
+        rule_id: service.rule_id.clone(),
+        rule_version: view.version(),
+        mode: service.mode,
+        worker: worker.clone(),
+        predicted_matched_tokens: d.predicted_tokens(worker),
+        prompt_tokens: prompt.and_then(|p| u32::try_from(p.prompt_tokens).ok()),
+        last_block_key: prompt.and_then(|p| p.keys.last().copied()),
+        // Round robin computes no keys: the all-zero namespace.
+        namespace_seed: prompt.map_or(NamespaceSeed([0; 32]), |p| p.seed),
+        // KV-exact: the pinned profile's algorithm; round robin: the one the worker reports.
+        hash_algorithm: prompt
+            .map(|p| p.hash_algorithm)
+            .or_else(|| entry.runtime.reported_algorithm())
+            .unwrap_or_default(),
+        issued_at_ms: now,
+        expires_at_ms: now + receipts::DEFAULT_TICKET_TTL_MS,
+    };
+    Some(ticket.sign(&data.key))
+}
+
+/// The request head sent to the worker of the current attempt: its path prefix and `Host`,
+/// `x-request-id`, the ticket, and framing for the buffered body (`content-length`, no
+/// `expect` / `transfer-encoding`). `close` asks the worker to close the connection after it.
+pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bool) -> Result<()> {
+    let entry = match (&ctx.view, &ctx.current) {
+        (Some(v), Some(w)) => v.workers.get(w),
+        _ => None,
+    };
+    let Some(entry) = entry else {
+        return Err(Error::explain(ErrorType::InternalError, "no worker chosen"));
+    };
+    if !entry.upstream.base_path.is_empty() {
+        let pq = head
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        let uri: http::Uri = format!("{}{}", entry.upstream.base_path, pq)
+            .parse()
+            .map_err(|_| Error::explain(ErrorType::InternalError, "bad upstream path"))?;
+        head.set_uri(uri);
+    }
+    head.insert_header("host", entry.upstream.authority.as_str())?;
+    head.insert_header("x-request-id", ctx.request_id.as_str())?;
+    match &ctx.ticket {
+        Some(t) => head.insert_header(TICKET_HEADER, t.header())?,
+        None => {
+            head.remove_header(TICKET_HEADER);
+        }
+    }
+    head.remove_header("expect");
+    if close || !ctx.body.is_empty() || head.headers.contains_key("content-length") {
+        head.remove_header("transfer-encoding");
+        head.insert_header("content-length", ctx.body.len().to_string())?;
+    }
+    if close {
+        head.insert_header("connection", "close")?;
+    }
+    Ok(())
+}
+
+/// Decorates the worker's response head (worker, route reason, rules version, request id),
+/// records the status and marks passive health (a 5xx counts against the worker).
+pub(crate) fn on_response(
+    data: &DataPlane,
+    resp: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let status = resp.status.as_u16();
+    ctx.status = Some(status);
+    if let Some(w) = &ctx.current {
+        if status >= 500 {
+            data.mark_failure(w, false);
+        } else {
+            data.mark_success(w);
+        }
+        resp.insert_header(WORKER_HEADER, w.0.as_str())?;
+    }
+    if let Some(d) = &ctx.decision {
+        resp.insert_header(REASON_HEADER, d.reason.as_str())?;
+    }
+    if let Some(v) = &ctx.view {
+        resp.insert_header(VERSION_HEADER, v.version().to_string())?;
+    }
+    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    Ok(())
+}

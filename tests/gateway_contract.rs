@@ -1,0 +1,267 @@
+//! The contracts between gateway and worker, through real HTTP: the same prompt gives the same
+//! token ids and block keys on both sides (special-token text included), round-robin tickets
+//! carry the hash algorithm the worker runs, and the gateway's KV-event subscriber rebuilds a
+//! worker's cache from a snapshot exactly.
+
+#[path = "gateway_support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use prefix_index::{HashAlgorithm, WorkerId};
+use support::{Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
+
+/// A completion prompt holding special-token text, long enough for several full blocks.
+fn special_token_prompt() -> String {
+    format!(
+        "<|im_start|>system\n{}<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        "You are a careful assistant. ".repeat(6)
+    )
+}
+
+#[test]
+fn special_token_text_gives_the_gateways_keys_on_the_worker() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let body =
+        serde_json::json!({"model": "smol", "prompt": special_token_prompt(), "max_tokens": 2});
+    let r = fleet.post("/v1/completions", &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = r.header("x-request-id").expect("request id");
+    let worker: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
+    let receipt = fleet.receipt(worker, &id).expect("the worker's receipt");
+    let ticket = receipt
+        .body
+        .ticket
+        .as_ref()
+        .expect("a ticketed request")
+        .ticket_unverified()
+        .clone();
+    // The gateway's count and last block key (in the ticket) are the worker's (in its receipt).
+    assert_eq!(
+        ticket.prompt_tokens,
+        Some(receipt.body.prompt_tokens),
+        "prompt tokens differ"
+    );
+    assert!(receipt.body.prompt_tokens >= 32, "{receipt:?}");
+    assert!(ticket.last_block_key.is_some());
+    assert_eq!(ticket.last_block_key, receipt.body.last_block_key);
+    // Special-token text is one control token on both sides, not its characters.
+    let ids = fleet
+        .profile
+        .prompt_ids(&prompt_profile::PromptSource::Text(special_token_prompt()))
+        .unwrap();
+    assert_eq!(ids[0], fleet.profile.token_to_id("<|im_start|>").unwrap());
+    assert_eq!(ids.len() as u32, receipt.body.prompt_tokens);
+    fleet.stop();
+}
+
+#[test]
+fn a_sha256_worker_behind_round_robin_answers() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        hash_algorithm: HashAlgorithm::Sha256,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(RR_SERVICE, false);
+    for i in 0..4 {
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &support::chat(&[("user", &format!("hello {i}"))], 2),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let id = r.header("x-request-id").unwrap();
+        let w: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
+        let receipt = fleet.receipt(w, &id).unwrap();
+        let t = receipt.body.ticket.unwrap();
+        assert_eq!(t.ticket_unverified().hash_algorithm, HashAlgorithm::Sha256);
+    }
+    fleet.stop();
+}
+
+#[test]
+fn a_snapshot_rebuilds_the_workers_cache_in_the_gateways_index() {
+    // Direct requests fill the caches: tickets optional.
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ticket_policy: worker::TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    // Fill both caches with several separate chains before any gateway subscribes: the first
+    // subscription then gets `cleared` and a snapshot of several `stored` envelopes, all with
+    // the same seq.
+    let client = reqwest::Client::new();
+    for (i, addr) in fleet.addrs.clone().iter().enumerate() {
+        for c in 0..5 {
+            let body = support::chat(
+                &[(
+                    "user",
+                    &format!("worker {i} chain {c}: {}", "tell me a story. ".repeat(6)),
+                )],
+                3,
+            );
+            let status = fleet.rt.block_on(async {
+                client
+                    .post(format!("http://{addr}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            });
+            assert!(status.is_success(), "{status}");
+        }
+    }
+    fleet.start_gateway(RR_SERVICE, false);
+    for (i, w) in fleet.workers.iter().enumerate() {
+        let w = w.as_ref().unwrap();
+        let want = w.engine().kv_events().keys();
+        assert!(
+            want.len() >= 10,
+            "worker {i} cached only {} keys",
+            want.len()
+        );
+        let id = WorkerId(format!("w{}", i + 1));
+        fleet.wait_for(
+            &format!("worker {i}'s snapshot in the gateway's index"),
+            Duration::from_secs(10),
+            || fleet.gw().data.index.precise_keys_of(&id).unwrap() == want,
+        );
+    }
+    fleet.stop();
+}
+
+/// A fake worker speaking just enough HTTP/1.1 for the gateway's background tasks: `/ready` is
+/// 200, `/v1/profile` 404, and the n-th `GET /v1/kv/events` gets `streams[n]` (SSE lines), then
+/// the connection closes. Returns its address and the request lines it saw.
+fn fake_worker(
+    rt: &tokio::runtime::Runtime,
+    streams: Vec<String>,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let streams = std::sync::Arc::new(parking_lot::Mutex::new(
+        streams
+            .into_iter()
+            .collect::<std::collections::VecDeque<_>>(),
+    ));
+    rt.spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let log = log.clone();
+            let streams = streams.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&got).into_owned();
+                let line = head.lines().next().unwrap_or_default().to_owned();
+                log.lock().push(line.clone());
+                let reply = if line.starts_with("GET /ready") {
+                    "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok".to_owned()
+                } else if line.starts_with("GET /v1/kv/events") {
+                    let body = streams.lock().pop_front().unwrap_or_default();
+                    format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{body}")
+                } else {
+                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
+                };
+                let _ = sock.write_all(reply.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+fn sse(epoch: u64, seq: u64, event: &str) -> String {
+    format!("data: {{\"epoch\":{epoch},\"seq\":{seq},{event}}}\n\n")
+}
+
+#[test]
+fn the_subscriber_survives_the_largest_seq_and_follows_a_new_epoch() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let k1 = "00000000000000a1";
+    let k2 = "00000000000000b2";
+    let streams = vec![
+        // A snapshot at the largest seq, then the stream ends.
+        sse(7, u64::MAX, r#""type":"cleared""#)
+            + &sse(
+                7,
+                u64::MAX,
+                &format!(r#""type":"stored","parent":null,"keys":["{k1}"]"#),
+            )
+            + &sse(
+                7,
+                u64::MAX,
+                &format!(r#""type":"stored","parent":null,"keys":["{k2}"]"#),
+            ),
+        // The worker restarted: a new epoch with one key.
+        sse(
+            8,
+            1,
+            &format!(r#""type":"stored","parent":null,"keys":["{k2}"]"#),
+        ),
+    ];
+    let (addr, seen) = fake_worker(&rt, streams);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        format!(
+            "[gateway]\nhealth_interval_ms = 50\n[[workers]]\nid = \"f\"\nurl = \"http://{addr}\"\n\
+             [[pools]]\nid = \"p\"\nworkers = [\"f\"]\n{}",
+            RR_SERVICE.replace("\"all\"", "\"p\"")
+        ),
+    )
+    .unwrap();
+    let mut gw = gateway::spawn(gateway::GatewayConfig::new(
+        &rules,
+        receipts::KeyPair::generate(),
+    ))
+    .unwrap();
+    let id = WorkerId("f".into());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let keys = gw.data.index.precise_keys_of(&id).unwrap();
+        if keys == vec![prefix_index::BlockKey(0xb2)] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "index never followed the new epoch: {keys:?}; requests: {:?}",
+            seen.lock()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The second subscription resumed from the last applied position.
+    let resumed = format!("since_epoch=7&since_seq={}", u64::MAX);
+    assert!(
+        seen.lock().iter().any(|l| l.contains(&resumed)),
+        "{:?}",
+        seen.lock()
+    );
+    gw.shutdown();
+}
