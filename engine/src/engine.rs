@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use prompt_profile::{DecodeStream, TokenDecoder};
 
-use crate::executor::Executor;
+use crate::executor::{Executor, KvGeometry};
 use crate::kv::KvEventFeed;
 use crate::sampler::{Sampler, SamplingParams, StopChecker};
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
@@ -345,7 +345,6 @@ impl Engine {
                 max_running: config.max_running,
                 step_token_budget: config.step_token_budget,
                 prefill_chunk: config.prefill_chunk,
-                hash_algorithm: config.hash_algorithm,
             },
             geometry,
         );
@@ -407,13 +406,14 @@ impl Engine {
         req.sampling
             .validate()
             .map_err(EngineError::InvalidRequest)?;
-        let needed = (req.prompt.len() + req.max_tokens - 1).div_ceil(inner.block_size);
-        if needed > inner.num_blocks {
-            return Err(EngineError::NeverFits {
-                needed,
-                total: inner.num_blocks,
-            });
-        }
+        crate::scheduler::check_fits(
+            KvGeometry {
+                block_size: inner.block_size,
+                num_blocks: inner.num_blocks,
+            },
+            req.prompt.len(),
+            req.max_tokens,
+        )?;
         let max_waiting = inner.config.max_waiting;
         if let Err(waiting) = inner
             .queued

@@ -35,7 +35,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use prefix_index::key::{ChainLink, KeyChain};
-use prefix_index::{BlockKey, HashAlgorithm};
+use prefix_index::BlockKey;
 
 use crate::executor::{BlockId, KvGeometry, SeqChunk};
 use crate::kv::prefix_cache::ContentRef;
@@ -55,8 +55,28 @@ pub struct SchedulerConfig {
     pub step_token_budget: usize,
     /// Largest prefill chunk of one sequence in one step (≥ 1).
     pub prefill_chunk: usize,
-    /// Hash algorithm of the block keys.
-    pub hash_algorithm: HashAlgorithm,
+}
+
+/// Blocks a request needs in all: K/V of the prompt and of every generated token but the last.
+pub fn blocks_needed(block_size: usize, prompt_len: usize, max_tokens: usize) -> usize {
+    (prompt_len + max_tokens.max(1) - 1).div_ceil(block_size.max(1))
+}
+
+/// Rejects a request that could never be admitted, even into an empty pool of `geometry`
+/// (`NeverFits`). The engine checks it at submit, before a request is queued.
+pub fn check_fits(
+    geometry: KvGeometry,
+    prompt_len: usize,
+    max_tokens: usize,
+) -> Result<(), EngineError> {
+    let needed = blocks_needed(geometry.block_size, prompt_len, max_tokens);
+    if needed > geometry.num_blocks {
+        return Err(EngineError::NeverFits {
+            needed,
+            total: geometry.num_blocks,
+        });
+    }
+    Ok(())
 }
 
 /// What the engine asks the scheduler to run.
@@ -221,22 +241,6 @@ impl<P> Scheduler<P> {
         self.kv.block_size()
     }
 
-    /// Blocks a request needs in all: K/V of the prompt and of every generated token but the
-    /// last.
-    pub fn blocks_needed(&self, prompt_len: usize, max_tokens: usize) -> usize {
-        (prompt_len + max_tokens.max(1) - 1).div_ceil(self.block_size())
-    }
-
-    /// Rejects a request that could never be admitted, even into an empty pool.
-    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<(), EngineError> {
-        let needed = self.blocks_needed(prompt_len, max_tokens);
-        let total = self.kv.pool().total();
-        if needed > total {
-            return Err(EngineError::NeverFits { needed, total });
-        }
-        Ok(())
-    }
-
     /// Sequences waiting for admission.
     pub fn waiting_len(&self) -> usize {
         self.waiting.len()
@@ -277,7 +281,7 @@ impl<P> Scheduler<P> {
             .collect()
     }
 
-    /// Queues a sequence (the caller checked [`Scheduler::check_fits`] and the queue bound).
+    /// Queues a sequence (the caller checked [`check_fits`] and the queue bound).
     /// Hashes the prompt's full blocks: O(prompt).
     pub fn enqueue(&mut self, id: SeqId, spec: SeqSpec, payload: P) {
         let b = spec.chain.block_size().get();
@@ -292,7 +296,7 @@ impl<P> Scheduler<P> {
                 Err(_) => break,
             }
         }
-        let reserved_total = self.blocks_needed(spec.prompt.len(), spec.max_tokens);
+        let reserved_total = blocks_needed(self.block_size(), spec.prompt.len(), spec.max_tokens);
         self.waiting.push_back(Sequence {
             id,
             payload,

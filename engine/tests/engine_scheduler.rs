@@ -41,7 +41,6 @@ fn sched_cfg(max_running: usize, budget: usize, chunk: usize) -> SchedulerConfig
         max_running,
         step_token_budget: budget,
         prefill_chunk: chunk,
-        hash_algorithm: HashAlgorithm::Xxh3,
     }
 }
 
@@ -129,7 +128,7 @@ fn randomized_differential_accounting() {
                     }
                     let max_tokens = rng.gen_range(1..30);
                     let namespace = ns(rng.gen_range(0..2));
-                    if s.check_fits(p.len(), max_tokens).is_err() {
+                    if engine::scheduler::check_fits(geometry, p.len(), max_tokens).is_err() {
                         // Differential: the naive rule.
                         assert!((p.len() + max_tokens - 1).div_ceil(bs) > geometry.num_blocks);
                         rejected += 1;
@@ -391,8 +390,8 @@ fn admission_waits_for_blocks_and_bypass_is_bounded() {
     s.enqueue(SeqId(3), spec((80..84).collect(), 2, ns(1), bs), ());
     assert_eq!(s.admit(Instant::now()), vec![SeqId(3)]);
     assert_eq!(s.waiting_len(), 1);
-    assert!(s.check_fits(40, 1).is_ok());
-    assert!(s.check_fits(40, 2).is_err());
+    assert!(engine::scheduler::check_fits(exec.geometry(), 40, 1).is_ok());
+    assert!(engine::scheduler::check_fits(exec.geometry(), 40, 2).is_err());
     // Expiry removes waiting requests past their deadline.
     let expired = s.expire(Instant::now() + Duration::from_secs(7200));
     assert_eq!(expired.len(), 1);

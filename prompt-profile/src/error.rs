@@ -214,6 +214,13 @@ impl ProfileError {
     }
 }
 
+/// A `tokenizers` library error as [`ProfileError::Tokenizer`].
+pub(crate) fn tk_err(e: impl std::fmt::Display) -> ProfileError {
+    ProfileError::Tokenizer {
+        reason: one_line(e.to_string()),
+    }
+}
+
 /// Replace line breaks so that an error message stays on one line.
 pub(crate) fn one_line(s: impl AsRef<str>) -> String {
     let s = s.as_ref().trim();

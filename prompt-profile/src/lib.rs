@@ -420,7 +420,7 @@ impl PromptProfile {
         } else {
             &self.inner.tokenizer.plain
         };
-        let enc = tok.encode_fast(text, false).map_err(tokenizer::tk_err)?;
+        let enc = tok.encode_fast(text, false).map_err(error::tk_err)?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -442,7 +442,7 @@ impl PromptProfile {
             .tokenizer
             .parse_special
             .decode(ids, skip_special)
-            .map_err(tokenizer::tk_err)
+            .map_err(error::tk_err)
     }
 
     /// An incremental detokenizer for streaming output.

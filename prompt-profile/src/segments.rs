@@ -22,8 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use tokenizers::Tokenizer;
 
-use crate::error::Result;
-use crate::tokenizer::tk_err;
+use crate::error::{tk_err, Result};
 
 /// Default cache budget in bytes (segment text + 4 bytes per id), across both generations.
 pub(crate) const DEFAULT_CACHE_BYTES: usize = 64 << 20;

@@ -25,7 +25,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-use crate::error::{one_line, ProfileError, Result};
+use crate::error::{tk_err, ProfileError, Result};
 use crate::gguf::{GgufMetadata, GgufValue};
 use crate::segments::{SegmentEncoder, DEFAULT_CACHE_BYTES};
 
@@ -33,12 +33,6 @@ use crate::segments::{SegmentEncoder, DEFAULT_CACHE_BYTES};
 const TOKEN_TYPE_CONTROL: i128 = 3;
 /// GGUF token type of user-defined tokens.
 const TOKEN_TYPE_USER_DEFINED: i128 = 4;
-
-pub(crate) fn tk_err(e: impl std::fmt::Display) -> ProfileError {
-    ProfileError::Tokenizer {
-        reason: one_line(e.to_string()),
-    }
-}
 
 /// A built tokenizer plus what the profile needs to know about it.
 #[derive(Clone)]

@@ -28,7 +28,6 @@ use worker::{EngineChoice, RunningWorker, WorkerConfig};
 use super::report::{self, Summary, Verdict};
 use super::workload::{self, WorkloadKind};
 use super::{run_wave, WaveSpec};
-use crate::cmd::bench::Args;
 
 /// The policies compared, with the `[services.rule]` TOML of each.
 const POLICIES: &[(&str, &str)] = &[
@@ -226,7 +225,26 @@ pub fn fleet_verdicts(kind: WorkloadKind, s: &[Summary]) -> Vec<Verdict> {
     out
 }
 
-pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
+/// What a fleet run measures (from the `kvgate bench --fleet` flags).
+pub struct FleetRun<'a> {
+    /// Workloads, one comparison each.
+    pub workload: &'a [WorkloadKind],
+    /// Their shape.
+    pub shape: &'a workload::WorkloadShape,
+    /// The `model` of every request.
+    pub model: &'a str,
+    /// Requests in flight.
+    pub concurrency: usize,
+    /// Longest run per policy, seconds.
+    pub max_seconds: u64,
+    /// Per-request timeout, seconds.
+    pub request_timeout: u64,
+    /// Where records and summaries go.
+    pub out: &'a std::path::Path,
+}
+
+/// Runs every workload of `args` against `n` simulated workers under each policy.
+pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     let model_path = default_model_path();
     let profile = PromptProfile::from_gguf(&model_path).with_context(|| {
         format!(
@@ -239,7 +257,7 @@ pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
         .build()?;
     let mut failed = false;
     println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, oracle");
-    for kind in &args.workload {
+    for kind in args.workload {
         let mut summaries = Vec::new();
         let mut records = Vec::new();
         for (label, rule) in POLICIES {
@@ -254,9 +272,9 @@ pub async fn run(n: usize, args: &Args) -> anyhow::Result<ExitCode> {
                 WaveSpec {
                     label,
                     target: &target,
-                    model: &args.model,
+                    model: args.model,
                     kind: *kind,
-                    plans: workload::plan(*kind, &args.shape),
+                    plans: workload::plan(*kind, args.shape),
                     concurrency: args.concurrency,
                     max_duration: Duration::from_secs(args.max_seconds),
                     request_timeout: Duration::from_secs(args.request_timeout),

@@ -75,7 +75,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .and_then(|n| n.parse().ok())
                 .filter(|n| *n > 0)
                 .with_context(|| format!("--fleet `{fleet}`: expected sim:N with N > 0"))?;
-            return crate::bench::fleet::run(n, &args).await;
+            let run = crate::bench::fleet::FleetRun {
+                workload: &args.workload,
+                shape: &args.shape,
+                model: &args.model,
+                concurrency: args.concurrency,
+                max_seconds: args.max_seconds,
+                request_timeout: args.request_timeout,
+                out: &args.out,
+            };
+            return crate::bench::fleet::run(n, &run).await;
         }
         let Some(target) = args.target.clone() else {
             bail!("give --target URL or --fleet sim:N");

@@ -304,9 +304,9 @@ native_reserve_tokens = 0
             .join(format!("receipts-{}.jsonl", worker_id(i)));
         let text = std::fs::read_to_string(path).ok()?;
         text.lines()
+            .rev()
             .filter_map(|l| receipts::Receipt::from_line(l.as_bytes()).ok())
-            .filter(|r| r.body.request_id == request_id)
-            .last()
+            .find(|r| r.body.request_id == request_id)
     }
 
     /// Stops the gateway and the workers.

@@ -63,7 +63,7 @@ pub fn ticket(request_id: &str, worker: &str, mode: RouteMode, issued_at_ms: u64
 pub fn draft(request_id: &str, ticket: Option<SignedTicket>, received_at_ms: u64) -> ReceiptDraft {
     let last_block_key = ticket
         .as_ref()
-        .and_then(|t| t.ticket_unverified().last_block_key.clone());
+        .and_then(|t| t.ticket_unverified().last_block_key);
     let prompt_tokens = ticket
         .as_ref()
         .and_then(|t| t.ticket_unverified().prompt_tokens)

@@ -156,7 +156,6 @@ impl SelectionPolicy for KvExact {
                 .map(|&i| candidates[i].worker.clone())
                 .collect(),
             reason,
-            matched_blocks: first.matched_blocks,
         }
     }
 }

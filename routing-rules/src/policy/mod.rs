@@ -99,8 +99,6 @@ pub struct Selection {
     pub order: Vec<WorkerId>,
     /// Why the first choice.
     pub reason: Reason,
-    /// Matched blocks of the first choice (0 when `order` is empty).
-    pub matched_blocks: usize,
 }
 
 impl Selection {
@@ -109,7 +107,6 @@ impl Selection {
         Self {
             order: Vec::new(),
             reason: Reason::NoHealthyWorker,
-            matched_blocks: 0,
         }
     }
 

@@ -78,7 +78,6 @@ impl SelectionPolicy for RoundRobin {
         Selection {
             order,
             reason: Reason::RoundRobin,
-            matched_blocks: healthy[start].matched_blocks,
         }
     }
 }
