@@ -388,13 +388,14 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
         );
         assert!(d.ticket.is_some(), "{id} was not routed: {d:?}");
     }
-    // Requests that have a receipt, across both logs.
+    // Requests that have a receipt, across both logs (receipts carry the gateway's ids).
+    let client_of = fleet.client_ids();
     let receipted: BTreeSet<String> = fleet
         .receipt_logs()
         .iter()
         .flat_map(|l| e2e_support::read_receipts(l))
         .filter(|r| r.body.ticket.is_some())
-        .map(|r| r.body.request_id)
+        .filter_map(|r| client_of.get(&r.body.request_id).cloned())
         .collect();
     let without_receipt: BTreeSet<&str> = decisions
         .iter()
@@ -428,7 +429,7 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     let listed: BTreeSet<&str> = rep
         .failed_requests
         .iter()
-        .map(|f| f.request_id.as_str())
+        .filter_map(|f| client_of.get(&f.request_id).map(String::as_str))
         .collect();
     assert_eq!(listed, killed, "audit's failed requests:\n{rep}");
     assert!(
@@ -441,7 +442,7 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     assert!(out.contains("failed upstream without receipt 2"), "{out}");
     for id in &killed {
         assert!(
-            out.contains(&format!("failed upstream: request {id}")),
+            out.contains(&format!("(client {id}) on worker {victim}")),
             "{out}"
         );
     }
@@ -527,11 +528,12 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     );
     let decisions = fleet.wait_decisions(sent.len());
     assert_eq!(decisions.len(), sent.len());
+    let client_of = fleet.client_ids();
     let stopped: BTreeMap<String, receipts::Receipt> =
         e2e_support::read_receipts(&fleet.host(&survivor).receipt_log)
             .into_iter()
-            .filter(|r| r.body.request_id.starts_with("e2e-stop-"))
-            .map(|r| (r.body.request_id.clone(), r))
+            .filter_map(|r| client_of.get(&r.body.request_id).cloned().map(|c| (c, r)))
+            .filter(|(c, _)| c.starts_with("e2e-stop-"))
             .collect();
     for (id, status) in [("e2e-stop-g1", 503), ("e2e-stop-g2", 200)] {
         let r = stopped

@@ -89,6 +89,8 @@ fn scenario(dir: &Path, n: usize) -> (PathBuf, PathBuf, PathBuf) {
             worker: Some("w0".into()),
             status: 200,
             error: None,
+            client_request_id: None,
+            receipt_named: None,
         })
         .unwrap();
     }

@@ -26,6 +26,38 @@ pub fn now_ms() -> u64 {
 /// at once). Active checks bring it back.
 pub const PASSIVE_5XX_THRESHOLD: u64 = 3;
 
+/// Request ids the gateway mints for tickets, receipts and its decision log: a random 64-bit
+/// prefix chosen once per gateway start and a counter, `<prefix>-<n>` in hex — unique across
+/// restarts, no system call per request. A client's own `x-request-id` is never used as the
+/// ticket's id (a client retrying with the same id would otherwise be refused as a replay); it
+/// is carried beside it as `x-client-request-id`.
+pub struct RequestIds {
+    prefix: String,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl RequestIds {
+    /// A fresh id space.
+    pub fn new() -> RequestIds {
+        RequestIds {
+            prefix: format!("gw-{:016x}", rand::random::<u64>()),
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    /// The next id.
+    pub fn mint(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{n:x}", self.prefix)
+    }
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Everything the request path shares.
 pub struct DataPlane {
     /// The current view.
@@ -40,6 +72,8 @@ pub struct DataPlane {
     pub gateway_id: String,
     /// The decision log, when configured.
     pub decisions: Option<DecisionLog>,
+    /// Request ids minted for tickets.
+    pub request_ids: RequestIds,
 }
 
 impl DataPlane {
@@ -170,6 +204,8 @@ impl DataPlane {
                 worker: ctx.current.clone().filter(|_| routed),
                 status: ctx.status.unwrap_or(0),
                 error: ctx.error.clone(),
+                client_request_id: ctx.client_request_id.clone(),
+                receipt_named: ctx.receipt_named,
             };
             if let Err(e) = log.append(&record) {
                 tracing::warn!(error = %e, "decision log append failed");

@@ -19,6 +19,16 @@ pub enum GatewayError {
         /// The body's `model`, when it had one.
         model: Option<String>,
     },
+    /// The OpenAI API does not serve this method on this path.
+    #[error("{method} is not allowed on {path} (allowed: {allowed})")]
+    MethodNotAllowed {
+        /// Request method.
+        method: String,
+        /// Request path.
+        path: String,
+        /// The method the path serves.
+        allowed: &'static str,
+    },
     /// The request body is larger than the service's limit.
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge {
@@ -114,6 +124,7 @@ impl GatewayError {
     pub fn error_type(&self) -> &'static str {
         match self {
             GatewayError::ServiceNotFound { .. } => "service_not_found",
+            GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
             GatewayError::BodyTooLarge { .. } => "request_too_large",
             GatewayError::InvalidBody { .. } => "invalid_request_body",
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
@@ -134,6 +145,7 @@ impl GatewayError {
     pub fn status(&self) -> u16 {
         match self {
             GatewayError::ServiceNotFound { .. } | GatewayError::NotFound { .. } => 404,
+            GatewayError::MethodNotAllowed { .. } => 405,
             GatewayError::BodyTooLarge { .. } => 413,
             GatewayError::InvalidBody { .. }
             | GatewayError::ContextLengthExceeded { .. }

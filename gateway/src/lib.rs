@@ -204,6 +204,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         key: config.key.clone(),
         gateway_id: config.gateway_id.clone(),
         decisions,
+        request_ids: data_plane::RequestIds::new(),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

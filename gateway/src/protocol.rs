@@ -45,6 +45,32 @@ pub struct InferenceBody {
     pub stream: bool,
 }
 
+/// The one method the OpenAI API serves on `path`, for the paths it defines; `None` for other
+/// paths (a round-robin service may forward anything there).
+pub fn allowed_method(path: &str) -> Option<&'static str> {
+    match path.trim_end_matches('/') {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        "/v1/models" => Some("GET"),
+        _ => None,
+    }
+}
+
+/// `Ok` when `body` is one JSON object (not parsed into anything: O(body), no allocation per
+/// value); the error names what is wrong.
+pub fn check_json_object(body: &[u8]) -> Result<(), GatewayError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Ok(_) => invalid("the body must be a JSON object"),
+                Err(e) => invalid(format!("malformed JSON: {e}")),
+            },
+        );
+    }
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map(|_| ())
+        .map_err(|e| invalid(format!("malformed JSON: {e}")))
+}
+
 /// Reads only `model` from a JSON body, for service matching. `None` for a body that is not a
 /// JSON object with a string `model` (matching then treats the model as absent).
 pub fn peek_model(body: &[u8]) -> Option<String> {
@@ -91,12 +117,7 @@ impl InferenceBody {
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceBody, GatewayError> {
         // serde would read a struct from an array too: an object is required.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return Err(
-                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                    Ok(_) => invalid("the body must be a JSON object"),
-                    Err(e) => invalid(format!("malformed JSON: {e}")),
-                },
-            );
+            check_json_object(body)?;
         }
         let mut de = serde_json::Deserializer::from_slice(body);
         let fields: RoutingFields = match serde_path_to_error::deserialize(&mut de) {

@@ -27,6 +27,7 @@ use pingora::{Error, ErrorType, Result};
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
 use crate::metrics::{ModeLabels, ServiceLabels};
+use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
 use crate::route::{self, RouteInput};
 use crate::upstream;
@@ -58,16 +59,10 @@ fn header_str(req: &RequestHeader, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// A client-supplied request id is kept when it is short printable ASCII; otherwise a UUID.
-fn request_id_for(req: &RequestHeader) -> String {
-    match header_str(req, "x-request-id") {
-        Some(id)
-            if !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()) =>
-        {
-            id
-        }
-        _ => uuid::Uuid::new_v4().to_string(),
-    }
+/// The client's own `x-request-id`, when it is 1..=128 visible ASCII characters (else ignored).
+fn client_request_id(req: &RequestHeader) -> Option<String> {
+    header_str(req, "x-request-id")
+        .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
 }
 
 impl Proxy {
@@ -106,7 +101,8 @@ impl ProxyHttp for Proxy {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         ctx.started = Some(Instant::now());
-        ctx.request_id = request_id_for(session.req_header());
+        ctx.request_id = self.data.request_ids.mint();
+        ctx.client_request_id = client_request_id(session.req_header());
         let view = self.data.views.load();
         ctx.view = Some(view.clone());
         let req = session.req_header();
@@ -115,6 +111,20 @@ impl ProxyHttp for Proxy {
         let host = header_str(req, "host").or_else(|| req.uri.host().map(str::to_owned));
         let expect_continue =
             header_str(req, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        let endpoint = Endpoint::from_path(&path);
+        // The OpenAI API's own paths have fixed methods: refuse others before routing, so a
+        // worker never sees (and never has to receipt) a request it cannot serve.
+        if let Some(allowed) = crate::protocol::allowed_method(&path) {
+            if method != allowed {
+                session.set_keepalive(None);
+                let err = GatewayError::MethodNotAllowed {
+                    method,
+                    path,
+                    allowed,
+                };
+                return respond_error(session, ctx, &err).await;
+            }
+        }
 
         let Some(limit) = view.body_limit_for(host.as_deref(), &path) else {
             // The body stays unread: the connection can't be reused.
@@ -139,6 +149,13 @@ impl ProxyHttp for Proxy {
                 return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
             }
         };
+        // A prompt-carrying body that is not a JSON object is the client's error, whatever the
+        // rules match on.
+        if endpoint.is_some() {
+            if let Err(err) = crate::protocol::check_json_object(&body) {
+                return respond_error(session, ctx, &err).await;
+            }
+        }
         let model = crate::protocol::peek_model(&body);
         let Some(service) = view
             .match_service(host.as_deref(), &path, model.as_deref())

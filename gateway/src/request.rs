@@ -23,12 +23,22 @@ pub const WORKER_HEADER: &str = "x-kvgate-worker";
 pub const REASON_HEADER: &str = "x-kvgate-route-reason";
 /// Header carrying the rules version that routed the request.
 pub const VERSION_HEADER: &str = "x-kvgate-rules-version";
+/// The client's own request id, carried beside the gateway's (`x-request-id`).
+pub const CLIENT_REQUEST_ID_HEADER: &str = "x-client-request-id";
+/// The worker's header naming the receipt of its answer.
+pub const RECEIPT_HEADER: &str = "x-kvgate-receipt";
 
 /// Per-request state, from `request_filter` to `logging`.
 #[derive(Default)]
 pub struct RequestCtx {
     pub(crate) started: Option<Instant>,
+    /// The id the gateway minted (ticket, receipt, decision log, `x-request-id` answered).
     pub(crate) request_id: String,
+    /// The client's own `x-request-id`, when it sent a valid one (forwarded and echoed as
+    /// `x-client-request-id`).
+    pub(crate) client_request_id: Option<String>,
+    /// Whether the worker's answer named a receipt (`x-kvgate-receipt`); `None` before an answer.
+    pub(crate) receipt_named: Option<bool>,
     /// The one view this request reads, kept to the end.
     pub(crate) view: Option<Arc<View>>,
     pub(crate) body: Bytes,
@@ -85,6 +95,9 @@ pub(crate) async fn respond_error(
     resp.insert_header("content-type", "application/json")?;
     resp.insert_header("content-length", body.len().to_string())?;
     resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    if let Some(c) = &ctx.client_request_id {
+        resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
+    }
     if let Some(v) = &ctx.view {
         resp.insert_header(VERSION_HEADER, v.version().to_string())?;
     }

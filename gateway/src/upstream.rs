@@ -13,7 +13,10 @@ use receipts::{RouteTicket, SignedTicket, TICKET_HEADER};
 use routing_rules::schema::UpstreamSpec;
 
 use crate::data_plane::DataPlane;
-use crate::request::{RequestCtx, REASON_HEADER, VERSION_HEADER, WORKER_HEADER};
+use crate::request::{
+    RequestCtx, CLIENT_REQUEST_ID_HEADER, REASON_HEADER, RECEIPT_HEADER, VERSION_HEADER,
+    WORKER_HEADER,
+};
 use crate::view::{InFlight, Upstream, WorkerEntry};
 
 /// The pingora peer for a worker, with the service's timeouts.
@@ -92,6 +95,12 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
     }
     head.insert_header("host", entry.upstream.authority.as_str())?;
     head.insert_header("x-request-id", ctx.request_id.as_str())?;
+    match &ctx.client_request_id {
+        Some(c) => head.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?,
+        None => {
+            head.remove_header(CLIENT_REQUEST_ID_HEADER);
+        }
+    }
     match &ctx.ticket {
         Some(t) => head.insert_header(TICKET_HEADER, t.header())?,
         None => {
@@ -118,6 +127,7 @@ pub(crate) fn on_response(
 ) -> Result<()> {
     let status = resp.status.as_u16();
     ctx.status = Some(status);
+    ctx.receipt_named = Some(resp.headers.contains_key(RECEIPT_HEADER));
     if let Some(w) = &ctx.current {
         if status >= 500 {
             data.mark_failure(w, false);
@@ -133,5 +143,8 @@ pub(crate) fn on_response(
         resp.insert_header(VERSION_HEADER, v.version().to_string())?;
     }
     resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    if let Some(c) = &ctx.client_request_id {
+        resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
+    }
     Ok(())
 }

@@ -156,6 +156,8 @@ pub struct ParityCounts {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FailedRequest {
     pub request_id: String,
+    /// The client's own request id, when the decision recorded one.
+    pub client_request_id: Option<String>,
     /// The worker the ticket chose.
     pub worker: String,
     /// The gateway's error for it.
@@ -177,6 +179,11 @@ pub struct AuditReport {
     /// Those requests, one entry each: the requests the gateway routed but the worker never
     /// answered (connect error, reset, worker killed).
     pub failed_requests: Vec<FailedRequest>,
+    /// Routed decisions the worker refused before accepting their ticket (its answer named no
+    /// receipt: bad ticket, oversized body, unknown method), which owe no receipt.
+    pub refused_by_worker: u64,
+    /// Those requests (`error` = `refused by the worker: status N`).
+    pub refused_requests: Vec<FailedRequest>,
     /// Routed decisions matched to exactly one receipt.
     pub receipted: u64,
     /// Valid receipts across all logs.
@@ -236,20 +243,48 @@ impl AuditReport {
     }
 }
 
+/// ` (client ID)` when the decision recorded the client's own id.
+fn client_suffix(r: &FailedRequest) -> String {
+    r.client_request_id
+        .as_deref()
+        .map(|c| format!(" (client {c})"))
+        .unwrap_or_default()
+}
+
 impl fmt::Display for AuditReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "audit: {}", if self.ok() { "OK" } else { "FAILED" })?;
         writeln!(
             f,
             "decisions {} (routed {}, unrouted {}), receipted {}, failed upstream without \
-             receipt {}",
-            self.decisions, self.routed, self.unrouted, self.receipted, self.failed_without_receipt
+             receipt {}, refused by the worker before its ticket was accepted {}",
+            self.decisions,
+            self.routed,
+            self.unrouted,
+            self.receipted,
+            self.failed_without_receipt,
+            self.refused_by_worker
         )?;
+        for r in &self.refused_requests {
+            writeln!(
+                f,
+                "  refused: request {}{} on worker {} ({}) at {}",
+                r.request_id,
+                client_suffix(r),
+                r.worker,
+                r.error,
+                r.location
+            )?;
+        }
         for r in &self.failed_requests {
             writeln!(
                 f,
-                "  failed upstream: request {} on worker {} ({}) at {}",
-                r.request_id, r.worker, r.error, r.location
+                "  failed upstream: request {}{} on worker {} ({}) at {}",
+                r.request_id,
+                client_suffix(r),
+                r.worker,
+                r.error,
+                r.location
             )?;
         }
         writeln!(
@@ -516,8 +551,18 @@ pub fn audit_with(
                     rep.failed_without_receipt += 1;
                     rep.failed_requests.push(FailedRequest {
                         request_id: d.request_id.clone(),
+                        client_request_id: d.client_request_id.clone(),
                         worker: t.worker.0.clone(),
                         error: err.clone(),
+                        location: loc.clone(),
+                    });
+                } else if d.receipt_named == Some(false) {
+                    rep.refused_by_worker += 1;
+                    rep.refused_requests.push(FailedRequest {
+                        request_id: d.request_id.clone(),
+                        client_request_id: d.client_request_id.clone(),
+                        worker: t.worker.0.clone(),
+                        error: format!("refused by the worker: status {}", d.status),
                         location: loc.clone(),
                     });
                 } else {

@@ -39,6 +39,15 @@ pub struct DecisionRecord {
     /// A gateway-side failure talking to the worker (connect error, timeout, reset, ...). When
     /// set, the worker may not have written a receipt and the audit does not require one.
     pub error: Option<String>,
+    /// The client's own `x-request-id`, when it sent one (the ticket carries the gateway's id).
+    #[serde(default)]
+    pub client_request_id: Option<String>,
+    /// Whether the worker's answer named a receipt (`x-kvgate-receipt`): `false` means the
+    /// worker refused the request before accepting its ticket (bad ticket, oversized body,
+    /// unknown method), so no receipt is owed. `null` when no answer came (or in logs written
+    /// before this field existed).
+    #[serde(default)]
+    pub receipt_named: Option<bool>,
 }
 
 impl DecisionRecord {

@@ -61,6 +61,8 @@ fn fleet(n: usize) -> Fleet {
         worker: None,
         status: 404,
         error: None,
+        client_request_id: None,
+        receipt_named: None,
     })
     .unwrap();
     for (i, l) in rlogs.iter().enumerate() {
@@ -97,6 +99,8 @@ fn decision(
         ticket: st,
         status,
         error: error.map(str::to_string),
+        client_request_id: None,
+        receipt_named: None,
     }
 }
 
@@ -184,6 +188,36 @@ fn upstream_error_without_receipt_is_allowed() {
             None,
         ),
     );
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt]);
+}
+
+#[test]
+fn a_worker_refusal_before_accepting_the_ticket_owes_no_receipt() {
+    let f = fleet(2);
+    // The worker answered 405 without naming a receipt: refused, not lost.
+    let mut d = decision(
+        "put",
+        Some(ticket("put", "w1", RouteMode::RoundRobin, T0).sign(&f.gw)),
+        405,
+        None,
+    );
+    d.receipt_named = Some(false);
+    append_decision(&f.decisions, &d);
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(r.refused_by_worker, 1);
+    assert_eq!(r.refused_requests[0].request_id, "put");
+    assert!(r.to_string().contains("refused: request put"), "{r}");
+    // A worker that named a receipt and wrote none is still a missing receipt.
+    let mut d = decision(
+        "named",
+        Some(ticket("named", "w1", RouteMode::RoundRobin, T0).sign(&f.gw)),
+        200,
+        None,
+    );
+    d.receipt_named = Some(true);
+    append_decision(&f.decisions, &d);
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
     assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt]);
 }

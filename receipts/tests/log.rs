@@ -175,6 +175,8 @@ fn decision_log_appends_and_recovers_torn_tail() {
         worker: Some("w0".into()),
         status: 200,
         error: None,
+        client_request_id: None,
+        receipt_named: None,
     };
     log.append(&rec).unwrap();
     drop(log);

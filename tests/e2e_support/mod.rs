@@ -16,6 +16,7 @@
 //! response, no receipt); the engine thread and the receipt log are then reaped with
 //! `RunningWorker::shutdown`. [`Fleet::stop_worker`] is the graceful stop.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -371,6 +372,9 @@ impl Fleet {
     }
 
     /// Waits until the decision log holds `n` complete lines; returns them.
+    /// The decision log's records once it holds `n`, each keyed by the id the client sent
+    /// (`client_request_id`; the gateway's own minted id is what tickets, receipts and the
+    /// audit use — see [`client_ids`] to translate those).
     pub fn wait_decisions(&self, n: usize) -> Vec<DecisionRecord> {
         let mut records = Vec::new();
         self.wait_for(
@@ -381,7 +385,20 @@ impl Fleet {
                 records.len() >= n
             },
         );
+        for r in &mut records {
+            if let Some(c) = r.client_request_id.clone() {
+                r.request_id = c;
+            }
+        }
         records
+    }
+
+    /// The gateway's request id → the id the client sent, from the decision log.
+    pub fn client_ids(&self) -> BTreeMap<String, String> {
+        read_decisions(&self.decision_log)
+            .into_iter()
+            .filter_map(|d| d.client_request_id.map(|c| (d.request_id, c)))
+            .collect()
     }
 
     /// Ends worker `id` abruptly, like `kill -9`: its runtime is dropped in the background, so
