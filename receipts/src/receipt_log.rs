@@ -18,6 +18,7 @@ use crate::error::{ReceiptsError, Result};
 use crate::keys::KeyPair;
 use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
 use crate::receipt::{Receipt, ReceiptDraft, GENESIS_HASH};
+use crate::ticket::RouteTicket;
 
 /// What [`ReceiptLog::open`] found in an existing log.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -26,7 +27,15 @@ pub struct OpenReport {
     pub receipts: u64,
     /// A torn last line that was removed (its bytes saved beside the log).
     pub torn_tail: Option<TornTail>,
+    /// The tickets of the log's receipts that may still be inside their validity window
+    /// (`expires_at_ms + LIVE_TICKET_MARGIN_MS ≥` the time of opening): a worker seeds its
+    /// replay guard with them, so a ticket it accepted before a restart stays used.
+    pub live_tickets: Vec<RouteTicket>,
 }
+
+/// How long after a ticket's `expires_at_ms` [`OpenReport::live_tickets`] still lists it: more
+/// than any clock skew a worker tolerates (its default is 5 s).
+pub const LIVE_TICKET_MARGIN_MS: u64 = 10 * 60 * 1000;
 
 struct Chain {
     next_seq: u64,
@@ -76,6 +85,8 @@ impl ReceiptLog {
             line,
             detail,
         };
+        let now = crate::now_ms();
+        let mut live_tickets = Vec::new();
         let (valid_len, torn) = scan(path, |line_no, offset, bytes| {
             let r = Receipt::from_line(bytes).map_err(|e| corrupt(line_no, e.to_string()))?;
             if r.seq != chain.next_seq {
@@ -101,6 +112,12 @@ impl ReceiptLog {
             chain.last_hash = Receipt::line_hash(bytes);
             let len = u32::try_from(bytes.len())
                 .map_err(|_| corrupt(line_no, "line longer than 4 GiB".into()))?;
+            if let Some(t) = &r.body.ticket {
+                let t = t.ticket_unverified();
+                if t.expires_at_ms.saturating_add(LIVE_TICKET_MARGIN_MS) >= now {
+                    live_tickets.push(t.clone());
+                }
+            }
             chain.index.insert(r.body.request_id, (offset, len));
             Ok(())
         })?;
@@ -118,6 +135,7 @@ impl ReceiptLog {
             report: OpenReport {
                 receipts: chain.next_seq,
                 torn_tail,
+                live_tickets,
             },
             chain: Mutex::new(chain),
         })

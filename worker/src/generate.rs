@@ -4,7 +4,8 @@
 //! Path of one request:
 //! 1. [`tickets::admit`] — request id and route ticket (401 / 400, no receipt: the request is
 //!    not attributable);
-//! 2. the body is read up to the configured limit (413, no receipt);
+//! 2. the body is read up to the configured limit (413, no receipt), then the ticket is claimed
+//!    ([`tickets::claim`]: 401 `ticket_replayed`, no receipt — the first use has one);
 //! 3. from here on every answer writes a signed receipt: validation (400), tokenization and the
 //!    token budget (400 `context_length_exceeded`), the engine's refusal (429 + `Retry-After`),
 //!    then the engine run;
@@ -234,6 +235,9 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Ok(b) => b,
         Err(e) => return early_error(&st, endpoint, e, Some(&admission.request_id)),
     };
+    if let Err(e) = tickets::claim(&st, &admission) {
+        return early_error(&st, endpoint, e, Some(&admission.request_id));
+    }
     let ctx = ReceiptCtx {
         draft: receipts::ReceiptDraft {
             request_id: admission.request_id.clone(),

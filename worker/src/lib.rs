@@ -388,6 +388,12 @@ pub async fn spawn(
     if let Some(t) = &receipts.open_report().torn_tail {
         tracing::warn!("receipt log: {}", receipts::receipt_log::describe_torn(t));
     }
+    // Tickets accepted before a restart stay used: seed the replay guard from the log.
+    let mut replay = ReplayGuard::new(settings.ticket_skew_ms);
+    let now = receipts::now_ms();
+    for t in &receipts.open_report().live_tickets {
+        let _ = replay.check_and_insert(t, now);
+    }
 
     let identity = profile.identity().clone();
     let key_space = KeySpace::of(&identity, block_size, settings.hash_algorithm);
@@ -402,7 +408,7 @@ pub async fn spawn(
     let mut registry = Registry::default();
     let metrics = metrics::ServerMetrics::register(&mut registry, engine.clone(), ready.clone());
     let state = Arc::new(AppState {
-        replay: Mutex::new(ReplayGuard::new(settings.ticket_skew_ms)),
+        replay: Mutex::new(replay),
         settings,
         engine_kind: choice.kind(),
         engine,

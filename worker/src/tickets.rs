@@ -7,8 +7,9 @@
 //!   when only the ticket is present its id is used.
 //! - The ticket (header [`receipts::TICKET_HEADER`]) must parse, be signed by a key in the
 //!   configured gateway key ring, be inside its validity window (± the allowed skew), name this
-//!   worker, not be a replay of an already accepted ticket, and use this worker's hash
-//!   algorithm. Any failure is 401 with the `receipts` error type as the code (`bad_signature`,
+//!   worker, not be a replay of an already accepted ticket ([`claim`], once the body was read:
+//!   the guard is seeded from the receipt log's live tickets at start-up, so a restart does not
+//!   forget it), and use this worker's hash algorithm. Any failure is 401 with the `receipts` error type as the code (`bad_signature`,
 //!   `unknown_key`, `ticket_expired`, ...), except an algorithm mismatch (400
 //!   `hash_algorithm_mismatch`: the ticket is genuine but cannot be honoured).
 //! - Without a ticket: 401 `ticket_required` under [`TicketPolicy::Require`]; otherwise the
@@ -141,16 +142,25 @@ pub fn admit(st: &AppState, headers: &HeaderMap) -> Result<Admission, ApiError> 
             ),
         ));
     }
-    let namespace = ticket.namespace_seed;
-    st.replay
-        .lock()
-        .check_and_insert(&ticket, now)
-        .map_err(|e| ApiError::unauthorized(e.error_type(), format!("route ticket: {e}")))?;
     Ok(Admission {
         request_id: ticket.request_id.clone(),
         ticket: Some(signed),
-        namespace,
+        namespace: ticket.namespace_seed,
     })
+}
+
+/// Marks the admission's ticket as used (replay guard), once the request is going to be served
+/// and receipted: a ticket that was verified but refused before its receipt (an oversized body)
+/// is not used up. 401 `ticket_replayed` when it was used before — also before a restart, as the
+/// guard is seeded from the receipt log at start-up.
+pub fn claim(st: &AppState, admission: &Admission) -> Result<(), ApiError> {
+    let Some(signed) = &admission.ticket else {
+        return Ok(());
+    };
+    st.replay
+        .lock()
+        .check_and_insert(signed.ticket_unverified(), receipts::now_ms())
+        .map_err(|e| ApiError::unauthorized(e.error_type(), format!("route ticket: {e}")))
 }
 
 /// Whether `headers` opt the request out of cache insertion.

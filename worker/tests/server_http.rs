@@ -1212,3 +1212,75 @@ fn parse_openmetrics(text: &str) -> Result<HashMap<String, Family>, String> {
     }
     Ok(fams)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_stays_used_across_a_restart_and_a_refused_body_uses_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = KeyPair::generate();
+    let gw = KeyPair::generate();
+    let mut opts = SimOpts {
+        state: Some((dir.path().to_path_buf(), key.clone())),
+        ticket_policy: TicketPolicy::Require,
+        max_body_bytes: 4096,
+        ..SimOpts::default()
+    };
+    opts.gateway_keys.insert("gw-1", gw.public().clone());
+    let w = start_sim(opts.clone()).await;
+    let seed = w.worker.profile().default_namespace_seed;
+    let now = receipts::now_ms();
+    let send = |url: String, ticket: String, body: Value| async move {
+        client()
+            .post(url)
+            .header(receipts::TICKET_HEADER, ticket)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+    // An oversized body is refused before the ticket is used: the same ticket then serves.
+    let t = ticket_for(&gw, "w-test", "t-big", &seed, now, now + 60_000);
+    let big = chat_body(&"x".repeat(8192), json!({}));
+    let (s, e) = error_of(send(w.url("/v1/chat/completions"), t.clone(), big).await).await;
+    assert_eq!((s, e["code"].as_str()), (413, Some("body_too_large")));
+    let r = send(
+        w.url("/v1/chat/completions"),
+        t,
+        chat_body("small", json!({})),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await;
+    // Served once, then the worker restarts: the replay is still refused.
+    let t = ticket_for(&gw, "w-test", "t-once", &seed, now, now + 60_000);
+    let r = send(
+        w.url("/v1/chat/completions"),
+        t.clone(),
+        chat_body("once", json!({})),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await;
+    w.stop().await;
+    let w = start_sim(opts).await;
+    let (s, e) = error_of(
+        send(
+            w.url("/v1/chat/completions"),
+            t,
+            chat_body("again", json!({})),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!((s, e["code"].as_str()), (401, Some("ticket_replayed")));
+    // A fresh ticket still serves.
+    let t = ticket_for(&gw, "w-test", "t-new", &seed, now, now + 60_000);
+    let r = send(
+        w.url("/v1/chat/completions"),
+        t,
+        chat_body("new", json!({})),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await;
+    w.stop().await;
+}
