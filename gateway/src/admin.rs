@@ -9,7 +9,7 @@
 //! | GET | `/admin/rules` | version, content hash and the whole rules set |
 //! | POST | `/admin/reload` | re-read the rules file |
 //! | GET | `/admin/workers` | health, load, indexed blocks, event stream, contract state |
-//! | GET | `/metrics` | Prometheus (OpenMetrics) text |
+//! | GET | `/metrics` | Prometheus text: OpenMetrics or classic 0.0.4, by `Accept` |
 //!
 //! Refused changes answer 400 with the OpenAI-style error body naming every problem; the rules in
 //! force do not change.
@@ -182,10 +182,16 @@ impl Admin {
         match (method.as_str(), segments.as_slice()) {
             ("GET", ["metrics"]) => {
                 self.control.data.refresh_gauges();
+                let accept = session
+                    .req_header()
+                    .headers
+                    .get("accept")
+                    .and_then(|v| v.to_str().ok());
+                let format = exposition::Format::negotiate(accept);
                 Ok(response(
                     200,
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    self.control.data.metrics.encode().into_bytes(),
+                    format.content_type(),
+                    self.control.data.metrics.render(format).into_bytes(),
                 ))
             }
             ("GET", ["admin", "rules"]) => {

@@ -1,11 +1,11 @@
 //! The gateway's Prometheus metrics, registered once into a `Registry` the gateway owns
-//! (no global statics). Served as OpenMetrics text by the admin plane's `GET /metrics`.
+//! (no global statics). Served by the admin plane's `GET /metrics`, as OpenMetrics or the classic
+//! text format by the scraper's `Accept` (`exposition`).
 //!
 //! Gauges that describe state owned elsewhere (index size, event lag) are refreshed from that
 //! state just before each scrape, so they are never stale and cost nothing on the request path.
 
 use parking_lot::Mutex;
-use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -213,11 +213,14 @@ impl Metrics {
 
     /// The registry as OpenMetrics text.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
+        self.render(exposition::Format::OpenMetrics)
+    }
+
+    /// The registry in the negotiated exposition format.
+    pub fn render(&self, format: exposition::Format) -> String {
         let registry = self.registry.lock();
         // Writing into a String cannot fail.
-        let _ = encode(&mut out, &registry);
-        out
+        exposition::render(&registry, format).unwrap_or_default()
     }
 }
 

@@ -215,7 +215,7 @@ impl Collector for EngineCollector {
         }
         gauge(
             &mut enc,
-            "kv_blocks_total",
+            "kv_blocks_capacity",
             "KV cache blocks preallocated",
             clamp(s.blocks_total),
         )?;
@@ -245,11 +245,4 @@ impl Collector for EngineCollector {
             i64::from(self.ready.load(Ordering::Acquire)),
         )
     }
-}
-
-/// Renders the registry as OpenMetrics text.
-pub fn render(registry: &Registry) -> Result<String, fmt::Error> {
-    let mut out = String::new();
-    prometheus_client::encoding::text::encode(&mut out, registry)?;
-    Ok(out)
 }

@@ -174,15 +174,16 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
     }
 }
 
-/// `GET /metrics`: OpenMetrics text.
-pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    match crate::metrics::render(&st.registry) {
+/// `GET /metrics`: OpenMetrics or classic Prometheus text, by `Accept`.
+pub async fn metrics(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let accept = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    let format = exposition::Format::negotiate(accept);
+    match exposition::render(&st.registry, format) {
         Ok(text) => (
             StatusCode::OK,
-            [(
-                axum::http::header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
+            [(axum::http::header::CONTENT_TYPE, format.content_type())],
             text,
         )
             .into_response(),

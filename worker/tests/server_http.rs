@@ -813,7 +813,12 @@ async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
     let (s, _) =
         error_of(post(&w, "/v1/chat/completions", &chat_body("x", json!({"n": 2}))).await).await;
     assert_eq!(s, 400);
-    let resp = client().get(w.url("/metrics")).send().await.unwrap();
+    let resp = client()
+        .get(w.url("/metrics"))
+        .header("accept", "application/openmetrics-text; version=1.0.0")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert!(resp.headers()["content-type"]
         .to_str()
@@ -872,7 +877,7 @@ async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
     );
     assert!(sample(&fams, "kvgate_worker_generation_tokens_total", &[]).unwrap() >= 12.0);
     assert_eq!(sample(&fams, "kvgate_worker_ready", &[]), Some(1.0));
-    let total = sample(&fams, "kvgate_worker_kv_blocks_total", &[]).unwrap();
+    let total = sample(&fams, "kvgate_worker_kv_blocks_capacity", &[]).unwrap();
     let sum: f64 = ["used", "cached", "free"]
         .iter()
         .map(|s| sample(&fams, "kvgate_worker_kv_blocks", &[("state", s)]).unwrap())

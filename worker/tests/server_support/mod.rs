@@ -261,6 +261,7 @@ pub async fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) {
 pub async fn metrics_text(w: &TestWorker) -> String {
     client()
         .get(w.url("/metrics"))
+        .header("accept", "application/openmetrics-text; version=1.0.0")
         .send()
         .await
         .unwrap()
