@@ -4,7 +4,8 @@
 #   - promtool (Debian's `prometheus` package, unpacked into .cache/tools/bin: the metrics tests
 #     check both servers' exposition with `promtool check metrics`; no Prometheus server is
 #     installed or started)
-#   - the official `openai` Python client (used as a test client)
+#   - the official `openai` Python client (used as a test client) and Python `cryptography`
+#     (reads kvgate's key files in a test)
 #   - the pinned default model (scripts/fetch-model.sh)
 # Idempotent and quiet when everything is already there.
 set -euo pipefail
@@ -40,6 +41,11 @@ OPENAI_VERSION="3.57.0"
 if ! python3 -c "import openai, sys; sys.exit(0 if openai.__version__ == '$OPENAI_VERSION' else 1)" >/dev/null 2>&1; then
   echo "setup: pip install openai==$OPENAI_VERSION"
   python3 -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
+fi
+# Python `cryptography`: the key-interoperability test loads kvgate's keys with it.
+if ! python3 -c "import cryptography" >/dev/null 2>&1; then
+  echo "setup: pip install cryptography==48.0.0"
+  python3 -m pip install --quiet --disable-pip-version-check "cryptography==48.0.0"
 fi
 
 "$root/scripts/fetch-model.sh"

@@ -117,6 +117,59 @@ fn keygen_writes_0600_key_and_refuses_overwrite() {
 }
 
 #[test]
+fn keygen_keys_are_read_by_openssl_and_python_cryptography() {
+    let dir = tempfile::tempdir().unwrap();
+    let kp = keygen(dir.path(), "gw-1");
+    let key = dir.path().join("gw-1.key");
+    let public = dir.path().join("gw-1.pub");
+    // OpenSSL 3 reads the private key and derives the same public key kvgate wrote.
+    let o = std::process::Command::new("openssl")
+        .args(["pkey", "-in", s(&key), "-pubout"])
+        .output()
+        .expect("openssl runs");
+    assert!(o.status.success(), "openssl pkey: {}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        std::fs::read_to_string(&public).unwrap()
+    );
+    let o = std::process::Command::new("openssl")
+        .args(["pkey", "-pubin", "-in", s(&public), "-noout"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "openssl pkey -pubin: {}", text(&o));
+    // Python `cryptography` loads both and a signature made by kvgate verifies there.
+    let sig = hex::encode(kp.sign(b"kvgate"));
+    let script = format!(
+        "from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key\n\
+         k = load_pem_private_key(open({key:?}, 'rb').read(), None)\n\
+         p = load_pem_public_key(open({public:?}, 'rb').read())\n\
+         p.verify(bytes.fromhex('{sig}'), b'kvgate')\n\
+         k.public_key().verify(k.sign(b'x'), b'x')\n\
+         print('ok')\n",
+        key = s(&key),
+        public = s(&public),
+    );
+    let o = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "python cryptography: {}", text(&o));
+    // Keys written by earlier versions (PKCS#8 v2 with the public key) still load.
+    let v2 = dir.path().join("v2.key");
+    std::fs::write(
+        &v2,
+        "-----BEGIN PRIVATE KEY-----\nMFECAQEwBQYDK2VwBCIEIFkQ+sXMBwtMTmd08Ixb7N9WgDMgPtBHRA6u5HbGptTR\ngSEAxTT1NtG5Ls7vN4UGAF78ki0DUVqESz/sKnG5QJR3fIw=\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&v2, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    assert!(KeyPair::load_private(&v2).is_ok());
+}
+
+#[test]
 fn verify_ok_then_tampered_names_the_line() {
     let dir = tempfile::tempdir().unwrap();
     let (keys, _, log) = scenario(dir.path(), 4);

@@ -191,19 +191,30 @@ impl KeyPair {
                 return Err(ReceiptsError::KeyExists { path: p.clone() });
             }
         }
-        let pem =
-            self.signing
-                .to_pkcs8_pem(LineEnding::LF)
-                .map_err(|e| ReceiptsError::InvalidKey {
-                    what: "private key".into(),
-                    detail: e.to_string(),
-                })?;
+        let pem = self.private_pem()?;
         write_new_file(&key_path, pem.as_bytes(), 0o600)?;
         write_new_file(&pub_path, self.public.to_pem()?.as_bytes(), 0o644)?;
         Ok((key_path, pub_path))
     }
 
-    /// Load a private key file (PKCS#8 PEM). Refuses files whose permissions allow any access by
+    /// The private key as PKCS#8 v1 PEM (RFC 8410 §7: the 32-byte seed, no embedded public key):
+    /// the form OpenSSL 3 (`openssl pkey`) and Python `cryptography` read. (`ed25519-dalek`
+    /// writes a v2 "OneAsymmetricKey" with the public key by default, which both refuse.)
+    pub fn private_pem(&self) -> Result<String> {
+        let bytes = ed25519_dalek::pkcs8::KeypairBytes {
+            secret_key: self.signing.to_bytes(),
+            public_key: None,
+        };
+        bytes
+            .to_pkcs8_pem(LineEnding::LF)
+            .map(|p| p.to_string())
+            .map_err(|e| ReceiptsError::InvalidKey {
+                what: "private key".into(),
+                detail: e.to_string(),
+            })
+    }
+
+    /// Load a private key file (PKCS#8 PEM, v1 or v2). Refuses files whose permissions allow any access by
     /// group or others (anything looser than 0600).
     pub fn load_private(path: &Path) -> Result<KeyPair> {
         let meta = fs::metadata(path).map_err(|e| ReceiptsError::io("stat", path, e))?;
