@@ -124,3 +124,65 @@ fn a_client_retrying_with_its_own_request_id_is_served_every_time() {
     assert_eq!(ids.len(), 3, "each attempt gets its own id: {ids:?}");
     fleet.stop();
 }
+
+#[test]
+fn a_dead_engine_fails_fast_and_the_gateway_stops_routing_to_it() {
+    // w1's engine panics at its first step after the start-up smoke inference (step 1-2).
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        faulty: Some((0, 3)),
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(support::RR_SERVICE, false);
+    let w1 = format!("http://{}", fleet.addrs[0]);
+    // Drive requests until w1's engine has died (round robin reaches it within two).
+    let mut failed = None;
+    for i in 0..6 {
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("fault {i}"))], 2),
+            &[],
+        );
+        if r.status != 200 {
+            failed = Some(r);
+            break;
+        }
+    }
+    let r = failed.expect("the faulty worker failed a request");
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "engine_failed", "{}", r.text());
+    assert_eq!(r.worker(), "w1");
+    // Its readiness says so, and a direct request fails fast with the same code.
+    let (ready, direct) = fleet.rt.block_on(async {
+        let ready = fleet.http.get(format!("{w1}/ready")).send().await.unwrap();
+        let ready = (ready.status().as_u16(), ready.text().await.unwrap());
+        let direct = fleet
+            .http
+            .post(format!("{w1}/v1/chat/completions"))
+            .json(&chat(&[("user", "direct")], 2))
+            .send()
+            .await
+            .unwrap();
+        (ready, direct.status().as_u16())
+    });
+    assert_eq!(ready.0, 503, "{}", ready.1);
+    assert!(ready.1.contains("injected fault"), "{}", ready.1);
+    assert!(direct == 401 || direct == 503, "direct request: {direct}");
+    // The gateway's health check takes it out: every request now lands on w2.
+    let w1_id = prefix_index::WorkerId("w1".into());
+    fleet.wait_for(
+        "w1 marked unhealthy",
+        std::time::Duration::from_secs(10),
+        || !fleet.gw().data.views.load().workers[&w1_id].healthy,
+    );
+    for i in 0..4 {
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("after {i}"))], 2),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.worker(), "w2");
+    }
+    fleet.stop();
+}

@@ -264,10 +264,24 @@ impl std::fmt::Debug for SequenceHandle {
     }
 }
 
+/// Whether the step loop can still serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineHealth {
+    /// The step loop runs.
+    Running,
+    /// Shut down on purpose.
+    Stopped,
+    /// The step loop died (a panic in the executor or the scheduler): the message. Every
+    /// sequence it held got `Failed { code: "engine_failed" }`, and every later submit is refused.
+    Failed(String),
+}
+
 struct Inner {
     cmd: Mutex<Option<std_mpsc::Sender<Command>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     stopped: Arc<AtomicBool>,
+    /// Set (with the panic message) when the step loop died.
+    failure: Arc<Mutex<Option<String>>>,
     stats: Arc<Mutex<EngineStats>>,
     queued: Arc<AtomicUsize>,
     next_id: AtomicU64,
@@ -339,6 +353,7 @@ impl Engine {
         }));
         let queued = Arc::new(AtomicUsize::new(0));
         let stopped = Arc::new(AtomicBool::new(false));
+        let failure: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -361,15 +376,31 @@ impl Engine {
             hash_algorithm: config.hash_algorithm,
             default_timeout: config.default_admission_timeout,
         };
+        let (thread_stopped, thread_failure) = (stopped.clone(), failure.clone());
         let thread = std::thread::Builder::new()
             .name("kvgate-engine".into())
-            .spawn(move || step_loop.run())
+            .spawn(move || {
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    step_loop.run();
+                }));
+                if let Err(panic) = run {
+                    let msg = panic_message(panic.as_ref());
+                    // Refuse new work first, then fail what is held (its state may be torn:
+                    // a second panic there only loses the Failed events, never the flags).
+                    *thread_failure.lock() = Some(msg.clone());
+                    thread_stopped.store(true, Ordering::SeqCst);
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        step_loop.fail_everything(&EngineError::EngineFailed(msg));
+                    }));
+                }
+            })
             .map_err(|e| EngineError::Model(format!("cannot spawn engine thread: {e}")))?;
         Ok(Engine {
             inner: Arc::new(Inner {
                 cmd: Mutex::new(Some(cmd_tx)),
                 thread: Mutex::new(Some(thread)),
                 stopped,
+                failure,
                 stats,
                 queued,
                 next_id: AtomicU64::new(1),
@@ -387,7 +418,10 @@ impl Engine {
     pub fn submit(&self, req: GenerateRequest) -> Result<SequenceHandle, EngineError> {
         let inner = &self.inner;
         if inner.stopped.load(Ordering::SeqCst) {
-            return Err(EngineError::EngineStopped);
+            return Err(match inner.failure.lock().clone() {
+                Some(msg) => EngineError::EngineFailed(msg),
+                None => EngineError::EngineStopped,
+            });
         }
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("empty prompt".into()));
@@ -476,6 +510,18 @@ impl Engine {
         &self.inner.config
     }
 
+    /// Whether the step loop still serves.
+    pub fn health(&self) -> EngineHealth {
+        if let Some(msg) = self.inner.failure.lock().clone() {
+            return EngineHealth::Failed(msg);
+        }
+        if self.inner.stopped.load(Ordering::SeqCst) {
+            EngineHealth::Stopped
+        } else {
+            EngineHealth::Running
+        }
+    }
+
     /// The KV event feed (subscribe for the gateway).
     pub fn kv_events(&self) -> KvEventFeed {
         self.inner.feed.clone()
@@ -511,6 +557,17 @@ struct StepLoop {
     block_size: BlockSize,
     hash_algorithm: HashAlgorithm,
     default_timeout: Duration,
+}
+
+/// The text of a panic payload.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("engine thread panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("engine thread panicked: {s}")
+    } else {
+        "engine thread panicked".to_string()
+    }
 }
 
 /// Longest idle wait while requests are waiting (they are re-examined at least this often).
@@ -827,8 +884,12 @@ impl StepLoop {
     }
 
     fn stop(&mut self) {
-        // Fail queued submissions still in the channel, then every known sequence.
-        let e = EngineError::EngineStopped;
+        self.fail_everything(&EngineError::EngineStopped);
+    }
+
+    /// Fails queued submissions still in the channel, then every known sequence, with `e`;
+    /// publishes the last events and closes the feed.
+    fn fail_everything(&mut self, e: &EngineError) {
         while let Ok(cmd) = self.rx.try_recv() {
             if let Command::Submit(sub) = cmd {
                 self.queued.fetch_sub(1, Ordering::SeqCst);

@@ -16,6 +16,9 @@ pub enum EngineError {
     AdmissionTimeout,
     #[error("engine is shut down")]
     EngineStopped,
+    /// The step loop died; the engine serves nothing more.
+    #[error("engine failed: {0}")]
+    EngineFailed(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// Generated ids could not be turned into text (an id the tokenizer does not know).
@@ -33,6 +36,7 @@ impl EngineError {
             EngineError::NeverFits { .. } => "kv_capacity_exceeded",
             EngineError::AdmissionTimeout => "admission_timeout",
             EngineError::EngineStopped => "engine_stopped",
+            EngineError::EngineFailed(_) => "engine_failed",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Detokenize(_) => "detokenize_error",
         }

@@ -52,6 +52,9 @@ pub struct SimConfig {
     pub eos_after: Option<usize>,
     /// The eos id (< vocab_size).
     pub eos_token_id: u32,
+    /// Fault injection: the n-th forward step (from 1) panics, as a broken model would
+    /// (None = never). For tests of what a dead engine does to its worker and the gateway.
+    pub panic_at_step: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -65,6 +68,7 @@ impl Default for SimConfig {
             decode_us_per_seq: 700,
             eos_after: None,
             eos_token_id: 2,
+            panic_at_step: None,
         }
     }
 }
@@ -89,6 +93,8 @@ pub struct SimExecutor {
     cfg: SimConfig,
     /// Per KV slot: (token id, running hash); token `u32::MAX` = never written.
     slots: Vec<(u32, u64)>,
+    /// Forward steps run.
+    steps: u64,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -124,6 +130,7 @@ impl SimExecutor {
         Ok(SimExecutor {
             slots: vec![(EMPTY, 0); n],
             cfg,
+            steps: 0,
         })
     }
 
@@ -192,6 +199,10 @@ impl Executor for SimExecutor {
     fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         if chunks.is_empty() {
             return Ok(Vec::new());
+        }
+        self.steps += 1;
+        if self.cfg.panic_at_step == Some(self.steps) {
+            panic!("injected fault at step {}", self.steps);
         }
         let mut us = self.cfg.decode_us_base;
         for c in chunks {

@@ -63,6 +63,7 @@ fn sim_config(vocab_size: usize) -> SimConfig {
         decode_us_per_seq: 500,
         eos_after: None,
         eos_token_id: 2,
+        panic_at_step: None,
     }
 }
 

@@ -221,6 +221,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
                 decode_us_per_seq: args.sim_decode_us_per_seq,
                 eos_after: args.sim_eos_after,
                 eos_token_id: profile.eos_token_ids().first().copied().unwrap_or(0),
+                panic_at_step: None,
             })
         }
     };

@@ -38,6 +38,8 @@ pub struct FleetOptions {
     pub ticket_policy: TicketPolicy,
     /// The workers' block-key hash algorithm (and the pinned profile's).
     pub hash_algorithm: prefix_index::HashAlgorithm,
+    /// Fault injection: worker `i`'s engine panics at its n-th forward step.
+    pub faulty: Option<(usize, u64)>,
 }
 
 impl Default for FleetOptions {
@@ -47,6 +49,7 @@ impl Default for FleetOptions {
             sim: SimConfig::instant(16, 4096),
             ticket_policy: TicketPolicy::Require,
             hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
+            faulty: None,
         }
     }
 }
@@ -111,6 +114,11 @@ impl Fleet {
         // The sim must emit ids the profile's tokenizer knows.
         let mut sim = self.opts.sim.clone();
         sim.vocab_size = self.profile.vocab_size();
+        if let Some((fi, step)) = self.opts.faulty {
+            if fi == i {
+                sim.panic_at_step = Some(step);
+            }
+        }
         let mut cfg = WorkerConfig::new(
             model_path(),
             EngineChoice::Sim(sim),

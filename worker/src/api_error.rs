@@ -110,7 +110,7 @@ impl ApiError {
                     .with_detail("blocks_total", *total)
             }
             EngineError::InvalidRequest(_) => ApiError::bad_request(code, None, e.to_string()),
-            EngineError::EngineStopped => {
+            EngineError::EngineStopped | EngineError::EngineFailed(_) => {
                 let mut err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, e.to_string());
                 err.retry_after_s = Some(retry_after_s);
                 err
@@ -125,6 +125,7 @@ impl ApiError {
             "admission_timeout" => (StatusCode::TOO_MANY_REQUESTS, "admission_timeout"),
             "queue_full" => (StatusCode::TOO_MANY_REQUESTS, "queue_full"),
             "engine_stopped" => (StatusCode::SERVICE_UNAVAILABLE, "engine_stopped"),
+            "engine_failed" => (StatusCode::SERVICE_UNAVAILABLE, "engine_failed"),
             "kv_capacity_exceeded" => (StatusCode::BAD_REQUEST, "kv_capacity_exceeded"),
             "invalid_request" => (StatusCode::BAD_REQUEST, "invalid_request"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "engine_error"),

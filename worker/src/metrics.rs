@@ -241,8 +241,11 @@ impl Collector for EngineCollector {
         gauge(
             &mut enc,
             "ready",
-            "1 once the start-up smoke inference produced a token",
-            i64::from(self.ready.load(Ordering::Acquire)),
+            "1 while the worker serves: the start-up smoke inference produced a token and the engine runs",
+            i64::from(
+                self.ready.load(Ordering::Acquire)
+                    && self.engine.health() == engine::EngineHealth::Running,
+            ),
         )
     }
 }

@@ -23,8 +23,24 @@ pub async fn health() -> Response {
     (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response()
 }
 
-/// `GET /ready`: 200 once the start-up smoke inference produced a token, else 503.
+/// `GET /ready`: 200 once the start-up smoke inference produced a token and while the engine
+/// serves; 503 with the reason otherwise (not yet ready, engine failed, shutting down).
 pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    let engine = match st.engine.health() {
+        engine::EngineHealth::Running => None,
+        engine::EngineHealth::Stopped => Some("the engine is shut down".to_string()),
+        engine::EngineHealth::Failed(msg) => Some(format!("the engine failed: {msg}")),
+    };
+    if let Some(reason) = engine {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(ReadyBody {
+                ready: false,
+                reason: Some(reason),
+            }),
+        )
+            .into_response();
+    }
     if st.ready.load(Ordering::Acquire) {
         (
             StatusCode::OK,

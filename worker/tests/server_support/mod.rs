@@ -126,6 +126,7 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
             decode_us_per_seq: 10,
             eos_after: None,
             eos_token_id: profile.eos_token_ids()[0],
+            panic_at_step: None,
         })
     };
     let receipt_log = state_dir.join("receipts.jsonl");
