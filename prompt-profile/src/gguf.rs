@@ -10,7 +10,11 @@
 //! file before anything is allocated, so a corrupt or hostile file yields
 //! [`ProfileError::GgufTruncated`] (lengths past the end of the file) or
 //! [`ProfileError::GgufMalformed`] (bad type codes, UTF-8, nesting), never a panic or a
-//! huge allocation. Cost: O(metadata bytes) time, O(metadata) memory.
+//! huge allocation: a vector announced by a header is pre-sized to at most the bytes left in
+//! the file (not to the announced count), so a hostile count costs memory in proportion to the
+//! file (`tests/gguf_alloc.rs` measures peak heap with a counting allocator; the byte-flip
+//! property test in `tests/fixtures.rs` fuzzes the reader). Cost: O(metadata bytes) time,
+//! O(metadata) memory.
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -169,7 +173,7 @@ impl GgufMetadata {
         let kv_count = r.u64("metadata count")?;
         // Each entry needs at least a key length (8), a type (4) and a 1-byte value.
         r.check_room(kv_count, 13, "metadata count")?;
-        let mut entries = Vec::with_capacity(usize::try_from(kv_count).unwrap_or(0));
+        let mut entries = Vec::with_capacity(r.capacity_for::<(String, GgufValue)>(kv_count));
         for i in 0..kv_count {
             let key = r.string(&format!("key of metadata entry {i}"))?;
             let ty = r.u32(&format!("type of `{key}`"))?;
@@ -257,6 +261,15 @@ struct Cursor<R> {
 impl<R: Read> Cursor<R> {
     fn remaining(&self) -> u64 {
         self.len.saturating_sub(self.pos)
+    }
+
+    /// How many `T`s to pre-size a vector for, when a header announces `count`: never more
+    /// memory than the bytes left in the file (a value takes more room in memory than its
+    /// encoding — 32 bytes for a one-byte `u8` — so pre-sizing by the count alone let a corrupt
+    /// count allocate ~30× the file). The vector grows past it only with elements actually read.
+    fn capacity_for<T>(&self, count: u64) -> usize {
+        let by_bytes = self.remaining() / (std::mem::size_of::<T>().max(1) as u64);
+        usize::try_from(count.min(by_bytes)).unwrap_or(0)
     }
 
     /// Fail unless `count` items of at least `min_size` bytes each can still fit in the file
@@ -394,7 +407,7 @@ impl<R: Read> Cursor<R> {
                     }
                 };
                 self.check_room(count, min_size, &format!("length of `{key}`"))?;
-                let mut items = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+                let mut items = Vec::with_capacity(self.capacity_for::<GgufValue>(count));
                 for _ in 0..count {
                     items.push(self.value(elem_ty, key, depth + 1)?);
                 }
