@@ -19,7 +19,7 @@ mkdir -p "$out"
 fleet_start
 workload=("$@")
 [ ${#workload[@]} -gt 0 ] || workload=(--conversations 6 --turns 3 --long-words 900)
-"$bin" bench --target http://127.0.0.1:8080 --compare round_robin=smollm2-rr,kv_exact=smollm2 \
+"$bin" bench --target http://127.0.0.1:8080 --compare round_robin=smollm2-rr,kv_exact=smollm2 --pool w1,w2 \
   --workload multi-turn --max-tokens 16 --concurrency 2 --max-seconds 900 --out "$out" \
   "${workload[@]}" && code=0 || code=$?
 fleet_stop

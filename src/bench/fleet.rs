@@ -284,11 +284,13 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             )
             .await;
             fleet.stop().await;
+            let pool: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
             summaries.push(report::summarize(
                 label,
                 &wave.records,
                 wave.seconds,
                 wave.truncated,
+                &pool,
             ));
             records.extend(wave.records);
         }

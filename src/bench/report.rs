@@ -63,11 +63,15 @@ pub struct Summary {
     pub probe_ttft: Option<f64>,
 }
 
+/// Summarizes one wave. `pool` names every worker that could have served it: each counts in
+/// the share figures with 0 requests when it got none (an idle worker is the worst imbalance,
+/// not one to leave out); workers seen but not in `pool` are counted too.
 pub fn summarize(
     label: &str,
     recs: &[RequestRecord],
     wave_seconds: f64,
     truncated: bool,
+    pool: &[String],
 ) -> Summary {
     let ok: Vec<&RequestRecord> = recs.iter().filter(|r| r.ok()).collect();
     let ttft = pcts(ok.iter().filter_map(|r| r.ttft_seconds).collect());
@@ -80,7 +84,7 @@ pub fn summarize(
     let out_tokens: u64 = ok.iter().filter_map(|r| r.actual_output_tokens).sum();
     let prompt_tokens: u64 = ok.iter().filter_map(|r| r.actual_prompt_tokens).sum();
     let cached_tokens: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
-    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    let mut counts: BTreeMap<String, usize> = pool.iter().map(|w| (w.clone(), 0)).collect();
     for r in &ok {
         if let Some(w) = &r.worker {
             *counts.entry(w.clone()).or_default() += 1;
@@ -225,7 +229,7 @@ pub fn parse_threshold(s: &str) -> Result<(String, bool, f64), String> {
 }
 
 fn empty_summary() -> Summary {
-    summarize("", &[], 0.0, false)
+    summarize("", &[], 0.0, false, &[])
 }
 
 pub fn metric(name: &str, s: &Summary) -> Result<Option<f64>, String> {
@@ -501,12 +505,18 @@ mod tests {
             rec("a", 0.3, "w2", 100, 100, 200),
             rec("a", 9.0, "w2", 100, 100, 429),
         ];
-        let s = summarize("a", &recs, 2.0, false);
+        let s = summarize("a", &recs, 2.0, false, &[]);
         assert_eq!((s.requests, s.ok, s.errors), (4, 3, 1));
         assert_eq!(s.hit_rate, Some(0.5));
         assert_eq!(s.wall_output_tok_per_s, 6.0);
         assert!((s.worker_share["w1"] - 2.0 / 3.0).abs() < 1e-9);
         assert!((s.max_share_over_mean.unwrap() - 4.0 / 3.0).abs() < 1e-9);
+        // Idle workers of the pool count: w1 and w2 busy, w3 and w4 idle → w1 holds 2/3 of the
+        // traffic where an even split gives 1/4.
+        let pool: Vec<String> = ["w1", "w2", "w3", "w4"].map(String::from).to_vec();
+        let s = summarize("a", &recs, 2.0, false, &pool);
+        assert_eq!(s.worker_share["w4"], 0.0);
+        assert!((s.max_share_over_mean.unwrap() - 8.0 / 3.0).abs() < 1e-9);
         // 25% errors make any verdict on this summary INVALID.
         let v = judge("hit_rate>=0.1".into(), s.hit_rate, false, 0.1, &[&s]);
         assert_eq!(v.outcome, Outcome::Invalid);
@@ -515,7 +525,7 @@ mod tests {
     #[test]
     fn verdicts() {
         let recs = vec![rec("a", 0.1, "w1", 10, 5, 200)];
-        let s = summarize("a", &recs, 1.0, false);
+        let s = summarize("a", &recs, 1.0, false, &[]);
         assert_eq!(
             judge("x".into(), Some(1.0), true, 2.0, &[&s]).outcome,
             Outcome::Pass
@@ -528,12 +538,12 @@ mod tests {
             judge("x".into(), None, true, 2.0, &[&s]).outcome,
             Outcome::Invalid
         );
-        let t = summarize("a", &recs, 1.0, true);
+        let t = summarize("a", &recs, 1.0, true, &[]);
         assert_eq!(
             judge("x".into(), Some(1.0), true, 2.0, &[&t]).outcome,
             Outcome::Partial
         );
-        let e = summarize("a", &[], 1.0, false);
+        let e = summarize("a", &[], 1.0, false, &[]);
         assert_eq!(
             judge("x".into(), Some(1.0), true, 2.0, &[&e]).outcome,
             Outcome::NotRun

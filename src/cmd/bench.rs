@@ -53,6 +53,11 @@ pub struct Args {
     /// Declared thresholds, e.g. `ttft_p50<=0.5`, `hit_rate>=0.3` (with --target).
     #[arg(long = "threshold")]
     pub thresholds: Vec<String>,
+    /// With --target: every worker id of the pool behind it (`w1,w2,...`, as in
+    /// `x-kvgate-worker`), so that idle workers count in the share figures; without it only the
+    /// workers that served something are known.
+    #[arg(long, value_delimiter = ',')]
+    pub pool: Vec<String>,
     /// Output folder: records.jsonl, records.csv, summary.json, ttft.svg per workload.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
@@ -133,6 +138,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     &wave.records,
                     wave.seconds,
                     wave.truncated,
+                    &args.pool,
                 ));
                 records.extend(wave.records);
             }
