@@ -232,11 +232,16 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
             .get(&id)
             .map(|e| e.runtime.clone());
         let Some(runtime) = runtime else { return };
+        // A worker that requires tickets serves its event stream only with the gateway's
+        // access token; a fresh one per connection.
+        let token =
+            receipts::AccessToken::new(&data.gateway_id, &id, receipts::now_ms()).sign(&data.key);
         drop(data);
         let connect = ctx
             .http
             .get(&url)
             .header("accept", "text/event-stream")
+            .bearer_auth(token)
             .send();
         let resp = tokio::select! {
             biased;

@@ -10,6 +10,7 @@
 //! pass Unix milliseconds), or what the worker puts in a receipt (it fills a [`ReceiptDraft`]).
 //! Wire formats and a worked example are in `docs/receipts.md`.
 
+pub mod access;
 pub mod audit;
 pub mod canonical;
 pub mod decision;
@@ -21,6 +22,7 @@ pub mod receipt_log;
 pub mod ticket;
 pub mod verify;
 
+pub use access::{AccessToken, ACCESS_DOMAIN, DEFAULT_ACCESS_TTL_MS};
 pub use audit::{
     audit, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind, FailedRequest,
 };

@@ -92,21 +92,38 @@ pub async fn kv_events(
             return e.into_response();
         }
     };
+    let Ok(permit) = st.subscriptions.clone().try_acquire_owned() else {
+        st.metrics.request("kv_events", 429);
+        let mut e = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "too_many_subscriptions",
+            format!(
+                "at most {} KV-event subscriptions at once",
+                st.settings.max_event_subscriptions
+            ),
+        );
+        e.retry_after_s = Some(st.settings.retry_after_s);
+        return e.into_response();
+    };
     st.metrics.request("kv_events", 200);
     let sub = st.engine.kv_events().subscribe(since);
     let shutdown = st.shutdown.clone();
-    let events = stream::unfold((sub, shutdown), |(mut sub, shutdown)| async move {
-        let env = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => None,
-            env = sub.next() => env,
-        }?;
-        let data = serde_json::to_string(&env).ok()?;
-        let ev = Event::default()
-            .id(format!("{}:{}", env.epoch, env.seq))
-            .data(data);
-        Some((Ok::<_, Infallible>(ev), (sub, shutdown)))
-    });
+    // The permit lives as long as the stream (dropped with it when the client goes away).
+    let events = stream::unfold(
+        (sub, shutdown, permit),
+        |(mut sub, shutdown, permit)| async move {
+            let env = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => None,
+                env = sub.next() => env,
+            }?;
+            let data = serde_json::to_string(&env).ok()?;
+            let ev = Event::default()
+                .id(format!("{}:{}", env.epoch, env.seq))
+                .data(data);
+            Some((Ok::<_, Infallible>(ev), (sub, shutdown, permit)))
+        },
+    );
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
         .into_response()

@@ -109,6 +109,9 @@ pub struct ServerSettings {
     pub retry_after_s: u64,
     /// Lower the profile's context limit (`None` = the profile's).
     pub context_limit: Option<usize>,
+    /// Concurrent `GET /v1/kv/events` subscriptions; more get 429 `too_many_subscriptions`.
+    /// Default 16 (a gateway holds one per worker; a fleet of gateways, one each).
+    pub max_event_subscriptions: usize,
 }
 
 impl ServerSettings {
@@ -126,6 +129,7 @@ impl ServerSettings {
             served_model_names: Vec::new(),
             retry_after_s: 1,
             context_limit: None,
+            max_event_subscriptions: 16,
         }
     }
 }
@@ -195,6 +199,8 @@ pub struct AppState {
     pub(crate) ready_reason: Mutex<String>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) started_at_ms: u64,
+    /// Permits of concurrent KV-event subscriptions.
+    pub(crate) subscriptions: Arc<tokio::sync::Semaphore>,
 }
 
 fn startup(what: &'static str, detail: impl std::fmt::Display) -> WorkerError {
@@ -397,6 +403,7 @@ pub async fn spawn(
 
     let identity = profile.identity().clone();
     let key_space = KeySpace::of(&identity, block_size, settings.hash_algorithm);
+    let max_subscriptions = settings.max_event_subscriptions.max(1);
     let default_namespace = key_space.seed(None);
     let profile_limit = identity.context_limit as usize;
     let context_limit = settings
@@ -429,6 +436,7 @@ pub async fn spawn(
         ready_reason: Mutex::new("smoke inference pending".into()),
         shutdown: CancellationToken::new(),
         started_at_ms: receipts::now_ms(),
+        subscriptions: Arc::new(tokio::sync::Semaphore::new(max_subscriptions)),
     });
 
     let app = router(state.clone());
@@ -513,16 +521,23 @@ async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
     }
 }
 
-/// The routes.
+/// The routes. The operations endpoints that expose the cache, the tokenizer or the receipts
+/// need the gateway's access token when the worker requires route tickets ([`require_access`]).
 fn router(state: Arc<AppState>) -> Router {
+    let guarded = Router::new()
+        .route("/v1/tokenize", post(ops::tokenize))
+        .route("/v1/kv/events", get(kv_events::kv_events))
+        .route("/v1/receipts/{request_id}", get(ops::receipt))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_access,
+        ));
     Router::new()
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
         .route("/v1/models", get(ops::models))
         .route("/v1/profile", get(ops::profile))
-        .route("/v1/tokenize", post(ops::tokenize))
-        .route("/v1/kv/events", get(kv_events::kv_events))
-        .route("/v1/receipts/{request_id}", get(ops::receipt))
+        .merge(guarded)
         .route("/v1/keys", get(ops::keys))
         .route("/health", get(ops::health))
         .route("/ready", get(ops::ready))
@@ -538,6 +553,45 @@ fn router(state: Arc<AppState>) -> Router {
         })
         .layer(axum::middleware::from_fn(echo_request_id))
         .with_state(state)
+}
+
+/// With `TicketPolicy::Require`, the guarded endpoints answer only a request carrying the
+/// gateway's access token (`Authorization: Bearer`, `receipts::AccessToken`, signed by a key of
+/// the gateway key ring for this worker): 401 `access_required` without one, 401 with the
+/// token's error code (`bad_signature`, `unknown_key`, `ticket_expired`, `malformed`, ...) for a
+/// bad one. With optional tickets (local use) they stay open.
+async fn require_access(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if st.settings.ticket_policy != TicketPolicy::Require {
+        return next.run(req).await;
+    }
+    let bearer = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let Some(token) = bearer else {
+        return ApiError::unauthorized(
+            "access_required",
+            "this endpoint needs the gateway's access token (`Authorization: Bearer ...`)",
+        )
+        .into_response();
+    };
+    match receipts::AccessToken::verify(
+        token,
+        &st.gateway_keys,
+        &st.settings.worker_id,
+        receipts::now_ms(),
+        st.settings.ticket_skew_ms,
+    ) {
+        Ok(_) => next.run(req).await,
+        Err(e) => {
+            ApiError::unauthorized(e.error_type(), format!("access token: {e}")).into_response()
+        }
+    }
 }
 
 /// Echoes a valid `x-request-id` (or a generated one) on answers that don't set their own.

@@ -571,7 +571,25 @@ async fn tickets_are_required_verified_and_land_in_the_receipt() {
     let resp = send(Some(good.clone()), None).await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-request-id"], "t-good2");
-    let r = get_receipt(&w, "t-good2").await;
+    // The receipt endpoint wants the gateway's access token from a ticket-requiring worker.
+    let r = client()
+        .get(w.url("/v1/receipts/t-good2"))
+        .send()
+        .await
+        .unwrap();
+    let (s, e) = error_of(r).await;
+    assert_eq!((s, e["code"].as_str()), (401, Some("access_required")));
+    let forged = receipts::AccessToken::new("gw-1", &"w-test".into(), now).sign(&other);
+    let r = client()
+        .get(w.url("/v1/receipts/t-good2"))
+        .bearer_auth(&forged)
+        .send()
+        .await
+        .unwrap();
+    let (s, e) = error_of(r).await;
+    assert_eq!((s, e["code"].as_str()), (401, Some("unknown_key")));
+    let token = receipts::AccessToken::new("gw-1", &"w-test".into(), now).sign(&gw);
+    let r = get_receipt_as(&w, "t-good2", Some(&token)).await;
     assert_eq!(
         r.body.ticket.as_ref().map(|t| t.header()),
         Some(good.as_str())
@@ -1287,5 +1305,79 @@ async fn a_ticket_stays_used_across_a_restart_and_a_refused_body_uses_none() {
     .await;
     assert_eq!(r.status(), 200);
     let _ = r.bytes().await;
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn side_doors_need_the_gateways_token_and_subscriptions_are_capped() {
+    let gw = KeyPair::generate();
+    let mut opts = SimOpts {
+        ticket_policy: TicketPolicy::Require,
+        max_event_subscriptions: 2,
+        ..SimOpts::default()
+    };
+    opts.gateway_keys.insert("gw-1", gw.public().clone());
+    let w = start_sim(opts).await;
+    let token = receipts::AccessToken::new("gw-1", &"w-test".into(), receipts::now_ms()).sign(&gw);
+    let c = client();
+    // Without the token: 401 on every guarded endpoint; probes and the profile stay open.
+    for (method, path) in [
+        (reqwest::Method::GET, "/v1/kv/events"),
+        (reqwest::Method::POST, "/v1/tokenize"),
+        (reqwest::Method::GET, "/v1/receipts/anything"),
+    ] {
+        let r = c
+            .request(method.clone(), w.url(path))
+            .json(&json!({"prompt": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        let (s, e) = error_of(r).await;
+        assert_eq!(
+            (s, e["code"].as_str()),
+            (401, Some("access_required")),
+            "{path}"
+        );
+    }
+    for path in ["/health", "/ready", "/v1/profile", "/v1/models"] {
+        assert_eq!(
+            c.get(w.url(path)).send().await.unwrap().status(),
+            200,
+            "{path}"
+        );
+    }
+    // With it: served.
+    let r = c
+        .post(w.url("/v1/tokenize"))
+        .bearer_auth(&token)
+        .json(&json!({"prompt": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Two subscriptions at once are allowed, a third is refused until one closes.
+    let sub = || c.get(w.url("/v1/kv/events")).bearer_auth(&token).send();
+    let a = sub().await.unwrap();
+    let b = sub().await.unwrap();
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let (s, e) = error_of(sub().await.unwrap()).await;
+    assert_eq!(
+        (s, e["code"].as_str()),
+        (429, Some("too_many_subscriptions"))
+    );
+    drop(a);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = sub().await.unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the closed subscription's permit never returned"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(b);
     w.stop().await;
 }

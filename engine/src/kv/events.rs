@@ -194,15 +194,20 @@ impl KvEventFeed {
                 }
             }
         }
-        let s = st.last_seq;
+        let (s, epoch) = (st.last_seq, st.epoch);
+        // Copy the key set under the lock (the receiver already subscribed at seq `s`), build the
+        // snapshot's runs (sorting, O(n log n)) after releasing it: the step thread publishing
+        // the next step never waits for a subscriber's snapshot.
+        let keys = st.keys.clone();
+        drop(st);
         backlog.push_back(KvEventEnvelope {
-            epoch: st.epoch,
+            epoch,
             seq: s,
             event: KvEvent::Cleared,
         });
-        for event in snapshot_events(&st.keys) {
+        for event in snapshot_events(&keys) {
             backlog.push_back(KvEventEnvelope {
-                epoch: st.epoch,
+                epoch,
                 seq: s,
                 event,
             });

@@ -59,6 +59,8 @@ pub struct SimOpts {
     pub state: Option<(PathBuf, KeyPair)>,
     /// Use the real model instead of the simulator.
     pub real_model: bool,
+    /// `ServerSettings::max_event_subscriptions`.
+    pub max_event_subscriptions: usize,
 }
 
 impl Default for SimOpts {
@@ -76,6 +78,7 @@ impl Default for SimOpts {
             gateway_keys: KeyRing::new(),
             state: None,
             real_model: false,
+            max_event_subscriptions: 16,
         }
     }
 }
@@ -143,6 +146,7 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
     cfg.settings.context_limit = o.context_limit;
     cfg.settings.max_body_bytes = o.max_body_bytes;
     cfg.settings.served_model_names = o.served_model_names.clone();
+    cfg.settings.max_event_subscriptions = o.max_event_subscriptions;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let worker = worker::spawn(cfg, listener).await.unwrap();
     worker.wait_ready(Duration::from_secs(120)).await.unwrap();
@@ -218,11 +222,16 @@ pub async fn read_sse(resp: reqwest::Response) -> Vec<String> {
 }
 
 pub async fn get_receipt(w: &TestWorker, id: &str) -> Receipt {
-    let r = client()
-        .get(w.url(&format!("/v1/receipts/{id}")))
-        .send()
-        .await
-        .unwrap();
+    get_receipt_as(w, id, None).await
+}
+
+/// [`get_receipt`] with the gateway's access token (workers that require tickets want one).
+pub async fn get_receipt_as(w: &TestWorker, id: &str, token: Option<&str>) -> Receipt {
+    let mut rb = client().get(w.url(&format!("/v1/receipts/{id}")));
+    if let Some(t) = token {
+        rb = rb.bearer_auth(t);
+    }
+    let r = rb.send().await.unwrap();
     assert_eq!(r.status(), 200, "receipt of {id}");
     Receipt::from_line(&r.bytes().await.unwrap()).unwrap()
 }
