@@ -52,6 +52,9 @@ pub struct ReceiptLog {
     worker_id: WorkerId,
     chain: Mutex<Chain>,
     report: OpenReport,
+    /// Fault injection: appends to fail before anything is written (tests of what a worker does
+    /// when its disk refuses a receipt).
+    fail_appends: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ReceiptLog {
@@ -138,6 +141,7 @@ impl ReceiptLog {
                 live_tickets,
             },
             chain: Mutex::new(chain),
+            fail_appends: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -166,9 +170,32 @@ impl ReceiptLog {
         self.len() == 0
     }
 
+    /// Fault injection: the next `n` appends fail with an I/O error (nothing is written; the
+    /// chain is unchanged), as on a full disk.
+    #[doc(hidden)]
+    pub fn fail_next_appends(&self, n: u64) {
+        self.fail_appends
+            .store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Sign `draft` as the next receipt of the chain and append it (durable per the policy).
     pub fn append(&self, draft: ReceiptDraft) -> Result<Receipt> {
         let mut chain = self.chain.lock();
+        let injected = self
+            .fail_appends
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok();
+        if injected {
+            return Err(ReceiptsError::io(
+                "append to",
+                self.appender.path(),
+                std::io::Error::other("injected fault: no space left on device"),
+            ));
+        }
         let receipt = Receipt::sign(
             draft,
             chain.next_seq,

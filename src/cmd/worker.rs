@@ -56,6 +56,13 @@ pub struct Args {
     /// Refuse requests without a route ticket (401 `ticket_required`).
     #[arg(long)]
     pub require_ticket: bool,
+    /// Deliver answers whose receipt could not be written (default: withhold them with 503
+    /// `receipt_failed`: no answer without a receipt).
+    #[arg(long)]
+    pub allow_unreceipted: bool,
+    /// Most concurrent KV-event subscriptions (more get 429).
+    #[arg(long, default_value_t = 16)]
+    pub max_event_subscriptions: usize,
     /// Clock skew tolerated on ticket validity windows, ms.
     #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
     pub ticket_skew_ms: u64,
@@ -256,6 +263,8 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     settings.served_model_names = args.served_model_names.clone();
     settings.retry_after_s = args.retry_after_s;
     settings.context_limit = args.context_limit;
+    settings.require_receipts = !args.allow_unreceipted;
+    settings.max_event_subscriptions = args.max_event_subscriptions;
     let receipts = args
         .receipts
         .clone()

@@ -92,21 +92,48 @@ fn to_u32(n: usize) -> u32 {
 }
 
 /// Stamps the completion time, signs and appends the receipt (on the blocking pool: the log
-/// may fsync).
-async fn write_receipt(st: &Arc<AppState>, mut draft: receipts::ReceiptDraft) {
+/// may fsync). Whether it was written.
+async fn write_receipt(st: &Arc<AppState>, mut draft: receipts::ReceiptDraft) -> bool {
     draft.completed_at_ms = receipts::now_ms();
     let log = st.receipts.clone();
     let res = tokio::task::spawn_blocking(move || log.append(draft)).await;
     match res {
-        Ok(Ok(_)) => st.metrics.receipt_written(),
+        Ok(Ok(_)) => {
+            st.metrics.receipt_written();
+            true
+        }
         Ok(Err(e)) => {
             st.metrics.receipt_failed();
             tracing::error!(error = %e, "receipt append failed");
+            false
         }
         Err(e) => {
             st.metrics.receipt_failed();
             tracing::error!(error = %e, "receipt task failed");
+            false
         }
+    }
+}
+
+/// The answer that replaces one whose receipt could not be written, when the worker requires
+/// receipts (`ServerSettings::require_receipts`, the default).
+fn unreceipted(st: &AppState) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "receipt_failed",
+        "the answer is withheld: its receipt could not be written to the receipt log",
+    );
+    e.retry_after_s = Some(st.settings.retry_after_s);
+    e
+}
+
+/// `e` as it may be answered after its receipt was (`written`) or was not written: without a
+/// receipt the worker requiring receipts answers `receipt_failed` instead.
+fn after_receipt(st: &AppState, e: ApiError, written: bool) -> ApiError {
+    if written || !st.settings.require_receipts {
+        e
+    } else {
+        unreceipted(st)
     }
 }
 
@@ -145,8 +172,9 @@ async fn receipted_error(
 ) -> Response {
     st.metrics.rejection(e.code);
     st.metrics.request(endpoint.label(), e.status.as_u16());
-    write_receipt(st, ctx.refused(&e, prompt_tokens)).await;
-    with_ids(e.into_response(), &ctx.admission.request_id, true)
+    let written = write_receipt(st, ctx.refused(&e, prompt_tokens)).await;
+    let e = after_receipt(st, e, written);
+    with_ids(e.into_response(), &ctx.admission.request_id, written)
 }
 
 /// Reads the body up to `limit` bytes; `Err` is the 413 (or a read error).
@@ -336,11 +364,11 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
 
     match head_rx.await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            // The driver wrote the receipt.
+        Ok(Err((e, written))) => {
+            // The driver wrote (or failed to write) the receipt.
             st.metrics.rejection(e.code);
             st.metrics.request(endpoint.label(), e.status.as_u16());
-            return with_ids(e.into_response(), &ctx.admission.request_id, true);
+            return with_ids(e.into_response(), &ctx.admission.request_id, written);
         }
         Err(_) => {
             let e = ApiError::new(
@@ -349,7 +377,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
                 "the worker is shutting down",
             );
             st.metrics.request(endpoint.label(), e.status.as_u16());
-            return with_ids(e.into_response(), &ctx.admission.request_id, true);
+            return with_ids(e.into_response(), &ctx.admission.request_id, false);
         }
     }
     let meta = ResponseMeta {
@@ -369,18 +397,22 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
             .into_response();
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
-        let resp = collect(endpoint, meta, rx).await;
+        let (resp, written) = collect(endpoint, meta, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);
-        with_ids(resp, &ctx.admission.request_id, true)
+        with_ids(resp, &ctx.admission.request_id, written)
     }
 }
 
-/// From the driver to the HTTP side.
+/// From the driver to the HTTP side. The last message says whether the receipt was written.
 enum Msg {
     Text(String),
-    End { finish: String, usage: UsageBody },
-    Fail(ApiError),
+    End {
+        finish: String,
+        usage: UsageBody,
+        receipted: bool,
+    },
+    Fail(ApiError, bool),
 }
 
 struct ResponseMeta {
@@ -404,7 +436,7 @@ impl Driver {
     async fn run(
         self,
         mut handle: engine::SequenceHandle,
-        head_tx: oneshot::Sender<Result<(), ApiError>>,
+        head_tx: oneshot::Sender<Result<(), (ApiError, bool)>>,
         tx: mpsc::Sender<Msg>,
     ) {
         let st = self.st.clone();
@@ -437,7 +469,7 @@ impl Driver {
                 if head_tx.is_some() {
                     break End::HeadFailed(e);
                 }
-                break End::Done(Msg::Fail(e));
+                break End::Done(Msg::Fail(e, false));
             };
             match ev {
                 SeqEvent::Started {
@@ -490,6 +522,7 @@ impl Driver {
                             usage.cached_tokens,
                             usage.completion_tokens,
                         ),
+                        receipted: false,
                     };
                     if let Some(h) = head_tx.take() {
                         // Finished without Started: treat as started now.
@@ -502,7 +535,7 @@ impl Driver {
                     if head_tx.is_some() {
                         break End::HeadFailed(e);
                     }
-                    break End::Done(Msg::Fail(e));
+                    break End::Done(Msg::Fail(e, false));
                 }
             }
         };
@@ -519,14 +552,14 @@ impl Driver {
             End::HeadFailed(e) => {
                 o.status = e.status.as_u16();
                 o.error_code = Some(e.code.to_string());
-                write_receipt(&st, o).await;
+                let written = write_receipt(&st, o).await;
                 if let Some(h) = head_tx.take() {
-                    let _ = h.send(Err(e));
+                    let _ = h.send(Err((after_receipt(&st, e, written), written)));
                 }
             }
-            End::Done(msg) => {
+            End::Done(mut msg) => {
                 match &msg {
-                    Msg::Fail(e) => {
+                    Msg::Fail(e, _) => {
                         // Streaming: the 200 is already on the wire; the error travels in-band.
                         o.status = if self.stream { 200 } else { e.status.as_u16() };
                         o.error_code = Some(e.code.to_string());
@@ -534,7 +567,19 @@ impl Driver {
                     }
                     _ => o.status = 200,
                 }
-                write_receipt(&st, o).await;
+                let written = write_receipt(&st, o).await;
+                msg = match msg {
+                    _ if !written && st.settings.require_receipts => {
+                        Msg::Fail(unreceipted(&st), false)
+                    }
+                    Msg::End { finish, usage, .. } => Msg::End {
+                        finish,
+                        usage,
+                        receipted: written,
+                    },
+                    Msg::Fail(e, _) => Msg::Fail(e, written),
+                    other => other,
+                };
                 st.metrics
                     .observe_e2e(Instant::now().duration_since(self.received).as_secs_f64());
                 let _ = tx.send(msg).await;
@@ -545,13 +590,22 @@ impl Driver {
 }
 
 /// Non-streaming: gathers the driver's messages into one JSON answer.
-async fn collect(endpoint: Endpoint, meta: ResponseMeta, mut rx: mpsc::Receiver<Msg>) -> Response {
+/// With whether the answer's receipt was written.
+async fn collect(
+    endpoint: Endpoint,
+    meta: ResponseMeta,
+    mut rx: mpsc::Receiver<Msg>,
+) -> (Response, bool) {
     let mut text = String::new();
     while let Some(m) = rx.recv().await {
         match m {
             Msg::Text(t) => text.push_str(&t),
-            Msg::Fail(e) => return e.into_response(),
-            Msg::End { finish, usage } => {
+            Msg::Fail(e, receipted) => return (e.into_response(), receipted),
+            Msg::End {
+                finish,
+                usage,
+                receipted,
+            } => {
                 let body = match endpoint {
                     Endpoint::Chat => serde_json::to_vec(&ChatCompletionResponse {
                         id: meta.id,
@@ -585,7 +639,7 @@ async fn collect(endpoint: Endpoint, meta: ResponseMeta, mut rx: mpsc::Receiver<
                         usage: Some(Some(usage)),
                     }),
                 };
-                return match body {
+                let resp = match body {
                     Ok(b) => (
                         StatusCode::OK,
                         [(axum::http::header::CONTENT_TYPE, "application/json")],
@@ -599,15 +653,19 @@ async fn collect(endpoint: Endpoint, meta: ResponseMeta, mut rx: mpsc::Receiver<
                     )
                     .into_response(),
                 };
+                return (resp, receipted);
             }
         }
     }
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "engine_stopped",
-        "the worker is shutting down",
+    (
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine_stopped",
+            "the worker is shutting down",
+        )
+        .into_response(),
+        false,
     )
-    .into_response()
 }
 
 fn json_event<T: serde::Serialize>(v: &T) -> Event {
@@ -698,7 +756,7 @@ fn sse_events(
             let events = match rx.recv().await {
                 None => return None,
                 Some(Msg::Text(t)) => vec![chunk(Some(t), false, None)],
-                Some(Msg::End { finish, usage }) => {
+                Some(Msg::End { finish, usage, .. }) => {
                     let mut v = vec![chunk(None, false, Some(finish))];
                     if include_usage {
                         v.push(usage_chunk(usage));
@@ -706,7 +764,7 @@ fn sse_events(
                     v.push(Event::default().data("[DONE]"));
                     return Some((v, None));
                 }
-                Some(Msg::Fail(e)) => {
+                Some(Msg::Fail(e, _)) => {
                     return Some((vec![json_event(&e.body())], None));
                 }
             };

@@ -109,6 +109,11 @@ pub struct ServerSettings {
     pub retry_after_s: u64,
     /// Lower the profile's context limit (`None` = the profile's).
     pub context_limit: Option<usize>,
+    /// No answer without a receipt (default true): when the receipt log cannot take a request's
+    /// receipt, the answer is replaced by `503 receipt_failed` (in-band for a stream) and no
+    /// `x-kvgate-receipt` header names it. False: the answer is delivered unreceipted (logged,
+    /// counted in `kvgate_worker_receipts_failed_total`), still without the header.
+    pub require_receipts: bool,
     /// Concurrent `GET /v1/kv/events` subscriptions; more get 429 `too_many_subscriptions`.
     /// Default 16 (a gateway holds one per worker; a fleet of gateways, one each).
     pub max_event_subscriptions: usize,
@@ -129,6 +134,7 @@ impl ServerSettings {
             served_model_names: Vec::new(),
             retry_after_s: 1,
             context_limit: None,
+            require_receipts: true,
             max_event_subscriptions: 16,
         }
     }
@@ -223,6 +229,11 @@ impl RunningWorker {
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The receipt log (tests inject faults through it).
+    pub fn receipt_log(&self) -> &Arc<ReceiptLog> {
+        &self.state.receipts
     }
 
     /// The engine (stats, block counts).

@@ -1381,3 +1381,50 @@ async fn side_doors_need_the_gateways_token_and_subscriptions_are_capped() {
     drop(b);
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_answer_without_a_receipt() {
+    let w = start_sim(SimOpts::default()).await;
+    let log = w.worker.receipt_log().clone();
+    // Non-streaming: the answer is withheld, no header names a receipt.
+    log.fail_next_appends(1);
+    let r = post(
+        &w,
+        "/v1/chat/completions",
+        &chat_body("unreceipted", json!({})),
+    )
+    .await;
+    assert!(r.headers().get("x-kvgate-receipt").is_none());
+    let (s, e) = error_of(r).await;
+    assert_eq!((s, e["code"].as_str()), (503, Some("receipt_failed")));
+    // A refusal (validation error) whose receipt fails: the same.
+    log.fail_next_appends(1);
+    let r = post(
+        &w,
+        "/v1/chat/completions",
+        &chat_body("bad", json!({"temperature": 9})),
+    )
+    .await;
+    assert!(r.headers().get("x-kvgate-receipt").is_none());
+    let (s, e) = error_of(r).await;
+    assert_eq!((s, e["code"].as_str()), (503, Some("receipt_failed")));
+    // Streaming: the stream ends with the in-band error instead of [DONE].
+    log.fail_next_appends(1);
+    let r = post(
+        &w,
+        "/v1/chat/completions",
+        &chat_body("stream", json!({"stream": true, "max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("receipt_failed"), "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    // Once the log takes receipts again, answers are receipted and named.
+    let r = post(&w, "/v1/chat/completions", &chat_body("fine", json!({}))).await;
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["x-kvgate-receipt"].to_str().unwrap().to_owned();
+    let _ = r.bytes().await;
+    assert_eq!(get_receipt(&w, &id).await.body.status, 200);
+    w.stop().await;
+}
