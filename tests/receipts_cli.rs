@@ -32,13 +32,19 @@ fn keygen(dir: &Path, name: &str) -> KeyPair {
 
 /// Gateway + one worker, `n` routed requests, a decision log and the worker's receipt log.
 fn scenario(dir: &Path, n: usize) -> (PathBuf, PathBuf, PathBuf) {
+    scenario_rotating(dir, n, Rotation::NEVER)
+}
+
+/// [`scenario`] with the receipt log rotating by `rotation`.
+fn scenario_rotating(dir: &Path, n: usize, rotation: Rotation) -> (PathBuf, PathBuf, PathBuf) {
     let keys = dir.join("keys");
     let gw = keygen(&keys, "gw-1");
     let wk = keygen(&keys, "w0");
     let decisions = dir.join("gateway.jsonl");
     let receipts_path = dir.join("w0.jsonl");
     let dlog = DecisionLog::open(&decisions, FsyncPolicy::Always).unwrap();
-    let rlog = ReceiptLog::open(&receipts_path, FsyncPolicy::Always, &wk, "w0").unwrap();
+    let rlog =
+        ReceiptLog::open_with(&receipts_path, FsyncPolicy::Always, &wk, "w0", rotation).unwrap();
     let t0 = now_ms();
     for i in 0..n {
         let rid = format!("req-{i}");
@@ -114,6 +120,40 @@ fn keygen_writes_0600_key_and_refuses_overwrite() {
     let o = kvgate(&["keygen", "--out", s(dir.path()), "--name", "gw-1"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("refusing to overwrite"), "{}", text(&o));
+}
+
+#[test]
+fn a_rotated_log_is_verified_and_audited_as_one_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let rotation = Rotation {
+        max_bytes: Some(4096),
+        max_age: None,
+    };
+    let (keys, decisions, log) = scenario_rotating(dir.path(), 9, rotation);
+    let rotated = rotated_files(&log).unwrap();
+    assert!(rotated.len() >= 2, "{rotated:?}");
+    // Naming the current file takes in the rotated ones beside it.
+    let o = kvgate(&["receipts", "verify", s(&log), "--keys", s(&keys)]);
+    assert!(o.status.success(), "{}", text(&o));
+    for r in &rotated {
+        assert!(text(&o).contains(&r.display().to_string()), "{}", text(&o));
+    }
+    let o = kvgate(&[
+        "receipts",
+        "audit",
+        "--decisions",
+        s(&decisions),
+        "--receipts",
+        s(&log),
+        "--keys",
+        s(&keys),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("receipted 9"), "{}", text(&o));
+    // A rotated file lost from the middle is a chain break.
+    std::fs::remove_file(&rotated[0]).unwrap();
+    let o = kvgate(&["receipts", "verify", s(&log), "--keys", s(&keys)]);
+    assert!(!o.status.success(), "{}", text(&o));
 }
 
 #[test]

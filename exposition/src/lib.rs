@@ -158,7 +158,7 @@ mod tests {
         let g = Gauge::<i64>::default();
         g.set(-2);
         r.register("depth", "Depth", g);
-        let h = Histogram::new([1.0, 2.0].into_iter());
+        let h = Histogram::new([1.0, 2.0]);
         h.observe(1.5);
         r.register("lat", "Latency", h);
         let om = render(&r, Format::OpenMetrics).unwrap();

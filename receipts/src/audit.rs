@@ -26,7 +26,7 @@ use crate::keys::KeyRing;
 use crate::logfile::scan;
 use crate::receipt::Receipt;
 use crate::ticket::{RouteMode, DEFAULT_MAX_CLOCK_SKEW_MS};
-use crate::verify::{verify_log_collect, VerifyOptions, VerifyReport};
+use crate::verify::{verify_logs_collect, VerifyOptions, VerifyReport};
 
 /// Audit options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -400,25 +400,26 @@ pub fn audit_with(
     };
     let mut by_ticket: HashMap<[u8; 64], Vec<Found>> = HashMap::new();
     let mut discrepancies = Vec::new();
-    for path in receipt_logs {
-        let display = path.display().to_string();
-        let report = verify_log_collect(path, keys, vopts, |line, r| {
-            rep.receipts += 1;
-            let wc = rep.per_worker.entry(r.worker_id.0.clone()).or_default();
-            match &r.body.ticket {
-                None => {
-                    rep.direct_receipts += 1;
-                    wc.direct_receipts += 1;
-                }
-                Some(t) => {
-                    wc.ticketed_receipts += 1;
-                    by_ticket.entry(*t.signature()).or_default().push(Found {
-                        location: format!("{display}:{line}"),
-                        receipt: r,
-                    });
-                }
+    // A worker's rotated files and its current file are verified as one chain.
+    let reports = verify_logs_collect(receipt_logs, keys, vopts, |path, line, r| {
+        rep.receipts += 1;
+        let wc = rep.per_worker.entry(r.worker_id.0.clone()).or_default();
+        match &r.body.ticket {
+            None => {
+                rep.direct_receipts += 1;
+                wc.direct_receipts += 1;
             }
-        })?;
+            Some(t) => {
+                wc.ticketed_receipts += 1;
+                by_ticket.entry(*t.signature()).or_default().push(Found {
+                    location: format!("{}:{line}", path.display()),
+                    receipt: r,
+                });
+            }
+        }
+    })?;
+    for report in reports {
+        let display = report.source.clone();
         if !report.ok() {
             for fl in &report.failures {
                 discrepancies.push(disc(

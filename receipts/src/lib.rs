@@ -31,14 +31,14 @@ pub use error::{ReceiptsError, Result};
 pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};
 pub use logfile::{FsyncPolicy, TornTail};
 pub use receipt::{sha256_hex, Receipt, ReceiptDraft, GENESIS_HASH, RECEIPT_DOMAIN};
-pub use receipt_log::{OpenReport, ReceiptLog};
+pub use receipt_log::{rotated_files, OpenReport, ReceiptLog, Rotation};
 pub use ticket::{
     check_window, ReplayGuard, RouteMode, RouteTicket, SignedTicket, DEFAULT_MAX_CLOCK_SKEW_MS,
     DEFAULT_TICKET_TTL_MS, TICKET_DOMAIN, TICKET_HEADER,
 };
 pub use verify::{
-    verify_bytes, verify_log, verify_log_with, FailureKind, VerifyFailure, VerifyOptions,
-    VerifyReport,
+    chains, verify_bytes, verify_log, verify_log_with, verify_logs_collect, verify_logs_with,
+    FailureKind, VerifyFailure, VerifyOptions, VerifyReport,
 };
 
 /// The current time in Unix milliseconds (0 if the clock is before 1970).

@@ -380,8 +380,20 @@ impl<'k> LogVerifier<'k> {
         }
     }
 
-    /// Record a torn last line (no newline) and return the report.
-    pub(crate) fn finish(mut self, torn: Option<(u64, usize)>) -> VerifyReport {
+    /// Closes the current file's report (recording a torn last line) and starts the report of
+    /// the next file of the same chain: sequence, hash chain, worker and seen tickets carry on.
+    pub(crate) fn next_file(&mut self, torn: Option<(u64, usize)>, source: String) -> VerifyReport {
+        self.record_torn(torn);
+        std::mem::replace(
+            &mut self.report,
+            VerifyReport {
+                source,
+                ..VerifyReport::default()
+            },
+        )
+    }
+
+    fn record_torn(&mut self, torn: Option<(u64, usize)>) {
         if let Some((line_no, len)) = torn {
             self.report.lines += 1;
             self.report.fail(
@@ -393,8 +405,108 @@ impl<'k> LogVerifier<'k> {
                 ),
             );
         }
+    }
+
+    /// Record a torn last line (no newline) and return the report.
+    pub(crate) fn finish(mut self, torn: Option<(u64, usize)>) -> VerifyReport {
+        self.record_torn(torn);
         self.report
     }
+}
+
+/// The first receipt line of a file: (worker id, seq), if it parses.
+fn head_of(path: &Path) -> Option<(String, u64)> {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        worker_id: String,
+        seq: u64,
+    }
+    let f = std::fs::File::open(path).ok()?;
+    let mut line = Vec::new();
+    std::io::BufRead::read_until(&mut std::io::BufReader::new(f), b'\n', &mut line).ok()?;
+    let h: Head = serde_json::from_slice(line.strip_suffix(b"\n")?).ok()?;
+    Some((h.worker_id, h.seq))
+}
+
+/// Orders receipt log files into chains: a worker's rotated files and its current file are one
+/// chain, ordered by their first receipt's seq. Files are grouped by the worker of their first
+/// receipt; a file whose first line cannot be read is a chain of its own (and fails on its own).
+/// Chains come in the order their first file was given.
+pub fn chains(paths: &[std::path::PathBuf]) -> Vec<Vec<std::path::PathBuf>> {
+    /// A chain being gathered: its worker (`None`: unreadable head) and its files by first seq.
+    type Group = (Option<String>, Vec<(u64, std::path::PathBuf)>);
+    let mut groups: Vec<Group> = Vec::new();
+    for p in paths {
+        match head_of(p) {
+            Some((worker, seq)) => {
+                match groups.iter_mut().find(|(w, _)| w.as_ref() == Some(&worker)) {
+                    Some((_, files)) => files.push((seq, p.clone())),
+                    None => groups.push((Some(worker), vec![(seq, p.clone())])),
+                }
+            }
+            None => groups.push((None, vec![(0, p.clone())])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, mut files)| {
+            files.sort_by_key(|(seq, _)| *seq);
+            files.into_iter().map(|(_, p)| p).collect()
+        })
+        .collect()
+}
+
+/// Verify a set of receipt log files — rotated files and current files of one or more workers,
+/// in any order — as chains ([`chains`]): one report per file, in chain order. Every fully valid
+/// receipt goes to `on_valid` with its file and line.
+pub fn verify_logs_collect(
+    paths: &[std::path::PathBuf],
+    keys: &KeyRing,
+    opts: VerifyOptions,
+    mut on_valid: impl FnMut(&Path, u64, Receipt),
+) -> Result<Vec<VerifyReport>> {
+    let mut reports = Vec::new();
+    for chain in chains(paths) {
+        let mut v: Option<LogVerifier<'_>> = None;
+        let mut torn_prev: Option<(u64, usize)> = None;
+        for path in &chain {
+            if !path.exists() {
+                return Err(ReceiptsError::io(
+                    "open",
+                    path,
+                    std::io::Error::from(std::io::ErrorKind::NotFound),
+                ));
+            }
+            let source = path.display().to_string();
+            match v.as_mut() {
+                None => v = Some(LogVerifier::new(source, keys, opts)),
+                Some(v) => reports.push(v.next_file(torn_prev.take(), source)),
+            }
+            let Some(ver) = v.as_mut() else { continue };
+            let mut last_line = 0;
+            let (_, torn) = scan(path, |n, _, bytes| {
+                last_line = n;
+                if let Some(r) = ver.line(n, bytes) {
+                    on_valid(path, n, r);
+                }
+                Ok(())
+            })?;
+            torn_prev = torn.map(|(_, b)| (last_line + 1, b.len()));
+        }
+        if let Some(v) = v {
+            reports.push(v.finish(torn_prev));
+        }
+    }
+    Ok(reports)
+}
+
+/// [`verify_logs_collect`] without the receipts.
+pub fn verify_logs_with(
+    paths: &[std::path::PathBuf],
+    keys: &KeyRing,
+    opts: VerifyOptions,
+) -> Result<Vec<VerifyReport>> {
+    verify_logs_collect(paths, keys, opts, |_, _, _| {})
 }
 
 /// Verify the receipt log at `path` with default options.

@@ -300,3 +300,72 @@ fn kill_9_mid_stream_then_resume() {
     assert!(rep.ok(), "{rep}");
     assert_eq!(rep.valid, before + 1);
 }
+
+#[test]
+fn rotation_keeps_one_chain_across_files_and_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("receipts.jsonl");
+    let wk = worker_key();
+    let keys = ring(&[&gateway_key(), &wk]);
+    // Each receipt line is ~700 bytes: a 2 KiB cap puts at most 2 in a file.
+    let rotation = Rotation {
+        max_bytes: Some(2048),
+        max_age: None,
+    };
+    let log = ReceiptLog::open_with(&path, FsyncPolicy::Always, &wk, "w0", rotation).unwrap();
+    for i in 0..7 {
+        log.append(draft(&format!("req-{i}"), None, T0 + i))
+            .unwrap();
+    }
+    let rotated = rotated_files(&path).unwrap();
+    assert!(rotated.len() >= 3, "{rotated:?}");
+    assert!(rotated[0]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .ends_with(".00000000000000000000.jsonl"));
+    // The current file serves its own receipts only.
+    assert!(log.get("req-6").unwrap().is_some());
+    assert!(log.get("req-0").unwrap().is_none());
+    drop(log);
+    // A restart continues the chain from the current file (and from the last rotated file when
+    // the current one is empty).
+    let log = ReceiptLog::open_with(&path, FsyncPolicy::Always, &wk, "w0", rotation).unwrap();
+    assert_eq!(log.len(), 7);
+    let r = log.append(draft("req-7", None, T0 + 7)).unwrap();
+    assert_eq!(r.seq, 7);
+    drop(log);
+    // Verified as one chain, given in any order; the current file alone lacks its head.
+    let mut set: Vec<std::path::PathBuf> = rotated_files(&path).unwrap();
+    set.push(path.clone());
+    set.reverse();
+    let reports = verify_logs_with(&set, &keys, VerifyOptions::default()).unwrap();
+    assert_eq!(reports.len(), set.len());
+    assert!(reports.iter().all(|r| r.ok()), "{reports:?}");
+    assert_eq!(reports.iter().map(|r| r.valid).sum::<u64>(), 8);
+    let alone = verify_log(&path, &keys).unwrap();
+    assert!(!alone.ok(), "the current file alone starts mid-chain");
+    // Dropping a middle file breaks the chain where it was.
+    let mut gap = set.clone();
+    gap.retain(|p| p != &rotated_files(&path).unwrap()[1]);
+    let reports = verify_logs_with(&gap, &keys, VerifyOptions::default()).unwrap();
+    assert!(reports.iter().any(|r| !r.ok()));
+    // A crash right after a rotation leaves no current file: the head comes from the last
+    // rotated file.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let first = Receipt::from_line(text.lines().next().unwrap().as_bytes()).unwrap();
+    std::fs::rename(
+        &path,
+        dir.path().join(format!("receipts.{:020}.jsonl", first.seq)),
+    )
+    .unwrap();
+    let log = ReceiptLog::open_with(&path, FsyncPolicy::Always, &wk, "w0", rotation).unwrap();
+    assert_eq!(log.len(), 8);
+    let r = log.append(draft("req-8", None, T0 + 8)).unwrap();
+    assert_eq!(r.seq, 8);
+    drop(log);
+    let mut set = rotated_files(&path).unwrap();
+    set.push(path.clone());
+    let reports = verify_logs_with(&set, &keys, VerifyOptions::default()).unwrap();
+    assert!(reports.iter().all(|r| r.ok()), "{reports:?}");
+}

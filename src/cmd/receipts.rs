@@ -106,9 +106,8 @@ fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     };
     let mut all_ok = true;
     let mut reports = Vec::new();
-    for log in &a.logs {
-        let report = receipts::verify_log_with(log, &ring, opts)
-            .with_context(|| format!("verifying {}", log.display()))?;
+    let logs = with_rotated(&a.logs)?;
+    for report in receipts::verify_logs_with(&logs, &ring, opts).context("verifying the logs")? {
         all_ok &= report.ok();
         if a.json {
             reports.push(report);
@@ -126,13 +125,30 @@ fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The given logs plus the rotated files beside each (`<stem>.<20 digits>.jsonl`), so that
+/// naming a worker's current log verifies its whole chain.
+fn with_rotated(logs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for log in logs {
+        for p in receipts::rotated_files(log)?
+            .into_iter()
+            .chain(std::iter::once(log.clone()))
+        {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn audit(a: AuditArgs) -> anyhow::Result<ExitCode> {
     let ring = load_keys(&a.key, &a.keys)?;
     let opts = AuditOptions {
         max_clock_skew_ms: a.max_clock_skew_ms,
         fail_on_parity_mismatch: a.fail_on_parity_mismatch,
     };
-    let report = receipts::audit_with(&a.decisions, &a.receipts, &ring, opts)
+    let report = receipts::audit_with(&a.decisions, &with_rotated(&a.receipts)?, &ring, opts)
         .context("auditing receipt logs")?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

@@ -69,6 +69,13 @@ pub struct Args {
     /// Receipt log (JSON Lines) [default: <state-dir>/receipts.jsonl].
     #[arg(long)]
     pub receipts: Option<PathBuf>,
+    /// Rotate the receipt log's current file at this size, MiB (0 = never); the chain continues
+    /// across files (`docs/receipts.md`).
+    #[arg(long, default_value_t = 256)]
+    pub receipts_rotate_mib: u64,
+    /// Also rotate it when its first receipt is older than this many hours (0 = never).
+    #[arg(long, default_value_t = 0)]
+    pub receipts_rotate_hours: u64,
     /// Receipt fsync policy: `always`, or `batched:<receipts>:<ms>`.
     #[arg(long, default_value = "always")]
     pub fsync: String,
@@ -273,6 +280,11 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     cfg.engine_config = engine_config;
     cfg.gateway_keys = gateway_keys;
     cfg.fsync = parse_fsync(&args.fsync)?;
+    cfg.rotation = receipts::Rotation {
+        max_bytes: (args.receipts_rotate_mib > 0).then_some(args.receipts_rotate_mib << 20),
+        max_age: (args.receipts_rotate_hours > 0)
+            .then(|| std::time::Duration::from_secs(args.receipts_rotate_hours * 3600)),
+    };
     cfg.settings = settings;
     Ok(cfg)
 }

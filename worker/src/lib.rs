@@ -155,6 +155,8 @@ pub struct WorkerConfig {
     pub gateway_keys: KeyRing,
     pub receipt_log: PathBuf,
     pub fsync: FsyncPolicy,
+    /// When the receipt log's current file is rotated (default: at 256 MiB).
+    pub rotation: receipts::Rotation,
     pub settings: ServerSettings,
 }
 
@@ -176,6 +178,7 @@ impl WorkerConfig {
             gateway_keys: KeyRing::new(),
             receipt_log: receipt_log.into(),
             fsync: FsyncPolicy::default(),
+            rotation: receipts::Rotation::default(),
             settings: ServerSettings::new(worker_id),
         }
     }
@@ -353,6 +356,7 @@ pub async fn spawn(
         gateway_keys,
         receipt_log,
         fsync,
+        rotation,
         settings,
     } = config;
     let block_size = settings.block_size;
@@ -388,9 +392,11 @@ pub async fn spawn(
     }
     let receipts = {
         let (path, key, id) = (receipt_log.clone(), key.clone(), settings.worker_id.clone());
-        let opened = tokio::task::spawn_blocking(move || ReceiptLog::open(&path, fsync, &key, &id))
-            .await
-            .map_err(|e| startup("receipt log", e))?;
+        let opened = tokio::task::spawn_blocking(move || {
+            ReceiptLog::open_with(&path, fsync, &key, &id, rotation)
+        })
+        .await
+        .map_err(|e| startup("receipt log", e))?;
         match opened {
             Ok(log) => Arc::new(log),
             Err(e) => {
