@@ -13,6 +13,13 @@
 //!   Needs `nginx` and `wrk` (`apt-get install -y nginx wrk`); fails with a clear message
 //!   without them.
 //!
+//! - `short_requests_while_long_prompts_arrive`: p50 / p99 latency of 1-token round-robin
+//!   chats while 3 clients keep sending KV-exact prompts that are refused in the end — 4 MiB and
+//!   1,000 KiB ones (the byte floor refuses them before tokenizing) and 60 KiB ones (under the
+//!   floor: tokenized in full, then refused by the exact count) — with routing on the proxy
+//!   threads (`routing_threads = 0`, the old placement) and on the routing pool (the default),
+//!   in one run.
+//!
 //! Figures go to `docs/benchmarks.md` (section `## gateway`).
 
 #[path = "gateway_support/mod.rs"]
@@ -59,7 +66,7 @@ fn route_decision_vs_tokenization() {
             ];
             let chat: Vec<ChatMessage> = serde_json::from_value(serde_json::json!(msgs)).unwrap();
             let n = profile
-                .tokenize(&PromptSource::Chat(ChatPrompt::new(chat)))
+                .tokenize(&PromptSource::Chat(ChatPrompt::new(chat)), None)
                 .unwrap()
                 .len();
             if n >= target {
@@ -83,7 +90,6 @@ fn route_decision_vs_tokenization() {
             .index
             .apply_event(&w1, &prefix_index::KvEvent::Stored { parent: None, keys })
             .unwrap();
-        let header = |_: &str| None;
         let mut floor = Vec::new();
         let mut full = Vec::new();
         for _ in 0..40 {
@@ -96,10 +102,10 @@ fn route_decision_vs_tokenization() {
                 &view,
                 &shared.index,
                 &RouteInput {
-                    service: &service,
-                    path: "/v1/chat/completions",
-                    body: &bytes,
-                    header: &header,
+                    service: service.clone(),
+                    path: "/v1/chat/completions".into(),
+                    body: bytes.clone().into(),
+                    tenant: None,
                 },
             )
             .unwrap();
@@ -310,4 +316,122 @@ fn ticket_signing_cost() {
         per.as_secs_f64() * 1e6,
         len / n as usize
     );
+}
+
+const MIXED: &str = r#"
+[[services]]
+name = "rr"
+pool = "all"
+match = { models = ["rr"] }
+rule = { type = "round_robin" }
+
+[[services]]
+name = "exact"
+pool = "all"
+match = { models = ["smol"] }
+rule = { type = "kv_exact", profile = "smol" }
+"#;
+
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn short_requests_while_long_prompts_arrive() {
+    println!("| routing | long prompt | short p50 | short p99 | short max | long refused / s |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for routing_threads in [0usize, 2] {
+        for long_bytes in [4usize << 20, 1000 << 10, 60 << 10] {
+            let mut fleet = Fleet::workers(FleetOptions {
+                workers: 2,
+                ..FleetOptions::default()
+            });
+            fleet.start_gateway_with(MIXED, false, |c| {
+                c.routing_threads = routing_threads;
+                // The proxy's own threads: the VIP serves with 2, as by default.
+                c.threads = 2;
+            });
+            let url = fleet.url("/v1/chat/completions");
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            // Prompts the tokenizer must see are all different (a counter first), so its piece
+            // cache never answers for them; they are built before the measurement, so the
+            // clients cost no CPU while it runs. (Prompts the byte floor refuses are never
+            // tokenized: one body serves.)
+            let filler = "many words here ".repeat(long_bytes / 16);
+            let distinct = if long_bytes <= 64 << 10 { 600 } else { 1 };
+            let bodies: std::sync::Arc<Vec<bytes::Bytes>> = std::sync::Arc::new(
+                (0..distinct)
+                    .map(|n| {
+                        serde_json::to_vec(&serde_json::json!({
+                            "model": "smol",
+                            "messages": [{"role": "user", "content": format!("{n} {filler}")}],
+                            "max_tokens": 4,
+                        }))
+                        .unwrap()
+                        .into()
+                    })
+                    .collect(),
+            );
+            let (lat, answered) = fleet.rt.block_on(async {
+                let mut long_clients = Vec::new();
+                for c in 0..3usize {
+                    let (url, stop, bodies) = (url.clone(), stop.clone(), bodies.clone());
+                    long_clients.push(tokio::spawn(async move {
+                        let http = reqwest::Client::new();
+                        let mut answered = 0u32;
+                        let mut n = c * 200;
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            n += 1;
+                            let r = http
+                                .post(&url)
+                                .header("content-type", "application/json")
+                                .body(bodies[n % bodies.len()].clone())
+                                .send()
+                                .await;
+                            if r.is_ok_and(|r| r.status() == 400) {
+                                answered += 1;
+                            }
+                        }
+                        answered
+                    }));
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let window = Instant::now();
+                let http = reqwest::Client::new();
+                let mut lat = Vec::new();
+                for i in 0..150 {
+                    let t = Instant::now();
+                    let r = http
+                        .post(&url)
+                        .json(&serde_json::json!({"model": "rr", "messages": [{"role": "user", "content": format!("hi {i}")}], "max_tokens": 1}))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status(), 200);
+                    let _ = r.bytes().await;
+                    lat.push(t.elapsed());
+                }
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                let seconds = (window.elapsed() + Duration::from_millis(300)).as_secs_f64();
+                let mut answered = 0;
+                for h in long_clients {
+                    answered += h.await.unwrap();
+                }
+                (lat, f64::from(answered) / seconds)
+            });
+            let mut lat = lat;
+            lat.sort();
+            let pct = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
+            println!(
+                "| {} | {} KiB | {:.1} ms | {:.1} ms | {:.1} ms | {answered:.0} |",
+                if routing_threads == 0 {
+                    "proxy threads"
+                } else {
+                    "routing pool (2)"
+                },
+                long_bytes >> 10,
+                pct(0.5),
+                pct(0.99),
+                pct(1.0),
+            );
+            fleet.stop();
+        }
+    }
 }

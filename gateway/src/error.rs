@@ -62,6 +62,12 @@ pub enum GatewayError {
         /// The profile crate's message.
         reason: String,
     },
+    /// The gateway's own bounded work queue is full; retry shortly.
+    #[error("the gateway is overloaded: {what}")]
+    Overloaded {
+        /// Which queue.
+        what: &'static str,
+    },
     /// No healthy worker is left for this request.
     #[error("no healthy worker available for service {service:?}")]
     NoHealthyWorker {
@@ -130,6 +136,7 @@ impl GatewayError {
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
             GatewayError::Prompt { .. } => "prompt_render_failed",
             GatewayError::NoHealthyWorker { .. } => "no_healthy_worker",
+            GatewayError::Overloaded { .. } => "gateway_overloaded",
             GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
             GatewayError::Upstream { .. } => "upstream_error",
             GatewayError::Unauthorized => "unauthorized",
@@ -153,7 +160,9 @@ impl GatewayError {
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
             GatewayError::Unauthorized => 401,
-            GatewayError::NoHealthyWorker { .. } | GatewayError::UpstreamUnavailable { .. } => 503,
+            GatewayError::NoHealthyWorker { .. }
+            | GatewayError::UpstreamUnavailable { .. }
+            | GatewayError::Overloaded { .. } => 503,
             GatewayError::Upstream { .. } => 502,
             GatewayError::Config { .. } | GatewayError::Internal { .. } => 500,
         }

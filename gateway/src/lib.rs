@@ -29,6 +29,7 @@ pub mod data_plane;
 pub mod error;
 pub mod forward;
 pub mod metrics;
+pub mod pool;
 pub mod profile;
 pub mod protocol;
 pub mod proxy;
@@ -84,6 +85,12 @@ pub struct GatewayConfig {
     pub sighup: bool,
     /// TTL of approximate holdings.
     pub approx_ttl: Duration,
+    /// Threads of the routing pool (KV-exact parse, render, tokenize, keys, lookup), off the
+    /// proxy threads. 0 routes on the proxy threads themselves (for comparison only: a large
+    /// prompt then stalls every request on that thread).
+    pub routing_threads: usize,
+    /// Requests that may wait for the routing pool; more get `503 gateway_overloaded`.
+    pub routing_queue: usize,
 }
 
 impl GatewayConfig {
@@ -102,6 +109,8 @@ impl GatewayConfig {
             watch_rules: true,
             sighup: false,
             approx_ttl: DEFAULT_APPROX_TTL,
+            routing_threads: 2,
+            routing_queue: 64,
         }
     }
 }
@@ -264,11 +273,18 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         ..ServerConf::default()
     };
     conf.upstream_keepalive_pool_size = 256;
+    let routing = match config.routing_threads {
+        0 => None,
+        n => Some(Arc::new(
+            pool::BlockingPool::new("kvgate-routing", n, config.routing_queue)
+                .map_err(|e| cfg_err(format!("routing pool: {e}")))?,
+        )),
+    };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
-        proxy::Proxy::new(data.clone()),
+        proxy::Proxy::new(data.clone(), routing),
         "kvgate-proxy",
     );
     proxy.add_tcp(&listen_addr.to_string());

@@ -117,31 +117,64 @@ impl LoadedProfile {
         }
     }
 
-    /// The prompt's token ids, by the prompt contract the worker uses too.
-    pub fn tokenize(&self, prompt: &PromptSource) -> Result<Vec<u32>, GatewayError> {
+    /// The prompt's token ids, by the prompt contract the worker uses too; with a budget, a
+    /// prompt that provably breaks it is refused before (or while) it is tokenized
+    /// (`PromptProfile::tokenize_within`).
+    pub fn tokenize(
+        &self,
+        prompt: &PromptSource,
+        budget: Option<(TokenBudget, Option<usize>)>,
+    ) -> Result<Vec<u32>, GatewayError> {
         use prompt_profile::ProfileError as P;
-        self.profile.prompt_ids(prompt).map_err(|e| match e {
+        let res = match budget {
+            Some((b, requested)) => self.profile.tokenize_within(prompt, b, requested),
+            None => self.profile.tokenize_prompt(prompt),
+        };
+        res.map(|t| t.ids).map_err(|e| match e {
             P::EmptyPrompt { .. } | P::PromptBatch { .. } | P::PromptTokenOutOfVocab { .. } => {
                 GatewayError::InvalidBody {
                     reason: format!("`{}`: {e}", prompt.param()),
                 }
             }
+            P::ContextLengthExceeded {
+                context_limit,
+                prompt_tokens,
+                max_tokens,
+                native_reserve,
+                ..
+            } => GatewayError::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens,
+                reserve_tokens: native_reserve,
+                context_limit,
+            },
             e => GatewayError::Prompt {
                 reason: e.to_string(),
             },
         })
     }
 
-    /// Tokenizes and computes the block keys in the namespace of `salt`.
+    /// Tokenizes (refusing what breaks `budget`, when given) and computes the block keys in the
+    /// namespace of `salt`.
+    pub fn keys_within(
+        &self,
+        prompt: &PromptSource,
+        salt: Option<&str>,
+        budget: Option<(TokenBudget, Option<usize>)>,
+    ) -> Result<Tokenized, GatewayError> {
+        let tokens = self.tokenize(prompt, budget)?;
+        let seed = self.seed(salt);
+        let keys = self.key_space.chain(seed).keys(&tokens);
+        Ok(Tokenized { tokens, keys, seed })
+    }
+
+    /// Tokenizes and computes the block keys in the namespace of `salt` (no budget).
     pub fn keys(
         &self,
         prompt: &PromptSource,
         salt: Option<&str>,
     ) -> Result<Tokenized, GatewayError> {
-        let tokens = self.tokenize(prompt)?;
-        let seed = self.seed(salt);
-        let keys = self.key_space.chain(seed).keys(&tokens);
-        Ok(Tokenized { tokens, keys, seed })
+        self.keys_within(prompt, salt, None)
     }
 }
 

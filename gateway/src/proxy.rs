@@ -27,6 +27,7 @@ use pingora::{Error, ErrorType, Result};
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
 use crate::metrics::{ModeLabels, ServiceLabels};
+use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
 use crate::route::{self, RouteInput};
@@ -38,12 +39,15 @@ pub const RETRY_BUFFER_LIMIT: usize = 64 * 1024;
 /// The proxy application.
 pub struct Proxy {
     data: Arc<DataPlane>,
+    /// Prefix routing (parse, render, tokenize, keys, lookup) runs here, off the proxy threads
+    /// (`None`: on the proxy thread itself — `routing_threads = 0`, for comparison only).
+    routing: Option<Arc<BlockingPool>>,
 }
 
 impl Proxy {
-    /// A proxy over the gateway's data plane.
-    pub fn new(data: Arc<DataPlane>) -> Proxy {
-        Proxy { data }
+    /// A proxy over the gateway's data plane, routing prefix services on `routing`.
+    pub fn new(data: Arc<DataPlane>, routing: Option<Arc<BlockingPool>>) -> Proxy {
+        Proxy { data, routing }
     }
 
     /// The data plane.
@@ -172,19 +176,33 @@ impl ProxyHttp for Proxy {
             let limit = usize::try_from(service.spec().max_body_bytes).unwrap_or(usize::MAX);
             return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
         }
-        let req = session.req_header();
-        let header = |name: &str| header_str(req, name);
+        let tenant =
+            RouteInput::tenant_header(&service).and_then(|h| header_str(session.req_header(), &h));
         ctx.service = Some(service.clone());
-        let decided = route::decide(
-            &view,
-            &self.data.index,
-            &RouteInput {
-                service: &service,
-                path: &path,
-                body: &body,
-                header: &header,
-            },
-        );
+        let input = RouteInput {
+            service: service.clone(),
+            path: path.clone(),
+            body: body.clone(),
+            tenant,
+        };
+        let decided = if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {
+            // CPU in proportion to the prompt: on the bounded routing pool.
+            let (view, data) = (view.clone(), self.data.clone());
+            match pool
+                .run(move || route::decide(&view, &data.index, &input))
+                .await
+            {
+                Ok(d) => d,
+                Err(PoolError::Full) => Err(GatewayError::Overloaded {
+                    what: "the routing pool's queue is full",
+                }),
+                Err(PoolError::Lost) => Err(GatewayError::Internal {
+                    reason: "the routing job did not complete".into(),
+                }),
+            }
+        } else {
+            route::decide(&view, &self.data.index, &input)
+        };
         let decision_time = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
         ctx.decision_done = Some(Instant::now());
         self.data

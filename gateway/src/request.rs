@@ -98,6 +98,9 @@ pub(crate) async fn respond_error(
     if let Some(c) = &ctx.client_request_id {
         resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
     }
+    if matches!(err, GatewayError::Overloaded { .. }) {
+        resp.insert_header("retry-after", "1")?;
+    }
     if let Some(v) = &ctx.view {
         resp.insert_header(VERSION_HEADER, v.version().to_string())?;
     }

@@ -73,16 +73,27 @@ impl Decision {
     }
 }
 
-/// The request facts routing needs besides the view.
-pub struct RouteInput<'a> {
+/// The request facts routing needs besides the view (owned: prefix routing runs on the
+/// gateway's routing pool, off the proxy threads).
+pub struct RouteInput {
     /// The matched service.
-    pub service: &'a Arc<ServiceRoute>,
+    pub service: Arc<ServiceRoute>,
     /// Request path.
-    pub path: &'a str,
+    pub path: String,
     /// The whole body.
-    pub body: &'a [u8],
-    /// Header lookup (lowercase names).
-    pub header: &'a dyn Fn(&str) -> Option<String>,
+    pub body: bytes::Bytes,
+    /// The value of the service's tenant header (salt policy `tenant_header`), if sent.
+    pub tenant: Option<String>,
+}
+
+impl RouteInput {
+    /// The tenant header a service's salt policy reads, lowercase (`None`: it reads none).
+    pub fn tenant_header(service: &ServiceRoute) -> Option<String> {
+        match service.prefix.as_ref().map(|p| &p.rule.salt) {
+            Some(SaltPolicy::TenantHeader { header, .. }) => Some(header.to_ascii_lowercase()),
+            _ => None,
+        }
+    }
 }
 
 /// What prefix routing found before the policy runs.
@@ -97,42 +108,41 @@ struct Looked {
 fn look_up(
     prefix: &PrefixRoute,
     index: &PrefixIndex,
-    input: &RouteInput<'_>,
+    input: &RouteInput,
 ) -> Result<Looked, GatewayError> {
-    let endpoint = Endpoint::from_path(input.path).ok_or_else(|| GatewayError::InvalidBody {
+    let endpoint = Endpoint::from_path(&input.path).ok_or_else(|| GatewayError::InvalidBody {
         reason: format!(
             "kv_exact routes only /v1/chat/completions and /v1/completions, not {}",
             input.path
         ),
     })?;
-    let body = InferenceBody::parse(endpoint, input.body)?;
-    let header_salt = match &prefix.rule.salt {
-        SaltPolicy::TenantHeader { header, .. } => (input.header)(&header.to_ascii_lowercase()),
-        _ => None,
-    };
+    let body = InferenceBody::parse(endpoint, &input.body)?;
     let salt = prefix
         .rule
         .salt
-        .effective_salt(header_salt.as_deref(), body.cache_salt.as_deref())
+        .effective_salt(input.tenant.as_deref(), body.cache_salt.as_deref())
         .map_err(|r| GatewayError::InvalidBody {
             reason: r.reason.to_owned(),
         })?;
-    let tok = prefix.profile.keys(&body.prompt, salt.as_deref())?;
-    if prefix.token_budget == TokenBudgetPolicy::Reject {
-        let requested = body
-            .max_tokens
-            .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
-        // The worker's own cap does not change the verdict (see `TokenBudget`).
+    // With the budget enforced, a prompt that provably cannot fit is refused before (or while)
+    // it is tokenized; the exact check follows (the worker's own cap does not change the
+    // verdict, see `TokenBudget`).
+    let requested = body
+        .max_tokens
+        .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+    let budget = (prefix.token_budget == TokenBudgetPolicy::Reject)
+        .then(|| (prefix.profile.budget(), requested));
+    let tok = prefix
+        .profile
+        .keys_within(&body.prompt, salt.as_deref(), budget)?;
+    if let Some((b, requested)) = budget {
         if let Err(prompt_profile::ProfileError::ContextLengthExceeded {
             context_limit,
             prompt_tokens,
             max_tokens,
             native_reserve,
             ..
-        }) = prefix
-            .profile
-            .budget()
-            .output_tokens(tok.tokens.len(), requested, usize::MAX)
+        }) = b.output_tokens(tok.tokens.len(), requested, usize::MAX)
         {
             return Err(GatewayError::ContextLengthExceeded {
                 prompt_tokens,
@@ -164,9 +174,9 @@ fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
 pub fn decide(
     view: &View,
     index: &PrefixIndex,
-    input: &RouteInput<'_>,
+    input: &RouteInput,
 ) -> Result<Decision, GatewayError> {
-    let service = input.service;
+    let service = &input.service;
     let looked = match &service.prefix {
         Some(p) => Some((p, look_up(p, index, input)?)),
         None => None,

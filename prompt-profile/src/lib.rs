@@ -413,6 +413,16 @@ impl PromptProfile {
         self.encode_uncached(text, parse_special)
     }
 
+    /// [`Self::encode`] with special tokens parsed, stopping early (between the text's pieces
+    /// between added tokens) once more than `max` ids were produced: the result is then longer
+    /// than `max` and a prefix of the full encoding; otherwise it is the full encoding.
+    pub fn encode_until(&self, text: &str, max: usize) -> Result<Vec<u32>> {
+        if let Some(seg) = &self.inner.tokenizer.segments {
+            return seg.encode_until(&self.inner.tokenizer.parse_special, text, max);
+        }
+        self.encode_uncached(text, true)
+    }
+
     /// [`Self::encode`] straight through the `tokenizers` pipeline, without the piece cache.
     pub fn encode_uncached(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         let tok = if parse_special {

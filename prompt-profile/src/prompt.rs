@@ -124,20 +124,65 @@ impl PromptProfile {
     /// ([`ProfileError::is_client_error`]) except tokenizer or template failures that come from
     /// the model files.
     pub fn tokenize_prompt(&self, source: &PromptSource) -> Result<PromptTokens> {
+        let unbounded = TokenBudget {
+            context_limit: usize::MAX,
+            native_reserve: 0,
+        };
+        self.tokenize_within(source, unbounded, None)
+    }
+
+    /// [`Self::tokenize_prompt`]'s ids.
+    pub fn prompt_ids(&self, source: &PromptSource) -> Result<Vec<u32>> {
+        Ok(self.tokenize_prompt(source)?.ids)
+    }
+
+    /// A lower bound on the token count of `bytes` bytes of text, known without tokenizing:
+    /// `⌈bytes / max token bytes⌉` when the tokenizer allows that bound (byte-level BPE: every
+    /// token covers at most that many input bytes), else 0. O(1).
+    pub fn tokens_floor(&self, bytes: usize) -> usize {
+        self.inner
+            .tokenizer
+            .max_token_bytes
+            .map_or(0, |l| bytes.div_ceil(l))
+    }
+
+    /// [`Self::tokenize_prompt`], refusing first — before tokenizing — a prompt whose token
+    /// count provably breaks `budget`: the ids' count, or [`Self::tokens_floor`] of the
+    /// completion text or of the *rendered* chat (rendering is O(text); the bound is taken on
+    /// what the template actually produced, since templates may drop parts of messages). The
+    /// refusal is the same `ContextLengthExceeded`, its `prompt_tokens` a lower bound. This
+    /// bounds what a huge body costs to O(its bytes) without the tokenizer's per-token memory:
+    /// what gateway and worker both do.
+    pub fn tokenize_within(
+        &self,
+        source: &PromptSource,
+        budget: TokenBudget,
+        requested: Option<usize>,
+    ) -> Result<PromptTokens> {
+        let check = |at_least: usize| -> Result<()> {
+            if at_least > budget.max_prompt_tokens(requested) {
+                budget.output_tokens(at_least, requested, usize::MAX)?;
+            }
+            Ok(())
+        };
         match source {
             PromptSource::Chat(chat) => {
                 if chat.messages.is_empty() {
                     return Err(ProfileError::EmptyPrompt { param: "messages" });
                 }
                 let text = self.render(&chat.messages, chat.add_generation_prompt)?;
-                let ids = self.encode(&text, true)?;
+                check(self.tokens_floor(text.len()))?;
+                let ids = self.encode_until(&text, budget.max_prompt_tokens(requested))?;
+                check(ids.len())?;
                 Ok(PromptTokens {
                     rendered: Some(text),
                     ids,
                 })
             }
             PromptSource::Text(t) => {
-                let mut ids = self.encode(t, true)?;
+                check(self.tokens_floor(t.len()))?;
+                let mut ids = self.encode_until(t, budget.max_prompt_tokens(requested))?;
+                check(ids.len())?;
                 if let (true, Some(bos)) = (self.add_bos_token(), self.bos_token_id()) {
                     ids.insert(0, bos);
                 }
@@ -147,6 +192,7 @@ impl PromptProfile {
                 })
             }
             PromptSource::Tokens(t) => {
+                check(t.len())?;
                 let vocab_size = self.vocab_size();
                 if let Some((index, &id)) = t
                     .iter()
@@ -165,11 +211,6 @@ impl PromptProfile {
                 })
             }
         }
-    }
-
-    /// [`Self::tokenize_prompt`]'s ids.
-    pub fn prompt_ids(&self, source: &PromptSource) -> Result<Vec<u32>> {
-        Ok(self.tokenize_prompt(source)?.ids)
     }
 }
 

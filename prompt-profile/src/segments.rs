@@ -71,6 +71,12 @@ impl SegmentEncoder {
 
     /// Encode `text` with special tokens parsed, using and filling the cache.
     pub(crate) fn encode(&self, tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+        self.encode_until(tok, text, usize::MAX)
+    }
+
+    /// [`Self::encode`], stopping after the first piece that takes the count past `max` (the
+    /// ids are then a prefix of the full encoding, longer than `max`).
+    pub(crate) fn encode_until(&self, tok: &Tokenizer, text: &str, max: usize) -> Result<Vec<u32>> {
         let bytes = text.as_bytes();
         let mut ids = Vec::with_capacity(text.len() / 3);
         let mut start = 0;
@@ -84,6 +90,9 @@ impl SegmentEncoder {
                     // `i` starts a UTF-8 string, hence is a char boundary.
                     self.encode_piece(tok, text.get(start..i).unwrap_or(""), &mut ids)?;
                     ids.push(*id);
+                    if ids.len() > max {
+                        return Ok(ids);
+                    }
                     i += t.len();
                     start = i;
                 }

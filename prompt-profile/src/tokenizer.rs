@@ -49,6 +49,46 @@ pub(crate) struct BuiltTokenizer {
     pub sha256: String,
     /// Cached segment-wise encoding with special tokens parsed (`None`: not applicable).
     pub segments: Option<Arc<SegmentEncoder>>,
+    /// The most input bytes one token can stand for, when that is known exactly: for a
+    /// byte-level BPE without a normalizer, each token covers as many input bytes as its string
+    /// has characters (an added token: its content's bytes). `None` otherwise. A text of `n`
+    /// bytes then has at least `⌈n / max_token_bytes⌉` tokens.
+    pub max_token_bytes: Option<usize>,
+}
+
+/// See [`BuiltTokenizer::max_token_bytes`].
+fn max_token_bytes(tok: &Tokenizer) -> Option<usize> {
+    if tok.get_normalizer().is_some() {
+        return None;
+    }
+    let byte_level = |v: &serde_json::Value| -> bool {
+        fn find(v: &serde_json::Value) -> bool {
+            match v {
+                serde_json::Value::Object(o) => {
+                    o.get("type").and_then(|t| t.as_str()) == Some("ByteLevel")
+                        || o.values().any(find)
+                }
+                serde_json::Value::Array(a) => a.iter().any(find),
+                _ => false,
+            }
+        }
+        find(v)
+    };
+    let pre = serde_json::to_value(tok.get_pre_tokenizer()?).ok()?;
+    let dec = serde_json::to_value(tok.get_decoder()?).ok()?;
+    if !byte_level(&pre) || !byte_level(&dec) {
+        return None;
+    }
+    let added: std::collections::HashMap<u32, usize> = tok
+        .get_added_tokens_decoder()
+        .into_iter()
+        .map(|(id, t)| (id, t.content.len()))
+        .collect();
+    tok.get_vocab(true)
+        .iter()
+        .map(|(s, id)| added.get(id).copied().unwrap_or_else(|| s.chars().count()))
+        .max()
+        .filter(|&n| n > 0)
 }
 
 impl BuiltTokenizer {
@@ -67,8 +107,10 @@ impl BuiltTokenizer {
         let mut plain = tok.clone();
         plain.set_encode_special_tokens(true);
         let segments = SegmentEncoder::new(&tok, DEFAULT_CACHE_BYTES).map(Arc::new);
+        let max_token_bytes = max_token_bytes(&tok);
         Ok(BuiltTokenizer {
             segments,
+            max_token_bytes,
             parse_special: tok,
             plain,
             special,

@@ -289,3 +289,63 @@ fn identity_of_default_model() {
         "unknown_token_id"
     );
 }
+
+#[test]
+fn huge_prompts_are_refused_before_they_are_tokenized() {
+    use prompt_profile::{ChatPrompt, ProfileError, PromptSource, TokenBudget};
+    let p = profile();
+    let budget = TokenBudget {
+        context_limit: p.context_limit() as usize,
+        native_reserve: 0,
+    };
+    // The floor is a true lower bound: for real text it never exceeds the exact count.
+    let sample = "The quick brown fox jumps over the lazy dog. 12345 — ünïcödé\n".repeat(50);
+    let exact = p.encode(&sample, true).unwrap().len();
+    let floor = p.tokens_floor(sample.len());
+    assert!(floor > 0 && floor <= exact, "floor {floor}, exact {exact}");
+    // A 4 MiB message: refused with a lower bound, without running the tokenizer over it.
+    let huge = "word ".repeat(4 << 20 >> 2);
+    let chat = PromptSource::Chat(ChatPrompt::new(vec![ChatMessage::new(
+        "user",
+        huge.clone(),
+    )]));
+    match p.tokenize_within(&chat, budget, Some(16)).unwrap_err() {
+        ProfileError::ContextLengthExceeded {
+            prompt_tokens,
+            context_limit,
+            ..
+        } => {
+            assert!(prompt_tokens > context_limit, "{prompt_tokens}");
+            assert!(prompt_tokens <= huge.len(), "{prompt_tokens}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Between the floor and the limit, tokenizing stops once the count passes the limit: a
+    // conversation of many turns is cut off after the turn that crossed it.
+    let turn = "Tell me more about the history of the printing press, please. ".repeat(4);
+    let msgs: Vec<ChatMessage> = (0..400)
+        .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, turn.clone()))
+        .collect();
+    let text = p.render(&msgs, true).unwrap();
+    let full = p.encode(&text, true).unwrap();
+    let limit = budget.max_prompt_tokens(Some(16));
+    assert!(full.len() > limit && p.tokens_floor(text.len()) <= limit);
+    let cut = p.encode_until(&text, limit).unwrap();
+    assert!(
+        cut.len() > limit && cut.len() < full.len(),
+        "{} of {}",
+        cut.len(),
+        full.len()
+    );
+    assert_eq!(cut[..], full[..cut.len()]);
+    let e = p
+        .tokenize_within(&PromptSource::Chat(ChatPrompt::new(msgs)), budget, Some(16))
+        .unwrap_err();
+    assert_eq!(e.error_type(), "context_length_exceeded");
+    // Inside the budget the result is the full, exact encoding.
+    let small = PromptSource::Text(sample.clone());
+    assert_eq!(
+        p.tokenize_within(&small, budget, Some(16)).unwrap().ids,
+        p.prompt_ids(&small).unwrap()
+    );
+}

@@ -33,6 +33,13 @@ pub struct Args {
     /// Gateway id written into route tickets.
     #[arg(long, default_value = "gateway")]
     pub gateway_id: String,
+    /// Threads of the routing pool: KV-exact parsing, rendering and tokenizing run there, never
+    /// on the proxy threads.
+    #[arg(long, default_value_t = 2)]
+    pub routing_threads: usize,
+    /// Requests that may wait for the routing pool; more get 503 `gateway_overloaded`.
+    #[arg(long, default_value_t = 64)]
+    pub routing_queue: usize,
     /// Proxy worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
@@ -58,6 +65,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.decision_log = args.decision_log;
     config.gateway_id = args.gateway_id;
     config.threads = args.threads;
+    config.routing_threads = args.routing_threads;
+    config.routing_queue = args.routing_queue;
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     let mut running = gateway::spawn(config)?;

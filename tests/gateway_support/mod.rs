@@ -207,6 +207,16 @@ native_reserve_tokens = 0
 
     /// Writes the rules and starts a gateway over them.
     pub fn start_gateway(&mut self, services: &str, decision_log: bool) {
+        self.start_gateway_with(services, decision_log, |_| {});
+    }
+
+    /// [`Self::start_gateway`] with the configuration adjusted by `tweak`.
+    pub fn start_gateway_with(
+        &mut self,
+        services: &str,
+        decision_log: bool,
+        tweak: impl FnOnce(&mut GatewayConfig),
+    ) {
         self.rules_path = self.dir.path().join("rules.toml");
         std::fs::write(&self.rules_path, self.rules_toml(services)).unwrap();
         let mut cfg = GatewayConfig::new(&self.rules_path, self.gateway_key.clone());
@@ -214,6 +224,7 @@ native_reserve_tokens = 0
         if decision_log {
             cfg.decision_log = Some(self.dir.path().join("decisions.jsonl"));
         }
+        tweak(&mut cfg);
         self.gateway = Some(gateway::spawn(cfg).unwrap());
     }
 

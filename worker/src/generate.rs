@@ -216,12 +216,19 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     }
 }
 
-/// Tokenizes the plan's prompt by the prompt contract (on the blocking pool).
-async fn tokenize(st: &Arc<AppState>, prompt: PromptSource) -> Result<Vec<u32>, ApiError> {
+/// Tokenizes the plan's prompt by the prompt contract (on the blocking pool), refusing a prompt
+/// that provably breaks `budget` before (or while) it is tokenized.
+async fn tokenize(
+    st: &Arc<AppState>,
+    prompt: PromptSource,
+    budget: TokenBudget,
+    requested: Option<usize>,
+) -> Result<Vec<u32>, ApiError> {
     let profile = st.profile.clone();
     let job = move || {
         profile
-            .prompt_ids(&prompt)
+            .tokenize_within(&prompt, budget, requested)
+            .map(|t| t.ids)
             .map_err(|e| validate::prompt_error(&e, prompt.param()))
     };
     tokio::task::spawn_blocking(job).await.unwrap_or_else(|e| {
@@ -311,15 +318,15 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     }
     let source = std::mem::replace(&mut plan.prompt, PromptSource::Tokens(Vec::new()));
     let param = source.param();
-    let prompt = match tokenize(&st, source).await {
-        Ok(p) => p,
-        Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
-    };
-    let prompt_tokens = prompt.len();
     let budget = TokenBudget {
         context_limit: st.context_limit,
         native_reserve: st.settings.native_reserve,
     };
+    let prompt = match tokenize(&st, source, budget, plan.max_tokens).await {
+        Ok(p) => p,
+        Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
+    };
+    let prompt_tokens = prompt.len();
     let max_tokens = match budget.output_tokens(
         prompt_tokens,
         plan.max_tokens,

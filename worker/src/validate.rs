@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 
-use serde::de::DeserializeOwned;
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::api_error::ApiError;
@@ -77,8 +77,12 @@ fn parse_object(body: &[u8], known: &[&str]) -> Result<Value, ApiError> {
     Ok(value)
 }
 
-/// Deserializes with the path of the first failing field.
-fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+/// Deserializes with the path of the first failing field (from an owned `Value`, whose
+/// strings move into `T`, or from `&Value`, which copies only what `T` keeps).
+fn typed<'de, T: Deserialize<'de>, D>(value: D) -> Result<T, ApiError>
+where
+    D: serde::Deserializer<'de, Error = serde_json::Error>,
+{
     serde_path_to_error::deserialize::<_, T>(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
@@ -279,7 +283,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let value = parse_object(body, CHAT_FIELDS)?;
     // The common parameters first, on their own: serde loses the field path inside
     // `#[serde(flatten)]`, so this pass names a mistyped common field exactly.
-    let _: CommonParams = typed(value.clone())?;
+    let _: CommonParams = typed(&value)?;
     let r: ChatCompletionRequest = typed(value)?;
     reject_unless_neutral(
         "logprobs",
@@ -391,7 +395,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
 /// Validates a `/v1/completions` body.
 pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let value = parse_object(body, COMPLETION_FIELDS)?;
-    let _: CommonParams = typed(value.clone())?;
+    let _: CommonParams = typed(&value)?;
     let r: CompletionRequest = typed(value)?;
     match &r.logprobs {
         None | Some(Value::Null) => {}
