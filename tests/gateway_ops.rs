@@ -4,6 +4,9 @@
 //! gateway's own forwarding path, `Expect: 100-continue`, and the decision log audited against
 //! the workers' receipts.
 
+#[path = "python_support/mod.rs"]
+mod python_support;
+
 #[path = "gateway_support/mod.rs"]
 mod support;
 
@@ -328,7 +331,7 @@ fn openai_python_client_through_the_gateway() {
     });
     fleet.start_gateway(KV_SERVICE, false);
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway_openai.py");
-    let out = std::process::Command::new("python3")
+    let out = std::process::Command::new(python_support::python())
         .arg(&script)
         .arg(format!("http://{}/v1", fleet.gw().listen_addr))
         .output()

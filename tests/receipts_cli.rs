@@ -1,5 +1,8 @@
 //! CLI tests for `kvgate keygen` and `kvgate receipts verify|audit`, run against the built binary.
 
+#[path = "python_support/mod.rs"]
+mod python_support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -189,7 +192,7 @@ fn keygen_keys_are_read_by_openssl_and_python_cryptography() {
         key = s(&key),
         public = s(&public),
     );
-    let o = std::process::Command::new("python3")
+    let o = std::process::Command::new(python_support::python())
         .args(["-c", &script])
         .output()
         .expect("python3 runs");

@@ -3,6 +3,9 @@
 //! unsupported parameter). Needs the model file and `python3 -m pip install openai`; fails with
 //! a clear message when either is missing.
 
+#[path = "python_support/mod.rs"]
+mod python_support;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -24,7 +27,7 @@ fn model_path() -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_openai_python_client_talks_to_a_real_worker() {
-    let check = std::process::Command::new("python3")
+    let check = std::process::Command::new(python_support::python())
         .args(["-c", "import openai"])
         .output()
         .expect("python3 must be installed");
@@ -50,7 +53,7 @@ async fn official_openai_python_client_talks_to_a_real_worker() {
     let base = format!("http://{}/v1", w.addr());
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("python3")
+        std::process::Command::new(python_support::python())
             .arg(script)
             .arg(base)
             .output()

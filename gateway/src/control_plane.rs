@@ -189,6 +189,21 @@ impl ControlPlane {
         }
     }
 
+    /// The directory of the rules file: relative profile paths are resolved against it.
+    pub fn rules_dir(&self) -> Option<std::path::PathBuf> {
+        self.store
+            .path()
+            .and_then(|p| p.parent())
+            .map(|d| {
+                if d.as_os_str().is_empty() {
+                    std::path::Path::new(".")
+                } else {
+                    d
+                }
+            })
+            .map(std::path::Path::to_path_buf)
+    }
+
     /// Stops the background tasks; returns their handles to await.
     pub fn stop_supervisor(&self) -> Vec<tokio::task::JoinHandle<()>> {
         self.supervisor
@@ -240,7 +255,10 @@ impl ControlPlane {
         snap: &RuleSnapshot,
         fetched: &FetchedProfiles,
     ) -> Result<(), Vec<Problem>> {
-        if let Err(e) = self.profiles.load_for(snap.rules()) {
+        if let Err(e) = self
+            .profiles
+            .load_for(snap.rules(), self.rules_dir().as_deref())
+        {
             return Err(vec![Problem::new("profiles", e.to_string())]);
         }
         let problems = contract_problems(snap.rules(), fetched);
@@ -285,7 +303,9 @@ impl ControlPlane {
     /// Builds a view from the store's current snapshot and installs it; syncs background tasks.
     pub fn install_current(&self, fetched: &FetchedProfiles) -> Result<(), GatewayError> {
         let snap = self.store.snapshot();
-        let profiles = self.profiles.load_for(snap.rules())?;
+        let profiles = self
+            .profiles
+            .load_for(snap.rules(), self.rules_dir().as_deref())?;
         let previous = self.data.views.load();
         let view = View::compile(snap.clone(), &profiles, Some(&previous), &self.carry)?;
         self.record_contracts(snap.rules(), fetched);

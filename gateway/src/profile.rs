@@ -49,12 +49,21 @@ pub struct Tokenized {
 }
 
 impl LoadedProfile {
-    /// Loads the profile's tokenizer and template and checks the pinned hashes.
-    pub fn load(spec: &ProfileSpec) -> Result<LoadedProfile, GatewayError> {
+    /// Loads the profile's tokenizer and template and checks the pinned hashes. The source's
+    /// paths expand environment variables and are relative to `base` (the rules file's
+    /// directory).
+    pub fn load(
+        spec: &ProfileSpec,
+        base: Option<&std::path::Path>,
+    ) -> Result<LoadedProfile, GatewayError> {
         let cfg = |reason: String| GatewayError::Config {
             reason: format!("profile {}: {reason}", spec.id),
         };
-        let profile = match &spec.source {
+        let source = spec
+            .source
+            .resolve(base, |name| std::env::var(name).ok())
+            .map_err(cfg)?;
+        let profile = match &source {
             ProfileSource::Gguf { path } => PromptProfile::from_gguf(path),
             ProfileSource::TokenizerJson {
                 tokenizer_json,
@@ -195,6 +204,7 @@ impl ProfileCache {
     pub fn load_for(
         &self,
         rules: &routing_rules::schema::RulesFile,
+        base: Option<&std::path::Path>,
     ) -> Result<BTreeMap<String, Arc<LoadedProfile>>, GatewayError> {
         let mut used = BTreeMap::new();
         for s in &rules.services {
@@ -213,7 +223,7 @@ impl ProfileCache {
             let key = cache_key(&spec);
             let loaded = match cache.get(&key) {
                 Some(p) => p.clone(),
-                None => Arc::new(LoadedProfile::load(&spec)?),
+                None => Arc::new(LoadedProfile::load(&spec, base)?),
             };
             keep.insert(key, loaded.clone());
             out.insert(id, loaded);

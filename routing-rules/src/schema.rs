@@ -192,7 +192,9 @@ pub struct ProfileSpec {
 /// Where a profile's tokenizer and template come from. In TOML either
 /// `source = { gguf = "models/x.gguf" }` or
 /// `source = { tokenizer_json = "tokenizer.json", tokenizer_config = "tokenizer_config.json" }`.
-/// Relative paths are relative to the gateway's working directory.
+/// Paths may name environment variables, `${NAME}` or `${NAME:-default}` (e.g.
+/// `"${KVGATE_MODEL_DIR:-../models}/SmolLM2-135M-Instruct.Q4_1.gguf"`); after expansion a relative
+/// path is relative to the directory of the rules file ([`ProfileSource::resolve`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "RawProfileSource", into = "RawProfileSource")]
 pub enum ProfileSource {
@@ -208,6 +210,73 @@ pub enum ProfileSource {
         /// Path of `tokenizer_config.json`.
         tokenizer_config: PathBuf,
     },
+}
+
+/// Expands `${NAME}` and `${NAME:-default}` in `s` with `env`; an unset `NAME` without a default
+/// is an error naming it. `$` not followed by `{` is kept.
+pub fn expand_env(s: &str, env: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 2..];
+        let Some(end) = after.find('}') else {
+            return Err(format!("unclosed `${{` in {s:?}"));
+        };
+        let inner = &after[..end];
+        let (name, default) = match inner.split_once(":-") {
+            Some((n, d)) => (n, Some(d)),
+            None => (inner, None),
+        };
+        let valid =
+            !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            return Err(format!("`${{{inner}}}` in {s:?} is not a variable name"));
+        }
+        match (env(name).filter(|v| !v.is_empty()), default) {
+            (Some(v), _) => out.push_str(&v),
+            (None, Some(d)) => out.push_str(d),
+            (None, None) => {
+                return Err(format!(
+                    "environment variable {name} is not set (in {s:?}; `${{{name}:-default}}` gives a default)"
+                ))
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+impl ProfileSource {
+    /// The source with environment variables expanded (`env`) and relative paths joined to
+    /// `base` (the rules file's directory, when there is one).
+    pub fn resolve(
+        &self,
+        base: Option<&std::path::Path>,
+        env: impl Fn(&str) -> Option<String> + Copy,
+    ) -> Result<ProfileSource, String> {
+        let one = |p: &PathBuf| -> Result<PathBuf, String> {
+            let text = p
+                .to_str()
+                .ok_or_else(|| format!("path {} is not UTF-8", p.display()))?;
+            let expanded = PathBuf::from(expand_env(text, env)?);
+            Ok(match base {
+                Some(b) if expanded.is_relative() => b.join(expanded),
+                _ => expanded,
+            })
+        };
+        Ok(match self {
+            ProfileSource::Gguf { path } => ProfileSource::Gguf { path: one(path)? },
+            ProfileSource::TokenizerJson {
+                tokenizer_json,
+                tokenizer_config,
+            } => ProfileSource::TokenizerJson {
+                tokenizer_json: one(tokenizer_json)?,
+                tokenizer_config: one(tokenizer_config)?,
+            },
+        })
+    }
 }
 
 /// The on-disk shape of [`ProfileSource`]; converted with a clear error when the combination
@@ -574,5 +643,46 @@ impl RulesFile {
     pub fn remove_service(&mut self, name: &str) -> Option<ServiceSpec> {
         let pos = self.services.iter().position(|s| s.name.0 == name)?;
         Some(self.services.remove(pos))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expands_variables_with_defaults_and_joins_relative_paths() {
+        let env = |n: &str| (n == "DIR").then(|| "/data/models".to_string());
+        assert_eq!(
+            expand_env("${DIR}/m.gguf", env).unwrap(),
+            "/data/models/m.gguf"
+        );
+        assert_eq!(
+            expand_env("${NOPE:-../models}/m.gguf", env).unwrap(),
+            "../models/m.gguf"
+        );
+        assert_eq!(expand_env("$HOME/x", env).unwrap(), "$HOME/x");
+        assert!(expand_env("${NOPE}/m", env).unwrap_err().contains("NOPE"));
+        assert!(expand_env("${bad name}", env).is_err());
+        assert!(expand_env("${DIR", env).is_err());
+        let src = ProfileSource::Gguf {
+            path: "${NOPE:-../models}/m.gguf".into(),
+        };
+        let r = src
+            .resolve(Some(std::path::Path::new("/etc/kvgate")), env)
+            .unwrap();
+        assert_eq!(
+            r,
+            ProfileSource::Gguf {
+                path: "/etc/kvgate/../models/m.gguf".into()
+            }
+        );
+        let r = src.resolve(None, |_| Some("/abs".into())).unwrap();
+        assert_eq!(
+            r,
+            ProfileSource::Gguf {
+                path: "/abs/m.gguf".into()
+            }
+        );
     }
 }
