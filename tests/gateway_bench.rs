@@ -105,6 +105,7 @@ fn route_decision_vs_tokenization() {
                     service: service.clone(),
                     path: "/v1/chat/completions".into(),
                     body: bytes.clone().into(),
+                    tenant_header: None,
                     tenant: None,
                 },
             )

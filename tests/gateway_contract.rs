@@ -136,8 +136,9 @@ fn a_snapshot_rebuilds_the_workers_cache_in_the_gateways_index() {
 }
 
 /// A fake worker speaking just enough HTTP/1.1 for the gateway's background tasks: `/ready` is
-/// 200, `/v1/profile` 404, and the n-th `GET /v1/kv/events` gets `streams[n]` (SSE lines), then
-/// the connection closes. Returns its address and the request lines it saw.
+/// 200, `/v1/profile` 404, the n-th `GET /v1/kv/events` gets `streams[n]` (SSE lines), and
+/// `POST /v1/chat/completions` a worker's 429 (`Retry-After: 7`, its own error body); then the
+/// connection closes. Returns its address and the request heads it saw.
 fn fake_worker(
     rt: &tokio::runtime::Runtime,
     streams: Vec<String>,
@@ -175,12 +176,18 @@ fn fake_worker(
                 }
                 let head = String::from_utf8_lossy(&got).into_owned();
                 let line = head.lines().next().unwrap_or_default().to_owned();
-                log.lock().push(line.clone());
+                log.lock().push(head.split("\r\n\r\n").next().unwrap_or_default().to_owned());
                 let reply = if line.starts_with("GET /ready") {
                     "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok".to_owned()
                 } else if line.starts_with("GET /v1/kv/events") {
                     let body = streams.lock().pop_front().unwrap_or_default();
                     format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{body}")
+                } else if line.starts_with("POST /v1/chat/completions") {
+                    let body = WORKER_429_BODY;
+                    format!(
+                        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 7\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
                 } else {
                     "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
                 };
@@ -190,6 +197,78 @@ fn fake_worker(
         }
     });
     (addr, seen)
+}
+
+const WORKER_429_BODY: &str =
+    r#"{"error":{"message":"queue full","type":"server_error","param":null,"code":"queue_full"}}"#;
+
+#[test]
+fn worker_429s_pass_through_and_tenant_keys_stay_at_the_gateway() {
+    use sha2::Digest;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (addr, seen) = fake_worker(&rt, vec![]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    let key_hash = hex::encode(sha2::Sha256::digest(b"acme-secret"));
+    std::fs::write(
+        &rules,
+        format!(
+            "[gateway]\nhealth_interval_ms = 50\n[[workers]]\nid = \"f\"\nurl = \"http://{addr}\"\n\
+             [[pools]]\nid = \"p\"\nworkers = [\"f\"]\n\
+             [[tenants]]\nid = \"acme\"\napi_keys_sha256 = [\"{key_hash}\"]\n\
+             [[services]]\nname = \"chat\"\npool = \"p\"\nauth = \"api_key\"\nrule = {{ type = \"round_robin\" }}\n"
+        ),
+    )
+    .unwrap();
+    let mut gw = gateway::spawn(gateway::GatewayConfig::new(
+        &rules,
+        receipts::KeyPair::generate(),
+    ))
+    .unwrap();
+    let url = format!("http://{}/v1/chat/completions", gw.listen_addr);
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let http = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (status, retry_after, text) = loop {
+        let r = rt.block_on(
+            http.post(&url)
+                .header("authorization", "Bearer acme-secret")
+                .header("content-type", "application/json")
+                .body(body)
+                .send(),
+        );
+        let r = r.unwrap();
+        let status = r.status().as_u16();
+        // Until the health check marks the fake worker up the gateway answers 503.
+        if status != 503 || std::time::Instant::now() > deadline {
+            let retry = r
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            break (status, retry, rt.block_on(r.text()).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // The worker's 429 reaches the client unchanged: status, Retry-After, its own error body.
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(retry_after.as_deref(), Some("7"));
+    assert_eq!(text, WORKER_429_BODY);
+    // The tenant's key was checked at the gateway and not sent on.
+    let heads = seen.lock().clone();
+    let post = heads
+        .iter()
+        .find(|h| h.starts_with("POST /v1/chat/completions"))
+        .expect("the request reached the worker");
+    assert!(
+        !post.to_ascii_lowercase().contains("authorization"),
+        "{post}"
+    );
+    assert!(!post.contains("acme-secret"), "{post}");
+    gw.shutdown();
 }
 
 fn sse(epoch: u64, seq: u64, event: &str) -> String {

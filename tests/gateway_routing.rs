@@ -318,3 +318,171 @@ fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
     assert!(m.contains("reason=\"budget\""), "{m}");
     fleet.stop();
 }
+
+// ---- tenants: API keys, tenant salts, rate limits ----
+
+fn sha256_hex(s: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(s.as_bytes()))
+}
+
+/// Two KV-exact services behind API keys: `chat` (salted by tenant) and `limited` (a tenant
+/// with a 2-request burst and a 60-token bucket).
+fn tenant_services() -> String {
+    format!(
+        r#"
+[[tenants]]
+id = "acme"
+api_keys_sha256 = ["{}", "{}"]
+
+[[tenants]]
+id = "beta"
+api_keys_sha256 = ["{}"]
+
+[[tenants]]
+id = "slow"
+api_keys_sha256 = ["{}"]
+requests_per_second = 0.5
+request_burst = 2
+tokens_per_second = 1.0
+token_burst = 400
+
+[[services]]
+name = "chat"
+pool = "all"
+auth = "api_key"
+rule = {{ type = "kv_exact", profile = "smol", salt = {{ mode = "tenant" }} }}
+"#,
+        sha256_hex("acme-key-1"),
+        sha256_hex("acme-key-2"),
+        sha256_hex("beta-key"),
+        sha256_hex("slow-key"),
+    )
+}
+
+#[test]
+fn api_keys_authenticate_tenants_and_tenants_never_share_a_cache() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(&tenant_services(), true);
+    let system = format!("Tenant system prompt. {}", "Be precise. ".repeat(20));
+    let body = chat(&[("system", &system), ("user", "hi")], 2);
+    let path = "/v1/chat/completions";
+
+    // No key, a key no tenant has, a non-Bearer scheme: 401 invalid_api_key, never routed.
+    for headers in [
+        vec![],
+        vec![("authorization", "Bearer wrong-key")],
+        vec![("authorization", "Basic YWNtZS1rZXktMQ==")],
+        vec![("authorization", "Bearer ")],
+    ] {
+        let r = fleet.post(path, &body, &headers);
+        assert_eq!(r.status, 401, "{headers:?}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+        assert_eq!(r.json()["error"]["type"], "authentication_error");
+        assert_eq!(r.header("www-authenticate").as_deref(), Some("Bearer"));
+        assert!(!r.text().contains("wrong-key"), "the key is echoed");
+        assert!(r.header("x-kvgate-worker").is_none());
+    }
+
+    // acme: served, then a hit on the same worker with its cache reused — under either key.
+    let a1 = fleet.post(path, &body, &[("authorization", "Bearer acme-key-1")]);
+    assert_eq!(a1.status, 200, "{}", a1.text());
+    wait_body_indexed(&fleet, &body, Some("tenant:acme"));
+    let a2 = fleet.post(path, &body, &[("authorization", "bearer acme-key-2")]);
+    assert_eq!(a2.status, 200, "{}", a2.text());
+    assert_eq!(a2.worker(), a1.worker());
+    assert_eq!(a2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    assert!(a2.cached_tokens() > 0);
+    // beta, same prompt: no match, and wherever it lands the worker reuses nothing of acme's.
+    let b = fleet.post(path, &body, &[("authorization", "Bearer beta-key")]);
+    assert_eq!(b.status, 200, "{}", b.text());
+    assert_eq!(
+        b.header("x-kvgate-route-reason").as_deref(),
+        Some("no_match")
+    );
+    assert_eq!(b.cached_tokens(), 0, "beta reused acme's cache");
+    // The receipts carry different namespaces: the salt reached the workers through the ticket.
+    let seed = |r: &support::Reply| {
+        let i: usize = r.worker()[1..].parse::<usize>().unwrap() - 1;
+        let id = r.header("x-request-id").unwrap();
+        let receipt = fleet.receipt(i, &id).expect("receipt");
+        receipt
+            .body
+            .ticket
+            .as_ref()
+            .unwrap()
+            .ticket_unverified()
+            .namespace_seed
+    };
+    assert_eq!(seed(&a1), seed(&a2));
+    assert_ne!(seed(&a1), seed(&b));
+    // A client never picks its salt here: a body cache_salt is refused.
+    let mut salted = body.clone();
+    salted["cache_salt"] = serde_json::json!("tenant:beta");
+    let r = fleet.post(path, &salted, &[("authorization", "Bearer acme-key-1")]);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "invalid_request_body");
+
+    // The decision log names the tenant of routed and refused requests alike.
+    let log = std::fs::read_to_string(fleet.dir.path().join("decisions.jsonl")).unwrap_or_default();
+    let tenants: Vec<Option<String>> = log
+        .lines()
+        .map(|l| {
+            receipts::DecisionRecord::from_line(l.as_bytes())
+                .unwrap()
+                .tenant
+        })
+        .collect();
+    assert!(tenants.contains(&Some("acme".into())), "{log}");
+    assert!(tenants.contains(&Some("beta".into())), "{log}");
+    // Metrics count the refused keys.
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains("kvgate_gateway_invalid_api_keys_total 4"),
+        "{metrics}"
+    );
+    fleet.stop();
+}
+
+#[test]
+fn tenant_rate_limits_answer_429_with_retry_after() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(&tenant_services(), false);
+    let path = "/v1/chat/completions";
+    let key = [("authorization", "Bearer slow-key")];
+    // The request bucket holds 2: two pass, the third is refused with a whole-second wait.
+    let small = chat(&[("user", "hello")], 2);
+    for _ in 0..2 {
+        let r = fleet.post(path, &small, &key);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let r = fleet.post(path, &small, &key);
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&wait), "retry-after {wait}");
+    // Other tenants are not affected.
+    let r = fleet.post(path, &small, &[("authorization", "Bearer acme-key-1")]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    // After the wait one more request fits, but one asking for more tokens than the token
+    // bucket holds is refused by the token limit.
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let big = chat(&[("user", "hello")], 1000);
+    let r = fleet.post(path, &big, &key);
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("(tokens)"));
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains("kvgate_gateway_rate_limited_total{tenant=\"slow\",limit=\"requests\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_gateway_rate_limited_total{tenant=\"slow\",limit=\"tokens\"} 1"),
+        "{metrics}"
+    );
+    fleet.stop();
+}

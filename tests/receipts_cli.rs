@@ -100,6 +100,7 @@ fn scenario_rotating(dir: &Path, n: usize, rotation: Rotation) -> (PathBuf, Path
             error: None,
             client_request_id: None,
             receipt_named: None,
+            tenant: None,
         })
         .unwrap();
     }

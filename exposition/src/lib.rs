@@ -167,7 +167,7 @@ mod tests {
         let classic = render(&r, Format::Classic).unwrap();
         assert!(!classic.contains("# EOF"), "{classic}");
         assert!(
-            classic.contains("# HELP t_reqs_total Requests\n"),
+            classic.contains("# HELP t_reqs_total Requests.\n"),
             "{classic}"
         );
         assert!(

@@ -309,6 +309,10 @@ impl ControlPlane {
         let previous = self.data.views.load();
         let view = View::compile(snap.clone(), &profiles, Some(&previous), &self.carry)?;
         self.record_contracts(snap.rules(), fetched);
+        // Rate-limit buckets outlive a change; a removed tenant's go.
+        let tenants: std::collections::HashSet<_> =
+            snap.rules().tenants.iter().map(|t| t.id.clone()).collect();
+        self.data.limits.retain(|id| tenants.contains(id));
         self.data.views.store(view);
         self.data
             .metrics

@@ -11,6 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use prefix_index::{PrefixIndex, WorkerId};
 use receipts::{DecisionLog, DecisionRecord, KeyPair};
 
+use crate::limits::RateLimits;
 use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
 use crate::request::RequestCtx;
 use crate::view::{EventStreamState, ViewCell};
@@ -74,6 +75,8 @@ pub struct DataPlane {
     pub decisions: Option<DecisionLog>,
     /// Request ids minted for tickets.
     pub request_ids: RequestIds,
+    /// Per-tenant rate-limit buckets (kept across rules changes).
+    pub limits: RateLimits,
 }
 
 impl DataPlane {
@@ -206,6 +209,7 @@ impl DataPlane {
                 error: ctx.error.clone(),
                 client_request_id: ctx.client_request_id.clone(),
                 receipt_named: ctx.receipt_named,
+                tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
             };
             if let Err(e) = log.append(&record) {
                 tracing::warn!(error = %e, "decision log append failed");

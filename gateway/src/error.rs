@@ -93,6 +93,22 @@ pub enum GatewayError {
     /// Admin plane: missing or wrong bearer token.
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A service with `auth = "api_key"`: no `Authorization: Bearer` key, or one no tenant has.
+    #[error("{reason}")]
+    InvalidApiKey {
+        /// What was wrong (never echoes the key).
+        reason: &'static str,
+    },
+    /// The tenant's request or token rate is used up; retry after `retry_after_s`.
+    #[error("rate limit of tenant {tenant:?} reached ({limit}); retry after {retry_after_s} s")]
+    RateLimited {
+        /// The tenant.
+        tenant: String,
+        /// `requests` or `tokens`.
+        limit: &'static str,
+        /// Whole seconds to wait (rounded up, at least 1), also sent as `Retry-After`.
+        retry_after_s: u64,
+    },
     /// Admin plane: unknown path or resource.
     #[error("not found: {what}")]
     NotFound {
@@ -140,6 +156,8 @@ impl GatewayError {
             GatewayError::UpstreamUnavailable { .. } => "upstream_unavailable",
             GatewayError::Upstream { .. } => "upstream_error",
             GatewayError::Unauthorized => "unauthorized",
+            GatewayError::InvalidApiKey { .. } => "invalid_api_key",
+            GatewayError::RateLimited { .. } => "rate_limit_exceeded",
             GatewayError::NotFound { .. } => "not_found",
             GatewayError::RulesRejected { .. } => "rules_rejected",
             GatewayError::Contract { .. } => "contract_mismatch",
@@ -159,7 +177,8 @@ impl GatewayError {
             | GatewayError::Prompt { .. }
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
-            GatewayError::Unauthorized => 401,
+            GatewayError::Unauthorized | GatewayError::InvalidApiKey { .. } => 401,
+            GatewayError::RateLimited { .. } => 429,
             GatewayError::NoHealthyWorker { .. }
             | GatewayError::UpstreamUnavailable { .. }
             | GatewayError::Overloaded { .. } => 503,
@@ -172,6 +191,7 @@ impl GatewayError {
     fn openai_type(&self) -> &'static str {
         match self.status() {
             401 => "authentication_error",
+            429 => "rate_limit_error",
             400..=499 => "invalid_request_error",
             _ => "server_error",
         }
@@ -250,6 +270,20 @@ mod tests {
                 "request_too_large",
             ),
             (GatewayError::Unauthorized, 401, "unauthorized"),
+            (
+                GatewayError::InvalidApiKey { reason: "x" },
+                401,
+                "invalid_api_key",
+            ),
+            (
+                GatewayError::RateLimited {
+                    tenant: "t".into(),
+                    limit: "requests",
+                    retry_after_s: 1,
+                },
+                429,
+                "rate_limit_exceeded",
+            ),
             (
                 GatewayError::NoHealthyWorker {
                     service: "s".into(),

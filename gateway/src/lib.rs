@@ -28,6 +28,7 @@ pub mod control_plane;
 pub mod data_plane;
 pub mod error;
 pub mod forward;
+pub mod limits;
 pub mod metrics;
 pub mod pool;
 pub mod profile;
@@ -214,6 +215,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         gateway_id: config.gateway_id.clone(),
         decisions,
         request_ids: data_plane::RequestIds::new(),
+        limits: limits::RateLimits::default(),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

@@ -45,6 +45,15 @@ pub struct FallbackLabels {
     pub reason: String,
 }
 
+/// Labels of `kvgate_gateway_rate_limited_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLimitLabels {
+    /// The tenant.
+    pub tenant: String,
+    /// `requests` or `tokens`.
+    pub limit: String,
+}
+
 /// Labels of a per-mode histogram.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabels {
@@ -90,6 +99,10 @@ pub struct Metrics {
     pub rules_reloads: Counter,
     /// Rules changes refused.
     pub rules_rejected: Counter,
+    /// Requests refused by a tenant's rate limit.
+    pub rate_limited: Family<TenantLimitLabels, Counter>,
+    /// Requests refused for a missing or unknown API key.
+    pub invalid_api_keys: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -183,8 +196,22 @@ impl Metrics {
             "Rules changes refused",
             rules_rejected.clone(),
         );
+        let rate_limited = Family::<TenantLimitLabels, Counter>::default();
+        registry.register(
+            "rate_limited",
+            "Requests refused by a tenant's rate limit (429)",
+            rate_limited.clone(),
+        );
+        let invalid_api_keys = Counter::default();
+        registry.register(
+            "invalid_api_keys",
+            "Requests refused for a missing or unknown API key (401)",
+            invalid_api_keys.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
+            rate_limited,
+            invalid_api_keys,
             requests,
             route_decision_seconds,
             lookup_tokens,

@@ -86,6 +86,23 @@ pub fn peek_model(body: &[u8]) -> Option<String> {
         .and_then(|m| m.model)
 }
 
+/// The output tokens a body asks for (`max_completion_tokens`, else `max_tokens`; 0 when it
+/// names neither or the body is not JSON), for a tenant's token rate limit.
+pub fn peek_output_tokens(body: &[u8]) -> u64 {
+    #[derive(Deserialize)]
+    struct OutputOnly {
+        max_tokens: Option<u64>,
+        max_completion_tokens: Option<u64>,
+    }
+    if body.is_empty() {
+        return 0;
+    }
+    serde_json::from_slice::<OutputOnly>(body)
+        .ok()
+        .and_then(|o| o.max_completion_tokens.or(o.max_tokens))
+        .unwrap_or(0)
+}
+
 fn invalid(reason: impl Into<String>) -> GatewayError {
     GatewayError::InvalidBody {
         reason: reason.into(),

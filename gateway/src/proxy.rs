@@ -23,10 +23,11 @@ use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use pingora::{Error, ErrorType, Result};
+use routing_rules::schema::{AuthPolicy, TenantSpec};
 
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
-use crate::metrics::{ModeLabels, ServiceLabels};
+use crate::metrics::{ModeLabels, ServiceLabels, TenantLimitLabels};
 use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
@@ -70,6 +71,55 @@ fn client_request_id(req: &RequestHeader) -> Option<String> {
 }
 
 impl Proxy {
+    /// The tenant of the request's `Authorization: Bearer <key>` (services with
+    /// `auth = "api_key"`). Keys are compared by SHA-256; none is logged or echoed.
+    fn authenticate(
+        &self,
+        view: &crate::view::View,
+        req: &RequestHeader,
+    ) -> std::result::Result<Arc<TenantSpec>, GatewayError> {
+        let refuse = |reason| {
+            self.data.metrics.invalid_api_keys.inc();
+            GatewayError::InvalidApiKey { reason }
+        };
+        let Some(value) = req.headers.get("authorization") else {
+            return Err(refuse(
+                "this service needs an API key: send Authorization: Bearer <key>",
+            ));
+        };
+        let key = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key.trim())
+            .filter(|k| !k.is_empty());
+        let Some(key) = key else {
+            return Err(refuse("the Authorization header must be Bearer <key>"));
+        };
+        view.tenant_of(key)
+            .cloned()
+            .ok_or_else(|| refuse("invalid API key"))
+    }
+
+    /// The 429 for a tenant over its limit (counted).
+    fn limited(&self, t: &TenantSpec, l: crate::limits::Limited) -> GatewayError {
+        self.data
+            .metrics
+            .rate_limited
+            .get_or_create(&TenantLimitLabels {
+                tenant: t.id.0.clone(),
+                limit: l.what.to_owned(),
+            })
+            .inc();
+        GatewayError::RateLimited {
+            tenant: t.id.0.clone(),
+            limit: l.what,
+            // Whole seconds, rounded up, at least 1 (`Retry-After` takes integers).
+            retry_after_s: (l.retry_after_s.ceil() as u64).max(1),
+        }
+    }
+
     /// Reads the whole request body with a cap. `Err(limit)` when over the cap.
     async fn read_body(
         session: &mut Session,
@@ -176,14 +226,27 @@ impl ProxyHttp for Proxy {
             let limit = usize::try_from(service.spec().max_body_bytes).unwrap_or(usize::MAX);
             return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
         }
-        let tenant =
-            RouteInput::tenant_header(&service).and_then(|h| header_str(session.req_header(), &h));
         ctx.service = Some(service.clone());
+        if service.spec().auth == AuthPolicy::ApiKey {
+            match self.authenticate(&view, session.req_header()) {
+                Ok(t) => ctx.tenant = Some(t),
+                Err(err) => return respond_error(session, ctx, &err).await,
+            }
+        }
+        if let Some(t) = &ctx.tenant {
+            if let Err(l) = self.data.limits.take_request(t, Instant::now()) {
+                let err = self.limited(t, l);
+                return respond_error(session, ctx, &err).await;
+            }
+        }
+        let tenant_header =
+            RouteInput::tenant_header(&service).and_then(|h| header_str(session.req_header(), &h));
         let input = RouteInput {
             service: service.clone(),
             path: path.clone(),
             body: body.clone(),
-            tenant,
+            tenant_header,
+            tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
         };
         let decided = if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {
             // CPU in proportion to the prompt: on the bounded routing pool.
@@ -231,6 +294,20 @@ impl ProxyHttp for Proxy {
                 return respond_error(session, ctx, &err).await;
             }
         };
+        if let Some(t) = &ctx.tenant {
+            // Prompt tokens as the gateway counted them (kv_exact), else body bytes / 4; plus
+            // the output tokens asked for.
+            let prompt = decision
+                .prompt
+                .as_ref()
+                .map_or(body.len() as u64 / 4, |p| p.prompt_tokens as u64);
+            let tokens = prompt.saturating_add(crate::protocol::peek_output_tokens(&body));
+            if let Err(l) = self.data.limits.take_tokens(t, tokens, Instant::now()) {
+                let err = self.limited(t, l);
+                ctx.body = body;
+                return respond_error(session, ctx, &err).await;
+            }
+        }
         let svc_name = service.name().to_owned();
         if let Some(l) = route::fallback_label(decision.reason) {
             self.data.metrics.fallback(&svc_name, l);

@@ -11,6 +11,7 @@ use pingora::prelude::Session;
 use pingora::Result;
 use prefix_index::WorkerId;
 use receipts::SignedTicket;
+use routing_rules::schema::TenantSpec;
 
 use crate::error::GatewayError;
 use crate::metrics::RequestLabels;
@@ -44,6 +45,8 @@ pub struct RequestCtx {
     pub(crate) body: Bytes,
     /// The matched service, once matched (also when routing it then failed).
     pub(crate) service: Option<Arc<ServiceRoute>>,
+    /// The tenant the request authenticated as (services with `auth = "api_key"`).
+    pub(crate) tenant: Option<Arc<TenantSpec>>,
     /// The routing decision, only when one was taken.
     pub(crate) decision: Option<Decision>,
     /// Index into `decision.order` of the next worker to try.
@@ -98,8 +101,13 @@ pub(crate) async fn respond_error(
     if let Some(c) = &ctx.client_request_id {
         resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
     }
-    if matches!(err, GatewayError::Overloaded { .. }) {
-        resp.insert_header("retry-after", "1")?;
+    match err {
+        GatewayError::Overloaded { .. } => resp.insert_header("retry-after", "1")?,
+        GatewayError::RateLimited { retry_after_s, .. } => {
+            resp.insert_header("retry-after", retry_after_s.to_string())?
+        }
+        GatewayError::InvalidApiKey { .. } => resp.insert_header("www-authenticate", "Bearer")?,
+        _ => {}
     }
     if let Some(v) = &ctx.view {
         resp.insert_header(VERSION_HEADER, v.version().to_string())?;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed, PrefixIndex, WorkerId};
 use routing_rules::policy::{Candidate, Reason};
-use routing_rules::schema::{LoadMetric, SaltPolicy, TokenBudgetPolicy};
+use routing_rules::schema::{LoadMetric, SaltInputs, SaltPolicy, TokenBudgetPolicy};
 
 use crate::error::GatewayError;
 use crate::protocol::{Endpoint, InferenceBody};
@@ -83,6 +83,8 @@ pub struct RouteInput {
     /// The whole body.
     pub body: bytes::Bytes,
     /// The value of the service's tenant header (salt policy `tenant_header`), if sent.
+    pub tenant_header: Option<String>,
+    /// The tenant the request authenticated as (`auth = "api_key"`).
     pub tenant: Option<String>,
 }
 
@@ -120,7 +122,11 @@ fn look_up(
     let salt = prefix
         .rule
         .salt
-        .effective_salt(input.tenant.as_deref(), body.cache_salt.as_deref())
+        .effective_salt(SaltInputs {
+            header: input.tenant_header.as_deref(),
+            tenant: input.tenant.as_deref(),
+            body: body.cache_salt.as_deref(),
+        })
         .map_err(|r| GatewayError::InvalidBody {
             reason: r.reason.to_owned(),
         })?;

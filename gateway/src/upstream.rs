@@ -107,6 +107,10 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
             head.remove_header(TICKET_HEADER);
         }
     }
+    if ctx.tenant.is_some() {
+        // The tenant's API key is the gateway's to check, not the worker's to see.
+        head.remove_header("authorization");
+    }
     head.remove_header("expect");
     if close || !ctx.body.is_empty() || head.headers.contains_key("content-length") {
         head.remove_header("transfer-encoding");

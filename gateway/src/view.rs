@@ -10,7 +10,7 @@
 //! [`WorkerRuntime`], shared by reference between successive views: it is a live counter,
 //! not part of the decision's identity.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,8 +21,11 @@ use parking_lot::Mutex;
 use prefix_index::{HashAlgorithm, WorkerId};
 use receipts::RouteMode;
 use routing_rules::policy::SelectionPolicy;
-use routing_rules::schema::{KvExactRule, Rule, ServiceSpec, TokenBudgetPolicy, WorkerSpec};
+use routing_rules::schema::{
+    KvExactRule, Rule, ServiceSpec, TenantSpec, TokenBudgetPolicy, WorkerSpec,
+};
 use routing_rules::{RequestInfo, RuleSnapshot, ServiceEntry};
+use sha2::Digest;
 
 use crate::error::GatewayError;
 use crate::profile::LoadedProfile;
@@ -242,6 +245,16 @@ pub struct View {
     pub services: Vec<Arc<ServiceRoute>>,
     /// Workers by id.
     pub workers: BTreeMap<WorkerId, WorkerEntry>,
+    /// Tenants by the SHA-256 of their API keys.
+    pub tenants: HashMap<[u8; 32], Arc<TenantSpec>>,
+}
+
+impl View {
+    /// The tenant an API key belongs to (by its SHA-256; the keys are never stored).
+    pub fn tenant_of(&self, api_key: &str) -> Option<&Arc<TenantSpec>> {
+        let digest: [u8; 32] = sha2::Sha256::digest(api_key.as_bytes()).into();
+        self.tenants.get(&digest)
+    }
 }
 
 /// Long-lived things a view is compiled with, reused across rule versions.
@@ -326,10 +339,21 @@ impl View {
                 prefix,
             }));
         }
+        let mut tenants = HashMap::new();
+        for t in &snapshot.rules().tenants {
+            let t = Arc::new(t.clone());
+            for h in &t.api_keys_sha256 {
+                let mut digest = [0u8; 32];
+                if hex::decode_to_slice(h, &mut digest).is_ok() {
+                    tenants.insert(digest, t.clone());
+                }
+            }
+        }
         Ok(View {
             snapshot,
             services,
             workers,
+            tenants,
         })
     }
 
@@ -347,6 +371,7 @@ impl View {
             snapshot: self.snapshot.clone(),
             services: self.services.clone(),
             workers,
+            tenants: self.tenants.clone(),
         })
     }
 

@@ -48,6 +48,10 @@ pub struct DecisionRecord {
     /// before this field existed).
     #[serde(default)]
     pub receipt_named: Option<bool>,
+    /// The tenant the request authenticated as (services with `auth = "api_key"`); absent
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 impl DecisionRecord {

@@ -430,8 +430,10 @@ fn head_of(path: &Path) -> Option<(String, u64)> {
 
 /// Orders receipt log files into chains: a worker's rotated files and its current file are one
 /// chain, ordered by their first receipt's seq. Files are grouped by the worker of their first
-/// receipt; a file whose first line cannot be read is a chain of its own (and fails on its own).
-/// Chains come in the order their first file was given.
+/// receipt; a file whose first line cannot be read is a chain of its own (and fails on its own),
+/// and so is a file starting at a seq the worker's chain already has a file for (a copy: the
+/// audit then reports its receipts as duplicates, not the chain as broken). Chains come in the
+/// order their first file was given.
 pub fn chains(paths: &[std::path::PathBuf]) -> Vec<Vec<std::path::PathBuf>> {
     /// A chain being gathered: its worker (`None`: unreadable head) and its files by first seq.
     type Group = (Option<String>, Vec<(u64, std::path::PathBuf)>);
@@ -439,7 +441,12 @@ pub fn chains(paths: &[std::path::PathBuf]) -> Vec<Vec<std::path::PathBuf>> {
     for p in paths {
         match head_of(p) {
             Some((worker, seq)) => {
-                match groups.iter_mut().find(|(w, _)| w.as_ref() == Some(&worker)) {
+                // A file whose first seq another file of the worker's chain already has (a copy,
+                // a restored backup) cannot continue that chain: it starts one of its own.
+                let joins = |(w, files): &&mut Group| {
+                    w.as_ref() == Some(&worker) && files.iter().all(|(s, _)| *s != seq)
+                };
+                match groups.iter_mut().find(joins) {
                     Some((_, files)) => files.push((seq, p.clone())),
                     None => groups.push((Some(worker), vec![(seq, p.clone())])),
                 }

@@ -63,6 +63,7 @@ fn fleet(n: usize) -> Fleet {
         error: None,
         client_request_id: None,
         receipt_named: None,
+        tenant: None,
     })
     .unwrap();
     for (i, l) in rlogs.iter().enumerate() {
@@ -101,6 +102,7 @@ fn decision(
         error: error.map(str::to_string),
         client_request_id: None,
         receipt_named: None,
+        tenant: None,
     }
 }
 

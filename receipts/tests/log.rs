@@ -177,6 +177,7 @@ fn decision_log_appends_and_recovers_torn_tail() {
         error: None,
         client_request_id: None,
         receipt_named: None,
+        tenant: None,
     };
     log.append(&rec).unwrap();
     drop(log);

@@ -13,7 +13,9 @@ use serde_json::{Map, Value};
 use crate::error::{Problem, RulesError};
 use crate::schema::{GatewaySpec, RulesFile, ServiceSpec};
 
-const TOP_LEVEL: [&str; 5] = ["gateway", "workers", "pools", "profiles", "services"];
+const TOP_LEVEL: [&str; 6] = [
+    "gateway", "workers", "pools", "profiles", "services", "tenants",
+];
 
 /// Parse a TOML rules file. Does not validate (see [`crate::validate::validate`]).
 pub fn rules_from_toml(text: &str) -> Result<RulesFile, Vec<Problem>> {
@@ -78,6 +80,7 @@ pub fn rules_from_value(value: Value) -> Result<RulesFile, Vec<Problem>> {
     let pools = list_at(&mut root, "pools", &mut problems);
     let profiles = list_at(&mut root, "profiles", &mut problems);
     let services = list_at(&mut root, "services", &mut problems);
+    let tenants = list_at(&mut root, "tenants", &mut problems);
     if problems.is_empty() {
         Ok(RulesFile {
             gateway,
@@ -85,6 +88,7 @@ pub fn rules_from_value(value: Value) -> Result<RulesFile, Vec<Problem>> {
             pools,
             profiles,
             services,
+            tenants,
         })
     } else {
         Err(problems)

@@ -57,6 +57,11 @@ string_id!(
     /// Name of a gateway listener (declared under `[gateway] listeners`).
     ListenerName
 );
+string_id!(
+    /// Id of a tenant (`[[tenants]]`): who an API key authenticates, and the cache salt of its
+    /// requests under `salt = { mode = "tenant" }`.
+    TenantId
+);
 
 /// Default `path_prefix` of a service match.
 pub const DEFAULT_PATH_PREFIX: &str = "/v1/";
@@ -96,6 +101,45 @@ pub struct RulesFile {
     /// Services: how a request matches and how it is routed. Default: none.
     #[serde(default)]
     pub services: Vec<ServiceSpec>,
+    /// Tenants that services with `auth = "api_key"` authenticate. Default: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantSpec>,
+}
+
+/// One tenant (`[[tenants]]`): the API keys it authenticates with (their SHA-256, never the keys)
+/// and its rate limits (token buckets; none by default).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    /// Tenant id; unique; letters, digits, `.`, `_`, `-`.
+    pub id: TenantId,
+    /// SHA-256 (64 lowercase hex) of each API key of the tenant (`printf %s KEY | sha256sum`);
+    /// at least one; a hash may belong to one tenant only.
+    pub api_keys_sha256: Vec<String>,
+    /// Requests per second the tenant may send (token bucket). Default: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_second: Option<f64>,
+    /// Requests the bucket holds (a burst). Default: `max(1, ⌈requests_per_second⌉)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_burst: Option<u32>,
+    /// Tokens per second: prompt tokens (as the gateway counts them for `kv_exact`, else body
+    /// bytes ÷ 4) plus the requested output tokens. Default: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
+    /// Tokens the bucket holds. Default: `max(1, ⌈tokens_per_second⌉)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_burst: Option<u64>,
+}
+
+/// Who may call a service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthPolicy {
+    /// Anyone who reaches the VIP (put authentication in front).
+    #[default]
+    None,
+    /// `Authorization: Bearer <API key>` of a `[[tenants]]` entry; 401 otherwise.
+    ApiKey,
 }
 
 /// Gateway-wide settings (`[gateway]`). Every field is optional.
@@ -351,6 +395,13 @@ pub struct ServiceSpec {
     /// What to do when prompt + output + reserve exceed the context limit. Default: `reject`.
     #[serde(default)]
     pub token_budget: TokenBudgetPolicy,
+    /// Who may call the service. Default: `none`.
+    #[serde(default, skip_serializing_if = "is_default_auth")]
+    pub auth: AuthPolicy,
+}
+
+fn is_default_auth(a: &AuthPolicy) -> bool {
+    *a == AuthPolicy::None
 }
 
 /// How a request is matched to a service. A request matches when every given criterion holds.
@@ -468,6 +519,9 @@ pub enum SaltPolicy {
     },
     /// The body's `cache_salt`, when present, is the salt.
     PerRequest,
+    /// The authenticated tenant (`auth = "api_key"`) is the salt (`tenant:<id>`): tenants never
+    /// share cached prefixes and no client picks its salt — a body `cache_salt` is refused.
+    Tenant,
     /// The value of a request header (e.g. a tenant id) is the salt; it overrides the body.
     TenantHeader {
         /// Header name, lowercase (`x-tenant-id`).
@@ -486,39 +540,59 @@ pub struct SaltRefused {
     pub reason: &'static str,
 }
 
+/// What a request offers the salt policy.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SaltInputs<'a> {
+    /// The value of the policy's tenant header, when the request carries it.
+    pub header: Option<&'a str>,
+    /// The tenant the request authenticated as (`auth = "api_key"`).
+    pub tenant: Option<&'a str>,
+    /// The body's `cache_salt`.
+    pub body: Option<&'a str>,
+}
+
 impl SaltPolicy {
-    /// The salt a request's keys use, from the tenant header value (when the policy names a
-    /// header and the request carries it) and the body's `cache_salt`. `Ok(None)` = unsalted.
-    pub fn effective_salt(
-        &self,
-        header_value: Option<&str>,
-        body_salt: Option<&str>,
-    ) -> Result<Option<String>, SaltRefused> {
+    /// The salt a request's keys use. `Ok(None)` = unsalted.
+    pub fn effective_salt(&self, i: SaltInputs<'_>) -> Result<Option<String>, SaltRefused> {
         match self {
-            SaltPolicy::None => match body_salt {
+            SaltPolicy::None => match i.body {
                 Some(_) => Err(SaltRefused {
                     reason: "cache_salt is not allowed by this service's salt policy (none)",
                 }),
                 None => Ok(None),
             },
-            SaltPolicy::Fixed { salt } => match body_salt {
+            SaltPolicy::Fixed { salt } => match i.body {
                 Some(_) => Err(SaltRefused {
                     reason: "cache_salt is not allowed by this service's salt policy (fixed)",
                 }),
                 None => Ok(Some(salt.clone())),
             },
-            SaltPolicy::PerRequest => Ok(body_salt.map(str::to_owned)),
+            SaltPolicy::PerRequest => Ok(i.body.map(str::to_owned)),
+            SaltPolicy::Tenant => {
+                if i.body.is_some() {
+                    return Err(SaltRefused {
+                        reason: "cache_salt is not allowed: this service salts by the \
+                                 authenticated tenant",
+                    });
+                }
+                match i.tenant {
+                    Some(t) => Ok(Some(format!("tenant:{t}"))),
+                    None => Err(SaltRefused {
+                        reason: "the tenant salt needs an authenticated tenant",
+                    }),
+                }
+            }
             SaltPolicy::TenantHeader {
                 allow_body_salt, ..
             } => {
-                if body_salt.is_some() && !*allow_body_salt {
+                if i.body.is_some() && !*allow_body_salt {
                     return Err(SaltRefused {
                         reason: "cache_salt is not allowed by this service's salt policy \
                                  (tenant_header without allow_body_salt)",
                     });
                 }
                 // The header, when present, overrides the body.
-                Ok(header_value.or(body_salt).map(str::to_owned))
+                Ok(i.header.or(i.body).map(str::to_owned))
             }
         }
     }

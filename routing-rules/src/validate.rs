@@ -13,7 +13,8 @@ use std::net::SocketAddr;
 
 use crate::error::Problem;
 use crate::schema::{
-    KvExactRule, MatchSpec, ProfileSource, ProfileSpec, Rule, RulesFile, SaltPolicy, ServiceSpec,
+    AuthPolicy, KvExactRule, MatchSpec, ProfileSource, ProfileSpec, Rule, RulesFile, SaltPolicy,
+    ServiceSpec, TenantSpec,
 };
 
 /// Smallest accepted block size, in tokens.
@@ -98,7 +99,9 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
         .collect();
     for (s, path) in rules.services.iter().zip(&service_paths) {
         v.service(s, path, &pools, &profiles, &listeners);
+        v.auth(s, path, !rules.tenants.is_empty());
     }
+    v.tenants(&rules.tenants);
     for (j, b) in rules.services.iter().enumerate() {
         for a in &rules.services[..j] {
             if let Some(why) = overlap(&a.matcher, &b.matcher) {
@@ -463,7 +466,7 @@ impl Validator {
             self.push(format!("{path}.load_slack"), "must be at least 1");
         }
         match &k.salt {
-            SaltPolicy::None | SaltPolicy::PerRequest => {}
+            SaltPolicy::None | SaltPolicy::PerRequest | SaltPolicy::Tenant => {}
             SaltPolicy::Fixed { salt } => {
                 if salt.is_empty() {
                     self.push(format!("{path}.salt.salt"), "must not be empty");
@@ -479,6 +482,94 @@ impl Validator {
                         format!("{header:?} is not a lowercase HTTP header name"),
                     );
                 }
+            }
+        }
+    }
+}
+
+impl Validator {
+    /// A service's authentication and the salt it implies.
+    fn auth(&mut self, s: &ServiceSpec, path: &str, have_tenants: bool) {
+        let kv_salt = match &s.rule {
+            Rule::KvExact(k) => Some(&k.salt),
+            Rule::RoundRobin(_) => None,
+        };
+        match s.auth {
+            AuthPolicy::None => {
+                if matches!(kv_salt, Some(SaltPolicy::Tenant)) {
+                    self.push(
+                        format!("{path}.rule.salt"),
+                        "salt mode \"tenant\" needs auth = \"api_key\" (the salt is the authenticated tenant)",
+                    );
+                }
+            }
+            AuthPolicy::ApiKey => {
+                if !have_tenants {
+                    self.push(
+                        format!("{path}.auth"),
+                        "auth = \"api_key\" needs at least one [[tenants]] entry",
+                    );
+                }
+                if let Some(salt) = kv_salt {
+                    if *salt != SaltPolicy::Tenant {
+                        self.push(
+                            format!("{path}.rule.salt"),
+                            "with auth = \"api_key\" the cache salt must be the tenant's \
+                             (salt = { mode = \"tenant\" }): a client never picks its own salt",
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn tenants(&mut self, tenants: &[TenantSpec]) {
+        let paths = self.ids("tenants", tenants.iter().map(|t| t.id.0.as_str()), "tenant");
+        let mut owner: HashMap<&str, &str> = HashMap::new();
+        for (t, path) in tenants.iter().zip(&paths) {
+            if t.api_keys_sha256.is_empty() {
+                self.push(
+                    format!("{path}.api_keys_sha256"),
+                    "list at least one key hash",
+                );
+            }
+            for (i, h) in t.api_keys_sha256.iter().enumerate() {
+                if !is_sha256_hex(h) {
+                    self.push(
+                        format!("{path}.api_keys_sha256[{i}]"),
+                        "must be 64 lowercase hex digits (the SHA-256 of the key)",
+                    );
+                } else if let Some(other) = owner.insert(h.as_str(), t.id.as_str()) {
+                    self.push(
+                        format!("{path}.api_keys_sha256[{i}]"),
+                        format!("this key hash also belongs to tenant {other:?}"),
+                    );
+                }
+            }
+            for (field, rate) in [
+                ("requests_per_second", t.requests_per_second),
+                ("tokens_per_second", t.tokens_per_second),
+            ] {
+                if let Some(r) = rate {
+                    if !(r.is_finite() && r > 0.0) {
+                        self.push(
+                            format!("{path}.{field}"),
+                            format!("must be a finite number > 0, got {r}"),
+                        );
+                    }
+                }
+            }
+            if t.request_burst == Some(0) {
+                self.push(format!("{path}.request_burst"), "must be at least 1");
+            }
+            if t.token_burst == Some(0) {
+                self.push(format!("{path}.token_burst"), "must be at least 1");
+            }
+            if t.request_burst.is_some() && t.requests_per_second.is_none() {
+                self.push(format!("{path}.request_burst"), "needs requests_per_second");
+            }
+            if t.token_burst.is_some() && t.tokens_per_second.is_none() {
+                self.push(format!("{path}.token_burst"), "needs tokens_per_second");
             }
         }
     }

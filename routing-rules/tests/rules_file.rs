@@ -337,6 +337,68 @@ fn service_field_checks() {
     );
 }
 
+const TENANTS: &str = r#"
+[[tenants]]
+id = "acme"
+api_keys_sha256 = ["aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]
+requests_per_second = 5.0
+request_burst = 10
+tokens_per_second = 1000.0
+"#;
+
+#[test]
+fn tenants_and_api_key_auth() {
+    // A valid setup: tenants, an api_key service salted by the tenant.
+    let ok = format!(
+        "{}{TENANTS}",
+        BASE.replace(
+            "rule = { type = \"kv_exact\", profile = \"smol\" }",
+            "auth = \"api_key\"\nrule = { type = \"kv_exact\", profile = \"smol\", salt = { mode = \"tenant\" } }",
+        )
+    );
+    assert_eq!(validate(&parse(&ok)), vec![]);
+    let rules = parse(&ok);
+    assert_eq!(rules.tenants[0].id.as_str(), "acme");
+    // It round-trips through TOML.
+    assert_eq!(parse(&rules_to_toml(&rules).unwrap()), rules);
+
+    // api_key without tenants; a client-picked salt under api_key.
+    let no_tenants = BASE.replace(
+        "rule = { type = \"kv_exact\", profile = \"smol\" }",
+        "auth = \"api_key\"\nrule = { type = \"kv_exact\", profile = \"smol\", salt = { mode = \"per_request\" } }",
+    );
+    let p = problems(&no_tenants);
+    assert_problem(&p, "services.chat.auth", "needs at least one [[tenants]]");
+    assert_problem(&p, "services.chat.rule.salt", "must be the tenant's");
+    // The tenant salt without auth.
+    let no_auth = BASE.replace(
+        "rule = { type = \"kv_exact\", profile = \"smol\" }",
+        "rule = { type = \"kv_exact\", profile = \"smol\", salt = { mode = \"tenant\" } }",
+    );
+    assert_problem(&problems(&no_auth), "services.chat.rule.salt", "needs auth");
+    // Tenant field checks.
+    let bad = format!(
+        "{BASE}{}\n[[tenants]]\nid = \"beta\"\napi_keys_sha256 = [\"AAAA\", \"{}\"]\nrequest_burst = 0\ntoken_burst = 3\ntokens_per_second = -1.0\n\n[[tenants]]\nid = \"gamma\"\napi_keys_sha256 = []\n",
+        TENANTS,
+        "a".repeat(64)
+    );
+    let p = problems(&bad);
+    assert_problem(&p, "tenants.beta.api_keys_sha256[0]", "64 lowercase hex");
+    assert_problem(
+        &p,
+        "tenants.beta.api_keys_sha256[1]",
+        "also belongs to tenant \"acme\"",
+    );
+    assert_problem(&p, "tenants.beta.request_burst", "at least 1");
+    assert_problem(
+        &p,
+        "tenants.beta.request_burst",
+        "needs requests_per_second",
+    );
+    assert_problem(&p, "tenants.beta.tokens_per_second", "finite number > 0");
+    assert_problem(&p, "tenants.gamma.api_keys_sha256", "at least one");
+}
+
 #[test]
 fn gateway_checks() {
     let text = format!(
@@ -439,6 +501,7 @@ fn service(name: &str, matcher: MatchSpec) -> ServiceSpec {
         upstream: UpstreamSpec::default(),
         max_body_bytes: 1,
         token_budget: Default::default(),
+        auth: Default::default(),
     }
 }
 
@@ -537,35 +600,72 @@ fn toml_and_json_round_trip() {
     }
 }
 
+fn si<'a>(header: Option<&'a str>, body: Option<&'a str>) -> routing_rules::schema::SaltInputs<'a> {
+    routing_rules::schema::SaltInputs {
+        header,
+        tenant: None,
+        body,
+    }
+}
+
 #[test]
 fn salt_policies() {
+    use routing_rules::schema::SaltInputs;
     use routing_rules::SaltPolicy;
-    assert_eq!(SaltPolicy::None.effective_salt(None, None), Ok(None));
-    assert!(SaltPolicy::None.effective_salt(None, Some("s")).is_err());
+    assert_eq!(SaltPolicy::None.effective_salt(si(None, None)), Ok(None));
+    assert!(SaltPolicy::None
+        .effective_salt(si(None, Some("s")))
+        .is_err());
     let fixed = SaltPolicy::Fixed { salt: "f".into() };
-    assert_eq!(fixed.effective_salt(Some("h"), None), Ok(Some("f".into())));
-    assert!(fixed.effective_salt(None, Some("s")).is_err());
     assert_eq!(
-        SaltPolicy::PerRequest.effective_salt(Some("h"), Some("s")),
+        fixed.effective_salt(si(Some("h"), None)),
+        Ok(Some("f".into()))
+    );
+    assert!(fixed.effective_salt(si(None, Some("s"))).is_err());
+    assert_eq!(
+        SaltPolicy::PerRequest.effective_salt(si(Some("h"), Some("s"))),
         Ok(Some("s".into()))
     );
-    assert_eq!(SaltPolicy::PerRequest.effective_salt(None, None), Ok(None));
+    assert_eq!(
+        SaltPolicy::PerRequest.effective_salt(si(None, None)),
+        Ok(None)
+    );
     let strict = SaltPolicy::TenantHeader {
         header: "x-t".into(),
         allow_body_salt: false,
     };
-    assert_eq!(strict.effective_salt(Some("h"), None), Ok(Some("h".into())));
-    assert_eq!(strict.effective_salt(None, None), Ok(None));
-    assert!(strict.effective_salt(Some("h"), Some("s")).is_err());
+    assert_eq!(
+        strict.effective_salt(si(Some("h"), None)),
+        Ok(Some("h".into()))
+    );
+    assert_eq!(strict.effective_salt(si(None, None)), Ok(None));
+    assert!(strict.effective_salt(si(Some("h"), Some("s"))).is_err());
     let loose = SaltPolicy::TenantHeader {
         header: "x-t".into(),
         allow_body_salt: true,
     };
     assert_eq!(
-        loose.effective_salt(Some("h"), Some("s")),
+        loose.effective_salt(si(Some("h"), Some("s"))),
         Ok(Some("h".into()))
     );
-    assert_eq!(loose.effective_salt(None, Some("s")), Ok(Some("s".into())));
+    assert_eq!(
+        loose.effective_salt(si(None, Some("s"))),
+        Ok(Some("s".into()))
+    );
+    // The tenant salt: the authenticated tenant, never the client's pick, never a header.
+    let t = |tenant, body| SaltInputs {
+        header: Some("h"),
+        tenant,
+        body,
+    };
+    assert_eq!(
+        SaltPolicy::Tenant.effective_salt(t(Some("acme"), None)),
+        Ok(Some("tenant:acme".into()))
+    );
+    assert!(SaltPolicy::Tenant
+        .effective_salt(t(Some("acme"), Some("s")))
+        .is_err());
+    assert!(SaltPolicy::Tenant.effective_salt(t(None, None)).is_err());
 }
 
 // ---- documentation ----
@@ -643,8 +743,29 @@ fn example_file_parses_and_routes_by_model() {
     assert_eq!(
         profile.source,
         routing_rules::ProfileSource::Gguf {
-            path: "models/SmolLM2-135M-Instruct.Q4_1.gguf".into()
+            path: "${KVGATE_MODEL_DIR:-../models}/SmolLM2-135M-Instruct.Q4_1.gguf".into()
         }
+    );
+    // Relative to the rules file: the workspace's models/ unless KVGATE_MODEL_DIR says otherwise.
+    let examples = workspace_root().join("examples");
+    let resolve = |dir: Option<&'static str>| match profile
+        .source
+        .resolve(Some(&examples), move |name| {
+            dir.filter(|_| name == "KVGATE_MODEL_DIR")
+                .map(str::to_owned)
+        })
+        .unwrap()
+    {
+        routing_rules::ProfileSource::Gguf { path } => path,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        resolve(None),
+        examples.join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    );
+    assert_eq!(
+        resolve(Some("/srv/models")),
+        std::path::PathBuf::from("/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     );
 }
 

@@ -1,0 +1,159 @@
+//! Per-tenant rate limits: two token buckets per tenant (requests, tokens), refilled
+//! continuously at the tenant's rate up to its burst. The buckets live in the data plane and
+//! survive rules reloads (keyed by tenant id; a reload that changes a tenant's rates applies the
+//! new rates from the next request); a tenant removed from the rules loses its buckets at the next
+//! sweep. O(1) per request under one short lock.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use routing_rules::schema::{TenantId, TenantSpec};
+
+/// One token bucket.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(burst: f64, now: Instant) -> Bucket {
+        Bucket {
+            level: burst,
+            at: now,
+        }
+    }
+
+    /// Takes `n`, or says how many seconds until `n` would be there (`n` larger than the
+    /// burst can never be taken: the wait is then the time to refill the whole burst).
+    fn take(&mut self, n: f64, rate: f64, burst: f64, now: Instant) -> Result<(), f64> {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + dt * rate).min(burst);
+        self.at = now;
+        if self.level >= n {
+            self.level -= n;
+            Ok(())
+        } else {
+            Err((n.min(burst) - self.level) / rate)
+        }
+    }
+}
+
+#[derive(Default)]
+struct TenantBuckets {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+}
+
+/// A refusal: which limit, and when to retry.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limited {
+    /// `requests` or `tokens`.
+    pub what: &'static str,
+    /// Seconds until the request would pass.
+    pub retry_after_s: f64,
+}
+
+/// The buckets of every tenant.
+#[derive(Default)]
+pub struct RateLimits {
+    buckets: Mutex<HashMap<TenantId, TenantBuckets>>,
+}
+
+fn limits(rate: Option<f64>, burst: Option<u64>) -> Option<(f64, f64)> {
+    let rate = rate.filter(|r| r.is_finite() && *r > 0.0)?;
+    let burst = burst.map_or(rate.ceil().max(1.0), |b| (b as f64).max(1.0));
+    Some((rate, burst))
+}
+
+impl RateLimits {
+    /// Counts one request of `t`.
+    pub fn take_request(&self, t: &TenantSpec, now: Instant) -> Result<(), Limited> {
+        let Some((rate, burst)) = limits(t.requests_per_second, t.request_burst.map(u64::from))
+        else {
+            return Ok(());
+        };
+        let mut all = self.buckets.lock();
+        let b = all
+            .entry(t.id.clone())
+            .or_default()
+            .requests
+            .get_or_insert_with(|| Bucket::full(burst, now));
+        b.take(1.0, rate, burst, now).map_err(|wait| Limited {
+            what: "requests",
+            retry_after_s: wait,
+        })
+    }
+
+    /// Charges `tokens` to `t`.
+    pub fn take_tokens(&self, t: &TenantSpec, tokens: u64, now: Instant) -> Result<(), Limited> {
+        let Some((rate, burst)) = limits(t.tokens_per_second, t.token_burst) else {
+            return Ok(());
+        };
+        let mut all = self.buckets.lock();
+        let b = all
+            .entry(t.id.clone())
+            .or_default()
+            .tokens
+            .get_or_insert_with(|| Bucket::full(burst, now));
+        b.take(tokens as f64, rate, burst, now)
+            .map_err(|wait| Limited {
+                what: "tokens",
+                retry_after_s: wait,
+            })
+    }
+
+    /// Drops the buckets of tenants not in `keep` (after a rules change).
+    pub fn retain(&self, keep: impl Fn(&TenantId) -> bool) {
+        self.buckets.lock().retain(|id, _| keep(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn tenant(rps: Option<f64>, burst: Option<u32>, tps: Option<f64>) -> TenantSpec {
+        TenantSpec {
+            id: "t".into(),
+            api_keys_sha256: vec!["0".repeat(64)],
+            requests_per_second: rps,
+            request_burst: burst,
+            tokens_per_second: tps,
+            token_burst: None,
+        }
+    }
+
+    #[test]
+    fn buckets_allow_the_burst_then_the_rate() {
+        let l = RateLimits::default();
+        let t = tenant(Some(2.0), Some(3), None);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            l.take_request(&t, t0).unwrap();
+        }
+        let e = l.take_request(&t, t0).unwrap_err();
+        assert_eq!(e.what, "requests");
+        assert!((e.retry_after_s - 0.5).abs() < 1e-9, "{e:?}");
+        // Half a second later one more fits, then none.
+        let t1 = t0 + Duration::from_millis(500);
+        l.take_request(&t, t1).unwrap();
+        assert!(l.take_request(&t, t1).is_err());
+        // Unlimited tenants are never limited.
+        let free = tenant(None, None, None);
+        for _ in 0..1000 {
+            l.take_request(&free, t0).unwrap();
+            l.take_tokens(&free, 1 << 20, t0).unwrap();
+        }
+        // Tokens: 100/s, burst 100; a 150-token request waits for the whole burst.
+        let t = tenant(None, None, Some(100.0));
+        l.take_tokens(&t, 60, t0).unwrap();
+        let e = l.take_tokens(&t, 150, t0).unwrap_err();
+        assert_eq!(e.what, "tokens");
+        assert!((e.retry_after_s - 0.6).abs() < 1e-9, "{e:?}");
+        l.retain(|_| false);
+        l.take_tokens(&t, 100, t0).unwrap();
+    }
+}
