@@ -6,8 +6,11 @@
 //! ([`crate::control_plane`]), which owns a handle to this one.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use pingora::connectors::http::Connector;
+use pingora::utils::tls::CertKey;
 use prefix_index::{PrefixIndex, WorkerId};
 use receipts::{DecisionLog, DecisionRecord, KeyPair};
 
@@ -77,6 +80,10 @@ pub struct DataPlane {
     pub request_ids: RequestIds,
     /// Per-tenant rate-limit buckets (kept across rules changes).
     pub limits: RateLimits,
+    /// The client certificate shown to `https://` workers (mTLS), when configured.
+    pub upstream_identity: Option<Arc<CertKey>>,
+    /// The connector of the >64 KiB forwarding path (its CA is the proxy's).
+    pub connector: Connector,
 }
 
 impl DataPlane {

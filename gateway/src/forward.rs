@@ -6,13 +6,12 @@
 //! the decision's order; a connect failure (nothing sent) moves to the next candidate; once the
 //! request head was written to a worker the request is never sent anywhere else. The response
 //! streams back chunk by chunk (SSE included). A fresh upstream connection is used for each
-//! such request and closed after it, so a stale pooled connection can never turn into a
+//! such request and closed after it (`connection: close`), so a stale pooled connection can never turn into a
 //! spurious failure after bytes were sent.
 
 use std::time::Instant;
 
 use bytes::Bytes;
-use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::Session;
 use pingora::Result;
@@ -40,14 +39,18 @@ pub(crate) async fn forward(
         respond_error(session, ctx, &err).await?;
         return Ok(());
     };
-    let connector = Connector::new(None);
+    let connector = &data.connector;
     let mut last_err = String::from("no candidate");
     for worker in &order {
         ctx.next += 1;
         let Some(entry) = view.workers.get(worker) else {
             continue;
         };
-        let peer = upstream::peer_for(&entry.upstream, &service.spec().upstream);
+        let peer = upstream::peer_for(
+            &entry.upstream,
+            &service.spec().upstream,
+            data.upstream_identity.as_ref(),
+        );
         let mut up = match connector.get_http_session(&peer).await {
             Ok((s, _reused)) => s,
             Err(e) => {

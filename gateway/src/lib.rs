@@ -92,6 +92,12 @@ pub struct GatewayConfig {
     pub routing_threads: usize,
     /// Requests that may wait for the routing pool; more get `503 gateway_overloaded`.
     pub routing_queue: usize,
+    /// Serve the VIP over TLS with this material (requiring client certificates when it names
+    /// a client CA); `None`: plain HTTP. The admin plane stays plain HTTP.
+    pub tls: Option<tls::ServerTls>,
+    /// How the gateway trusts `https://` workers (a CA file, else the platform's roots) and the
+    /// client certificate it shows them (mTLS).
+    pub upstream_tls: tls::ClientTls,
 }
 
 impl GatewayConfig {
@@ -112,6 +118,8 @@ impl GatewayConfig {
             approx_ttl: DEFAULT_APPROX_TTL,
             routing_threads: 2,
             routing_queue: 64,
+            tls: None,
+            upstream_tls: tls::ClientTls::default(),
         }
     }
 }
@@ -189,10 +197,41 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         ),
         None => None,
     };
-    let http = reqwest::Client::builder()
-        .pool_idle_timeout(Duration::from_secs(30))
+    // TLS material is read now: a bad file stops the start with its name.
+    if let Some(t) = &config.tls {
+        t.server_config()
+            .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
+    }
+    let upstream_client = config
+        .upstream_tls
+        .client_config()
+        .map_err(|e| cfg_err(format!("upstream TLS: {e}")))?;
+    let upstream_identity = match &config.upstream_tls.identity {
+        Some(id) => {
+            let (certs, key) = id
+                .der()
+                .map_err(|e| cfg_err(format!("upstream TLS: {e}")))?;
+            Some(Arc::new(pingora::utils::tls::CertKey::new(certs, key)))
+        }
+        None => None,
+    };
+    let ca_file = match &config.upstream_tls.ca {
+        Some(p) => Some(
+            p.to_str()
+                .ok_or_else(|| cfg_err(format!("upstream CA path {} is not UTF-8", p.display())))?
+                .to_owned(),
+        ),
+        None => None,
+    };
+    let mut http = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(30));
+    if let Some(c) = upstream_client {
+        http = http.use_preconfigured_tls(c);
+    }
+    let http = http
         .build()
         .map_err(|e| cfg_err(format!("http client: {e}")))?;
+    let mut connector_options = pingora::connectors::ConnectorOptions::new(0);
+    connector_options.ca_file = ca_file.clone();
     let snapshot = store.snapshot();
     let empty =
         routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
@@ -216,6 +255,8 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         decisions,
         request_ids: data_plane::RequestIds::new(),
         limits: limits::RateLimits::default(),
+        upstream_identity,
+        connector: pingora::connectors::http::Connector::new(Some(connector_options)),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),
@@ -275,6 +316,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         ..ServerConf::default()
     };
     conf.upstream_keepalive_pool_size = 256;
+    conf.ca_file = ca_file;
     let routing = match config.routing_threads {
         0 => None,
         n => Some(Arc::new(
@@ -289,7 +331,25 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         proxy::Proxy::new(data.clone(), routing),
         "kvgate-proxy",
     );
-    proxy.add_tcp(&listen_addr.to_string());
+    match &config.tls {
+        Some(t) => {
+            let path = |p: &std::path::Path| {
+                p.to_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| cfg_err(format!("TLS path {} is not UTF-8", p.display())))
+            };
+            let mut settings =
+                pingora::listeners::tls::TlsSettings::intermediate(&path(&t.cert)?, &path(&t.key)?)
+                    .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
+            if let Some(ca) = &t.client_ca {
+                settings.set_client_cert_verifier(
+                    tls::client_verifier(ca).map_err(|e| cfg_err(format!("VIP TLS: {e}")))?,
+                );
+            }
+            proxy.add_tls_with_settings(&listen_addr.to_string(), None, settings);
+        }
+        None => proxy.add_tcp(&listen_addr.to_string()),
+    }
     let mut admin = pingora::services::listening::Service::new(
         "kvgate-admin".to_owned(),
         admin::Admin::new(control.clone()),

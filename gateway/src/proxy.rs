@@ -372,7 +372,7 @@ impl ProxyHttp for Proxy {
             .as_ref()
             .map(|s| s.spec().upstream.clone())
             .unwrap_or_default();
-        let peer = upstream::peer_for(&entry.upstream, &spec);
+        let peer = upstream::peer_for(&entry.upstream, &spec, self.data.upstream_identity.as_ref());
         ctx.current = Some(worker);
         Ok(Box::new(peer))
     }

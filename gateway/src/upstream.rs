@@ -3,10 +3,12 @@
 //! count, the ticket signed for the worker actually used), the request head sent upstream, the
 //! decoration of the worker's response head, and passive health from its status.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
+use pingora::utils::tls::CertKey;
 use pingora::{Error, ErrorType, Result};
 use prefix_index::{NamespaceSeed, WorkerId};
 use receipts::{RouteTicket, SignedTicket, TICKET_HEADER};
@@ -19,9 +21,18 @@ use crate::request::{
 };
 use crate::view::{InFlight, Upstream, WorkerEntry};
 
-/// The pingora peer for a worker, with the service's timeouts.
-pub fn peer_for(upstream: &Upstream, spec: &UpstreamSpec) -> HttpPeer {
-    let mut peer = HttpPeer::new(upstream.addr, false, String::new());
+/// The pingora peer for a worker, with the service's timeouts; for an `https://` worker TLS
+/// with the URL's host as SNI and verified name (pingora skips verification without an SNI, so
+/// one is always set) and the gateway's client certificate when it has one.
+pub fn peer_for(
+    upstream: &Upstream,
+    spec: &UpstreamSpec,
+    identity: Option<&Arc<CertKey>>,
+) -> HttpPeer {
+    let mut peer = HttpPeer::new(upstream.addr, upstream.tls, upstream.host.clone());
+    if upstream.tls {
+        peer.client_cert_key = identity.cloned();
+    }
     peer.options.connection_timeout = Some(Duration::from_millis(spec.connect_timeout_ms));
     peer.options.read_timeout = Some(Duration::from_millis(spec.read_timeout_ms));
     peer.options.idle_timeout = Some(Duration::from_millis(spec.idle_timeout_ms));

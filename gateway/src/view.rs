@@ -40,17 +40,26 @@ pub struct Upstream {
     pub authority: String,
     /// Path prefix from the URL (`""` or `/prefix`, no trailing slash), prepended to paths.
     pub base_path: String,
+    /// `https://`: TLS to the worker.
+    pub tls: bool,
+    /// The host of the URL without port or brackets (TLS: the SNI and the name verified).
+    pub host: String,
 }
 
 impl Upstream {
-    /// Parses `http://host:port[/prefix]`. Only plain HTTP is supported (no TLS to workers yet).
+    /// Parses `http://host[:port][/prefix]` or `https://host[:port][/prefix]` (default ports
+    /// 80 and 443).
     pub fn parse(url: &str) -> Result<Upstream, GatewayError> {
         let bad = |why: &str| GatewayError::Config {
             reason: format!("worker url {url:?}: {why}"),
         };
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| bad("must start with http:// (TLS to workers is not supported)"))?;
+        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(bad("must start with http:// or https://"));
+        };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
@@ -58,14 +67,22 @@ impl Upstream {
         if authority.is_empty() {
             return Err(bad("no host"));
         }
-        let with_port = if authority
-            .rsplit_once(':')
-            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-        {
+        let has_port = authority.rsplit_once(':').is_some_and(|(h, p)| {
+            p.parse::<u16>().is_ok() && (!h.starts_with('[') || h.ends_with(']'))
+        });
+        let with_port = if has_port {
             authority.to_owned()
         } else {
-            format!("{authority}:80")
+            format!("{authority}:{}", if tls { 443 } else { 80 })
         };
+        let host = match authority.rsplit_once(':') {
+            Some((h, _)) if has_port => h,
+            _ => authority,
+        };
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
         let addr = with_port
             .to_socket_addrs()
             .map_err(|e| bad(&format!("cannot resolve: {e}")))?
@@ -75,12 +92,19 @@ impl Upstream {
             addr,
             authority: authority.to_owned(),
             base_path: path.trim_end_matches('/').to_owned(),
+            tls,
+            host,
         })
     }
 
     /// Base URL for the gateway's own HTTP calls to the worker (health, profile, events).
     pub fn base_url(&self) -> String {
-        format!("http://{}{}", self.addr, self.base_path)
+        if self.tls {
+            // By name: the certificate is verified against the URL's host.
+            format!("https://{}{}", self.authority, self.base_path)
+        } else {
+            format!("http://{}{}", self.addr, self.base_path)
+        }
     }
 }
 
@@ -488,7 +512,18 @@ mod tests {
         let u = Upstream::parse("http://127.0.0.1:8001/api/").unwrap();
         assert_eq!(u.base_path, "/api");
         assert_eq!(u.base_url(), "http://127.0.0.1:8001/api");
-        assert!(Upstream::parse("https://x:1").is_err());
+        assert!(!u.tls);
+        let u = Upstream::parse("https://localhost:8443/v").unwrap();
+        assert!(u.tls);
+        assert_eq!(u.host, "localhost");
+        assert_eq!(u.base_url(), "https://localhost:8443/v");
+        let u = Upstream::parse("https://127.0.0.1").unwrap();
+        assert_eq!(u.addr.port(), 443);
+        assert_eq!(u.host, "127.0.0.1");
+        let u = Upstream::parse("http://[::1]:9").unwrap();
+        assert_eq!(u.host, "::1");
+        assert_eq!(u.addr, "[::1]:9".parse().unwrap());
+        assert!(Upstream::parse("ftp://x:1").is_err());
         assert!(Upstream::parse("http://").is_err());
     }
 }

@@ -46,6 +46,25 @@ pub struct Args {
     /// Do not reload when the rules file changes on disk (SIGHUP and POST /admin/reload still do).
     #[arg(long)]
     pub no_watch: bool,
+    /// Serve the VIP over HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require clients of the VIP to show a certificate signed by this CA (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Trust only this CA (PEM) for `https://` workers (default: the platform's roots).
+    #[arg(long)]
+    pub upstream_ca: Option<PathBuf>,
+    /// Client certificate (PEM) shown to `https://` workers that require one (mTLS); needs
+    /// --upstream-client-key and --upstream-ca.
+    #[arg(long, requires_all = ["upstream_client_key", "upstream_ca"])]
+    pub upstream_client_cert: Option<PathBuf>,
+    /// The private key of --upstream-client-cert (PEM).
+    #[arg(long, requires = "upstream_client_cert")]
+    pub upstream_client_key: Option<PathBuf>,
 }
 
 /// Runs the gateway until SIGINT/SIGTERM.
@@ -69,9 +88,32 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.routing_queue = args.routing_queue;
     config.watch_rules = !args.no_watch;
     config.sighup = true;
+    config.tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::ServerTls {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: args.tls_client_ca.clone(),
+        }),
+        _ => None,
+    };
+    config.upstream_tls = tls::ClientTls {
+        ca: args.upstream_ca.clone(),
+        identity: match (&args.upstream_client_cert, &args.upstream_client_key) {
+            (Some(cert), Some(key)) => Some(tls::Identity {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        },
+    };
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let mut running = gateway::spawn(config)?;
     eprintln!(
-        "kvgate gateway: VIP on http://{}, admin on http://{} (rules version {})",
+        "kvgate gateway: VIP on {scheme}://{}, admin on http://{} (rules version {})",
         running.listen_addr,
         running.admin_addr,
         running.data.views.load().version()

@@ -40,6 +40,8 @@ pub struct FleetOptions {
     pub hash_algorithm: prefix_index::HashAlgorithm,
     /// Fault injection: worker `i`'s engine panics at its n-th forward step.
     pub faulty: Option<(usize, u64)>,
+    /// Workers serve HTTPS with this material (the rules then name `https://127.0.0.1:port`).
+    pub worker_tls: Option<tls::ServerTls>,
 }
 
 impl Default for FleetOptions {
@@ -50,6 +52,7 @@ impl Default for FleetOptions {
             ticket_policy: TicketPolicy::Require,
             hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
             faulty: None,
+            worker_tls: None,
         }
     }
 }
@@ -132,6 +135,7 @@ impl Fleet {
         cfg.gateway_keys = ring;
         cfg.settings.ticket_policy = self.opts.ticket_policy;
         cfg.settings.hash_algorithm = self.opts.hash_algorithm;
+        cfg.tls = self.opts.worker_tls.clone();
         self.rt.block_on(async {
             let listener = tokio::net::TcpListener::bind(
                 addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()),
@@ -187,9 +191,14 @@ native_reserve_tokens = 0
     /// Workers, one pool `all`, the profile `smol`, and the given services (TOML).
     pub fn rules_toml(&self, services: &str) -> String {
         let mut s = String::from("[gateway]\nhealth_interval_ms = 100\n");
+        let scheme = if self.opts.worker_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         for (i, a) in self.addrs.iter().enumerate() {
             s.push_str(&format!(
-                "\n[[workers]]\nid = \"{}\"\nurl = \"http://{a}\"\n",
+                "\n[[workers]]\nid = \"{}\"\nurl = \"{scheme}://{a}\"\n",
                 worker_id(i)
             ));
         }

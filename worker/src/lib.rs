@@ -17,6 +17,7 @@ pub mod api_error;
 pub mod error;
 pub mod generate;
 pub mod kv_events;
+pub mod listener;
 pub mod metrics;
 pub mod ops;
 pub mod protocol;
@@ -158,6 +159,9 @@ pub struct WorkerConfig {
     /// When the receipt log's current file is rotated (default: at 256 MiB).
     pub rotation: receipts::Rotation,
     pub settings: ServerSettings,
+    /// Serve HTTPS with this material (and require client certificates when it names a client
+    /// CA); `None`: plain HTTP.
+    pub tls: Option<tls::ServerTls>,
 }
 
 impl WorkerConfig {
@@ -180,6 +184,7 @@ impl WorkerConfig {
             fsync: FsyncPolicy::default(),
             rotation: receipts::Rotation::default(),
             settings: ServerSettings::new(worker_id),
+            tls: None,
         }
     }
 }
@@ -358,7 +363,13 @@ pub async fn spawn(
         fsync,
         rotation,
         settings,
+        tls,
     } = config;
+    // A bad certificate or key stops the start, before anything is loaded.
+    let tls = tls
+        .map(|t| t.server_config())
+        .transpose()
+        .map_err(|e| startup("tls", e))?;
     let block_size = settings.block_size;
     engine_config.hash_algorithm = settings.hash_algorithm;
 
@@ -462,14 +473,23 @@ pub async fn spawn(
         // TCP_NODELAY: SSE writes are small; with Nagle on, the first content chunk after the
         // role chunk waits for the peer's delayed ACK (~40 ms of TTFT).
         use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "set_nodelay failed");
+        match tls {
+            Some(config) => {
+                axum::serve(listener::TlsListener::new(listener, config), app)
+                    .with_graceful_shutdown(token.cancelled_owned())
+                    .await
             }
-        });
-        axum::serve(listener, app)
-            .with_graceful_shutdown(token.cancelled_owned())
-            .await
+            None => {
+                let listener = listener.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!(error = %e, "set_nodelay failed");
+                    }
+                });
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(token.cancelled_owned())
+                    .await
+            }
+        }
     });
     let (ready_tx, ready_rx) = watch::channel(None);
     let smoke = tokio::spawn(smoke_inference(state.clone(), ready_tx));
