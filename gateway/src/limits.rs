@@ -70,36 +70,34 @@ fn limits(rate: Option<f64>, burst: Option<u64>) -> Option<(f64, f64)> {
 impl RateLimits {
     /// Counts one request of `t`.
     pub fn take_request(&self, t: &TenantSpec, now: Instant) -> Result<(), Limited> {
-        let Some((rate, burst)) = limits(t.requests_per_second, t.request_burst.map(u64::from))
-        else {
-            return Ok(());
-        };
-        let mut all = self.buckets.lock();
-        let b = all
-            .entry(t.id.clone())
-            .or_default()
-            .requests
-            .get_or_insert_with(|| Bucket::full(burst, now));
-        b.take(1.0, rate, burst, now).map_err(|wait| Limited {
-            what: "requests",
-            retry_after_s: wait,
-        })
+        let limit = limits(t.requests_per_second, t.request_burst.map(u64::from));
+        self.take(t, "requests", |b| &mut b.requests, limit, 1.0, now)
     }
 
     /// Charges `tokens` to `t`.
     pub fn take_tokens(&self, t: &TenantSpec, tokens: u64, now: Instant) -> Result<(), Limited> {
-        let Some((rate, burst)) = limits(t.tokens_per_second, t.token_burst) else {
+        let limit = limits(t.tokens_per_second, t.token_burst);
+        self.take(t, "tokens", |b| &mut b.tokens, limit, tokens as f64, now)
+    }
+
+    fn take(
+        &self,
+        t: &TenantSpec,
+        what: &'static str,
+        slot: fn(&mut TenantBuckets) -> &mut Option<Bucket>,
+        limit: Option<(f64, f64)>,
+        n: f64,
+        now: Instant,
+    ) -> Result<(), Limited> {
+        let Some((rate, burst)) = limit else {
             return Ok(());
         };
         let mut all = self.buckets.lock();
-        let b = all
-            .entry(t.id.clone())
-            .or_default()
-            .tokens
-            .get_or_insert_with(|| Bucket::full(burst, now));
-        b.take(tokens as f64, rate, burst, now)
+        slot(all.entry(t.id.clone()).or_default())
+            .get_or_insert_with(|| Bucket::full(burst, now))
+            .take(n, rate, burst, now)
             .map_err(|wait| Limited {
-                what: "tokens",
+                what,
                 retry_after_s: wait,
             })
     }

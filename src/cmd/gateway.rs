@@ -46,15 +46,8 @@ pub struct Args {
     /// Do not reload when the rules file changes on disk (SIGHUP and POST /admin/reload still do).
     #[arg(long)]
     pub no_watch: bool,
-    /// Serve the VIP over HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
-    #[arg(long, requires = "tls_key")]
-    pub tls_cert: Option<PathBuf>,
-    /// The private key of --tls-cert (PEM).
-    #[arg(long, requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
-    /// Require clients of the VIP to show a certificate signed by this CA (PEM).
-    #[arg(long, requires = "tls_cert")]
-    pub tls_client_ca: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: super::tls_args::ServerTlsArgs,
     /// Trust only this CA (PEM) for `https://` workers (default: the platform's roots).
     #[arg(long)]
     pub upstream_ca: Option<PathBuf>,
@@ -88,14 +81,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.routing_queue = args.routing_queue;
     config.watch_rules = !args.no_watch;
     config.sighup = true;
-    config.tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(tls::ServerTls {
-            cert: cert.clone(),
-            key: key.clone(),
-            client_ca: args.tls_client_ca.clone(),
-        }),
-        _ => None,
-    };
+    config.tls = args.tls.server_tls();
     config.upstream_tls = tls::ClientTls {
         ca: args.upstream_ca.clone(),
         identity: match (&args.upstream_client_cert, &args.upstream_client_key) {

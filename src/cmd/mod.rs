@@ -3,5 +3,6 @@ pub mod bench;
 pub mod gateway;
 pub mod keygen;
 pub mod receipts;
+pub mod tls_args;
 pub mod tokenize;
 pub mod worker;

@@ -142,15 +142,8 @@ pub struct Args {
     /// Sim engine: emit EOS after this many tokens (default: never).
     #[arg(long)]
     pub sim_eos_after: Option<usize>,
-    /// Serve HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
-    #[arg(long, requires = "tls_key")]
-    pub tls_cert: Option<PathBuf>,
-    /// The private key of --tls-cert (PEM).
-    #[arg(long, requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
-    /// Require every client (the gateway) to show a certificate signed by this CA (PEM): mTLS.
-    #[arg(long, requires = "tls_cert")]
-    pub tls_client_ca: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: super::tls_args::ServerTlsArgs,
 }
 
 /// The model folder: `$KVGATE_MODEL_DIR`, else `./models`.
@@ -295,14 +288,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
             .then(|| std::time::Duration::from_secs(args.receipts_rotate_hours * 3600)),
     };
     cfg.settings = settings;
-    cfg.tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(tls::ServerTls {
-            cert: cert.clone(),
-            key: key.clone(),
-            client_ca: args.tls_client_ca.clone(),
-        }),
-        _ => None,
-    };
+    cfg.tls = args.tls.server_tls();
     Ok(cfg)
 }
 
