@@ -61,11 +61,24 @@ mkdir -p "$chroot_dir/home/kvgate"
 git -C "$root" rev-parse HEAD >"$work/commit"
 git clone --quiet --no-hardlinks "$root" "$chroot_dir/home/kvgate/kvgate"
 
+# A network that intercepts TLS with its own CA (a corporate proxy, this sandbox) needs that CA
+# inside the root too, or pip and cargo cannot reach the registries: when the host names a CA
+# bundle (SSL_CERT_FILE, else PIP_CERT), it is copied in and named to pip, cargo and curl. Nothing
+# else of the host's environment enters the root.
+net_env=()
+host_ca="${SSL_CERT_FILE:-${PIP_CERT:-}}"
+if [ -n "$host_ca" ] && [ -f "$host_ca" ]; then
+  cp "$host_ca" "$chroot_dir/etc/ssl/certs/host-network-ca.pem"
+  ca=/etc/ssl/certs/host-network-ca.pem
+  net_env=(SSL_CERT_FILE=$ca PIP_CERT=$ca REQUESTS_CA_BUNDLE=$ca CURL_CA_BUNDLE=$ca CARGO_HTTP_CAINFO=$ca)
+  echo "check-fresh-debian: the host's network CA bundle ($host_ca) is used inside the root"
+fi
+
 run_in() { # log command...
   local log="$1"; shift
   chroot "$chroot_dir" /usr/bin/env -i HOME=/root PATH=/opt/cargo-bin:/usr/local/bin:/usr/bin:/bin \
     RUSTUP_HOME=/opt/rustup CARGO_HOME=/root/.cargo RUSTUP_TOOLCHAIN="${RUSTUP_TOOLCHAIN:-stable}" \
-    LANG=C.UTF-8 /bin/bash -c "cd /home/kvgate/kvgate && $*" >"$log" 2>&1
+    LANG=C.UTF-8 "${net_env[@]}" /bin/bash -c "cd /home/kvgate/kvgate && $*" >"$log" 2>&1
 }
 
 echo "check-fresh-debian: python3 -m pip must be absent on stock Debian (PEP 668):"
