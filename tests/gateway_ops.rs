@@ -348,3 +348,36 @@ fn openai_python_client_through_the_gateway() {
     );
     fleet.stop();
 }
+
+#[test]
+fn a_declared_body_over_the_cap_is_refused_before_100_continue() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(RR_SERVICE, false);
+    // 17 MiB declared, over the default 16 MiB cap: the client must not be told to send it.
+    let mut s = std::net::TcpStream::connect(fleet.gw().listen_addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nexpect: 100-continue\r\n\r\n",
+        17 << 20
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed without an answer");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&got);
+    assert!(
+        head.starts_with("HTTP/1.1 413"),
+        "expected 413 before any 100 Continue, got {head}"
+    );
+    fleet.stop();
+}

@@ -64,6 +64,14 @@ fn header_str(req: &RequestHeader, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// The body length a request declares (`content-length`), when it declares one.
+fn declared_length(req: &RequestHeader) -> Option<usize> {
+    req.headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
 /// The client's own `x-request-id`, when it is 1..=128 visible ASCII characters (else ignored).
 fn client_request_id(req: &RequestHeader) -> Option<String> {
     header_str(req, "x-request-id")
@@ -125,12 +133,7 @@ impl Proxy {
         session: &mut Session,
         cap: usize,
     ) -> Result<std::result::Result<Bytes, usize>> {
-        let expected = session
-            .req_header()
-            .headers
-            .get("content-length")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok());
+        let expected = declared_length(session.req_header());
         if expected.is_some_and(|n| n > cap) {
             return Ok(Err(cap));
         }
@@ -192,6 +195,12 @@ impl ProxyHttp for Proxy {
         };
         let cap = usize::try_from(limit).unwrap_or(usize::MAX);
         if expect_continue {
+            // A declared length over the cap is refused before the client is told to send it.
+            if declared_length(session.req_header()).is_some_and(|n| n > cap) {
+                session.set_keepalive(None);
+                let err = GatewayError::BodyTooLarge { limit: cap };
+                return respond_error(session, ctx, &err).await;
+            }
             session.write_continue_response().await?;
         }
         session.enable_retry_buffering();
