@@ -10,7 +10,8 @@
 #   - promtool (Debian's `prometheus` package, unpacked into .cache/tools/bin: the metrics tests
 #     check both servers' exposition with `promtool check metrics`; no Prometheus server is
 #     installed or started);
-#   - the pinned default model (scripts/fetch-model.sh).
+#   - the pinned default model (scripts/fetch-model.sh);
+#   - the tokenizer/template fixtures and jinja2 (scripts/fetch-fixtures.sh).
 # Idempotent and quiet when everything is already there.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -73,3 +74,7 @@ if ! "$py" -c "import openai, sys; sys.exit(0 if openai.__version__ == '$OPENAI_
 fi
 
 "$root/scripts/fetch-model.sh"
+
+# Tokenizer and chat-template fixtures (llama.cpp's test set, pinned) and jinja2 for the
+# reference renderer.
+"$root/scripts/fetch-fixtures.sh" >/dev/null

