@@ -344,3 +344,181 @@ fn the_subscriber_survives_the_largest_seq_and_follows_a_new_epoch() {
     );
     gw.shutdown();
 }
+
+/// The fetched llama.cpp model folder (scripts/fetch-fixtures.sh; setup runs it).
+fn llama_models() -> std::path::PathBuf {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join(".cache/fixtures"));
+    let dir = base.join("llama.cpp/models");
+    if !dir.join("templates").is_dir() {
+        let status = std::process::Command::new(root.join("scripts/fetch-fixtures.sh"))
+            .status()
+            .expect("scripts/fetch-fixtures.sh");
+        assert!(status.success(), "scripts/fetch-fixtures.sh failed");
+    }
+    dir
+}
+
+/// A Hugging Face folder: SmolLM2's tokenizer with Qwen 3's chat template (tools, reasoning,
+/// `enable_thinking`), the way a Qwen 3 fleet's `tokenizer_config.json` pins it.
+fn qwen3_template_folder(profile: &prompt_profile::PromptProfile) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let template =
+        std::fs::read_to_string(llama_models().join("templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer.json"),
+        profile.tokenizer_json().unwrap(),
+    )
+    .unwrap();
+    let cfg = serde_json::json!({
+        "eos_token": "<|im_end|>",
+        "model_max_length": 8192,
+        "chat_template": template,
+    });
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::to_vec(&cfg).unwrap(),
+    )
+    .unwrap();
+    (dir, template)
+}
+
+/// Render with the independent jinja2 reference (tests/python_support).
+fn jinja2_render(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: &serde_json::Value,
+    kwargs: &serde_json::Value,
+) -> String {
+    use std::io::Write;
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python_support/chat_template_reference.py");
+    let mut child = std::process::Command::new(python_support::python())
+        .arg(script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the reference renderer");
+    let req = serde_json::json!({
+        "template": template, "messages": messages, "tools": tools,
+        "add_generation_prompt": true, "continue_final_message": false,
+        "kwargs": kwargs, "eos_token": "<|im_end|>",
+    });
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&serde_json::to_vec(&req).unwrap())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the reference renderer failed");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ok"], true, "reference: {v}");
+    v["text"].as_str().unwrap().to_owned()
+}
+
+#[path = "python_support/mod.rs"]
+mod python_support;
+
+#[test]
+fn tools_reasoning_and_template_kwargs_give_the_gateways_keys_on_the_worker() {
+    let base = prompt_profile::PromptProfile::from_gguf(support::model_path()).unwrap();
+    let (hf, template) = qwen3_template_folder(&base);
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        hf_profile: Some(hf.path().to_path_buf()),
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let tools = serde_json::json!([{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather now in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}
+        }
+    }]);
+    // As the official client sends them: tool-call arguments as a JSON string.
+    let messages = serde_json::json!([
+        {"role": "system", "content": "You are a careful assistant. ".repeat(4)},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "The user wants Paris.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}
+    ]);
+    // What transformers and vLLM give the template: arguments parsed, text parts joined.
+    let mut reference_messages = messages.clone();
+    reference_messages[2]["tool_calls"][0]["function"]["arguments"] =
+        serde_json::json!({"city": "Paris"});
+    reference_messages[4]["content"] = serde_json::json!("And tomorrow?");
+
+    let mut counts = Vec::new();
+    for (with_tools, thinking) in [(true, false), (true, true), (false, false)] {
+        let mut body = serde_json::json!({
+            "model": "smol", "messages": messages, "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        });
+        if with_tools {
+            body["tools"] = tools.clone();
+            body["tool_choice"] = serde_json::json!("auto");
+        }
+        let r = fleet.post("/v1/chat/completions", &body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let id = r.header("x-request-id").expect("request id");
+        let worker: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
+        let receipt = fleet.receipt(worker, &id).expect("the worker's receipt");
+        let ticket = receipt
+            .body
+            .ticket
+            .as_ref()
+            .expect("a ticketed request")
+            .ticket_unverified()
+            .clone();
+        // The gateway's count and last block key (ticket) are the worker's (receipt).
+        assert_eq!(ticket.prompt_tokens, Some(receipt.body.prompt_tokens));
+        assert!(ticket.last_block_key.is_some());
+        assert_eq!(ticket.last_block_key, receipt.body.last_block_key);
+
+        // The worker's rendered prompt is jinja2's, text for text.
+        let mut tok = body.clone();
+        tok.as_object_mut().unwrap().remove("max_tokens");
+        let worker_url = format!("http://{}/v1/tokenize", fleet.addrs[worker]);
+        let t: serde_json::Value = fleet.rt.block_on(async {
+            fleet
+                .http
+                .post(&worker_url)
+                .header("authorization", fleet.worker_access(worker))
+                .json(&tok)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap()
+        });
+        let expected = jinja2_render(
+            &template,
+            &reference_messages,
+            if with_tools {
+                &tools
+            } else {
+                &serde_json::Value::Null
+            },
+            &serde_json::json!({"enable_thinking": thinking}),
+        );
+        assert_eq!(t["prompt"].as_str(), Some(expected.as_str()), "{t}");
+        assert_eq!(t["count"].as_u64(), Some(receipt.body.prompt_tokens as u64));
+        assert_eq!(with_tools, expected.contains("<tools>"));
+        assert_eq!(!thinking, expected.ends_with("<think>\n\n</think>\n\n"));
+        counts.push(receipt.body.prompt_tokens);
+    }
+    // Dropping tools or the kwargs would be visible: each variant is a different prompt.
+    assert_ne!(counts[0], counts[1]);
+    assert_ne!(counts[0], counts[2]);
+    fleet.stop();
+}

@@ -254,3 +254,135 @@ fn hf_folder_and_template_rejection() {
     );
     assert!(e.contains("Only user messages: got wizard"), "{e}");
 }
+
+/// The fetched llama.cpp model folder (scripts/fetch-fixtures.sh; setup runs it).
+fn llama_models() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".cache/fixtures"));
+    let dir = base.join("llama.cpp/models");
+    if !dir.join("templates").is_dir() {
+        let status = Command::new(root.join("scripts/fetch-fixtures.sh"))
+            .status()
+            .expect("scripts/fetch-fixtures.sh");
+        assert!(status.success(), "scripts/fetch-fixtures.sh failed");
+    }
+    dir
+}
+
+/// A vocabulary-only GGUF (Llama 3's tokenizer, no chat template) with a template given on the
+/// command line: completion text gets the reference ids of llama.cpp's test set (after the BOS
+/// the Llama 3 family adds), and a chat renders with the given template.
+#[test]
+fn a_vocabulary_only_gguf_with_a_chat_template_file() {
+    let models = llama_models();
+    let vocab = models.join("ggml-vocab-llama-bpe.gguf");
+    let vocab = vocab.to_str().unwrap();
+    let e = one_line_error(&["--model", vocab, "--text", "hi"], None);
+    assert!(e.contains("chat_template"), "{e}");
+
+    let template = models.join("templates/Qwen-Qwen2.5-7B-Instruct.jinja");
+    let template = template.to_str().unwrap();
+    let inp = std::fs::read_to_string(models.join("ggml-vocab-llama-bpe.gguf.inp")).unwrap();
+    let out = std::fs::read_to_string(models.join("ggml-vocab-llama-bpe.gguf.out")).unwrap();
+    let tests: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let lines: Vec<&str> = out.lines().collect();
+    let mut checked = 0;
+    for (text, line) in tests.iter().zip(&lines).filter(|(t, _)| t.len() > 3) {
+        let want: Vec<u64> = line
+            .split_whitespace()
+            .map(|x| x.parse().unwrap())
+            .collect();
+        let v = ok_json(
+            &[
+                "--model",
+                vocab,
+                "--chat-template",
+                template,
+                "--raw",
+                "--text",
+                text,
+            ],
+            None,
+        );
+        let ids: Vec<u64> = v["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids[0], 128000, "Llama 3 adds <|begin_of_text|>");
+        assert_eq!(ids[1..], want[..], "{text:?}");
+        checked += 1;
+        if checked == 5 {
+            break;
+        }
+    }
+    assert_eq!(checked, 5);
+
+    let v = ok_json(
+        &[
+            "--model",
+            vocab,
+            "--chat-template",
+            template,
+            "--text",
+            "Hi",
+        ],
+        None,
+    );
+    let prompt = v["prompt"].as_str().unwrap();
+    assert!(
+        prompt.starts_with("<|im_start|>system\nYou are Qwen")
+            && prompt.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        "{prompt}"
+    );
+    let digest = v["identity"]["template_sha256"].as_str().unwrap();
+    assert_eq!(digest.len(), 64);
+}
+
+/// A chat completion body's prompt-shaping fields reach the template as in a worker.
+#[test]
+fn a_body_with_tools_and_template_kwargs() {
+    let models = llama_models();
+    let template = models.join("templates/Qwen-Qwen3-0.6B.jinja");
+    let model = model_path();
+    let dir = tempfile::tempdir().unwrap();
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                   "parameters": {"type": "object", "properties": {}}}}],
+        "chat_template_kwargs": {"enable_thinking": false},
+        "max_tokens": 5
+    });
+    let file = write(dir.path(), "body.json", body.to_string().as_bytes());
+    let args = [
+        "--model",
+        model.to_str().unwrap(),
+        "--chat-template",
+        template.to_str().unwrap(),
+        "--messages",
+        file.to_str().unwrap(),
+    ];
+    let v = ok_json(&args, None);
+    let prompt = v["prompt"].as_str().unwrap();
+    assert!(
+        prompt
+            .contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""),
+        "{prompt}"
+    );
+    assert!(
+        prompt.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{prompt}"
+    );
+
+    let mut bad = body.clone();
+    bad["tool_choice"] = serde_json::json!("required");
+    let file = write(dir.path(), "bad.json", bad.to_string().as_bytes());
+    let mut args = args;
+    args[5] = file.to_str().unwrap();
+    let e = one_line_error(&args, None);
+    assert!(e.contains("tool_choice"), "{e}");
+}

@@ -34,7 +34,7 @@ use prompt_profile::{DecodeStream, TokenDecoder};
 
 use crate::executor::{Executor, KvGeometry};
 use crate::kv::KvEventFeed;
-use crate::sampler::{Sampler, SamplingParams, StopChecker};
+use crate::sampler::{Sampler, SamplingParams, StopChecker, TextStep};
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
 use crate::EngineError;
 
@@ -110,12 +110,38 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     /// Token ids that end the sequence (not emitted), e.g. eos.
     pub stop_token_ids: Vec<u32>,
-    /// Strings that end the sequence (not emitted; text is held back while one may form).
+    /// Strings that end the sequence (not emitted unless `output.include_stop_str`; text is held
+    /// back while one may form).
     pub stop_strings: Vec<String>,
+    /// Output shaping: minimum length, special-token text, stop strings in the output.
+    pub output: OutputParams,
     /// False = privacy opt-out: nothing of this request enters the prefix cache.
     pub cache_insert: bool,
     /// Admission deadline (None = config default).
     pub deadline: Option<Instant>,
+}
+
+/// How a sequence's output is shaped (the vLLM/SGLang extensions `min_tokens`,
+/// `skip_special_tokens`, `include_stop_str_in_output` / `no_stop_trim`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputParams {
+    /// Until this many tokens were generated the stop token ids cannot be sampled (their logits
+    /// are −∞) and stop strings are not matched; 0 = off. At most `max_tokens`.
+    pub min_tokens: usize,
+    /// Special tokens produce no text (default true).
+    pub skip_special_tokens: bool,
+    /// A matched stop string is part of the output (default false: dropped).
+    pub include_stop_str: bool,
+}
+
+impl Default for OutputParams {
+    fn default() -> Self {
+        OutputParams {
+            min_tokens: 0,
+            skip_special_tokens: true,
+            include_stop_str: false,
+        }
+    }
 }
 
 /// Why a sequence ended.
@@ -440,6 +466,12 @@ impl Engine {
         req.sampling
             .validate()
             .map_err(EngineError::InvalidRequest)?;
+        if req.output.min_tokens > req.max_tokens {
+            return Err(EngineError::InvalidRequest(format!(
+                "min_tokens ({}) exceeds max_tokens ({})",
+                req.output.min_tokens, req.max_tokens
+            )));
+        }
         crate::scheduler::check_fits(
             KvGeometry {
                 block_size: inner.block_size,
@@ -540,6 +572,8 @@ struct SeqPayload {
     tx: mpsc::UnboundedSender<SeqEvent>,
     sampler: Sampler,
     stop_ids: Vec<u32>,
+    /// Below this many generated tokens, stop ids are masked and stop strings not matched.
+    min_tokens: usize,
     stop: StopChecker,
     detok: DecodeStream,
 }
@@ -694,8 +728,9 @@ impl StepLoop {
             tx,
             sampler: Sampler::new(req.sampling, &req.prompt),
             stop_ids: req.stop_token_ids,
-            stop: StopChecker::new(&req.stop_strings),
-            detok: DecodeStream::new(self.decoder.clone(), true),
+            min_tokens: req.output.min_tokens,
+            stop: StopChecker::new(&req.stop_strings).keeping_stop(req.output.include_stop_str),
+            detok: DecodeStream::new(self.decoder.clone(), req.output.skip_special_tokens),
         };
         self.sched.enqueue(
             id,
@@ -824,11 +859,21 @@ impl StepLoop {
         };
         let max_tokens = s.max_tokens();
         let (p, generated) = s.payload_and_generated();
+        let early = generated.len() < p.min_tokens;
+        if early {
+            for &id in &p.stop_ids {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let token = p.sampler.sample(logits);
         p.sampler.record(token);
         self.totals.generation_tokens += 1;
         let completion = generated.len() + 1;
-        if p.stop_ids.contains(&token) {
+        // Stop strings are matched from the `min_tokens`-th token on.
+        let checked = completion >= p.min_tokens;
+        if p.stop_ids.contains(&token) && !early {
             // Release held-back text that turned out not to be a stop string.
             let tail = p.detok.flush().map_err(detok_err)?.unwrap_or_default();
             let st = p.stop.push_text(&tail);
@@ -845,7 +890,14 @@ impl StepLoop {
             return Ok(Some((FinishReason::Stop, completion)));
         }
         let new_text = p.detok.step(token).map_err(detok_err)?.unwrap_or_default();
-        let st = p.stop.push_text(&new_text);
+        let st = if checked {
+            p.stop.push_text(&new_text)
+        } else {
+            TextStep {
+                emit: new_text,
+                stopped: false,
+            }
+        };
         let mut text = st.emit;
         let mut stopped = st.stopped;
         let at_limit = completion >= max_tokens;

@@ -25,8 +25,8 @@ pub mod scheduler;
 pub mod sim;
 
 pub use engine::{
-    Engine, EngineConfig, EngineHealth, EngineStats, FinishReason, GenerateRequest, SeqEvent,
-    SequenceHandle, Usage,
+    Engine, EngineConfig, EngineHealth, EngineStats, FinishReason, GenerateRequest, OutputParams,
+    SeqEvent, SequenceHandle, Usage,
 };
 pub use error::EngineError;
 pub use executor::{BlockId, Executor, KvGeometry, SeqChunk};

@@ -321,6 +321,8 @@ pub struct TextStep {
 pub struct StopChecker {
     stops: Vec<String>,
     pending: String,
+    /// Emit the matched stop string (vLLM `include_stop_str_in_output`, SGLang `no_stop_trim`).
+    keep_stop: bool,
 }
 
 impl StopChecker {
@@ -333,7 +335,14 @@ impl StopChecker {
                 .cloned()
                 .collect(),
             pending: String::new(),
+            keep_stop: false,
         }
+    }
+
+    /// With `keep`, a matched stop string is emitted (what follows it is still dropped).
+    pub fn keeping_stop(mut self, keep: bool) -> Self {
+        self.keep_stop = keep;
+        self
     }
 
     /// Adds newly decoded text; returns what may be emitted and whether a stop string ended
@@ -347,13 +356,23 @@ impl StopChecker {
         }
         self.pending.push_str(text);
         // Earliest complete stop string.
+        // Earliest start; of stop strings starting there, the longest.
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .filter_map(|s| {
+                self.pending
+                    .find(s.as_str())
+                    .map(|at| (at, usize::MAX - s.len()))
+            })
             .min();
-        if let Some(at) = hit {
-            let emit = self.pending[..at].to_string();
+        if let Some((at, rev_len)) = hit {
+            let end = if self.keep_stop {
+                at + (usize::MAX - rev_len)
+            } else {
+                at
+            };
+            let emit = self.pending[..end].to_string();
             self.pending.clear();
             return TextStep {
                 emit,

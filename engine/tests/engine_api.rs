@@ -547,3 +547,67 @@ async fn short_request_overtakes_long_prefills() {
     println!("short TTFT behind 12 × 2048-token prefills (sim, 20 µs/token): {ttft:?}");
     engine.shutdown();
 }
+
+#[tokio::test]
+async fn min_tokens_masks_stop_ids_and_defers_stop_strings() {
+    // The simulator's eos comes at every position from 16 on: 4 tokens for a 12-token prompt.
+    let mut sim = SimConfig::instant(4, 128);
+    sim.eos_after = Some(16);
+    let engine = sim_engine(sim, small_cfg());
+    let prompt: Vec<u32> = (40..52).collect();
+    let mut r = req("m", prompt.clone(), 50, ns(1));
+    r.output.min_tokens = 8;
+    let o = collect(engine.submit(r).unwrap()).await;
+    // eos cannot be sampled before 8 tokens; the 9th is eos again and ends it.
+    assert_eq!(o.tokens.len(), 8, "{o:?}");
+    assert!(!o.tokens.contains(&2));
+    let (reason, usage, _) = o.finish.unwrap();
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(usage.completion_tokens, 9);
+
+    // min_tokens above max_tokens is refused.
+    let mut r = req("m2", prompt, 4, ns(1));
+    r.output.min_tokens = 5;
+    assert!(matches!(
+        engine.submit(r).unwrap_err(),
+        engine::EngineError::InvalidRequest(_)
+    ));
+
+    // Stop strings: matched only from the min_tokens-th token's text on.
+    let sim = SimConfig::instant(4, 128);
+    let engine = sim_engine(sim.clone(), small_cfg());
+    let prompt: Vec<u32> = (40..52).collect();
+    let want = reference_greedy(&sim, &prompt, 12);
+    let full: String = want.iter().map(|t| format!("t{t} ")).collect();
+    let stop = format!("t{} t{}", want[1], want[2]); // inside tokens 2–3
+    let mut r = req("s", prompt.clone(), 12, ns(1));
+    r.stop_strings = vec![stop.clone()];
+    r.output.min_tokens = 6;
+    let o = collect(engine.submit(r).unwrap()).await;
+    let from6: usize = want[..5].iter().map(|t| format!("t{t} ").len()).sum();
+    let expected = match full[from6..].find(&stop) {
+        Some(k) => &full[..from6 + k],
+        None => &full[..],
+    };
+    assert!(o.text.contains(&stop), "not cut before min_tokens");
+    assert_eq!(o.text, expected);
+}
+
+#[tokio::test]
+async fn a_kept_stop_string_ends_the_text() {
+    let sim = SimConfig::instant(4, 128);
+    let engine = sim_engine(sim.clone(), small_cfg());
+    let prompt: Vec<u32> = (40..52).collect();
+    let want = reference_greedy(&sim, &prompt, 12);
+    let full: String = want.iter().map(|t| format!("t{t} ")).collect();
+    let t4 = format!("t{} ", want[3]);
+    let stop = format!("{} t{}", &t4[t4.len() - 2..t4.len() - 1], want[4]);
+    let cut = full.find(&stop).unwrap();
+    let mut r = req("k", prompt, 12, ns(1));
+    r.stop_strings = vec![stop.clone()];
+    r.output.include_stop_str = true;
+    let o = collect(engine.submit(r).unwrap()).await;
+    // The stop string is kept; nothing after it.
+    assert_eq!(o.text, full[..cut + stop.len()]);
+    assert_eq!(o.finish.unwrap().0, FinishReason::Stop);
+}

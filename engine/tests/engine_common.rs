@@ -40,6 +40,7 @@ pub fn req(
         max_tokens,
         stop_token_ids: vec![2],
         stop_strings: Vec::new(),
+        output: engine::OutputParams::default(),
         cache_insert: true,
         deadline: None,
     }

@@ -5,7 +5,7 @@
 //! types only *read* what routing needs, so unknown fields are ignored here (the worker is the
 //! one that refuses unsupported parameters).
 
-use prompt_profile::{ChatMessage, ChatPrompt, CompletionPrompt, PromptSource};
+use prompt_profile::{ChatMessage, ChatTemplateFields, CompletionPrompt, PromptSource};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
@@ -127,6 +127,9 @@ struct RoutingFields {
     cache_salt: Option<String>,
     #[serde(default)]
     stream: Option<bool>,
+    /// `tools`, `chat_template_kwargs`, … — read by the prompt contract, as the worker does.
+    #[serde(flatten)]
+    template: ChatTemplateFields,
 }
 
 impl InferenceBody {
@@ -163,11 +166,16 @@ impl InferenceBody {
         de.end()
             .map_err(|e| invalid(format!("malformed JSON: {e}")))?;
         let prompt = match endpoint {
-            Endpoint::Chat => PromptSource::Chat(ChatPrompt::new(
+            Endpoint::Chat => PromptSource::Chat(
                 fields
-                    .messages
-                    .ok_or_else(|| invalid("`messages` is required"))?,
-            )),
+                    .template
+                    .prompt(
+                        fields
+                            .messages
+                            .ok_or_else(|| invalid("`messages` is required"))?,
+                    )
+                    .map_err(|e| invalid(format!("`{}`: {}", e.param, e.reason)))?,
+            ),
             Endpoint::Completion => fields
                 .prompt
                 .ok_or_else(|| invalid("`prompt` is required"))?

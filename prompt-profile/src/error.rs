@@ -113,6 +113,13 @@ pub enum ProfileError {
         /// The message the template raised.
         message: String,
     },
+    /// Rendering failed on the request's data (an undefined attribute, a type error in the
+    /// template): the template is fine, this conversation does not fit it.
+    #[error("chat template failed on this conversation: {reason}")]
+    TemplateRender {
+        /// What failed.
+        reason: String,
+    },
     /// A chat message cannot be rendered (e.g. a non-text content part).
     #[error("invalid message {index}: {reason}")]
     InvalidMessage {
@@ -189,6 +196,7 @@ impl ProfileError {
             ProfileError::MissingChatTemplate { .. } => "missing_chat_template",
             ProfileError::Template { .. } => "template_error",
             ProfileError::TemplateRaised { .. } => "template_raised",
+            ProfileError::TemplateRender { .. } => "template_render_failed",
             ProfileError::InvalidMessage { .. } => "invalid_message",
             ProfileError::UnknownTokenId { .. } => "unknown_token_id",
             ProfileError::EmptyPrompt { .. } => "empty_prompt",
@@ -204,6 +212,7 @@ impl ProfileError {
         matches!(
             self,
             ProfileError::TemplateRaised { .. }
+                | ProfileError::TemplateRender { .. }
                 | ProfileError::InvalidMessage { .. }
                 | ProfileError::UnknownTokenId { .. }
                 | ProfileError::EmptyPrompt { .. }

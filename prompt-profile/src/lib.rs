@@ -33,9 +33,12 @@ pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;
 pub use message::{ChatMessage, ContentPart, MessageContent};
-pub use prompt::{ChatPrompt, CompletionPrompt, KeySpace, PromptSource, PromptTokens, TokenBudget};
+pub use prompt::{
+    ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
+    PromptTokens, TokenBudget,
+};
 pub use stream::{DecodeStream, TokenDecoder};
-pub use template::{ChatTemplate, TemplateTokens};
+pub use template::{ChatTemplate, TemplateInputs, TemplateTokens};
 
 use tokenizer::BuiltTokenizer;
 
@@ -148,8 +151,18 @@ impl PromptProfile {
         Self::from_gguf_metadata(&meta)
     }
 
+    /// [`Self::from_gguf`] with `template` as the chat template instead of the GGUF's
+    /// `tokenizer.chat_template` (which may then be absent, as in vocabulary-only files).
+    pub fn from_gguf_with_template(path: impl AsRef<Path>, template: String) -> Result<Self> {
+        Self::gguf_profile(&GgufMetadata::read(path.as_ref())?, Some(template))
+    }
+
     /// Build the profile from already-read GGUF metadata.
     pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self> {
+        Self::gguf_profile(meta, None)
+    }
+
+    fn gguf_profile(meta: &GgufMetadata, template_override: Option<String>) -> Result<Self> {
         let Vocabulary {
             tokenizer,
             family,
@@ -189,11 +202,15 @@ impl PromptProfile {
             check_id(key, id, tokenizer.vocab_size)?;
         }
 
-        let source = meta.get_str("tokenizer.chat_template")?.ok_or_else(|| {
-            ProfileError::MissingChatTemplate {
-                origin: "GGUF key `tokenizer.chat_template`".into(),
-            }
-        })?;
+        let source = match template_override {
+            Some(t) => t,
+            None => meta
+                .get_str("tokenizer.chat_template")?
+                .ok_or_else(|| ProfileError::MissingChatTemplate {
+                    origin: "GGUF key `tokenizer.chat_template`".into(),
+                })?
+                .to_string(),
+        };
         let token_str = |id: Option<u32>| id.and_then(|id| tokenizer.parse_special.id_to_token(id));
         let tokens = TemplateTokens {
             bos: token_str(bos_token_id),
@@ -230,7 +247,8 @@ impl PromptProfile {
     /// Load the profile from a HF `tokenizer.json` and `tokenizer_config.json`.
     ///
     /// The chat template is `chat_template` of the config (a string, or the entry named
-    /// `default` of a list), else a sibling `chat_template.jinja`. The context limit is the
+    /// `default` of a list), else a sibling `chat_template.jinja`, else the `chat_template` field
+    /// of a sibling `chat_template.json` (newer transformers' layout). The context limit is the
     /// config's `model_max_length`, else `max_position_embeddings` of a sibling `config.json`.
     /// The eos ids are the config's `eos_token` plus `eos_token_id` of a sibling
     /// `generation_config.json` if present. The model id is the name of the folder holding
@@ -239,8 +257,33 @@ impl PromptProfile {
         tokenizer_json: impl AsRef<Path>,
         tokenizer_config_json: impl AsRef<Path>,
     ) -> Result<Self> {
-        let tok_path = tokenizer_json.as_ref();
-        let cfg_path = tokenizer_config_json.as_ref();
+        Self::hf_profile(
+            tokenizer_json.as_ref(),
+            tokenizer_config_json.as_ref(),
+            None,
+        )
+    }
+
+    /// [`Self::from_hf`] with `template` as the chat template instead of the folder's.
+    pub fn from_hf_with_template(
+        tokenizer_json: impl AsRef<Path>,
+        tokenizer_config_json: impl AsRef<Path>,
+        template: String,
+    ) -> Result<Self> {
+        Self::hf_profile(
+            tokenizer_json.as_ref(),
+            tokenizer_config_json.as_ref(),
+            Some(template),
+        )
+    }
+
+    fn hf_profile(
+        tokenizer_json: &Path,
+        tokenizer_config_json: &Path,
+        template_override: Option<String>,
+    ) -> Result<Self> {
+        let tok_path = tokenizer_json;
+        let cfg_path = tokenizer_config_json;
         let tok_bytes = read_file(tok_path)?;
         let cfg_bytes = read_file(cfg_path)?;
         let tok =
@@ -302,35 +345,51 @@ impl PromptProfile {
             check_id("eos_token_id", *id, tokenizer.vocab_size)?;
         }
 
-        let source = match cfg.get("chat_template") {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|e| e.get("template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string)
-                .ok_or_else(|| ProfileError::MissingChatTemplate {
-                    origin: format!("{}: no template named \"default\"", cfg_path.display()),
-                })?,
-            _ => {
-                let jinja = dir.join("chat_template.jinja");
-                if jinja.is_file() {
-                    String::from_utf8(read_file(&jinja)?).map_err(|_| {
-                        ProfileError::InvalidConfig {
-                            path: jinja.clone(),
-                            reason: "not valid UTF-8".into(),
+        let source = match (template_override, cfg.get("chat_template")) {
+            (Some(t), _) => t,
+            (None, template) => match template {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|e| e.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_string)
+                    .ok_or_else(|| ProfileError::MissingChatTemplate {
+                        origin: format!("{}: no template named \"default\"", cfg_path.display()),
+                    })?,
+                _ => {
+                    let jinja = dir.join("chat_template.jinja");
+                    if jinja.is_file() {
+                        String::from_utf8(read_file(&jinja)?).map_err(|_| {
+                            ProfileError::InvalidConfig {
+                                path: jinja.clone(),
+                                reason: "not valid UTF-8".into(),
+                            }
+                        })?
+                    } else if dir.join("chat_template.json").is_file() {
+                        let path = dir.join("chat_template.json");
+                        let v: serde_json::Value = parse_json(&path, &read_file(&path)?)?;
+                        match v.get("chat_template") {
+                            Some(serde_json::Value::String(s)) => s.clone(),
+                            _ => {
+                                return Err(ProfileError::InvalidConfig {
+                                    path,
+                                    reason: "no string field `chat_template`".into(),
+                                })
+                            }
                         }
-                    })?
-                } else {
-                    return Err(ProfileError::MissingChatTemplate {
-                        origin: format!(
-                            "{}: no `chat_template`, and no chat_template.jinja beside it",
-                            cfg_path.display()
-                        ),
-                    });
+                    } else {
+                        return Err(ProfileError::MissingChatTemplate {
+                            origin: format!(
+                                "{}: no `chat_template`, and no chat_template.jinja or \
+                             chat_template.json beside it",
+                                cfg_path.display()
+                            ),
+                        });
+                    }
                 }
-            }
+            },
         };
         let tokens = TemplateTokens {
             bos: bos.as_ref().map(|(s, _)| s.clone()),
@@ -504,6 +563,15 @@ impl PromptProfile {
         self.inner.tokenizer.decode(ids, skip_special)
     }
 
+    /// The tokenizer as a HF `tokenizer.json` (what `from_hf` reads back into the same tokenizer).
+    pub fn tokenizer_json(&self) -> Result<String> {
+        self.inner
+            .tokenizer
+            .parse_special
+            .to_string(false)
+            .map_err(error::tk_err)
+    }
+
     /// The tokenizer family (`bpe/<pre-tokenizer>`, `spm`, `wpm`, or `hf` for a tokenizer.json).
     pub fn tokenizer_family(&self) -> &str {
         &self.inner.family
@@ -516,28 +584,15 @@ impl PromptProfile {
 
     /// Render `messages` with the chat template.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        #[derive(Serialize)]
-        struct TemplateMessage<'a> {
-            role: &'a str,
-            content: Option<std::borrow::Cow<'a, str>>,
-            #[serde(flatten)]
-            extra: &'a serde_json::Map<String, serde_json::Value>,
-        }
-        let msgs: Vec<TemplateMessage<'_>> = messages
-            .iter()
-            .map(|m| TemplateMessage {
-                role: &m.role,
-                content: m.content.as_ref().map(|c| match c {
-                    MessageContent::Text(s) => std::borrow::Cow::Borrowed(s.as_str()),
-                    parts => std::borrow::Cow::Owned(parts.to_text()),
-                }),
-                extra: &m.extra,
-            })
-            .collect();
-        self.inner.template.render(
-            minijinja::Value::from_serialize(&msgs),
-            add_generation_prompt,
-        )
+        let mut chat = ChatPrompt::new(messages.to_vec());
+        chat.add_generation_prompt = add_generation_prompt;
+        self.render_chat(&chat)
+    }
+
+    /// Render a chat prompt (messages, tools, kwargs, …) with the chat template, the way
+    /// `transformers`' `apply_chat_template` does ([`ChatTemplate::render_inputs`]).
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String> {
+        self.inner.template.render_inputs(&chat.template_inputs())
     }
 
     /// Render with the generation prompt and tokenize (special tokens parsed, no BOS added):

@@ -21,13 +21,22 @@ use crate::identity::ProfileIdentity;
 use crate::message::ChatMessage;
 use crate::PromptProfile;
 
-/// A chat conversation and how to render it.
+/// A chat conversation and how to render it: everything of a chat request that reaches the
+/// chat template.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatPrompt {
     /// The messages, in order.
     pub messages: Vec<ChatMessage>,
     /// End the rendered text with the assistant turn's opening (default true).
     pub add_generation_prompt: bool,
+    /// Leave the final (assistant) message open for the model to continue (default false).
+    pub continue_final_message: bool,
+    /// The request's `tools` (OpenAI function definitions), `None` when it has none.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// `documents` for retrieval templates.
+    pub documents: Option<Vec<serde_json::Value>>,
+    /// `chat_template_kwargs`: extra template variables (e.g. `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ChatPrompt {
@@ -36,7 +45,212 @@ impl ChatPrompt {
         ChatPrompt {
             messages,
             add_generation_prompt: true,
+            continue_final_message: false,
+            tools: None,
+            documents: None,
+            template_kwargs: serde_json::Map::new(),
         }
+    }
+
+    /// What the chat template is rendered with. Messages become JSON objects `{role, content,
+    /// …other fields in request order}`; content parts are joined into one string (text parts
+    /// with `"\n"`, as vLLM does for templates that take string content); a tool call's
+    /// `function.arguments` given as a JSON string holding an object is parsed into that object
+    /// (as vLLM does: chat templates index and iterate the arguments).
+    pub fn template_inputs(&self) -> crate::template::TemplateInputs {
+        let messages = self
+            .messages
+            .iter()
+            .map(|m| {
+                let mut o = serde_json::Map::with_capacity(m.extra.len() + 2);
+                o.insert("role".into(), serde_json::Value::String(m.role.clone()));
+                o.insert(
+                    "content".into(),
+                    m.text()
+                        .map_or(serde_json::Value::Null, serde_json::Value::String),
+                );
+                for (k, v) in &m.extra {
+                    let v = if k == "tool_calls" {
+                        parse_tool_call_arguments(v)
+                    } else {
+                        v.clone()
+                    };
+                    o.insert(k.clone(), v);
+                }
+                serde_json::Value::Object(o)
+            })
+            .collect();
+        crate::template::TemplateInputs {
+            messages,
+            tools: self.tools.clone(),
+            documents: self.documents.clone(),
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            kwargs: self.template_kwargs.clone(),
+            now: None,
+        }
+    }
+}
+
+/// `tool_calls[*].function.arguments` as a JSON string holding an object → that object.
+fn parse_tool_call_arguments(calls: &serde_json::Value) -> serde_json::Value {
+    let mut calls = calls.clone();
+    if let serde_json::Value::Array(items) = &mut calls {
+        for call in items {
+            if let Some(args) = call
+                .get_mut("function")
+                .and_then(|f| f.get_mut("arguments"))
+            {
+                if let serde_json::Value::String(s) = args {
+                    if let Ok(v @ serde_json::Value::Object(_)) = serde_json::from_str(s) {
+                        *args = v;
+                    }
+                }
+            }
+        }
+    }
+    calls
+}
+
+/// The fields of a chat request that shape its prompt besides `messages` — `tools`,
+/// `tool_choice`, `documents`, `chat_template_kwargs`, `add_generation_prompt`,
+/// `continue_final_message` — read the same way by the gateway (to predict block keys) and the
+/// worker (to run the request).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ChatTemplateFields {
+    /// OpenAI function tools: `[{"type": "function", "function": {"name": …, …}}]`.
+    #[serde(default)]
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name": …}}`.
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Retrieval documents (templates that take `documents`).
+    #[serde(default)]
+    pub documents: Option<Vec<serde_json::Value>>,
+    /// Extra template variables.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Default true.
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// Default false; with `add_generation_prompt` true it is refused (as vLLM does).
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
+}
+
+/// Template variables a request's `chat_template_kwargs` may not replace.
+const RESERVED_TEMPLATE_VARS: &[&str] = &[
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+];
+
+/// A request field the prompt contract refuses, with the reason (the caller's 400).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    /// The field (`tools`, `tools[1].function.name`, …).
+    pub param: String,
+    /// Why.
+    pub reason: String,
+    /// A valid value this server does not serve (e.g. `tool_choice: "required"`), not a
+    /// malformed one.
+    pub unsupported: bool,
+}
+
+impl ChatTemplateFields {
+    /// The chat prompt of `messages` under these fields, or the field that is wrong.
+    pub fn prompt(self, messages: Vec<ChatMessage>) -> std::result::Result<ChatPrompt, FieldError> {
+        let err = |param: String, reason: String| FieldError {
+            param,
+            reason,
+            unsupported: false,
+        };
+        let unsupported = |param: String, reason: String| FieldError {
+            param,
+            reason,
+            unsupported: true,
+        };
+        if let Some(tools) = &self.tools {
+            for (i, t) in tools.iter().enumerate() {
+                let ok_type = t.get("type").and_then(|v| v.as_str()) == Some("function");
+                let name = t
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(|n| n.as_str());
+                if !ok_type {
+                    return Err(unsupported(
+                        format!("tools[{i}].type"),
+                        "only `function` tools are supported".into(),
+                    ));
+                }
+                if name.is_none_or(str::is_empty) {
+                    return Err(err(
+                        format!("tools[{i}].function.name"),
+                        "a function tool needs a non-empty `name`".into(),
+                    ));
+                }
+            }
+        }
+        match &self.tool_choice {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(serde_json::Value::String(s)) if s == "required" => {
+                return Err(unsupported(
+                    "tool_choice".into(),
+                    "`required` needs constrained decoding, which this server does not do; use `auto`"
+                        .into(),
+                ))
+            }
+            Some(serde_json::Value::Object(_)) => {
+                return Err(unsupported(
+                    "tool_choice".into(),
+                    "naming a function needs constrained decoding, which this server does not do; use `auto`"
+                        .into(),
+                ))
+            }
+            Some(_) => {
+                return Err(err(
+                    "tool_choice".into(),
+                    "must be `none`, `auto`, `required` or a function".into(),
+                ))
+            }
+        }
+        if let Some(docs) = &self.documents {
+            if let Some(i) = docs.iter().position(|d| !d.is_object()) {
+                return Err(err(
+                    format!("documents[{i}]"),
+                    "a document must be an object".into(),
+                ));
+            }
+        }
+        let kwargs = self.chat_template_kwargs.unwrap_or_default();
+        if let Some(k) = kwargs
+            .keys()
+            .find(|k| RESERVED_TEMPLATE_VARS.contains(&k.as_str()))
+        {
+            return Err(err(
+                format!("chat_template_kwargs.{k}"),
+                "is set by the request itself, not by template kwargs".into(),
+            ));
+        }
+        let add_generation_prompt = self.add_generation_prompt.unwrap_or(true);
+        let continue_final_message = self.continue_final_message.unwrap_or(false);
+        if continue_final_message && add_generation_prompt {
+            return Err(err(
+                "continue_final_message".into(),
+                "cannot be combined with add_generation_prompt = true (set it to false)".into(),
+            ));
+        }
+        Ok(ChatPrompt {
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools: self.tools,
+            documents: self.documents,
+            template_kwargs: kwargs,
+        })
     }
 }
 
@@ -170,7 +384,7 @@ impl PromptProfile {
                 if chat.messages.is_empty() {
                     return Err(ProfileError::EmptyPrompt { param: "messages" });
                 }
-                let text = self.render(&chat.messages, chat.add_generation_prompt)?;
+                let text = self.render_chat(chat)?;
                 check(self.tokens_floor(text.len()))?;
                 let ids = self.encode_until(&text, budget.max_prompt_tokens(requested))?;
                 check(ids.len())?;

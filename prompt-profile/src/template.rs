@@ -5,7 +5,18 @@
 //! (`break`/`continue`), Python string/dict/list methods via minijinja-contrib's pycompat
 //! callback, `raise_exception(msg)`, a `tojson` filter that matches Python's
 //! `json.dumps(x, ensure_ascii=False)` (separators `", "`/`": "`, no HTML escaping,
-//! `indent`/`separators`/`sort_keys`/`ensure_ascii` arguments), and `strftime_now(fmt)`.
+//! `indent`/`separators`/`sort_keys`/`ensure_ascii` arguments; an undefined value raises, as
+//! Python's does), `strftime_now(fmt)`, `{% generation %}…{% endgeneration %}` rendering its body
+//! (transformers' assistant-mask tag), values printed as Python prints them (`{{ x }}` and
+//! `x|string` on a dict or list give its `repr`, `True`/`False`/`None`), and the `sequence` test
+//! true for strings, dicts and lists (jinja2's).
+//!
+//! [`TemplateInputs`] are what `transformers`' `apply_chat_template` hands the template, and
+//! [`ChatTemplate::render_inputs`] prepares them the way it does (null-valued message keys
+//! dropped, reasoning aliased under `thinking` and `reasoning_content`, `continue_final_message`
+//! by its tag-and-cut rule, special tokens defined only when the model has them, template kwargs
+//! last). tests/templates.rs checks every template of llama.cpp's collection over a
+//! conversation set against Python jinja2 driven the same way.
 //! Rendering cost is linear in the size of the conversation.
 
 use std::fmt::Write as _;
@@ -29,6 +40,36 @@ pub struct TemplateTokens {
     /// `pad_token`.
     pub pad: Option<String>,
 }
+
+/// Everything a chat template is rendered with: what `transformers`' `apply_chat_template`
+/// receives (messages as JSON objects, `tools`, `documents`, `add_generation_prompt`,
+/// `continue_final_message`, and the template kwargs).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TemplateInputs {
+    /// The conversation; each message a JSON object.
+    pub messages: Vec<serde_json::Value>,
+    /// Tool definitions (JSON schema objects), `None` when the request offers none.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Documents for retrieval-augmented templates.
+    pub documents: Option<Vec<serde_json::Value>>,
+    /// End with the opening of an assistant turn.
+    pub add_generation_prompt: bool,
+    /// Leave the final message open, to be continued (refused with `add_generation_prompt`).
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`); they override
+    /// the special tokens of the same name.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+    /// What `strftime_now` reads; `None`: the local clock (fixed values make renders
+    /// reproducible in tests).
+    pub now: Option<chrono::NaiveDateTime>,
+}
+
+/// The tag transformers appends to the message to continue, then cuts the render at.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+/// The message fields a message's reasoning may come under (the first is the standard one).
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+/// The context variable carrying a frozen clock to `strftime_now` (not a template variable).
+const NOW_VAR: &str = "__kvgate_strftime_now";
 
 /// A compiled chat template.
 #[derive(Clone)]
@@ -72,7 +113,85 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.clone())
+        env.add_filter("string", py_string);
+        env.add_test("sequence", is_py_sequence);
+        env.add_test("iterable", is_py_iterable);
+        env.add_test("none", is_py_none);
+        env.add_filter("length", py_length);
+        env.add_filter("count", py_length);
+        env.add_filter("indent", py_indent);
+        env.add_filter(
+            "map",
+            |state: &minijinja::State, v: Value, args: minijinja::value::Rest<Value>| {
+                lazy(&v, || minijinja::filters::map(state, v.clone(), args))
+            },
+        );
+        env.add_filter(
+            "select",
+            |state: &minijinja::State,
+             v: Value,
+             test: Option<String>,
+             args: minijinja::value::Rest<Value>| {
+                lazy(&v, || {
+                    minijinja::filters::select(state, v.clone(), test.map(Into::into), args)
+                })
+            },
+        );
+        env.add_filter(
+            "reject",
+            |state: &minijinja::State,
+             v: Value,
+             test: Option<String>,
+             args: minijinja::value::Rest<Value>| {
+                lazy(&v, || {
+                    minijinja::filters::reject(state, v.clone(), test.map(Into::into), args)
+                })
+            },
+        );
+        env.add_filter(
+            "selectattr",
+            |state: &minijinja::State,
+             v: Value,
+             attr: String,
+             test: Option<String>,
+             args: minijinja::value::Rest<Value>| {
+                lazy(&v, || {
+                    minijinja::filters::selectattr(
+                        state,
+                        v.clone(),
+                        attr.into(),
+                        test.map(Into::into),
+                        args,
+                    )
+                })
+            },
+        );
+        env.add_filter(
+            "rejectattr",
+            |state: &minijinja::State,
+             v: Value,
+             attr: String,
+             test: Option<String>,
+             args: minijinja::value::Rest<Value>| {
+                lazy(&v, || {
+                    minijinja::filters::rejectattr(
+                        state,
+                        v.clone(),
+                        attr.into(),
+                        test.map(Into::into),
+                        args,
+                    )
+                })
+            },
+        );
+        env.set_formatter(|out, _state, value| {
+            let mut s = String::new();
+            write_py_str(&mut s, value);
+            out.write_str(&s).map_err(|e| {
+                minijinja::Error::new(ErrorKind::WriteFailure, "write failed").with_source(e)
+            })
+        });
+        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(&source))
             .map_err(|e| template_error(&e))?;
         Ok(ChatTemplate {
             env,
@@ -86,23 +205,247 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// Render `messages` (already converted to template values).
+    /// Render already-built template values (`messages` as a value, no tools): for callers
+    /// that hold minijinja values. [`Self::render_inputs`] is the request path.
     pub fn render(&self, messages: Value, add_generation_prompt: bool) -> Result<String> {
+        let mut ctx = self.base_context(add_generation_prompt);
+        ctx.insert("messages".into(), messages);
+        self.render_context(ctx)
+    }
+
+    /// Render `inputs` the way `transformers`' `apply_chat_template(…, tokenize=False)` does.
+    pub fn render_inputs(&self, inputs: &TemplateInputs) -> Result<String> {
+        if inputs.messages.is_empty() {
+            return Err(ProfileError::EmptyPrompt { param: "messages" });
+        }
+        if inputs.continue_final_message && inputs.add_generation_prompt {
+            return Err(ProfileError::InvalidMessage {
+                index: inputs.messages.len() - 1,
+                reason: "continue_final_message and add_generation_prompt cannot both be true"
+                    .into(),
+            });
+        }
+        let mut chat = Vec::with_capacity(inputs.messages.len());
+        for (index, m) in inputs.messages.iter().enumerate() {
+            let serde_json::Value::Object(m) = m else {
+                return Err(ProfileError::InvalidMessage {
+                    index,
+                    reason: "a message must be a JSON object".into(),
+                });
+            };
+            // transformers drops null-valued keys, then aliases reasoning.
+            let m: serde_json::Map<String, serde_json::Value> = m
+                .iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            chat.push(alias_reasoning(m));
+        }
+        for (what, list) in [("tools", &inputs.tools), ("documents", &inputs.documents)] {
+            if let Some(list) = list {
+                if let Some(i) = list.iter().position(|t| !t.is_object()) {
+                    return Err(ProfileError::InvalidMessage {
+                        index: i,
+                        reason: format!("{what}[{i}] must be a JSON object"),
+                    });
+                }
+            }
+        }
+        let continued = if inputs.continue_final_message {
+            Some(self.tag_final_message(&mut chat)?)
+        } else {
+            None
+        };
+        let last = chat.len() - 1;
+        let mut ctx = self.base_context(inputs.add_generation_prompt);
+        ctx.insert(
+            "messages".into(),
+            py_list(
+                chat.into_iter()
+                    .map(serde_json::Value::Object)
+                    .collect::<Vec<_>>()
+                    .iter(),
+            ),
+        );
+        let opt = |v: &Option<Vec<serde_json::Value>>| match v {
+            Some(list) => py_list(list.iter()),
+            None => py_none(),
+        };
+        ctx.insert("tools".into(), opt(&inputs.tools));
+        ctx.insert("documents".into(), opt(&inputs.documents));
+        for (k, v) in &inputs.kwargs {
+            ctx.insert(k.clone(), py_value(v));
+        }
+        if let Some(now) = inputs.now {
+            ctx.insert(
+                NOW_VAR.into(),
+                Value::from(now.format("%Y-%m-%dT%H:%M:%S%.f").to_string()),
+            );
+        }
+        let text = self.render_context(ctx)?;
+        match continued {
+            None => Ok(text),
+            Some(final_text) => cut_at_continue_tag(text, &final_text, last),
+        }
+    }
+
+    /// The variables every render has: the special tokens the model defines (others stay
+    /// undefined, as transformers leaves them), `add_generation_prompt`, `tools` and
+    /// `documents` as `None`.
+    fn base_context(
+        &self,
+        add_generation_prompt: bool,
+    ) -> std::collections::BTreeMap<String, Value> {
+        let mut ctx = std::collections::BTreeMap::new();
+        for (name, tok) in [
+            ("bos_token", &self.tokens.bos),
+            ("eos_token", &self.tokens.eos),
+            ("unk_token", &self.tokens.unk),
+            ("pad_token", &self.tokens.pad),
+        ] {
+            if let Some(t) = tok {
+                ctx.insert(name.to_owned(), Value::from(t.as_str()));
+            }
+        }
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        ctx.insert("tools".into(), py_none());
+        ctx.insert("documents".into(), py_none());
+        ctx
+    }
+
+    fn render_context(&self, ctx: std::collections::BTreeMap<String, Value>) -> Result<String> {
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| template_error(&e))?;
-        let ctx = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.tokens.bos.as_deref().unwrap_or(""),
-            eos_token => self.tokens.eos.as_deref().unwrap_or(""),
-            unk_token => self.tokens.unk.as_deref(),
-            pad_token => self.tokens.pad.as_deref(),
-            tools => Value::from(()),
-            documents => Value::from(()),
+        tmpl.render(Value::from_iter(ctx))
+            .map_err(|e| render_error(&e))
+    }
+
+    /// transformers' `continue_final_message`: the final message's content (the last text part
+    /// of a list) gets the tag appended; returns the text being continued.
+    fn tag_final_message(
+        &self,
+        chat: &mut [serde_json::Map<String, serde_json::Value>],
+    ) -> Result<String> {
+        let index = chat.len() - 1;
+        let bad = |reason: &str| ProfileError::InvalidMessage {
+            index,
+            reason: reason.to_owned(),
         };
-        tmpl.render(ctx).map_err(|e| template_error(&e))
+        if !self.source.contains("content") {
+            return Err(bad(
+                "continue_final_message: this chat template never reads a message's content",
+            ));
+        }
+        let last = &mut chat[index];
+        match last.get_mut("content") {
+            None => Err(bad(
+                "continue_final_message: the final message has no content",
+            )),
+            Some(serde_json::Value::String(s)) => {
+                let text = s.clone();
+                s.push_str(CONTINUE_TAG);
+                Ok(text)
+            }
+            Some(serde_json::Value::Array(parts)) => {
+                for part in parts.iter_mut().rev() {
+                    if let Some(serde_json::Value::String(t)) = part.get_mut("text") {
+                        let text = t.clone();
+                        t.push_str(CONTINUE_TAG);
+                        return Ok(text);
+                    }
+                }
+                Err(bad(
+                    "continue_final_message: the final message has no text to continue",
+                ))
+            }
+            Some(_) => Err(bad(
+                "continue_final_message: the final message's content is not text",
+            )),
+        }
+    }
+}
+
+/// transformers' alias: a message with reasoning under any of the three names becomes
+/// `{"thinking": r, **message, "reasoning_content": r}` (r the first one present).
+fn alias_reasoning(
+    m: serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let Some(r) = REASONING_FIELDS
+        .iter()
+        .find_map(|k| m.get(*k).filter(|v| !v.is_null()).cloned())
+    else {
+        return m;
+    };
+    let mut out = serde_json::Map::with_capacity(m.len() + 2);
+    out.insert("thinking".into(), r.clone());
+    for (k, v) in m {
+        out.insert(k, v);
+    }
+    out.insert("reasoning_content".into(), r);
+    out
+}
+
+/// Cut a render at the last continue tag (keeping the tag's space when the template kept it),
+/// after checking that the template kept both the text and the tag.
+fn cut_at_continue_tag(text: String, final_text: &str, index: usize) -> Result<String> {
+    let tag = CONTINUE_TAG.trim_end();
+    if !text.contains(final_text.trim()) || !text.contains(tag) {
+        return Err(ProfileError::InvalidMessage {
+            index,
+            reason: "continue_final_message: the chat template does not keep the final message"
+                .into(),
+        });
+    }
+    let at = text.rfind(tag).unwrap_or(text.len());
+    if text[at..].starts_with(CONTINUE_TAG) {
+        Ok(text[..at].to_owned())
+    } else {
+        Ok(text[..at].trim_end().to_owned())
+    }
+}
+
+/// `{% generation %}` / `{% endgeneration %}` (transformers' assistant-mask tags, which only
+/// mark spans) become a block that always renders its body, keeping their whitespace control.
+fn rewrite_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(i) = rest.find("{%") {
+        out.push_str(&rest[..i]);
+        let tag = &rest[i..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let (lead, body) = match inner.strip_prefix(['-', '+']) {
+            Some(b) => (&inner[..1], b),
+            None => ("", inner),
+        };
+        let (body, trail) = match body.strip_suffix(['-', '+']) {
+            Some(b) => (b, &body[body.len() - 1..]),
+            None => (body, ""),
+        };
+        match body.trim() {
+            "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{lead} endif {trail}%}}")),
+            _ => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A render-time error: raised by the template, or a failure on the request's data.
+fn render_error(e: &minijinja::Error) -> ProfileError {
+    match template_error(e) {
+        ProfileError::Template { reason } => ProfileError::TemplateRender { reason },
+        other => other,
     }
 }
 
@@ -134,9 +477,14 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     )
 }
 
-/// `strftime_now(format)`: the local time formatted with Python/C `strftime` directives.
-fn strftime_now(format: String) -> Result<Value, minijinja::Error> {
-    let now = chrono::Local::now();
+/// `strftime_now(format)`: the local time (or the render's frozen clock) formatted with
+/// Python/C `strftime` directives.
+fn strftime_now(state: &minijinja::State, format: String) -> Result<Value, minijinja::Error> {
+    let frozen = state
+        .lookup(NOW_VAR)
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .and_then(|s| chrono::NaiveDateTime::parse_from_str(&s, "%Y-%m-%dT%H:%M:%S%.f").ok());
+    let now = frozen.unwrap_or_else(|| chrono::Local::now().naive_local());
     let mut out = String::new();
     write!(out, "{}", now.format(&format)).map_err(|_| {
         minijinja::Error::new(
@@ -215,7 +563,14 @@ fn write_json(
     level: usize,
 ) -> Result<(), minijinja::Error> {
     match value.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Undefined => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: Object of type Undefined is not JSON serializable",
+            ))
+        }
+        ValueKind::None => out.push_str("null"),
+        _ if value.downcast_object_ref::<PyNone>().is_some() => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
             if value.is_integer() {
@@ -234,7 +589,13 @@ fn write_json(
                 "tojson: bytes are not JSON serializable",
             ))
         }
-        ValueKind::Seq | ValueKind::Iterable => {
+        ValueKind::Iterable => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: Object of type generator is not JSON serializable",
+            ))
+        }
+        ValueKind::Seq => {
             let items: Vec<Value> = value.try_iter()?.collect();
             write_container(out, style, level, '[', ']', items.len(), |out, i| {
                 write_json(out, &items[i], style, level + 1)
@@ -369,6 +730,361 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
         }
     }
     out.push('"');
+}
+
+/// `value|string`: Python's `str(value)`.
+fn py_string(value: &Value) -> Value {
+    if value.kind() == ValueKind::String {
+        return value.clone();
+    }
+    let mut s = String::new();
+    write_py_str(&mut s, value);
+    Value::from(s)
+}
+
+/// Python's `None` where jinja2 and minijinja disagree about it: minijinja iterates `none` as
+/// empty, Python raises (`for t in tools` with no tools). `tools` and `documents` are this
+/// when the request has none; it is falsy, prints `None`, serializes as `null`, is `none` to
+/// the test, and refuses iteration and `length` as Python does.
+#[derive(Debug)]
+struct PyNone;
+
+impl minijinja::value::Object for PyNone {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Plain
+    }
+
+    fn is_true(self: &std::sync::Arc<Self>) -> bool {
+        false
+    }
+
+    fn render(self: &std::sync::Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("None")
+    }
+}
+
+fn py_none() -> Value {
+    Value::from_object(PyNone)
+}
+
+/// A Python dict from the request: keys in request order, printed (`{{ }}`, `~`, `|string`,
+/// `|trim`) as Python's `repr`.
+#[derive(Debug)]
+struct PyDict(Vec<(Value, Value)>);
+
+impl minijinja::value::Object for PyDict {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Map
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        minijinja::value::Enumerator::Values(self.0.iter().map(|(k, _)| k.clone()).collect())
+    }
+
+    fn enumerator_len(self: &std::sync::Arc<Self>) -> Option<usize> {
+        Some(self.0.len())
+    }
+
+    fn render(self: &std::sync::Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut s = String::new();
+        write_py_repr(&mut s, &Value::from_dyn_object(self.clone()));
+        f.write_str(&s)
+    }
+}
+
+/// A Python list from the request (negative indices count from the end), printed as `repr`.
+#[derive(Debug)]
+struct PyList(Vec<Value>);
+
+impl minijinja::value::Object for PyList {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Seq
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+        let i = key.as_i64()?;
+        let len = i64::try_from(self.0.len()).ok()?;
+        let i = if i < 0 { len + i } else { i };
+        usize::try_from(i).ok().and_then(|i| self.0.get(i)).cloned()
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        minijinja::value::Enumerator::Seq(self.0.len())
+    }
+
+    fn render(self: &std::sync::Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut s = String::new();
+        write_py_repr(&mut s, &Value::from_dyn_object(self.clone()));
+        f.write_str(&s)
+    }
+}
+
+/// The lazy result of jinja2's `map`/`select`/`reject`/`selectattr`/`rejectattr`: a generator
+/// — iterable once materialized here, but without a length and not JSON-serializable, as in
+/// Python.
+#[derive(Debug)]
+struct PyGenerator(Vec<Value>);
+
+impl minijinja::value::Object for PyGenerator {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Iterable
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        minijinja::value::Enumerator::Iter(Box::new(self.0.clone().into_iter()))
+    }
+
+    fn render(self: &std::sync::Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<generator object>")
+    }
+}
+
+/// jinja2's filters of sequences skip a falsy input (`if value:`): `None` gives nothing.
+fn lazy(
+    v: &Value,
+    run: impl FnOnce() -> Result<Vec<Value>, minijinja::Error>,
+) -> Result<Value, minijinja::Error> {
+    if is_py_none_value(v) || v.is_undefined() {
+        return Ok(Value::from_object(PyGenerator(Vec::new())));
+    }
+    Ok(Value::from_object(PyGenerator(run()?)))
+}
+
+/// A JSON value as the template sees it (Python objects for containers).
+fn py_value(v: &serde_json::Value) -> Value {
+    match v {
+        serde_json::Value::Array(items) => py_list(items.iter()),
+        serde_json::Value::Object(map) => Value::from_object(PyDict(
+            map.iter()
+                .map(|(k, v)| (Value::from(k.as_str()), py_value(v)))
+                .collect(),
+        )),
+        other => Value::from_serialize(other),
+    }
+}
+
+fn py_list<'a>(items: impl Iterator<Item = &'a serde_json::Value>) -> Value {
+    Value::from_object(PyList(items.map(py_value).collect()))
+}
+
+/// `length`: Python's `len()` — an undefined value has length 0 (jinja2's `Undefined`), `None`
+/// and generators have none.
+fn py_length(v: &Value) -> Result<usize, minijinja::Error> {
+    if v.is_undefined() {
+        return Ok(0);
+    }
+    if is_py_none_value(v) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            "object of type 'NoneType' has no len()",
+        ));
+    }
+    minijinja::filters::length(v)
+}
+
+/// jinja2's `indent(width=4, first=False, blank=False)`, its newline quirk included (a trailing
+/// newline survives).
+fn py_indent(
+    value: &Value,
+    width: Option<Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<Value, minijinja::Error> {
+    let width = kwargs.get::<Option<Value>>("width")?.or(width);
+    let first = kwargs
+        .get::<Option<bool>>("first")?
+        .or(first)
+        .unwrap_or(false);
+    let blank = kwargs
+        .get::<Option<bool>>("blank")?
+        .or(blank)
+        .unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let indention = match width {
+        None => "    ".to_owned(),
+        Some(w) if w.kind() == ValueKind::String => w.as_str().unwrap_or("").to_owned(),
+        Some(w) => " ".repeat(usize::try_from(w.as_i64().unwrap_or(4)).unwrap_or(0)),
+    };
+    let mut text = String::new();
+    write_py_str(&mut text, value);
+    text.push('\n');
+    let lines = py_splitlines(&text);
+    let mut rv = if blank {
+        lines.join(&format!("\n{indention}"))
+    } else {
+        let mut it = lines.into_iter();
+        let mut rv = it.next().unwrap_or_default().to_owned();
+        let rest: Vec<String> = it
+            .map(|l| {
+                if l.is_empty() {
+                    String::new()
+                } else {
+                    format!("{indention}{l}")
+                }
+            })
+            .collect();
+        if !rest.is_empty() {
+            rv.push('\n');
+            rv.push_str(&rest.join("\n"));
+        }
+        rv
+    };
+    if first {
+        rv.insert_str(0, &indention);
+    }
+    Ok(Value::from(rv))
+}
+
+/// Python's `str.splitlines()`.
+fn py_splitlines(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut chars = s.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let is_break = matches!(
+            c,
+            '\n' | '\r'
+                | '\u{0b}'
+                | '\u{0c}'
+                | '\u{1c}'
+                | '\u{1d}'
+                | '\u{1e}'
+                | '\u{85}'
+                | '\u{2028}'
+                | '\u{2029}'
+        );
+        if is_break {
+            out.push(&s[start..i]);
+            let mut next = i + c.len_utf8();
+            if c == '\r' {
+                if let Some(&(j, '\n')) = chars.peek() {
+                    chars.next();
+                    next = j + 1;
+                }
+            }
+            start = next;
+        }
+    }
+    if start < s.len() {
+        out.push(&s[start..]);
+    }
+    out
+}
+
+fn is_py_none_value(v: &Value) -> bool {
+    v.is_none() || v.downcast_object_ref::<PyNone>().is_some()
+}
+
+/// The `none` test, true for [`PyNone`] too.
+fn is_py_none(v: &Value) -> bool {
+    is_py_none_value(v)
+}
+
+/// jinja2's `iterable` test: strings, lists, dicts (never `None`).
+fn is_py_iterable(v: &Value) -> bool {
+    !is_py_none_value(v) && !v.is_undefined() && v.try_iter().is_ok()
+}
+
+/// jinja2's `sequence` test: anything with a length and item access — strings, lists, dicts.
+fn is_py_sequence(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::String | ValueKind::Seq | ValueKind::Map
+    )
+}
+
+/// Python's `str(value)`: strings as they are, the rest as `repr`.
+fn write_py_str(out: &mut String, value: &Value) {
+    match value.kind() {
+        ValueKind::Undefined => {}
+        ValueKind::String => out.push_str(value.as_str().unwrap_or("")),
+        _ => write_py_repr(out, value),
+    }
+}
+
+/// Python's `repr(value)` for JSON-like values.
+fn write_py_repr(out: &mut String, value: &Value) {
+    match value.kind() {
+        ValueKind::Undefined => {}
+        ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number => {
+            if value.is_integer() {
+                let _ = write!(out, "{value}");
+            } else {
+                write_py_float(out, f64::try_from(value.clone()).unwrap_or(f64::NAN));
+            }
+        }
+        ValueKind::String => write_py_repr_str(out, value.as_str().unwrap_or("")),
+        ValueKind::Seq => {
+            out.push('[');
+            if let Ok(items) = value.try_iter() {
+                for (i, item) in items.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write_py_repr(out, &item);
+                }
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            if let Ok(keys) = value.try_iter() {
+                for (i, k) in keys.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write_py_repr(out, &k);
+                    out.push_str(": ");
+                    write_py_repr(out, &value.get_item(&k).unwrap_or_default());
+                }
+            }
+            out.push('}');
+        }
+        _ => {
+            let _ = write!(out, "{value}");
+        }
+    }
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`; `\\`, `\n`, `\r`,
+/// `\t` and other non-printable characters escaped.
+fn write_py_repr_str(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c if (0x80..0xa0).contains(&(c as u32)) => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 #[cfg(test)]

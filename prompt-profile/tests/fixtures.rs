@@ -376,12 +376,28 @@ fn hf_template_and_limit_fallbacks() {
     assert_eq!(p.identity().eos_token_ids, vec![2, 0]);
     assert_eq!(p.template_source(), TEMPLATE);
 
-    // no chat_template in the config: chat_template.jinja beside it, else an error
+    // no chat_template in the config: chat_template.jinja beside it, else chat_template.json
+    // (newer transformers), else an error
     cfg.as_object_mut().unwrap().remove("chat_template");
     let (t, c) = tiny_hf(dir.path(), cfg);
     assert_eq!(
         PromptProfile::from_hf(&t, &c).unwrap_err().error_type(),
         "missing_chat_template"
+    );
+    write(dir.path(), "chat_template.json", br#"{"template": 1}"#);
+    assert_eq!(
+        PromptProfile::from_hf(&t, &c).unwrap_err().error_type(),
+        "invalid_config"
+    );
+    write(
+        dir.path(),
+        "chat_template.json",
+        br#"{"chat_template": "{{ messages[0]['content'] }}!"}"#,
+    );
+    let p = PromptProfile::from_hf(&t, &c).unwrap();
+    assert_eq!(
+        p.render(&[ChatMessage::new("user", "hey")], true).unwrap(),
+        "hey!"
     );
     write(
         dir.path(),
@@ -641,13 +657,13 @@ fn template_rejections_and_bad_messages() {
     assert_eq!(err.error_type(), "template_raised");
     assert!(err.is_client_error());
     assert!(err.to_string().contains("unknown role: robot"), "{err}");
-    // null content concatenated by the template: a template error, not a panic
+    // null content concatenated by the template: the conversation does not fit the template
+    // (a client error), not a panic
     let msgs =
         parse_messages(&json!([{"role": "assistant", "content": null, "tool_calls": []}])).unwrap();
-    assert_eq!(
-        p.render(&msgs, true).unwrap_err().error_type(),
-        "template_error"
-    );
+    let err = p.render(&msgs, true).unwrap_err();
+    assert_eq!(err.error_type(), "template_render_failed");
+    assert!(err.is_client_error());
     for bad in [
         json!({"nope": 1}),
         json!([{"content": "no role"}]),

@@ -4,35 +4,17 @@
 //! the `.out` file (HF `tokenizers` output, `add_special_tokens=False`: no BOS, special-token
 //! text not parsed). Prints the count per family.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod fixture_dir;
+
+use std::path::PathBuf;
 
 use prompt_profile::Vocabulary;
 
 /// The marker between test strings of an `.inp` file.
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
-
-/// The folder of `ggml-vocab-*.gguf`, fetching it when missing.
 fn vocab_dir() -> PathBuf {
-    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".cache/fixtures"));
-    let dir = base.join("llama.cpp/models");
-    if !dir.join("ggml-vocab-llama-bpe.gguf").is_file() {
-        let script = workspace_root().join("scripts/fetch-fixtures.sh");
-        let status = Command::new(&script)
-            .status()
-            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-        assert!(status.success(), "{} failed", script.display());
-    }
-    dir
+    fixture_dir::llama_models()
 }
 
 /// The test strings of an `.inp` file: split at the marker; a trailing remainder without one

@@ -1,10 +1,13 @@
 //! `kvgate tokenize`: render a chat with a model's prompt profile and print the prompt, the
 //! token ids and the profile identity.
 //!
-//! `--model` is a GGUF file (metadata only is read) or a folder holding a HF
-//! `tokenizer.json` + `tokenizer_config.json`. The input is `--messages FILE.json` (an array
-//! of OpenAI messages, or a chat completion body with a `messages` array; `-` reads stdin)
-//! or `--text T` (one user message; with `--raw`, T is tokenized as is, without template).
+//! `--model` is a GGUF file (metadata only is read; a vocabulary-only GGUF works with
+//! `--chat-template`) or a folder holding a HF `tokenizer.json` + `tokenizer_config.json`;
+//! `--chat-template FILE` replaces the model's template. The input is `--messages FILE.json`
+//! (an array of OpenAI messages, or a chat completion body: its `tools`, `tool_choice`,
+//! `documents`, `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`
+//! shape the prompt exactly as in a worker; `-` reads stdin) or `--text T` (one user message;
+//! with `--raw`, T is completion text, tokenized as a worker tokenizes a completion prompt).
 //! Every failure (missing file, not a GGUF, malformed JSON, a template rejecting a role) is
 //! one line on stderr and exit status 1.
 use std::io::Read;
@@ -12,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use prompt_profile::{parse_messages, ChatMessage, PromptProfile};
+use prompt_profile::{
+    parse_messages, ChatMessage, ChatPrompt, ChatTemplateFields, PromptProfile, PromptSource,
+};
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["text", "messages"])))]
@@ -20,6 +25,9 @@ pub struct Args {
     /// A GGUF model file, or a folder with tokenizer.json and tokenizer_config.json.
     #[arg(long)]
     pub model: PathBuf,
+    /// A Jinja chat template to use instead of the model's (required for a GGUF without one).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// Text of a single user message (or, with --raw, text to tokenize without template).
     #[arg(long)]
     pub text: Option<String>,
@@ -41,24 +49,38 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut profile = load_profile(&args.model)?;
+    let template = match &args.chat_template {
+        Some(f) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("reading the chat template {}", f.display()))?,
+        ),
+        None => None,
+    };
+    let mut profile = load_profile(&args.model, template)?;
     if let Some(rev) = &args.revision {
         profile = profile.with_revision(rev.clone());
     }
-    let text = if let (true, Some(text)) = (args.raw, &args.text) {
-        text.clone()
+    // The same prompt contract as the worker's: completion text or a chat prompt.
+    let (source, text) = if let (true, Some(text)) = (args.raw, &args.text) {
+        (PromptSource::Text(text.clone()), text.clone())
     } else {
-        let messages = match (&args.text, &args.messages) {
-            (Some(text), _) => vec![ChatMessage::new("user", text.clone())],
-            (None, Some(file)) => read_messages(file)?,
+        let chat = match (&args.text, &args.messages) {
+            (Some(text), _) => ChatTemplateFields {
+                add_generation_prompt: Some(!args.no_generation_prompt),
+                ..ChatTemplateFields::default()
+            }
+            .prompt(vec![ChatMessage::new("user", text.clone())])
+            .map_err(|e| anyhow::anyhow!("`{}`: {}", e.param, e.reason))?,
+            (None, Some(file)) => read_chat(file, args.no_generation_prompt)?,
             (None, None) => anyhow::bail!("one of --text or --messages is required"),
         };
-        profile
-            .render(&messages, !args.no_generation_prompt)
-            .context("rendering the chat template")?
+        let text = profile
+            .render_chat(&chat)
+            .context("rendering the chat template")?;
+        (PromptSource::Chat(chat), text)
     };
     let ids = profile
-        .encode(&text, true)
+        .prompt_ids(&source)
         .context("tokenizing the prompt")?;
     let identity = profile.identity();
     if args.json {
@@ -98,19 +120,26 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn load_profile(model: &Path) -> anyhow::Result<PromptProfile> {
-    let profile = if model.is_dir() {
-        PromptProfile::from_hf(
+fn load_profile(model: &Path, template: Option<String>) -> anyhow::Result<PromptProfile> {
+    let profile = match (model.is_dir(), template) {
+        (true, None) => PromptProfile::from_hf(
             model.join("tokenizer.json"),
             model.join("tokenizer_config.json"),
-        )
-    } else {
-        PromptProfile::from_gguf(model)
+        ),
+        (true, Some(t)) => PromptProfile::from_hf_with_template(
+            model.join("tokenizer.json"),
+            model.join("tokenizer_config.json"),
+            t,
+        ),
+        (false, None) => PromptProfile::from_gguf(model),
+        (false, Some(t)) => PromptProfile::from_gguf_with_template(model, t),
     };
     profile.with_context(|| format!("loading the prompt profile from {}", model.display()))
 }
 
-fn read_messages(file: &Path) -> anyhow::Result<Vec<ChatMessage>> {
+/// A messages file: an array of messages, or a chat completion body whose prompt-shaping
+/// fields are read as a worker reads them.
+fn read_chat(file: &Path, no_generation_prompt: bool) -> anyhow::Result<ChatPrompt> {
     let (name, bytes) = if file == Path::new("-") {
         let mut buf = Vec::new();
         std::io::stdin()
@@ -124,5 +153,16 @@ fn read_messages(file: &Path) -> anyhow::Result<Vec<ChatMessage>> {
     };
     let value: serde_json::Value =
         serde_json::from_slice(&bytes).with_context(|| format!("{name}: invalid JSON"))?;
-    parse_messages(&value).with_context(|| format!("{name}: invalid messages"))
+    let messages = parse_messages(&value).with_context(|| format!("{name}: invalid messages"))?;
+    let mut fields: ChatTemplateFields = if value.is_object() {
+        serde_json::from_value(value).with_context(|| format!("{name}: invalid chat fields"))?
+    } else {
+        ChatTemplateFields::default()
+    };
+    if no_generation_prompt {
+        fields.add_generation_prompt = Some(false);
+    }
+    fields
+        .prompt(messages)
+        .map_err(|e| anyhow::anyhow!("{name}: `{}`: {}", e.param, e.reason))
 }

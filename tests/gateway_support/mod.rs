@@ -42,6 +42,9 @@ pub struct FleetOptions {
     pub faulty: Option<(usize, u64)>,
     /// Workers serve HTTPS with this material (the rules then name `https://127.0.0.1:port`).
     pub worker_tls: Option<tls::ServerTls>,
+    /// A HF folder (`tokenizer.json`, `tokenizer_config.json`) to use as the profile of the
+    /// workers and the gateway instead of the GGUF's.
+    pub hf_profile: Option<PathBuf>,
 }
 
 impl Default for FleetOptions {
@@ -53,6 +56,7 @@ impl Default for FleetOptions {
             hash_algorithm: prefix_index::HashAlgorithm::Xxh3,
             faulty: None,
             worker_tls: None,
+            hf_profile: None,
         }
     }
 }
@@ -86,7 +90,14 @@ impl Fleet {
             .build()
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let profile = PromptProfile::from_gguf(model_path()).unwrap();
+        let profile = match &opts.hf_profile {
+            Some(dir) => PromptProfile::from_hf(
+                dir.join("tokenizer.json"),
+                dir.join("tokenizer_config.json"),
+            )
+            .unwrap(),
+            None => PromptProfile::from_gguf(model_path()).unwrap(),
+        };
         let gateway_key = KeyPair::generate();
         let mut fleet = Fleet {
             rt,
@@ -170,7 +181,7 @@ impl Fleet {
 id = "{id}"
 model_id = "{}"
 revision = "{}"
-source = {{ gguf = "{}" }}
+source = {}
 template_sha256 = "{}"
 tokenizer_sha256 = "{}"
 block_size = {block_size}
@@ -180,7 +191,14 @@ native_reserve_tokens = 0
 "#,
             p.model_id,
             p.revision,
-            model_path().display(),
+            match &self.opts.hf_profile {
+                Some(dir) => format!(
+                    "{{ tokenizer_json = \"{}\", tokenizer_config = \"{}\" }}",
+                    dir.join("tokenizer.json").display(),
+                    dir.join("tokenizer_config.json").display()
+                ),
+                None => format!("{{ gguf = \"{}\" }}", model_path().display()),
+            },
             p.template_sha256,
             p.tokenizer_sha256,
             self.opts.hash_algorithm,
@@ -239,6 +257,18 @@ native_reserve_tokens = 0
 
     pub fn gw(&self) -> &RunningGateway {
         self.gateway.as_ref().unwrap()
+    }
+
+    /// The `Authorization` value the gateway's access token for worker `i` makes (what opens the
+    /// worker's guarded endpoints such as `/v1/tokenize`).
+    pub fn worker_access(&self, i: usize) -> String {
+        let token = receipts::AccessToken::new(
+            "gateway",
+            &worker_id(i).as_str().into(),
+            receipts::now_ms(),
+        )
+        .sign(&self.gateway_key);
+        format!("Bearer {token}")
     }
 
     pub fn url(&self, path: &str) -> String {

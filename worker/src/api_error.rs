@@ -20,8 +20,9 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault (`error.param`).
     pub param: Option<String>,
-    /// Extra structured fields merged into the error object.
-    pub details: serde_json::Map<String, Value>,
+    /// Extra structured fields merged into the error object (boxed: errors travel in `Result`s
+    /// on hot paths and stay small).
+    pub details: Box<serde_json::Map<String, Value>>,
     /// Seconds for a `Retry-After` header (429 / 503).
     pub retry_after_s: Option<u64>,
 }
@@ -34,7 +35,7 @@ impl ApiError {
             code,
             message: message.into(),
             param: None,
-            details: serde_json::Map::new(),
+            details: Box::default(),
             retry_after_s: None,
         }
     }
@@ -89,7 +90,7 @@ impl ApiError {
                 kind: self.kind().to_string(),
                 param: self.param.clone(),
                 code: self.code.to_string(),
-                details: self.details.clone(),
+                details: (*self.details).clone(),
             },
         }
     }

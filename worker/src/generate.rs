@@ -338,14 +338,23 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
             return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
         }
     };
+    let (stop_token_ids, output) = match plan.output.resolve(
+        &st.identity.eos_token_ids,
+        st.profile.vocab_size(),
+        max_tokens,
+    ) {
+        Ok(o) => o,
+        Err(e) => return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await,
+    };
     let req = GenerateRequest {
         request_id: ctx.admission.request_id.clone(),
         prompt,
         namespace: ctx.admission.namespace,
         sampling: plan.sampling.clone(),
         max_tokens,
-        stop_token_ids: st.identity.eos_token_ids.clone(),
+        stop_token_ids,
         stop_strings: plan.stop.clone(),
+        output,
         cache_insert: plan.cache_insert,
         deadline: None,
     };

@@ -542,6 +542,7 @@ async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
             max_tokens: 1,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
+            output: engine::OutputParams::default(),
             cache_insert: false,
             deadline: None,
         })

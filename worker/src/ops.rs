@@ -10,7 +10,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use prompt_profile::{ChatPrompt, PromptSource};
+use prompt_profile::{ChatTemplateFields, PromptSource};
 
 use crate::api_error::ApiError;
 use crate::protocol::{
@@ -149,10 +149,21 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
     let context_limit = st.context_limit;
     let job = move || -> Result<TokenizeResponse, ApiError> {
         let source = match (req.messages, req.prompt) {
-            (Some(messages), None) => PromptSource::Chat(ChatPrompt {
-                messages,
-                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-            }),
+            (Some(messages), None) => {
+                let fields = ChatTemplateFields {
+                    tools: req.tools,
+                    tool_choice: req.tool_choice,
+                    documents: req.documents,
+                    chat_template_kwargs: req.chat_template_kwargs,
+                    add_generation_prompt: req.add_generation_prompt,
+                    continue_final_message: req.continue_final_message,
+                };
+                PromptSource::Chat(
+                    fields
+                        .prompt(messages)
+                        .map_err(crate::validate::field_error)?,
+                )
+            }
             (None, Some(p)) => PromptSource::Text(p),
             _ => {
                 return Err(ApiError::bad_request(

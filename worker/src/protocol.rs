@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// Every top-level key a chat completion request may carry. Keys listed here but not supported
-/// (e.g. `tools`) are accepted only with their neutral value; see `validate`.
+/// (e.g. `functions`) are accepted only with their neutral value; see `validate`.
 pub const CHAT_FIELDS: &[&str] = &[
     "model",
     "messages",
@@ -37,6 +37,10 @@ pub const CHAT_FIELDS: &[&str] = &[
     "top_logprobs",
     "tools",
     "tool_choice",
+    "documents",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
     "functions",
     "function_call",
     "parallel_tool_calls",
@@ -50,6 +54,15 @@ pub const CHAT_FIELDS: &[&str] = &[
     "prediction",
     "reasoning_effort",
     "web_search_options",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "no_stop_trim",
+    "return_hidden_states",
+    "separate_reasoning",
+    "stream_reasoning",
 ];
 
 /// Every top-level key a (legacy) completion request may carry.
@@ -77,6 +90,13 @@ pub const COMPLETION_FIELDS: &[&str] = &[
     "suffix",
     "best_of",
     "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "no_stop_trim",
+    "return_hidden_states",
 ];
 
 /// `stream_options`.
@@ -138,6 +158,20 @@ pub struct CommonParams {
     pub cache_salt: Option<String>,
     pub kvgate: Option<KvgateOptions>,
     pub logit_bias: Option<Value>,
+    /// vLLM/SGLang: do not stop at the profile's eos ids.
+    pub ignore_eos: Option<bool>,
+    /// vLLM/SGLang: no eos/stop id and no stop string before this many tokens.
+    pub min_tokens: Option<u64>,
+    /// vLLM: more token ids that end the sequence (not emitted).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM/SGLang: special tokens produce no text (default true).
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM: a matched stop string stays in the output.
+    pub include_stop_str_in_output: Option<bool>,
+    /// SGLang: the same as `include_stop_str_in_output`.
+    pub no_stop_trim: Option<bool>,
+    /// SGLang: only `false` is served.
+    pub return_hidden_states: Option<bool>,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -150,11 +184,20 @@ pub struct ChatCompletionRequest {
     pub common: CommonParams,
     pub logprobs: Option<Value>,
     pub top_logprobs: Option<Value>,
-    pub tools: Option<Value>,
+    pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub documents: Option<Vec<Value>>,
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub parallel_tool_calls: Option<Value>,
+    /// SGLang: split reasoning from content when a reasoning parser runs. The worker runs no
+    /// reasoning parser, so either value gives the same answer (content as generated).
+    pub separate_reasoning: Option<bool>,
+    /// SGLang: stream reasoning as it forms (with a reasoning parser); see `separate_reasoning`.
+    pub stream_reasoning: Option<bool>,
     pub response_format: Option<Value>,
     pub store: Option<Value>,
     pub metadata: Option<Value>,
@@ -193,6 +236,21 @@ pub struct TokenizeRequest {
     /// Only with `messages`; default `true`.
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
+    /// Only with `messages`: rendered with the template as a chat completion would be.
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
+    /// Only with `messages`.
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    /// Only with `messages`.
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    /// Only with `messages`.
+    #[serde(default)]
+    pub documents: Option<Vec<Value>>,
+    /// Only with `messages`.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// `POST /v1/tokenize` response.

@@ -22,7 +22,7 @@ use crate::protocol::{
     ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use engine::sampler::SamplingParams;
-use prompt_profile::{ChatPrompt, ProfileError, PromptSource};
+use prompt_profile::{ChatTemplateFields, ProfileError, PromptSource};
 
 /// The most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -40,6 +40,68 @@ pub struct GenerationPlan {
     pub sampling: SamplingParams,
     /// `false` when the body asked `"kvgate": {"cache": false}`.
     pub cache_insert: bool,
+    /// The vLLM/SGLang output extensions.
+    pub output: OutputSpec,
+}
+
+/// The most `stop_token_ids` a request may carry.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// The vLLM/SGLang output extensions of a request, checked (vocabulary ranges are checked
+/// against the profile by [`OutputSpec::resolve`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OutputSpec {
+    /// `ignore_eos`: the profile's eos ids do not end the sequence.
+    pub ignore_eos: bool,
+    /// `stop_token_ids`: more ids that end it.
+    pub stop_token_ids: Vec<u32>,
+    /// `min_tokens` (0 = off).
+    pub min_tokens: usize,
+    /// `skip_special_tokens` (default true).
+    pub skip_special_tokens: bool,
+    /// `include_stop_str_in_output` or `no_stop_trim`.
+    pub include_stop_str: bool,
+}
+
+impl OutputSpec {
+    /// The engine's stop ids and output parameters for a request with `max_tokens` output
+    /// tokens, the profile's `eos` ids and a vocabulary of `vocab_size` ids. `min_tokens` above
+    /// a `max_tokens` the token budget chose (the request named none) is clamped to it.
+    pub fn resolve(
+        &self,
+        eos: &[u32],
+        vocab_size: usize,
+        max_tokens: usize,
+    ) -> Result<(Vec<u32>, engine::OutputParams), ApiError> {
+        if let Some(bad) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab_size)
+        {
+            return Err(invalid_value(
+                "stop_token_ids",
+                format!("token id {bad} is outside the vocabulary ({vocab_size} ids)"),
+            ));
+        }
+        let mut stop: Vec<u32> = if self.ignore_eos {
+            Vec::new()
+        } else {
+            eos.to_vec()
+        };
+        for id in &self.stop_token_ids {
+            if !stop.contains(id) {
+                stop.push(*id);
+            }
+        }
+        Ok((
+            stop,
+            engine::OutputParams {
+                min_tokens: self.min_tokens.min(max_tokens),
+                skip_special_tokens: self.skip_special_tokens,
+                include_stop_str: self.include_stop_str,
+            },
+        ))
+    }
 }
 
 fn invalid_json(e: &serde_json::Error) -> ApiError {
@@ -167,6 +229,7 @@ struct Checked {
     stop: Vec<String>,
     sampling: SamplingParams,
     cache_insert: bool,
+    output: OutputSpec,
 }
 
 /// Checks and converts the parameters common to both endpoints.
@@ -268,6 +331,47 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         seed: c.seed.map(|s| s as u64),
     };
     let cache_insert = c.kvgate.and_then(|k| k.cache).unwrap_or(true);
+    if c.return_hidden_states == Some(true) {
+        return Err(unsupported(
+            "return_hidden_states",
+            "hidden states are not returned",
+        ));
+    }
+    let stop_token_ids = c.stop_token_ids.unwrap_or_default();
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(invalid_value(
+            "stop_token_ids",
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
+                stop_token_ids.len()
+            ),
+        ));
+    }
+    let min_tokens = usize::try_from(c.min_tokens.unwrap_or(0)).unwrap_or(usize::MAX);
+    if let Some(max) = max_tokens {
+        if min_tokens > max {
+            return Err(invalid_value(
+                "min_tokens",
+                format!("`min_tokens` ({min_tokens}) exceeds the maximum output ({max})"),
+            ));
+        }
+    }
+    let include_stop_str = match (c.include_stop_str_in_output, c.no_stop_trim) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(invalid_value(
+                "no_stop_trim",
+                "`include_stop_str_in_output` and `no_stop_trim` disagree",
+            ))
+        }
+        (a, b) => a.or(b).unwrap_or(false),
+    };
+    let output = OutputSpec {
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        stop_token_ids,
+        min_tokens,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        include_stop_str,
+    };
     Ok(Checked {
         stream,
         include_usage,
@@ -275,6 +379,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         stop,
         sampling,
         cache_insert,
+        output,
     })
 }
 
@@ -295,17 +400,11 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         &r.top_logprobs,
         "log probabilities are not returned",
     )?;
-    reject_unless_neutral("tools", &r.tools, "tool calling is not supported")?;
     reject_unless_neutral(
         "functions",
         &r.functions,
-        "function calling is not supported",
+        "the deprecated `functions` API is not supported; send `tools`",
     )?;
-    match &r.tool_choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "none" => {}
-        Some(_) => return Err(unsupported("tool_choice", "tool calling is not supported")),
-    }
     match &r.function_call {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) if s == "none" => {}
@@ -379,16 +478,28 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         stop,
         sampling,
         cache_insert,
+        output,
     } = common(r.common, r.max_completion_tokens)?;
+    // The prompt-shaping fields, read by the prompt contract (the gateway reads them the same).
+    let fields = ChatTemplateFields {
+        tools: r.tools,
+        tool_choice: r.tool_choice,
+        documents: r.documents,
+        chat_template_kwargs: r.chat_template_kwargs,
+        add_generation_prompt: r.add_generation_prompt,
+        continue_final_message: r.continue_final_message,
+    };
+    let chat = fields.prompt(r.messages).map_err(field_error)?;
     Ok(GenerationPlan {
         model: r.model,
-        prompt: PromptSource::Chat(ChatPrompt::new(r.messages)),
+        prompt: PromptSource::Chat(chat),
         stream,
         include_usage,
         max_tokens,
         stop,
         sampling,
         cache_insert,
+        output,
     })
 }
 
@@ -424,6 +535,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         stop,
         sampling,
         cache_insert,
+        output,
     } = common(r.common, None)?;
     Ok(GenerationPlan {
         model: r.model,
@@ -434,7 +546,19 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         stop,
         sampling,
         cache_insert,
+        output,
     })
+}
+
+/// A chat-template field the prompt contract refused, as the worker answers it: 400
+/// `unsupported_parameter` for a valid value not served, else `invalid_value`.
+pub fn field_error(e: prompt_profile::FieldError) -> ApiError {
+    let code = if e.unsupported {
+        "unsupported_parameter"
+    } else {
+        "invalid_value"
+    };
+    ApiError::bad_request(code, Some(&e.param), e.reason)
 }
 
 /// A prompt-contract error (`prompt_profile`) as the worker answers it: the request's fault
@@ -520,8 +644,35 @@ mod tests {
             (e.code, e.param.as_deref()),
             ("unsupported_parameter", Some("n"))
         );
+        // Tools reach the template; choices that need constrained decoding are refused.
+        let p = chat(
+            format!(r#"{{{MSG},"tools":[{{"type":"function","function":{{"name":"f"}}}}],"tool_choice":"auto"}}"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        let PromptSource::Chat(c) = &p.prompt else {
+            panic!("chat expected")
+        };
+        assert_eq!(c.tools.as_ref().map(Vec::len), Some(1));
+        for (v, param) in [
+            (
+                r#""tools":[{"type":"function","function":{}}]"#,
+                "tools[0].function.name",
+            ),
+            (
+                r#""chat_template_kwargs":{"messages":[]}"#,
+                "chat_template_kwargs.messages",
+            ),
+            (r#""continue_final_message":true"#, "continue_final_message"),
+        ] {
+            let e = chat_err(&format!(r#"{{{MSG},{v}}}"#));
+            assert_eq!(
+                (e.code, e.param.as_deref()),
+                ("invalid_value", Some(param)),
+                "{v}"
+            );
+        }
         for (k, v) in [
-            ("tools", r#"[{"type":"function","function":{"name":"f"}}]"#),
             ("logprobs", "true"),
             ("top_logprobs", "2"),
             (
@@ -529,7 +680,11 @@ mod tests {
                 r#"{"type":"json_schema","json_schema":{}}"#,
             ),
             ("logit_bias", r#"{"5":1}"#),
-            ("tool_choice", r#""auto""#),
+            ("tool_choice", r#""required""#),
+            (
+                "tool_choice",
+                r#"{"type":"function","function":{"name":"f"}}"#,
+            ),
         ] {
             let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
             assert_eq!(
@@ -551,12 +706,96 @@ mod tests {
                 "{k}"
             );
         }
+        let e = chat_err(&format!(r#"{{{MSG},"tools":[{{"type":"retrieval"}}]}}"#));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("unsupported_parameter", Some("tools[0].type"))
+        );
         let e = chat_err(&format!(
             r#"{{{MSG},"stream_options":{{"include_usage":true}}}}"#
         ));
         assert_eq!(e.param.as_deref(), Some("stream_options"));
         let e = chat_err(&format!(r#"{{{MSG},"stop":["a","b","c","d","e"]}}"#));
         assert_eq!(e.param.as_deref(), Some("stop"));
+    }
+
+    #[test]
+    fn vllm_and_sglang_output_extensions_are_read_and_checked() {
+        // What the SGLang model gateway sends with every chat request.
+        let p = chat(
+            format!(
+                r#"{{{MSG},"max_completion_tokens":9,"ignore_eos":true,"min_tokens":3,"stop_token_ids":[5,7],"skip_special_tokens":false,"no_stop_trim":true,"separate_reasoning":true,"stream_reasoning":true,"return_hidden_states":false,"continue_final_message":false,"top_k":4,"min_p":0.1,"repetition_penalty":1.1}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(
+            p.output,
+            OutputSpec {
+                ignore_eos: true,
+                stop_token_ids: vec![5, 7],
+                min_tokens: 3,
+                skip_special_tokens: false,
+                include_stop_str: true,
+            }
+        );
+        let (stop, out) = p.output.resolve(&[2], 100, 9).unwrap();
+        assert_eq!(stop, vec![5, 7], "ignore_eos drops the profile's eos ids");
+        assert_eq!(out.min_tokens, 3);
+        assert!(!out.skip_special_tokens && out.include_stop_str);
+        let d = chat(format!("{{{MSG}}}").as_bytes()).unwrap().output;
+        assert_eq!(d.resolve(&[2], 100, 9).unwrap().0, vec![2]);
+        assert!(d.skip_special_tokens && !d.include_stop_str && d.min_tokens == 0);
+        // min_tokens beyond a budget-chosen max is clamped; beyond an explicit one refused.
+        let p = chat(format!(r#"{{{MSG},"min_tokens":50}}"#).as_bytes()).unwrap();
+        assert_eq!(p.output.resolve(&[2], 100, 20).unwrap().1.min_tokens, 20);
+        let e = p.output.clone();
+        let bad = OutputSpec {
+            stop_token_ids: vec![100],
+            ..e
+        };
+        let err = bad.resolve(&[2], 100, 20).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("stop_token_ids"));
+        // The completion endpoint reads them too.
+        let p = completion(
+            br#"{"model":"m","prompt":"x","ignore_eos":true,"include_stop_str_in_output":true}"#,
+        )
+        .unwrap();
+        assert!(p.output.ignore_eos && p.output.include_stop_str);
+        for (v, code, param) in [
+            (
+                r#""min_tokens":8,"max_tokens":4"#,
+                "invalid_value",
+                "min_tokens",
+            ),
+            (
+                r#""return_hidden_states":true"#,
+                "unsupported_parameter",
+                "return_hidden_states",
+            ),
+            (
+                r#""no_stop_trim":true,"include_stop_str_in_output":false"#,
+                "invalid_value",
+                "no_stop_trim",
+            ),
+            (r#""ignore_eos":"yes""#, "invalid_type", "ignore_eos"),
+            (
+                r#""stop_token_ids":[-1]"#,
+                "invalid_type",
+                "stop_token_ids[0]",
+            ),
+            (r#""regex":"a+""#, "unknown_parameter", "regex"),
+            (r#""json_schema":"{}""#, "unknown_parameter", "json_schema"),
+        ] {
+            let e = chat_err(&format!(r#"{{{MSG},{v}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), (code, Some(param)), "{v}");
+        }
+        let many: Vec<String> = (0..=MAX_STOP_TOKEN_IDS).map(|i| i.to_string()).collect();
+        let e = chat_err(&format!(
+            r#"{{{MSG},"stop_token_ids":[{}]}}"#,
+            many.join(",")
+        ));
+        assert_eq!(e.param.as_deref(), Some("stop_token_ids"));
     }
 
     #[test]

@@ -237,10 +237,8 @@ async fn every_request_error_has_its_status_code_and_param() {
     // Unsupported parameters, never silently ignored.
     for (k, v) in [
         ("n", json!(2)),
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ),
+        ("tool_choice", json!("required")),
+        ("return_hidden_states", json!(true)),
         ("logprobs", json!(true)),
         (
             "response_format",

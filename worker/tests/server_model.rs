@@ -96,3 +96,85 @@ async fn real_model_worker_answers_streams_and_reuses_prefixes() {
     assert_eq!(streamed, text_a);
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_and_sglang_output_extensions_shape_real_answers() {
+    let w = start_sim(SimOpts {
+        real_model: true,
+        ..SimOpts::default()
+    })
+    .await;
+    let ask = |extra: Value| {
+        let mut body = json!({
+            "model": "smollm2",
+            "messages": [
+                {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."},
+                {"role": "user", "content": "What is the capital of France?"}
+            ],
+            "max_tokens": 40,
+            "temperature": 0
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let url = w.url("/v1/chat/completions");
+        async move {
+            let r: Value = client()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let text = r["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{r}"))
+                .to_string();
+            let finish = r["choices"][0]["finish_reason"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let n = r["usage"]["completion_tokens"].as_u64().unwrap();
+            (text, finish, n)
+        }
+    };
+    let (plain, finish, n) = ask(json!({})).await;
+    assert_eq!(
+        finish, "stop",
+        "the model ends its sentence with eos: {plain}"
+    );
+    assert!(plain.contains("Paris") && n < 30, "{plain} ({n} tokens)");
+
+    // ignore_eos: eos is generated (and counted) but does not end the answer; with
+    // skip_special_tokens false its text is shown.
+    let (shown, finish, m) = ask(json!({"ignore_eos": true, "skip_special_tokens": false,
+                                       "max_tokens": n + 4}))
+    .await;
+    assert_eq!((finish.as_str(), m), ("length", n + 4));
+    assert!(
+        shown.starts_with(&format!("{plain}<|im_end|>")),
+        "{shown:?}"
+    );
+    let (hidden, _, _) = ask(json!({"ignore_eos": true, "max_tokens": n + 4})).await;
+    assert!(
+        hidden.starts_with(&plain) && !hidden.contains("<|im_end|>"),
+        "{hidden:?}"
+    );
+
+    // min_tokens: eos cannot end it before; the first n-1 tokens are the plain answer's.
+    let (longer, _, k) = ask(json!({"min_tokens": n + 3})).await;
+    assert!(k >= n + 3, "{k} < {}", n + 3);
+    assert_ne!(longer, plain);
+
+    // no_stop_trim / include_stop_str_in_output keep the stop string.
+    let (cut, finish, _) = ask(json!({"stop": ["Paris"]})).await;
+    assert_eq!(finish, "stop");
+    assert!(!cut.contains("Paris") && plain.starts_with(&cut), "{cut:?}");
+    let (kept, _, _) = ask(json!({"stop": ["Paris"], "no_stop_trim": true})).await;
+    assert_eq!(kept, format!("{cut}Paris"));
+    let (kept2, _, _) = ask(json!({"stop": ["Paris"], "include_stop_str_in_output": true})).await;
+    assert_eq!(kept2, kept);
+    w.stop().await;
+}
