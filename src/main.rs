@@ -21,7 +21,7 @@ enum Command {
     /// Run the gateway (the VIP) in front of a worker fleet.
     Gateway(cmd::gateway::Args),
     /// Run a worker that embeds the engine.
-    Worker(cmd::worker::Args),
+    Worker(Box<cmd::worker::Args>),
     /// Verify and audit receipt logs.
     Receipts(cmd::receipts::Args),
     /// Generate an Ed25519 key pair for a gateway or a worker.
@@ -36,7 +36,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Gateway(a) => cmd::gateway::run(a),
-        Command::Worker(a) => cmd::worker::run(a),
+        Command::Worker(a) => cmd::worker::run(*a),
         Command::Receipts(a) => cmd::receipts::run(a),
         Command::Keygen(a) => cmd::keygen::run(a),
         Command::Bench(a) => cmd::bench::run(a),

@@ -565,3 +565,47 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     fleet.stop();
     println!("e2e fleet test: {:.1} s", t0.elapsed().as_secs_f64());
 }
+
+#[path = "python_support/mod.rs"]
+mod python_support;
+
+/// The official `openai` client's tool-calling flow (tests/openai_tools.py) through the gateway's
+/// KV-exact service: the gateway renders the `tools` and the `tool_calls` history exactly as the
+/// worker does (the ticket's prompt tokens equal the receipt's, checked by the audit), and the
+/// worker parses the model's Hermes call into `tool_calls`.
+#[test]
+fn openai_tool_calling_flow_through_the_gateway() {
+    let mut fleet = Fleet::start();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let out = Command::new(python_support::python())
+        .arg(&script)
+        .arg(fleet.base_url() + "/v1")
+        .arg(KV_MODEL)
+        .output()
+        .expect("python3 must be installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "openai_tools.py through the gateway failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stdout.contains("tool flow ok"), "{stdout}");
+    // The script sends four chat requests; each was routed, answered and receipted, and the
+    // gateway's prompt (tools and tool-call history rendered) is the worker's.
+    let decisions = fleet.wait_decisions(4);
+    assert_eq!(decisions.len(), 4, "{decisions:?}");
+    let rep = receipts::audit(
+        &fleet.decision_log,
+        &fleet.receipt_logs(),
+        &fleet.key_ring(),
+    )
+    .expect("audit");
+    assert!(rep.ok(), "audit failed:\n{rep}");
+    assert_eq!(rep.receipted, 4, "{rep}");
+    assert_eq!(
+        (rep.parity.compared, rep.parity.mismatched),
+        (4, 0),
+        "{rep}"
+    );
+    fleet.stop();
+}

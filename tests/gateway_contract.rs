@@ -392,6 +392,19 @@ fn jinja2_render(
     tools: &serde_json::Value,
     kwargs: &serde_json::Value,
 ) -> String {
+    jinja2_try_render(template, messages, tools, kwargs, None, Some("<|im_end|>"))
+        .unwrap_or_else(|e| panic!("reference: {e}"))
+}
+
+/// The jinja2 reference's text, or its error.
+fn jinja2_try_render(
+    template: &str,
+    messages: &serde_json::Value,
+    tools: &serde_json::Value,
+    kwargs: &serde_json::Value,
+    bos: Option<&str>,
+    eos: Option<&str>,
+) -> Result<String, String> {
     use std::io::Write;
     let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/python_support/chat_template_reference.py");
@@ -404,7 +417,7 @@ fn jinja2_render(
     let req = serde_json::json!({
         "template": template, "messages": messages, "tools": tools,
         "add_generation_prompt": true, "continue_final_message": false,
-        "kwargs": kwargs, "eos_token": "<|im_end|>",
+        "kwargs": kwargs, "bos_token": bos, "eos_token": eos,
     });
     child
         .stdin
@@ -415,8 +428,11 @@ fn jinja2_render(
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "the reference renderer failed");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["ok"], true, "reference: {v}");
-    v["text"].as_str().unwrap().to_owned()
+    if v["ok"] == true {
+        Ok(v["text"].as_str().unwrap().to_owned())
+    } else {
+        Err(v["error"].as_str().unwrap_or("").to_owned())
+    }
 }
 
 #[path = "python_support/mod.rs"]
@@ -521,4 +537,159 @@ fn tools_reasoning_and_template_kwargs_give_the_gateways_keys_on_the_worker() {
     assert_ne!(counts[0], counts[1]);
     assert_ne!(counts[0], counts[2]);
     fleet.stop();
+}
+
+/// Every complete profile of llama.cpp's tokenizer test set (the vocabulary-only GGUFs that
+/// carry a chat template: Command R, Gemma 4, Phi-3, Qwen 2, Qwen 3.5) and the default model:
+/// a chat body with tools, a tool-call history, reasoning and template kwargs gives the same
+/// prompt tokens and last block key at the gateway (ticket) and the worker (receipt), and the
+/// worker's rendered prompt is jinja2's; a template that refuses the conversation is refused
+/// by both sides and by jinja2.
+#[test]
+fn every_profile_of_the_test_set_agrees_between_gateway_and_worker() {
+    let models = llama_models();
+    let mut profiles: Vec<std::path::PathBuf> =
+        ["command-r", "gemma-4", "phi-3", "qwen2", "qwen35"]
+            .iter()
+            .map(|f| models.join(format!("ggml-vocab-{f}.gguf")))
+            .collect();
+    profiles.push(support::model_path());
+    let tools = serde_json::json!([{
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now.",
+                     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    }]);
+    let messages = serde_json::json!([
+        {"role": "system", "content": "You are a careful assistant. ".repeat(4)},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Paris, so call the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "user", "content": "Thanks. And tomorrow?"}
+    ]);
+    let mut reference_messages = messages.clone();
+    reference_messages[2]["tool_calls"][0]["function"]["arguments"] =
+        serde_json::json!({"city": "Paris"});
+    let kwargs = serde_json::json!({"enable_thinking": false});
+    let with_tools = serde_json::json!({
+        "model": "smol", "messages": messages, "tools": tools, "max_tokens": 2,
+        "chat_template_kwargs": kwargs,
+    });
+    let plain_messages = serde_json::json!([
+        {"role": "system", "content": "You are a careful assistant. ".repeat(4)},
+        {"role": "user", "content": "What is the weather in Paris?"}
+    ]);
+    let plain = serde_json::json!({"model": "smol", "messages": plain_messages, "max_tokens": 2});
+    let cases = [
+        (
+            "tools",
+            with_tools,
+            reference_messages,
+            tools.clone(),
+            kwargs.clone(),
+        ),
+        (
+            "plain",
+            plain,
+            plain_messages.clone(),
+            serde_json::Value::Null,
+            serde_json::json!({}),
+        ),
+    ];
+    let mut report = Vec::new();
+    let mut agreed = 0;
+    for gguf in &profiles {
+        let name = gguf.file_stem().unwrap().to_string_lossy().into_owned();
+        let mut fleet = Fleet::workers(FleetOptions {
+            workers: 1,
+            gguf_profile: Some(gguf.clone()),
+            ..FleetOptions::default()
+        });
+        fleet.start_gateway(KV_SERVICE, false);
+        let p = fleet.profile.clone();
+        let bos = p.bos_token_id().and_then(|id| p.id_to_token(id));
+        let eos = p.eos_token_ids().first().and_then(|&id| p.id_to_token(id));
+        for (case, body, reference_messages, tools, kwargs) in &cases {
+            let name = format!("{name} / {case}");
+            let expected = jinja2_try_render(
+                p.template_source(),
+                reference_messages,
+                tools,
+                kwargs,
+                bos.as_deref(),
+                eos.as_deref(),
+            );
+            let r = fleet.post("/v1/chat/completions", body, &[]);
+            let mut tok = body.clone();
+            tok.as_object_mut().unwrap().remove("max_tokens");
+            let worker_url = format!("http://{}/v1/tokenize", fleet.addrs[0]);
+            let (t_status, t): (u16, serde_json::Value) = fleet.rt.block_on(async {
+                let resp = fleet
+                    .http
+                    .post(&worker_url)
+                    .header("authorization", fleet.worker_access(0))
+                    .json(&tok)
+                    .send()
+                    .await
+                    .unwrap();
+                (resp.status().as_u16(), resp.json().await.unwrap())
+            });
+            match &expected {
+                Ok(text) => {
+                    assert_eq!(r.status, 200, "{name}: {}", r.text());
+                    let id = r.header("x-request-id").expect("request id");
+                    let receipt = fleet.receipt(0, &id).expect("the worker's receipt");
+                    let ticket = receipt
+                        .body
+                        .ticket
+                        .as_ref()
+                        .expect("a ticketed request")
+                        .ticket_unverified()
+                        .clone();
+                    assert_eq!(
+                        ticket.prompt_tokens,
+                        Some(receipt.body.prompt_tokens),
+                        "{name}"
+                    );
+                    assert!(ticket.last_block_key.is_some(), "{name}");
+                    assert_eq!(ticket.last_block_key, receipt.body.last_block_key, "{name}");
+                    assert_eq!(t_status, 200, "{name}: {t}");
+                    assert_eq!(t["prompt"].as_str(), Some(text.as_str()), "{name}");
+                    assert_eq!(
+                        t["count"].as_u64(),
+                        Some(u64::from(receipt.body.prompt_tokens))
+                    );
+                    agreed += 1;
+                    report.push(format!(
+                        "{name}: {} tokens, identical{}",
+                        receipt.body.prompt_tokens,
+                        if *case == "plain" || text.contains("get_weather") {
+                            ""
+                        } else {
+                            " (this template renders neither tools nor tool calls)"
+                        }
+                    ));
+                }
+                Err(e) => {
+                    assert_eq!(
+                        r.status,
+                        400,
+                        "{name}: jinja2 refused ({e}) but: {}",
+                        r.text()
+                    );
+                    assert_eq!(
+                        t_status, 400,
+                        "{name}: jinja2 refused ({e}) but the worker: {t}"
+                    );
+                    report.push(format!(
+                        "{name}: refused by jinja2, gateway and worker ({e})"
+                    ));
+                }
+            }
+        }
+        fleet.stop();
+    }
+    println!("{}", report.join("\n"));
+    assert!(agreed >= 10, "{}", report.join("\n"));
 }

@@ -36,7 +36,7 @@ async fn official_openai_python_client_talks_to_a_real_worker() {
         "the `openai` Python package is missing: python3 -m pip install openai"
     );
     let dir = tempfile::tempdir().unwrap();
-    let cfg = WorkerConfig::new(
+    let mut cfg = WorkerConfig::new(
         model_path(),
         EngineChoice::Model {
             kv_budget_bytes: 64 << 20,
@@ -47,6 +47,8 @@ async fn official_openai_python_client_talks_to_a_real_worker() {
         dir.path().join("receipts.jsonl"),
         "w-openai",
     );
+    // SmolLM2 writes Hermes-style calls when shown them (its template names no format).
+    cfg.settings.tool_call_parser = Some(worker::output_parser::ToolCallFormat::Hermes);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let w = worker::spawn(cfg, listener).await.unwrap();
     w.wait_ready(Duration::from_secs(300)).await.unwrap();
@@ -64,10 +66,32 @@ async fn official_openai_python_client_talks_to_a_real_worker() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
-    w.shutdown().await;
     assert!(
         out.status.success(),
         "openai client failed:\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(stdout.contains("all checks passed"));
+
+    // The tool-calling flow: tools → tool_calls → tool result → answer.
+    let base = format!("http://{}/v1", w.addr());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python_support::python())
+            .arg(script)
+            .arg(base)
+            .arg("smollm2")
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    w.shutdown().await;
+    assert!(
+        out.status.success(),
+        "openai tool flow failed:\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stdout.contains("tool flow ok"));
 }

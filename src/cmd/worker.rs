@@ -63,6 +63,14 @@ pub struct Args {
     /// Most concurrent KV-event subscriptions (more get 429).
     #[arg(long, default_value_t = 16)]
     pub max_event_subscriptions: usize,
+    /// How the model writes tool calls, for answers to chat requests with `tools`: `auto` (from
+    /// the chat template's markers), `none`, `hermes`, `llama3_json`, `mistral`, `deepseek_v3`.
+    #[arg(long, default_value = "auto")]
+    pub tool_call_parser: String,
+    /// How the model writes reasoning (`<think>…</think>` → `reasoning_content`): `auto` (when
+    /// the chat template mentions `</think>`), `none`, `think` (also `qwen3`, `deepseek_r1`).
+    #[arg(long, default_value = "auto")]
+    pub reasoning_parser: String,
     /// Clock skew tolerated on ticket validity windows, ms.
     #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
     pub ticket_skew_ms: u64,
@@ -219,27 +227,25 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     }
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
     let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;
+    let profile = prompt_profile::PromptProfile::from_gguf(&model)
+        .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
     let engine = match args.engine {
         EngineKind::Model => EngineChoice::Model {
             kv_budget_bytes: args.kv_budget_mb.saturating_mul(1 << 20),
             threads: args.threads,
             cuda: args.cuda,
         },
-        EngineKind::Sim => {
-            let profile = prompt_profile::PromptProfile::from_gguf(&model)
-                .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
-            EngineChoice::Sim(SimConfig {
-                block_size: block_size.get(),
-                num_blocks: args.sim_num_blocks,
-                vocab_size: profile.vocab_size(),
-                prefill_us_per_token: args.sim_prefill_us_per_token,
-                decode_us_base: args.sim_decode_us_base,
-                decode_us_per_seq: args.sim_decode_us_per_seq,
-                eos_after: args.sim_eos_after,
-                eos_token_id: profile.eos_token_ids().first().copied().unwrap_or(0),
-                panic_at_step: None,
-            })
-        }
+        EngineKind::Sim => EngineChoice::Sim(SimConfig {
+            block_size: block_size.get(),
+            num_blocks: args.sim_num_blocks,
+            vocab_size: profile.vocab_size(),
+            prefill_us_per_token: args.sim_prefill_us_per_token,
+            decode_us_base: args.sim_decode_us_base,
+            decode_us_per_seq: args.sim_decode_us_per_seq,
+            eos_after: args.sim_eos_after,
+            eos_token_id: profile.eos_token_ids().first().copied().unwrap_or(0),
+            panic_at_step: None,
+        }),
     };
     let mut engine_config = EngineConfig::default();
     if let Some(v) = args.max_running {
@@ -274,6 +280,30 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     settings.context_limit = args.context_limit;
     settings.require_receipts = !args.allow_unreceipted;
     settings.max_event_subscriptions = args.max_event_subscriptions;
+    let template = profile.template_source();
+    settings.tool_call_parser = match args.tool_call_parser.as_str() {
+        "auto" => worker::output_parser::ToolCallFormat::detect(template),
+        "none" => None,
+        name => Some(
+            worker::output_parser::ToolCallFormat::parse_name(name).with_context(|| {
+                format!(
+                    "--tool-call-parser {name:?}: expected auto, none, hermes, llama3_json, \
+                     mistral or deepseek_v3"
+                )
+            })?,
+        ),
+    };
+    settings.reasoning_parser = match args.reasoning_parser.as_str() {
+        "auto" => worker::output_parser::ReasoningFormat::detect(template),
+        "none" => None,
+        name => Some(
+            worker::output_parser::ReasoningFormat::parse_name(name).with_context(|| {
+                format!(
+                    "--reasoning-parser {name:?}: expected auto, none, think, qwen3 or deepseek_r1"
+                )
+            })?,
+        ),
+    };
     let receipts = args
         .receipts
         .clone()
@@ -288,6 +318,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
             .then(|| std::time::Duration::from_secs(args.receipts_rotate_hours * 3600)),
     };
     cfg.settings = settings;
+    cfg.profile = Some(profile);
     cfg.tls = args.tls.server_tls();
     Ok(cfg)
 }

@@ -240,6 +240,8 @@ impl Fleet {
         cfg.profile = Some(profile.clone());
         cfg.gateway_keys = ring;
         cfg.settings.ticket_policy = TicketPolicy::Require;
+        // SmolLM2 writes Hermes-style calls when shown them (its template names no format).
+        cfg.settings.tool_call_parser = Some(worker::output_parser::ToolCallFormat::Hermes);
         cfg
     }
 

@@ -45,6 +45,9 @@ pub struct FleetOptions {
     /// A HF folder (`tokenizer.json`, `tokenizer_config.json`) to use as the profile of the
     /// workers and the gateway instead of the GGUF's.
     pub hf_profile: Option<PathBuf>,
+    /// A GGUF (e.g. a vocabulary-only one with a chat template) to use as the profile of the
+    /// workers and the gateway instead of the default model's.
+    pub gguf_profile: Option<PathBuf>,
 }
 
 impl Default for FleetOptions {
@@ -57,6 +60,7 @@ impl Default for FleetOptions {
             faulty: None,
             worker_tls: None,
             hf_profile: None,
+            gguf_profile: None,
         }
     }
 }
@@ -96,7 +100,8 @@ impl Fleet {
                 dir.join("tokenizer_config.json"),
             )
             .unwrap(),
-            None => PromptProfile::from_gguf(model_path()).unwrap(),
+            None => PromptProfile::from_gguf(opts.gguf_profile.clone().unwrap_or_else(model_path))
+                .unwrap(),
         };
         let gateway_key = KeyPair::generate();
         let mut fleet = Fleet {
@@ -197,7 +202,14 @@ native_reserve_tokens = 0
                     dir.join("tokenizer.json").display(),
                     dir.join("tokenizer_config.json").display()
                 ),
-                None => format!("{{ gguf = \"{}\" }}", model_path().display()),
+                None => format!(
+                    "{{ gguf = \"{}\" }}",
+                    self.opts
+                        .gguf_profile
+                        .clone()
+                        .unwrap_or_else(model_path)
+                        .display()
+                ),
             },
             p.template_sha256,
             p.tokenizer_sha256,

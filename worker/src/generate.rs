@@ -32,9 +32,11 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api_error::ApiError;
+use crate::output_parser;
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatDelta, CompletionChoice, CompletionResponse, UsageBody,
+    ChatDelta, CompletionChoice, CompletionResponse, FunctionCallBody, FunctionDelta, ToolCallBody,
+    ToolCallDelta, UsageBody,
 };
 use crate::tickets::{self, Admission, RECEIPT_HEADER, REQUEST_ID_HEADER};
 use crate::validate;
@@ -338,10 +340,35 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
             return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
         }
     };
+    // The answer parser of this request (chat only): tool calls when the request offers tools
+    // and the worker knows the model's format, reasoning unless `separate_reasoning: false`.
+    let tool_format = st
+        .settings
+        .tool_call_parser
+        .filter(|_| plan.answer.tool_calls);
+    let reasoning_format = st
+        .settings
+        .reasoning_parser
+        .filter(|_| endpoint == Endpoint::Chat && plan.answer.separate_reasoning);
+    let starts_in_reasoning = reasoning_format.is_some() && {
+        // Does the rendered prompt end inside an open `<think>`? Its last tokens tell.
+        let tail = &prompt[prompt.len().saturating_sub(16)..];
+        st.profile
+            .decode(tail, false)
+            .is_ok_and(|t| output_parser::prompt_opens_reasoning(&t))
+    };
+    let parser = output_parser::AnswerParser::new(
+        reasoning_format,
+        tool_format,
+        starts_in_reasoning,
+        &ctx.admission.request_id,
+    );
+    let default_skip_special = !tool_format.is_some_and(|f| f.needs_special_tokens());
     let (stop_token_ids, output) = match plan.output.resolve(
         &st.identity.eos_token_ids,
         st.profile.vocab_size(),
         max_tokens,
+        default_skip_special,
     ) {
         Ok(o) => o,
         Err(e) => return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await,
@@ -407,13 +434,19 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     };
     if plan.stream {
         st.metrics.request(endpoint.label(), 200);
-        let events = sse_events(endpoint, meta, plan.include_usage, rx);
+        let events = sse_events(
+            endpoint,
+            meta,
+            plan.include_usage,
+            AnswerStream::new(parser, plan.answer.stream_reasoning),
+            rx,
+        );
         let resp = Sse::new(events)
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response();
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
-        let (resp, written) = collect(endpoint, meta, rx).await;
+        let (resp, written) = collect(endpoint, meta, parser, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);
         with_ids(resp, &ctx.admission.request_id, written)
@@ -610,6 +643,7 @@ impl Driver {
 async fn collect(
     endpoint: Endpoint,
     meta: ResponseMeta,
+    mut parser: output_parser::AnswerParser,
     mut rx: mpsc::Receiver<Msg>,
 ) -> (Response, bool) {
     let mut text = String::new();
@@ -623,23 +657,56 @@ async fn collect(
                 receipted,
             } => {
                 let body = match endpoint {
-                    Endpoint::Chat => serde_json::to_vec(&ChatCompletionResponse {
-                        id: meta.id,
-                        object: "chat.completion".into(),
-                        created: meta.created,
-                        model: meta.model,
-                        system_fingerprint: meta.fingerprint,
-                        choices: vec![ChatChoice {
-                            index: 0,
-                            message: AssistantMessage {
-                                role: "assistant".into(),
-                                content: text,
-                            },
-                            logprobs: None,
-                            finish_reason: finish,
-                        }],
-                        usage,
-                    }),
+                    Endpoint::Chat => {
+                        let mut pieces = parser.feed(&text);
+                        pieces.extend(parser.finish());
+                        let mut content = String::new();
+                        let mut reasoning: Option<String> = None;
+                        let mut tool_calls = Vec::new();
+                        for piece in pieces {
+                            match piece {
+                                output_parser::Piece::Content(c) => content.push_str(&c),
+                                output_parser::Piece::Reasoning(r) => {
+                                    reasoning.get_or_insert_with(String::new).push_str(&r)
+                                }
+                                output_parser::Piece::ToolCall(t) => {
+                                    tool_calls.push(ToolCallBody {
+                                        id: t.id,
+                                        kind: "function".into(),
+                                        function: FunctionCallBody {
+                                            name: t.name,
+                                            arguments: t.arguments,
+                                        },
+                                    })
+                                }
+                            }
+                        }
+                        let finish = finish_with_tools(finish, !tool_calls.is_empty());
+                        let content = if content.is_empty() && !tool_calls.is_empty() {
+                            None
+                        } else {
+                            Some(content)
+                        };
+                        serde_json::to_vec(&ChatCompletionResponse {
+                            id: meta.id,
+                            object: "chat.completion".into(),
+                            created: meta.created,
+                            model: meta.model,
+                            system_fingerprint: meta.fingerprint,
+                            choices: vec![ChatChoice {
+                                index: 0,
+                                message: AssistantMessage {
+                                    role: "assistant".into(),
+                                    content,
+                                    reasoning_content: reasoning,
+                                    tool_calls,
+                                },
+                                logprobs: None,
+                                finish_reason: finish,
+                            }],
+                            usage,
+                        })
+                    }
                     Endpoint::Completion => serde_json::to_vec(&CompletionResponse {
                         id: meta.id,
                         object: "text_completion".into(),
@@ -693,13 +760,14 @@ fn sse_events(
     endpoint: Endpoint,
     meta: ResponseMeta,
     include_usage: bool,
+    answer: AnswerStream,
     rx: mpsc::Receiver<Msg>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let meta = Arc::new(meta);
     let usage_slot = if include_usage { Some(None) } else { None };
     let chunk = {
         let meta = meta.clone();
-        move |content: Option<String>, role: bool, finish: Option<String>| -> Event {
+        move |delta: ChatDelta, finish: Option<String>| -> Event {
             match endpoint {
                 Endpoint::Chat => json_event(&ChatCompletionChunk {
                     id: meta.id.clone(),
@@ -709,10 +777,7 @@ fn sse_events(
                     system_fingerprint: meta.fingerprint.clone(),
                     choices: vec![ChatChunkChoice {
                         index: 0,
-                        delta: ChatDelta {
-                            role: role.then(|| "assistant".to_string()),
-                            content,
-                        },
+                        delta,
                         logprobs: None,
                         finish_reason: finish,
                     }],
@@ -726,7 +791,7 @@ fn sse_events(
                     system_fingerprint: meta.fingerprint.clone(),
                     choices: vec![CompletionChoice {
                         index: 0,
-                        text: content.unwrap_or_default(),
+                        text: delta.content.unwrap_or_default(),
                         logprobs: None,
                         finish_reason: finish,
                     }],
@@ -761,19 +826,45 @@ fn sse_events(
         }
     };
     let first = match endpoint {
-        Endpoint::Chat => vec![chunk(Some(String::new()), true, None)],
+        Endpoint::Chat => vec![chunk(
+            ChatDelta {
+                role: Some("assistant".into()),
+                content: Some(String::new()),
+                ..ChatDelta::default()
+            },
+            None,
+        )],
         Endpoint::Completion => vec![],
     };
-    let body = stream::unfold(Some(rx), move |rx| {
+    let body = stream::unfold(Some((rx, answer)), move |state| {
         let chunk = chunk.clone();
         let usage_chunk = usage_chunk.clone();
         async move {
-            let mut rx = rx?;
+            let (mut rx, mut answer) = state?;
             let events = match rx.recv().await {
                 None => return None,
-                Some(Msg::Text(t)) => vec![chunk(Some(t), false, None)],
+                Some(Msg::Text(t)) => match endpoint {
+                    Endpoint::Chat => answer
+                        .feed(&t)
+                        .into_iter()
+                        .map(|d| chunk(d, None))
+                        .collect(),
+                    Endpoint::Completion => vec![chunk(
+                        ChatDelta {
+                            content: Some(t),
+                            ..ChatDelta::default()
+                        },
+                        None,
+                    )],
+                },
                 Some(Msg::End { finish, usage, .. }) => {
-                    let mut v = vec![chunk(None, false, Some(finish))];
+                    let mut v: Vec<Event> = answer
+                        .finish()
+                        .into_iter()
+                        .map(|d| chunk(d, None))
+                        .collect();
+                    let finish = finish_with_tools(finish, answer.made_tool_calls());
+                    v.push(chunk(ChatDelta::default(), Some(finish)));
                     if include_usage {
                         v.push(usage_chunk(usage));
                     }
@@ -784,10 +875,118 @@ fn sse_events(
                     return Some((vec![json_event(&e.body())], None));
                 }
             };
-            Some((events, Some(rx)))
+            Some((events, Some((rx, answer))))
         }
     });
     stream::iter(first)
         .chain(body.flat_map(stream::iter))
         .map(Ok)
+}
+
+/// `tool_calls` instead of `stop` when the answer made tool calls (OpenAI's finish reason).
+fn finish_with_tools(finish: String, made_calls: bool) -> String {
+    if made_calls && finish == "stop" {
+        "tool_calls".into()
+    } else {
+        finish
+    }
+}
+
+/// A streamed chat answer's parser: the pieces of each generated text as OpenAI deltas.
+struct AnswerStream {
+    parser: output_parser::AnswerParser,
+    /// SGLang `stream_reasoning`: false = reasoning held and sent in one delta when it ends.
+    stream_reasoning: bool,
+    held_reasoning: String,
+}
+
+impl AnswerStream {
+    fn new(parser: output_parser::AnswerParser, stream_reasoning: bool) -> Self {
+        AnswerStream {
+            parser,
+            stream_reasoning,
+            held_reasoning: String::new(),
+        }
+    }
+
+    fn made_tool_calls(&self) -> bool {
+        self.parser.tool_calls() > 0
+    }
+
+    fn feed(&mut self, text: &str) -> Vec<ChatDelta> {
+        if !self.parser.is_active() {
+            return vec![ChatDelta {
+                content: Some(text.to_string()),
+                ..ChatDelta::default()
+            }];
+        }
+        let pieces = self.parser.feed(text);
+        self.deltas(pieces, false)
+    }
+
+    fn finish(&mut self) -> Vec<ChatDelta> {
+        let pieces = self.parser.finish();
+        self.deltas(pieces, true)
+    }
+
+    fn deltas(&mut self, pieces: Vec<output_parser::Piece>, end: bool) -> Vec<ChatDelta> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            if !matches!(piece, output_parser::Piece::Reasoning(_)) {
+                self.release_reasoning(&mut out);
+            }
+            match piece {
+                output_parser::Piece::Reasoning(r) if self.stream_reasoning => {
+                    out.push(ChatDelta {
+                        reasoning_content: Some(r),
+                        ..ChatDelta::default()
+                    })
+                }
+                output_parser::Piece::Reasoning(r) => self.held_reasoning.push_str(&r),
+                output_parser::Piece::Content(c) => out.push(ChatDelta {
+                    content: Some(c),
+                    ..ChatDelta::default()
+                }),
+                output_parser::Piece::ToolCall(t) => {
+                    out.push(ChatDelta {
+                        tool_calls: Some(vec![ToolCallDelta {
+                            index: t.index,
+                            id: Some(t.id),
+                            kind: Some("function".into()),
+                            function: FunctionDelta {
+                                name: Some(t.name),
+                                arguments: Some(String::new()),
+                            },
+                        }]),
+                        ..ChatDelta::default()
+                    });
+                    out.push(ChatDelta {
+                        tool_calls: Some(vec![ToolCallDelta {
+                            index: t.index,
+                            id: None,
+                            kind: None,
+                            function: FunctionDelta {
+                                name: None,
+                                arguments: Some(t.arguments),
+                            },
+                        }]),
+                        ..ChatDelta::default()
+                    });
+                }
+            }
+        }
+        if end {
+            self.release_reasoning(&mut out);
+        }
+        out
+    }
+
+    fn release_reasoning(&mut self, out: &mut Vec<ChatDelta>) {
+        if !self.held_reasoning.is_empty() {
+            out.push(ChatDelta {
+                reasoning_content: Some(std::mem::take(&mut self.held_reasoning)),
+                ..ChatDelta::default()
+            });
+        }
+    }
 }

@@ -20,6 +20,7 @@ pub mod kv_events;
 pub mod listener;
 pub mod metrics;
 pub mod ops;
+pub mod output_parser;
 pub mod protocol;
 pub mod tickets;
 pub mod validate;
@@ -118,6 +119,12 @@ pub struct ServerSettings {
     /// Concurrent `GET /v1/kv/events` subscriptions; more get 429 `too_many_subscriptions`.
     /// Default 16 (a gateway holds one per worker; a fleet of gateways, one each).
     pub max_event_subscriptions: usize,
+    /// How the model writes tool calls: answers to chat requests with `tools` are parsed into
+    /// `tool_calls` (`None`: not parsed, the default here; the CLI detects it from the template).
+    pub tool_call_parser: Option<output_parser::ToolCallFormat>,
+    /// How the model writes reasoning: chat answers get `reasoning_content` (`None`: not
+    /// separated, the default here; the CLI detects it from the template).
+    pub reasoning_parser: Option<output_parser::ReasoningFormat>,
 }
 
 impl ServerSettings {
@@ -137,6 +144,8 @@ impl ServerSettings {
             context_limit: None,
             require_receipts: true,
             max_event_subscriptions: 16,
+            tool_call_parser: None,
+            reasoning_parser: None,
         }
     }
 }

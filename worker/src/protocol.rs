@@ -193,10 +193,9 @@ pub struct ChatCompletionRequest {
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub parallel_tool_calls: Option<Value>,
-    /// SGLang: split reasoning from content when a reasoning parser runs. The worker runs no
-    /// reasoning parser, so either value gives the same answer (content as generated).
+    /// SGLang: split reasoning from content when a reasoning parser runs (default true).
     pub separate_reasoning: Option<bool>,
-    /// SGLang: stream reasoning as it forms (with a reasoning parser); see `separate_reasoning`.
+    /// SGLang: stream reasoning as it forms (default true); false = one delta when it ends.
     pub stream_reasoning: Option<bool>,
     pub response_format: Option<Value>,
     pub store: Option<Value>,
@@ -297,7 +296,52 @@ impl UsageBody {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AssistantMessage {
     pub role: String,
-    pub content: String,
+    /// The answer text; `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The model's reasoning, when a reasoning parser separated it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// The tool calls the answer made (parsed from the model's text).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallBody>,
+}
+
+/// One tool call of an answer (OpenAI shape).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ToolCallBody {
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallBody,
+}
+
+/// The function of a tool call: its name and its arguments as JSON text.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FunctionCallBody {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A streamed piece of a tool call: the first delta of a call carries `id`, `type` and the
+/// function's `name` (arguments `""`), the next its `arguments`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionDelta,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FunctionDelta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 /// One choice of a non-streaming chat response.
@@ -328,6 +372,10 @@ pub struct ChatDelta {
     pub role: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// One choice of a streamed chat chunk.
@@ -507,8 +555,8 @@ mod tests {
             choices: vec![ChatChunkChoice {
                 index: 0,
                 delta: ChatDelta {
-                    role: None,
                     content: Some("hi".into()),
+                    ..ChatDelta::default()
                 },
                 logprobs: None,
                 finish_reason: None,

@@ -42,6 +42,20 @@ pub struct GenerationPlan {
     pub cache_insert: bool,
     /// The vLLM/SGLang output extensions.
     pub output: OutputSpec,
+    /// How the answer text is parsed (chat only).
+    pub answer: AnswerSpec,
+}
+
+/// What a chat request asks of the answer parser (`output_parser`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AnswerSpec {
+    /// `tools` given (non-empty) and `tool_choice` not `none`: tool calls are parsed.
+    pub tool_calls: bool,
+    /// SGLang `separate_reasoning` (default true): reasoning goes to `reasoning_content`.
+    pub separate_reasoning: bool,
+    /// SGLang `stream_reasoning` (default true): reasoning streams as it forms; false = sent in
+    /// one delta when it ends.
+    pub stream_reasoning: bool,
 }
 
 /// The most `stop_token_ids` a request may carry.
@@ -57,8 +71,9 @@ pub struct OutputSpec {
     pub stop_token_ids: Vec<u32>,
     /// `min_tokens` (0 = off).
     pub min_tokens: usize,
-    /// `skip_special_tokens` (default true).
-    pub skip_special_tokens: bool,
+    /// `skip_special_tokens` as given (default: true, or false when the answer's tool-call
+    /// format writes special tokens; see [`OutputSpec::resolve`]).
+    pub skip_special_tokens: Option<bool>,
     /// `include_stop_str_in_output` or `no_stop_trim`.
     pub include_stop_str: bool,
 }
@@ -67,11 +82,13 @@ impl OutputSpec {
     /// The engine's stop ids and output parameters for a request with `max_tokens` output
     /// tokens, the profile's `eos` ids and a vocabulary of `vocab_size` ids. `min_tokens` above
     /// a `max_tokens` the token budget chose (the request named none) is clamped to it.
+    /// `default_skip_special`: what `skip_special_tokens` is when the request does not say.
     pub fn resolve(
         &self,
         eos: &[u32],
         vocab_size: usize,
         max_tokens: usize,
+        default_skip_special: bool,
     ) -> Result<(Vec<u32>, engine::OutputParams), ApiError> {
         if let Some(bad) = self
             .stop_token_ids
@@ -97,7 +114,7 @@ impl OutputSpec {
             stop,
             engine::OutputParams {
                 min_tokens: self.min_tokens.min(max_tokens),
-                skip_special_tokens: self.skip_special_tokens,
+                skip_special_tokens: self.skip_special_tokens.unwrap_or(default_skip_special),
                 include_stop_str: self.include_stop_str,
             },
         ))
@@ -369,7 +386,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop_token_ids,
         min_tokens,
-        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        skip_special_tokens: c.skip_special_tokens,
         include_stop_str,
     };
     Ok(Checked {
@@ -489,6 +506,12 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         add_generation_prompt: r.add_generation_prompt,
         continue_final_message: r.continue_final_message,
     };
+    let answer = AnswerSpec {
+        tool_calls: fields.tools.as_ref().is_some_and(|t| !t.is_empty())
+            && fields.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
+        separate_reasoning: r.separate_reasoning.unwrap_or(true),
+        stream_reasoning: r.stream_reasoning.unwrap_or(true),
+    };
     let chat = fields.prompt(r.messages).map_err(field_error)?;
     Ok(GenerationPlan {
         model: r.model,
@@ -500,6 +523,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         sampling,
         cache_insert,
         output,
+        answer,
     })
 }
 
@@ -547,6 +571,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         sampling,
         cache_insert,
         output,
+        answer: AnswerSpec::default(),
     })
 }
 
@@ -735,26 +760,36 @@ mod tests {
                 ignore_eos: true,
                 stop_token_ids: vec![5, 7],
                 min_tokens: 3,
-                skip_special_tokens: false,
+                skip_special_tokens: Some(false),
                 include_stop_str: true,
             }
         );
-        let (stop, out) = p.output.resolve(&[2], 100, 9).unwrap();
+        let (stop, out) = p.output.resolve(&[2], 100, 9, true).unwrap();
         assert_eq!(stop, vec![5, 7], "ignore_eos drops the profile's eos ids");
         assert_eq!(out.min_tokens, 3);
         assert!(!out.skip_special_tokens && out.include_stop_str);
         let d = chat(format!("{{{MSG}}}").as_bytes()).unwrap().output;
-        assert_eq!(d.resolve(&[2], 100, 9).unwrap().0, vec![2]);
-        assert!(d.skip_special_tokens && !d.include_stop_str && d.min_tokens == 0);
+        assert_eq!(d.resolve(&[2], 100, 9, true).unwrap().0, vec![2]);
+        assert!(d.skip_special_tokens.is_none() && !d.include_stop_str && d.min_tokens == 0);
+        assert!(d.resolve(&[2], 100, 9, true).unwrap().1.skip_special_tokens);
+        assert!(
+            !d.resolve(&[2], 100, 9, false)
+                .unwrap()
+                .1
+                .skip_special_tokens
+        );
         // min_tokens beyond a budget-chosen max is clamped; beyond an explicit one refused.
         let p = chat(format!(r#"{{{MSG},"min_tokens":50}}"#).as_bytes()).unwrap();
-        assert_eq!(p.output.resolve(&[2], 100, 20).unwrap().1.min_tokens, 20);
+        assert_eq!(
+            p.output.resolve(&[2], 100, 20, true).unwrap().1.min_tokens,
+            20
+        );
         let e = p.output.clone();
         let bad = OutputSpec {
             stop_token_ids: vec![100],
             ..e
         };
-        let err = bad.resolve(&[2], 100, 20).unwrap_err();
+        let err = bad.resolve(&[2], 100, 20, true).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("stop_token_ids"));
         // The completion endpoint reads them too.
         let p = completion(

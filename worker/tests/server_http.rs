@@ -1426,3 +1426,80 @@ async fn no_answer_without_a_receipt() {
     assert_eq!(get_receipt(&w, &id).await.body.status, 200);
     w.stop().await;
 }
+
+/// A chat whose rendered prompt ends inside an open `<think>` (here by continuing an assistant
+/// message that opened one): with a reasoning parser, the answer is `reasoning_content`, streamed
+/// as reasoning deltas; `separate_reasoning: false` leaves it in `content`;
+/// `stream_reasoning: false` sends it in one delta.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_is_separated_streamed_or_held_as_asked() {
+    let w = start_sim(SimOpts {
+        reasoning_parser: Some(worker::output_parser::ReasoningFormat::Think),
+        ..SimOpts::default()
+    })
+    .await;
+    let body = |extra: Value| {
+        let mut b = json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "<think>\nLet me"}],
+            "add_generation_prompt": false,
+            "continue_final_message": true,
+            "max_tokens": 6,
+            "temperature": 0,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let r: Value = post(&w, "/v1/chat/completions", &body(json!({})))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let m = &r["choices"][0]["message"];
+    let reasoning = m["reasoning_content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(!reasoning.is_empty(), "{r}");
+    assert_eq!(m["content"], "", "{r}");
+    assert!(m.get("tool_calls").is_none(), "{r}");
+
+    let r: Value = post(
+        &w,
+        "/v1/chat/completions",
+        &body(json!({"separate_reasoning": false})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let m = &r["choices"][0]["message"];
+    assert_eq!(m["content"].as_str(), Some(reasoning), "{r}");
+    assert!(m.get("reasoning_content").is_none(), "{r}");
+
+    for (stream_reasoning, most) in [(true, 6), (false, 1)] {
+        let resp = post(
+            &w,
+            "/v1/chat/completions",
+            &body(json!({"stream": true, "stream_reasoning": stream_reasoning})),
+        )
+        .await;
+        let text = resp.text().await.unwrap();
+        let deltas: Vec<Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            .filter_map(|c| c["choices"][0]["delta"].get("reasoning_content").cloned())
+            .collect();
+        let joined: String = deltas.iter().map(|d| d.as_str().unwrap()).collect();
+        assert_eq!(joined, reasoning, "{text}");
+        assert!(!deltas.is_empty() && deltas.len() <= most, "{text}");
+        if !stream_reasoning {
+            assert_eq!(deltas.len(), 1);
+        }
+    }
+    w.stop().await;
+}

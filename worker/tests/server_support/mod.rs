@@ -61,6 +61,8 @@ pub struct SimOpts {
     pub real_model: bool,
     /// `ServerSettings::max_event_subscriptions`.
     pub max_event_subscriptions: usize,
+    /// `ServerSettings::reasoning_parser`.
+    pub reasoning_parser: Option<worker::output_parser::ReasoningFormat>,
 }
 
 impl Default for SimOpts {
@@ -79,6 +81,7 @@ impl Default for SimOpts {
             state: None,
             real_model: false,
             max_event_subscriptions: 16,
+            reasoning_parser: None,
         }
     }
 }
@@ -147,6 +150,7 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
     cfg.settings.max_body_bytes = o.max_body_bytes;
     cfg.settings.served_model_names = o.served_model_names.clone();
     cfg.settings.max_event_subscriptions = o.max_event_subscriptions;
+    cfg.settings.reasoning_parser = o.reasoning_parser;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let worker = worker::spawn(cfg, listener).await.unwrap();
     worker.wait_ready(Duration::from_secs(120)).await.unwrap();

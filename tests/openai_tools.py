@@ -1,0 +1,133 @@
+"""The official `openai` Python client's tool-calling flow against kvgate (a worker, or the gateway).
+
+Usage: python3 tests/openai_tools.py BASE_URL MODEL   (e.g. http://127.0.0.1:8101/v1 smollm2)
+
+The worker must run SmolLM2-135M-Instruct with `--tool-call-parser hermes`. The conversation
+carries two worked examples of the Hermes `<tool_call>` format, after which the model (greedy)
+answers the third question with a call (measured: `get_weather {"city": "Paris"}`). Checks:
+tools → `tool_calls` (finish reason `tool_calls`, content null), the same streamed (the deltas
+accumulate to the same call), then the tool result sent back → a final answer. Exits non-zero
+on any failure; prints one line per check.
+"""
+import json
+import sys
+
+try:
+    import openai
+except ImportError:
+    sys.exit("the `openai` package is missing: python3 -m pip install openai")
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def example(city: str) -> str:
+    call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def main() -> None:
+    base, model = sys.argv[1], sys.argv[2]
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    messages = [
+        {
+            "role": "system",
+            "content": "You call the tool get_weather(city) for weather questions, "
+            "replying only with a <tool_call> block.",
+        },
+        {"role": "user", "content": "What is the weather in Rome?"},
+        {"role": "assistant", "content": example("Rome")},
+        {"role": "user", "content": "What is the weather in Berlin?"},
+        {"role": "assistant", "content": example("Berlin")},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="auto",
+        max_tokens=40, temperature=0,
+    )
+    choice = r.choices[0]
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls", r
+    assert calls and len(calls) == 1, r
+    call = calls[0]
+    assert call.type == "function" and call.id.startswith("call_"), call
+    assert call.function.name == "get_weather", call
+    assert json.loads(call.function.arguments) == {"city": "Paris"}, call
+    assert choice.message.content is None, choice.message
+    print("tool call:", call.function.name, call.function.arguments, call.id)
+
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, max_tokens=40, temperature=0, stream=True,
+    )
+    acc: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.content:
+                content += c.delta.content
+            for d in c.delta.tool_calls or []:
+                slot = acc.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                if d.id:
+                    slot["id"] = d.id
+                if d.function and d.function.name:
+                    slot["name"] += d.function.name
+                if d.function and d.function.arguments:
+                    slot["arguments"] += d.function.arguments
+            if c.finish_reason:
+                finish = c.finish_reason
+    assert finish == "tool_calls", finish
+    assert content == "", repr(content)
+    assert list(acc) == [0], acc
+    assert acc[0]["name"] == "get_weather", acc
+    assert json.loads(acc[0]["arguments"]) == {"city": "Paris"}, acc
+    print("streamed tool call:", acc[0])
+
+    # Without tools offered the same text is plain content.
+    plain = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0
+    )
+    assert plain.choices[0].message.tool_calls is None, plain
+    assert "<tool_call>" in plain.choices[0].message.content, plain
+    print("no tools: content", repr(plain.choices[0].message.content[:30]))
+
+    # The tool result goes back; the model answers. (SmolLM2's template concatenates every
+    # message's content, so the call's turn carries "" rather than null: jinja2 refuses null.)
+    messages.append(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        }
+    )
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"})
+    final = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, max_tokens=24, temperature=0
+    )
+    fc = final.choices[0]
+    assert fc.finish_reason in ("stop", "length", "tool_calls"), final
+    assert fc.message.content or fc.message.tool_calls, final
+    assert final.usage.prompt_tokens > r.usage.prompt_tokens, (final.usage, r.usage)
+    print("after the tool result:", fc.finish_reason, repr(fc.message.content), fc.message.tool_calls)
+    print("tool flow ok")
+
+
+if __name__ == "__main__":
+    main()
