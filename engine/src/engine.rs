@@ -132,6 +132,65 @@ pub struct OutputParams {
     pub skip_special_tokens: bool,
     /// A matched stop string is part of the output (default false: dropped).
     pub include_stop_str: bool,
+    /// Report each generated token's log probability and this many most likely alternatives
+    /// (≤ [`MAX_TOP_LOGPROBS`]); `None` = off. Log probabilities are of the model's raw
+    /// distribution (log-softmax of the logits, before penalties, temperature and filters).
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives [`OutputParams::logprobs`] may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log probability and the most likely alternatives at its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// ln p(token).
+    pub logprob: f32,
+    /// (id, ln p) of the most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Of `logits` (raw), for `token`, with `k` alternatives. O(V + V·log k).
+    pub fn of(logits: &[f32], token: u32, k: usize) -> Self {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| f64::from(x - max).exp())
+            .sum();
+        let lse = max + sum.ln() as f32;
+        let lp = |x: f32| {
+            if x.is_finite() {
+                x - lse
+            } else {
+                f32::NEG_INFINITY
+            }
+        };
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        if k > 0 {
+            for (i, &x) in logits.iter().enumerate() {
+                if !x.is_finite() {
+                    continue;
+                }
+                if top.len() < k || x > top[top.len() - 1].1 {
+                    let at = top.partition_point(|&(_, y)| y >= x);
+                    top.insert(at, (i as u32, x));
+                    top.truncate(k);
+                }
+            }
+        }
+        TokenLogprobs {
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NEG_INFINITY, |&x| lp(x)),
+            top: top.into_iter().map(|(i, x)| (i, lp(x))).collect(),
+        }
+    }
 }
 
 impl Default for OutputParams {
@@ -140,6 +199,7 @@ impl Default for OutputParams {
             min_tokens: 0,
             skip_special_tokens: true,
             include_stop_str: false,
+            logprobs: None,
         }
     }
 }
@@ -195,6 +255,8 @@ pub enum SeqEvent {
         id: u32,
         /// Newly completed text ("" while UTF-8 or a stop string is pending).
         text: String,
+        /// With [`OutputParams::logprobs`]: this token's (none on the text-only flush).
+        logprobs: Option<TokenLogprobs>,
     },
     /// The sequence ended normally; last event.
     Finished {
@@ -466,6 +528,11 @@ impl Engine {
         req.sampling
             .validate()
             .map_err(EngineError::InvalidRequest)?;
+        if req.output.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidRequest(format!(
+                "at most {MAX_TOP_LOGPROBS} top log probabilities"
+            )));
+        }
         if req.output.min_tokens > req.max_tokens {
             return Err(EngineError::InvalidRequest(format!(
                 "min_tokens ({}) exceeds max_tokens ({})",
@@ -574,6 +641,8 @@ struct SeqPayload {
     stop_ids: Vec<u32>,
     /// Below this many generated tokens, stop ids are masked and stop strings not matched.
     min_tokens: usize,
+    /// Report log probabilities with this many alternatives.
+    logprobs: Option<usize>,
     stop: StopChecker,
     detok: DecodeStream,
 }
@@ -729,6 +798,7 @@ impl StepLoop {
             sampler: Sampler::new(req.sampling, &req.prompt),
             stop_ids: req.stop_token_ids,
             min_tokens: req.output.min_tokens,
+            logprobs: req.output.logprobs,
             stop: StopChecker::new(&req.stop_strings).keeping_stop(req.output.include_stop_str),
             detok: DecodeStream::new(self.decoder.clone(), req.output.skip_special_tokens),
         };
@@ -859,6 +929,8 @@ impl StepLoop {
         };
         let max_tokens = s.max_tokens();
         let (p, generated) = s.payload_and_generated();
+        // The raw distribution, before the sampler and the min_tokens mask change the logits.
+        let raw = p.logprobs.map(|k| (logits.to_vec(), k));
         let early = generated.len() < p.min_tokens;
         if early {
             for &id in &p.stop_ids {
@@ -885,7 +957,11 @@ impl StepLoop {
                 // A text-only flush that repeats the previous token's id (the stop token
                 // is never emitted); see `SeqEvent::Token`.
                 let last = generated.last().copied().unwrap_or(token);
-                let _ = p.tx.send(SeqEvent::Token { id: last, text });
+                let _ = p.tx.send(SeqEvent::Token {
+                    id: last,
+                    text,
+                    logprobs: None,
+                });
             }
             return Ok(Some((FinishReason::Stop, completion)));
         }
@@ -910,7 +986,12 @@ impl StepLoop {
                 text.push_str(&p.stop.take_pending());
             }
         }
-        let _ = p.tx.send(SeqEvent::Token { id: token, text });
+        let logprobs = raw.map(|(l, k)| TokenLogprobs::of(&l, token, k));
+        let _ = p.tx.send(SeqEvent::Token {
+            id: token,
+            text,
+            logprobs,
+        });
         self.sched.append_token(id, token);
         Ok(if stopped {
             Some((FinishReason::Stop, completion))
@@ -963,5 +1044,38 @@ impl StepLoop {
         self.feed.publish(self.sched.take_events());
         self.publish_stats();
         self.feed.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenLogprobs;
+
+    #[test]
+    fn token_logprobs_are_a_log_softmax_with_sorted_alternatives() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 2.0, 3.0];
+        let lp = TokenLogprobs::of(&logits, 3, 3);
+        let z: f64 = [1.0f64, 3.0, 2.0, 3.0].iter().map(|x| x.exp()).sum();
+        assert!(
+            (f64::from(lp.logprob) - (2.0 - z.ln())).abs() < 1e-6,
+            "{lp:?}"
+        );
+        assert_eq!(lp.top.len(), 3);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{lp:?}");
+        // The two tied maxima first (ids 1 and 4), then id 3 (logit 2).
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(&ids[2..], &[3]);
+        assert!(ids[..2].contains(&1) && ids[..2].contains(&4));
+        // The probabilities of the finite logits sum to 1.
+        let lse = 2.0 - lp.logprob;
+        let mass: f64 = logits
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| f64::from(x - lse).exp())
+            .sum();
+        assert!((mass - 1.0).abs() < 1e-5, "{mass}");
+        let masked = TokenLogprobs::of(&logits, 2, 0);
+        assert_eq!(masked.logprob, f32::NEG_INFINITY);
+        assert!(masked.top.is_empty());
     }
 }

@@ -26,7 +26,7 @@ pub mod sim;
 
 pub use engine::{
     Engine, EngineConfig, EngineHealth, EngineStats, FinishReason, GenerateRequest, OutputParams,
-    SeqEvent, SequenceHandle, Usage,
+    SeqEvent, SequenceHandle, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,
 };
 pub use error::EngineError;
 pub use executor::{BlockId, Executor, KvGeometry, SeqChunk};

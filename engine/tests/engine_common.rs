@@ -66,7 +66,7 @@ pub async fn collect(mut h: SequenceHandle) -> Outcome {
         match ev {
             None => return o,
             Some(SeqEvent::Started { cached_tokens, .. }) => o.cached_tokens = Some(cached_tokens),
-            Some(SeqEvent::Token { id, text }) => {
+            Some(SeqEvent::Token { id, text, .. }) => {
                 o.tokens.push(id);
                 o.text.push_str(&text);
             }

@@ -28,6 +28,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, Stream, StreamExt};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
@@ -446,7 +447,8 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
             .into_response();
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
-        let (resp, written) = collect(endpoint, meta, parser, rx).await;
+        let logprobs = plan.output.logprobs.is_some();
+        let (resp, written) = collect(endpoint, meta, parser, logprobs, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);
         with_ids(resp, &ctx.admission.request_id, written)
@@ -455,7 +457,8 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
 
 /// From the driver to the HTTP side. The last message says whether the receipt was written.
 enum Msg {
-    Text(String),
+    /// Generated text (may be empty when only log probabilities came).
+    Text(String, Option<LogprobItem>),
     End {
         finish: String,
         usage: UsageBody,
@@ -533,7 +536,7 @@ impl Driver {
                         }
                     }
                 }
-                SeqEvent::Token { text, .. } => {
+                SeqEvent::Token { id, text, logprobs } => {
                     let now = Instant::now();
                     match last_token {
                         None => {
@@ -547,9 +550,10 @@ impl Driver {
                     }
                     last_token = Some(now);
                     o.completion_tokens += 1;
-                    if !text.is_empty() {
+                    let item = logprobs.map(|lp| LogprobItem::new(&st.profile, id, lp));
+                    if !text.is_empty() || item.is_some() {
                         hasher.update(text.as_bytes());
-                        if tx.send(Msg::Text(text)).await.is_err() {
+                        if tx.send(Msg::Text(text, item)).await.is_err() {
                             break End::Cancelled;
                         }
                     }
@@ -644,12 +648,17 @@ async fn collect(
     endpoint: Endpoint,
     meta: ResponseMeta,
     mut parser: output_parser::AnswerParser,
+    logprobs: bool,
     mut rx: mpsc::Receiver<Msg>,
 ) -> (Response, bool) {
     let mut text = String::new();
+    let mut items = Vec::new();
     while let Some(m) = rx.recv().await {
         match m {
-            Msg::Text(t) => text.push_str(&t),
+            Msg::Text(t, item) => {
+                text.push_str(&t);
+                items.extend(item);
+            }
             Msg::Fail(e, receipted) => return (e.into_response(), receipted),
             Msg::End {
                 finish,
@@ -701,7 +710,7 @@ async fn collect(
                                     reasoning_content: reasoning,
                                     tool_calls,
                                 },
-                                logprobs: None,
+                                logprobs: logprobs.then(|| LogprobItem::chat_json(&items)),
                                 finish_reason: finish,
                             }],
                             usage,
@@ -716,7 +725,7 @@ async fn collect(
                         choices: vec![CompletionChoice {
                             index: 0,
                             text,
-                            logprobs: None,
+                            logprobs: logprobs.then(|| LogprobItem::completion_json(&items)),
                             finish_reason: Some(finish),
                         }],
                         usage: Some(Some(usage)),
@@ -767,7 +776,7 @@ fn sse_events(
     let usage_slot = if include_usage { Some(None) } else { None };
     let chunk = {
         let meta = meta.clone();
-        move |delta: ChatDelta, finish: Option<String>| -> Event {
+        move |delta: ChatDelta, finish: Option<String>, logprobs: Option<Value>| -> Event {
             match endpoint {
                 Endpoint::Chat => json_event(&ChatCompletionChunk {
                     id: meta.id.clone(),
@@ -778,7 +787,7 @@ fn sse_events(
                     choices: vec![ChatChunkChoice {
                         index: 0,
                         delta,
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish,
                     }],
                     usage: usage_slot.clone(),
@@ -792,7 +801,7 @@ fn sse_events(
                     choices: vec![CompletionChoice {
                         index: 0,
                         text: delta.content.unwrap_or_default(),
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish,
                     }],
                     usage: usage_slot.clone(),
@@ -833,6 +842,7 @@ fn sse_events(
                 ..ChatDelta::default()
             },
             None,
+            None,
         )],
         Endpoint::Completion => vec![],
     };
@@ -843,28 +853,35 @@ fn sse_events(
             let (mut rx, mut answer) = state?;
             let events = match rx.recv().await {
                 None => return None,
-                Some(Msg::Text(t)) => match endpoint {
-                    Endpoint::Chat => answer
-                        .feed(&t)
-                        .into_iter()
-                        .map(|d| chunk(d, None))
-                        .collect(),
+                Some(Msg::Text(t, item)) => match endpoint {
+                    Endpoint::Chat => {
+                        let mut lp = item.map(|i| LogprobItem::chat_json(&[i]));
+                        let mut deltas = answer.feed(&t);
+                        if deltas.is_empty() && lp.is_some() {
+                            deltas.push(ChatDelta::default());
+                        }
+                        deltas
+                            .into_iter()
+                            .map(|d| chunk(d, None, lp.take()))
+                            .collect()
+                    }
                     Endpoint::Completion => vec![chunk(
                         ChatDelta {
                             content: Some(t),
                             ..ChatDelta::default()
                         },
                         None,
+                        item.map(|i| LogprobItem::completion_json(&[i])),
                     )],
                 },
                 Some(Msg::End { finish, usage, .. }) => {
                     let mut v: Vec<Event> = answer
                         .finish()
                         .into_iter()
-                        .map(|d| chunk(d, None))
+                        .map(|d| chunk(d, None, None))
                         .collect();
                     let finish = finish_with_tools(finish, answer.made_tool_calls());
-                    v.push(chunk(ChatDelta::default(), Some(finish)));
+                    v.push(chunk(ChatDelta::default(), Some(finish), None));
                     if include_usage {
                         v.push(usage_chunk(usage));
                     }
@@ -988,5 +1005,73 @@ impl AnswerStream {
                 ..ChatDelta::default()
             });
         }
+    }
+}
+
+/// One generated token's log probabilities with its text and its alternatives' texts.
+struct LogprobItem {
+    token: String,
+    logprob: f32,
+    top: Vec<(String, f32)>,
+}
+
+/// OpenAI writes −∞ as −9999.
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
+    }
+}
+
+impl LogprobItem {
+    fn new(profile: &prompt_profile::PromptProfile, id: u32, lp: engine::TokenLogprobs) -> Self {
+        let text = |id: u32| profile.decode(&[id], false).unwrap_or_default();
+        LogprobItem {
+            token: text(id),
+            logprob: lp.logprob,
+            top: lp.top.into_iter().map(|(id, l)| (text(id), l)).collect(),
+        }
+    }
+
+    /// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+    fn chat_json(items: &[LogprobItem]) -> Value {
+        let entry = |t: &str, l: f32| serde_json::json!({"token": t, "logprob": finite(l), "bytes": t.as_bytes()});
+        let content: Vec<Value> = items
+            .iter()
+            .map(|i| {
+                let mut e = entry(&i.token, i.logprob);
+                e["top_logprobs"] = Value::Array(i.top.iter().map(|(t, l)| entry(t, *l)).collect());
+                e
+            })
+            .collect();
+        serde_json::json!({ "content": content })
+    }
+
+    /// The legacy completion `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`
+    /// (offsets count UTF-8 bytes of the token texts from the first item).
+    fn completion_json(items: &[LogprobItem]) -> Value {
+        let mut offset = 0usize;
+        let mut offsets = Vec::with_capacity(items.len());
+        for i in items {
+            offsets.push(offset);
+            offset += i.token.len();
+        }
+        serde_json::json!({
+            "tokens": items.iter().map(|i| i.token.clone()).collect::<Vec<_>>(),
+            "token_logprobs": items.iter().map(|i| finite(i.logprob)).collect::<Vec<_>>(),
+            "top_logprobs": items
+                .iter()
+                .map(|i| {
+                    let m: serde_json::Map<String, Value> = i
+                        .top
+                        .iter()
+                        .map(|(t, l)| (t.clone(), Value::from(finite(*l))))
+                        .collect();
+                    Value::Object(m)
+                })
+                .collect::<Vec<_>>(),
+            "text_offset": offsets,
+        })
     }
 }

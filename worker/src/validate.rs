@@ -7,7 +7,7 @@
 //! 3. types (`invalid_type`, param = the JSON path, e.g. `messages[0].content`) and required
 //!    fields (`missing_parameter`);
 //! 4. unsupported parameters with a non-neutral value (`unsupported_parameter`): `n > 1`,
-//!    `tools`, `logprobs`, non-text `response_format`, `logit_bias`, ...;
+//!    `tool_choice: "required"`, non-text `response_format`, `logit_bias`, `return_hidden_states`, ...
 //! 5. ranges (`invalid_value`): temperature, top_p, penalties, max_tokens ≥ 1, ≤ 4 stop strings.
 //!
 //! The token budget (needs the rendered prompt) is checked later by [`budget`].
@@ -76,6 +76,8 @@ pub struct OutputSpec {
     pub skip_special_tokens: Option<bool>,
     /// `include_stop_str_in_output` or `no_stop_trim`.
     pub include_stop_str: bool,
+    /// Chat `logprobs: true` with `top_logprobs` alternatives; completion `logprobs: N`.
+    pub logprobs: Option<usize>,
 }
 
 impl OutputSpec {
@@ -116,6 +118,7 @@ impl OutputSpec {
                 min_tokens: self.min_tokens.min(max_tokens),
                 skip_special_tokens: self.skip_special_tokens.unwrap_or(default_skip_special),
                 include_stop_str: self.include_stop_str,
+                logprobs: self.logprobs,
             },
         ))
     }
@@ -388,6 +391,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         min_tokens,
         skip_special_tokens: c.skip_special_tokens,
         include_stop_str,
+        logprobs: None,
     };
     Ok(Checked {
         stream,
@@ -407,16 +411,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     // `#[serde(flatten)]`, so this pass names a mistyped common field exactly.
     let _: CommonParams = typed(&value)?;
     let r: ChatCompletionRequest = typed(value)?;
-    reject_unless_neutral(
-        "logprobs",
-        &r.logprobs,
-        "log probabilities are not returned",
-    )?;
-    reject_unless_neutral(
-        "top_logprobs",
-        &r.top_logprobs,
-        "log probabilities are not returned",
-    )?;
+    let logprobs = chat_logprobs(&r.logprobs, &r.top_logprobs)?;
     reject_unless_neutral(
         "functions",
         &r.functions,
@@ -495,8 +490,9 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         stop,
         sampling,
         cache_insert,
-        output,
+        mut output,
     } = common(r.common, r.max_completion_tokens)?;
+    output.logprobs = logprobs;
     // The prompt-shaping fields, read by the prompt contract (the gateway reads them the same).
     let fields = ChatTemplateFields {
         tools: r.tools,
@@ -532,15 +528,10 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let value = parse_object(body, COMPLETION_FIELDS)?;
     let _: CommonParams = typed(&value)?;
     let r: CompletionRequest = typed(value)?;
-    match &r.logprobs {
-        None | Some(Value::Null) => {}
-        Some(_) => {
-            return Err(unsupported(
-                "logprobs",
-                "log probabilities are not returned",
-            ))
-        }
-    }
+    let logprobs = match &r.logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(top_count("logprobs", v)?),
+    };
     reject_unless_neutral("echo", &r.echo, "echo is not supported")?;
     reject_unless_neutral("suffix", &r.suffix, "suffix (insertion) is not supported")?;
     match &r.best_of {
@@ -559,8 +550,9 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         stop,
         sampling,
         cache_insert,
-        output,
+        mut output,
     } = common(r.common, None)?;
+    output.logprobs = logprobs;
     Ok(GenerationPlan {
         model: r.model,
         prompt,
@@ -573,6 +565,52 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         output,
         answer: AnswerSpec::default(),
     })
+}
+
+/// An alternatives count (`top_logprobs`, completion `logprobs`): an integer in
+/// 0..=[`engine::MAX_TOP_LOGPROBS`].
+fn top_count(param: &str, v: &Value) -> Result<usize, ApiError> {
+    match v.as_u64() {
+        Some(n) if n <= engine::MAX_TOP_LOGPROBS as u64 => Ok(n as usize),
+        Some(n) => Err(invalid_value(
+            param,
+            format!(
+                "`{param}` must be at most {}, got {n}",
+                engine::MAX_TOP_LOGPROBS
+            ),
+        )),
+        None => Err(ApiError::bad_request(
+            "invalid_type",
+            Some(param),
+            format!("`{param}` must be a non-negative integer"),
+        )),
+    }
+}
+
+/// Chat `logprobs` (boolean) and `top_logprobs` (0..=20, only with `logprobs: true`).
+fn chat_logprobs(logprobs: &Option<Value>, top: &Option<Value>) -> Result<Option<usize>, ApiError> {
+    let on = match logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("logprobs"),
+                "`logprobs` must be a boolean",
+            ))
+        }
+    };
+    let k = match top {
+        None | Some(Value::Null) => 0,
+        Some(v) => top_count("top_logprobs", v)?,
+    };
+    if k > 0 && !on {
+        return Err(invalid_value(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs: true`",
+        ));
+    }
+    Ok(on.then_some(k))
 }
 
 /// A chat-template field the prompt contract refused, as the worker answers it: 400
@@ -698,8 +736,6 @@ mod tests {
             );
         }
         for (k, v) in [
-            ("logprobs", "true"),
-            ("top_logprobs", "2"),
             (
                 "response_format",
                 r#"{"type":"json_schema","json_schema":{}}"#,
@@ -762,8 +798,31 @@ mod tests {
                 min_tokens: 3,
                 skip_special_tokens: Some(false),
                 include_stop_str: true,
+                logprobs: None,
             }
         );
+        for (v, want) in [
+            (r#""logprobs":true"#, Some(0)),
+            (r#""logprobs":true,"top_logprobs":5"#, Some(5)),
+            (r#""logprobs":false"#, None),
+        ] {
+            let p = chat(format!("{{{MSG},{v}}}").as_bytes()).unwrap();
+            assert_eq!(p.output.logprobs, want, "{v}");
+        }
+        for (v, code, param) in [
+            (r#""top_logprobs":2"#, "invalid_value", "top_logprobs"),
+            (
+                r#""logprobs":true,"top_logprobs":21"#,
+                "invalid_value",
+                "top_logprobs",
+            ),
+            (r#""logprobs":1"#, "invalid_type", "logprobs"),
+        ] {
+            let e = chat_err(&format!(r#"{{{MSG},{v}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), (code, Some(param)), "{v}");
+        }
+        let c = completion(br#"{"model":"m","prompt":"x","logprobs":3}"#).unwrap();
+        assert_eq!(c.output.logprobs, Some(3));
         let (stop, out) = p.output.resolve(&[2], 100, 9, true).unwrap();
         assert_eq!(stop, vec![5, 7], "ignore_eos drops the profile's eos ids");
         assert_eq!(out.min_tokens, 3);

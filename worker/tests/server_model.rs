@@ -178,3 +178,125 @@ async fn vllm_and_sglang_output_extensions_shape_real_answers() {
     assert_eq!(kept2, kept);
     w.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_of_real_answers_are_consistent_streamed_or_not() {
+    let w = start_sim(SimOpts {
+        real_model: true,
+        ..SimOpts::default()
+    })
+    .await;
+    let body = json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "logprobs": true, "top_logprobs": 3
+    });
+    let r: Value = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let content = r["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{r}"))
+        .clone();
+    assert_eq!(content.len(), 6, "one entry per generated token: {r}");
+    let mut joined = String::new();
+    for e in &content {
+        let lp = e["logprob"].as_f64().unwrap();
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "{e}");
+        assert!(
+            tops.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-6,
+            "{e}"
+        );
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(e["token"], top[0]["token"], "{e}");
+        assert!((lp - tops[0]).abs() < 1e-6 && lp <= 0.0, "{e}");
+        let token = e["token"].as_str().unwrap();
+        assert_eq!(e["bytes"], json!(token.as_bytes()));
+        joined.push_str(token);
+    }
+    assert_eq!(
+        r["choices"][0]["message"]["content"].as_str(),
+        Some(joined.as_str()),
+        "the tokens spell the answer"
+    );
+
+    // Streamed: the same entries, spread over the chunks.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let text = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&sbody)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let streamed: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    // Same tokens; the log probabilities agree to float noise (the second request reads its
+    // prompt's blocks from the prefix cache, which sums in another order).
+    assert_eq!(streamed.len(), content.len());
+    for (a, b) in streamed.iter().zip(&content) {
+        assert_eq!(a["token"], b["token"]);
+        let (x, y) = (
+            a["logprob"].as_f64().unwrap(),
+            b["logprob"].as_f64().unwrap(),
+        );
+        assert!((x - y).abs() < 1e-3, "{a} vs {b}");
+        let ta: Vec<&Value> = a["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| &t["token"])
+            .collect();
+        let tb: Vec<&Value> = b["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| &t["token"])
+            .collect();
+        assert_eq!(ta, tb);
+    }
+
+    // Completions: the legacy shape.
+    let r: Value = client()
+        .post(w.url("/v1/completions"))
+        .json(
+            &json!({"model": "smollm2", "prompt": "The sky is", "max_tokens": 4,
+                      "temperature": 0, "ignore_eos": true, "logprobs": 2}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let lp = &r["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap_or_else(|| panic!("{r}"));
+    assert_eq!(tokens.len(), 4);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["text_offset"][0], 0);
+    for t in lp["top_logprobs"].as_array().unwrap() {
+        assert_eq!(t.as_object().unwrap().len(), 2, "{t}");
+    }
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(r["choices"][0]["text"].as_str(), Some(joined.as_str()));
+    w.stop().await;
+}
