@@ -48,6 +48,10 @@ if [ ! -x "$chroot_dir/usr/bin/python3" ]; then
     "$suite" "$chroot_dir" "$mirror" >"$work/debootstrap.log" 2>&1
 fi
 cp /etc/resolv.conf "$chroot_dir/etc/resolv.conf"
+# debootstrap writes no /etc/hosts; an installed Debian has one that names localhost.
+if ! grep -qs '^127\.0\.0\.1[[:space:]].*localhost' "$chroot_dir/etc/hosts"; then
+  printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >"$chroot_dir/etc/hosts"
+fi
 
 mount -t proc proc "$chroot_dir/proc"; mounted+=("$chroot_dir/proc")
 bind /dev "$chroot_dir/dev"

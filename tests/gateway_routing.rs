@@ -220,6 +220,91 @@ fn wait_body_indexed(fleet: &Fleet, body: &serde_json::Value, salt: Option<&str>
     );
 }
 
+/// `kv_exact` with the request-count load guard and no routing-time holdings.
+const KV_IN_FLIGHT_SERVICE: &str = r#"
+[[services]]
+name = "chat"
+pool = "all"
+rule = { type = "kv_exact", profile = "smol", load_metric = "in_flight", pending_ttl_ms = 0, salt = { mode = "tenant_header", header = "x-tenant-id", allow_body_salt = true } }
+"#;
+
+/// The defaults (`active_tokens`, routing-time holdings for 2 s): a burst of one *new* prefix,
+/// sent while the first request is still prefilling, stays on the first request's worker (the
+/// holding is counted for placement) — the tickets predict no cached tokens for them (a
+/// routing-time holding is never a predicted hit) — and the worker computes the prefix once:
+/// the later requests wait for its blocks and report them cached.
+#[test]
+fn a_cold_burst_stays_on_one_worker_and_is_computed_once() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.prefill_us_per_token = 2_000; // ~200 prompt tokens: ~0.4 s of prefill
+    let mut fleet = Fleet::workers(FleetOptions {
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let system = format!("A new prefix. {}", "Nobody asked this before. ".repeat(30));
+    let url = fleet.url("/v1/chat/completions");
+    let bodies: Vec<serde_json::Value> = (0..3)
+        .map(|i| {
+            chat(
+                &[("system", &system), ("user", &format!("question {i}"))],
+                2,
+            )
+        })
+        .collect();
+    let replies = fleet.rt.block_on(async {
+        let mut pending = Vec::new();
+        for b in &bodies {
+            let req = fleet.http.post(&url).json(b).send();
+            pending.push(tokio::spawn(req));
+            // Sent one after another, each while the first is still prefilling.
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        }
+        let mut out = Vec::new();
+        for p in pending {
+            let r = p.await.unwrap().unwrap();
+            let h = |n: &str| r.headers().get(n).unwrap().to_str().unwrap().to_owned();
+            let (w, id) = (h("x-kvgate-worker"), h("x-request-id"));
+            let body: serde_json::Value = r.json().await.unwrap();
+            out.push((w, id, body));
+        }
+        out
+    });
+    let first = &replies[0].0;
+    for (w, id, body) in &replies {
+        assert_eq!(w, first, "the burst scattered: {replies:?}");
+        let i: usize = w.trim_start_matches('w').parse::<usize>().unwrap() - 1;
+        let receipt = fleet.receipt(i, id).expect("receipt");
+        let ticket = receipt
+            .body
+            .ticket
+            .as_ref()
+            .unwrap()
+            .ticket_unverified()
+            .clone();
+        assert_eq!(
+            ticket.predicted_matched_tokens,
+            Some(0),
+            "a routing-time holding predicted as a hit"
+        );
+        let _ = body;
+    }
+    let cached: Vec<u64> = replies
+        .iter()
+        .map(|(_, _, b)| {
+            b["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(cached[0], 0);
+    assert!(
+        cached[1] > 0 && cached[2] > 0,
+        "computed more than once: {cached:?}"
+    );
+    fleet.stop();
+}
+
 #[test]
 fn load_guard_spreads_a_single_hot_prefix() {
     // Slow decoding so that a burst overlaps.
@@ -229,7 +314,9 @@ fn load_guard_spreads_a_single_hot_prefix() {
         sim,
         ..FleetOptions::default()
     });
-    fleet.start_gateway(KV_SERVICE, false);
+    // The request-count guard, without routing-time holdings (the defaults are
+    // `active_tokens` and 2 s; see `a_cold_burst_stays_on_one_worker_...` for those).
+    fleet.start_gateway(KV_IN_FLIGHT_SERVICE, false);
     let system = format!(
         "Hot prefix. {}",
         "Everyone asks the same thing. ".repeat(20)

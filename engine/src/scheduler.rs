@@ -14,7 +14,11 @@
 //!    past it, but at most `max_running` times in a row, so the head cannot starve.
 //! 2. **Prefix reuse** at admission: the longest verified cached prefix (see
 //!    [`crate::kv::prefix_cache`]), at most `floor((prompt − 1) / B)` blocks, so the last
-//!    prompt token is always computed (its logits start the answer).
+//!    prompt token is always computed (its logits start the answer). A waiting sequence whose
+//!    next uncached prompt block is being computed by a running, prefilling sequence (the same
+//!    key at the same position, not yet registered) is not admitted yet: it waits for that
+//!    block to land in the prefix cache (within the other's prefill) rather than compute it a
+//!    second time, and is admitted once its next block is nobody's work in progress.
 //! 3. **Decodes first**: every running sequence that has a sampled token gets a one-token
 //!    chunk.
 //! 4. **Chunked prefill** with the rest of the token budget: first the sequences whose
@@ -366,6 +370,23 @@ impl<P> Scheduler<P> {
                 &s.tokens,
                 max_hit,
             );
+            // Another sequence is computing this one's next prompt block right now: wait for it
+            // (it lands in the prefix cache within that sequence's prefill) instead of
+            // computing the same block twice.
+            if let Some(next) = s.links.get(hits.len()).filter(|_| hits.len() < max_hit) {
+                let at = hits.len();
+                let key = next.key();
+                let in_progress = self.running.iter().any(|r| {
+                    r.cache_insert
+                        && r.is_prefilling()
+                        && r.registered <= at
+                        && r.links.get(at).is_some_and(|l| l.key() == key)
+                });
+                if in_progress {
+                    i += 1;
+                    continue;
+                }
+            }
             let new_blocks = s.reserved_total.saturating_sub(hits.len());
             if !self.kv.can_admit(&hits, new_blocks) {
                 if i == 0 && self.head_bypassed >= self.cfg.max_running {

@@ -611,3 +611,45 @@ async fn a_kept_stop_string_ends_the_text() {
     assert_eq!(o.text, full[..cut + stop.len()]);
     assert_eq!(o.finish.unwrap().0, FinishReason::Stop);
 }
+
+/// Requests sharing a long prefix, submitted together: the first computes the prefix; the
+/// others wait for its blocks instead of computing them again, reuse them, and answer exactly
+/// as a cold run does.
+#[tokio::test]
+async fn concurrent_requests_with_one_new_prefix_compute_it_once() {
+    let sim = SimConfig::instant(4, 512);
+    let engine = sim_engine(sim.clone(), small_cfg());
+    let shared: Vec<u32> = (100..164).collect(); // 16 blocks
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|q| {
+            let mut p = shared.clone();
+            p.extend([200 + q, 201 + q, 202 + q]);
+            p
+        })
+        .collect();
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            engine
+                .submit(req(&format!("q{i}"), p.clone(), 4, ns(1)))
+                .unwrap()
+        })
+        .collect();
+    let mut cached = Vec::new();
+    for (h, p) in handles.into_iter().zip(&prompts) {
+        let o = collect(h).await;
+        assert_eq!(
+            o.tokens,
+            reference_greedy(&sim, p, 4),
+            "same answer as cold"
+        );
+        cached.push(o.finish.unwrap().1.cached_tokens);
+    }
+    assert_eq!(cached[0], 0);
+    // Every later one reused the whole shared prefix (64 tokens = 16 blocks).
+    assert!(cached[1..].iter().all(|&c| c == 64), "{cached:?}");
+    let stats = engine.stats();
+    assert_eq!(stats.prompt_tokens, 4 * 67);
+    assert_eq!(stats.prefix_hit_tokens, 3 * 64);
+}

@@ -97,6 +97,9 @@ pub(crate) async fn forward(
                 Ok(Some(chunk)) => {
                     if ctx.first_byte.is_none() && !chunk.is_empty() {
                         ctx.first_byte = Some(Instant::now());
+                        if let Some(f) = ctx.in_flight.as_mut() {
+                            f.prefill_done();
+                        }
                     }
                     session.write_response_body(Some(chunk), false).await?;
                 }

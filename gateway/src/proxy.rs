@@ -458,6 +458,9 @@ impl ProxyHttp for Proxy {
     ) -> Result<Option<Duration>> {
         if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
             ctx.first_byte = Some(Instant::now());
+            if let Some(f) = ctx.in_flight.as_mut() {
+                f.prefill_done();
+            }
         }
         Ok(None)
     }

@@ -45,7 +45,13 @@ pub struct PromptFacts {
     pub matched: Vec<(WorkerId, usize)>,
     /// Tokens per block.
     pub block_size: usize,
+    /// Output tokens the request asks for (`max_completion_tokens`/`max_tokens`, else
+    /// [`DEFAULT_OUTPUT_TOKENS`]): its decode share of the worker's active tokens.
+    pub output_tokens: usize,
 }
+
+/// The output a request naming no `max_tokens` is counted for in `active_tokens`.
+pub const DEFAULT_OUTPUT_TOKENS: usize = 256;
 
 /// A routing decision (the service it was taken for is kept beside it, in the request ctx).
 #[derive(Clone, Debug)]
@@ -102,6 +108,7 @@ impl RouteInput {
 struct Looked {
     keys: Vec<BlockKey>,
     prompt_tokens: usize,
+    output_tokens: usize,
     seed: NamespaceSeed,
     matches: Vec<prefix_index::WorkerMatch>,
 }
@@ -161,6 +168,7 @@ fn look_up(
     let matches = index.longest_matches(&tok.keys);
     Ok(Looked {
         prompt_tokens: tok.tokens.len(),
+        output_tokens: requested.unwrap_or(DEFAULT_OUTPUT_TOKENS),
         keys: tok.keys,
         seed: tok.seed,
         matches,
@@ -168,12 +176,10 @@ fn look_up(
 }
 
 fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
-    // Only in-flight requests are known to the gateway; `active_tokens` falls back to it
-    // (documented in docs/gateway.md).
-    let _ = metric;
-    view.workers
-        .get(w)
-        .map_or(0, |e| e.runtime.in_flight.load(Ordering::Relaxed))
+    view.workers.get(w).map_or(0, |e| match metric {
+        LoadMetric::InFlight => e.runtime.in_flight.load(Ordering::Relaxed),
+        LoadMetric::ActiveTokens => e.runtime.active_tokens.load(Ordering::Relaxed),
+    })
 }
 
 /// Decides where a request goes. Errors are client errors (400/503) to answer directly.
@@ -189,23 +195,32 @@ pub fn decide(
     };
     let mut extra = Vec::new();
     let mut candidates = Vec::with_capacity(service.pool.len());
+    let mut predicted_blocks = Vec::with_capacity(service.pool.len());
     for w in &service.pool {
         let Some(e) = view.workers.get(w) else {
             continue;
         };
         let (contract_ok, matched_blocks, cached_blocks, metric) = match &looked {
             None => (true, 0, 0, LoadMetric::InFlight),
-            Some((p, l)) => (
-                e.runtime.contract_ok(),
-                l.matches
-                    .iter()
-                    .find(|m| &m.worker == w)
-                    .map_or(0, |m| m.blocks),
-                index
-                    .worker_stats(w)
-                    .map_or(0, |s| s.precise_blocks + s.approximate_blocks),
-                p.rule.load_metric,
-            ),
+            Some((p, l)) => {
+                let m = l.matches.iter().find(|m| &m.worker == w);
+                // A worker with KV events: its approximate holdings are routing-time ones,
+                // good for placement, never a predicted hit.
+                let predicted = if e.runtime.approximate() {
+                    m.map_or(0, |m| m.blocks)
+                } else {
+                    m.map_or(0, |m| m.precise_blocks)
+                };
+                predicted_blocks.push((w.clone(), predicted));
+                (
+                    e.runtime.contract_ok(),
+                    m.map_or(0, |m| m.blocks),
+                    index
+                        .worker_stats(w)
+                        .map_or(0, |s| s.precise_blocks + s.approximate_blocks),
+                    p.rule.load_metric,
+                )
+            }
         };
         if !contract_ok {
             extra.push("contract");
@@ -225,16 +240,28 @@ pub fn decide(
             service: service.name().to_owned(),
         });
     }
+    // Routing-time holdings: the chosen worker is believed to hold the prompt's blocks from now
+    // on, for placement, until its events confirm them or the TTL passes.
+    if let (Some((p, l)), Some(first)) = (&looked, sel.order.first()) {
+        let event_fed = view
+            .workers
+            .get(first)
+            .is_some_and(|e| !e.runtime.approximate());
+        if p.rule.pending_ttl_ms > 0 && event_fed && !l.keys.is_empty() {
+            let ttl = std::time::Duration::from_millis(p.rule.pending_ttl_ms);
+            if let Err(e) = index.insert_approximate_for(first, &l.keys, ttl) {
+                tracing::debug!(worker = %first, error = %e, "routing-time holding skipped");
+            }
+        }
+    }
     let prompt = looked.map(|(p, l)| PromptFacts {
         prompt_tokens: l.prompt_tokens,
         keys: l.keys,
         seed: l.seed,
         hash_algorithm: p.profile.algorithm(),
-        matched: candidates
-            .iter()
-            .map(|c| (c.worker.clone(), c.matched_blocks))
-            .collect(),
+        matched: predicted_blocks,
         block_size: p.profile.block_size.get(),
+        output_tokens: l.output_tokens,
     });
     Ok(Decision {
         order: sel.order,

@@ -44,7 +44,21 @@ pub fn peer_for(
 /// the ticket for it (kept in the ctx for the decision log).
 pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
-    ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone()));
+    // Active tokens: the prompt's tokens the worker must still compute (its predicted cached
+    // prefix excluded) and the output asked for (prefix routing only; round robin counts 0).
+    let (prefill, output) = ctx
+        .decision
+        .as_ref()
+        .and_then(|d| {
+            let p = d.prompt.as_ref()?;
+            let cached = u64::from(d.predicted_tokens(worker).unwrap_or(0));
+            Some((
+                (p.prompt_tokens as u64).saturating_sub(cached),
+                p.output_tokens as u64,
+            ))
+        })
+        .unwrap_or((0, 0));
+    ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
     ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
     ctx.current = Some(worker.clone());
 }

@@ -142,6 +142,10 @@ pub struct WorkerRuntime {
     pub id: WorkerId,
     /// Requests in flight from this gateway.
     pub in_flight: AtomicU64,
+    /// Active tokens of this gateway's requests in flight here (`load_metric =
+    /// "active_tokens"`): each request's uncached prompt tokens until its first response byte
+    /// (its prefill), plus its requested output tokens until it ends.
+    pub active_tokens: AtomicU64,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
     /// When the event stream last delivered something.
@@ -164,6 +168,7 @@ impl WorkerRuntime {
         WorkerRuntime {
             id,
             in_flight: AtomicU64::new(0),
+            active_tokens: AtomicU64::new(0),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),
@@ -480,23 +485,49 @@ impl ViewCell {
     }
 }
 
-/// Counts a request in flight on a worker for as long as the guard lives.
+/// Counts a request in flight on a worker, and its active tokens, for as long as the guard
+/// lives.
 #[derive(Debug)]
 pub struct InFlight {
     runtime: Arc<WorkerRuntime>,
+    /// Uncached prompt tokens still counted (until [`InFlight::prefill_done`]).
+    prefill: u64,
+    /// Requested output tokens (counted until the end).
+    output: u64,
 }
 
 impl InFlight {
-    /// Increments the worker's in-flight count.
-    pub fn start(runtime: Arc<WorkerRuntime>) -> InFlight {
+    /// Increments the worker's in-flight count and adds the request's active tokens: `prefill`
+    /// uncached prompt tokens and `output` requested output tokens.
+    pub fn start(runtime: Arc<WorkerRuntime>, prefill: u64, output: u64) -> InFlight {
         runtime.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight { runtime }
+        runtime
+            .active_tokens
+            .fetch_add(prefill + output, Ordering::Relaxed);
+        InFlight {
+            runtime,
+            prefill,
+            output,
+        }
+    }
+
+    /// The first response byte arrived: the prompt's prefill no longer counts. Idempotent.
+    pub fn prefill_done(&mut self) {
+        if self.prefill > 0 {
+            self.runtime
+                .active_tokens
+                .fetch_sub(self.prefill, Ordering::Relaxed);
+            self.prefill = 0;
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.runtime.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.runtime
+            .active_tokens
+            .fetch_sub(self.prefill + self.output, Ordering::Relaxed);
     }
 }
 

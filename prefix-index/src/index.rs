@@ -647,6 +647,20 @@ impl PrefixIndex {
         worker: &WorkerId,
         keys: &[BlockKey],
     ) -> Result<(), IndexError> {
+        self.insert_approximate_for(worker, keys, self.config.approximate_ttl)
+    }
+
+    /// [`Self::insert_approximate`] with its own TTL: the gateway's routing-time holdings of a
+    /// worker *with* KV events (believed for a short while, until the worker's `stored` events
+    /// make them precise or they expire). A worker's holdings should all use one TTL: expiry
+    /// is enforced in insertion order, so with mixed TTLs an expired holding may stay in memory
+    /// (never in a query's answer) until the ones before it expire.
+    pub fn insert_approximate_for(
+        &self,
+        worker: &WorkerId,
+        keys: &[BlockKey],
+        ttl: Duration,
+    ) -> Result<(), IndexError> {
         let ws = self.slot_of(worker)?;
         let mut st = ws.writer.lock();
         if !ws.alive.load(Ordering::Acquire) {
@@ -656,7 +670,7 @@ impl PrefixIndex {
         }
         let now = self.clock.now();
         self.expire_locked(&ws, &mut st, now);
-        let expires = now + self.config.approximate_ttl;
+        let expires = now + ttl;
         let slot = ws.slot;
         for &k in keys {
             st.lru.touch(k, expires);

@@ -77,6 +77,13 @@ pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
 /// Default `gateway.health_interval_ms`.
 pub const DEFAULT_HEALTH_INTERVAL_MS: u64 = 1_000;
+/// Default routing-time holding TTL of a `kv_exact` rule (ms).
+pub const DEFAULT_PENDING_TTL_MS: u64 = 2000;
+
+fn default_pending_ttl_ms() -> u64 {
+    DEFAULT_PENDING_TTL_MS
+}
+
 /// Default load slack of a `kv_exact` rule whose `load_metric` is `in_flight` (requests).
 pub const DEFAULT_LOAD_SLACK_IN_FLIGHT: u64 = 1;
 /// Default load slack of a `kv_exact` rule whose `load_metric` is `active_tokens` (tokens).
@@ -490,9 +497,14 @@ pub struct KvExactRule {
     /// Choice when no healthy worker has a hit. Default: `least_loaded`.
     #[serde(default)]
     pub on_no_match: NoMatchPolicy,
-    /// Which load the gateway feeds the policy. Default: `in_flight`.
+    /// Which load the gateway feeds the policy. Default: `active_tokens`.
     #[serde(default)]
     pub load_metric: LoadMetric,
+    /// Routing-time holdings: a routed prompt's blocks count as held by the chosen worker for
+    /// placement for this long (ms), until its KV events confirm them; never as a cache hit in
+    /// the ticket's prediction. 0 = off. At most 60000. Default: 2000.
+    #[serde(default = "default_pending_ttl_ms")]
+    pub pending_ttl_ms: u64,
 }
 
 impl KvExactRule {
@@ -614,9 +626,12 @@ pub enum NoMatchPolicy {
 #[serde(rename_all = "snake_case")]
 pub enum LoadMetric {
     /// Requests in flight from this gateway to the worker.
-    #[default]
     InFlight,
-    /// Tokens (prompt + generated so far) of the worker's active sequences.
+    /// Active tokens of this gateway's `kv_exact` requests in flight to the worker: each
+    /// one's uncached prompt tokens (prompt − predicted cached) until its first response byte,
+    /// plus its requested output tokens (`max_tokens`, else 256) until it ends. Round-robin
+    /// requests count 0 (use `in_flight` for pools shared with round-robin services).
+    #[default]
     ActiveTokens,
 }
 

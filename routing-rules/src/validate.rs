@@ -465,6 +465,12 @@ impl Validator {
         if k.load_slack == Some(0) {
             self.push(format!("{path}.load_slack"), "must be at least 1");
         }
+        if k.pending_ttl_ms > 60_000 {
+            self.push(
+                format!("{path}.pending_ttl_ms"),
+                format!("must be at most 60000, got {}", k.pending_ttl_ms),
+            );
+        }
         match &k.salt {
             SaltPolicy::None | SaltPolicy::PerRequest | SaltPolicy::Tenant => {}
             SaltPolicy::Fixed { salt } => {

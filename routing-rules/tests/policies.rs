@@ -29,7 +29,9 @@ fn kv_rule(ratio: f64, slack: Option<u64>, min_tokens: u32) -> KvExactRule {
         load_slack: slack,
         min_match_tokens: min_tokens,
         on_no_match: NoMatchPolicy::LeastLoaded,
-        load_metric: Default::default(),
+        // The policy tests count requests (slack 1 by default).
+        load_metric: routing_rules::schema::LoadMetric::InFlight,
+        pending_ttl_ms: 0,
     }
 }
 

@@ -55,7 +55,12 @@ fn base_is_valid_and_defaults_are_filled() {
     };
     assert_eq!(k.max_load_ratio, 1.5);
     assert_eq!(k.min_match_tokens, 0);
-    assert_eq!(k.effective_load_slack(), 1);
+    assert_eq!(
+        k.load_metric,
+        routing_rules::schema::LoadMetric::ActiveTokens
+    );
+    assert_eq!(k.effective_load_slack(), 1024);
+    assert_eq!(k.pending_ttl_ms, 2000);
     assert_eq!(rules.workers[0].weight, 1);
     assert_eq!(rules.gateway.health_interval_ms, 1000);
 }
@@ -568,7 +573,7 @@ fn service_json_is_pinned() {
     let json = serde_json::to_string(chat).unwrap();
     assert_eq!(
         json,
-        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"in_flight"},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000},"max_body_bytes":16777216,"token_budget":"reject"}"#
+        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"active_tokens","pending_ttl_ms":2000},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000},"max_body_bytes":16777216,"token_budget":"reject"}"#
     );
     assert_eq!(&service_from_json(&json).unwrap(), chat);
 }

@@ -4,7 +4,10 @@
 //! (cold caches):
 //!
 //! - `round_robin`;
-//! - `kv_exact` with its load guard (`max_load_ratio` 1.5);
+//! - `kv_exact` with its defaults: the load guard (`max_load_ratio` 1.5) over `active_tokens`,
+//!   routing-time holdings for 2 s;
+//! - `kv_in_flight`: the guard over in-flight requests, no routing-time holdings (the defaults
+//!   before 2026-12-01);
 //! - `oracle`: the worker with the longest cached prefix, ignoring load — implemented as
 //!   `kv_exact` with the load guard switched off (`max_load_ratio` 1e9). It reads the same
 //!   precise, event-fed index as `kv_exact`, so it measures what the load guard costs in hits,
@@ -34,11 +37,15 @@ const POLICIES: &[(&str, &str)] = &[
     ("round_robin", "type = \"round_robin\"\n"),
     (
         "kv_exact",
-        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1.5\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"in_flight\"\n",
+        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1.5\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"active_tokens\"\npending_ttl_ms = 2000\n",
+    ),
+    (
+        "kv_in_flight",
+        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1.5\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"in_flight\"\npending_ttl_ms = 0\n",
     ),
     (
         "oracle",
-        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1000000000.0\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"in_flight\"\n",
+        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1000000000.0\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"in_flight\"\npending_ttl_ms = 0\n",
     ),
 ];
 
@@ -257,7 +264,7 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
         .pool_max_idle_per_host(64)
         .build()?;
     let mut failed = false;
-    println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, oracle");
+    println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, kv_in_flight, oracle");
     for kind in args.workload {
         let mut summaries = Vec::new();
         let mut records = Vec::new();

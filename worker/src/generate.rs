@@ -895,9 +895,19 @@ fn sse_events(
             Some((events, Some((rx, answer))))
         }
     });
-    stream::iter(first)
-        .chain(body.flat_map(stream::iter))
-        .map(Ok)
+    // The role chunk goes out with the first generated piece (not at admission), so that the
+    // first body byte a proxy sees marks the first token: the gateway counts a request's
+    // prefill as done then (its `active_tokens` load) and measures TTFT from it.
+    let mut first = Some(first);
+    body.map(move |mut events| {
+        if let Some(mut head) = first.take() {
+            head.append(&mut events);
+            events = head;
+        }
+        events
+    })
+    .flat_map(stream::iter)
+    .map(Ok)
 }
 
 /// `tool_calls` instead of `stop` when the answer made tool calls (OpenAI's finish reason).
