@@ -56,6 +56,72 @@ fn special_token_text_gives_the_gateways_keys_on_the_worker() {
         .unwrap();
     assert_eq!(ids[0], fleet.profile.token_to_id("<|im_start|>").unwrap());
     assert_eq!(ids.len() as u32, receipt.body.prompt_tokens);
+
+    // The worker's metrics carry predicted vs observed cached tokens per service and rule:
+    // repeat the prompt until the gateway predicts a hit (its index learned the blocks), then
+    // the counters equal the sums over the tickets and receipts of that worker.
+    let mut sums = [
+        u64::from(ticket.predicted_matched_tokens.unwrap()),
+        u64::from(receipt.body.cached_tokens),
+    ];
+    let mut predicted_hit = false;
+    for _ in 0..50 {
+        let r = fleet.post("/v1/completions", &body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let w: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
+        let rc = fleet
+            .receipt(w, &r.header("x-request-id").unwrap())
+            .unwrap();
+        let t = rc.body.ticket.as_ref().unwrap().ticket_unverified().clone();
+        if w == worker {
+            sums[0] += u64::from(t.predicted_matched_tokens.unwrap());
+            sums[1] += u64::from(rc.body.cached_tokens);
+        }
+        if w == worker && t.predicted_matched_tokens.unwrap() > 0 {
+            assert!(
+                rc.body.cached_tokens > 0,
+                "predicted a hit the engine did not see"
+            );
+            predicted_hit = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        predicted_hit,
+        "the gateway never predicted the repeated prompt's blocks"
+    );
+    let metrics_url = format!("http://{}/metrics", fleet.addrs[worker]);
+    let text = fleet.rt.block_on(async {
+        fleet
+            .http
+            .get(&metrics_url)
+            .header("authorization", fleet.worker_access(worker))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    for kind in ["predicted", "cached"] {
+        let line = text
+            .lines()
+            .find(|l| {
+                l.starts_with("kvgate_worker_routed_prefix_tokens_total{")
+                    && l.contains(&format!("kind=\"{kind}\""))
+                    && l.contains("service=\"chat\"")
+            })
+            .unwrap_or_else(|| panic!("no {kind} series in\n{text}"));
+        let value: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        let want = if kind == "predicted" {
+            sums[0]
+        } else {
+            sums[1]
+        };
+        assert!(want > 0);
+        assert_eq!(value, want, "{line}");
+    }
     fleet.stop();
 }
 

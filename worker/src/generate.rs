@@ -98,6 +98,12 @@ fn to_u32(n: usize) -> u32 {
 /// may fsync). Whether it was written.
 async fn write_receipt(st: &Arc<AppState>, mut draft: receipts::ReceiptDraft) -> bool {
     draft.completed_at_ms = receipts::now_ms();
+    if let Some(t) = draft.ticket.as_ref().map(|s| s.ticket_unverified()) {
+        if let (Some(predicted), 200) = (t.predicted_matched_tokens, draft.status) {
+            st.metrics
+                .routed_prefix(&t.service, &t.rule_id, predicted, draft.cached_tokens);
+        }
+    }
     let log = st.receipts.clone();
     let res = tokio::task::spawn_blocking(move || log.append(draft)).await;
     match res {

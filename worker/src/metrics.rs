@@ -40,6 +40,7 @@ pub struct ServerMetrics {
     receipts_written: Counter,
     receipt_failures: Counter,
     cancelled: Counter,
+    routed_prefix: Family<Labels, Counter>,
 }
 
 impl ServerMetrics {
@@ -57,6 +58,7 @@ impl ServerMetrics {
             receipts_written: Counter::default(),
             receipt_failures: Counter::default(),
             cancelled: Counter::default(),
+            routed_prefix: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvgate_worker");
         r.register(
@@ -104,8 +106,27 @@ impl ServerMetrics {
             "Generation requests whose client went away before the end",
             m.cancelled.clone(),
         );
+        r.register(
+            "routed_prefix_tokens",
+            "Prompt tokens of answered kv_exact requests by the ticket's service and rule: the \
+             gateway's predicted cached tokens (kind=predicted) and the engine's (kind=cached)",
+            m.routed_prefix.clone(),
+        );
         r.register_collector(Box::new(EngineCollector { engine, ready }));
         m
+    }
+
+    /// Counts an answered request's predicted (ticket) and observed (engine) cached tokens.
+    pub fn routed_prefix(&self, service: &str, rule_id: &str, predicted: u32, cached: u32) {
+        for (kind, n) in [("predicted", predicted), ("cached", cached)] {
+            self.routed_prefix
+                .get_or_create(&vec![
+                    ("service", service.to_owned()),
+                    ("rule_id", rule_id.to_owned()),
+                    ("kind", kind.to_owned()),
+                ])
+                .inc_by(u64::from(n));
+        }
     }
 
     /// Counts one answered request.
