@@ -599,6 +599,10 @@ fn router(state: Arc<AppState>) -> Router {
             .into_response()
         })
         .layer(axum::middleware::from_fn(echo_request_id))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            worker_id_header,
+        ))
         .with_state(state)
 }
 
@@ -640,6 +644,23 @@ async fn require_access(
         }
     }
 }
+
+/// `x-kvgate-worker-id: <worker id>` on every answer, so that a client behind any proxy (not
+/// only kvgate's gateway, which names the worker itself) can tell which worker served it.
+async fn worker_id_header(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&st.settings.worker_id) {
+        resp.headers_mut().insert(WORKER_ID_HEADER, v);
+    }
+    resp
+}
+
+/// The header naming the worker that answered.
+pub const WORKER_ID_HEADER: &str = "x-kvgate-worker-id";
 
 /// Echoes a valid `x-request-id` (or a generated one) on answers that don't set their own.
 async fn echo_request_id(req: Request, next: Next) -> Response {

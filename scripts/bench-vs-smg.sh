@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# kvgate's gateway against the SGLang model gateway (`smg`, PyPI `sglang-router==0.3.2`) on the
+# same fleet of simulated kvgate workers, side by side in one run (issue #17).
+#
+#   ./scripts/bench-vs-smg.sh [N] [SEEDS]          e.g. ./scripts/bench-vs-smg.sh 4 "1 2 3"
+#
+# For each seed and each of four routers — kvgate round_robin, kvgate kv_exact (its defaults),
+# smg round_robin, smg cache_aware (smg's defaults) — it starts N fresh simulated workers
+# (`kvgate worker --engine sim`: the real scheduler, block pool, prefix cache and KV events, a
+# timing model in place of the model: prefill 125 µs per uncached token, a decode step
+# 8 ms + 0.5 ms per sequence — the fleet bench's), the router in front of them, and runs the same
+# `kvgate bench --target` workloads (shared-prefix and multi-turn, the fleet bench's shapes)
+# through it. Hit rate comes from the workers' `cached_tokens`, the worker of each answer from its
+# `x-kvgate-worker-id` header. Prints one table; outputs under $OUT (default bench-vs-smg-out/).
+#
+# Needs: cargo (builds target/debug/kvgate), python3 with venv (installs sglang-router into
+# .cache/smg-venv), the default model file (its prompt profile; scripts/fetch-model.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+N=${1:-4}
+SEEDS=${2:-"1 2 3"}
+OUT=${OUT:-bench-vs-smg-out}
+SMG_VERSION=0.3.2
+BASE_PORT=${BASE_PORT:-19100}
+MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
+MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+[ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
+VENV=.cache/smg-venv
+if [ ! -x "$VENV/bin/smg" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$SMG_VERSION"
+fi
+cargo build --quiet --bin kvgate
+KVGATE=$PWD/target/debug/kvgate
+mkdir -p "$OUT"
+work=$(mktemp -d)
+pids=()
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
+trap 'stop_all; rm -rf "$work"' EXIT
+
+wait_http() { # url, what
+  for _ in $(seq 1 300); do
+    if curl -fsS -o /dev/null "$1" 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  echo "bench-vs-smg: $2 did not come up ($1)" >&2
+  return 1
+}
+
+start_workers() { # dir (holding keys/gateway.pub)
+  local urls=()
+  for i in $(seq 1 "$N"); do
+    local port=$((BASE_PORT + i))
+    "$KVGATE" worker --engine sim --model "$MODEL" --id "w$i" --listen "127.0.0.1:$port" \
+      --state-dir "$1/w$i" --gateway-keys "$1/keys" \
+      --sim-num-blocks 4096 --sim-prefill-us-per-token 125 \
+      --sim-decode-us-base 8000 --sim-decode-us-per-seq 500 --max-running 64 \
+      >"$1/w$i.log" 2>&1 &
+    pids+=($!)
+    urls+=("http://127.0.0.1:$port")
+  done
+  for u in "${urls[@]}"; do wait_http "$u/ready" "worker $u"; done
+  WORKER_URLS=("${urls[@]}")
+}
+
+kvgate_rules() { # dir, rule
+  "$KVGATE" tokenize --model "$MODEL" --text x --json >"$1/profile.json"
+  python3 - "$1/profile.json" "$MODEL" "$2" "${WORKER_URLS[@]}" >"$1/rules.toml" <<'PY'
+import json, sys
+ident = json.load(open(sys.argv[1]))["identity"]
+model, rule, urls = sys.argv[2], sys.argv[3], sys.argv[4:]
+out = []
+for i, u in enumerate(urls, 1):
+    out += ["[[workers]]", f'id = "w{i}"', f'url = "{u}"']
+ids = ", ".join(f'"w{i}"' for i in range(1, len(urls) + 1))
+out += ["[[pools]]", 'id = "all"', f"workers = [{ids}]"]
+out += ["[[profiles]]", 'id = "sim"', f'model_id = "{ident["model_id"]}"',
+        f'revision = "{ident["revision"]}"', f'source = {{ gguf = "{model}" }}',
+        f'template_sha256 = "{ident["template_sha256"]}"',
+        f'tokenizer_sha256 = "{ident["tokenizer_sha256"]}"', "block_size = 16",
+        'hash_algorithm = "xxh3"', f'context_limit = {ident["context_limit"]}',
+        "native_reserve_tokens = 0"]
+out += ["[[services]]", 'name = "chat"', 'pool = "all"', f"rule = {rule}"]
+print("\n".join(out))
+PY
+}
+
+run_one() { # router policy seed workload-args...
+  local router=$1 policy=$2 seed=$3 dir="$work/$1-$2-$3-$5"
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  "$KVGATE" keygen --out "$dir/keys" --name gateway >/dev/null
+  start_workers "$dir"
+  local port=$((BASE_PORT + 100))
+  if [ "$router" = kvgate ]; then
+    local rule='{ type = "round_robin" }'
+    [ "$policy" = kv_exact ] && rule='{ type = "kv_exact", profile = "sim", min_match_tokens = 16 }'
+    kvgate_rules "$dir" "$rule"
+    "$KVGATE" gateway --rules "$dir/rules.toml" --listen "127.0.0.1:$port" \
+      --admin "127.0.0.1:$((port + 1))" --key "$dir/keys/gateway.key" --no-watch \
+      >"$dir/gw.log" 2>&1 &
+    pids+=($!)
+  else
+    "$VENV/bin/smg" launch --host 127.0.0.1 --port "$port" --policy "$policy" \
+      --worker-urls "${WORKER_URLS[@]}" --prometheus-port $((port + 2)) >"$dir/gw.log" 2>&1 &
+    pids+=($!)
+  fi
+  if [ "$router" = kvgate ]; then
+    # Every worker healthy, contract checked and its KV events connected.
+    local ready=0
+    for _ in $(seq 1 300); do
+      if curl -fsS "http://127.0.0.1:$((port + 1))/admin/workers" 2>/dev/null | python3 -c '
+import json, sys
+ws = json.load(sys.stdin)["workers"]
+ok = all(w["healthy"] and w["contract"]["state"] in ("ok", "not_required")
+         and w["events"]["state"] == "connected" for w in ws)
+sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
+      sleep 0.1
+    done
+    [ "$ready" = 1 ] || { echo "bench-vs-smg: the kvgate gateway did not get ready" >&2; return 1; }
+  else
+    wait_http "http://127.0.0.1:$port/health" "smg $policy"
+  fi
+  local pool
+  pool=$(seq -s, 1 "$N" | sed 's/\([0-9]*\)/w\1/g')
+  shift 3
+  "$KVGATE" bench --target "http://127.0.0.1:$port" --label "$router-$policy" --seed "$seed" \
+    --pool "$pool" --out "$OUT/n$N-seed$seed" "$@" >"$dir/bench.log" 2>&1 || {
+      echo "bench-vs-smg: the bench through $router $policy failed (seed $seed):" >&2
+      tail -20 "$dir/bench.log" >&2
+      return 1
+    }
+  grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | sed "s/^/seed $seed  /"
+  stop_all
+}
+
+P=$(( N / 4 > 4 ? N / 4 : 4 ))
+C=$(( N / 2 > 4 ? N / 2 : 4 ))
+CONV=$(( N > 8 ? N : 8 ))
+for workload in shared-prefix multi-turn; do
+  echo "== $workload, $N simulated workers"
+  echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share"
+  for seed in $SEEDS; do
+    for rp in "kvgate round_robin" "kvgate kv_exact" "smg round_robin" "smg cache_aware"; do
+      # shellcheck disable=SC2086
+      run_one $rp "$seed" --workload "$workload" --prefixes "$P" --questions 6 \
+        --conversations "$CONV" --turns 4 --long-words 1200 --max-tokens 8 --concurrency "$C" \
+        --model smollm2
+    done
+  done
+done
