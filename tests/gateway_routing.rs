@@ -344,6 +344,26 @@ fn load_guard_spreads_a_single_hot_prefix() {
             reasons.push(h("x-kvgate-route-reason"));
             open.push(r);
         }
+        // While the streams are open the admin plane shows their active tokens: at least the
+        // 500 requested output tokens of each open stream on its worker.
+        let admin = format!("http://{}/admin/workers", fleet.gw().admin_addr);
+        let v: serde_json::Value = fleet
+            .http
+            .get(&admin)
+            .bearer_auth(&fleet.admin_token)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for w in v["workers"].as_array().unwrap() {
+            let id = w["id"].as_str().unwrap();
+            let open_here = workers.iter().filter(|x| x.as_str() == id).count() as u64;
+            let active = w["active_tokens"].as_u64().unwrap();
+            assert!(active >= 500 * open_here, "{w}");
+            assert_eq!(w["in_flight"].as_u64(), Some(open_here), "{w}");
+        }
         drop(open); // client disconnects: the workers cancel the streams
         (workers, reasons)
     });

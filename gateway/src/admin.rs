@@ -157,6 +157,7 @@ impl Admin {
                     "url": e.spec.url,
                     "healthy": e.healthy,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
+                    "active_tokens": rt.active_tokens.load(Ordering::Relaxed),
                     "indexed_blocks": stats.get(&e.spec.id).map_or(0, |s| s.precise_blocks),
                     "approximate_blocks": stats.get(&e.spec.id).map_or(0, |s| s.approximate_blocks),
                     "events": {

@@ -45,7 +45,8 @@ pub fn peer_for(
 pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
     // Active tokens: the prompt's tokens the worker must still compute (its predicted cached
-    // prefix excluded) and the output asked for (prefix routing only; round robin counts 0).
+    // prefix excluded) and the output asked for. Without prefix routing the prompt is not
+    // tokenized: a quarter of the body's bytes stands for its tokens.
     let (prefill, output) = ctx
         .decision
         .as_ref()
@@ -57,7 +58,15 @@ pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &Wor
                 p.output_tokens as u64,
             ))
         })
-        .unwrap_or((0, 0));
+        .unwrap_or_else(|| {
+            let asked = crate::protocol::peek_output_tokens(&ctx.body);
+            let output = if asked == 0 {
+                crate::route::DEFAULT_OUTPUT_TOKENS as u64
+            } else {
+                asked
+            };
+            ((ctx.body.len() / 4) as u64, output)
+        });
     ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
     ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
     ctx.current = Some(worker.clone());

@@ -627,10 +627,10 @@ pub enum NoMatchPolicy {
 pub enum LoadMetric {
     /// Requests in flight from this gateway to the worker.
     InFlight,
-    /// Active tokens of this gateway's `kv_exact` requests in flight to the worker: each
+    /// Active tokens of this gateway's requests in flight to the worker: each
     /// one's uncached prompt tokens (prompt − predicted cached) until its first response byte,
-    /// plus its requested output tokens (`max_tokens`, else 256) until it ends. Round-robin
-    /// requests count 0 (use `in_flight` for pools shared with round-robin services).
+    /// plus its requested output tokens (`max_tokens`, else 256) until it ends. A request the
+    /// gateway did not tokenize (round robin) counts a quarter of its body's bytes as prompt.
     #[default]
     ActiveTokens,
 }
