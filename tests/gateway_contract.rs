@@ -30,16 +30,7 @@ fn special_token_text_gives_the_gateways_keys_on_the_worker() {
         serde_json::json!({"model": "smol", "prompt": special_token_prompt(), "max_tokens": 2});
     let r = fleet.post("/v1/completions", &body, &[]);
     assert_eq!(r.status, 200, "{}", r.text());
-    let id = r.header("x-request-id").expect("request id");
-    let worker: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
-    let receipt = fleet.receipt(worker, &id).expect("the worker's receipt");
-    let ticket = receipt
-        .body
-        .ticket
-        .as_ref()
-        .expect("a ticketed request")
-        .ticket_unverified()
-        .clone();
+    let (worker, receipt, ticket) = fleet.routed(&r);
     // The gateway's count and last block key (in the ticket) are the worker's (in its receipt).
     assert_eq!(
         ticket.prompt_tokens,
@@ -68,11 +59,7 @@ fn special_token_text_gives_the_gateways_keys_on_the_worker() {
     for _ in 0..50 {
         let r = fleet.post("/v1/completions", &body, &[]);
         assert_eq!(r.status, 200, "{}", r.text());
-        let w: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
-        let rc = fleet
-            .receipt(w, &r.header("x-request-id").unwrap())
-            .unwrap();
-        let t = rc.body.ticket.as_ref().unwrap().ticket_unverified().clone();
+        let (w, rc, t) = fleet.routed(&r);
         if w == worker {
             sums[0] += u64::from(t.predicted_matched_tokens.unwrap());
             sums[1] += u64::from(rc.body.cached_tokens);
@@ -411,21 +398,9 @@ fn the_subscriber_survives_the_largest_seq_and_follows_a_new_epoch() {
     gw.shutdown();
 }
 
-/// The fetched llama.cpp model folder (scripts/fetch-fixtures.sh; setup runs it).
-fn llama_models() -> std::path::PathBuf {
-    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| root.join(".cache/fixtures"));
-    let dir = base.join("llama.cpp/models");
-    if !dir.join("templates").is_dir() {
-        let status = std::process::Command::new(root.join("scripts/fetch-fixtures.sh"))
-            .status()
-            .expect("scripts/fetch-fixtures.sh");
-        assert!(status.success(), "scripts/fetch-fixtures.sh failed");
-    }
-    dir
-}
+#[path = "../prompt-profile/tests/fixture_dir/mod.rs"]
+mod fixture_dir;
+use fixture_dir::llama_models;
 
 /// A Hugging Face folder: SmolLM2's tokenizer with Qwen 3's chat template (tools, reasoning,
 /// `enable_thinking`), the way a Qwen 3 fleet's `tokenizer_config.json` pins it.
@@ -551,16 +526,7 @@ fn tools_reasoning_and_template_kwargs_give_the_gateways_keys_on_the_worker() {
         }
         let r = fleet.post("/v1/chat/completions", &body, &[]);
         assert_eq!(r.status, 200, "{}", r.text());
-        let id = r.header("x-request-id").expect("request id");
-        let worker: usize = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
-        let receipt = fleet.receipt(worker, &id).expect("the worker's receipt");
-        let ticket = receipt
-            .body
-            .ticket
-            .as_ref()
-            .expect("a ticketed request")
-            .ticket_unverified()
-            .clone();
+        let (worker, receipt, ticket) = fleet.routed(&r);
         // The gateway's count and last block key (ticket) are the worker's (receipt).
         assert_eq!(ticket.prompt_tokens, Some(receipt.body.prompt_tokens));
         assert!(ticket.last_block_key.is_some());
@@ -704,15 +670,7 @@ fn every_profile_of_the_test_set_agrees_between_gateway_and_worker() {
             match &expected {
                 Ok(text) => {
                     assert_eq!(r.status, 200, "{name}: {}", r.text());
-                    let id = r.header("x-request-id").expect("request id");
-                    let receipt = fleet.receipt(0, &id).expect("the worker's receipt");
-                    let ticket = receipt
-                        .body
-                        .ticket
-                        .as_ref()
-                        .expect("a ticketed request")
-                        .ticket_unverified()
-                        .clone();
+                    let (_, receipt, ticket) = fleet.routed(&r);
                     assert_eq!(
                         ticket.prompt_tokens,
                         Some(receipt.body.prompt_tokens),

@@ -255,21 +255,9 @@ fn hf_folder_and_template_rejection() {
     assert!(e.contains("Only user messages: got wizard"), "{e}");
 }
 
-/// The fetched llama.cpp model folder (scripts/fetch-fixtures.sh; setup runs it).
-fn llama_models() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let base = std::env::var_os("KVGATE_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join(".cache/fixtures"));
-    let dir = base.join("llama.cpp/models");
-    if !dir.join("templates").is_dir() {
-        let status = Command::new(root.join("scripts/fetch-fixtures.sh"))
-            .status()
-            .expect("scripts/fetch-fixtures.sh");
-        assert!(status.success(), "scripts/fetch-fixtures.sh failed");
-    }
-    dir
-}
+#[path = "../prompt-profile/tests/fixture_dir/mod.rs"]
+mod fixture_dir;
+use fixture_dir::llama_models;
 
 /// A vocabulary-only GGUF (Llama 3's tokenizer, no chat template) with a template given on the
 /// command line: completion text gets the reference ids of llama.cpp's test set (after the BOS

@@ -367,6 +367,22 @@ native_reserve_tokens = 0
     }
 
     /// The receipt worker `i` wrote for `request_id`, read from its log file.
+    /// For a routed answer: the index of the worker that served it, its receipt and the route
+    /// ticket the receipt holds (panics when any is missing: a routed request has all three).
+    pub fn routed(&self, r: &Reply) -> (usize, receipts::Receipt, receipts::RouteTicket) {
+        let id = r.header("x-request-id").expect("request id");
+        let i = r.worker().trim_start_matches('w').parse::<usize>().unwrap() - 1;
+        let receipt = self.receipt(i, &id).expect("the worker's receipt");
+        let ticket = receipt
+            .body
+            .ticket
+            .as_ref()
+            .expect("a ticketed request")
+            .ticket_unverified()
+            .clone();
+        (i, receipt, ticket)
+    }
+
     pub fn receipt(&self, i: usize, request_id: &str) -> Option<receipts::Receipt> {
         let path = self
             .dir

@@ -600,7 +600,8 @@ fn router(state: Arc<AppState>) -> Router {
         })
         .layer(axum::middleware::from_fn(echo_request_id))
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            // Converted once; an id that is no valid header value gets no header.
+            HeaderValue::from_str(&state.settings.worker_id).ok(),
             worker_id_header,
         ))
         .with_state(state)
@@ -648,12 +649,12 @@ async fn require_access(
 /// `x-kvgate-worker-id: <worker id>` on every answer, so that a client behind any proxy (not
 /// only kvgate's gateway, which names the worker itself) can tell which worker served it.
 async fn worker_id_header(
-    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    axum::extract::State(id): axum::extract::State<Option<HeaderValue>>,
     req: Request,
     next: Next,
 ) -> Response {
     let mut resp = next.run(req).await;
-    if let Ok(v) = HeaderValue::from_str(&st.settings.worker_id) {
+    if let Some(v) = id {
         resp.headers_mut().insert(WORKER_ID_HEADER, v);
     }
     resp

@@ -53,6 +53,7 @@ async fn chat_non_streaming_answers_with_usage_ids_and_a_verifiable_receipt() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-request-id"], "test-req-1");
     assert_eq!(resp.headers()["x-kvgate-receipt"], "test-req-1");
+    assert_eq!(resp.headers()["x-kvgate-worker-id"], "w-test");
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["id"], "chatcmpl-test-req-1");
@@ -1453,11 +1454,7 @@ async fn reasoning_is_separated_streamed_or_held_as_asked() {
         }
         b
     };
-    let r: Value = post(&w, "/v1/chat/completions", &body(json!({})))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let r = post_json(&w, "/v1/chat/completions", &body(json!({}))).await;
     let m = &r["choices"][0]["message"];
     let reasoning = m["reasoning_content"]
         .as_str()
@@ -1466,37 +1463,30 @@ async fn reasoning_is_separated_streamed_or_held_as_asked() {
     assert_eq!(m["content"], "", "{r}");
     assert!(m.get("tool_calls").is_none(), "{r}");
 
-    let r: Value = post(
+    let r = post_json(
         &w,
         "/v1/chat/completions",
         &body(json!({"separate_reasoning": false})),
     )
-    .await
-    .json()
-    .await
-    .unwrap();
+    .await;
     let m = &r["choices"][0]["message"];
     assert_eq!(m["content"].as_str(), Some(reasoning), "{r}");
     assert!(m.get("reasoning_content").is_none(), "{r}");
 
     for (stream_reasoning, most) in [(true, 6), (false, 1)] {
-        let resp = post(
+        let chunks = post_sse_json(
             &w,
             "/v1/chat/completions",
             &body(json!({"stream": true, "stream_reasoning": stream_reasoning})),
         )
         .await;
-        let text = resp.text().await.unwrap();
-        let deltas: Vec<Value> = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .filter(|d| *d != "[DONE]")
-            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        let deltas: Vec<Value> = chunks
+            .iter()
             .filter_map(|c| c["choices"][0]["delta"].get("reasoning_content").cloned())
             .collect();
         let joined: String = deltas.iter().map(|d| d.as_str().unwrap()).collect();
-        assert_eq!(joined, reasoning, "{text}");
-        assert!(!deltas.is_empty() && deltas.len() <= most, "{text}");
+        assert_eq!(joined, reasoning, "{chunks:?}");
+        assert!(!deltas.is_empty() && deltas.len() <= most, "{chunks:?}");
         if !stream_reasoning {
             assert_eq!(deltas.len(), 1);
         }

