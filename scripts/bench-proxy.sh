@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The proxy path side by side (issue #22): nginx, the SGLang model gateway (`smg`, PyPI
 # `sglang-router==0.3.2`) and kvgate round robin in front of the same simulated worker, with the
-# worker alone as the floor. wrk on three requests — a forwarded GET (the worker's 404 for an
-# unknown path, which every proxy must forward), a 1-token chat and a streamed 16-token chat — at
-# 1 and 32 connections, targets alternating within each round, ROUNDS rounds (default 2).
+# worker alone and pingora alone (`gateway/examples/pingora_floor.rs`: the same pingora setup
+# with none of kvgate's hooks) as floors. wrk on three requests — a forwarded GET
+# (`GET /get_model_info`: the worker's 404, which every target forwards; smg answers unknown
+# paths itself), a 1-token chat and a streamed 16-token chat — at 1 and 32 connections, targets
+# alternating within each round, ROUNDS rounds (default 2).
 #
 #   ./scripts/bench-proxy.sh [ROUNDS] [SECONDS]        e.g. ./scripts/bench-proxy.sh 2 5
 #
@@ -46,8 +48,9 @@ if [ ! -x "$VENV/bin/smg" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$SMG_VERSION"
 fi
-cargo build --quiet --bin kvgate
+cargo build --quiet --workspace --bin kvgate --example pingora_floor
 KVGATE=$PWD/target/debug/kvgate
+FLOOR=$PWD/target/debug/examples/pingora_floor
 mkdir -p "$OUT"
 work=$(mktemp -d)
 pids=()
@@ -72,6 +75,7 @@ W_PORT=$((BASE_PORT + 1))
 GW_PORT=$((BASE_PORT + 10))
 NGX_PORT=$((BASE_PORT + 20))
 SMG_PORT=$((BASE_PORT + 30))
+FLOOR_PORT=$((BASE_PORT + 40))
 W="127.0.0.1:$W_PORT"
 
 "$KVGATE" keygen --out "$work/keys" --name gateway >/dev/null
@@ -93,6 +97,7 @@ workers = ["w1"]
 [[services]]
 name = "rr"
 pool = "all"
+match = { path_prefix = "/" }
 rule = { type = "round_robin" }
 EOF
 "$KVGATE" gateway --rules "$work/rules.toml" --listen "127.0.0.1:$GW_PORT" \
@@ -130,7 +135,12 @@ pids+=($!)
   --worker-urls "http://$W" --prometheus-port $((SMG_PORT + 2)) >"$work/smg.log" 2>&1 &
 pids+=($!)
 
+# pingora alone (same ServerConf and allocator, no kvgate hooks): the floor of kvgate's path.
+"$FLOOR" "127.0.0.1:$FLOOR_PORT" "$W" "$GW_THREADS" >"$work/floor.log" 2>&1 &
+pids+=($!)
+
 wait_http "http://127.0.0.1:$NGX_PORT/ready" nginx
+wait_http "http://127.0.0.1:$FLOOR_PORT/ready" "pingora floor"
 wait_http "http://127.0.0.1:$SMG_PORT/health" smg
 for _ in $(seq 1 300); do
   curl -fsS "http://127.0.0.1:$((GW_PORT + 1))/admin/workers" 2>/dev/null |
@@ -152,7 +162,7 @@ EOF
 # Every target must answer each request the same way before anything is timed.
 check() { # name base
   local get chat stream
-  get=$(curl -s -o /dev/null -w '%{http_code}' "$2/v1/no-such-path")
+  get=$(curl -s -o /dev/null -w '%{http_code}' "$2/get_model_info")
   chat=$(curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' \
     -d '{"model":"smollm2","messages":[{"role":"user","content":"hi"}],"max_tokens":1}' \
     "$2/v1/chat/completions")
@@ -165,7 +175,8 @@ check() { # name base
   fi
 }
 targets=("worker=http://$W" "kvgate=http://127.0.0.1:$GW_PORT"
-  "nginx=http://127.0.0.1:$NGX_PORT" "smg=http://127.0.0.1:$SMG_PORT")
+  "nginx=http://127.0.0.1:$NGX_PORT" "smg=http://127.0.0.1:$SMG_PORT"
+  "pingora=http://127.0.0.1:$FLOOR_PORT")
 for t in "${targets[@]}"; do check "${t%%=*}" "${t#*=}"; done
 
 # wrk's --latency output → "req/s p50_ms p99_ms"
@@ -193,7 +204,7 @@ for round in $(seq 1 "$ROUNDS"); do
       for t in "${targets[@]}"; do
         name=${t%%=*} base=${t#*=}
         case $req in
-          get) args=("$base/v1/no-such-path") ;;
+          get) args=("$base/get_model_info") ;;
           chat1) args=(-s "$work/chat1.lua" "$base/v1/chat/completions") ;;
           stream16) args=(-s "$work/stream16.lua" "$base/v1/chat/completions") ;;
         esac
@@ -230,16 +241,17 @@ def m(k, f):
     return statistics.median(float(r[f]) for r in med[k])
 print()
 print("median over rounds")
-print(f"{'request':10} {'conns':>5} {'worker':>8} {'kvgate':>8} {'nginx':>8} {'smg':>8} "
-      f"{'kv/nginx':>8} {'kv/smg':>7}  p50 added (kvgate / nginx / smg, µs)  p99 ms (kv / nginx / smg)")
+print(f"{'request':10} {'conns':>5} {'worker':>8} {'pingora':>8} {'kvgate':>8} {'nginx':>8} {'smg':>8} "
+      f"{'kv/nginx':>8} {'kv/smg':>7} {'kv/pingora':>10}  p50 added (kvgate / nginx / smg / pingora, µs)  p99 ms (kv / nginx / smg)")
 for req in ("get", "chat1", "stream16"):
     for conns in ("1", "32"):
-        rps = {t: m((req, conns, t), "req_s") for t in ("worker", "kvgate", "nginx", "smg")}
+        rps = {t: m((req, conns, t), "req_s") for t in ("worker", "pingora", "kvgate", "nginx", "smg")}
         p50 = {t: m((req, conns, t), "p50_ms") for t in rps}
         p99 = {t: m((req, conns, t), "p99_ms") for t in rps}
-        added = " / ".join(f"{(p50[t] - p50['worker']) * 1000:.0f}" for t in ("kvgate", "nginx", "smg"))
+        added = " / ".join(f"{(p50[t] - p50['worker']) * 1000:.0f}" for t in ("kvgate", "nginx", "smg", "pingora"))
         tail = " / ".join(f"{p99[t]:.2f}" for t in ("kvgate", "nginx", "smg"))
-        print(f"{req:10} {conns:>5} {rps['worker']:8.0f} {rps['kvgate']:8.0f} {rps['nginx']:8.0f} "
-              f"{rps['smg']:8.0f} {rps['kvgate'] / rps['nginx']:8.2f} {rps['kvgate'] / rps['smg']:7.2f}"
-              f"  {added:>36}  {tail}")
+        print(f"{req:10} {conns:>5} {rps['worker']:8.0f} {rps['pingora']:8.0f} {rps['kvgate']:8.0f} "
+              f"{rps['nginx']:8.0f} {rps['smg']:8.0f} {rps['kvgate'] / rps['nginx']:8.2f} "
+              f"{rps['kvgate'] / rps['smg']:7.2f} {rps['kvgate'] / rps['pingora']:10.2f}"
+              f"  {added:>46}  {tail}")
 PY

@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use pingora::connectors::http::Connector;
 use pingora::utils::tls::CertKey;
 use prefix_index::{PrefixIndex, WorkerId};
-use receipts::{DecisionLog, DecisionRecord, KeyPair};
+use receipts::{DecisionLog, DecisionRecord, PrecomputedSigner};
 
 use crate::limits::RateLimits;
 use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
@@ -70,8 +70,10 @@ pub struct DataPlane {
     pub index: PrefixIndex,
     /// Metrics.
     pub metrics: Metrics,
-    /// The gateway's signing key (route tickets).
-    pub key: KeyPair,
+    /// The gateway's signing key (route tickets, access tokens), with Ed25519 nonces computed
+    /// ahead by its own thread (`receipts::signer`): the request path does no base-point
+    /// multiplication while nonces are ready.
+    pub signer: PrecomputedSigner,
     /// The gateway id written into tickets.
     pub gateway_id: String,
     /// The decision log, when configured.

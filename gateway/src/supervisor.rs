@@ -234,8 +234,8 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
         let Some(runtime) = runtime else { return };
         // A worker that requires tickets serves its event stream only with the gateway's
         // access token; a fresh one per connection.
-        let token =
-            receipts::AccessToken::new(&data.gateway_id, &id, receipts::now_ms()).sign(&data.key);
+        let token = receipts::AccessToken::new(&data.gateway_id, &id, receipts::now_ms())
+            .sign(&data.signer);
         drop(data);
         let connect = ctx
             .http

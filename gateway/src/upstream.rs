@@ -83,7 +83,7 @@ fn ticket_for(data: &DataPlane, ctx: &RequestCtx, entry: &WorkerEntry) -> Option
     let ticket = RouteTicket {
         request_id: ctx.request_id.clone(),
         gateway_id: data.gateway_id.clone(),
-        key_id: data.key.key_id().clone(),
+        key_id: data.signer.key().key_id().clone(),
         service: service.name().to_owned(),
         rule_id: service.rule_id.clone(),
         rule_version: view.version(),
@@ -102,7 +102,7 @@ fn ticket_for(data: &DataPlane, ctx: &RequestCtx, entry: &WorkerEntry) -> Option
         issued_at_ms: now,
         expires_at_ms: now + receipts::DEFAULT_TICKET_TTL_MS,
     };
-    Some(ticket.sign(&data.key))
+    Some(ticket.sign(&data.signer))
 }
 
 /// The request head sent to the worker of the current attempt: its path prefix and `Host`,

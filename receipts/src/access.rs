@@ -18,7 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::canonical;
 use crate::error::{ReceiptsError, Result};
-use crate::keys::{KeyId, KeyPair, KeyRing};
+use crate::keys::{KeyId, KeyRing};
+use crate::signer::Signer;
 
 /// Domain-separation prefix of the bytes an access token signature covers.
 pub const ACCESS_DOMAIN: &[u8] = b"kvgate.access.v1\n";
@@ -55,7 +56,7 @@ impl AccessToken {
     }
 
     /// Signs with `key` (its id replaces `key_id`); returns the bearer token string.
-    pub fn sign(&self, key: &KeyPair) -> String {
+    pub fn sign(&self, key: &impl Signer) -> String {
         let mut t = self.clone();
         t.key_id = key.key_id().clone();
         // Strings and integers only: canonical encoding cannot fail (an empty payload would
@@ -66,7 +67,7 @@ impl AccessToken {
         format!(
             "{}.{}",
             URL_SAFE_NO_PAD.encode(&payload),
-            URL_SAFE_NO_PAD.encode(key.sign(&msg))
+            URL_SAFE_NO_PAD.encode(key.sign_message(&msg))
         )
     }
 
@@ -144,6 +145,7 @@ impl AccessToken {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::keys::KeyPair;
 
     #[test]
     fn tokens_verify_only_for_their_worker_window_and_keys() {

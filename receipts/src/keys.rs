@@ -159,6 +159,11 @@ impl KeyPair {
         &self.public.id
     }
 
+    /// The Ed25519 signing key (for [`crate::signer`]).
+    pub(crate) fn signing_key(&self) -> &SigningKey {
+        &self.signing
+    }
+
     /// Its public key.
     pub fn public(&self) -> &PublicKey {
         &self.public

@@ -12,7 +12,8 @@ use sha2::{Digest, Sha256};
 
 use crate::canonical;
 use crate::error::{ReceiptsError, Result};
-use crate::keys::{KeyId, KeyPair, KeyRing};
+use crate::keys::{KeyId, KeyRing};
+use crate::signer::Signer;
 use crate::ticket::SignedTicket;
 
 /// Domain-separation prefix of the bytes a receipt signature covers.
@@ -98,7 +99,7 @@ impl Receipt {
         seq: u64,
         prev_hash: String,
         worker_id: WorkerId,
-        key: &KeyPair,
+        key: &impl Signer,
     ) -> Result<Receipt> {
         let mut r = Receipt {
             seq,
@@ -108,7 +109,7 @@ impl Receipt {
             body: draft,
             signature: String::new(),
         };
-        let sig = key.sign(&r.signed_bytes()?);
+        let sig = key.sign_message(&r.signed_bytes()?);
         r.signature = hex::encode(sig);
         Ok(r)
     }

@@ -29,6 +29,7 @@ use crate::error::{ReceiptsError, Result};
 use crate::keys::KeyPair;
 use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
 use crate::receipt::{Receipt, ReceiptDraft, GENESIS_HASH};
+use crate::signer::{PrecomputedSigner, DEFAULT_NONCE_POOL};
 use crate::ticket::RouteTicket;
 
 /// What [`ReceiptLog::open`] found in an existing log.
@@ -150,7 +151,8 @@ pub struct ReceiptLog {
     path: PathBuf,
     policy: FsyncPolicy,
     rotation: Rotation,
-    key: KeyPair,
+    /// Signs receipts; nonces computed ahead by its own thread (`crate::signer`).
+    signer: PrecomputedSigner,
     worker_id: WorkerId,
     chain: Mutex<Chain>,
     report: OpenReport,
@@ -282,7 +284,8 @@ impl ReceiptLog {
             path: path.to_path_buf(),
             policy,
             rotation,
-            key: key.clone(),
+            signer: PrecomputedSigner::new(key.clone(), DEFAULT_NONCE_POOL)
+                .map_err(|e| ReceiptsError::io("start the signing thread for", path, e))?,
             worker_id: WorkerId::from(worker_id),
             report: OpenReport {
                 receipts: next_seq,
@@ -376,7 +379,7 @@ impl ReceiptLog {
             chain.next_seq,
             chain.last_hash.clone(),
             self.worker_id.clone(),
-            &self.key,
+            &self.signer,
         )?;
         let line = receipt.to_line()?;
         let len = u32::try_from(line.len()).map_err(|_| ReceiptsError::Malformed {

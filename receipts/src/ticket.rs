@@ -18,7 +18,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::canonical;
 use crate::error::{ReceiptsError, Result};
-use crate::keys::{KeyId, KeyPair, KeyRing};
+#[cfg(doc)]
+use crate::keys::KeyPair;
+use crate::keys::{KeyId, KeyRing};
+use crate::signer::Signer;
 
 /// The HTTP header that carries a signed route ticket from the gateway to the worker.
 pub const TICKET_HEADER: &str = "x-kvgate-ticket";
@@ -114,8 +117,10 @@ impl RouteTicket {
         Ok(())
     }
 
-    /// Sign with the gateway key. `key_id` is overwritten with the signing key's id.
-    pub fn sign(&self, key: &KeyPair) -> SignedTicket {
+    /// Sign with the gateway key (a [`KeyPair`]: RFC 8032 deterministic signatures; a
+    /// [`crate::PrecomputedSigner`]: the same verification, nonces computed ahead). `key_id` is
+    /// overwritten with the signing key's id.
+    pub fn sign(&self, key: &impl Signer) -> SignedTicket {
         let mut ticket = self.clone();
         ticket.key_id = key.key_id().clone();
         // A RouteTicket holds only strings, integers and nulls, so canonical encoding cannot
@@ -124,7 +129,7 @@ impl RouteTicket {
         let mut msg = Vec::with_capacity(TICKET_DOMAIN.len() + payload.len());
         msg.extend_from_slice(TICKET_DOMAIN);
         msg.extend_from_slice(&payload);
-        let signature = key.sign(&msg);
+        let signature = key.sign_message(&msg);
         let header = format!(
             "{}.{}",
             URL_SAFE_NO_PAD.encode(&payload),
