@@ -7,11 +7,8 @@
 //! - `route_decision_vs_tokenization`: time of the whole KV-exact decision (parse, salt, render,
 //!   tokenize, keys, index lookup over 3 workers, policy) for 1k / 4k / 16k-token chats, beside
 //!   rendering + tokenizing alone (the floor). Median of 40 runs each.
-//! - `proxy_overhead_vs_nginx`: requests/s and p50 latency of `GET /v1/models` and a 1-token
-//!   chat completion straight to a simulated worker, through the gateway (round robin), and
-//!   through nginx (Debian package) as a reverse proxy — same worker, same `wrk` run settings.
-//!   Needs `nginx` and `wrk` (`apt-get install -y nginx wrk`); fails with a clear message
-//!   without them.
+//! - `ticket_signing_cost`: a route ticket's sign + encode, RFC 8032 deterministic vs with a
+//!   precomputed nonce (`receipts::PrecomputedSigner`).
 //!
 //! - `short_requests_while_long_prompts_arrive`: p50 / p99 latency of 1-token round-robin
 //!   chats while 3 clients keep sending KV-exact prompts that are refused in the end — 4 MiB and
@@ -20,7 +17,8 @@
 //!   threads (`routing_threads = 0`, the old placement) and on the routing pool (the default),
 //!   in one run.
 //!
-//! Figures go to `docs/benchmarks.md` (section `## gateway`).
+//! Figures go to `docs/benchmarks.md` (section `## gateway`). The proxy path against nginx and
+//! the SGLang model gateway is `scripts/bench-proxy.sh`.
 
 #[path = "gateway_support/mod.rs"]
 mod support;
@@ -124,165 +122,6 @@ fn route_decision_vs_tokenization() {
     fleet.stop();
 }
 
-fn need(tool: &str) {
-    let ok = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(ok, "{tool} is not installed: apt-get install -y nginx wrk");
-}
-
-/// Runs wrk and returns (requests/s, p50 ms).
-fn wrk(url: &str, script: Option<&std::path::Path>) -> (f64, f64) {
-    let mut cmd = std::process::Command::new("wrk");
-    let conns = std::env::var("KVGATE_BENCH_CONNS").unwrap_or_else(|_| "32".into());
-    let secs = std::env::var("KVGATE_BENCH_SECS").unwrap_or_else(|_| "5".into());
-    let threads = if conns == "1" { "-t1" } else { "-t2" };
-    cmd.args([
-        threads,
-        &format!("-c{conns}"),
-        &format!("-d{secs}s"),
-        "--latency",
-    ]);
-    if let Some(s) = script {
-        cmd.arg("-s").arg(s);
-    }
-    let out = cmd.arg(url).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "wrk failed: {text}");
-    assert!(!text.contains("Non-2xx"), "errors during the run: {text}");
-    let rps = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no Requests/sec in {text}"));
-    let p50 = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("50%"))
-        .map(|v| {
-            let v = v.trim();
-            if let Some(us) = v.strip_suffix("us") {
-                us.parse::<f64>().unwrap() / 1e3
-            } else if let Some(ms) = v.strip_suffix("ms") {
-                ms.parse::<f64>().unwrap()
-            } else if let Some(s) = v.strip_suffix('s') {
-                s.parse::<f64>().unwrap() * 1e3
-            } else {
-                panic!("latency unit in {v}")
-            }
-        })
-        .unwrap_or_else(|| panic!("no p50 in {text}"));
-    (rps, p50)
-}
-
-#[test]
-#[ignore = "measurement; needs nginx and wrk; run with --ignored --nocapture"]
-fn proxy_overhead_vs_nginx() {
-    need("nginx");
-    need("wrk");
-    let mut fleet = Fleet::workers(FleetOptions {
-        workers: 1,
-        ticket_policy: worker::TicketPolicy::Optional,
-        ..FleetOptions::default()
-    });
-    fleet.start_gateway(support::RR_SERVICE, false);
-    let worker = fleet.addrs[0];
-    let dir = fleet.dir.path().to_owned();
-    // nginx: one worker process per core, keepalive to the upstream, no buffering (SSE-safe).
-    let nginx_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let conf = format!(
-        r#"daemon off;
-worker_processes 2;
-pid {dir}/nginx.pid;
-error_log {dir}/nginx-error.log;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  client_body_temp_path {dir};
-  proxy_temp_path {dir};
-  upstream w {{ server {worker}; keepalive 64; }}
-  server {{
-    listen 127.0.0.1:{nginx_port};
-    location / {{
-      proxy_pass http://w;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }}
-  }}
-}}
-"#,
-        dir = dir.display()
-    );
-    let conf_path = dir.join("nginx.conf");
-    std::fs::write(&conf_path, conf).unwrap();
-    let nginx = std::process::Command::new("nginx")
-        .arg("-c")
-        .arg(&conf_path)
-        .arg("-p")
-        .arg(&dir)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let _nginx = Nginx(nginx);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", nginx_port)).is_err() {
-        assert!(Instant::now() < deadline, "nginx did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let lua = dir.join("post.lua");
-    std::fs::write(
-        &lua,
-        r#"wrk.method = "POST"
-wrk.body = '{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
-wrk.headers["Content-Type"] = "application/json"
-"#,
-    )
-    .unwrap();
-    let targets = [
-        ("worker direct", format!("http://{worker}")),
-        ("gateway (RR)", format!("http://{}", fleet.gw().listen_addr)),
-        ("nginx", format!("http://127.0.0.1:{nginx_port}")),
-    ];
-    println!("| request | target | requests/s | p50 latency |");
-    println!("|---|---|---:|---:|");
-    for (label, script) in [
-        ("GET /v1/models", None),
-        ("POST chat, 1 token", Some(lua.as_path())),
-    ] {
-        let path = if script.is_some() {
-            "/v1/chat/completions"
-        } else {
-            "/v1/models"
-        };
-        for (name, base) in &targets {
-            let (rps, p50) = wrk(&format!("{base}{path}"), script);
-            println!("| {label} | {name} | {rps:.0} | {p50:.2} ms |");
-        }
-    }
-    fleet.stop();
-}
-
-/// Stops nginx on drop (also when an assertion fails): SIGQUIT is nginx's graceful stop and takes
-/// its worker processes with it (SIGKILL would orphan them).
-struct Nginx(std::process::Child);
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("kill")
-            .arg("-QUIT")
-            .arg(self.0.id().to_string())
-            .status();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 #[ignore = "measurement; run with --ignored --nocapture"]
 fn ticket_signing_cost() {
@@ -305,17 +144,32 @@ fn ticket_signing_cost() {
         issued_at_ms: 1,
         expires_at_ms: 2,
     };
-    let n = 2_000;
+    let n = 2_000u32;
     let t = Instant::now();
     let mut len = 0;
     for _ in 0..n {
         len += ticket.sign(&key).header().len();
     }
-    let per = t.elapsed() / n;
+    let deterministic = t.elapsed() / n;
+    // The gateway's signer: nonces computed ahead by its thread (wait until they are ready, so
+    // this times the request path's part only).
+    let signer = receipts::PrecomputedSigner::new(key.clone(), n as usize).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while signer.ready() < n as usize && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t = Instant::now();
+    for _ in 0..n {
+        len += ticket.sign(&signer).header().len();
+    }
+    let precomputed = t.elapsed() / n;
     println!(
-        "ticket sign + encode: {:.1} µs per request (header {} bytes)",
-        per.as_secs_f64() * 1e6,
-        len / n as usize
+        "ticket sign + encode per request: {:.1} µs with RFC 8032 deterministic signing, \
+         {:.1} µs with a precomputed nonce ({:?}; header {} bytes)",
+        deterministic.as_secs_f64() * 1e6,
+        precomputed.as_secs_f64() * 1e6,
+        signer.stats(),
+        len / (2 * n as usize)
     );
 }
 

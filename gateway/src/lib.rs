@@ -92,6 +92,9 @@ pub struct GatewayConfig {
     pub routing_threads: usize,
     /// Requests that may wait for the routing pool; more get `503 gateway_overloaded`.
     pub routing_queue: usize,
+    /// Ticket nonces kept ready by the signer's idle-priority thread (`receipts::signer`);
+    /// 0 (the default): no thread, deterministic RFC 8032 signing.
+    pub nonce_pool: usize,
     /// Serve the VIP over TLS with this material (requiring client certificates when it names
     /// a client CA); `None`: plain HTTP. The admin plane stays plain HTTP.
     pub tls: Option<tls::ServerTls>,
@@ -118,6 +121,7 @@ impl GatewayConfig {
             approx_ttl: DEFAULT_APPROX_TTL,
             routing_threads: 2,
             routing_queue: 64,
+            nonce_pool: 0,
             tls: None,
             upstream_tls: tls::ClientTls::default(),
         }
@@ -254,7 +258,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         })
         .map_err(|e| cfg_err(format!("prefix index: {e}")))?,
         metrics: metrics::Metrics::new(),
-        signer: receipts::PrecomputedSigner::new(config.key.clone(), receipts::DEFAULT_NONCE_POOL)
+        signer: receipts::PrecomputedSigner::new(config.key.clone(), config.nonce_pool)
             .map_err(|e| cfg_err(format!("ticket signer thread: {e}")))?,
         gateway_id: config.gateway_id.clone(),
         decisions,

@@ -29,7 +29,7 @@ use crate::error::{ReceiptsError, Result};
 use crate::keys::KeyPair;
 use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
 use crate::receipt::{Receipt, ReceiptDraft, GENESIS_HASH};
-use crate::signer::{PrecomputedSigner, DEFAULT_NONCE_POOL};
+use crate::signer::PrecomputedSigner;
 use crate::ticket::RouteTicket;
 
 /// What [`ReceiptLog::open`] found in an existing log.
@@ -151,7 +151,7 @@ pub struct ReceiptLog {
     path: PathBuf,
     policy: FsyncPolicy,
     rotation: Rotation,
-    /// Signs receipts; nonces computed ahead by its own thread (`crate::signer`).
+    /// Signs receipts (deterministic RFC 8032: no nonce thread, see `crate::signer`).
     signer: PrecomputedSigner,
     worker_id: WorkerId,
     chain: Mutex<Chain>,
@@ -284,7 +284,7 @@ impl ReceiptLog {
             path: path.to_path_buf(),
             policy,
             rotation,
-            signer: PrecomputedSigner::new(key.clone(), DEFAULT_NONCE_POOL)
+            signer: PrecomputedSigner::new(key.clone(), 0)
                 .map_err(|e| ReceiptsError::io("start the signing thread for", path, e))?,
             worker_id: WorkerId::from(worker_id),
             report: OpenReport {

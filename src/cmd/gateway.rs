@@ -40,6 +40,11 @@ pub struct Args {
     /// Requests that may wait for the routing pool; more get 503 `gateway_overloaded`.
     #[arg(long, default_value_t = 64)]
     pub routing_queue: usize,
+    /// Ed25519 nonces for route tickets precomputed by an idle-priority thread (0: off, every
+    /// ticket signed the RFC 8032 deterministic way). Shortens the request path by ~20 µs where
+    /// cores are spare; on a 2-core box it raised 1-connection p99s (docs/benchmarks.md).
+    #[arg(long, default_value_t = 0)]
+    pub nonce_pool: usize,
     /// Proxy worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
@@ -79,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.threads = args.threads;
     config.routing_threads = args.routing_threads;
     config.routing_queue = args.routing_queue;
+    config.nonce_pool = args.nonce_pool;
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();
