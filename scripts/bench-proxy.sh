@@ -43,33 +43,20 @@ for tool in nginx wrk; do
     fi
   fi
 done
-VENV=.cache/smg-venv
-if [ ! -x "$VENV/bin/smg" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$SMG_VERSION"
-fi
+NAME=bench-proxy
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+smg_venv
 cargo build --quiet --workspace --bin kvgate --example pingora_floor
 KVGATE=$PWD/target/debug/kvgate
 FLOOR=$PWD/target/debug/examples/pingora_floor
 mkdir -p "$OUT"
 work=$(mktemp -d)
-pids=()
 stop_all() {
   [ -f "$work/nginx.pid" ] && kill -QUIT "$(cat "$work/nginx.pid")" 2>/dev/null || true
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
+  stop_pids
 }
 trap 'stop_all; rm -rf "$work"' EXIT
-
-wait_http() { # url, what
-  for _ in $(seq 1 300); do
-    if curl -sS -o /dev/null "$1" 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  echo "bench-proxy: $2 did not come up ($1)" >&2
-  return 1
-}
 
 W_PORT=$((BASE_PORT + 1))
 GW_PORT=$((BASE_PORT + 10))

@@ -26,31 +26,15 @@ BASE_PORT=${BASE_PORT:-19100}
 MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
 MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
-VENV=.cache/smg-venv
-if [ ! -x "$VENV/bin/smg" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$SMG_VERSION"
-fi
+NAME=bench-vs-smg
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+smg_venv
 cargo build --quiet --bin kvgate
 KVGATE=$PWD/target/debug/kvgate
 mkdir -p "$OUT"
 work=$(mktemp -d)
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-}
-trap 'stop_all; rm -rf "$work"' EXIT
-
-wait_http() { # url, what
-  for _ in $(seq 1 300); do
-    if curl -fsS -o /dev/null "$1" 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  echo "bench-vs-smg: $2 did not come up ($1)" >&2
-  return 1
-}
+trap 'stop_pids; rm -rf "$work"' EXIT
 
 start_workers() { # dir (holding keys/gateway.pub)
   local urls=()
@@ -136,7 +120,7 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
       return 1
     }
   grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | sed "s/^/seed $seed  /"
-  stop_all
+  stop_pids
 }
 
 P=$(( N / 4 > 4 ? N / 4 : 4 ))

@@ -74,8 +74,29 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
 }
 
-fn write_int(n: impl itoa_like::Int, out: &mut Vec<u8>) {
-    n.write(out);
+/// The ten `serialize_{i,u}{8..128}` methods of a serializer, each one `$write(v, self)`.
+macro_rules! integers {
+    ($write:ident) => {
+        integers!(@ $write; serialize_i8 i8, serialize_i16 i16, serialize_i32 i32,
+            serialize_i64 i64, serialize_i128 i128, serialize_u8 u8, serialize_u16 u16,
+            serialize_u32 u32, serialize_u64 u64, serialize_u128 u128);
+    };
+    (@ $write:ident; $($name:ident $t:ty),*) => {$(
+        fn $name(self, v: $t) -> Result<Self::Ok> {
+            $write(v, self)
+        }
+    )*};
+}
+
+fn write_int(n: impl itoa_like::Int, ser: Canon<'_>) -> Result<()> {
+    n.write(ser.out);
+    Ok(())
+}
+
+fn to_key(n: impl itoa_like::Int, _: KeyName) -> Result<String> {
+    let mut out = Vec::new();
+    n.write(&mut out);
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// Decimal formatting of integers without a `String` per number.
@@ -146,46 +167,7 @@ impl<'a> ser::Serializer for Canon<'a> {
             .extend_from_slice(if v { b"true" } else { b"false" });
         Ok(())
     }
-    fn serialize_i8(self, v: i8) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_i16(self, v: i16) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_i32(self, v: i32) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_i64(self, v: i64) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_i128(self, v: i128) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_u8(self, v: u8) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_u16(self, v: u16) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_u32(self, v: u32) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_u64(self, v: u64) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
-    fn serialize_u128(self, v: u128) -> Result<()> {
-        write_int(v, self.out);
-        Ok(())
-    }
+    integers!(write_int);
     fn serialize_f32(self, v: f32) -> Result<()> {
         Err(float_refused(f64::from(v)))
     }
@@ -207,7 +189,7 @@ impl<'a> ser::Serializer for Canon<'a> {
             if i > 0 {
                 self.out.push(b',');
             }
-            write_int(*b, self.out);
+            itoa_like::Int::write(*b, self.out);
         }
         self.out.push(b']');
         Ok(())
@@ -506,36 +488,7 @@ impl ser::Serializer for KeyName {
     fn serialize_bool(self, v: bool) -> Result<String> {
         Ok(v.to_string())
     }
-    fn serialize_i8(self, v: i8) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_i16(self, v: i16) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_i32(self, v: i32) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_i64(self, v: i64) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_i128(self, v: i128) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_u8(self, v: u8) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_u16(self, v: u16) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_u32(self, v: u32) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_u64(self, v: u64) -> Result<String> {
-        Ok(v.to_string())
-    }
-    fn serialize_u128(self, v: u128) -> Result<String> {
-        Ok(v.to_string())
-    }
+    integers!(to_key);
     fn serialize_f32(self, _v: f32) -> Result<String> {
         Err(key_refused())
     }

@@ -33,7 +33,7 @@ pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};
 pub use logfile::{FsyncPolicy, TornTail};
 pub use receipt::{sha256_hex, Receipt, ReceiptDraft, GENESIS_HASH, RECEIPT_DOMAIN};
 pub use receipt_log::{rotated_files, OpenReport, ReceiptLog, Rotation};
-pub use signer::{PrecomputedSigner, Signer, SignerStats, DEFAULT_NONCE_POOL};
+pub use signer::{PrecomputedSigner, Signer, SignerStats};
 pub use ticket::{
     check_window, ReplayGuard, RouteMode, RouteTicket, SignedTicket, DEFAULT_MAX_CLOCK_SKEW_MS,
     DEFAULT_TICKET_TTL_MS, TICKET_DOMAIN, TICKET_HEADER,

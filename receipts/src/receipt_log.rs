@@ -29,7 +29,6 @@ use crate::error::{ReceiptsError, Result};
 use crate::keys::KeyPair;
 use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
 use crate::receipt::{Receipt, ReceiptDraft, GENESIS_HASH};
-use crate::signer::PrecomputedSigner;
 use crate::ticket::RouteTicket;
 
 /// What [`ReceiptLog::open`] found in an existing log.
@@ -151,8 +150,7 @@ pub struct ReceiptLog {
     path: PathBuf,
     policy: FsyncPolicy,
     rotation: Rotation,
-    /// Signs receipts (deterministic RFC 8032: no nonce thread, see `crate::signer`).
-    signer: PrecomputedSigner,
+    key: KeyPair,
     worker_id: WorkerId,
     chain: Mutex<Chain>,
     report: OpenReport,
@@ -284,8 +282,7 @@ impl ReceiptLog {
             path: path.to_path_buf(),
             policy,
             rotation,
-            signer: PrecomputedSigner::new(key.clone(), 0)
-                .map_err(|e| ReceiptsError::io("start the signing thread for", path, e))?,
+            key: key.clone(),
             worker_id: WorkerId::from(worker_id),
             report: OpenReport {
                 receipts: next_seq,
@@ -379,7 +376,7 @@ impl ReceiptLog {
             chain.next_seq,
             chain.last_hash.clone(),
             self.worker_id.clone(),
-            &self.signer,
+            &self.key,
         )?;
         let line = receipt.to_line()?;
         let len = u32::try_from(line.len()).map_err(|_| ReceiptsError::Malformed {

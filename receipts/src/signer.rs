@@ -55,9 +55,6 @@ impl Signer for KeyPair {
     }
 }
 
-/// A reasonable pool size where the signer is enabled (the gateway's `--nonce-pool`).
-pub const DEFAULT_NONCE_POOL: usize = 1024;
-
 /// Nonces made per refill step (one random seed each).
 const BATCH: usize = 8;
 
