@@ -1,4 +1,4 @@
-//! `kvgate`: the one CLI binary (gateway, worker, receipts, keygen, bench, tokenize).
+//! `kvgate`: the one CLI binary (gateway, worker, sidecar, receipts, keygen, bench, tokenize).
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +22,8 @@ enum Command {
     Gateway(cmd::gateway::Args),
     /// Run a worker that embeds the engine.
     Worker(Box<cmd::worker::Args>),
+    /// Run the receipt sidecar beside a native engine (llama-server, any OpenAI-compatible server).
+    Sidecar(Box<cmd::sidecar::Args>),
     /// Verify and audit receipt logs.
     Receipts(cmd::receipts::Args),
     /// Generate an Ed25519 key pair for a gateway or a worker.
@@ -44,6 +46,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Gateway(a) => cmd::gateway::run(a),
         Command::Worker(a) => cmd::worker::run(*a),
+        Command::Sidecar(a) => cmd::sidecar::run(*a),
         Command::Receipts(a) => cmd::receipts::run(a),
         Command::Keygen(a) => cmd::keygen::run(a),
         Command::Bench(a) => cmd::bench::run(a),

@@ -106,12 +106,27 @@ pub fn profile_differences(
     out
 }
 
-/// Profiles fetched from workers: `Err` holds why a worker could not be asked.
-pub type FetchedProfiles = BTreeMap<WorkerId, Result<WorkerProfile, String>>;
+/// What a worker reported for the contract check, by its kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reported {
+    /// A kvgate worker's `GET /v1/profile`.
+    Kvgate(WorkerProfile),
+    /// A native engine's models, template and probe tokenizations ([`crate::native`]).
+    Native(crate::native::NativeReport),
+}
 
-/// The contract problems of a rules set against fetched worker profiles. Unreachable workers
-/// are not problems (they stay `unverified` and get no `kv_exact` traffic until checked).
-pub fn contract_problems(rules: &RulesFile, fetched: &FetchedProfiles) -> Vec<Problem> {
+/// Profiles fetched from workers: `Err` holds why a worker could not be asked.
+pub type FetchedProfiles = BTreeMap<WorkerId, Result<Reported, String>>;
+
+/// The contract problems of a rules set against fetched worker profiles (`profiles`: the
+/// gateway's loads of the pinned profiles, by id; a native engine's probe tokenizations are
+/// compared with them). Unreachable workers are not problems (they stay `unverified` and get
+/// no `kv_exact` traffic until checked).
+pub fn contract_problems(
+    rules: &RulesFile,
+    fetched: &FetchedProfiles,
+    profiles: &BTreeMap<String, Arc<crate::profile::LoadedProfile>>,
+) -> Vec<Problem> {
     let mut problems = Vec::new();
     for s in &rules.services {
         let Rule::KvExact(k) = &s.rule else { continue };
@@ -124,7 +139,14 @@ pub fn contract_problems(rules: &RulesFile, fetched: &FetchedProfiles) -> Vec<Pr
         };
         for w in &pool.workers {
             if let Some(Ok(got)) = fetched.get(w) {
-                let diff = profile_differences(pinned, got);
+                let diff = match got {
+                    Reported::Kvgate(p) => profile_differences(pinned, p),
+                    Reported::Native(n) => crate::native::differences(
+                        pinned,
+                        profiles.get(&pid.0).map(|p| p.as_ref()),
+                        n,
+                    ),
+                };
                 if !diff.is_empty() {
                     problems.push(Problem::new(
                         format!("services.{}.rule.profile", s.name),
@@ -213,7 +235,9 @@ impl ControlPlane {
             .unwrap_or_default()
     }
 
-    /// Fetches `/v1/profile` of the given workers (URLs from `rules`), in parallel.
+    /// Fetches what the given workers report (URLs and kinds from `rules`), in parallel: a
+    /// kvgate worker's `/v1/profile`, a native engine's models / template / probe
+    /// tokenizations ([`crate::native::fetch`]).
     pub async fn fetch_profiles(
         &self,
         rules: &RulesFile,
@@ -226,26 +250,47 @@ impl ControlPlane {
             .map(|w| {
                 let http = self.http.clone();
                 let id = w.id.clone();
-                let url = crate::view::Upstream::parse(&w.url)
-                    .map(|u| format!("{}/v1/profile", u.base_url()));
+                let kind = w.kind;
+                let base = crate::view::Upstream::parse(&w.url).map(|u| u.base_url());
+                let token =
+                    receipts::AccessToken::new(&self.data.gateway_id, &id, receipts::now_ms())
+                        .sign(&self.data.signer);
                 async move {
-                    let res = match url {
+                    let res = match base {
                         Err(e) => Err(e.to_string()),
-                        Ok(url) => match http.get(&url).timeout(PROFILE_TIMEOUT).send().await {
-                            Err(e) => Err(format!("unreachable: {e}")),
-                            Ok(r) if !r.status().is_success() => {
-                                Err(format!("GET /v1/profile: {}", r.status()))
+                        Ok(base) if kind == routing_rules::schema::UpstreamKind::Kvgate => {
+                            let url = format!("{base}/v1/profile");
+                            match http.get(&url).timeout(PROFILE_TIMEOUT).send().await {
+                                Err(e) => Err(format!("unreachable: {e}")),
+                                Ok(r) if !r.status().is_success() => {
+                                    Err(format!("GET /v1/profile: {}", r.status()))
+                                }
+                                Ok(r) => r
+                                    .json::<WorkerProfile>()
+                                    .await
+                                    .map(Reported::Kvgate)
+                                    .map_err(|e| format!("bad /v1/profile body: {e}")),
                             }
-                            Ok(r) => r
-                                .json::<WorkerProfile>()
+                        }
+                        Ok(base) => {
+                            crate::native::fetch(&http, &base, kind, &token, PROFILE_TIMEOUT)
                                 .await
-                                .map_err(|e| format!("bad /v1/profile body: {e}")),
-                        },
+                                .map(Reported::Native)
+                        }
                     };
                     (id, res)
                 }
             });
         join_all(futs).await.into_iter().collect()
+    }
+
+    /// The contract problems of `rules` against `fetched`, with the pinned profiles loaded
+    /// (from the cache when they did not change).
+    pub fn problems(&self, rules: &RulesFile, fetched: &FetchedProfiles) -> Vec<Problem> {
+        match self.profiles.load_for(rules, self.rules_dir().as_deref()) {
+            Ok(profiles) => contract_problems(rules, fetched, &profiles),
+            Err(e) => vec![Problem::new("profiles", e.to_string())],
+        }
     }
 
     /// The pre-apply check of every rules change: the pinned profiles load and match their
@@ -255,13 +300,7 @@ impl ControlPlane {
         snap: &RuleSnapshot,
         fetched: &FetchedProfiles,
     ) -> Result<(), Vec<Problem>> {
-        if let Err(e) = self
-            .profiles
-            .load_for(snap.rules(), self.rules_dir().as_deref())
-        {
-            return Err(vec![Problem::new("profiles", e.to_string())]);
-        }
-        let problems = contract_problems(snap.rules(), fetched);
+        let problems = self.problems(snap.rules(), fetched);
         if problems.is_empty() {
             Ok(())
         } else {
@@ -272,6 +311,10 @@ impl ControlPlane {
     /// Records the contract state of every worker from a fetch.
     fn record_contracts(&self, rules: &RulesFile, fetched: &FetchedProfiles) {
         let needed = kv_exact_workers(rules);
+        let profiles = self
+            .profiles
+            .load_for(rules, self.rules_dir().as_deref())
+            .unwrap_or_default();
         let runtimes = self.carry.runtimes.lock();
         for (id, rt) in runtimes.iter() {
             if let Some(Ok(p)) = fetched.get(id) {
@@ -285,6 +328,7 @@ impl ControlPlane {
                         let problems = contract_problems(
                             rules,
                             &BTreeMap::from([(id.clone(), fetched[id].clone())]),
+                            &profiles,
                         );
                         if problems.is_empty() {
                             ContractState::Ok
@@ -400,7 +444,7 @@ impl ControlPlane {
             if needs_contract {
                 *rt.contract.lock() = match res {
                     Ok(_) => {
-                        let problems = contract_problems(&rules, &fetched);
+                        let problems = self.problems(&rules, &fetched);
                         if problems.is_empty() {
                             ContractState::Ok
                         } else {
@@ -473,11 +517,11 @@ rule = { type = "kv_exact", profile = "smol" }
         bad.block_size = 32;
         bad.hash_algorithm = prefix_index::HashAlgorithm::Sha256;
         let fetched: FetchedProfiles = BTreeMap::from([
-            (WorkerId("w1".into()), Ok(agreeing())),
-            (WorkerId("w2".into()), Ok(bad)),
+            (WorkerId("w1".into()), Ok(Reported::Kvgate(agreeing()))),
+            (WorkerId("w2".into()), Ok(Reported::Kvgate(bad))),
             (WorkerId("w3".into()), Err("unreachable".into())),
         ]);
-        let problems = contract_problems(&rules, &fetched);
+        let problems = contract_problems(&rules, &fetched, &BTreeMap::new());
         assert_eq!(problems.len(), 1, "{problems:?}");
         let msg = &problems[0].message;
         assert!(msg.contains("worker w2"), "{msg}");
@@ -495,6 +539,6 @@ rule = { type = "kv_exact", profile = "smol" }
         );
         let rules = routing_rules::rules_from_toml(&rr).unwrap();
         assert!(kv_exact_workers(&rules).is_empty());
-        assert!(contract_problems(&rules, &fetched).is_empty());
+        assert!(contract_problems(&rules, &fetched, &BTreeMap::new()).is_empty());
     }
 }

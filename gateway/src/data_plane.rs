@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pingora::connectors::http::Connector;
 use pingora::utils::tls::CertKey;
@@ -182,13 +182,15 @@ impl DataPlane {
         if let (Some(d), Some(w), Some(status)) = (&ctx.decision, &ctx.current, ctx.status) {
             if (200..300).contains(&status) {
                 if let Some(p) = &d.prompt {
-                    let approximate = ctx
-                        .view
-                        .as_ref()
-                        .and_then(|v| v.workers.get(w))
-                        .is_some_and(|e| e.runtime.approximate());
+                    let entry = ctx.view.as_ref().and_then(|v| v.workers.get(w));
+                    let approximate = entry.is_some_and(|e| e.runtime.approximate());
+                    // The worker's own `prompt_cache.ttl_ms`, else the gateway's default.
+                    let ttl = entry
+                        .and_then(|e| e.spec.prompt_cache)
+                        .and_then(|c| c.ttl_ms)
+                        .map_or(self.index.config().approximate_ttl, Duration::from_millis);
                     if approximate && !p.keys.is_empty() {
-                        if let Err(e) = self.index.insert_approximate(w, &p.keys) {
+                        if let Err(e) = self.index.insert_approximate_for(w, &p.keys, ttl) {
                             tracing::debug!(worker = %w, error = %e, "approximate insert skipped");
                         }
                     }

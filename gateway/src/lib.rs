@@ -30,6 +30,7 @@ pub mod error;
 pub mod forward;
 pub mod limits;
 pub mod metrics;
+pub mod native;
 pub mod pool;
 pub mod profile;
 pub mod protocol;
@@ -278,7 +279,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let rules = snapshot.rules().clone();
     let ids: BTreeSet<_> = rules.workers.iter().map(|w| w.id.clone()).collect();
     let fetched = runtime.block_on(control.fetch_profiles(&rules, &ids));
-    let problems = control_plane::contract_problems(&rules, &fetched);
+    let problems = control.problems(&rules, &fetched);
     if !problems.is_empty() {
         return Err(GatewayError::Contract {
             reason: problems

@@ -1,5 +1,7 @@
-//! Owned background tasks, one pair per worker: the active health check (`GET /ready`) and the
-//! KV event subscription (`GET /v1/kv/events`, SSE). Each task has its own cancellation token
+//! Owned background tasks, one pair per worker: the active health check (`GET` of the worker's
+//! health path: `/ready` for kvgate workers, `/health` for native engines) and the KV event
+//! subscription (`GET /v1/kv/events`, SSE; kvgate workers only — the holdings of `openai` and
+//! `llama_cpp` upstreams are approximated from routed keys, bounded by their `prompt_cache`). Each task has its own cancellation token
 //! and a kept `JoinHandle`; [`Supervisor::sync`] starts tasks for new workers and cancels those
 //! of removed ones (and drops them from the index); [`Supervisor::shutdown`] cancels all.
 //!
@@ -52,7 +54,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const UNSUPPORTED_RETRY: Duration = Duration::from_secs(30);
 
 struct WorkerTasks {
-    base_url: String,
+    /// What the tasks were started for: base URL, kind and health path (a change restarts them).
+    target: String,
     cancel: CancellationToken,
     handles: Vec<JoinHandle<()>>,
 }
@@ -83,15 +86,19 @@ impl Supervisor {
 
     /// Starts tasks for workers new to `view` (or whose URL changed), stops the others.
     pub fn sync(&mut self, view: &View) {
-        let wanted: BTreeMap<WorkerId, String> = view
+        let wanted: BTreeMap<WorkerId, (String, String)> = view
             .workers
             .iter()
-            .map(|(id, e)| (id.clone(), e.upstream.base_url()))
+            .map(|(id, e)| {
+                let base = e.upstream.base_url();
+                let target = format!("{base} {} {}", e.spec.kind.as_str(), e.spec.health_path());
+                (id.clone(), (base, target))
+            })
             .collect();
         let stale: Vec<WorkerId> = self
             .tasks
             .iter()
-            .filter(|(id, t)| wanted.get(*id) != Some(&t.base_url))
+            .filter(|(id, t)| wanted.get(*id).map(|w| &w.1) != Some(&t.target))
             .map(|(id, _)| id.clone())
             .collect();
         for id in stale {
@@ -102,32 +109,48 @@ impl Supervisor {
                 data.index.remove_worker(&id);
             }
         }
-        for (id, base_url) in wanted {
+        for (id, (base_url, target)) in wanted {
+            let Some(entry) = view.workers.get(&id) else {
+                continue;
+            };
+            if let Some(data) = self.ctx.data.upgrade() {
+                // A slot-based prompt cache holds at most so many prompts (may change on reload).
+                let limit = entry
+                    .spec
+                    .prompt_cache
+                    .and_then(|c| c.max_prefixes)
+                    .map(|n| n as usize);
+                data.index.add_worker(&id);
+                let _ = data.index.set_approximate_prefixes(&id, limit);
+            }
             if self.tasks.contains_key(&id) {
                 continue;
             }
-            if let Some(data) = self.ctx.data.upgrade() {
-                data.index.add_worker(&id);
-            }
             let cancel = self.root.child_token();
-            let health = self.handle.spawn(health_loop(
+            let health_url = format!("{base_url}{}", entry.spec.health_path());
+            let mut handles = vec![self.handle.spawn(health_loop(
                 self.ctx.clone(),
                 id.clone(),
-                base_url.clone(),
+                health_url,
                 cancel.clone(),
-            ));
-            let events = self.handle.spawn(event_loop(
-                self.ctx.clone(),
-                id.clone(),
-                base_url.clone(),
-                cancel.clone(),
-            ));
+            ))];
+            if entry.spec.kind.has_events() {
+                handles.push(self.handle.spawn(event_loop(
+                    self.ctx.clone(),
+                    id.clone(),
+                    base_url.clone(),
+                    cancel.clone(),
+                )));
+            } else {
+                // No kvgate event stream to subscribe to: holdings are approximated.
+                *entry.runtime.events.lock() = EventStreamState::Unsupported;
+            }
             self.tasks.insert(
                 id,
                 WorkerTasks {
-                    base_url,
+                    target,
                     cancel,
-                    handles: vec![health, events],
+                    handles,
                 },
             );
         }
@@ -151,8 +174,7 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
     }
 }
 
-async fn health_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: CancellationToken) {
-    let url = format!("{base_url}/ready");
+async fn health_loop(ctx: TaskCtx, id: WorkerId, url: String, cancel: CancellationToken) {
     loop {
         let Some(data) = ctx.data.upgrade() else {
             return;

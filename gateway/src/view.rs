@@ -29,7 +29,6 @@ use sha2::Digest;
 
 use crate::error::GatewayError;
 use crate::profile::LoadedProfile;
-use crate::protocol::WorkerProfile;
 
 /// Where a worker is reached.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -158,8 +157,9 @@ pub struct WorkerRuntime {
     pub contract: Mutex<ContractState>,
     /// Consecutive failed checks or passive failures.
     pub consecutive_failures: AtomicU64,
-    /// The worker's last `GET /v1/profile` answer (re-read when it becomes healthy).
-    pub reported: Mutex<Option<WorkerProfile>>,
+    /// What the worker last reported (`GET /v1/profile`, or a native engine's report;
+    /// re-read when it becomes healthy).
+    pub reported: Mutex<Option<crate::control_plane::Reported>>,
 }
 
 impl WorkerRuntime {
@@ -181,7 +181,10 @@ impl WorkerRuntime {
 
     /// The block-key hash algorithm the worker reported (`None` before its profile was read).
     pub fn reported_algorithm(&self) -> Option<HashAlgorithm> {
-        self.reported.lock().as_ref().map(|p| p.hash_algorithm)
+        match self.reported.lock().as_ref() {
+            Some(crate::control_plane::Reported::Kvgate(p)) => Some(p.hash_algorithm),
+            _ => None,
+        }
     }
 
     /// Whether `kv_exact` holdings of this worker must be approximated from routed keys.

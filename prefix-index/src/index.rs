@@ -39,7 +39,7 @@
 //! * `insert_approximate`: O(k) amortized.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -260,6 +260,10 @@ struct WriterState {
     /// with that same seq are parts of the worker's snapshot.
     in_snapshot: bool,
     lru: ApproxLru,
+    /// Most prompts (key chains) believed held at once ([`PrefixIndex::set_approximate_prefixes`]).
+    prefix_limit: Option<usize>,
+    /// The routed chains, oldest first (kept only with a `prefix_limit`).
+    chains: VecDeque<Vec<BlockKey>>,
 }
 
 struct WorkerSlot {
@@ -684,6 +688,20 @@ impl PrefixIndex {
                 }
             }
         }
+        if st.prefix_limit.is_some() && !keys.is_empty() {
+            // The engine puts this prompt in the slot of the most similar one: chains that
+            // start like it are replaced (their keys this chain does not repeat are forgotten).
+            let first = keys[0];
+            let (same, other): (Vec<_>, Vec<_>) = std::mem::take(&mut st.chains)
+                .into_iter()
+                .partition(|c| c.first() == Some(&first));
+            st.chains = other.into();
+            st.chains.push_back(keys.to_vec());
+            for old in same {
+                self.forget_chain_locked(&ws, &mut st, &old);
+            }
+            self.trim_chains_locked(&ws, &mut st);
+        }
         while st.lru.map.len() > self.config.approximate_capacity {
             match st.lru.pop_front_if(|_| true) {
                 Some(k) => self.remove_approx_entry(slot, k),
@@ -693,6 +711,51 @@ impl PrefixIndex {
         ws.approx_blocks
             .store(st.lru.map.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Bounds how many routed prompts (key chains) of `worker` are believed held at once, as a
+    /// slot-based prompt cache holds them (`llama-server --parallel N` without its RAM prompt
+    /// cache keeps one prompt per slot): inserting a chain first drops the held chains that
+    /// start with the same block (the engine reuses the most similar slot), then, beyond
+    /// `limit`, the oldest chains — their keys that no remaining chain holds stop being
+    /// approximate holdings. `None` (the default): only the TTL and the block capacity apply.
+    /// O(limit × chain length) per insert.
+    pub fn set_approximate_prefixes(
+        &self,
+        worker: &WorkerId,
+        limit: Option<usize>,
+    ) -> Result<(), IndexError> {
+        let ws = self.slot_of(worker)?;
+        let mut st = ws.writer.lock();
+        st.prefix_limit = limit.map(|n| n.max(1));
+        if st.prefix_limit.is_none() {
+            st.chains.clear();
+        } else {
+            self.trim_chains_locked(&ws, &mut st);
+        }
+        Ok(())
+    }
+
+    /// Drops the oldest chains beyond the prefix limit (and their keys no other chain holds).
+    fn trim_chains_locked(&self, ws: &WorkerSlot, st: &mut WriterState) {
+        let Some(limit) = st.prefix_limit else { return };
+        while st.chains.len() > limit {
+            let Some(old) = st.chains.pop_front() else {
+                break;
+            };
+            self.forget_chain_locked(ws, st, &old);
+        }
+        ws.approx_blocks
+            .store(st.lru.map.len() as u64, Ordering::Relaxed);
+    }
+
+    fn forget_chain_locked(&self, ws: &WorkerSlot, st: &mut WriterState, chain: &[BlockKey]) {
+        let kept: HashSet<BlockKey> = st.chains.iter().flatten().copied().collect();
+        for k in chain {
+            if !kept.contains(k) && st.lru.map.remove(k).is_some() {
+                self.remove_approx_entry(ws.slot, *k);
+            }
+        }
     }
 
     /// Drops every expired approximate holding now (queries already ignore them); returns how
@@ -737,6 +800,7 @@ impl PrefixIndex {
     }
 
     fn clear_approx_locked(&self, ws: &WorkerSlot, st: &mut WriterState) {
+        st.chains.clear();
         let lru = std::mem::take(&mut st.lru);
         for (k, _) in lru.map {
             self.remove_approx_entry(ws.slot, k);
@@ -1152,6 +1216,40 @@ mod tests {
             EnvelopeOutcome::Applied
         );
         assert_eq!(blocks(), 0);
+    }
+
+    #[test]
+    fn approximate_prefix_limit_models_a_slot_cache() {
+        let idx = PrefixIndex::new(IndexConfig::default()).unwrap();
+        let a = w("a");
+        idx.add_worker(&a);
+        idx.set_approximate_prefixes(&a, Some(2)).unwrap();
+        let conv1 = keys(1..4);
+        let conv2 = keys(10..13);
+        let conv3 = keys(20..22);
+        idx.insert_approximate(&a, &conv1).unwrap();
+        idx.insert_approximate(&a, &conv2).unwrap();
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 6);
+        // conv1's next turn takes conv1's slot: its keys stay, nothing else is dropped
+        let conv1_next = keys(1..6);
+        idx.insert_approximate(&a, &conv1_next).unwrap();
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 8);
+        // a third prompt evicts the oldest slot (conv2), not conv1
+        idx.insert_approximate(&a, &conv3).unwrap();
+        assert_eq!(summary(&idx.longest_matches(&conv2)), vec![]);
+        assert_eq!(
+            summary(&idx.longest_matches(&conv1_next)),
+            vec![("a".into(), 5, 0, 5)]
+        );
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 7);
+        assert_eq!(idx.approx_entries.load(Ordering::Relaxed), 7);
+        // lowering the limit drops the oldest now; lifting it keeps what is held
+        idx.set_approximate_prefixes(&a, Some(1)).unwrap();
+        assert_eq!(summary(&idx.longest_matches(&conv1_next)), vec![]);
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 2);
+        idx.set_approximate_prefixes(&a, None).unwrap();
+        idx.insert_approximate(&a, &conv2).unwrap();
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 5);
     }
 
     #[test]

@@ -199,6 +199,86 @@ pub struct WorkerSpec {
     /// Free-form labels, reported by the admin API. Default: none.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// What answers at `url`. Default: `kvgate`.
+    #[serde(default, skip_serializing_if = "UpstreamKind::is_default")]
+    pub kind: UpstreamKind,
+    /// Path of the active health probe (2xx = healthy). Default by kind: `/ready` (kvgate),
+    /// `/health` (llama_cpp, openai).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_path: Option<String>,
+    /// What the gateway believes a worker without KV events holds (kinds `openai` and
+    /// `llama_cpp`, or a kvgate worker without an event stream). Default: the gateway's
+    /// `--approx-ttl-ms`, no prefix limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_cache: Option<PromptCacheSpec>,
+}
+
+/// The kind of server a worker URL reaches (`[[workers]] kind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamKind {
+    /// A kvgate worker (or a kvgate sidecar in front of one): `/v1/profile`, KV events,
+    /// tickets, receipts.
+    #[default]
+    Kvgate,
+    /// Any OpenAI-compatible server (vLLM, SGLang, TGI, ...), directly or behind
+    /// `kvgate sidecar`: no profile endpoint, no KV events.
+    Openai,
+    /// llama.cpp's `llama-server` (directly or behind `kvgate sidecar`): `/health`, `/props`,
+    /// `/tokenize`, no KV events.
+    LlamaCpp,
+}
+
+impl UpstreamKind {
+    /// Whether this is the default (`kvgate`).
+    pub fn is_default(&self) -> bool {
+        *self == UpstreamKind::Kvgate
+    }
+
+    /// The default health path.
+    pub fn default_health_path(&self) -> &'static str {
+        match self {
+            UpstreamKind::Kvgate => "/ready",
+            UpstreamKind::Openai | UpstreamKind::LlamaCpp => "/health",
+        }
+    }
+
+    /// Whether the server publishes kvgate KV events.
+    pub fn has_events(&self) -> bool {
+        *self == UpstreamKind::Kvgate
+    }
+
+    /// The name in the rules file.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            UpstreamKind::Kvgate => "kvgate",
+            UpstreamKind::Openai => "openai",
+            UpstreamKind::LlamaCpp => "llama_cpp",
+        }
+    }
+}
+
+impl WorkerSpec {
+    /// The health probe's path (the configured one, else the kind's default).
+    pub fn health_path(&self) -> &str {
+        self.health_path
+            .as_deref()
+            .unwrap_or_else(|| self.kind.default_health_path())
+    }
+}
+
+/// The approximate prompt cache of a worker without KV events (`[[workers]] prompt_cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptCacheSpec {
+    /// How long a routed prompt is believed cached, ms (1..=86400000). Default: the
+    /// gateway's `--approx-ttl-ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Most prompts believed cached at once (≥ 1): a slot-based cache such as
+    /// `llama-server --parallel N --cache-ram 0` holds one per slot. Default: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_prefixes: Option<u32>,
 }
 
 /// A named set of workers (`[[pools]]`).

@@ -43,6 +43,28 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
                 v.push(format!("{path}.labels"), "label names must not be empty");
             }
         }
+        if let Some(h) = &w.health_path {
+            if !h.starts_with('/') || h.contains(['?', '#', ' ']) || h.len() > 256 {
+                v.push(
+                    format!("{path}.health_path"),
+                    format!("{h:?} must start with / and have no `?`, `#` or space (≤ 256 bytes)"),
+                );
+            }
+        }
+        if let Some(c) = &w.prompt_cache {
+            if c.ttl_ms.is_some_and(|t| t == 0 || t > 86_400_000) {
+                v.push(
+                    format!("{path}.prompt_cache.ttl_ms"),
+                    "ttl_ms must be 1..=86400000",
+                );
+            }
+            if c.max_prefixes == Some(0) {
+                v.push(
+                    format!("{path}.prompt_cache.max_prefixes"),
+                    "max_prefixes must be at least 1",
+                );
+            }
+        }
     }
     let workers: BTreeSet<&str> = rules.workers.iter().map(|w| w.id.0.as_str()).collect();
 

@@ -178,7 +178,11 @@ pub fn parse_fsync(s: &str) -> anyhow::Result<FsyncPolicy> {
 }
 
 /// Loads `key`, or the state dir's key, or generates and writes one there.
-fn load_or_create_key(key: Option<&Path>, state_dir: &Path, id: &str) -> anyhow::Result<KeyPair> {
+pub(crate) fn load_or_create_key(
+    key: Option<&Path>,
+    state_dir: &Path,
+    id: &str,
+) -> anyhow::Result<KeyPair> {
     if let Some(path) = key {
         return KeyPair::load_private(path)
             .with_context(|| format!("loading worker key {}", path.display()));
@@ -356,7 +360,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};

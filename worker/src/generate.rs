@@ -2,10 +2,10 @@
 //! (SSE) and not, and the receipt of every request they answer.
 //!
 //! Path of one request:
-//! 1. [`tickets::admit`] — request id and route ticket (401 / 400, no receipt: the request is
+//! 1. [`tickets::TicketGate::admit`] — request id and route ticket (401 / 400, no receipt: the request is
 //!    not attributable);
 //! 2. the body is read up to the configured limit (413, no receipt), then the ticket is claimed
-//!    ([`tickets::claim`]: 401 `ticket_replayed`, no receipt — the first use has one);
+//!    ([`tickets::TicketGate::claim`]: 401 `ticket_replayed`, no receipt — the first use has one);
 //! 3. from here on every answer writes a signed receipt: validation (400), tokenization and the
 //!    token budget (400 `context_length_exceeded`), the engine's refusal (429 + `Retry-After`),
 //!    then the engine run;
@@ -187,7 +187,11 @@ async fn receipted_error(
 }
 
 /// Reads the body up to `limit` bytes; `Err` is the 413 (or a read error).
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -271,7 +275,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     let received = Instant::now();
     let received_at_ms = receipts::now_ms();
     let header_id = tickets::header_request_id(&headers).ok().flatten();
-    let admission = match tickets::admit(&st, &headers) {
+    let admission = match st.tickets.admit(&headers) {
         Ok(a) => a,
         Err(e) => return early_error(&st, endpoint, e, header_id.as_deref()),
     };
@@ -279,7 +283,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Ok(b) => b,
         Err(e) => return early_error(&st, endpoint, e, Some(&admission.request_id)),
     };
-    if let Err(e) = tickets::claim(&st, &admission) {
+    if let Err(e) = st.tickets.claim(&admission) {
         return early_error(&st, endpoint, e, Some(&admission.request_id));
     }
     let ctx = ReceiptCtx {

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod ops;
 pub mod output_parser;
 pub mod protocol;
+pub mod sidecar;
 pub mod tickets;
 pub mod validate;
 
@@ -38,10 +39,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use parking_lot::Mutex;
-use prefix_index::{BlockSize, HashAlgorithm, NamespaceSeed};
+use prefix_index::{BlockSize, HashAlgorithm};
 use prometheus_client::registry::Registry;
 use prompt_profile::{ChatMessage, KeySpace, ProfileIdentity, PromptProfile};
-use receipts::{FsyncPolicy, KeyPair, KeyRing, ReceiptLog, ReplayGuard};
+use receipts::{FsyncPolicy, KeyPair, KeyRing, ReceiptLog};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -209,12 +210,11 @@ pub struct AppState {
     pub(crate) fingerprint: String,
     pub(crate) context_limit: usize,
     pub(crate) block_size: BlockSize,
-    pub(crate) default_namespace: NamespaceSeed,
     /// The block-key space of this worker's profile (the prompt contract's namespace rule).
     pub(crate) key_space: KeySpace,
     pub(crate) key: KeyPair,
-    pub(crate) gateway_keys: KeyRing,
-    pub(crate) replay: Mutex<ReplayGuard>,
+    /// Request ids, route tickets, the replay guard and access tokens.
+    pub(crate) tickets: tickets::TicketGate,
     pub(crate) receipts: Arc<ReceiptLog>,
     pub(crate) metrics: metrics::ServerMetrics,
     pub(crate) registry: Registry,
@@ -431,17 +431,19 @@ pub async fn spawn(
     if let Some(t) = &receipts.open_report().torn_tail {
         tracing::warn!("receipt log: {}", receipts::receipt_log::describe_torn(t));
     }
-    // Tickets accepted before a restart stay used: seed the replay guard from the log.
-    let mut replay = ReplayGuard::new(settings.ticket_skew_ms);
-    let now = receipts::now_ms();
-    for t in &receipts.open_report().live_tickets {
-        let _ = replay.check_and_insert(t, now);
-    }
-
     let identity = profile.identity().clone();
     let key_space = KeySpace::of(&identity, block_size, settings.hash_algorithm);
     let max_subscriptions = settings.max_event_subscriptions.max(1);
-    let default_namespace = key_space.seed(None);
+    // Tickets accepted before a restart stay used: the gate's replay guard is seeded from the log.
+    let tickets = tickets::TicketGate::seeded(
+        settings.worker_id.clone(),
+        settings.ticket_policy,
+        settings.ticket_skew_ms,
+        Some(settings.hash_algorithm),
+        gateway_keys,
+        key_space.seed(None),
+        &receipts,
+    );
     let profile_limit = identity.context_limit as usize;
     let context_limit = settings
         .context_limit
@@ -452,7 +454,7 @@ pub async fn spawn(
     let mut registry = Registry::default();
     let metrics = metrics::ServerMetrics::register(&mut registry, engine.clone(), ready.clone());
     let state = Arc::new(AppState {
-        replay: Mutex::new(replay),
+        tickets,
         settings,
         engine_kind: choice.kind(),
         engine,
@@ -462,10 +464,8 @@ pub async fn spawn(
         fingerprint,
         context_limit,
         block_size,
-        default_namespace,
         key_space,
         key,
-        gateway_keys,
         receipts,
         metrics,
         registry,
@@ -478,28 +478,7 @@ pub async fn spawn(
 
     let app = router(state.clone());
     let token = state.shutdown.clone();
-    let server = tokio::spawn(async move {
-        // TCP_NODELAY: SSE writes are small; with Nagle on, the first content chunk after the
-        // role chunk waits for the peer's delayed ACK (~40 ms of TTFT).
-        use axum::serve::ListenerExt;
-        match tls {
-            Some(config) => {
-                axum::serve(listener::TlsListener::new(listener, config), app)
-                    .with_graceful_shutdown(token.cancelled_owned())
-                    .await
-            }
-            None => {
-                let listener = listener.tap_io(|tcp| {
-                    if let Err(e) = tcp.set_nodelay(true) {
-                        tracing::debug!(error = %e, "set_nodelay failed");
-                    }
-                });
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(token.cancelled_owned())
-                    .await
-            }
-        }
-    });
+    let server = tokio::spawn(listener::serve(listener, tls, app, token));
     let (ready_tx, ready_rx) = watch::channel(None);
     let smoke = tokio::spawn(smoke_inference(state.clone(), ready_tx));
     Ok(RunningWorker {
@@ -546,7 +525,7 @@ async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
         .submit(GenerateRequest {
             request_id: format!("smoke-{}", st.settings.worker_id),
             prompt,
-            namespace: st.default_namespace,
+            namespace: st.tickets.default_namespace,
             sampling: SamplingParams::greedy(),
             max_tokens: 1,
             stop_token_ids: Vec::new(),
@@ -617,32 +596,9 @@ async fn require_access(
     req: Request,
     next: Next,
 ) -> Response {
-    if st.settings.ticket_policy != TicketPolicy::Require {
-        return next.run(req).await;
-    }
-    let bearer = req
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let Some(token) = bearer else {
-        return ApiError::unauthorized(
-            "access_required",
-            "this endpoint needs the gateway's access token (`Authorization: Bearer ...`)",
-        )
-        .into_response();
-    };
-    match receipts::AccessToken::verify(
-        token,
-        &st.gateway_keys,
-        &st.settings.worker_id,
-        receipts::now_ms(),
-        st.settings.ticket_skew_ms,
-    ) {
-        Ok(_) => next.run(req).await,
-        Err(e) => {
-            ApiError::unauthorized(e.error_type(), format!("access token: {e}")).into_response()
-        }
+    match st.tickets.check_access(req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
 }
 

@@ -96,3 +96,34 @@ impl axum::serve::Listener for TlsListener {
         Ok(self.local)
     }
 }
+
+/// Serves `app` on `listener` (HTTPS with `tls`, else plain HTTP with `TCP_NODELAY`) until
+/// `shutdown` is cancelled, then finishes in-flight requests. The worker and the sidecar both
+/// serve through this.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<Arc<tls::rustls::ServerConfig>>,
+    app: axum::Router,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    // TCP_NODELAY: SSE writes are small; with Nagle on, the first content chunk after the
+    // role chunk waits for the peer's delayed ACK (~40 ms of TTFT).
+    use axum::serve::ListenerExt;
+    match tls {
+        Some(config) => {
+            axum::serve(TlsListener::new(listener, config), app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
+        None => {
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "set_nodelay failed");
+                }
+            });
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
+    }
+}

@@ -101,7 +101,7 @@ pub fn profile_body(st: &AppState) -> ProfileBody {
         native_reserve: st.settings.native_reserve,
         block_size: st.block_size.get(),
         hash_algorithm: st.settings.hash_algorithm,
-        default_namespace_seed: st.default_namespace.to_hex(),
+        default_namespace_seed: st.tickets.default_namespace.to_hex(),
         engine: st.engine_kind.to_string(),
         require_ticket: st.settings.ticket_policy == crate::TicketPolicy::Require,
     }
@@ -145,7 +145,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
         },
     };
     let profile = st.profile.clone();
-    let chain = st.key_space.chain(st.default_namespace);
+    let chain = st.key_space.chain(st.tickets.default_namespace);
     let context_limit = st.context_limit;
     let job = move || -> Result<TokenizeResponse, ApiError> {
         let source = match (req.messages, req.prompt) {
@@ -203,11 +203,19 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
 
 /// `GET /metrics`: OpenMetrics or classic Prometheus text, by `Accept`.
 pub async fn metrics(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    render_metrics(&st.registry, &headers)
+}
+
+/// `registry` in the exposition format `headers` ask for.
+pub(crate) fn render_metrics(
+    registry: &prometheus_client::registry::Registry,
+    headers: &HeaderMap,
+) -> Response {
     let accept = headers
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok());
     let format = exposition::Format::negotiate(accept);
-    match exposition::render(&st.registry, format) {
+    match exposition::render(registry, format) {
         Ok(text) => (
             StatusCode::OK,
             [(axum::http::header::CONTENT_TYPE, format.content_type())],
@@ -225,7 +233,12 @@ pub async fn metrics(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Res
 
 /// `GET /v1/keys`.
 pub async fn keys(State(st): State<Arc<AppState>>) -> Response {
-    let public = st.key.public();
+    keys_body(&st.key, &st.settings.worker_id)
+}
+
+/// The `GET /v1/keys` answer of the worker (or sidecar) `worker_id` signing with `key`.
+pub(crate) fn keys_body(key: &receipts::KeyPair, worker_id: &str) -> Response {
+    let public = key.public();
     let pem = match public.to_pem() {
         Ok(p) => p,
         Err(e) => {
@@ -238,8 +251,8 @@ pub async fn keys(State(st): State<Arc<AppState>>) -> Response {
         }
     };
     Json(KeysBody {
-        worker_id: st.settings.worker_id.clone(),
-        key_id: st.key.key_id().to_string(),
+        worker_id: worker_id.to_string(),
+        key_id: key.key_id().to_string(),
         public_key_pem: pem,
         public_key_hex: hex::encode(public.to_bytes()),
     })
@@ -249,7 +262,11 @@ pub async fn keys(State(st): State<Arc<AppState>>) -> Response {
 /// `GET /v1/receipts/{request_id}`: the latest receipt of that request, exactly the signed line
 /// of the log.
 pub async fn receipt(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    let log = st.receipts.clone();
+    receipt_line(st.receipts.clone(), id).await
+}
+
+/// The latest receipt of request `id` in `log`, as its signed line (404 `receipt_not_found`).
+pub(crate) async fn receipt_line(log: Arc<receipts::ReceiptLog>, id: String) -> Response {
     let id2 = id.clone();
     let found = tokio::task::spawn_blocking(move || {
         let r = log.get(&id2)?;

@@ -1,0 +1,157 @@
+//! `kvgate sidecar`: the receipt proxy beside a native engine (`llama-server`, or any
+//! OpenAI-compatible server) — route tickets verified as a kvgate worker verifies them, the
+//! request forwarded unchanged, a signed receipt per request (`worker::sidecar`,
+//! docs/sidecar.md).
+//!
+//! State as `kvgate worker`: unless `--key` and `--receipts` are given, the key and the receipt
+//! log live in `--state-dir` (default `kvgate-state/<id>/`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use receipts::KeyRing;
+use worker::sidecar::SidecarConfig;
+use worker::TicketPolicy;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The engine's base URL (e.g. llama-server's `http://127.0.0.1:8080`).
+    #[arg(long)]
+    pub engine: String,
+    /// Address to listen on (the URL the gateway's rules name for this worker).
+    #[arg(long, default_value = "127.0.0.1:8201")]
+    pub listen: SocketAddr,
+    /// Worker id (route tickets must name it; receipts are signed under it).
+    #[arg(long, default_value = "sidecar-1")]
+    pub id: String,
+    /// Engine path probed by `GET /ready`.
+    #[arg(long, default_value = "/health")]
+    pub health_path: String,
+    /// Bearer key the engine expects (`llama-server --api-key`); read from the environment
+    /// variable KVGATE_ENGINE_API_KEY when set.
+    #[arg(long, env = "KVGATE_ENGINE_API_KEY", hide_env_values = true)]
+    pub engine_api_key: Option<String>,
+    /// The GGUF file the engine serves: its prompt-profile digest goes into every receipt
+    /// (`profile_digest`; empty without it).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Folder for the generated key and the receipt log [default: kvgate-state/<id>].
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Private key file (PKCS#8 PEM) [default: <state-dir>/<id>.key, generated if missing].
+    #[arg(long)]
+    pub key: Option<PathBuf>,
+    /// Folder of trusted gateway public keys (`*.pub`) for route tickets.
+    #[arg(long)]
+    pub gateway_keys: Option<PathBuf>,
+    /// Refuse requests without a route ticket (401 `ticket_required`).
+    #[arg(long)]
+    pub require_ticket: bool,
+    /// Deliver answers whose receipt could not be written (default: 503 `receipt_failed`).
+    #[arg(long)]
+    pub allow_unreceipted: bool,
+    /// Clock skew tolerated on ticket validity windows, ms.
+    #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
+    pub ticket_skew_ms: u64,
+    /// Receipt log (JSON Lines) [default: <state-dir>/receipts.jsonl].
+    #[arg(long)]
+    pub receipts: Option<PathBuf>,
+    /// Rotate the receipt log's current file at this size, MiB (0 = never).
+    #[arg(long, default_value_t = 256)]
+    pub receipts_rotate_mib: u64,
+    /// Receipt fsync policy: `always`, or `batched:<receipts>:<ms>`.
+    #[arg(long, default_value = "always")]
+    pub fsync: String,
+    /// Largest request body (bytes); larger gets 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Engine connect timeout, ms.
+    #[arg(long, default_value_t = 2000)]
+    pub connect_timeout_ms: u64,
+    /// Longest wait for the engine's next bytes, ms.
+    #[arg(long, default_value_t = 300_000)]
+    pub read_timeout_ms: u64,
+    #[command(flatten)]
+    pub tls: super::tls_args::ServerTlsArgs,
+}
+
+pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("kvgate-state").join(&args.id));
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating state dir {}", state_dir.display()))?;
+    let key = super::worker::load_or_create_key(args.key.as_deref(), &state_dir, &args.id)?;
+    let gateway_keys = match &args.gateway_keys {
+        Some(dir) => KeyRing::load_dir(dir)
+            .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
+        None => KeyRing::new(),
+    };
+    if args.require_ticket && gateway_keys.is_empty() {
+        anyhow::bail!(
+            "--require-ticket needs --gateway-keys DIR with at least one gateway public key"
+        );
+    }
+    let receipts = args
+        .receipts
+        .clone()
+        .unwrap_or_else(|| state_dir.join("receipts.jsonl"));
+    let mut cfg = SidecarConfig::new(args.engine.clone(), args.id.clone(), key, receipts);
+    cfg.health_path = args.health_path.clone();
+    cfg.engine_api_key = args.engine_api_key.clone();
+    cfg.gateway_keys = gateway_keys;
+    cfg.ticket_policy = if args.require_ticket {
+        TicketPolicy::Require
+    } else {
+        TicketPolicy::Optional
+    };
+    cfg.ticket_skew_ms = args.ticket_skew_ms;
+    cfg.require_receipts = !args.allow_unreceipted;
+    cfg.fsync = super::worker::parse_fsync(&args.fsync)?;
+    cfg.rotation = receipts::Rotation {
+        max_bytes: (args.receipts_rotate_mib > 0).then_some(args.receipts_rotate_mib << 20),
+        max_age: None,
+    };
+    cfg.max_body_bytes = args.max_body_bytes;
+    cfg.connect_timeout = Duration::from_millis(args.connect_timeout_ms.max(1));
+    cfg.read_timeout = Duration::from_millis(args.read_timeout_ms.max(1));
+    if let Some(model) = &args.model {
+        let profile = prompt_profile::PromptProfile::from_gguf(model)
+            .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
+        cfg.profile_digest = profile.identity().digest();
+    }
+    cfg.tls = args.tls.server_tls();
+    Ok(cfg)
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let cfg = config_from_args(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        let receipts_path = cfg.receipt_log.clone();
+        let engine = cfg.engine_url.clone();
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        let s = worker::sidecar::spawn(cfg, listener).await?;
+        eprintln!(
+            "kvgate sidecar {}: listening on {scheme}://{} in front of {engine}, receipts in {}",
+            args.id,
+            s.addr(),
+            receipts_path.display()
+        );
+        super::worker::shutdown_signal().await;
+        eprintln!("kvgate sidecar {}: shutting down", args.id);
+        s.shutdown().await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
