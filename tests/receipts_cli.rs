@@ -299,7 +299,7 @@ fn audit_ok_then_missing_receipt() {
         "{out}"
     );
     assert!(
-        out.contains("prefix parity: compared 3, mismatched 0"),
+        out.contains("prefix parity: compared 3 (0 on prompt tokens only), mismatched 0"),
         "{out}"
     );
 

@@ -155,6 +155,7 @@ impl Admin {
                 json!({
                     "id": e.spec.id.0,
                     "url": e.spec.url,
+                    "kind": e.spec.kind.as_str(),
                     "healthy": e.healthy,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
                     "active_tokens": rt.active_tokens.load(Ordering::Relaxed),

@@ -149,6 +149,9 @@ pub struct ParityCounts {
     pub mismatched: u64,
     /// Pairs not compared (no gateway tokenization, e.g. round-robin).
     pub not_applicable: u64,
+    /// Compared pairs whose receipt has no last block key (a `kvgate sidecar`'s: the engine
+    /// behind it computes no kvgate block keys): compared on prompt tokens only.
+    pub tokens_only: u64,
 }
 
 /// The result of an audit.
@@ -331,8 +334,11 @@ impl fmt::Display for AuditReport {
         }
         writeln!(
             f,
-            "prefix parity: compared {}, mismatched {}, not applicable {}",
-            self.parity.compared, self.parity.mismatched, self.parity.not_applicable
+            "prefix parity: compared {} ({} on prompt tokens only), mismatched {}, not applicable {}",
+            self.parity.compared,
+            self.parity.tokens_only,
+            self.parity.mismatched,
+            self.parity.not_applicable
         )?;
         for d in &self.parity_mismatches {
             writeln!(f, "  {d}")?;
@@ -596,7 +602,14 @@ pub fn audit_with(
                     None => rep.parity.not_applicable += 1,
                     Some(gk) => {
                         rep.parity.compared += 1;
-                        let key_ok = r.body.last_block_key.as_ref() == Some(gk);
+                        let key_ok = match &r.body.last_block_key {
+                            Some(k) => k == gk,
+                            None if r.body.prompt_tokens > 0 => {
+                                rep.parity.tokens_only += 1;
+                                true
+                            }
+                            None => false,
+                        };
                         let tok_ok = t.prompt_tokens.is_none_or(|p| p == r.body.prompt_tokens);
                         if !(key_ok && tok_ok) {
                             rep.parity.mismatched += 1;
