@@ -2,7 +2,9 @@
 # Install what building and testing kvgate needs on a fresh Debian machine with Rust (rustup) and
 # Debian's own Python 3 — no pip and no system-wide Python packages needed (PEP 668):
 #   - Debian packages when missing: cmake (pingora's zlib-ng build), build-essential (a C
-#     compiler for -sys crates), pkg-config, curl, python3-venv (the project virtualenv);
+#     compiler for -sys crates), pkg-config, curl, python3-venv (the project virtualenv),
+#     redis-server (the cluster-mode tests start their own on an ephemeral port; Debian may also
+#     start its service on 6379, which the tests do not use);
 #   - the rustfmt and clippy components (CI runs both), when rustup lacks them;
 #   - a project virtualenv `.venv/` with the official `openai` client (a test client) and
 #     Python `cryptography` (reads kvgate's key files in a test), pinned; scripts and tests use
@@ -21,6 +23,7 @@ command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 [ -x "$root/.venv/bin/python3" ] || python3 -c "import venv, ensurepip" >/dev/null 2>&1 \
   || need_apt+=(python3-venv)
 

@@ -9,6 +9,7 @@
 //! | GET | `/admin/rules` | version, content hash and the whole rules set |
 //! | POST | `/admin/reload` | re-read the rules file |
 //! | GET | `/admin/workers` | health, load, indexed blocks, event stream, contract state |
+//! | GET | `/admin/cluster` | standalone, or cluster mode's store, state (`ok` / `degraded`), replicas, registrations |
 //! | GET | `/metrics` | Prometheus text: OpenMetrics or classic 0.0.4, by `Accept` |
 //!
 //! Refused changes answer 400 with the OpenAI-style error body naming every problem; the rules in
@@ -122,6 +123,29 @@ impl Admin {
         })
     }
 
+    /// `GET /admin/cluster`: standalone, or the cluster link's state.
+    fn cluster_json(&self) -> serde_json::Value {
+        let version = self.control.store.snapshot().version().0;
+        match self.control.cluster() {
+            None => json!({"mode": "standalone", "rules_version": version}),
+            Some(link) => {
+                let degraded = link.status.degraded.load(Ordering::Relaxed);
+                json!({
+                    "mode": "cluster",
+                    "redis": ::cluster::redact(&link.settings.url),
+                    "prefix": link.settings.prefix,
+                    "replica": link.replica_id(),
+                    "state": if degraded { "degraded" } else { "ok" },
+                    "last_error": *link.status.last_error.lock(),
+                    "rules_version": version,
+                    "replicas": *link.status.replicas.lock(),
+                    "registered_workers": *link.status.registered.lock(),
+                    "lease_ms": link.settings.lease.as_millis() as u64,
+                })
+            }
+        }
+    }
+
     fn workers_json(&self) -> serde_json::Value {
         let view = self.control.data.views.load();
         let stats: std::collections::BTreeMap<_, _> = self
@@ -212,6 +236,7 @@ impl Admin {
                 Ok(json_response(200, &outcome_json(&o)))
             }
             ("GET", ["admin", "workers"]) => Ok(json_response(200, &self.workers_json())),
+            ("GET", ["admin", "cluster"]) => Ok(json_response(200, &self.cluster_json())),
             ("GET", ["admin", "services"]) => Ok(json_response(
                 200,
                 &json!(self.control.store.list_services()),

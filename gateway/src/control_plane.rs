@@ -42,6 +42,11 @@ pub struct ControlPlane {
     supervisor: Mutex<Option<Supervisor>>,
     /// Serializes rules changes (the contract check is async, the store's lock is not).
     apply_lock: tokio::sync::Mutex<()>,
+    /// Cluster mode's link to the shared store (`None`: a single gateway with its file).
+    cluster: Mutex<Option<Arc<crate::cluster::ClusterLink>>>,
+    /// Cluster mode: the workers registered in the shared store (merged into the rules'
+    /// workers when views are built; a static worker of the same id wins).
+    registered: Mutex<Vec<routing_rules::schema::WorkerSpec>>,
 }
 
 fn problems_text(problems: &[Problem]) -> String {
@@ -192,6 +197,105 @@ impl ControlPlane {
             admin_token,
             supervisor: Mutex::new(None),
             apply_lock: tokio::sync::Mutex::new(()),
+            cluster: Mutex::new(None),
+            registered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Joins a cluster: rules changes go through the shared store from now on.
+    pub fn set_cluster(&self, link: Arc<crate::cluster::ClusterLink>) {
+        *self.cluster.lock() = Some(link);
+    }
+
+    /// The cluster link, in cluster mode.
+    pub fn cluster(&self) -> Option<Arc<crate::cluster::ClusterLink>> {
+        self.cluster.lock().clone()
+    }
+
+    /// `rules` with the registered workers added (those whose id a static worker already
+    /// has are skipped): what views are compiled from.
+    pub fn effective(&self, rules: &RulesFile) -> RulesFile {
+        let registered = self.registered.lock();
+        if registered.is_empty() {
+            return rules.clone();
+        }
+        let mut out = rules.clone();
+        for w in registered.iter() {
+            if !out.workers.iter().any(|s| s.id == w.id) {
+                out.workers.push(w.clone());
+            }
+        }
+        out
+    }
+
+    /// Cluster mode: replaces the registered workers (from the shared store); a change
+    /// rebuilds the view (new workers get health checks and event subscriptions, lapsed ones
+    /// leave every pool).
+    pub async fn set_registered(&self, records: Vec<cluster::WorkerRecord>) {
+        let specs: Vec<routing_rules::schema::WorkerSpec> = records
+            .into_iter()
+            .filter_map(|r| {
+                let id = prefix_index::WorkerId(r.id.clone());
+                if crate::view::Upstream::parse(&r.url).is_err() || r.id.is_empty() {
+                    tracing::warn!(worker = %r.id, url = %r.url, "registration ignored: bad id or url");
+                    return None;
+                }
+                Some(routing_rules::schema::WorkerSpec {
+                    id,
+                    url: r.url,
+                    weight: 1,
+                    labels: r.labels,
+                    kind: routing_rules::schema::UpstreamKind::Kvgate,
+                    health_path: None,
+                    prompt_cache: None,
+                })
+            })
+            .collect();
+        let _g = self.apply_lock.lock().await;
+        if *self.registered.lock() == specs {
+            return;
+        }
+        *self.registered.lock() = specs;
+        let rules = self.effective(self.store.snapshot().rules());
+        let ids = kv_exact_workers(&rules);
+        let fetched = self.fetch_profiles(&rules, &ids).await;
+        if let Err(e) = self.install_current(&fetched) {
+            tracing::warn!(error = %e, "registered workers: view not rebuilt");
+        }
+    }
+
+    /// Cluster mode: installs the shared store's rules document when its version differs from
+    /// the one in force. The replica that wrote it validated and contract-checked it; here the
+    /// contract states of this replica's workers are recorded as they are.
+    pub async fn apply_remote(&self, doc: &cluster::RulesDoc) {
+        let _g = self.apply_lock.lock().await;
+        let current = self.store.snapshot();
+        if current.version().0 == doc.version {
+            return;
+        }
+        let rules = match routing_rules::rules_from_toml(&doc.text) {
+            Ok(r) => r,
+            Err(problems) => {
+                tracing::warn!(version = doc.version, problems = %problems_text(&problems), "cluster rules refused: they do not parse here");
+                return;
+            }
+        };
+        let eff = self.effective(&rules);
+        let ids = kv_exact_workers(&eff);
+        let fetched = self.fetch_profiles(&eff, &ids).await;
+        let accept = |_: &RuleSnapshot| Ok(());
+        match self
+            .store
+            .replace_versioned(rules, routing_rules::RuleVersion(doc.version), &accept)
+        {
+            Ok(ApplyOutcome::Applied { .. }) => {
+                self.data.metrics.rules_reloads.inc();
+                if let Err(e) = self.install_current(&fetched) {
+                    tracing::warn!(error = %e, "cluster rules: view not built");
+                }
+            }
+            Ok(ApplyOutcome::Unchanged { .. }) => {}
+            Err(e) => tracing::warn!(version = doc.version, error = %e, "cluster rules refused"),
         }
     }
 
@@ -346,7 +450,15 @@ impl ControlPlane {
 
     /// Builds a view from the store's current snapshot and installs it; syncs background tasks.
     pub fn install_current(&self, fetched: &FetchedProfiles) -> Result<(), GatewayError> {
-        let snap = self.store.snapshot();
+        let base = self.store.snapshot();
+        let snap = if self.registered.lock().is_empty() {
+            base
+        } else {
+            Arc::new(
+                RuleSnapshot::build(self.effective(base.rules()), base.version())
+                    .map_err(rules_error)?,
+            )
+        };
         let profiles = self
             .profiles
             .load_for(snap.rules(), self.rules_dir().as_deref())?;
@@ -375,6 +487,9 @@ impl ControlPlane {
             &dyn Fn(&RuleSnapshot) -> Result<(), Vec<Problem>>,
         ) -> Result<ApplyOutcome, RulesError>,
     ) -> Result<ApplyOutcome, GatewayError> {
+        if let Some(link) = self.cluster() {
+            return self.change_in_cluster(&link, candidate).await;
+        }
         let _g = self.apply_lock.lock().await;
         let ids = kv_exact_workers(&candidate);
         let fetched = self.fetch_profiles(&candidate, &ids).await;
@@ -394,6 +509,68 @@ impl ControlPlane {
                 Err(rules_error(e))
             }
         }
+    }
+
+    /// A rules change in cluster mode: validated and contract-checked here as in a single
+    /// gateway, then written to the shared store with a compare-and-set on the version in force
+    /// (409 `rules_conflict` when another replica wrote first; 503 `cluster_unavailable` when
+    /// the store cannot be reached — a change must reach every replica or none), then installed
+    /// here under the store's new version; the others install it from the announcement.
+    async fn change_in_cluster(
+        &self,
+        link: &crate::cluster::ClusterLink,
+        candidate: RulesFile,
+    ) -> Result<ApplyOutcome, GatewayError> {
+        let _g = self.apply_lock.lock().await;
+        let current = self.store.snapshot();
+        let next = routing_rules::RuleVersion(current.version().0 + 1);
+        let snap = RuleSnapshot::build(candidate.clone(), next).map_err(|e| {
+            self.data.metrics.rules_rejected.inc();
+            rules_error(e)
+        })?;
+        if snap.content_hash() == current.content_hash() {
+            return Ok(ApplyOutcome::Unchanged {
+                version: current.version(),
+            });
+        }
+        let eff = self.effective(&candidate);
+        let ids = kv_exact_workers(&eff);
+        let fetched = self.fetch_profiles(&eff, &ids).await;
+        let eff_snap = RuleSnapshot::build(eff, next).map_err(rules_error)?;
+        if let Err(problems) = self.check_candidate(&eff_snap, &fetched) {
+            self.data.metrics.rules_rejected.inc();
+            return Err(rules_error(RulesError::Rejected { problems }));
+        }
+        let store = link
+            .store()
+            .ok_or_else(|| GatewayError::ClusterUnavailable {
+                reason: "not connected".into(),
+            })?;
+        let text = routing_rules::rules_to_toml(&candidate).map_err(rules_error)?;
+        let doc = match store
+            .put_rules(current.version().0, text, link.replica_id())
+            .await
+        {
+            Ok(doc) => doc,
+            Err(cluster::ClusterError::Conflict { current }) => {
+                self.data.metrics.rules_rejected.inc();
+                return Err(GatewayError::RulesConflict { current });
+            }
+            Err(e) => {
+                link.failed(self, &e);
+                return Err(GatewayError::ClusterUnavailable {
+                    reason: e.to_string(),
+                });
+            }
+        };
+        let accept = |_: &RuleSnapshot| Ok(());
+        let outcome = self
+            .store
+            .replace_versioned(candidate, routing_rules::RuleVersion(doc.version), &accept)
+            .map_err(rules_error)?;
+        self.data.metrics.rules_reloads.inc();
+        self.install_current(&fetched)?;
+        Ok(outcome)
     }
 
     /// Admin: create or replace one service.

@@ -121,6 +121,19 @@ pub enum GatewayError {
         /// Every problem, joined.
         reason: String,
     },
+    /// Cluster mode: another replica changed the rules first (compare-and-set lost).
+    #[error("the rules changed meanwhile: the cluster is at version {current}; re-read and retry")]
+    RulesConflict {
+        /// The cluster's current rules version.
+        current: u64,
+    },
+    /// Cluster mode: the shared store cannot be reached, so a rules change cannot be made
+    /// everywhere at once; serving goes on with the rules in force.
+    #[error("the cluster store is unavailable: {reason}")]
+    ClusterUnavailable {
+        /// Why.
+        reason: String,
+    },
     /// A `kv_exact` pool's workers disagree with the service's pinned profile.
     #[error("contract check failed: {reason}")]
     Contract {
@@ -161,6 +174,8 @@ impl GatewayError {
             GatewayError::NotFound { .. } => "not_found",
             GatewayError::RulesRejected { .. } => "rules_rejected",
             GatewayError::Contract { .. } => "contract_mismatch",
+            GatewayError::RulesConflict { .. } => "rules_conflict",
+            GatewayError::ClusterUnavailable { .. } => "cluster_unavailable",
             GatewayError::Config { .. } => "config_error",
             GatewayError::Internal { .. } => "internal_error",
         }
@@ -178,10 +193,12 @@ impl GatewayError {
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
             GatewayError::Unauthorized | GatewayError::InvalidApiKey { .. } => 401,
+            GatewayError::RulesConflict { .. } => 409,
             GatewayError::RateLimited { .. } => 429,
             GatewayError::NoHealthyWorker { .. }
             | GatewayError::UpstreamUnavailable { .. }
-            | GatewayError::Overloaded { .. } => 503,
+            | GatewayError::Overloaded { .. }
+            | GatewayError::ClusterUnavailable { .. } => 503,
             GatewayError::Upstream { .. } => 502,
             GatewayError::Config { .. } | GatewayError::Internal { .. } => 500,
         }

@@ -24,6 +24,7 @@
 //! Start one in-process with [`spawn`]; stop it with [`RunningGateway::shutdown`].
 
 pub mod admin;
+pub mod cluster;
 pub mod control_plane;
 pub mod data_plane;
 pub mod error;
@@ -102,6 +103,9 @@ pub struct GatewayConfig {
     /// How the gateway trusts `https://` workers (a CA file, else the platform's roots) and the
     /// client certificate it shows them (mTLS).
     pub upstream_tls: tls::ClientTls,
+    /// Cluster mode: share rules, registrations, keys and load with other replicas through
+    /// Redis (docs/cluster.md); `None` (the default): one gateway with its rules file.
+    pub cluster: Option<cluster::ClusterSettings>,
 }
 
 impl GatewayConfig {
@@ -125,6 +129,7 @@ impl GatewayConfig {
             nonce_pool: 0,
             tls: None,
             upstream_tls: tls::ClientTls::default(),
+            cluster: None,
         }
     }
 }
@@ -274,9 +279,52 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         http,
         config.admin_token.clone(),
     ));
+    // Cluster mode: the shared store's rules win over the file (an empty store is seeded from
+    // it); registered workers join. Redis unreachable: start from the file, degraded.
+    if let Some(cs) = &config.cluster {
+        let link = Arc::new(
+            cluster::ClusterLink::new(cs.clone(), &config.gateway_id, &config.key)
+                .map_err(|e| cfg_err(e.to_string()))?,
+        );
+        control.set_cluster(link.clone());
+        let joined = runtime.block_on(async {
+            let store = link.connect().await?;
+            let text = routing_rules::rules_to_toml(snapshot.rules()).map_err(|e| {
+                ::cluster::ClusterError::Malformed {
+                    what: "rules file",
+                    detail: e.to_string(),
+                }
+            })?;
+            let doc = store
+                .seed_rules(&::cluster::RulesDoc::new(1, text), &config.gateway_id)
+                .await?;
+            let workers = store.workers().await?;
+            Ok::<_, ::cluster::ClusterError>((doc, workers))
+        });
+        match joined {
+            Ok((doc, workers)) => {
+                let rules = routing_rules::rules_from_toml(&doc.text).map_err(|p| {
+                    cfg_err(format!(
+                        "the cluster's rules (version {}) do not parse: {}",
+                        doc.version,
+                        p.iter()
+                            .map(|p| format!("{}: {}", p.path, p.message))
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    ))
+                })?;
+                control
+                    .store
+                    .replace_versioned(rules, routing_rules::RuleVersion(doc.version), &|_| Ok(()))
+                    .map_err(|e| cfg_err(format!("the cluster's rules: {e}")))?;
+                runtime.block_on(control.set_registered(workers));
+            }
+            Err(e) => link.failed(&control, &e),
+        }
+    }
     // Start-up: every worker's profile is read (round-robin tickets carry its hash algorithm);
     // reachable kv_exact workers must agree with their profiles.
-    let rules = snapshot.rules().clone();
+    let rules = control.effective(control.store.snapshot().rules());
     let ids: BTreeSet<_> = rules.workers.iter().map(|w| w.id.clone()).collect();
     let fetched = runtime.block_on(control.fetch_profiles(&rules, &ids));
     let problems = control.problems(&rules, &fetched);
@@ -291,6 +339,9 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     }
     control.install_current(&fetched)?;
     control.start_supervisor(runtime.handle().clone());
+    if let Some(link) = control.cluster() {
+        link.start(&control, runtime.handle());
+    }
 
     let watcher = if config.watch_rules {
         Some(watch_rules_file(
@@ -481,6 +532,9 @@ impl RunningGateway {
         }
         if let Some(t) = self.server.take() {
             let _ = t.join();
+        }
+        if let (Some(link), Some(rt)) = (self.control.cluster(), &self.runtime) {
+            link.shutdown(rt.handle());
         }
         let handles = self.control.stop_supervisor();
         self._watcher = None;

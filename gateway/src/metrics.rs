@@ -95,6 +95,9 @@ pub struct Metrics {
     pub worker_in_flight: Family<WorkerLabels, Gauge>,
     /// Rules version currently served.
     pub rules_version: Gauge,
+    /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
+    /// registrations and local load), else 0.
+    pub cluster_degraded: Gauge,
     /// Rules changes applied (file, admin, SIGHUP).
     pub rules_reloads: Counter,
     /// Rules changes refused.
@@ -184,6 +187,12 @@ impl Metrics {
             "Rules version in force",
             rules_version.clone(),
         );
+        let cluster_degraded = Gauge::default();
+        registry.register(
+            "cluster_degraded",
+            "1 while the cluster store (Redis) is unreachable",
+            cluster_degraded.clone(),
+        );
         let rules_reloads = Counter::default();
         registry.register(
             "rules_changes",
@@ -223,6 +232,7 @@ impl Metrics {
             worker_healthy,
             worker_in_flight,
             rules_version,
+            cluster_degraded,
             rules_reloads,
             rules_rejected,
         }

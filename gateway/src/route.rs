@@ -177,8 +177,15 @@ fn look_up(
 
 fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
     view.workers.get(w).map_or(0, |e| match metric {
-        LoadMetric::InFlight => e.runtime.in_flight.load(Ordering::Relaxed),
-        LoadMetric::ActiveTokens => e.runtime.active_tokens.load(Ordering::Relaxed),
+        // This replica's own load plus, in cluster mode, the others' (leased tables).
+        LoadMetric::InFlight => {
+            e.runtime.in_flight.load(Ordering::Relaxed)
+                + e.runtime.remote_in_flight.load(Ordering::Relaxed)
+        }
+        LoadMetric::ActiveTokens => {
+            e.runtime.active_tokens.load(Ordering::Relaxed)
+                + e.runtime.remote_active_tokens.load(Ordering::Relaxed)
+        }
     })
 }
 

@@ -145,6 +145,10 @@ pub struct WorkerRuntime {
     /// "active_tokens"`): each request's uncached prompt tokens until its first response byte
     /// (its prefill), plus its requested output tokens until it ends.
     pub active_tokens: AtomicU64,
+    /// Cluster mode: the other replicas' in-flight requests and active tokens on this worker
+    /// (their leased load tables, read every sync tick); 0 otherwise.
+    pub remote_in_flight: AtomicU64,
+    pub remote_active_tokens: AtomicU64,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
     /// When the event stream last delivered something.
@@ -169,6 +173,8 @@ impl WorkerRuntime {
             id,
             in_flight: AtomicU64::new(0),
             active_tokens: AtomicU64::new(0),
+            remote_in_flight: AtomicU64::new(0),
+            remote_active_tokens: AtomicU64::new(0),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),

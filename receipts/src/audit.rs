@@ -396,6 +396,18 @@ pub fn audit_with(
     keys: &KeyRing,
     opts: AuditOptions,
 ) -> Result<AuditReport> {
+    audit_replicas(&[decisions.to_path_buf()], receipt_logs, keys, opts)
+}
+
+/// [`audit_with`] over the decision logs of several gateway replicas at once (cluster mode:
+/// each replica logs its own decisions with its own key; a worker's receipts may answer any of
+/// them). A ticket recorded by two logs is `duplicate_ticket`, as within one.
+pub fn audit_replicas(
+    decision_logs: &[PathBuf],
+    receipt_logs: &[PathBuf],
+    keys: &KeyRing,
+    opts: AuditOptions,
+) -> Result<AuditReport> {
     use DiscrepancyKind as D;
     let mut rep = AuditReport::default();
 
@@ -448,39 +460,43 @@ pub fn audit_with(
         rep.logs.push(report);
     }
 
-    // 2. Decisions.
-    let dpath = decisions.display().to_string();
+    // 2. Decisions, of every gateway replica's log (one ticket may appear in only one).
     let mut issued: HashMap<[u8; 64], String> = HashMap::new();
-    let mut lines: Vec<(u64, DecisionRecord)> = Vec::new();
-    if !decisions.exists() {
-        return Err(crate::error::ReceiptsError::io(
-            "open",
-            decisions,
-            std::io::Error::from(std::io::ErrorKind::NotFound),
-        ));
-    }
-    let (_, torn) = scan(decisions, |n, _, bytes| {
-        match DecisionRecord::from_line(bytes) {
-            Ok(d) => lines.push((n, d)),
-            Err(e) => discrepancies.push(disc(
+    let mut lines: Vec<(String, u64, DecisionRecord)> = Vec::new();
+    for decisions in decision_logs {
+        let dpath = decisions.display().to_string();
+        if !decisions.exists() {
+            return Err(crate::error::ReceiptsError::io(
+                "open",
+                decisions,
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            ));
+        }
+        let mut count = 0u64;
+        let (_, torn) = scan(decisions, |n, _, bytes| {
+            count += 1;
+            match DecisionRecord::from_line(bytes) {
+                Ok(d) => lines.push((dpath.clone(), n, d)),
+                Err(e) => discrepancies.push(disc(
+                    D::DecisionMalformed,
+                    None,
+                    format!("{dpath}:{n}"),
+                    e.to_string(),
+                )),
+            }
+            Ok(())
+        })?;
+        if let Some((_, bytes)) = torn {
+            let n = count + 1;
+            discrepancies.push(disc(
                 D::DecisionMalformed,
                 None,
                 format!("{dpath}:{n}"),
-                e.to_string(),
-            )),
+                format!("torn last line ({} bytes, no newline)", bytes.len()),
+            ));
         }
-        Ok(())
-    })?;
-    if let Some((_, bytes)) = torn {
-        let n = lines.len() as u64 + 1;
-        discrepancies.push(disc(
-            D::DecisionMalformed,
-            None,
-            format!("{dpath}:{n}"),
-            format!("torn last line ({} bytes, no newline)", bytes.len()),
-        ));
     }
-    for (n, d) in lines {
+    for (dpath, n, d) in lines {
         rep.decisions += 1;
         let loc = format!("{dpath}:{n}");
         let rid = Some(d.request_id.as_str());

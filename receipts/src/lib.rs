@@ -25,7 +25,8 @@ pub mod verify;
 
 pub use access::{AccessToken, ACCESS_DOMAIN, DEFAULT_ACCESS_TTL_MS};
 pub use audit::{
-    audit, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind, FailedRequest,
+    audit, audit_replicas, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind,
+    FailedRequest,
 };
 pub use decision::{DecisionLog, DecisionRecord};
 pub use error::{ReceiptsError, Result};

@@ -287,8 +287,26 @@ pub struct PromptCacheSpec {
 pub struct PoolSpec {
     /// Pool id; unique.
     pub id: PoolId,
-    /// Worker ids; at least one, no duplicates, each declared under `workers`.
+    /// Worker ids; no duplicates, each declared under `workers`. May be empty only with a
+    /// `selector`.
+    #[serde(default)]
     pub workers: Vec<WorkerId>,
+    /// Labels a worker must all carry to be a member too (static workers and, in cluster mode,
+    /// registered ones). Default: none (only the listed workers).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub selector: BTreeMap<String, String>,
+}
+
+impl PoolSpec {
+    /// Whether `w` is a member: listed, or carrying every selector label.
+    pub fn contains(&self, w: &WorkerSpec) -> bool {
+        self.workers.contains(&w.id)
+            || (!self.selector.is_empty()
+                && self
+                    .selector
+                    .iter()
+                    .all(|(k, v)| w.labels.get(k) == Some(v)))
+    }
 }
 
 /// A prompt profile (`[[profiles]]`): what a `kv_exact` service pins so that the gateway and

@@ -161,11 +161,19 @@ impl RuleSnapshot {
                         format!("unknown pool {:?}", spec.pool.0),
                     )],
                 })?;
-            let members: Vec<WorkerSpec> = pool
+            // Listed workers in pool order, then selected ones (by label) in file order.
+            let mut members: Vec<WorkerSpec> = pool
                 .workers
                 .iter()
                 .filter_map(|id| workers.get(id).map(|&i| rules.workers[i].clone()))
                 .collect();
+            members.extend(
+                rules
+                    .workers
+                    .iter()
+                    .filter(|w| !pool.workers.contains(&w.id) && pool.contains(w))
+                    .cloned(),
+            );
             let profile = match &spec.rule {
                 Rule::KvExact(k) => k
                     .profile

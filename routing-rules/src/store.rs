@@ -191,6 +191,32 @@ impl RuleStore {
         self.current.load().rules().services.clone()
     }
 
+    /// Installs `rules` as exactly `version` (cluster mode: the version comes from the shared
+    /// store, so every replica names the same rules by the same number), after validation and
+    /// `check`. Never writes the file. Applied even when only the version differs;
+    /// `Unchanged` when both content and version are the current ones.
+    pub fn replace_versioned(
+        &self,
+        rules: RulesFile,
+        version: RuleVersion,
+        check: PreApplyCheck<'_>,
+    ) -> Result<ApplyOutcome, RulesError> {
+        let _guard = self.writer.lock();
+        let current = self.current.load_full();
+        let hash = ContentHash::of(&rules)?;
+        if hash == current.content_hash() && version == current.version() {
+            return Ok(ApplyOutcome::Unchanged { version });
+        }
+        let candidate = RuleSnapshot::build(rules, version)?;
+        check(&candidate).map_err(|problems| RulesError::Rejected { problems })?;
+        self.current.store(Arc::new(candidate));
+        Ok(ApplyOutcome::Applied {
+            previous: current.version(),
+            version,
+            content_hash: hash,
+        })
+    }
+
     /// Validate, check, persist (when `persist` and the store has a file), swap. Caller holds
     /// the writer lock.
     fn install(

@@ -70,11 +70,19 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
 
     let pool_paths = v.ids("pools", rules.pools.iter().map(|p| p.id.0.as_str()), "pool");
     for (p, path) in rules.pools.iter().zip(&pool_paths) {
-        if p.workers.is_empty() {
+        if p.workers.is_empty() && p.selector.is_empty() {
             v.push(
                 format!("{path}.workers"),
-                "empty pool: list at least one worker",
+                "empty pool: list at least one worker or give a selector",
             );
+        }
+        for (k, val) in &p.selector {
+            if k.is_empty() || val.is_empty() {
+                v.push(
+                    format!("{path}.selector"),
+                    "selector label names and values must not be empty",
+                );
+            }
         }
         let mut seen = BTreeSet::new();
         for (i, w) in p.workers.iter().enumerate() {

@@ -63,6 +63,17 @@ pub struct Args {
     /// The private key of --upstream-client-cert (PEM).
     #[arg(long, requires = "upstream_client_cert")]
     pub upstream_client_key: Option<PathBuf>,
+    /// Cluster mode: share rules, worker registrations, gateway keys and load with the other
+    /// replicas through this Redis (`redis://[user:password@]host[:port][/db]`, `rediss://` for
+    /// TLS); also from KVGATE_CLUSTER. Give each replica its own --gateway-id and --key.
+    #[arg(long, env = "KVGATE_CLUSTER", hide_env_values = true)]
+    pub cluster: Option<String>,
+    /// Key prefix in the cluster's Redis.
+    #[arg(long, default_value = "kvgate")]
+    pub cluster_prefix: String,
+    /// Lease of this replica's records in Redis, ms (synced every lease / 5).
+    #[arg(long, default_value_t = 5000)]
+    pub cluster_lease_ms: u64,
 }
 
 /// Runs the gateway until SIGINT/SIGTERM.
@@ -88,6 +99,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();
+    if let Some(url) = &args.cluster {
+        let mut c = gateway::cluster::ClusterSettings::new(url.clone());
+        c.prefix = args.cluster_prefix.clone();
+        c.lease = std::time::Duration::from_millis(args.cluster_lease_ms.max(500));
+        config.cluster = Some(c);
+    }
     config.upstream_tls = tls::ClientTls {
         ca: args.upstream_ca.clone(),
         identity: match (&args.upstream_client_cert, &args.upstream_client_key) {

@@ -48,9 +48,10 @@ pub struct VerifyArgs {
 
 #[derive(clap::Args)]
 pub struct AuditArgs {
-    /// The gateway's decision log.
-    #[arg(long)]
-    pub decisions: PathBuf,
+    /// The gateway's decision log; in cluster mode every replica's (repeat the flag or list
+    /// them after it).
+    #[arg(long, required = true, num_args = 1..)]
+    pub decisions: Vec<PathBuf>,
     /// The workers' receipt logs.
     #[arg(long, required = true, num_args = 1..)]
     pub receipts: Vec<PathBuf>,
@@ -148,7 +149,7 @@ fn audit(a: AuditArgs) -> anyhow::Result<ExitCode> {
         max_clock_skew_ms: a.max_clock_skew_ms,
         fail_on_parity_mismatch: a.fail_on_parity_mismatch,
     };
-    let report = receipts::audit_with(&a.decisions, &with_rotated(&a.receipts)?, &ring, opts)
+    let report = receipts::audit_replicas(&a.decisions, &with_rotated(&a.receipts)?, &ring, opts)
         .context("auditing receipt logs")?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod ops;
 pub mod output_parser;
 pub mod protocol;
+pub mod registration;
 pub mod sidecar;
 pub mod tickets;
 pub mod validate;
@@ -172,6 +173,9 @@ pub struct WorkerConfig {
     /// Serve HTTPS with this material (and require client certificates when it names a client
     /// CA); `None`: plain HTTP.
     pub tls: Option<tls::ServerTls>,
+    /// Cluster mode: announce this worker in the shared store and trust the gateway replicas'
+    /// keys listed there ([`registration`]); `None`: static worker lists only.
+    pub registration: Option<registration::Registration>,
 }
 
 impl WorkerConfig {
@@ -195,6 +199,7 @@ impl WorkerConfig {
             rotation: receipts::Rotation::default(),
             settings: ServerSettings::new(worker_id),
             tls: None,
+            registration: None,
         }
     }
 }
@@ -240,6 +245,8 @@ pub struct RunningWorker {
     server: JoinHandle<std::io::Result<()>>,
     smoke: JoinHandle<()>,
     ready_rx: watch::Receiver<Option<Result<(), String>>>,
+    /// The registration loop, in cluster mode.
+    registration: Option<(CancellationToken, JoinHandle<()>)>,
 }
 
 impl RunningWorker {
@@ -286,6 +293,11 @@ impl RunningWorker {
     /// Graceful stop: stop accepting, end streams (their receipts are written), stop the
     /// engine, flush the receipt log.
     pub async fn shutdown(self) {
+        if let Some((cancel, task)) = self.registration {
+            // Withdraw first: gateways stop routing here before the server stops.
+            cancel.cancel();
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
         self.state.shutdown.cancel();
         self.smoke.abort();
         match tokio::time::timeout(Duration::from_secs(10), self.server).await {
@@ -373,6 +385,7 @@ pub async fn spawn(
         rotation,
         settings,
         tls,
+        registration,
     } = config;
     // A bad certificate or key stops the start, before anything is loaded.
     let tls = tls
@@ -481,12 +494,31 @@ pub async fn spawn(
     let server = tokio::spawn(listener::serve(listener, tls, app, token));
     let (ready_tx, ready_rx) = watch::channel(None);
     let smoke = tokio::spawn(smoke_inference(state.clone(), ready_tx));
+    let registration = registration.map(|reg| {
+        let record = cluster::WorkerRecord {
+            id: state.settings.worker_id.clone(),
+            url: reg.advertise_url.clone(),
+            key_id: state.key.key_id().to_string(),
+            public_key_hex: hex::encode(state.key.public().to_bytes()),
+            profile_digest: state.profile_digest.clone(),
+            labels: reg.labels.clone(),
+        };
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(registration::run(
+            reg,
+            record,
+            Arc::new(registration::TicketGateHandle(state.clone())),
+            cancel.clone(),
+        ));
+        (cancel, task)
+    });
     Ok(RunningWorker {
         addr,
         state,
         server,
         smoke,
         ready_rx,
+        registration,
     })
 }
 

@@ -102,8 +102,11 @@ pub struct TicketGate {
     /// The block-key algorithm tickets must use; `None` accepts any (a sidecar: the engine
     /// behind it computes no kvgate block keys).
     pub hash_algorithm: Option<HashAlgorithm>,
-    /// Gateway public keys trusted for tickets and access tokens.
-    pub gateway_keys: KeyRing,
+    /// Gateway public keys trusted for tickets and access tokens: the configured ones (the
+    /// `--gateway-keys` folder) plus, in cluster mode, the replicas' keys read from the shared
+    /// store ([`TicketGate::trust_cluster_keys`]).
+    configured_keys: KeyRing,
+    gateway_keys: arc_swap::ArcSwap<KeyRing>,
     /// The namespace of direct (ticketless) requests.
     pub default_namespace: NamespaceSeed,
     replay: Mutex<ReplayGuard>,
@@ -131,10 +134,27 @@ impl TicketGate {
             policy,
             skew_ms,
             hash_algorithm,
-            gateway_keys,
+            gateway_keys: arc_swap::ArcSwap::from_pointee(gateway_keys.clone()),
+            configured_keys: gateway_keys,
             default_namespace,
             replay: Mutex::new(replay),
         }
+    }
+
+    /// Trusts, besides the configured keys, exactly `keys` (named by gateway id): the gateway
+    /// replicas' public keys as the cluster store lists them now. A replica whose record lapsed
+    /// is no longer trusted; the configured keys always are.
+    pub fn trust_cluster_keys(&self, keys: Vec<(String, receipts::PublicKey)>) {
+        let mut ring = self.configured_keys.clone();
+        for (name, k) in keys {
+            ring.insert(name, k);
+        }
+        self.gateway_keys.store(std::sync::Arc::new(ring));
+    }
+
+    /// How many gateway keys are trusted now.
+    pub fn trusted_keys(&self) -> usize {
+        self.gateway_keys.load().len()
     }
 
     /// Applies the request-id and ticket rules to `headers`.
@@ -162,7 +182,7 @@ impl TicketGate {
             .map_err(|e| ApiError::unauthorized(e.error_type(), format!("route ticket: {e}")))?;
         let now = receipts::now_ms();
         let ticket = signed
-            .verify(&self.gateway_keys, now, self.skew_ms)
+            .verify(&self.gateway_keys.load(), now, self.skew_ms)
             .map_err(|e| ApiError::unauthorized(e.error_type(), format!("route ticket: {e}")))?;
         if ticket.worker.as_str() != self.worker_id {
             return Err(ApiError::unauthorized(
@@ -238,7 +258,7 @@ impl TicketGate {
         };
         receipts::AccessToken::verify(
             token,
-            &self.gateway_keys,
+            &self.gateway_keys.load(),
             &self.worker_id,
             receipts::now_ms(),
             self.skew_ms,

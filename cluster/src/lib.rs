@@ -1,0 +1,596 @@
+//! What kvgate gateway replicas and workers share through Redis (or Valkey: the same protocol),
+//! and nothing else: the key layout, the records, and the few operations on them. Owns no
+//! background task (the gateway and the worker run their own loops around [`Store`]) and knows
+//! nothing of rules, profiles or routing — the rules document is opaque text here.
+//!
+//! Keys (prefix `P`, default `kvgate`; every record is JSON):
+//!
+//! | key | type | what | lifetime |
+//! |---|---|---|---|
+//! | `P:rules` | hash `version`, `sha256`, `text`, `updated_at_ms`, `by` | the rules document (TOML) | until replaced (compare-and-set on `version`) |
+//! | `P:rules:changed` | pub/sub channel | the new version, on every write | — |
+//! | `P:workers` | set of ids | registered workers | members whose record is gone are removed by readers |
+//! | `P:worker:<id>` | string: [`WorkerRecord`] | one registration | `PX` lease, renewed by the worker |
+//! | `P:gateways` | set of ids | gateway replicas | as `P:workers` |
+//! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
+//! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"` | one replica's load per worker | `PX` lease, rewritten by the replica |
+//!
+//! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
+//! reader never sees half of it. Costs: rules read/write O(document); listing registrations or
+//! load O(members) in one round trip each (`SMEMBERS`, then one pipeline).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The crate's error.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The URL is not `redis://` / `rediss://` or does not parse.
+    #[error("cluster url {url:?}: {detail}")]
+    Url { url: String, detail: String },
+    /// Redis could not be reached or answered an error.
+    #[error("redis: {0}")]
+    Redis(String),
+    /// A compare-and-set lost: the document is at `current`.
+    #[error("the rules changed meanwhile: the cluster is at version {current}")]
+    Conflict { current: u64 },
+    /// A record in Redis does not parse.
+    #[error("malformed {what} in redis: {detail}")]
+    Malformed { what: &'static str, detail: String },
+}
+
+impl ClusterError {
+    /// Stable name (metric label, error code).
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ClusterError::Url { .. } => "cluster_url",
+            ClusterError::Redis(_) => "cluster_unavailable",
+            ClusterError::Conflict { .. } => "rules_conflict",
+            ClusterError::Malformed { .. } => "cluster_malformed",
+        }
+    }
+}
+
+impl From<redis::RedisError> for ClusterError {
+    fn from(e: redis::RedisError) -> Self {
+        ClusterError::Redis(e.to_string())
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ClusterError>;
+
+/// The rules document as stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RulesDoc {
+    /// ≥ 1; every accepted write adds one.
+    pub version: u64,
+    /// SHA-256 (hex) of `text`.
+    pub sha256: String,
+    /// The rules file (TOML).
+    pub text: String,
+}
+
+impl RulesDoc {
+    /// A document for `text` at `version`.
+    pub fn new(version: u64, text: String) -> RulesDoc {
+        RulesDoc {
+            version,
+            sha256: hex::encode(Sha256::digest(text.as_bytes())),
+            text,
+        }
+    }
+}
+
+/// A worker's registration (`kvgate worker --register`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerRecord {
+    /// Worker id (route tickets name it).
+    pub id: String,
+    /// Base URL the gateways reach it at.
+    pub url: String,
+    /// Its receipt-signing key id and raw public key (hex), for auditors.
+    pub key_id: String,
+    pub public_key_hex: String,
+    /// Its prompt-profile identity digest.
+    pub profile_digest: String,
+    /// Labels pools select on.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A gateway replica's public ticket key (the private key never leaves its host).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayRecord {
+    pub gateway_id: String,
+    pub key_id: String,
+    pub public_key_hex: String,
+}
+
+/// One replica's load on one worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    pub in_flight: u64,
+    pub active_tokens: u64,
+}
+
+/// The key names under one prefix.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Keys {
+        Keys {
+            prefix: prefix.to_string(),
+        }
+    }
+    pub fn rules(&self) -> String {
+        format!("{}:rules", self.prefix)
+    }
+    pub fn rules_channel(&self) -> String {
+        format!("{}:rules:changed", self.prefix)
+    }
+    pub fn workers(&self) -> String {
+        format!("{}:workers", self.prefix)
+    }
+    pub fn worker(&self, id: &str) -> String {
+        format!("{}:worker:{id}", self.prefix)
+    }
+    pub fn gateways(&self) -> String {
+        format!("{}:gateways", self.prefix)
+    }
+    pub fn gateway(&self, id: &str) -> String {
+        format!("{}:gateway:{id}", self.prefix)
+    }
+    pub fn load(&self, id: &str) -> String {
+        format!("{}:load:{id}", self.prefix)
+    }
+}
+
+/// Writes the document when `P:rules` is at version ARGV[1] (`0`: absent); publishes.
+const CAS_RULES: &str = r"
+local cur = redis.call('HGET', KEYS[1], 'version')
+if (cur == false and ARGV[1] == '0') or cur == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'version', ARGV[2], 'sha256', ARGV[3], 'text', ARGV[4],
+             'updated_at_ms', ARGV[5], 'by', ARGV[6])
+  redis.call('PUBLISH', KEYS[2], ARGV[2])
+  return {1, ARGV[2]}
+end
+return {0, cur or '0'}
+";
+
+/// Writes the document only when `P:rules` is absent; returns what is there after.
+const SEED_RULES: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1], 'sha256', ARGV[2], 'text', ARGV[3],
+             'updated_at_ms', ARGV[4], 'by', ARGV[5])
+  redis.call('PUBLISH', KEYS[2], ARGV[1])
+end
+return redis.call('HMGET', KEYS[1], 'version', 'sha256', 'text')
+";
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Checks a cluster URL: `redis://[user:password@]host[:port][/db]` or `rediss://...` (TLS).
+pub fn check_url(url: &str) -> Result<redis::Client> {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        return Err(ClusterError::Url {
+            url: redact(url),
+            detail: "must start with redis:// or rediss://".into(),
+        });
+    }
+    redis::Client::open(url).map_err(|e| ClusterError::Url {
+        url: redact(url),
+        detail: e.to_string(),
+    })
+}
+
+/// `url` without its password (for logs and errors).
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &url[s + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..s + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// A connection to the shared store (reconnects by itself; every call has a 2 s timeout).
+#[derive(Clone)]
+pub struct Store {
+    client: redis::Client,
+    con: ConnectionManager,
+    keys: Keys,
+}
+
+fn parse_doc(v: Vec<Option<String>>) -> Result<Option<RulesDoc>> {
+    let mut it = v.into_iter();
+    let (Some(version), sha256, text) = (
+        it.next().flatten(),
+        it.next().flatten(),
+        it.next().flatten(),
+    ) else {
+        return Ok(None);
+    };
+    let version = version
+        .parse::<u64>()
+        .map_err(|e| ClusterError::Malformed {
+            what: "rules version",
+            detail: e.to_string(),
+        })?;
+    let text = text.unwrap_or_default();
+    let doc = RulesDoc::new(version, text);
+    if sha256.as_deref() != Some(doc.sha256.as_str()) {
+        return Err(ClusterError::Malformed {
+            what: "rules document",
+            detail: "its sha256 does not match its text".into(),
+        });
+    }
+    Ok(Some(doc))
+}
+
+impl Store {
+    /// Connects to `url` (see [`check_url`]); keys under `prefix`.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Store> {
+        let client = check_url(url)?;
+        let cfg = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(2));
+        let con = tokio::time::timeout(
+            Duration::from_secs(3),
+            ConnectionManager::new_with_config(client.clone(), cfg),
+        )
+        .await
+        .map_err(|_| ClusterError::Redis("connect timed out".into()))??;
+        Ok(Store {
+            client,
+            con,
+            keys: Keys::new(prefix),
+        })
+    }
+
+    /// The key names.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// `PING`.
+    pub async fn ping(&self) -> Result<()> {
+        let mut con = self.con.clone();
+        redis::cmd("PING").query_async::<String>(&mut con).await?;
+        Ok(())
+    }
+
+    /// The rules document, if any.
+    pub async fn rules(&self) -> Result<Option<RulesDoc>> {
+        let mut con = self.con.clone();
+        let v: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(self.keys.rules())
+            .arg("version")
+            .arg("sha256")
+            .arg("text")
+            .query_async(&mut con)
+            .await?;
+        parse_doc(v)
+    }
+
+    /// Writes `doc` when the store has no rules yet; returns the document in force after.
+    pub async fn seed_rules(&self, doc: &RulesDoc, by: &str) -> Result<RulesDoc> {
+        let mut con = self.con.clone();
+        let v: Vec<Option<String>> = redis::Script::new(SEED_RULES)
+            .key(self.keys.rules())
+            .key(self.keys.rules_channel())
+            .arg(doc.version)
+            .arg(&doc.sha256)
+            .arg(&doc.text)
+            .arg(now_ms())
+            .arg(by)
+            .invoke_async(&mut con)
+            .await?;
+        parse_doc(v)?.ok_or_else(|| ClusterError::Malformed {
+            what: "rules document",
+            detail: "absent right after seeding".into(),
+        })
+    }
+
+    /// Writes `text` as version `expected + 1` if the stored version is `expected` (0: none);
+    /// else [`ClusterError::Conflict`] with the stored version. Publishes the new version.
+    pub async fn put_rules(&self, expected: u64, text: String, by: &str) -> Result<RulesDoc> {
+        let doc = RulesDoc::new(expected + 1, text);
+        let mut con = self.con.clone();
+        let (ok, cur): (i64, String) = redis::Script::new(CAS_RULES)
+            .key(self.keys.rules())
+            .key(self.keys.rules_channel())
+            .arg(expected)
+            .arg(doc.version)
+            .arg(&doc.sha256)
+            .arg(&doc.text)
+            .arg(now_ms())
+            .arg(by)
+            .invoke_async(&mut con)
+            .await?;
+        if ok == 1 {
+            Ok(doc)
+        } else {
+            Err(ClusterError::Conflict {
+                current: cur.parse().unwrap_or(0),
+            })
+        }
+    }
+
+    /// A stream of announced rules versions (its own connection; ends when it breaks).
+    pub async fn rules_changes(&self) -> Result<futures::stream::BoxStream<'static, u64>> {
+        let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
+            .await
+            .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
+        ps.subscribe(self.keys.rules_channel()).await?;
+        Ok(ps
+            .into_on_message()
+            .filter_map(|m| {
+                futures::future::ready(m.get_payload::<String>().ok().and_then(|p| p.parse().ok()))
+            })
+            .boxed())
+    }
+
+    async fn put_leased<T: Serialize>(
+        &self,
+        set: String,
+        key: String,
+        id: &str,
+        rec: &T,
+        lease: Duration,
+    ) -> Result<()> {
+        let json = serde_json::to_string(rec).map_err(|e| ClusterError::Malformed {
+            what: "record",
+            detail: e.to_string(),
+        })?;
+        let mut con = self.con.clone();
+        redis::pipe()
+            .atomic()
+            .cmd("SET")
+            .arg(&key)
+            .arg(json)
+            .arg("PX")
+            .arg(lease.as_millis().max(1) as u64)
+            .ignore()
+            .cmd("SADD")
+            .arg(&set)
+            .arg(id)
+            .ignore()
+            .query_async::<()>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    async fn list_leased<T: for<'de> Deserialize<'de>>(
+        &self,
+        set: String,
+        key_of: impl Fn(&str) -> String,
+        what: &'static str,
+    ) -> Result<Vec<T>> {
+        let mut con = self.con.clone();
+        let ids: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(&set)
+            .query_async(&mut con)
+            .await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids.iter().map(|i| key_of(i)).collect();
+        let vals: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(&mut con).await?;
+        let mut out = Vec::new();
+        let mut lapsed = Vec::new();
+        for (id, v) in ids.iter().zip(vals) {
+            match v {
+                None => lapsed.push(id.clone()),
+                Some(text) => match serde_json::from_str::<T>(&text) {
+                    Ok(r) => out.push(r),
+                    Err(e) => {
+                        return Err(ClusterError::Malformed {
+                            what,
+                            detail: format!("{id}: {e}"),
+                        })
+                    }
+                },
+            }
+        }
+        if !lapsed.is_empty() {
+            // A member whose lease lapsed: forget it (a renewal adds it back).
+            let _ = redis::cmd("SREM")
+                .arg(&set)
+                .arg(&lapsed)
+                .query_async::<i64>(&mut con)
+                .await;
+        }
+        Ok(out)
+    }
+
+    async fn remove_leased(&self, set: String, key: String, id: &str) -> Result<()> {
+        let mut con = self.con.clone();
+        redis::pipe()
+            .atomic()
+            .cmd("DEL")
+            .arg(&key)
+            .ignore()
+            .cmd("SREM")
+            .arg(&set)
+            .arg(id)
+            .ignore()
+            .query_async::<()>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    /// Announces (or renews) a worker's registration for `lease`.
+    pub async fn announce_worker(&self, rec: &WorkerRecord, lease: Duration) -> Result<()> {
+        self.put_leased(
+            self.keys.workers(),
+            self.keys.worker(&rec.id),
+            &rec.id,
+            rec,
+            lease,
+        )
+        .await
+    }
+
+    /// Withdraws a registration (a worker stopping cleanly).
+    pub async fn withdraw_worker(&self, id: &str) -> Result<()> {
+        self.remove_leased(self.keys.workers(), self.keys.worker(id), id)
+            .await
+    }
+
+    /// The live registrations, by id.
+    pub async fn workers(&self) -> Result<Vec<WorkerRecord>> {
+        let keys = self.keys.clone();
+        let mut v: Vec<WorkerRecord> = self
+            .list_leased(self.keys.workers(), |i| keys.worker(i), "worker record")
+            .await?;
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(v)
+    }
+
+    /// Publishes (or renews) a gateway replica's public key for `lease`.
+    pub async fn announce_gateway(&self, rec: &GatewayRecord, lease: Duration) -> Result<()> {
+        self.put_leased(
+            self.keys.gateways(),
+            self.keys.gateway(&rec.gateway_id),
+            &rec.gateway_id,
+            rec,
+            lease,
+        )
+        .await
+    }
+
+    /// Withdraws a gateway replica (a clean stop).
+    pub async fn withdraw_gateway(&self, id: &str) -> Result<()> {
+        self.remove_leased(self.keys.gateways(), self.keys.gateway(id), id)
+            .await?;
+        let mut con = self.con.clone();
+        redis::cmd("DEL")
+            .arg(self.keys.load(id))
+            .query_async::<i64>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    /// The live gateway replicas' keys.
+    pub async fn gateways(&self) -> Result<Vec<GatewayRecord>> {
+        let keys = self.keys.clone();
+        let mut v: Vec<GatewayRecord> = self
+            .list_leased(self.keys.gateways(), |i| keys.gateway(i), "gateway record")
+            .await?;
+        v.sort_by(|a, b| a.gateway_id.cmp(&b.gateway_id));
+        Ok(v)
+    }
+
+    /// Replaces replica `id`'s load table (leased: a replica that dies leaves no load behind).
+    pub async fn put_load(
+        &self,
+        id: &str,
+        load: &BTreeMap<String, Load>,
+        lease: Duration,
+    ) -> Result<()> {
+        let key = self.keys.load(id);
+        let mut pipe = redis::pipe();
+        pipe.atomic().cmd("DEL").arg(&key).ignore();
+        if !load.is_empty() {
+            let mut h = redis::cmd("HSET");
+            h.arg(&key);
+            for (w, l) in load {
+                h.arg(w).arg(format!("{} {}", l.in_flight, l.active_tokens));
+            }
+            pipe.add_command(h).ignore();
+            pipe.cmd("PEXPIRE")
+                .arg(&key)
+                .arg(lease.as_millis().max(1) as u64)
+                .ignore();
+        }
+        let mut con = self.con.clone();
+        pipe.query_async::<()>(&mut con).await?;
+        Ok(())
+    }
+
+    /// Every live replica's load per worker, except `except`'s (the caller's own), summed.
+    pub async fn fleet_load(&self, except: &str) -> Result<BTreeMap<String, Load>> {
+        let mut con = self.con.clone();
+        let ids: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(self.keys.gateways())
+            .query_async(&mut con)
+            .await?;
+        let others: Vec<&String> = ids.iter().filter(|i| i.as_str() != except).collect();
+        let mut out: BTreeMap<String, Load> = BTreeMap::new();
+        if others.is_empty() {
+            return Ok(out);
+        }
+        let mut pipe = redis::pipe();
+        for id in &others {
+            pipe.cmd("HGETALL").arg(self.keys.load(id));
+        }
+        let tables: Vec<BTreeMap<String, String>> = pipe.query_async(&mut con).await?;
+        for t in tables {
+            for (w, v) in t {
+                let mut it = v.split(' ').map(|x| x.parse::<u64>().unwrap_or(0));
+                let e = out.entry(w).or_default();
+                e.in_flight += it.next().unwrap_or(0);
+                e.active_tokens += it.next().unwrap_or(0);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_redaction() {
+        assert!(check_url("redis://127.0.0.1:6379").is_ok());
+        assert!(check_url("rediss://user:pw@h:6380/2").is_ok());
+        assert!(matches!(
+            check_url("http://h"),
+            Err(ClusterError::Url { .. })
+        ));
+        assert_eq!(
+            redact("redis://alice:s3cret@h:1/0"),
+            "redis://alice:***@h:1/0"
+        );
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+    }
+
+    #[test]
+    fn docs_hash_their_text_and_records_pin_their_json() {
+        let d = RulesDoc::new(3, "x = 1\n".into());
+        assert_eq!(d.sha256, hex::encode(Sha256::digest(b"x = 1\n")));
+        assert!(parse_doc(vec![Some("3".into()), Some("bad".into()), Some("x".into())]).is_err());
+        assert_eq!(parse_doc(vec![None, None, None]).unwrap(), None);
+        let r = WorkerRecord {
+            id: "w1".into(),
+            url: "http://10.0.0.1:8101".into(),
+            key_id: "00".into(),
+            public_key_hex: "ab".into(),
+            profile_digest: "cd".into(),
+            labels: BTreeMap::from([("zone".into(), "a".into())]),
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"id":"w1","url":"http://10.0.0.1:8101","key_id":"00","public_key_hex":"ab","profile_digest":"cd","labels":{"zone":"a"}}"#
+        );
+    }
+}

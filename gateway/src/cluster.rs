@@ -1,0 +1,289 @@
+//! Cluster mode (`--cluster redis://…`): replicas behind one VIP share the rules, worker
+//! registrations, gateway keys and per-worker load through Redis (the `cluster` crate holds the
+//! key layout; docs/cluster.md). Without it nothing here runs and the gateway is exactly the
+//! single-process one.
+//!
+//! Owned tasks (cancellation token, kept handles), each holding the control plane weakly:
+//! - the **sync loop**, every `poll` (lease / 5): reads the rules document (installs a newer
+//!   version; re-seeds an empty store — Redis restarted without persistence — from the rules in
+//!   force, keeping their version), renews this replica's key record, reads the registrations
+//!   (a change rebuilds the view), writes this replica's load table and reads the others';
+//! - the **watch loop**: subscribes to the rules channel, so a change is installed within one
+//!   round trip of its write (the sync loop's periodic read heals a missed message).
+//!
+//! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
+//! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
+//! load it saw: `degraded` in `/admin/cluster` and `kvgate_gateway_cluster_degraded` = 1. No
+//! request path touches Redis: the load guard reads two atomics the sync loop fills.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::control_plane::ControlPlane;
+
+/// How to join a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    /// `redis://[user:password@]host[:port][/db]` or `rediss://…` (TLS).
+    pub url: String,
+    /// Key prefix (several clusters can share one Redis). Default `kvgate`.
+    pub prefix: String,
+    /// Lease of this replica's key record and load table; registrations are read every
+    /// `lease / 5`. Default 5 s.
+    pub lease: Duration,
+}
+
+impl ClusterSettings {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> ClusterSettings {
+        ClusterSettings {
+            url: url.into(),
+            prefix: "kvgate".into(),
+            lease: Duration::from_secs(5),
+        }
+    }
+
+    /// The sync period.
+    pub fn poll(&self) -> Duration {
+        (self.lease / 5).max(Duration::from_millis(100))
+    }
+}
+
+/// What `/admin/cluster` shows.
+#[derive(Debug, Default)]
+pub struct ClusterStatus {
+    pub degraded: AtomicBool,
+    pub last_error: Mutex<Option<String>>,
+    /// The replicas whose key records were live at the last sync.
+    pub replicas: Mutex<Vec<String>>,
+    /// The registered worker ids at the last sync.
+    pub registered: Mutex<Vec<String>>,
+}
+
+/// This replica's membership: the store connection, the status and the owned loops.
+pub struct ClusterLink {
+    pub settings: ClusterSettings,
+    pub status: ClusterStatus,
+    store: arc_swap::ArcSwapOption<cluster::Store>,
+    record: cluster::GatewayRecord,
+    cancel: CancellationToken,
+    handles: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl ClusterLink {
+    /// A link for replica `gateway_id` publishing `key`'s public half (not connected yet).
+    pub fn new(
+        settings: ClusterSettings,
+        gateway_id: &str,
+        key: &receipts::KeyPair,
+    ) -> Result<ClusterLink, cluster::ClusterError> {
+        cluster::check_url(&settings.url)?;
+        Ok(ClusterLink {
+            settings,
+            status: ClusterStatus::default(),
+            store: arc_swap::ArcSwapOption::empty(),
+            record: cluster::GatewayRecord {
+                gateway_id: gateway_id.to_string(),
+                key_id: key.key_id().to_string(),
+                public_key_hex: hex::encode(key.public().to_bytes()),
+            },
+            cancel: CancellationToken::new(),
+            handles: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The connected store (`None` while Redis could never be reached).
+    pub fn store(&self) -> Option<Arc<cluster::Store>> {
+        self.store.load_full()
+    }
+
+    /// Connects (or returns the existing connection).
+    pub async fn connect(&self) -> Result<Arc<cluster::Store>, cluster::ClusterError> {
+        if let Some(s) = self.store() {
+            return Ok(s);
+        }
+        let s = Arc::new(cluster::Store::connect(&self.settings.url, &self.settings.prefix).await?);
+        self.store.store(Some(s.clone()));
+        Ok(s)
+    }
+
+    /// This replica's id.
+    pub fn replica_id(&self) -> &str {
+        &self.record.gateway_id
+    }
+
+    /// Records a failure: degraded until the next successful sync.
+    pub fn failed(&self, control: &ControlPlane, e: &cluster::ClusterError) {
+        if !self.status.degraded.swap(true, Ordering::Relaxed) {
+            tracing::warn!(error = %e, "cluster store unreachable: serving on the last state");
+        }
+        *self.status.last_error.lock() = Some(e.to_string());
+        control.data.metrics.cluster_degraded.set(1);
+    }
+
+    fn healthy(&self, control: &ControlPlane) {
+        if self.status.degraded.swap(false, Ordering::Relaxed) {
+            tracing::info!("cluster store reachable again: resynced");
+        }
+        control.data.metrics.cluster_degraded.set(0);
+    }
+
+    /// Starts the sync and watch loops on `handle`.
+    pub fn start(self: &Arc<Self>, control: &Arc<ControlPlane>, handle: &tokio::runtime::Handle) {
+        let weak = Arc::downgrade(control);
+        let me = self.clone();
+        let sync = handle.spawn(sync_loop(me.clone(), weak.clone()));
+        let watch = handle.spawn(watch_loop(me, weak));
+        self.handles.lock().extend([sync, watch]);
+    }
+
+    /// Stops the loops and withdraws this replica's records (best effort, 1 s).
+    pub fn shutdown(&self, handle: &tokio::runtime::Handle) {
+        self.cancel.cancel();
+        for h in self.handles.lock().drain(..) {
+            h.abort();
+        }
+        if let Some(s) = self.store() {
+            let id = self.record.gateway_id.clone();
+            let _ = handle.block_on(async move {
+                tokio::time::timeout(Duration::from_secs(1), s.withdraw_gateway(&id)).await
+            });
+        }
+    }
+}
+
+async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
+/// One sync: rules, key record, registrations, load.
+async fn sync_once(
+    link: &ClusterLink,
+    control: &ControlPlane,
+) -> Result<(), cluster::ClusterError> {
+    let store = link.connect().await?;
+    // Rules: a newer version is installed; an empty store (Redis restarted without its data)
+    // is re-seeded from the rules in force, keeping their version.
+    match store.rules().await? {
+        Some(doc) => control.apply_remote(&doc).await,
+        None => {
+            let snap = control.store.snapshot();
+            let text = routing_rules::rules_to_toml(snap.rules()).map_err(|e| {
+                cluster::ClusterError::Malformed {
+                    what: "local rules",
+                    detail: e.to_string(),
+                }
+            })?;
+            let doc = cluster::RulesDoc::new(snap.version().0, text);
+            let now = store.seed_rules(&doc, link.replica_id()).await?;
+            control.apply_remote(&now).await;
+        }
+    }
+    store
+        .announce_gateway(&link.record, link.settings.lease)
+        .await?;
+    let replicas: Vec<String> = store
+        .gateways()
+        .await?
+        .into_iter()
+        .map(|g| g.gateway_id)
+        .collect();
+    *link.status.replicas.lock() = replicas;
+    let registered = store.workers().await?;
+    *link.status.registered.lock() = registered.iter().map(|w| w.id.clone()).collect();
+    control.set_registered(registered).await;
+    // Load: ours out, the others' in.
+    let view = control.data.views.load();
+    let ours: BTreeMap<String, cluster::Load> = view
+        .workers
+        .iter()
+        .map(|(id, e)| {
+            (
+                id.0.clone(),
+                cluster::Load {
+                    in_flight: e.runtime.in_flight.load(Ordering::Relaxed),
+                    active_tokens: e.runtime.active_tokens.load(Ordering::Relaxed),
+                },
+            )
+        })
+        .collect();
+    store
+        .put_load(link.replica_id(), &ours, link.settings.lease)
+        .await?;
+    let others = store.fleet_load(link.replica_id()).await?;
+    for (id, e) in &view.workers {
+        let l = others.get(&id.0).copied().unwrap_or_default();
+        e.runtime
+            .remote_in_flight
+            .store(l.in_flight, Ordering::Relaxed);
+        e.runtime
+            .remote_active_tokens
+            .store(l.active_tokens, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+async fn sync_loop(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    loop {
+        let Some(c) = control.upgrade() else { return };
+        match sync_once(&link, &c).await {
+            Ok(()) => link.healthy(&c),
+            Err(e) => link.failed(&c, &e),
+        }
+        drop(c);
+        if !sleep_or_cancel(link.settings.poll(), &link.cancel).await {
+            return;
+        }
+    }
+}
+
+async fn watch_loop(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let stream = match link.connect().await {
+            Ok(store) => store.rules_changes().await.map(|s| (store, s)),
+            Err(e) => Err(e),
+        };
+        match stream {
+            Ok((store, mut changes)) => {
+                backoff = Duration::from_millis(200);
+                loop {
+                    let next = tokio::select! {
+                        biased;
+                        _ = link.cancel.cancelled() => return,
+                        v = changes.next() => v,
+                    };
+                    let Some(version) = next else { break };
+                    let Some(c) = control.upgrade() else { return };
+                    if version > c.store.snapshot().version().0 {
+                        match store.rules().await {
+                            Ok(Some(doc)) => c.apply_remote(&doc).await,
+                            Ok(None) => {}
+                            Err(e) => link.failed(&c, &e),
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                if let Some(c) = control.upgrade() {
+                    link.failed(&c, &e);
+                }
+            }
+        }
+        if !sleep_or_cancel(backoff, &link.cancel).await {
+            return;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,610 @@
+//! Cluster mode end to end, with a real `redis-server` (started and stopped by the test on an
+//! ephemeral port): three gateway replicas, each with its own key, id and decision log, in
+//! front of four simulated workers — three listed in the rules, one that registers itself later.
+//! Checked over real HTTP:
+//! - a rules change through any replica's admin API is served by all three; p99 over 50
+//!   changes is printed and must be under 1 s; a stale compare-and-set is refused (conflict);
+//! - the late worker gets traffic through every replica (it trusts their keys from Redis);
+//! - one replica's in-flight load is seen by the others (leased load tables);
+//! - a replica stopped mid-run, then Redis killed and restarted (empty) mid-run: no request
+//!   through the surviving replicas fails; they report `degraded` meanwhile, refuse rules
+//!   changes with 503, and resync after (rules re-seeded at their version, registration back);
+//! - the audit over all three decision logs and the four receipt logs is clean.
+
+mod gateway_support;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::sim::SimConfig;
+use gateway::{GatewayConfig, RunningGateway};
+use gateway_support::{model_path, Reply};
+use prompt_profile::PromptProfile;
+use receipts::{KeyPair, KeyRing};
+use serde_json::json;
+use worker::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
+
+const TOKEN: &str = "cluster-admin";
+
+struct Redis {
+    child: Option<Child>,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Redis {
+    fn start(port: u16, dir: tempfile::TempDir) -> Redis {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is missing: scripts/setup.sh installs it (apt redis-server)");
+        let r = Redis {
+            child: Some(child),
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                use std::io::{Read, Write};
+                let mut buf = [0u8; 16];
+                if s.write_all(b"PING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| n > 0) {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Cluster {
+    rt: tokio::runtime::Runtime,
+    dir: tempfile::TempDir,
+    profile: PromptProfile,
+    gateway_keys: Vec<KeyPair>,
+    worker_keys: Vec<KeyPair>,
+    workers: Vec<Option<RunningWorker>>,
+    gateways: Vec<Option<RunningGateway>>,
+    http: reqwest::Client,
+    redis: Redis,
+}
+
+impl Cluster {
+    fn start_worker(&self, i: usize, register: bool) -> RunningWorker {
+        let id = format!("w{}", i + 1);
+        let mut sim = SimConfig::instant(16, 4096);
+        sim.vocab_size = self.profile.vocab_size();
+        // ~3 ms per decoded token: a 300-token stream stays in flight for about a second.
+        sim.decode_us_base = 3_000;
+        let mut cfg = WorkerConfig::new(
+            model_path(),
+            EngineChoice::Sim(sim),
+            self.worker_keys[i].clone(),
+            self.dir.path().join(format!("receipts-{id}.jsonl")),
+            id.clone(),
+        );
+        cfg.profile = Some(self.profile.clone());
+        cfg.settings.ticket_policy = TicketPolicy::Require;
+        if !register {
+            let mut ring = KeyRing::new();
+            for (g, k) in self.gateway_keys.iter().enumerate() {
+                ring.insert(format!("gw-{}", g + 1), k.public().clone());
+            }
+            cfg.gateway_keys = ring;
+        }
+        self.rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            if register {
+                cfg.registration = Some(worker::registration::Registration {
+                    url: self.redis.url(),
+                    prefix: "kvgate".into(),
+                    advertise_url: format!("http://{}", l.local_addr().unwrap()),
+                    labels: [("tier".to_string(), "sim".to_string())].into(),
+                    lease: Duration::from_millis(1500),
+                });
+            }
+            let w = worker::spawn(cfg, l).await.unwrap();
+            w.wait_ready(Duration::from_secs(30)).await.unwrap();
+            w
+        })
+    }
+
+    fn rules(&self) -> String {
+        let p = self.workers[0].as_ref().unwrap().profile();
+        let mut s = String::from("[gateway]\nhealth_interval_ms = 100\n");
+        for i in 0..3 {
+            s.push_str(&format!(
+                "\n[[workers]]\nid = \"w{}\"\nurl = \"http://{}\"\nlabels = {{ tier = \"sim\" }}\n",
+                i + 1,
+                self.workers[i].as_ref().unwrap().addr()
+            ));
+        }
+        s.push_str(&format!(
+            r#"
+[[pools]]
+id = "all"
+selector = {{ tier = "sim" }}
+
+[[profiles]]
+id = "smol"
+model_id = "{}"
+revision = "{}"
+source = {{ gguf = "{}" }}
+template_sha256 = "{}"
+tokenizer_sha256 = "{}"
+block_size = 16
+context_limit = {}
+
+[[services]]
+name = "rr"
+pool = "all"
+rule = {{ type = "round_robin" }}
+[services.match]
+models = ["rr"]
+
+[[services]]
+name = "exact"
+pool = "all"
+rule = {{ type = "kv_exact", profile = "smol" }}
+[services.match]
+models = ["smol"]
+"#,
+            p.model_id,
+            p.revision,
+            model_path().display(),
+            p.template_sha256,
+            p.tokenizer_sha256,
+            p.context_limit
+        ));
+        s
+    }
+
+    fn start_gateway(&mut self, g: usize) {
+        let path = self.dir.path().join("rules.toml");
+        if !path.exists() {
+            std::fs::write(&path, self.rules()).unwrap();
+        }
+        let mut cfg = GatewayConfig::new(&path, self.gateway_keys[g].clone());
+        cfg.gateway_id = format!("gw-{}", g + 1);
+        cfg.admin_token = Some(TOKEN.into());
+        cfg.watch_rules = false;
+        cfg.decision_log = Some(self.decisions(g));
+        let mut c = gateway::cluster::ClusterSettings::new(self.redis.url());
+        c.lease = Duration::from_millis(1000);
+        cfg.cluster = Some(c);
+        self.gateways[g] = Some(gateway::spawn(cfg).unwrap());
+    }
+
+    fn decisions(&self, g: usize) -> PathBuf {
+        self.dir
+            .path()
+            .join(format!("decisions-gw-{}.jsonl", g + 1))
+    }
+
+    fn gw(&self, g: usize) -> &RunningGateway {
+        self.gateways[g].as_ref().unwrap()
+    }
+
+    fn version(&self, g: usize) -> u64 {
+        self.gw(g).data.views.load().version()
+    }
+
+    fn admin(
+        &self,
+        g: usize,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Reply {
+        let url = format!("http://{}{path}", self.gw(g).admin_addr);
+        self.rt.block_on(async {
+            let mut r = self.http.request(method, url).bearer_auth(TOKEN);
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    }
+
+    fn chat(&self, g: usize, model: &str, text: &str, max_tokens: u64) -> Reply {
+        let url = format!("http://{}/v1/chat/completions", self.gw(g).listen_addr);
+        let body = json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens});
+        self.rt.block_on(async {
+            Reply::read(self.http.post(url).json(&body).send().await.unwrap()).await
+        })
+    }
+
+    fn wait_for(&self, what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + timeout;
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn routable(&self, g: usize, id: &str) -> bool {
+        let v = self.gw(g).data.views.load();
+        v.workers
+            .get(&prefix_index::WorkerId(id.into()))
+            .is_some_and(|e| e.healthy)
+            && v.services.iter().all(|s| s.pool.iter().any(|w| w.0 == id))
+    }
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[test]
+fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let redis_port = free_port();
+    let redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    let mut c = Cluster {
+        rt,
+        profile: PromptProfile::from_gguf(model_path()).unwrap(),
+        dir,
+        gateway_keys: (0..3).map(|_| KeyPair::generate()).collect(),
+        worker_keys: (0..4).map(|_| KeyPair::generate()).collect(),
+        workers: Vec::new(),
+        gateways: vec![None, None, None],
+        http: reqwest::Client::new(),
+        redis,
+    };
+    for i in 0..3 {
+        let w = c.start_worker(i, false);
+        c.workers.push(Some(w));
+    }
+    for g in 0..3 {
+        c.start_gateway(g);
+    }
+    for g in 0..3 {
+        for w in ["w1", "w2", "w3"] {
+            c.wait_for("static workers routable", Duration::from_secs(10), || {
+                c.routable(g, w)
+            });
+        }
+    }
+    let v0 = c.version(0);
+    assert!((0..3).all(|g| c.version(g) == v0), "one version everywhere");
+    let cl = c
+        .admin(1, reqwest::Method::GET, "/admin/cluster", None)
+        .json();
+    assert_eq!(cl["mode"], "cluster");
+    assert_eq!(cl["state"], "ok", "{cl}");
+
+    // 50 rules changes, each through one replica's admin API, served by all three.
+    let mut lat = Vec::new();
+    for n in 0..50u64 {
+        let g = (n % 3) as usize;
+        let body = json!({"name": "rr", "pool": "all", "rule": {"type": "round_robin"},
+            "match": {"models": ["rr"]}, "max_body_bytes": 1_000_000 + n});
+        let t = Instant::now();
+        let r = c.admin(g, reqwest::Method::PUT, "/admin/services/rr", Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json()["version"].as_u64().unwrap();
+        c.wait_for("a change on every replica", Duration::from_secs(5), || {
+            (0..3).all(|g| c.version(g) == v)
+        });
+        lat.push(t.elapsed().as_secs_f64());
+    }
+    let p50 = percentile(&mut lat, 0.5);
+    let p99 = percentile(&mut lat, 0.99);
+    println!(
+        "cluster: rules change served by all 3 replicas: p50 {:.1} ms, p99 {:.1} ms over 50 changes",
+        p50 * 1e3,
+        p99 * 1e3
+    );
+    assert!(p99 < 1.0, "p99 {p99} s");
+    // A stale compare-and-set loses.
+    let store =
+        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
+            .unwrap();
+    let doc = c.rt.block_on(store.rules()).unwrap().unwrap();
+    assert_eq!(doc.version, c.version(0));
+    match c
+        .rt
+        .block_on(store.put_rules(doc.version - 1, doc.text.clone(), "test"))
+    {
+        Err(cluster::ClusterError::Conflict { current }) => assert_eq!(current, doc.version),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+
+    // Leases: a record not renewed disappears from every listing (a crashed worker or replica
+    // leaves no registration, key or load behind).
+    let ghost = cluster::WorkerRecord {
+        id: "ghost".into(),
+        url: "http://127.0.0.1:9".into(),
+        key_id: "00".into(),
+        public_key_hex: "00".into(),
+        profile_digest: String::new(),
+        labels: Default::default(),
+    };
+    c.rt.block_on(store.announce_worker(&ghost, Duration::from_millis(150)))
+        .unwrap();
+    let load = std::collections::BTreeMap::from([(
+        "w1".to_string(),
+        cluster::Load {
+            in_flight: 99,
+            active_tokens: 9999,
+        },
+    )]);
+    c.rt.block_on(async {
+        store
+            .announce_gateway(
+                &cluster::GatewayRecord {
+                    gateway_id: "gw-ghost".into(),
+                    key_id: "00".into(),
+                    public_key_hex: "00".into(),
+                },
+                Duration::from_millis(150),
+            )
+            .await
+            .unwrap();
+        store
+            .put_load("gw-ghost", &load, Duration::from_millis(150))
+            .await
+            .unwrap();
+    });
+    assert!(c
+        .rt
+        .block_on(store.workers())
+        .unwrap()
+        .iter()
+        .any(|w| w.id == "ghost"));
+    assert_eq!(
+        c.rt.block_on(store.fleet_load("gw-1")).unwrap()["w1"].in_flight,
+        99
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!c
+        .rt
+        .block_on(store.workers())
+        .unwrap()
+        .iter()
+        .any(|w| w.id == "ghost"));
+    assert!(!c
+        .rt
+        .block_on(store.gateways())
+        .unwrap()
+        .iter()
+        .any(|g| g.gateway_id == "gw-ghost"));
+    assert!(c
+        .rt
+        .block_on(store.fleet_load("gw-1"))
+        .unwrap()
+        .get("w1")
+        .is_none_or(|l| l.in_flight < 99));
+
+    // A worker that registers later gets traffic through every replica.
+    let w4 = c.start_worker(3, true);
+    c.workers.push(Some(w4));
+    for g in 0..3 {
+        c.wait_for("w4 routable everywhere", Duration::from_secs(10), || {
+            c.routable(g, "w4")
+        });
+    }
+    for g in 0..3 {
+        let mut served = false;
+        for n in 0..8 {
+            let r = c.chat(g, "rr", &format!("to w4 via {g}, {n}"), 2);
+            assert_eq!(r.status, 200, "{}", r.text());
+            served |= r.worker() == "w4";
+        }
+        assert!(served, "replica {g} never routed to the registered worker");
+    }
+
+    // Fleet-wide load: long streams through replica 0 show up in replica 2's view of the fleet.
+    let url0 = format!("http://{}/v1/chat/completions", c.gw(0).listen_addr);
+    let streams: Vec<_> = (0..4)
+        .map(|n| {
+            let http = c.http.clone();
+            let url = url0.clone();
+            c.rt.spawn(async move {
+                let body = json!({"model": "rr", "stream": true, "max_tokens": 300,
+                    "messages": [{"role": "user", "content": format!("long {n}")}]});
+                let r = http.post(url).json(&body).send().await.unwrap();
+                r.bytes().await.map(|b| b.len()).unwrap_or(0)
+            })
+        })
+        .collect();
+    c.wait_for(
+        "replica 2 sees replica 0's in-flight load",
+        Duration::from_secs(5),
+        || {
+            let v = c.gw(2).data.views.load();
+            v.workers
+                .values()
+                .map(|e| e.runtime.remote_in_flight.load(Ordering::Relaxed))
+                .sum::<u64>()
+                >= 2
+        },
+    );
+    for s in streams {
+        assert!(c.rt.block_on(s).unwrap() > 0);
+    }
+
+    // Traffic through replicas 1 and 2 while replica 0 stops and Redis dies and comes back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let vips: Vec<SocketAddr> = (1..3).map(|g| c.gw(g).listen_addr).collect();
+    let load = {
+        let (stop, ok, failed, http) = (stop.clone(), ok.clone(), failed.clone(), c.http.clone());
+        c.rt.spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let vip = vips[(n % 2) as usize];
+                let model = if n.is_multiple_of(3) { "smol" } else { "rr" };
+                let body = json!({"model": model, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": format!("steady {n}")}]});
+                match http
+                    .post(format!("http://{vip}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                {
+                    Ok(r) if r.status().is_success() => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(r) => failed
+                        .lock()
+                        .unwrap()
+                        .push(format!("{vip}: {}", r.status())),
+                    Err(e) => failed.lock().unwrap().push(format!("{vip}: {e}")),
+                }
+                n += 1;
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    if let Some(mut g0) = c.gateways[0].take() {
+        g0.shutdown();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    c.redis.kill();
+    c.wait_for("replicas degraded", Duration::from_secs(5), || {
+        c.admin(1, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["state"]
+            == "degraded"
+    });
+    let r = c.admin(
+        2,
+        reqwest::Method::PUT,
+        "/admin/services/rr",
+        Some(
+            json!({"name": "rr", "pool": "all", "rule": {"type": "round_robin"},
+            "match": {"models": ["rr"]}, "max_body_bytes": 7}),
+        ),
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "cluster_unavailable");
+    std::thread::sleep(Duration::from_millis(500));
+    let version_before = c.version(1);
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    c.wait_for("replicas resynced", Duration::from_secs(10), || {
+        (1..3).all(|g| {
+            c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
+                .json()["state"]
+                == "ok"
+        })
+    });
+    let doc = c.rt.block_on(async {
+        let s = cluster::Store::connect(&c.redis.url(), "kvgate")
+            .await
+            .unwrap();
+        let regs = s.workers().await.unwrap();
+        (s.rules().await.unwrap(), regs)
+    });
+    assert_eq!(
+        doc.0.map(|d| d.version),
+        Some(version_before),
+        "the empty store is re-seeded at the version in force"
+    );
+    c.wait_for("w4 registered again", Duration::from_secs(5), || {
+        c.rt.block_on(async {
+            let s = cluster::Store::connect(&c.redis.url(), "kvgate")
+                .await
+                .unwrap();
+            s.workers().await.unwrap().iter().any(|w| w.id == "w4")
+        })
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    c.rt.block_on(load).unwrap();
+    let failures = failed.lock().unwrap().clone();
+    println!(
+        "cluster: {} requests through the surviving replicas while one stopped and Redis restarted, {} failed",
+        ok.load(Ordering::Relaxed),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(ok.load(Ordering::Relaxed) > 20);
+
+    // Audit: all three decision logs against the four receipt logs.
+    for g in 1..3 {
+        if let Some(mut gw) = c.gateways[g].take() {
+            gw.shutdown();
+        }
+    }
+    for w in c.workers.iter_mut() {
+        if let Some(w) = w.take() {
+            c.rt.block_on(w.shutdown());
+        }
+    }
+    let mut ring = KeyRing::new();
+    for (g, k) in c.gateway_keys.iter().enumerate() {
+        ring.insert(format!("gw-{}", g + 1), k.public().clone());
+    }
+    for (i, k) in c.worker_keys.iter().enumerate() {
+        ring.insert(format!("w{}", i + 1), k.public().clone());
+    }
+    let decisions: Vec<PathBuf> = (0..3).map(|g| c.decisions(g)).collect();
+    let logs: Vec<PathBuf> = (1..=4)
+        .map(|i| c.dir.path().join(format!("receipts-w{i}.jsonl")))
+        .collect();
+    let report =
+        receipts::audit_replicas(&decisions, &logs, &ring, receipts::AuditOptions::default())
+            .unwrap();
+    assert!(
+        report.discrepancies.is_empty(),
+        "{:?}",
+        report.discrepancies
+    );
+    assert_eq!(report.receipted, report.routed, "{report:?}");
+    println!(
+        "cluster: audit over 3 decision logs and 4 receipt logs: {} routed, {} receipted, 0 discrepancies",
+        report.routed, report.receipted
+    );
+}
