@@ -14,6 +14,7 @@
 //! | `P:gateways` | set of ids | gateway replicas | as `P:workers` |
 //! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
 //! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"` | one replica's load per worker | `PX` lease, rewritten by the replica |
+//! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's routing-time holding (prompt keys → chosen worker), for the others' placement | — (the receiver applies the TTL) |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
 //! reader never sees half of it. Costs: rules read/write O(document); listing registrations or
@@ -113,6 +114,19 @@ pub struct GatewayRecord {
     pub public_key_hex: String,
 }
 
+/// A routing-time holding one replica took (it routed a prompt with these block keys to
+/// `worker`), published so the other replicas place concurrent requests with the same new
+/// prefix on the same worker instead of computing it elsewhere.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedHolding {
+    pub replica: String,
+    pub worker: String,
+    /// The prompt's block keys, in chain order.
+    pub keys: Vec<u64>,
+    pub ttl_ms: u64,
+}
+
 /// One replica's load on one worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Load {
@@ -152,6 +166,9 @@ impl Keys {
     }
     pub fn load(&self, id: &str) -> String {
         format!("{}:load:{id}", self.prefix)
+    }
+    pub fn holdings_channel(&self) -> String {
+        format!("{}:holdings", self.prefix)
     }
 }
 
@@ -344,6 +361,40 @@ impl Store {
             .into_on_message()
             .filter_map(|m| {
                 futures::future::ready(m.get_payload::<String>().ok().and_then(|p| p.parse().ok()))
+            })
+            .boxed())
+    }
+
+    /// Publishes a routing-time holding (fire and forget: one `PUBLISH`).
+    pub async fn publish_holding(&self, h: &SharedHolding) -> Result<()> {
+        let json = serde_json::to_string(h).map_err(|e| ClusterError::Malformed {
+            what: "holding",
+            detail: e.to_string(),
+        })?;
+        let mut con = self.con.clone();
+        redis::cmd("PUBLISH")
+            .arg(self.keys.holdings_channel())
+            .arg(json)
+            .query_async::<i64>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    /// The stream of every replica's published holdings (its own connection; ends when it
+    /// breaks). Messages that do not parse are skipped.
+    pub async fn holdings(&self) -> Result<futures::stream::BoxStream<'static, SharedHolding>> {
+        let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
+            .await
+            .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
+        ps.subscribe(self.keys.holdings_channel()).await?;
+        Ok(ps
+            .into_on_message()
+            .filter_map(|m| {
+                futures::future::ready(
+                    m.get_payload::<String>()
+                        .ok()
+                        .and_then(|p| serde_json::from_str::<SharedHolding>(&p).ok()),
+                )
             })
             .boxed())
     }

@@ -9,7 +9,11 @@
 //!   force, keeping their version), renews this replica's key record, reads the registrations
 //!   (a change rebuilds the view), writes this replica's load table and reads the others';
 //! - the **watch loop**: subscribes to the rules channel, so a change is installed within one
-//!   round trip of its write (the sync loop's periodic read heals a missed message).
+//!   round trip of its write (the sync loop's periodic read heals a missed message);
+//! - the **holdings loops**: this replica's routing-time holdings (a KV-exact prompt's keys →
+//!   the chosen worker) are published, off the request path through a bounded queue, and the
+//!   others' are applied to this replica's index, so a burst with one new prefix spread over
+//!   replicas still follows the first request (the KV events make them precise later).
 //!
 //! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
 //! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
@@ -135,13 +139,17 @@ impl ClusterLink {
         control.data.metrics.cluster_degraded.set(0);
     }
 
-    /// Starts the sync and watch loops on `handle`.
+    /// Starts the sync, watch and holdings loops on `handle`.
     pub fn start(self: &Arc<Self>, control: &Arc<ControlPlane>, handle: &tokio::runtime::Handle) {
         let weak = Arc::downgrade(control);
         let me = self.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(HOLDINGS_QUEUE);
+        control.data.shared_holdings.store(Some(Arc::new(tx)));
         let sync = handle.spawn(sync_loop(me.clone(), weak.clone()));
-        let watch = handle.spawn(watch_loop(me, weak));
-        self.handles.lock().extend([sync, watch]);
+        let watch = handle.spawn(watch_loop(me.clone(), weak.clone()));
+        let publish = handle.spawn(publish_holdings(me.clone(), rx));
+        let receive = handle.spawn(receive_holdings(me, weak));
+        self.handles.lock().extend([sync, watch, publish, receive]);
     }
 
     /// Stops the loops and withdraws this replica's records (best effort, 1 s).
@@ -156,6 +164,75 @@ impl ClusterLink {
                 tokio::time::timeout(Duration::from_secs(1), s.withdraw_gateway(&id)).await
             });
         }
+    }
+}
+
+/// Routing-time holdings waiting to be published; more are dropped (placement hints only).
+const HOLDINGS_QUEUE: usize = 1024;
+
+/// Publishes this replica's routing-time holdings, one `PUBLISH` each, in order.
+async fn publish_holdings(
+    link: Arc<ClusterLink>,
+    mut rx: tokio::sync::mpsc::Receiver<cluster::SharedHolding>,
+) {
+    loop {
+        let h = tokio::select! {
+            biased;
+            _ = link.cancel.cancelled() => return,
+            h = rx.recv() => h,
+        };
+        let Some(h) = h else { return };
+        if let Some(store) = link.store() {
+            // A lost hint costs a cache hit at worst; the sync loop reports the store's state.
+            let _ = store.publish_holding(&h).await;
+        }
+    }
+}
+
+/// Applies the other replicas' routing-time holdings to this replica's index (event-fed
+/// workers only, with the TTL the publisher used), so that concurrent requests with one new
+/// prefix follow the first wherever they arrive.
+async fn receive_holdings(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let stream = match link.connect().await {
+            Ok(store) => store.holdings().await,
+            Err(e) => Err(e),
+        };
+        if let Ok(mut holdings) = stream {
+            backoff = Duration::from_millis(200);
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = link.cancel.cancelled() => return,
+                    h = holdings.next() => h,
+                };
+                let Some(h) = next else { break };
+                if h.replica == link.replica_id() {
+                    continue;
+                }
+                let Some(c) = control.upgrade() else { return };
+                let id = prefix_index::WorkerId(h.worker);
+                let view = c.data.views.load();
+                let event_fed = view
+                    .workers
+                    .get(&id)
+                    .is_some_and(|e| !e.runtime.approximate());
+                if event_fed && h.ttl_ms > 0 {
+                    let keys: Vec<prefix_index::BlockKey> =
+                        h.keys.into_iter().map(prefix_index::BlockKey).collect();
+                    let _ = c.data.index.insert_approximate_for(
+                        &id,
+                        &keys,
+                        Duration::from_millis(h.ttl_ms.min(60_000)),
+                    );
+                }
+            }
+        }
+        if !sleep_or_cancel(backoff, &link.cancel).await {
+            return;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 

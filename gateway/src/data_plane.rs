@@ -86,9 +86,27 @@ pub struct DataPlane {
     pub upstream_identity: Option<Arc<CertKey>>,
     /// The connector of the >64 KiB forwarding path (its CA is the proxy's).
     pub connector: Connector,
+    /// Cluster mode: where routing-time holdings go to be shared with the other replicas (a
+    /// bounded queue the cluster link drains; full = dropped, never waited on).
+    pub shared_holdings: arc_swap::ArcSwapOption<tokio::sync::mpsc::Sender<cluster::SharedHolding>>,
 }
 
 impl DataPlane {
+    /// Cluster mode: offers the decision's routing-time holding to the other replicas.
+    pub fn share_holding(&self, d: &crate::route::Decision) {
+        let (Some(tx), Some((w, ttl)), Some(p)) =
+            (self.shared_holdings.load_full(), &d.pending, &d.prompt)
+        else {
+            return;
+        };
+        let _ = tx.try_send(cluster::SharedHolding {
+            replica: self.gateway_id.clone(),
+            worker: w.0.clone(),
+            keys: p.keys.iter().map(|k| k.0).collect(),
+            ttl_ms: ttl.as_millis() as u64,
+        });
+    }
+
     /// Sets a worker's health in the view; returns whether it changed.
     pub fn set_health(&self, id: &WorkerId, healthy: bool) -> bool {
         let changed = self.views.set_health(id, healthy);

@@ -286,7 +286,10 @@ impl ProxyHttp for Proxy {
             })
             .observe(decision_time.as_secs_f64());
         let decision = match decided {
-            Ok(d) => d,
+            Ok(d) => {
+                self.data.share_holding(&d);
+                d
+            }
             Err(err) => {
                 let label = match &err {
                     GatewayError::InvalidBody { .. } | GatewayError::Prompt { .. } => {

@@ -64,6 +64,9 @@ pub struct Decision {
     pub extra_fallbacks: Vec<&'static str>,
     /// Prefix-routing facts (`None` without prefix routing).
     pub prompt: Option<PromptFacts>,
+    /// The routing-time holding taken for the first choice, with its TTL (cluster mode shares
+    /// it with the other replicas).
+    pub pending: Option<(WorkerId, std::time::Duration)>,
 }
 
 impl Decision {
@@ -249,6 +252,7 @@ pub fn decide(
     }
     // Routing-time holdings: the chosen worker is believed to hold the prompt's blocks from now
     // on, for placement, until its events confirm them or the TTL passes.
+    let mut pending = None;
     if let (Some((p, l)), Some(first)) = (&looked, sel.order.first()) {
         let event_fed = view
             .workers
@@ -256,8 +260,11 @@ pub fn decide(
             .is_some_and(|e| !e.runtime.approximate());
         if p.rule.pending_ttl_ms > 0 && event_fed && !l.keys.is_empty() {
             let ttl = std::time::Duration::from_millis(p.rule.pending_ttl_ms);
-            if let Err(e) = index.insert_approximate_for(first, &l.keys, ttl) {
-                tracing::debug!(worker = %first, error = %e, "routing-time holding skipped");
+            match index.insert_approximate_for(first, &l.keys, ttl) {
+                Ok(()) => pending = Some((first.clone(), ttl)),
+                Err(e) => {
+                    tracing::debug!(worker = %first, error = %e, "routing-time holding skipped")
+                }
             }
         }
     }
@@ -271,6 +278,7 @@ pub fn decide(
         output_tokens: l.output_tokens,
     });
     Ok(Decision {
+        pending,
         order: sel.order,
         reason: sel.reason,
         extra_fallbacks: extra,

@@ -76,12 +76,12 @@ fn sim_config(vocab_size: usize) -> SimConfig {
 
 struct Fleet {
     workers: Vec<RunningWorker>,
-    gateway: Option<gateway::RunningGateway>,
+    gateways: Vec<gateway::RunningGateway>,
 }
 
 impl Fleet {
     async fn stop(mut self) {
-        if let Some(mut g) = self.gateway.take() {
+        for mut g in self.gateways.drain(..) {
             let _ = tokio::task::spawn_blocking(move || g.shutdown()).await;
         }
         for w in self.workers.drain(..) {
@@ -123,8 +123,64 @@ fn rules_toml(
     s
 }
 
+/// A `redis-server` the bench starts for its cluster-mode fleets (ephemeral port, no
+/// persistence); killed on drop.
+struct RedisServer {
+    child: std::process::Child,
+    url: String,
+}
+
+impl RedisServer {
+    fn start() -> anyhow::Result<RedisServer> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context(
+                "starting redis-server (install Debian's redis-server; scripts/setup.sh does)",
+            )?;
+        let mut r = RedisServer {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if std::time::Instant::now() > deadline {
+                let _ = r.child.kill();
+                anyhow::bail!("redis-server did not start on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(r)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `gateways` replicas (cluster mode on `cluster` = (Redis URL, key prefix) when more than
+/// one) in front of `n` simulated workers.
 async fn start_fleet(
     n: usize,
+    gateways: usize,
+    cluster: Option<(&str, &str)>,
     dir: &Path,
     model_path: &Path,
     profile: &PromptProfile,
@@ -132,11 +188,13 @@ async fn start_fleet(
 ) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet {
         workers: Vec::with_capacity(n),
-        gateway: None,
+        gateways: Vec::new(),
     };
-    let gateway_key = KeyPair::generate();
+    let keys: Vec<KeyPair> = (0..gateways.max(1)).map(|_| KeyPair::generate()).collect();
     let mut gateway_keys = receipts::KeyRing::new();
-    gateway_keys.insert("gateway", gateway_key.public().clone());
+    for (g, k) in keys.iter().enumerate() {
+        gateway_keys.insert(format!("gw{g}"), k.public().clone());
+    }
     let result = async {
         for i in 0..n {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -168,11 +226,20 @@ async fn start_fleet(
             &rules_path,
             rules_toml(profile, model_path, &fleet.workers, rule),
         )?;
-        let mut gcfg = gateway::GatewayConfig::new(&rules_path, gateway_key);
-        gcfg.watch_rules = false;
-        gcfg.threads = 2;
-        let g = tokio::task::spawn_blocking(move || gateway::spawn(gcfg)).await??;
-        fleet.gateway = Some(g);
+        for (g, key) in keys.iter().enumerate() {
+            let mut gcfg = gateway::GatewayConfig::new(&rules_path, key.clone());
+            gcfg.gateway_id = format!("gw{g}");
+            gcfg.watch_rules = false;
+            gcfg.threads = 2;
+            if let Some((url, prefix)) = cluster {
+                let mut c = gateway::cluster::ClusterSettings::new(url);
+                c.prefix = prefix.to_string();
+                c.lease = Duration::from_millis(1000);
+                gcfg.cluster = Some(c);
+            }
+            let g = tokio::task::spawn_blocking(move || gateway::spawn(gcfg)).await??;
+            fleet.gateways.push(g);
+        }
         anyhow::Ok(())
     }
     .await;
@@ -233,6 +300,85 @@ pub fn fleet_verdicts(kind: WorkloadKind, s: &[Summary]) -> Vec<Verdict> {
     out
 }
 
+/// Mean route-decision time (seconds) over every request the gateways decided, from their
+/// `kvgate_gateway_route_decision_seconds` histograms (admin `/metrics`).
+async fn mean_decision_seconds(client: &reqwest::Client, fleet: &Fleet) -> Option<f64> {
+    let (mut sum, mut count) = (0.0, 0.0);
+    for g in &fleet.gateways {
+        let text = client
+            .get(format!("http://{}/metrics", g.admin_addr))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        for line in text.lines() {
+            let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if line.starts_with("kvgate_gateway_route_decision_seconds_sum") {
+                sum += value().unwrap_or(0.0);
+            } else if line.starts_with("kvgate_gateway_route_decision_seconds_count") {
+                count += value().unwrap_or(0.0);
+            }
+        }
+    }
+    (count > 0.0).then(|| sum / count)
+}
+
+/// The targets of a replicated run (`--gateways G`, G > 1) against the single-gateway run of
+/// the same policy: hit rate ≥ 0.95× one gateway's, TTFT p50 ≤ 1.1× it, no worker above 1.5× the
+/// mean share, and the route decision (with the fleet's shared load) ≤ 1.3× one gateway's.
+pub fn replica_verdicts(
+    single: &Summary,
+    replicated: &Summary,
+    decision: (Option<f64>, Option<f64>),
+) -> Vec<Verdict> {
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        (Some(_), Some(_)) => Some(1.0),
+        _ => None,
+    };
+    vec![
+        report::judge(
+            format!(
+                "{} hit rate / {} hit rate >= 0.95",
+                replicated.label, single.label
+            ),
+            ratio(replicated.hit_rate, single.hit_rate),
+            false,
+            0.95,
+            &[replicated, single],
+        ),
+        report::judge(
+            format!(
+                "{} TTFT p50 / {} TTFT p50 <= 1.1",
+                replicated.label, single.label
+            ),
+            ratio(replicated.ttft.map(|p| p.p50), single.ttft.map(|p| p.p50)),
+            true,
+            1.1,
+            &[replicated, single],
+        ),
+        report::judge(
+            format!("{} max worker share / mean share <= 1.5", replicated.label),
+            replicated.max_share_over_mean,
+            true,
+            1.5,
+            &[replicated],
+        ),
+        report::judge(
+            format!(
+                "{} mean route decision / {} mean route decision <= 1.3",
+                replicated.label, single.label
+            ),
+            ratio(decision.1, decision.0),
+            true,
+            1.3,
+            &[replicated, single],
+        ),
+    ]
+}
+
 /// What a fleet run measures (from the `kvgate bench --fleet` flags).
 pub struct FleetRun<'a> {
     /// Workloads, one comparison each.
@@ -249,11 +395,18 @@ pub struct FleetRun<'a> {
     pub request_timeout: u64,
     /// Where records and summaries go.
     pub out: &'a std::path::Path,
+    /// Gateway replicas (`--gateways G`): with G > 1, `kv_exact` on one gateway against
+    /// `kv_exact` on G replicas in cluster mode (a `redis-server` the bench starts), requests
+    /// spread over the replicas in turn.
+    pub gateways: usize,
 }
 
 /// Runs every workload of `args` against `n` simulated workers under each policy.
 pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
-    let model_path = default_model_path();
+    // Absolute: the rules file (and, in cluster mode, its copy in Redis) names it, and relative
+    // profile paths resolve against the rules file's folder.
+    let model_path =
+        std::fs::canonicalize(default_model_path()).unwrap_or_else(|_| default_model_path());
     let profile = PromptProfile::from_gguf(&model_path).with_context(|| {
         format!(
             "loading the prompt profile from {} (run scripts/fetch-model.sh)",
@@ -264,22 +417,55 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
         .pool_max_idle_per_host(64)
         .build()?;
     let mut failed = false;
-    println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, kv_in_flight, oracle");
+    let g = args.gateways.max(1);
+    // (label, rule, gateways)
+    let runs: Vec<(String, &str, usize)> = if g == 1 {
+        println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, kv_in_flight, oracle");
+        POLICIES
+            .iter()
+            .map(|(l, r)| (l.to_string(), *r, 1))
+            .collect()
+    } else {
+        println!(
+            "fleet: {n} simulated workers; kv_exact behind 1 gateway vs {g} replicas sharing Redis"
+        );
+        let kv = POLICIES[1].1;
+        vec![
+            ("kv_exact".to_string(), kv, 1),
+            (format!("kv_exact_{g}gw"), kv, g),
+        ]
+    };
+    let redis = if g > 1 {
+        Some(RedisServer::start()?)
+    } else {
+        None
+    };
     for kind in args.workload {
         let mut summaries = Vec::new();
         let mut records = Vec::new();
-        for (label, rule) in POLICIES {
+        let mut decisions = Vec::new();
+        for (i, (label, rule, gws)) in runs.iter().enumerate() {
             let tmp = tempfile::tempdir()?;
-            let fleet = start_fleet(n, tmp.path(), &model_path, &profile, rule).await?;
-            let target = match &fleet.gateway {
-                Some(g) => format!("http://{}", g.listen_addr),
-                None => anyhow::bail!("gateway did not start"),
+            let prefix = format!("bench-{}-{i}-{}", kind.as_str(), rand::random::<u32>());
+            let cluster = match (&redis, *gws > 1) {
+                (Some(r), true) => Some((r.url.as_str(), prefix.as_str())),
+                _ => None,
             };
+            let fleet =
+                start_fleet(n, *gws, cluster, tmp.path(), &model_path, &profile, rule).await?;
+            let targets: Vec<String> = fleet
+                .gateways
+                .iter()
+                .map(|g| format!("http://{}", g.listen_addr))
+                .collect();
+            if targets.is_empty() {
+                anyhow::bail!("no gateway started");
+            }
             let wave = run_wave(
                 &client,
                 WaveSpec {
                     label,
-                    target: &target,
+                    targets: &targets,
                     model: args.model,
                     kind: *kind,
                     plans: workload::plan(*kind, args.shape),
@@ -290,6 +476,7 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
                 },
             )
             .await;
+            decisions.push(mean_decision_seconds(&client, &fleet).await);
             fleet.stop().await;
             let pool: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
             summaries.push(report::summarize(
@@ -301,9 +488,31 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             ));
             records.extend(wave.records);
         }
-        let verdicts = fleet_verdicts(*kind, &summaries);
-        println!("\n== {} (fleet sim:{n})", kind.as_str());
-        let dir = args.out.join(format!("fleet-sim-{n}")).join(kind.as_str());
+        let verdicts = if g == 1 {
+            fleet_verdicts(*kind, &summaries)
+        } else {
+            for (s, d) in summaries.iter().zip(&decisions) {
+                println!(
+                    "  {}: mean route decision {}",
+                    s.label,
+                    d.map_or("n/a".into(), |d| format!("{:.1} µs", d * 1e6))
+                );
+            }
+            replica_verdicts(&summaries[0], &summaries[1], (decisions[0], decisions[1]))
+        };
+        let gsuffix = if g > 1 {
+            format!(" x{g} gateways")
+        } else {
+            String::new()
+        };
+        println!("\n== {} (fleet sim:{n}{gsuffix})", kind.as_str());
+        let dir = if g > 1 {
+            args.out
+                .join(format!("fleet-sim-{n}-gw{g}"))
+                .join(kind.as_str())
+        } else {
+            args.out.join(format!("fleet-sim-{n}")).join(kind.as_str())
+        };
         failed |= !report::print_and_write(&dir, &records, &summaries, &verdicts)?;
     }
     Ok(if failed {

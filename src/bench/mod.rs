@@ -20,7 +20,9 @@ use workload::{SessionPlan, WorkloadKind};
 /// How one wave is run.
 pub struct WaveSpec<'a> {
     pub label: &'a str,
-    pub target: &'a str,
+    /// Base URLs; requests are spread over them in turn, as a VIP spreads them over gateway
+    /// replicas (one target: all go there).
+    pub targets: &'a [String],
     pub model: &'a str,
     pub kind: WorkloadKind,
     pub plans: Vec<SessionPlan>,
@@ -71,11 +73,14 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
         None
     };
     let mut tasks = tokio::task::JoinSet::new();
+    let next_target = Arc::new(AtomicUsize::new(0));
+    let targets: Arc<Vec<String>> = Arc::new(spec.targets.to_vec());
     for plan in spec.plans {
         let client = client.clone();
         let sem = sem.clone();
         let done = done.clone();
-        let target = spec.target.to_string();
+        let targets = targets.clone();
+        let next_target = next_target.clone();
         let model = spec.model.to_string();
         let label = spec.label.to_string();
         let workload = spec.kind.as_str().to_string();
@@ -124,6 +129,8 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
                     answer: String::new(),
                 };
                 let remaining = deadline.saturating_duration_since(Instant::now());
+                let i = next_target.fetch_add(1, Ordering::Relaxed) % targets.len().max(1);
+                let target = targets.get(i).cloned().unwrap_or_default();
                 let call = ChatCall {
                     base_url: &target,
                     model: &model,

@@ -18,6 +18,11 @@ pub struct Args {
     /// workload under round_robin, kv_exact and an oracle.
     #[arg(long, conflicts_with = "engine_model")]
     pub fleet: Option<String>,
+    /// With --fleet: gateway replicas. G > 1 compares kv_exact behind one gateway with kv_exact
+    /// behind G replicas in cluster mode (a redis-server the bench starts), requests spread
+    /// over the replicas in turn.
+    #[arg(long, default_value_t = 1)]
+    pub gateways: usize,
     /// Engine benchmark on a GGUF model (no HTTP): single-stream prefill and decode tok/s,
     /// aggregate decode at 1/4/8/16 streams, cached vs uncached prefill of a 1,040-token prompt.
     #[arg(long, conflicts_with = "target")]
@@ -88,6 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 max_seconds: args.max_seconds,
                 request_timeout: args.request_timeout,
                 out: &args.out,
+                gateways: args.gateways,
             };
             return crate::bench::fleet::run(n, &run).await;
         }
@@ -122,7 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     &client,
                     WaveSpec {
                         label,
-                        target: &target,
+                        targets: std::slice::from_ref(&target),
                         model,
                         kind: *kind,
                         plans: workload::plan(*kind, &args.shape),
