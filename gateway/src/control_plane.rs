@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use prefix_index::WorkerId;
 use routing_rules::schema::{Rule, RulesFile, ServiceSpec};
 use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError};
+use sha2::Digest;
 
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
@@ -451,13 +452,25 @@ impl ControlPlane {
     /// Builds a view from the store's current snapshot and installs it; syncs background tasks.
     pub fn install_current(&self, fetched: &FetchedProfiles) -> Result<(), GatewayError> {
         let base = self.store.snapshot();
-        let snap = if self.registered.lock().is_empty() {
-            base
-        } else {
-            Arc::new(
-                RuleSnapshot::build(self.effective(base.rules()), base.version())
+        let snap = match self.cluster() {
+            None if self.registered.lock().is_empty() => base,
+            // Cluster mode: the registered workers join, and this replica's rotations start at
+            // its own offset (a hash of its id), so replicas do not all pick the same worker
+            // first.
+            cluster => {
+                let start = cluster.map_or(0, |l| {
+                    let d = sha2::Sha256::digest(l.replica_id().as_bytes());
+                    usize::from(d[0]) << 8 | usize::from(d[1])
+                });
+                Arc::new(
+                    RuleSnapshot::build_starting_at(
+                        self.effective(base.rules()),
+                        base.version(),
+                        start,
+                    )
                     .map_err(rules_error)?,
-            )
+                )
+            }
         };
         let profiles = self
             .profiles

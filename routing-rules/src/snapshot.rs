@@ -136,6 +136,16 @@ pub struct RuleSnapshot {
 impl RuleSnapshot {
     /// Validate `rules` and resolve them into a snapshot carrying `version`.
     pub fn build(rules: RulesFile, version: RuleVersion) -> Result<Self, RulesError> {
+        Self::build_starting_at(rules, version, 0)
+    }
+
+    /// [`Self::build`] with every policy's rotation starting at `start`
+    /// ([`crate::policy::build_starting_at`]).
+    pub fn build_starting_at(
+        rules: RulesFile,
+        version: RuleVersion,
+        start: usize,
+    ) -> Result<Self, RulesError> {
         let problems = validate(&rules);
         if !problems.is_empty() {
             return Err(RulesError::Invalid { problems });
@@ -194,7 +204,11 @@ impl RuleSnapshot {
                 ),
             };
             services.push(ServiceEntry {
-                policy: policy::build(&spec.rule, profile.as_ref().map_or(1, |p| p.block_size)),
+                policy: policy::build_starting_at(
+                    &spec.rule,
+                    profile.as_ref().map_or(1, |p| p.block_size),
+                    start,
+                ),
                 spec: spec.clone(),
                 workers: members,
                 profile,

@@ -79,6 +79,15 @@ impl KvExact {
     }
 }
 
+impl KvExact {
+    /// Starts the tie-break rotation at `start` (gateway replicas start apart, so that their
+    /// first ties do not all go to the same worker).
+    pub fn starting_at(self, start: usize) -> Self {
+        self.rotation.store(start, Ordering::Relaxed);
+        self
+    }
+}
+
 impl SelectionPolicy for KvExact {
     fn name(&self) -> &'static str {
         "kv_exact"

@@ -128,8 +128,15 @@ pub trait SelectionPolicy: Send + Sync + fmt::Debug {
 /// Build the policy of a rule. `block_size` is the tokens per block of the rule's profile
 /// (used by `kv_exact` to turn `min_match_tokens` into blocks; ignored by round robin).
 pub fn build(rule: &Rule, block_size: u32) -> Box<dyn SelectionPolicy> {
+    build_starting_at(rule, block_size, 0)
+}
+
+/// [`build`] with the rotation (round robin's next worker, kv_exact's tie-break) starting at
+/// `start`: gateway replicas in cluster mode each start at their own offset, so that their
+/// first decisions over an idle pool spread instead of all choosing its first worker.
+pub fn build_starting_at(rule: &Rule, block_size: u32, start: usize) -> Box<dyn SelectionPolicy> {
     match rule {
-        Rule::RoundRobin(r) => Box::new(RoundRobin::new(r.weighted)),
-        Rule::KvExact(k) => Box::new(KvExact::new(k, block_size)),
+        Rule::RoundRobin(r) => Box::new(RoundRobin::new(r.weighted).starting_at(start)),
+        Rule::KvExact(k) => Box::new(KvExact::new(k, block_size).starting_at(start)),
     }
 }

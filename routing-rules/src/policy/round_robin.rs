@@ -35,6 +35,12 @@ impl RoundRobin {
             weighted: weighted.then(|| Mutex::new(HashMap::new())),
         }
     }
+
+    /// Starts the rotation at `start` (unweighted; see [`super::build_starting_at`]).
+    pub fn starting_at(self, start: usize) -> Self {
+        self.next.store(start, Ordering::Relaxed);
+        self
+    }
 }
 
 impl SelectionPolicy for RoundRobin {
