@@ -253,9 +253,10 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
             .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
         None => KeyRing::new(),
     };
-    if args.require_ticket && gateway_keys.is_empty() {
+    if args.require_ticket && gateway_keys.is_empty() && args.register.is_none() {
         anyhow::bail!(
-            "--require-ticket needs --gateway-keys DIR with at least one gateway public key"
+            "--require-ticket needs --gateway-keys DIR with at least one gateway public key \
+             (or --register, which trusts the keys the gateway replicas publish)"
         );
     }
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
