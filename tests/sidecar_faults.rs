@@ -1,0 +1,193 @@
+//! `kvgate sidecar` against a hostile engine (an in-test HTTP server that misbehaves on
+//! purpose): nothing the engine sends crashes the sidecar, grows its memory past its bounds or
+//! goes unreceipted, and the client always gets an answer it can tell apart.
+//! - a 200 that is not JSON: relayed unchanged, receipt `engine_answer_not_json`;
+//! - a whole answer over `max_answer_bytes`: 502 `engine_answer_too_large`, receipted;
+//! - an engine error (400 with an OpenAI error body): relayed, receipt with its code;
+//! - an SSE event that never ends (over `max_event_bytes`) and a stream cut before `[DONE]`:
+//!   in-band `engine_stream_broken`, receipted;
+//! - a client that goes away mid-stream: receipt 499 `client_disconnected`;
+//! then the whole log verifies.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures::StreamExt;
+use receipts::KeyPair;
+use worker::sidecar::SidecarConfig;
+
+fn sse(chunks: Vec<Bytes>, then_hang: bool) -> Response {
+    let s = futures::stream::iter(chunks.into_iter().map(Ok::<_, Infallible>));
+    let body = if then_hang {
+        Body::from_stream(s.chain(futures::stream::pending()))
+    } else {
+        Body::from_stream(s)
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .body(body)
+        .unwrap()
+}
+
+async fn hostile(body: Bytes) -> Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let chunk = |text: &str| {
+        Bytes::from(format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\n"
+        ))
+    };
+    match v["model"].as_str().unwrap_or("") {
+        "garbage" => (StatusCode::OK, "this is not json").into_response(),
+        "huge" => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            vec![b' '; 2 << 20],
+        )
+            .into_response(),
+        "error" => (
+            StatusCode::BAD_REQUEST,
+            [(header::CONTENT_TYPE, "application/json")],
+            r#"{"error":{"code":"bad_thing","message":"no"}}"#,
+        )
+            .into_response(),
+        "endless_event" => sse(
+            vec![
+                chunk("a"),
+                Bytes::from(format!("data: {}", "x".repeat(200_000))),
+            ],
+            true,
+        ),
+        "no_done" => sse(vec![chunk("a"), chunk("b")], false),
+        "slow" => sse(vec![chunk("a")], true),
+        _ => sse(vec![chunk("ok"), Bytes::from("data: [DONE]\n\n")], false),
+    }
+}
+
+#[test]
+fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key = KeyPair::generate();
+    let log = dir.path().join("receipts.jsonl");
+    rt.block_on(async {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_addr = engine.local_addr().unwrap();
+        let app = Router::new()
+            .route("/v1/chat/completions", post(hostile))
+            .route("/health", get(|| async { "ok" }));
+        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let mut cfg = SidecarConfig::new(
+            format!("http://{engine_addr}"),
+            "s1",
+            key.clone(),
+            log.clone(),
+        );
+        cfg.max_answer_bytes = 1 << 20;
+        cfg.max_event_bytes = 64 << 10;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let url = format!("http://{}/v1/chat/completions", sc.addr());
+        let http = reqwest::Client::new();
+        let ask = |model: &str, stream: bool| {
+            let body = serde_json::json!({"model": model, "stream": stream,
+                "messages": [{"role": "user", "content": "hi"}]});
+            http.post(&url)
+                .header("x-request-id", format!("req-{model}"))
+                .json(&body)
+                .send()
+        };
+
+        let r = ask("garbage", false).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "this is not json");
+
+        let r = ask("huge", false).await.unwrap();
+        assert_eq!(r.status(), 502);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "engine_answer_too_large");
+
+        let r = ask("error", false).await.unwrap();
+        assert_eq!(r.status(), 400);
+        assert!(r.text().await.unwrap().contains("bad_thing"));
+
+        for model in ["endless_event", "no_done"] {
+            let r = ask(model, true).await.unwrap();
+            assert_eq!(r.status(), 200);
+            let text = tokio::time::timeout(Duration::from_secs(10), r.text())
+                .await
+                .expect("the stream ends")
+                .unwrap();
+            assert!(text.contains("engine_stream_broken"), "{model}: {text}");
+            assert!(!text.contains("data: [DONE]"), "{model}: {text}");
+        }
+
+        // The client goes away after the first event.
+        let r = ask("slow", true).await.unwrap();
+        let mut body = r.bytes_stream();
+        let first = body.next().await.unwrap().unwrap();
+        assert!(first.starts_with(b"data: "));
+        drop(body);
+
+        let ok = ask("fine", true).await.unwrap();
+        assert!(ok.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+
+        // Every request above is receipted (the disconnect's once the sidecar noticed).
+        let receipt = |id: &str| {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| receipts::Receipt::from_line(l.as_bytes()).ok())
+                .find(|r| r.body.request_id == id)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while receipt("req-slow").is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no receipt for the disconnect"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let code = |id: &str| receipt(id).and_then(|r| r.body.error_code);
+        assert_eq!(
+            code("req-garbage").as_deref(),
+            Some("engine_answer_not_json")
+        );
+        assert_eq!(code("req-huge").as_deref(), Some("engine_answer_too_large"));
+        assert_eq!(receipt("req-huge").unwrap().body.status, 502);
+        assert_eq!(code("req-error").as_deref(), Some("bad_thing"));
+        assert_eq!(receipt("req-error").unwrap().body.status, 400);
+        assert_eq!(
+            code("req-endless_event").as_deref(),
+            Some("engine_stream_broken")
+        );
+        assert_eq!(code("req-no_done").as_deref(), Some("engine_stream_broken"));
+        assert_eq!(code("req-slow").as_deref(), Some("client_disconnected"));
+        assert_eq!(receipt("req-slow").unwrap().body.status, 499);
+        let fine = receipt("req-fine").unwrap();
+        assert_eq!(
+            (fine.body.status, fine.body.error_code.clone()),
+            (200, None)
+        );
+        assert_eq!(
+            fine.body.response_sha256,
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"ok"))
+        );
+
+        sc.shutdown().await;
+        server.abort();
+    });
+    let mut ring = receipts::KeyRing::new();
+    ring.insert("s1", key.public().clone());
+    let report = receipts::verify_log(&log, &ring).unwrap();
+    assert!(report.ok(), "{report:?}");
+    assert_eq!(report.valid, 7, "{report:?}");
+}
