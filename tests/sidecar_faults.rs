@@ -7,7 +7,8 @@
 //! - an SSE event that never ends (over `max_event_bytes`) and a stream cut before `[DONE]`:
 //!   in-band `engine_stream_broken`, receipted;
 //! - a client that goes away mid-stream: receipt 499 `client_disconnected`;
-//! then the whole log verifies.
+//!
+//! Then the whole log verifies.
 
 use std::convert::Infallible;
 use std::time::Duration;
