@@ -15,7 +15,7 @@ use prefix_index::{PrefixIndex, WorkerId};
 use receipts::{DecisionLog, DecisionRecord, PrecomputedSigner};
 
 use crate::limits::RateLimits;
-use crate::metrics::{Metrics, ModeLabels, WorkerLabels};
+use crate::metrics::{Metrics, WorkerLabels};
 use crate::request::RequestCtx;
 use crate::view::{EventStreamState, ViewCell};
 
@@ -185,14 +185,18 @@ impl DataPlane {
 
     /// End-of-request bookkeeping: metrics, decision log, approximate holdings.
     pub fn finish_request(&self, ctx: &mut RequestCtx) {
-        self.metrics.requests.get_or_create(&ctx.labels()).inc();
+        match &ctx.service {
+            Some(s) => {
+                s.handles(&self.metrics)
+                    .request(&self.metrics, ctx.current.as_ref(), ctx.status)
+            }
+            None => {
+                self.metrics.requests.get_or_create(&ctx.labels()).inc();
+            }
+        }
         if let (Some(fb), Some(dd), Some(s)) = (ctx.first_byte, ctx.decision_done, &ctx.service) {
-            self.metrics
-                .ttft_seconds
-                .get_or_create(&ModeLabels {
-                    service: s.name().to_owned(),
-                    mode: s.mode.as_str().to_owned(),
-                })
+            s.handles(&self.metrics)
+                .ttft
                 .observe(fb.saturating_duration_since(dd).as_secs_f64());
         }
         // Approximate holdings: a worker without an event stream is assumed to hold the blocks

@@ -267,6 +267,77 @@ impl Default for Metrics {
     }
 }
 
+/// One service's metric handles, resolved once (per service and rules version, on its first
+/// request) instead of building label strings and looking them up on every request. The
+/// per-(worker, status) request counters are resolved once per pair and kept here.
+#[derive(Debug)]
+pub struct ServiceHandles {
+    pub route_decision: Histogram,
+    pub ttft: Histogram,
+    pub lookup_tokens: Counter,
+    pub matched_tokens: Counter,
+    service: String,
+    rule: String,
+    mode: String,
+    requests: parking_lot::RwLock<
+        std::collections::HashMap<(Option<prefix_index::WorkerId>, Option<u16>), Counter>,
+    >,
+}
+
+impl ServiceHandles {
+    /// The handles of `service` (rule id `rule`, mode `mode`) in `m`.
+    pub fn resolve(m: &Metrics, service: &str, rule: &str, mode: &str) -> ServiceHandles {
+        let ml = ModeLabels {
+            service: service.to_owned(),
+            mode: mode.to_owned(),
+        };
+        let sl = ServiceLabels {
+            service: service.to_owned(),
+        };
+        ServiceHandles {
+            route_decision: m.route_decision_seconds.get_or_create(&ml).clone(),
+            ttft: m.ttft_seconds.get_or_create(&ml).clone(),
+            lookup_tokens: m.lookup_tokens.get_or_create(&sl).clone(),
+            matched_tokens: m.matched_tokens.get_or_create(&sl).clone(),
+            service: service.to_owned(),
+            rule: rule.to_owned(),
+            mode: mode.to_owned(),
+            requests: parking_lot::RwLock::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// Counts one finished request of this service, served by `worker` with `status`.
+    pub fn request(
+        &self,
+        m: &Metrics,
+        worker: Option<&prefix_index::WorkerId>,
+        status: Option<u16>,
+    ) {
+        let key = (worker.cloned(), status);
+        if let Some(c) = self.requests.read().get(&key) {
+            c.inc();
+            return;
+        }
+        let c = m
+            .requests
+            .get_or_create(&RequestLabels {
+                service: self.service.clone(),
+                rule: self.rule.clone(),
+                mode: self.mode.clone(),
+                worker: worker.map_or_else(|| "-".to_owned(), |w| w.0.clone()),
+                status: status.map_or_else(|| "0".to_owned(), |s| s.to_string()),
+            })
+            .clone();
+        c.inc();
+        let mut map = self.requests.write();
+        // Bounded by the pool's workers × the statuses seen; a pathological spread of statuses
+        // still only costs the label lookup again.
+        if map.len() < 4096 {
+            map.insert(key, c);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,7 +27,7 @@ use routing_rules::schema::{AuthPolicy, TenantSpec};
 
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
-use crate::metrics::{ModeLabels, ServiceLabels, TenantLimitLabels};
+use crate::metrics::TenantLimitLabels;
 use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
@@ -277,13 +277,9 @@ impl ProxyHttp for Proxy {
         };
         let decision_time = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
         ctx.decision_done = Some(Instant::now());
-        self.data
-            .metrics
-            .route_decision_seconds
-            .get_or_create(&ModeLabels {
-                service: service.name().to_owned(),
-                mode: service.mode.as_str().to_owned(),
-            })
+        service
+            .handles(&self.data.metrics)
+            .route_decision
             .observe(decision_time.as_secs_f64());
         let decision = match decided {
             Ok(d) => {
@@ -328,21 +324,11 @@ impl ProxyHttp for Proxy {
             self.data.metrics.fallback(&svc_name, l);
         }
         if let Some(p) = &decision.prompt {
-            let labels = ServiceLabels {
-                service: svc_name.clone(),
-            };
-            self.data
-                .metrics
-                .lookup_tokens
-                .get_or_create(&labels)
-                .inc_by(p.prompt_tokens as u64);
+            let h = service.handles(&self.data.metrics);
+            h.lookup_tokens.inc_by(p.prompt_tokens as u64);
             if let Some(first) = decision.order.first() {
                 let predicted = decision.predicted_tokens(first).unwrap_or(0);
-                self.data
-                    .metrics
-                    .matched_tokens
-                    .get_or_create(&labels)
-                    .inc_by(u64::from(predicted));
+                h.matched_tokens.inc_by(u64::from(predicted));
             }
         }
         ctx.decision = Some(decision);

@@ -246,6 +246,8 @@ pub struct ServiceRoute {
     pub mode: RouteMode,
     /// Prefix routing (`kv_exact`): `None` for round robin.
     pub prefix: Option<PrefixRoute>,
+    /// Metric handles, resolved on the first request ([`ServiceRoute::handles`]).
+    handles: std::sync::OnceLock<crate::metrics::ServiceHandles>,
 }
 
 impl ServiceRoute {
@@ -266,6 +268,18 @@ impl ServiceRoute {
     /// The rule's selection policy (rotation state is per rules version).
     pub fn policy(&self) -> &dyn SelectionPolicy {
         self.entry().policy.as_ref()
+    }
+
+    /// This service's metric handles in `m` (resolved once per rules version).
+    pub fn handles(&self, m: &crate::metrics::Metrics) -> &crate::metrics::ServiceHandles {
+        self.handles.get_or_init(|| {
+            crate::metrics::ServiceHandles::resolve(
+                m,
+                self.name(),
+                &self.rule_id,
+                self.mode.as_str(),
+            )
+        })
     }
 
     /// The pinned profile of a prefix-routed service.
@@ -375,6 +389,7 @@ impl View {
                 pool: entry.workers.iter().map(|w| w.id.clone()).collect(),
                 mode,
                 prefix,
+                handles: std::sync::OnceLock::new(),
             }));
         }
         let mut tenants = HashMap::new();
