@@ -279,10 +279,11 @@ pub struct ServiceHandles {
     service: String,
     rule: String,
     mode: String,
-    requests: parking_lot::RwLock<
-        std::collections::HashMap<(Option<prefix_index::WorkerId>, Option<u16>), Counter>,
-    >,
+    requests: parking_lot::RwLock<std::collections::HashMap<RequestKey, Counter>>,
 }
+
+/// A request counter's varying labels within one service: the worker and the status.
+type RequestKey = (Option<prefix_index::WorkerId>, Option<u16>);
 
 impl ServiceHandles {
     /// The handles of `service` (rule id `rule`, mode `mode`) in `m`.
