@@ -1,0 +1,139 @@
+//! The engine against an implementation no one here wrote: llama.cpp's `llama-server` on the same
+//! GGUF (fixtures in `tests/fixtures/llamacpp/`, made by `scripts/make-llamacpp-fixtures.sh`
+//! outside CI). Teacher-forced: the engine reads each prompt and then llama.cpp's own greedy
+//! continuation one token at a time, and at every position its next-token distribution is
+//! compared with llama.cpp's top 5.
+//!
+//! The two are not bit-identical by design: llama.cpp quantizes activations to 8 bits for its
+//! Q4_1 products, this engine keeps them F32 (docs/benchmarks.md). The checks are what that
+//! allows, measured: at every position both top-5 sets share at least 3 tokens, every shared
+//! token's probability differs by at most 0.15 (the largest difference measured is printed; in
+//! log-probability the gap reaches 1.2 on an unlikely token, ≤ 0.6 on 47 of 48 positions), and
+//! the engine's most likely token is within llama.cpp's top 3 (SmolLM2's first answer token
+//! to "What is the capital of France?" is a near tie, "L" −1.85 vs "The" −2.09 in llama.cpp,
+//! "The" −1.88 vs "L" −1.96 here: the greedy continuations diverge at once, the distributions
+//! do not).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use engine::executor::{Executor, KvGeometry, SeqChunk};
+use engine::model::{LlamaExecutor, LlamaWeights, WeightFormat};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model_path() -> PathBuf {
+    let dir = std::env::var_os("KVGATE_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("models"));
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.is_file(), "model file {} is missing", p.display());
+    p
+}
+
+fn log_softmax_top(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&x| (x as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    idx.into_iter()
+        .take(k)
+        .map(|i| (i, logits[i as usize] as f64 - lse))
+        .collect()
+}
+
+#[test]
+fn next_token_distributions_agree_with_llama_cpp() {
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/llamacpp/smollm2-q4_1.json"))
+            .expect("fixture"),
+    )
+    .unwrap();
+    let weights = Arc::new(
+        LlamaWeights::load(
+            model_path(),
+            &candle_core::Device::Cpu,
+            WeightFormat::CPU_DEFAULT,
+        )
+        .unwrap(),
+    );
+    let block_size = 16;
+    let mut exec = LlamaExecutor::new(
+        weights,
+        KvGeometry {
+            block_size,
+            num_blocks: 16,
+        },
+    )
+    .unwrap();
+    let table: Vec<u32> = (0..16).collect();
+    let mut worst: f64 = 0.0;
+    let mut positions = 0;
+    for case in fixture["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let prompt: Vec<u32> = case["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let steps = case["steps"].as_array().unwrap();
+        let mut tokens = prompt.clone();
+        let mut done = 0;
+        for (k, step) in steps.iter().enumerate() {
+            let chunk = [SeqChunk {
+                tokens: &tokens[done..],
+                start_pos: done,
+                block_table: &table,
+                want_logits: true,
+            }];
+            let logits = exec.forward(&chunk).unwrap().remove(0).unwrap();
+            done = tokens.len();
+            let ours = log_softmax_top(&logits, 5);
+            let theirs: Vec<(u32, f64)> = step["top"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| (t[0].as_u64().unwrap() as u32, t[1].as_f64().unwrap()))
+                .collect();
+            let shared: Vec<(u32, f64)> = ours
+                .iter()
+                .filter_map(|(id, lp)| {
+                    theirs
+                        .iter()
+                        .find(|(t, _)| t == id)
+                        .map(|(_, their)| (*id, (lp.exp() - their.exp()).abs()))
+                })
+                .collect();
+            let at = format!("{name} position {k}: ours {ours:?}, llama.cpp {theirs:?}");
+            assert!(
+                shared.len() >= 3,
+                "top-5 overlap {} < 3 at {at}",
+                shared.len()
+            );
+            for (_, d) in &shared {
+                worst = worst.max(*d);
+                assert!(*d <= 0.15, "probability difference {d:.3} > 0.15 at {at}");
+            }
+            assert!(
+                theirs.iter().take(3).any(|(t, _)| *t == ours[0].0),
+                "our argmax {} is not in llama.cpp's top 3 at {at}",
+                ours[0].0
+            );
+            positions += 1;
+            // Teacher forcing: continue with llama.cpp's token.
+            tokens.push(step["id"].as_u64().unwrap() as u32);
+        }
+        // The next case starts again at position 0 and overwrites these KV slots.
+    }
+    println!(
+        "vs llama.cpp: {positions} positions compared, largest probability difference on shared top-5 tokens {worst:.3}"
+    );
+}
