@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Writes tests/fixtures/llamacpp/smollm2-q4_1.json: llama.cpp's greedy continuations and top-5
-# log-probabilities for a few prompts of the default model (scripts/llamacpp-reference.py), the
-# independent reference tests/engine_vs_llamacpp.rs compares the engine with. Outside CI (builds
-# llama.cpp once, ~15-35 min on 2 cores; scripts/build-llamacpp.sh). The JSON is committed.
+# Writes the llama.cpp reference fixtures engine/tests/vs_llamacpp.rs compares the engine with
+# (scripts/llamacpp-reference.py: greedy continuations and top-5 log-probabilities):
+#   tests/fixtures/llamacpp/smollm2-q4_1.json  the default model, 4 chat prompts;
+#   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama qwen2 qwen3: a small GGUF with
+#     deterministic random F32 weights and SmolLM2's tokenizer (engine/examples/tiny_gguf.rs; the
+#     test regenerates it and checks its SHA-256), 3 prompts of token ids.
+# Outside CI (builds llama.cpp once, ~15-35 min on 2 cores; scripts/build-llamacpp.sh). The JSON
+# files are committed; no weights are.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -30,3 +34,25 @@ ids() { # name, messages json
 } | "$py" scripts/llamacpp-reference.py --server "http://127.0.0.1:$port" --model "$model" \
       --out tests/fixtures/llamacpp/smollm2-q4_1.json --command "./scripts/make-llamacpp-fixtures.sh"
 echo "wrote tests/fixtures/llamacpp/smollm2-q4_1.json"
+kill $pid 2>/dev/null || true
+wait $pid 2>/dev/null || true
+
+cargo build --quiet --workspace --example tiny_gguf
+tmp="$(mktemp -d)"
+for arch in llama qwen2 qwen3; do
+  "$root/target/debug/examples/tiny_gguf" "$arch" "$model" "$tmp/tiny-$arch.gguf"
+  "$bin/llama-server" -m "$tmp/tiny-$arch.gguf" --host 127.0.0.1 --port "$port" -t 2 -c 2048 \
+    --no-webui >/tmp/make-llamacpp-fixtures-$arch.log 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do curl -fs "127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  printf '%s\n' \
+    '{"name": "short", "ids": [1, 9690, 198, 2683, 359, 253, 5356]}' \
+    '{"name": "mid", "ids": [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]}' \
+    '{"name": "long", "ids": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777, 888, 999, 1111, 2222, 3333, 4444, 5555, 6666, 7777, 8888, 9999, 12345, 23456, 34567, 45678, 40000, 30000, 20000, 10000, 5000, 2500, 1250]}' \
+    | "$py" scripts/llamacpp-reference.py --server "http://127.0.0.1:$port" --model "$tmp/tiny-$arch.gguf" \
+        --n-predict 8 --out "tests/fixtures/llamacpp/tiny-$arch.json" --command "./scripts/make-llamacpp-fixtures.sh"
+  kill $pid 2>/dev/null || true
+  wait $pid 2>/dev/null || true
+  echo "wrote tests/fixtures/llamacpp/tiny-$arch.json"
+done
+rm -rf "$tmp"

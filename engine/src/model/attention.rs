@@ -581,6 +581,22 @@ pub(crate) fn rope_interleaved(x: &mut [f32], heads: usize, head_dim: usize, cos
     }
 }
 
+/// RoPE on the two halves of every head (llama.cpp's NEOX style, `qwen2`/`qwen3`): element `i`
+/// and `i + head_dim/2` rotate together by frequency `i`. `cos_sin` as for
+/// [`rope_interleaved`].
+pub(crate) fn rope_halves(x: &mut [f32], heads: usize, head_dim: usize, cos_sin: &[f32]) {
+    let half = head_dim / 2;
+    for h in 0..heads {
+        let xh = &mut x[h * head_dim..][..head_dim];
+        for i in 0..half {
+            let (c, s) = (cos_sin[2 * i], cos_sin[2 * i + 1]);
+            let (x0, x1) = (xh[i], xh[i + half]);
+            xh[i] = x0 * c - x1 * s;
+            xh[i + half] = x0 * s + x1 * c;
+        }
+    }
+}
+
 /// `[cos, sin]` interleaved for every frequency of a head at position `pos`.
 pub(crate) fn rope_cos_sin(pos: usize, head_dim: usize, base: f32, out: &mut Vec<f32>) {
     let half = head_dim / 2;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use super::attention::{
-    paged_attention, rope_cos_sin, rope_interleaved, AttnShape, ChunkSlots, KvLayout,
+    paged_attention, rope_cos_sin, rope_halves, rope_interleaved, AttnShape, ChunkSlots, KvLayout,
 };
 use super::weights::LlamaWeights;
 use crate::executor::{Executor, KvGeometry, SeqChunk};
@@ -197,12 +197,30 @@ impl LlamaExecutor {
                 )));
             }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            let halves = cfg.arch.rope_halves();
             for l in &layouts {
                 for i in 0..l.len {
                     let t = l.token_offset + i;
                     let row = &mut qkv[t * qkv_width..][..qkv_width];
+                    if let Some(b) = &layer.qkv_bias {
+                        for (x, bias) in row.iter_mut().zip(b) {
+                            *x += bias;
+                        }
+                    }
+                    if let Some((qn, kn)) = &layer.qk_norm {
+                        let mut tmp = vec![0f32; d];
+                        for (h, head) in row[..q_width + kv_width].chunks_exact_mut(d).enumerate() {
+                            let alpha = if h < hq { qn } else { kn };
+                            rms_norm(head, alpha, cfg.rms_eps, &mut tmp);
+                            head.copy_from_slice(&tmp);
+                        }
+                    }
                     let cs = &cos_sin[t * d..][..d];
-                    rope_interleaved(&mut row[..q_width + kv_width], hq + hk, d, cs);
+                    if halves {
+                        rope_halves(&mut row[..q_width + kv_width], hq + hk, d, cs);
+                    } else {
+                        rope_interleaved(&mut row[..q_width + kv_width], hq + hk, d, cs);
+                    }
                     let (k, v) = row[q_width..].split_at(kv_width);
                     kv_layout.write(kc, vc, l.slots[l.start_pos + i], k, v);
                 }

@@ -24,6 +24,7 @@ pub mod executor;
 pub(crate) mod gemm;
 pub(crate) mod packed;
 pub mod reference;
+pub mod tiny;
 pub mod weights;
 
 pub use bench::{run_engine_bench, EngineBenchConfig, EngineBenchReport};

@@ -17,6 +17,14 @@ pub fn last_logits(weights: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, E
 }
 
 fn last_logits_inner(w: &LlamaWeights, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    if w.config().arch != super::weights::Architecture::Llama {
+        // Biases, q/k norms and half-rotation RoPE are not in this oracle; other architectures
+        // are checked against llama.cpp (engine/tests/vs_llamacpp.rs).
+        return Err(EngineError::Model(format!(
+            "the reference forward covers the llama architecture only, not {:?}",
+            w.config().arch
+        )));
+    }
     if tokens.is_empty() {
         return Err(EngineError::InvalidRequest("empty sequence".into()));
     }

@@ -28,6 +28,8 @@ use crate::EngineError;
 /// Architecture parameters of a Llama-family model, read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// `general.architecture`, resolved.
+    pub arch: Architecture,
     /// Transformer blocks (`{arch}.block_count`).
     pub n_layer: usize,
     /// Model width (`{arch}.embedding_length`).
@@ -48,6 +50,40 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Rows of the logits (the embedding matrix's row count; checked against the token list).
     pub vocab_size: usize,
+}
+
+/// The decoder architectures this engine runs (`general.architecture`). All are the Llama
+/// block — RMSNorm, grouped-query attention with RoPE, SiLU-gated FFN — with these differences,
+/// read from the file rather than guessed:
+/// - `llama` (also `mistral`): RoPE on adjacent pairs (llama.cpp's "normal" RoPE; the GGUF
+///   converter permutes Q/K rows to match);
+/// - `qwen2`: RoPE on the two halves of each head (llama.cpp's NEOX RoPE), and Q/K/V biases
+///   (`blk.N.attn_{q,k,v}.bias`);
+/// - `qwen3`: NEOX RoPE, an RMSNorm over each query and key head before RoPE
+///   (`blk.N.attn_{q,k}_norm.weight`, one `head_dim` vector shared by the heads), no biases,
+///   and a head size that need not be `hidden / heads` (`attention.key_length`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    /// From `general.architecture`.
+    pub fn from_name(name: &str) -> Option<Architecture> {
+        match name {
+            "llama" | "mistral" => Some(Architecture::Llama),
+            "qwen2" => Some(Architecture::Qwen2),
+            "qwen3" => Some(Architecture::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// Whether RoPE rotates the two halves of a head (NEOX) instead of adjacent pairs.
+    pub fn rope_halves(self) -> bool {
+        matches!(self, Architecture::Qwen2 | Architecture::Qwen3)
+    }
 }
 
 /// How matrices are stored for the matmuls.
@@ -278,6 +314,10 @@ pub(crate) struct LayerWeights {
     pub(crate) ffn_norm: Tensor,
     pub(crate) w_gate_up: Linear,
     pub(crate) w_down: Linear,
+    /// Q|K|V biases (`qwen2`), `[q_width + 2 kv_width]`, added after the projection.
+    pub(crate) qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of queries and keys (`qwen3`), `[head_dim]` each.
+    pub(crate) qk_norm: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// A loaded Llama-architecture model: read-only, shareable (`Arc<LlamaWeights>`).
@@ -360,11 +400,11 @@ impl LlamaConfig {
                 .clone(),
             None => "llama".to_string(),
         };
-        if !matches!(arch.as_str(), "llama" | "mistral") {
+        let Some(architecture) = Architecture::from_name(&arch) else {
             return Err(EngineError::Model(format!(
-                "unsupported architecture `{arch}` (expected a Llama-family GGUF)"
+                "unsupported architecture `{arch}` (this engine runs llama, mistral, qwen2 and qwen3)"
             )));
-        }
+        };
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = meta_usize(content, &k("embedding_length"))?;
         let n_head = meta_usize(content, &k("attention.head_count"))?;
@@ -399,6 +439,7 @@ impl LlamaConfig {
             }
         }
         Ok(LlamaConfig {
+            arch: architecture,
             n_layer: meta_usize(content, &k("block_count"))?,
             hidden,
             n_head,
@@ -552,7 +593,43 @@ impl LlamaWeights {
             let (down, down_q) = r.dense(&p("ffn_down"))?;
             let attn_norm = r.dense(&p("attn_norm"))?.0;
             let ffn_norm = r.dense(&p("ffn_norm"))?.0;
+            let vec_of = |r: &mut GgufReader<'_>,
+                          name: String,
+                          len: usize|
+             -> Result<Vec<f32>, EngineError> {
+                let v: Vec<f32> = r.dense(&name)?.0.flatten_all()?.to_vec1()?;
+                if v.len() != len {
+                    return Err(EngineError::Model(format!(
+                        "`{name}` has {} values, expected {len}",
+                        v.len()
+                    )));
+                }
+                Ok(v)
+            };
+            let (qw, kw) = (
+                config.n_head * config.head_dim,
+                config.n_kv_head * config.head_dim,
+            );
+            let qkv_bias = if config.arch == Architecture::Qwen2 {
+                let b = |s: &str| format!("blk.{i}.{s}.bias");
+                let mut v = vec_of(&mut r, b("attn_q"), qw)?;
+                v.extend(vec_of(&mut r, b("attn_k"), kw)?);
+                v.extend(vec_of(&mut r, b("attn_v"), kw)?);
+                Some(v)
+            } else {
+                None
+            };
+            let qk_norm = if config.arch == Architecture::Qwen3 {
+                Some((
+                    vec_of(&mut r, p("attn_q_norm"), config.head_dim)?,
+                    vec_of(&mut r, p("attn_k_norm"), config.head_dim)?,
+                ))
+            } else {
+                None
+            };
             layers.push(LayerWeights {
+                qkv_bias,
+                qk_norm,
                 attn_norm_host: attn_norm.to_vec1()?,
                 ffn_norm_host: ffn_norm.to_vec1()?,
                 attn_norm: attn_norm.to_device(device)?,
