@@ -2,8 +2,9 @@
 # Writes the llama.cpp reference fixtures engine/tests/vs_llamacpp.rs compares the engine with
 # (scripts/llamacpp-reference.py: greedy continuations and top-5 log-probabilities):
 #   tests/fixtures/llamacpp/smollm2-q4_1.json  the default model, 4 chat prompts;
-#   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama qwen2 qwen3: a small GGUF with
-#     deterministic random F32 weights and SmolLM2's tokenizer (engine/examples/tiny_gguf.rs; the
+#   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama llama3 qwen2 qwen3 phi3: a small GGUF with
+#     deterministic random F32 weights and SmolLM2's tokenizer (phi3: llama.cpp's phi-3
+#     vocabulary, which its phi3 loader insists on) (engine/examples/tiny_gguf.rs; the
 #     test regenerates it and checks its SHA-256), 3 prompts of token ids.
 # Outside CI (builds llama.cpp once, ~15-35 min on 2 cores; scripts/build-llamacpp.sh). The JSON
 # files are committed; no weights are.
@@ -39,8 +40,11 @@ wait $pid 2>/dev/null || true
 
 cargo build --quiet --workspace --example tiny_gguf
 tmp="$(mktemp -d)"
-for arch in llama qwen2 qwen3; do
-  "$root/target/debug/examples/tiny_gguf" "$arch" "$model" "$tmp/tiny-$arch.gguf"
+vocabs="$(./scripts/fetch-fixtures.sh)"   # llama.cpp's vocabulary GGUFs (phi3 needs its own)
+for arch in llama llama3 qwen2 qwen3 phi3; do
+  tok="$model"
+  [ "$arch" = phi3 ] && tok="$vocabs/ggml-vocab-phi-3.gguf"
+  "$root/target/debug/examples/tiny_gguf" "$arch" "$tok" "$tmp/tiny-$arch.gguf"
   "$bin/llama-server" -m "$tmp/tiny-$arch.gguf" --host 127.0.0.1 --port "$port" -t 2 -c 2048 \
     --no-webui >/tmp/make-llamacpp-fixtures-$arch.log 2>&1 &
   pid=$!
@@ -48,7 +52,7 @@ for arch in llama qwen2 qwen3; do
   printf '%s\n' \
     '{"name": "short", "ids": [1, 9690, 198, 2683, 359, 253, 5356]}' \
     '{"name": "mid", "ids": [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]}' \
-    '{"name": "long", "ids": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777, 888, 999, 1111, 2222, 3333, 4444, 5555, 6666, 7777, 8888, 9999, 12345, 23456, 34567, 45678, 40000, 30000, 20000, 10000, 5000, 2500, 1250]}' \
+    '{"name": "long", "ids": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777, 888, 999, 1111, 2222, 3333, 4444, 5555, 6666, 7777, 8888, 9999, 12345, 23456, 31234, 25678, 30500, 30000, 20000, 10000, 5000, 2500, 1250]}' \
     | "$py" scripts/llamacpp-reference.py --server "http://127.0.0.1:$port" --model "$tmp/tiny-$arch.gguf" \
         --n-predict 8 --out "tests/fixtures/llamacpp/tiny-$arch.json" --command "./scripts/make-llamacpp-fixtures.sh"
   kill $pid 2>/dev/null || true

@@ -152,7 +152,22 @@ fn tiny_arch_agrees(arch: &str) {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("tiny-{arch}.gguf"));
-    engine::model::tiny::write_tiny_gguf(arch, &model_path(), &path).unwrap();
+    let tokenizer = if arch == "phi3" {
+        // llama.cpp's phi3 loader wants the Phi-3 vocabulary (scripts/fetch-fixtures.sh).
+        let dir = std::env::var_os("KVGATE_FIXTURES_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root().join(".cache/fixtures"));
+        let p = dir.join("llama.cpp/models/ggml-vocab-phi-3.gguf");
+        assert!(
+            p.is_file(),
+            "{} is missing: run scripts/fetch-fixtures.sh (scripts/setup.sh does)",
+            p.display()
+        );
+        p
+    } else {
+        model_path()
+    };
+    engine::model::tiny::write_tiny_gguf(arch, &tokenizer, &path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let sha = {
         use sha2::Digest;
@@ -229,4 +244,14 @@ fn tiny_qwen2_agrees_with_llama_cpp() {
 #[test]
 fn tiny_qwen3_agrees_with_llama_cpp() {
     tiny_arch_agrees("qwen3");
+}
+
+#[test]
+fn tiny_llama3_rope_factors_agree_with_llama_cpp() {
+    tiny_arch_agrees("llama3");
+}
+
+#[test]
+fn tiny_phi3_agrees_with_llama_cpp() {
+    tiny_arch_agrees("phi3");
 }

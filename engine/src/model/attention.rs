@@ -569,7 +569,8 @@ mod avx512 {
 /// Applies interleaved RoPE (GGUF Llama convention: pairs `(x[2i], x[2i+1])` rotate by
 /// `pos · base^(-2i/d)`) in place to `heads` consecutive heads of `head_dim` at `x`.
 pub(crate) fn rope_interleaved(x: &mut [f32], heads: usize, head_dim: usize, cos_sin: &[f32]) {
-    let half = head_dim / 2;
+    // Partial rotary: only the first `cos_sin.len()` dimensions of a head rotate.
+    let half = (cos_sin.len() / 2).min(head_dim / 2);
     for h in 0..heads {
         let xh = &mut x[h * head_dim..][..head_dim];
         for i in 0..half {
@@ -585,7 +586,8 @@ pub(crate) fn rope_interleaved(x: &mut [f32], heads: usize, head_dim: usize, cos
 /// and `i + head_dim/2` rotate together by frequency `i`. `cos_sin` as for
 /// [`rope_interleaved`].
 pub(crate) fn rope_halves(x: &mut [f32], heads: usize, head_dim: usize, cos_sin: &[f32]) {
-    let half = head_dim / 2;
+    // Partial rotary: the first `cos_sin.len()` dimensions rotate, as halves of that span.
+    let half = (cos_sin.len() / 2).min(head_dim / 2);
     for h in 0..heads {
         let xh = &mut x[h * head_dim..][..head_dim];
         for i in 0..half {
@@ -598,11 +600,27 @@ pub(crate) fn rope_halves(x: &mut [f32], heads: usize, head_dim: usize, cos_sin:
 }
 
 /// `[cos, sin]` interleaved for every frequency of a head at position `pos`.
+#[cfg(test)]
 pub(crate) fn rope_cos_sin(pos: usize, head_dim: usize, base: f32, out: &mut Vec<f32>) {
-    let half = head_dim / 2;
+    rope_cos_sin_scaled(pos, head_dim, base, None, out)
+}
+
+/// [`rope_cos_sin`] over `rot_dims` rotated dimensions, each frequency divided by its factor
+/// when `factors` are given (llama.cpp's `rope_freqs`).
+pub(crate) fn rope_cos_sin_scaled(
+    pos: usize,
+    rot_dims: usize,
+    base: f32,
+    factors: Option<&[f32]>,
+    out: &mut Vec<f32>,
+) {
+    let half = rot_dims / 2;
     out.clear();
     for i in 0..half {
-        let inv_freq = 1.0 / f64::from(base).powf(2.0 * i as f64 / head_dim as f64);
+        let f = factors
+            .and_then(|f| f.get(i))
+            .map_or(1.0, |&f| f64::from(f));
+        let inv_freq = 1.0 / f64::from(base).powf(2.0 * i as f64 / rot_dims as f64) / f;
         let angle = pos as f64 * inv_freq;
         out.push(angle.cos() as f32);
         out.push(angle.sin() as f32);

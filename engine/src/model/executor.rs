@@ -20,7 +20,8 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use super::attention::{
-    paged_attention, rope_cos_sin, rope_halves, rope_interleaved, AttnShape, ChunkSlots, KvLayout,
+    paged_attention, rope_cos_sin_scaled, rope_halves, rope_interleaved, AttnShape, ChunkSlots,
+    KvLayout,
 };
 use super::weights::LlamaWeights;
 use crate::executor::{Executor, KvGeometry, SeqChunk};
@@ -150,12 +151,13 @@ impl LlamaExecutor {
             ids.extend_from_slice(c.tokens);
         }
         let total = ids.len();
-        // cos/sin of every token's position, [total, head_dim].
-        let mut cos_sin = Vec::with_capacity(total * d);
-        let mut buf = Vec::with_capacity(d);
+        // cos/sin of every token's position, [total, rope_dims].
+        let rd = cfg.rope_dims;
+        let mut cos_sin = Vec::with_capacity(total * rd);
+        let mut buf = Vec::with_capacity(rd);
         for l in &layouts {
             for p in l.start_pos..l.start_pos + l.len {
-                rope_cos_sin(p, d, cfg.rope_base, &mut buf);
+                rope_cos_sin_scaled(p, rd, cfg.rope_base, w.rope_freqs.as_deref(), &mut buf);
                 cos_sin.extend_from_slice(&buf);
             }
         }
@@ -215,7 +217,7 @@ impl LlamaExecutor {
                             head.copy_from_slice(&tmp);
                         }
                     }
-                    let cs = &cos_sin[t * d..][..d];
+                    let cs = &cos_sin[t * rd..][..rd];
                     if halves {
                         rope_halves(&mut row[..q_width + kv_width], hq + hk, d, cs);
                     } else {

@@ -33,7 +33,8 @@ impl Rng {
     }
 }
 
-/// Writes the model for `arch` (`llama`, `qwen2`, `qwen3`) with `tokenizer_from`'s tokenizer
+/// Writes the model for `arch` (`llama`, `llama3` — a llama file with RoPE frequency factors —
+/// `qwen2`, `qwen3`, `phi3` — fused QKV and gate/up, half the head rotated) with `tokenizer_from`'s tokenizer
 /// to `out`. Deterministic: the same inputs give the same bytes.
 pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<()> {
     let mut f = std::fs::File::open(tokenizer_from)?;
@@ -50,17 +51,24 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         _ => return Err("the tokenizer GGUF has no tokenizer.ggml.tokens".into()),
     };
     let (hidden, heads, kv_heads, ffn, layers) = (64usize, 4usize, 2usize, 128usize, 2usize);
-    let head_dim = if arch == "qwen3" { 32 } else { hidden / heads };
-    let rope_base = if arch == "llama" {
-        10_000.0f32
+    let variant = arch;
+    // `llama3` is a `llama` file with Llama 3.1-style RoPE frequency factors.
+    let arch = if variant == "llama3" {
+        "llama"
     } else {
-        1_000_000.0
+        variant
+    };
+    let head_dim = if arch == "qwen3" { 32 } else { hidden / heads };
+    let rope_base = match variant {
+        "llama" => 10_000.0f32,
+        "llama3" => 500_000.0,
+        _ => 1_000_000.0,
     };
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         (
             "general.name".into(),
-            Value::String(format!("kvgate tiny {arch}")),
+            Value::String(format!("kvgate tiny {variant}")),
         ),
         (format!("{arch}.context_length"), Value::U32(2048)),
         (
@@ -86,6 +94,13 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         ),
         (format!("{arch}.rope.freq_base"), Value::F32(rope_base)),
     ];
+    if arch == "phi3" {
+        // Partial rotary: half of each head rotates.
+        meta.push((
+            format!("{arch}.rope.dimension_count"),
+            Value::U32((head_dim / 2) as u32),
+        ));
+    }
     if arch == "qwen3" {
         meta.push((
             format!("{arch}.attention.key_length"),
@@ -98,7 +113,7 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
     }
     meta.extend(tok);
 
-    let mut rng = Rng(0x6b76_6761_7465 ^ arch.len() as u64);
+    let mut rng = Rng(0x6b76_6761_7465 ^ variant.len() as u64);
     let dev = Device::Cpu;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut add = |name: String, shape: &[usize], values: Vec<f32>| -> Result<()> {
@@ -116,21 +131,30 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         let p = |s: &str| format!("blk.{i}.{s}");
         let s_in = 1.0 / (hidden as f32).sqrt();
         add(p("attn_norm.weight"), &[hidden], norm(&mut rng, hidden))?;
-        add(
-            p("attn_q.weight"),
-            &[heads * head_dim, hidden],
-            rng.values(heads * head_dim * hidden, s_in),
-        )?;
-        add(
-            p("attn_k.weight"),
-            &[kv_heads * head_dim, hidden],
-            rng.values(kv_heads * head_dim * hidden, s_in),
-        )?;
-        add(
-            p("attn_v.weight"),
-            &[kv_heads * head_dim, hidden],
-            rng.values(kv_heads * head_dim * hidden, s_in),
-        )?;
+        if arch == "phi3" {
+            let rows = (heads + 2 * kv_heads) * head_dim;
+            add(
+                p("attn_qkv.weight"),
+                &[rows, hidden],
+                rng.values(rows * hidden, s_in),
+            )?;
+        } else {
+            add(
+                p("attn_q.weight"),
+                &[heads * head_dim, hidden],
+                rng.values(heads * head_dim * hidden, s_in),
+            )?;
+            add(
+                p("attn_k.weight"),
+                &[kv_heads * head_dim, hidden],
+                rng.values(kv_heads * head_dim * hidden, s_in),
+            )?;
+            add(
+                p("attn_v.weight"),
+                &[kv_heads * head_dim, hidden],
+                rng.values(kv_heads * head_dim * hidden, s_in),
+            )?;
+        }
         if arch == "qwen2" {
             add(
                 p("attn_q.bias"),
@@ -167,16 +191,24 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
             rng.values(hidden * heads * head_dim, s_o),
         )?;
         add(p("ffn_norm.weight"), &[hidden], norm(&mut rng, hidden))?;
-        add(
-            p("ffn_gate.weight"),
-            &[ffn, hidden],
-            rng.values(ffn * hidden, s_in),
-        )?;
-        add(
-            p("ffn_up.weight"),
-            &[ffn, hidden],
-            rng.values(ffn * hidden, s_in),
-        )?;
+        if arch == "phi3" {
+            add(
+                p("ffn_up.weight"),
+                &[2 * ffn, hidden],
+                rng.values(2 * ffn * hidden, s_in),
+            )?;
+        } else {
+            add(
+                p("ffn_gate.weight"),
+                &[ffn, hidden],
+                rng.values(ffn * hidden, s_in),
+            )?;
+            add(
+                p("ffn_up.weight"),
+                &[ffn, hidden],
+                rng.values(ffn * hidden, s_in),
+            )?;
+        }
         add(
             p("ffn_down.weight"),
             &[hidden, ffn],
@@ -188,6 +220,13 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         &[hidden],
         norm(&mut rng, hidden),
     )?;
+    if variant == "llama3" {
+        // Factors 1..8 over the frequencies, as Llama 3.1's scaling spans them.
+        let f: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 + 7.0 * i as f32 / (head_dim / 2 - 1) as f32)
+            .collect();
+        add("rope_freqs.weight".into(), &[head_dim / 2], f)?;
+    }
     // An untied head: with the embedding as head, the last input token's own row dominates and
     // every distribution is a near-certain repeat, which would test little.
     add(

@@ -44,6 +44,9 @@ pub struct LlamaConfig {
     pub ffn: usize,
     /// RoPE base (`{arch}.rope.freq_base`, default 10000).
     pub rope_base: f32,
+    /// Rotated dimensions of each head (`{arch}.rope.dimension_count`, default `head_dim`;
+    /// even, ≤ `head_dim`).
+    pub rope_dims: usize,
     /// RMSNorm epsilon (`{arch}.attention.layer_norm_rms_epsilon`).
     pub rms_eps: f32,
     /// Trained context length (`{arch}.context_length`).
@@ -61,12 +64,20 @@ pub struct LlamaConfig {
 ///   (`blk.N.attn_{q,k,v}.bias`);
 /// - `qwen3`: NEOX RoPE, an RMSNorm over each query and key head before RoPE
 ///   (`blk.N.attn_{q,k}_norm.weight`, one `head_dim` vector shared by the heads), no biases,
-///   and a head size that need not be `hidden / heads` (`attention.key_length`).
+///   and a head size that need not be `hidden / heads` (`attention.key_length`);
+/// - `phi3`: NEOX RoPE, Q/K/V in one tensor (`blk.N.attn_qkv.weight`, rows q | k | v) and gate
+///   and up in one (`blk.N.ffn_up.weight`, rows gate | up).
+///
+/// Every architecture also takes, where the file has them: RoPE over only the first
+/// `rope.dimension_count` dimensions of each head (partial rotary), and per-frequency factors
+/// (`rope_freqs.weight`, Llama 3.1's RoPE scaling as llama.cpp's converter writes it: each
+/// frequency divided by its factor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Phi3,
 }
 
 impl Architecture {
@@ -76,13 +87,17 @@ impl Architecture {
             "llama" | "mistral" => Some(Architecture::Llama),
             "qwen2" => Some(Architecture::Qwen2),
             "qwen3" => Some(Architecture::Qwen3),
+            "phi3" => Some(Architecture::Phi3),
             _ => None,
         }
     }
 
     /// Whether RoPE rotates the two halves of a head (NEOX) instead of adjacent pairs.
     pub fn rope_halves(self) -> bool {
-        matches!(self, Architecture::Qwen2 | Architecture::Qwen3)
+        matches!(
+            self,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Phi3
+        )
     }
 }
 
@@ -329,6 +344,8 @@ pub struct LlamaWeights {
     /// `[vocab, hidden]` F32, for the embedding lookup.
     pub(crate) embedding: Tensor,
     pub(crate) layers: Vec<LayerWeights>,
+    /// Per-frequency RoPE factors (`rope_freqs.weight`, `[rope_dims / 2]`), when the file has them.
+    pub(crate) rope_freqs: Option<Vec<f32>>,
     pub(crate) output_norm: Tensor,
     /// `output_norm` on the host.
     pub(crate) output_norm_host: Vec<f32>,
@@ -402,7 +419,7 @@ impl LlamaConfig {
         };
         let Some(architecture) = Architecture::from_name(&arch) else {
             return Err(EngineError::Model(format!(
-                "unsupported architecture `{arch}` (this engine runs llama, mistral, qwen2 and qwen3)"
+                "unsupported architecture `{arch}` (this engine runs llama, mistral, qwen2, qwen3 and phi3)"
             )));
         };
         let k = |s: &str| format!("{arch}.{s}");
@@ -447,6 +464,18 @@ impl LlamaConfig {
             head_dim,
             ffn: meta_usize(content, &k("feed_forward_length"))?,
             rope_base: meta_f32(content, &k("rope.freq_base"), 10_000.0)?,
+            rope_dims: {
+                let n = match content.metadata.get(&k("rope.dimension_count")) {
+                    Some(_) => meta_usize(content, &k("rope.dimension_count"))?,
+                    None => head_dim,
+                };
+                if n == 0 || n % 2 != 0 || n > head_dim {
+                    return Err(EngineError::Model(format!(
+                        "rope.dimension_count {n} must be even and within the head size {head_dim}"
+                    )));
+                }
+                n
+            },
             rms_eps: meta_f32(content, &k("attention.layer_norm_rms_epsilon"), 1e-5)?,
             context_length: meta_usize(content, &k("context_length"))?,
             vocab_size,
@@ -571,7 +600,11 @@ impl LlamaWeights {
         let mut layers = Vec::with_capacity(config.n_layer);
         for i in 0..config.n_layer {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let (qkv, qkv_q) = r.fused(&[p("attn_q"), p("attn_k"), p("attn_v")])?;
+            let (qkv, qkv_q) = if config.arch == Architecture::Phi3 {
+                r.dense(&p("attn_qkv"))?
+            } else {
+                r.fused(&[p("attn_q"), p("attn_k"), p("attn_v")])?
+            };
             let expect_qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim;
             if qkv.dims2()? != (expect_qkv, config.hidden) {
                 return Err(EngineError::Model(format!(
@@ -581,7 +614,11 @@ impl LlamaWeights {
                 )));
             }
             let (wo, wo_q) = r.dense(&p("attn_output"))?;
-            let (gu, gu_q) = r.fused(&[p("ffn_gate"), p("ffn_up")])?;
+            let (gu, gu_q) = if config.arch == Architecture::Phi3 {
+                r.dense(&p("ffn_up"))?
+            } else {
+                r.fused(&[p("ffn_gate"), p("ffn_up")])?
+            };
             if gu.dims2()? != (2 * config.ffn, config.hidden) {
                 return Err(EngineError::Model(format!(
                     "layer {i}: fused gate/up is {:?}, expected ({}, {})",
@@ -640,7 +677,21 @@ impl LlamaWeights {
                 w_down: Linear::from_dense_cpu(down, &down_q, format, device)?,
             });
         }
+        let rope_freqs = if content.tensor_infos.contains_key("rope_freqs.weight") {
+            let v: Vec<f32> = r.dense("rope_freqs.weight")?.0.flatten_all()?.to_vec1()?;
+            if v.len() != config.rope_dims / 2 || v.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                return Err(EngineError::Model(format!(
+                    "rope_freqs.weight has {} values (expected {}, all positive)",
+                    v.len(),
+                    config.rope_dims / 2
+                )));
+            }
+            Some(v)
+        } else {
+            None
+        };
         Ok(LlamaWeights {
+            rope_freqs,
             config,
             format,
             device: device.clone(),
