@@ -2,7 +2,7 @@
 # Writes the llama.cpp reference fixtures engine/tests/vs_llamacpp.rs compares the engine with
 # (scripts/llamacpp-reference.py: greedy continuations and top-5 log-probabilities):
 #   tests/fixtures/llamacpp/smollm2-q4_1.json  the default model, 4 chat prompts;
-#   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama llama3 qwen2 qwen3 phi3: a small GGUF with
+#   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama llama3 qwen2 qwen3 phi3 gemma3: a small GGUF with
 #     deterministic random F32 weights and SmolLM2's tokenizer (phi3: llama.cpp's phi-3
 #     vocabulary, which its phi3 loader insists on) (engine/examples/tiny_gguf.rs; the
 #     test regenerates it and checks its SHA-256), 3 prompts of token ids.
@@ -41,7 +41,7 @@ wait $pid 2>/dev/null || true
 cargo build --quiet --workspace --example tiny_gguf
 tmp="$(mktemp -d)"
 vocabs="$(./scripts/fetch-fixtures.sh)"   # llama.cpp's vocabulary GGUFs (phi3 needs its own)
-for arch in llama llama3 qwen2 qwen3 phi3; do
+for arch in llama llama3 qwen2 qwen3 phi3 gemma3; do
   tok="$model"
   [ "$arch" = phi3 ] && tok="$vocabs/ggml-vocab-phi-3.gguf"
   "$root/target/debug/examples/tiny_gguf" "$arch" "$tok" "$tmp/tiny-$arch.gguf"

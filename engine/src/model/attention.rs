@@ -46,6 +46,9 @@ pub(crate) struct AttnShape {
     /// Floats between consecutive tokens' query rows in `q`.
     pub q_stride: usize,
     pub scale: f32,
+    /// Sliding-window attention: a query at position `p` sees keys `p + 1 − window ..= p` only
+    /// (llama.cpp's standard SWA mask); `None`: every earlier key.
+    pub window: Option<usize>,
 }
 
 /// Where each key and value lives in a layer's K and V buffers.
@@ -202,12 +205,14 @@ unsafe fn attend_item(
         let keys = layout.keys(k_cache, b, item.g);
         scores_block(&s.q, nq, d, bs, keys, &mut s.p, stride, kb * bs);
     }
-    // Scale, causal mask and softmax per query.
+    // Scale, causal (and sliding-window) mask and softmax per query.
     for i in 0..item.nt {
         let visible = c.start_pos + item.t0 + i + 1;
+        let first = shape.window.map_or(0, |w| visible.saturating_sub(w));
         for r in 0..rk {
             let row = &mut s.p[(i * rk + r) * stride..][..stride];
-            softmax_prefix(row, visible, shape.scale);
+            row[..first].fill(0.0);
+            softmax_prefix(&mut row[first..], visible - first, shape.scale);
         }
     }
     // Weighted values.
@@ -724,6 +729,7 @@ mod tests {
             head_dim: d,
             q_stride: hq * d,
             scale: 1.0 / (d as f32).sqrt(),
+            window: None,
         };
         let mut out = vec![0f32; chunk * hq * d];
         paged_attention(&q, &k_cache, &v_cache, &chunks, layout, shape, &mut out);

@@ -23,7 +23,7 @@ use super::attention::{
     paged_attention, rope_cos_sin_scaled, rope_halves, rope_interleaved, AttnShape, ChunkSlots,
     KvLayout,
 };
-use super::weights::LlamaWeights;
+use super::weights::{Architecture, LlamaWeights};
 use crate::executor::{Executor, KvGeometry, SeqChunk};
 use crate::EngineError;
 
@@ -153,14 +153,20 @@ impl LlamaExecutor {
         let total = ids.len();
         // cos/sin of every token's position, [total, rope_dims].
         let rd = cfg.rope_dims;
-        let mut cos_sin = Vec::with_capacity(total * rd);
-        let mut buf = Vec::with_capacity(rd);
-        for l in &layouts {
-            for p in l.start_pos..l.start_pos + l.len {
-                rope_cos_sin_scaled(p, rd, cfg.rope_base, w.rope_freqs.as_deref(), &mut buf);
-                cos_sin.extend_from_slice(&buf);
+        let table = |base: f32| {
+            let mut cs = Vec::with_capacity(total * rd);
+            let mut buf = Vec::with_capacity(rd);
+            for l in &layouts {
+                for p in l.start_pos..l.start_pos + l.len {
+                    rope_cos_sin_scaled(p, rd, base, w.rope_freqs.as_deref(), &mut buf);
+                    cs.extend_from_slice(&buf);
+                }
             }
-        }
+            cs
+        };
+        let cos_sin = table(cfg.rope_base);
+        // Sliding-window layers (gemma3) rotate with their own base.
+        let cos_sin_swa = cfg.sliding_window.map(|_| table(cfg.rope_base_swa));
         let dense = w.format().use_dense(total);
         let q_width = hq * d;
         let kv_width = hk * d;
@@ -171,6 +177,7 @@ impl LlamaExecutor {
             head_dim: d,
             q_stride: qkv_width,
             scale: 1.0 / (d as f32).sqrt(),
+            window: None,
         };
         let kv_layout = KvLayout {
             n_kv_head: hk,
@@ -186,6 +193,10 @@ impl LlamaExecutor {
             .to_device(&Device::Cpu)?
             .flatten_all()?
             .to_vec1()?;
+        if cfg.arch == Architecture::Gemma3 {
+            let s = (hidden as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= s);
+        }
         let mut h = vec![0f32; total * hidden];
         let mut attn_out = vec![0f32; total * q_width];
         for (li, layer) in w.layers.iter().enumerate() {
@@ -200,6 +211,17 @@ impl LlamaExecutor {
             }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
             let halves = cfg.arch.rope_halves();
+            let sliding = cfg.sliding_layers.get(li).copied().unwrap_or(false);
+            let (cos_sin, shape) = match (&cos_sin_swa, sliding) {
+                (Some(t), true) => (
+                    t,
+                    AttnShape {
+                        window: cfg.sliding_window,
+                        ..shape
+                    },
+                ),
+                _ => (&cos_sin, shape),
+            };
             for l in &layouts {
                 for i in 0..l.len {
                     let t = l.token_offset + i;
@@ -228,13 +250,27 @@ impl LlamaExecutor {
                 }
             }
             paged_attention(&qkv, kc, vc, &layouts, kv_layout, shape, &mut attn_out);
-            let o = layer.wo.forward_host(&attn_out, total, dense, dev)?;
+            let mut o = layer.wo.forward_host(&attn_out, total, dense, dev)?;
+            if let Some((post_attn, _)) = &layer.post_norms {
+                let mut tmp = vec![0f32; o.len()];
+                rms_norm(&o, post_attn, cfg.rms_eps, &mut tmp);
+                o = tmp;
+            }
             add_into(&mut x, &o)?;
             rms_norm(&x, &layer.ffn_norm_host, cfg.rms_eps, &mut h);
             let gu = layer.w_gate_up.forward_host(&h, total, dense, dev)?;
             let ffn = layer.w_gate_up.out_features() / 2;
-            let act = silu_mul(&gu, total, ffn)?;
-            let down = layer.w_down.forward_host(&act, total, dense, dev)?;
+            let act = if cfg.arch == Architecture::Gemma3 {
+                gelu_mul(&gu, total, ffn)?
+            } else {
+                silu_mul(&gu, total, ffn)?
+            };
+            let mut down = layer.w_down.forward_host(&act, total, dense, dev)?;
+            if let Some((_, post_ffn)) = &layer.post_norms {
+                let mut tmp = vec![0f32; down.len()];
+                rms_norm(&down, post_ffn, cfg.rms_eps, &mut tmp);
+                down = tmp;
+            }
             add_into(&mut x, &down)?;
         }
 
@@ -255,7 +291,10 @@ impl LlamaExecutor {
         }
         let mut normed = vec![0f32; n_rows * hidden];
         rms_norm(&last, &w.output_norm_host, cfg.rms_eps, &mut normed);
-        let logits = w.lm_head_host(&normed, n_rows)?;
+        let mut logits = w.lm_head_host(&normed, n_rows)?;
+        if let Some(c) = cfg.final_softcap {
+            logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
+        }
         let vocab = logits.len() / n_rows;
         let mut rows_out = logits.chunks_exact(vocab.max(1));
         for (slot, c) in out.iter_mut().zip(chunks) {
@@ -297,6 +336,27 @@ fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), EngineError> {
 
 /// `silu(gate) · up` for rows of `[gate (ffn) | up (ffn)]`, as candle computes `silu`
 /// (`v / (1 + e^(−v))`).
+/// `gelu(gate) · up` per row (`gu` is `[rows, 2·ffn]`, gate then up), GELU's tanh form as
+/// llama.cpp's `ggml_geglu` computes it.
+fn gelu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, EngineError> {
+    if gu.len() != rows * 2 * ffn {
+        return Err(EngineError::Tensor(format!(
+            "gate/up projection gave {} values, expected {rows}×{}",
+            gu.len(),
+            2 * ffn
+        )));
+    }
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let mut out = Vec::with_capacity(rows * ffn);
+    for row in gu.chunks_exact(2 * ffn) {
+        let (gate, up) = row.split_at(ffn);
+        out.extend(gate.iter().zip(up).map(|(&g, &u)| {
+            0.5 * g * (1.0 + (SQRT_2_OVER_PI * g * (1.0 + 0.044_715 * g * g)).tanh()) * u
+        }));
+    }
+    Ok(out)
+}
+
 fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, EngineError> {
     if gu.len() != rows * 2 * ffn {
         return Err(EngineError::Tensor(format!(

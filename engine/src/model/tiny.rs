@@ -34,7 +34,8 @@ impl Rng {
 }
 
 /// Writes the model for `arch` (`llama`, `llama3` — a llama file with RoPE frequency factors —
-/// `qwen2`, `qwen3`, `phi3` — fused QKV and gate/up, half the head rotated) with `tokenizer_from`'s tokenizer
+/// `qwen2`, `qwen3`, `phi3` — fused QKV and gate/up, half the head rotated — and `gemma3` —
+/// 3 layers, the first two sliding over 4 positions) with `tokenizer_from`'s tokenizer
 /// to `out`. Deterministic: the same inputs give the same bytes.
 pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<()> {
     let mut f = std::fs::File::open(tokenizer_from)?;
@@ -50,7 +51,9 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         Some(Value::Array(a)) => a.len(),
         _ => return Err("the tokenizer GGUF has no tokenizer.ggml.tokens".into()),
     };
-    let (hidden, heads, kv_heads, ffn, layers) = (64usize, 4usize, 2usize, 128usize, 2usize);
+    let (hidden, heads, kv_heads, ffn) = (64usize, 4usize, 2usize, 128usize);
+    // gemma3: 3 layers, the last global, the first two sliding over 4 positions.
+    let layers = if arch == "gemma3" { 3usize } else { 2 };
     let variant = arch;
     // `llama3` is a `llama` file with Llama 3.1-style RoPE frequency factors.
     let arch = if variant == "llama3" {
@@ -94,6 +97,14 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         ),
         (format!("{arch}.rope.freq_base"), Value::F32(rope_base)),
     ];
+    if arch == "gemma3" {
+        meta.push((format!("{arch}.attention.sliding_window"), Value::U32(4)));
+        meta.push((
+            format!("{arch}.attention.sliding_window_pattern"),
+            Value::U32(3),
+        ));
+        meta.push((format!("{arch}.rope.freq_base_swa"), Value::F32(10_000.0)));
+    }
     if arch == "phi3" {
         // Partial rotary: half of each head rotates.
         meta.push((
@@ -172,7 +183,15 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
                 rng.values(kv_heads * head_dim, 0.5),
             )?;
         }
-        if arch == "qwen3" {
+        if arch == "gemma3" {
+            add(
+                p("post_attention_norm.weight"),
+                &[hidden],
+                norm(&mut rng, hidden),
+            )?;
+            add(p("post_ffw_norm.weight"), &[hidden], norm(&mut rng, hidden))?;
+        }
+        if arch == "qwen3" || arch == "gemma3" {
             add(
                 p("attn_q_norm.weight"),
                 &[head_dim],

@@ -53,6 +53,13 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Rows of the logits (the embedding matrix's row count; checked against the token list).
     pub vocab_size: usize,
+    /// Sliding-window layers (`gemma3`): the window and, per layer, whether it slides.
+    pub sliding_window: Option<usize>,
+    pub sliding_layers: Vec<bool>,
+    /// RoPE base of the sliding layers (`{arch}.rope.freq_base_swa`, default 10000).
+    pub rope_base_swa: f32,
+    /// `final_logit_softcapping`: logits become `c · tanh(logits / c)`.
+    pub final_softcap: Option<f32>,
 }
 
 /// The decoder architectures this engine runs (`general.architecture`). All are the Llama
@@ -66,7 +73,13 @@ pub struct LlamaConfig {
 ///   (`blk.N.attn_{q,k}_norm.weight`, one `head_dim` vector shared by the heads), no biases,
 ///   and a head size that need not be `hidden / heads` (`attention.key_length`);
 /// - `phi3`: NEOX RoPE, Q/K/V in one tensor (`blk.N.attn_qkv.weight`, rows q | k | v) and gate
-///   and up in one (`blk.N.ffn_up.weight`, rows gate | up).
+///   and up in one (`blk.N.ffn_up.weight`, rows gate | up);
+/// - `gemma3`: NEOX RoPE; the embedding scaled by √hidden; per-head Q/K RMSNorm; RMSNorms after
+///   attention and after the FFN too (`post_attention_norm`, `post_ffw_norm`) before each
+///   residual add; a GELU-gated FFN (tanh GELU); sliding-window attention
+///   (`attention.sliding_window` = W) on every layer except every `sliding_window_pattern`-th
+///   (default 6: layers 5, 11, …), those layers with their own RoPE base (`rope.freq_base_swa`,
+///   default 10000); logits soft-capped when `final_logit_softcapping` is set.
 ///
 /// Every architecture also takes, where the file has them: RoPE over only the first
 /// `rope.dimension_count` dimensions of each head (partial rotary), and per-frequency factors
@@ -78,6 +91,7 @@ pub enum Architecture {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma3,
 }
 
 impl Architecture {
@@ -88,6 +102,7 @@ impl Architecture {
             "qwen2" => Some(Architecture::Qwen2),
             "qwen3" => Some(Architecture::Qwen3),
             "phi3" => Some(Architecture::Phi3),
+            "gemma3" => Some(Architecture::Gemma3),
             _ => None,
         }
     }
@@ -96,7 +111,7 @@ impl Architecture {
     pub fn rope_halves(self) -> bool {
         matches!(
             self,
-            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Phi3
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Phi3 | Architecture::Gemma3
         )
     }
 }
@@ -331,8 +346,11 @@ pub(crate) struct LayerWeights {
     pub(crate) w_down: Linear,
     /// Q|K|V biases (`qwen2`), `[q_width + 2 kv_width]`, added after the projection.
     pub(crate) qkv_bias: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights of queries and keys (`qwen3`), `[head_dim]` each.
+    /// Per-head RMSNorm weights of queries and keys (`qwen3`, `gemma3`), `[head_dim]` each.
     pub(crate) qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// RMSNorms of the attention output and of the FFN output before their residual adds
+    /// (`gemma3`), `[hidden]` each.
+    pub(crate) post_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// A loaded Llama-architecture model: read-only, shareable (`Arc<LlamaWeights>`).
@@ -419,7 +437,7 @@ impl LlamaConfig {
         };
         let Some(architecture) = Architecture::from_name(&arch) else {
             return Err(EngineError::Model(format!(
-                "unsupported architecture `{arch}` (this engine runs llama, mistral, qwen2, qwen3 and phi3)"
+                "unsupported architecture `{arch}` (this engine runs llama, mistral, qwen2, qwen3, phi3 and gemma3)"
             )));
         };
         let k = |s: &str| format!("{arch}.{s}");
@@ -455,7 +473,7 @@ impl LlamaConfig {
                 )));
             }
         }
-        Ok(LlamaConfig {
+        LlamaConfig {
             arch: architecture,
             n_layer: meta_usize(content, &k("block_count"))?,
             hidden,
@@ -479,7 +497,55 @@ impl LlamaConfig {
             rms_eps: meta_f32(content, &k("attention.layer_norm_rms_epsilon"), 1e-5)?,
             context_length: meta_usize(content, &k("context_length"))?,
             vocab_size,
-        })
+            sliding_window: None,
+            sliding_layers: Vec::new(),
+            rope_base_swa: meta_f32(content, &k("rope.freq_base_swa"), 10_000.0)?,
+            final_softcap: match content.metadata.get(&k("final_logit_softcapping")) {
+                Some(_) => Some(meta_f32(content, &k("final_logit_softcapping"), 0.0)?)
+                    .filter(|c| *c > 0.0),
+                None => None,
+            },
+        }
+        .with_sliding(content, &k)
+    }
+
+    /// Reads the sliding-window layout (`gemma3`: window and pattern; others: none).
+    fn with_sliding(
+        mut self,
+        content: &gguf_file::Content,
+        k: &dyn Fn(&str) -> String,
+    ) -> Result<Self, EngineError> {
+        if self.arch != Architecture::Gemma3 {
+            return Ok(self);
+        }
+        let w = match content.metadata.get(&k("attention.sliding_window")) {
+            Some(_) => meta_usize(content, &k("attention.sliding_window"))?,
+            None => 0,
+        };
+        if w == 0 {
+            return Ok(self);
+        }
+        let layers = match content.metadata.get(&k("attention.sliding_window_pattern")) {
+            Some(gguf_file::Value::Array(a)) => a
+                .iter()
+                .map(|v| v.to_bool().map_err(|e| EngineError::Model(e.to_string())))
+                .collect::<Result<Vec<bool>, _>>()?,
+            Some(_) => {
+                let n = meta_usize(content, &k("attention.sliding_window_pattern"))?;
+                (0..self.n_layer).map(|i| n == 0 || i % n < n - 1).collect()
+            }
+            None => (0..self.n_layer).map(|i| i % 6 < 5).collect(),
+        };
+        if layers.len() != self.n_layer {
+            return Err(EngineError::Model(format!(
+                "sliding_window_pattern names {} layers, the model has {}",
+                layers.len(),
+                self.n_layer
+            )));
+        }
+        self.sliding_window = Some(w);
+        self.sliding_layers = layers;
+        Ok(self)
     }
 
     /// Bytes of f32 K and V cache one token occupies across all layers.
@@ -656,7 +722,15 @@ impl LlamaWeights {
             } else {
                 None
             };
-            let qk_norm = if config.arch == Architecture::Qwen3 {
+            let post_norms = if config.arch == Architecture::Gemma3 {
+                Some((
+                    vec_of(&mut r, p("post_attention_norm"), config.hidden)?,
+                    vec_of(&mut r, p("post_ffw_norm"), config.hidden)?,
+                ))
+            } else {
+                None
+            };
+            let qk_norm = if matches!(config.arch, Architecture::Qwen3 | Architecture::Gemma3) {
                 Some((
                     vec_of(&mut r, p("attn_q_norm"), config.head_dim)?,
                     vec_of(&mut r, p("attn_k_norm"), config.head_dim)?,
@@ -667,6 +741,7 @@ impl LlamaWeights {
             layers.push(LayerWeights {
                 qkv_bias,
                 qk_norm,
+                post_norms,
                 attn_norm_host: attn_norm.to_vec1()?,
                 ffn_norm_host: ffn_norm.to_vec1()?,
                 attn_norm: attn_norm.to_device(device)?,
