@@ -6,7 +6,9 @@
 #   tests/fixtures/llamacpp/tiny-<arch>.json    for arch in llama llama3 qwen2 qwen3 phi3 gemma3: a small GGUF with
 #     deterministic random F32 weights and SmolLM2's tokenizer (phi3: llama.cpp's phi-3
 #     vocabulary, which its phi3 loader insists on) (engine/examples/tiny_gguf.rs; the
-#     test regenerates it and checks its SHA-256), 3 prompts of token ids.
+#     test regenerates it and checks its SHA-256), 3 prompts of token ids; and llama-<format>
+#     for the weight formats (every matrix but the embedding stored as f16, bf16, q8_0, q4_0,
+#     q4_1, q4_k, q5_k, q6_k).
 # Outside CI (builds llama.cpp once, ~15-35 min on 2 cores; scripts/build-llamacpp.sh). The JSON
 # files are committed; no weights are.
 set -euo pipefail
@@ -42,7 +44,8 @@ wait $pid 2>/dev/null || true
 cargo build --quiet --workspace --example tiny_gguf
 tmp="$(mktemp -d)"
 vocabs="$(./scripts/fetch-fixtures.sh)"   # llama.cpp's vocabulary GGUFs (phi3 needs its own)
-for arch in llama llama3 qwen2 qwen3 phi3 gemma3; do
+for arch in llama llama3 qwen2 qwen3 phi3 gemma3 \
+    llama-f16 llama-bf16 llama-q8_0 llama-q4_0 llama-q4_1 llama-q4_k llama-q5_k llama-q6_k; do
   tok="$model"
   [ "$arch" = phi3 ] && tok="$vocabs/ggml-vocab-phi-3.gguf"
   "$root/target/debug/examples/tiny_gguf" "$arch" "$tok" "$tmp/tiny-$arch.gguf"

@@ -37,7 +37,16 @@ impl Rng {
 /// `qwen2`, `qwen3`, `phi3` — fused QKV and gate/up, half the head rotated — and `gemma3` —
 /// 3 layers, the first two sliding over 4 positions) with `tokenizer_from`'s tokenizer
 /// to `out`. Deterministic: the same inputs give the same bytes.
+///
+/// A `-FORMAT` suffix (`llama-q4_k`; formats `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`, `q5_k`,
+/// `q4_k`, `q6_k`) stores every matrix but the embedding in that format (norms stay F32); the
+/// K-quant ones use width 256 and FFN 512 (their blocks are 256 wide).
 pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<()> {
+    let (arch, fmt) = match arch.split_once('-') {
+        Some((a, f)) => (a, Some(format_named(f)?)),
+        None => (arch, None),
+    };
+    let kquant = matches!(fmt, Some(GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K));
     let mut f = std::fs::File::open(tokenizer_from)?;
     let src = gguf_file::Content::read(&mut f)?;
     let mut tok: Vec<(String, Value)> = src
@@ -51,7 +60,11 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         Some(Value::Array(a)) => a.len(),
         _ => return Err("the tokenizer GGUF has no tokenizer.ggml.tokens".into()),
     };
-    let (hidden, heads, kv_heads, ffn) = (64usize, 4usize, 2usize, 128usize);
+    let (hidden, heads, kv_heads, ffn) = if kquant {
+        (256usize, 4usize, 2usize, 512usize)
+    } else {
+        (64, 4, 2, 128)
+    };
     // gemma3: 3 layers, the last global, the first two sliding over 4 positions.
     let layers = if arch == "gemma3" { 3usize } else { 2 };
     let variant = arch;
@@ -104,6 +117,8 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
             Value::U32(3),
         ));
         meta.push((format!("{arch}.rope.freq_base_swa"), Value::F32(10_000.0)));
+        // A cap near the logits' scale, so that soft-capping changes them measurably.
+        meta.push((format!("{arch}.final_logit_softcapping"), Value::F32(3.0)));
     }
     if arch == "phi3" {
         // Partial rotary: half of each head rotates.
@@ -129,7 +144,11 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut add = |name: String, shape: &[usize], values: Vec<f32>| -> Result<()> {
         let t = Tensor::from_vec(values, shape, &dev)?;
-        tensors.push((name, QTensor::quantize(&t, GgmlDType::F32)?));
+        let dtype = match fmt {
+            Some(f) if shape.len() == 2 && name != "token_embd.weight" => f,
+            _ => GgmlDType::F32,
+        };
+        tensors.push((name, QTensor::quantize(&t, dtype)?));
         Ok(())
     };
     add(
@@ -261,4 +280,19 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
     use std::io::Write;
     w.flush()?;
     Ok(())
+}
+
+/// The storage format a `-FORMAT` suffix names.
+fn format_named(name: &str) -> Result<GgmlDType> {
+    Ok(match name {
+        "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q4_k" => GgmlDType::Q4K,
+        "q5_k" => GgmlDType::Q5K,
+        "q6_k" => GgmlDType::Q6K,
+        other => return Err(format!("unknown weight format `{other}`").into()),
+    })
 }
