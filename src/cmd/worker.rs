@@ -38,6 +38,11 @@ pub struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8101")]
     pub listen: SocketAddr,
+    /// A Jinja chat template file to use instead of the GGUF's (required for a GGUF without one,
+    /// e.g. Gemma 3 270M from scripts/fetch-gemma3.sh). The profile's template hash is then this
+    /// file's, which a gateway's pinned profile must match.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// What computes tokens.
     #[arg(long, value_enum, default_value_t = EngineKind::Model)]
     pub engine: EngineKind,
@@ -261,8 +266,15 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     }
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
     let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;
-    let profile = prompt_profile::PromptProfile::from_gguf(&model)
-        .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
+    let profile = match &args.chat_template {
+        Some(t) => {
+            let template = std::fs::read_to_string(t)
+                .with_context(|| format!("reading the chat template {}", t.display()))?;
+            prompt_profile::PromptProfile::from_gguf_with_template(&model, template)
+        }
+        None => prompt_profile::PromptProfile::from_gguf(&model),
+    }
+    .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
     let engine = match args.engine {
         EngineKind::Model => EngineChoice::Model {
             kv_budget_bytes: args.kv_budget_mb.saturating_mul(1 << 20),
