@@ -64,7 +64,19 @@ impl LoadedProfile {
             .resolve(base, |name| std::env::var(name).ok())
             .map_err(cfg)?;
         let profile = match &source {
-            ProfileSource::Gguf { path } => PromptProfile::from_gguf(path),
+            ProfileSource::Gguf {
+                path,
+                chat_template: None,
+            } => PromptProfile::from_gguf(path),
+            ProfileSource::Gguf {
+                path,
+                chat_template: Some(t),
+            } => std::fs::read_to_string(t)
+                .map_err(|e| prompt_profile::ProfileError::Io {
+                    path: t.clone(),
+                    cause: e,
+                })
+                .and_then(|text| PromptProfile::from_gguf_with_template(path, text)),
             ProfileSource::TokenizerJson {
                 tokenizer_json,
                 tokenizer_config,

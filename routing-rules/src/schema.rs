@@ -351,6 +351,9 @@ pub enum ProfileSource {
     Gguf {
         /// Path of the GGUF file.
         path: PathBuf,
+        /// A Jinja chat template file to use instead of the GGUF's (for a GGUF without one;
+        /// the workers must use the same file: `kvgate worker --chat-template`).
+        chat_template: Option<PathBuf>,
     },
     /// A Hugging Face `tokenizer.json` plus the `tokenizer_config.json` carrying `chat_template`.
     TokenizerJson {
@@ -416,7 +419,13 @@ impl ProfileSource {
             })
         };
         Ok(match self {
-            ProfileSource::Gguf { path } => ProfileSource::Gguf { path: one(path)? },
+            ProfileSource::Gguf {
+                path,
+                chat_template,
+            } => ProfileSource::Gguf {
+                path: one(path)?,
+                chat_template: chat_template.as_ref().map(one).transpose()?,
+            },
             ProfileSource::TokenizerJson {
                 tokenizer_json,
                 tokenizer_config,
@@ -439,6 +448,8 @@ struct RawProfileSource {
     tokenizer_json: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tokenizer_config: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    chat_template: Option<PathBuf>,
 }
 
 impl TryFrom<RawProfileSource> for ProfileSource {
@@ -446,14 +457,21 @@ impl TryFrom<RawProfileSource> for ProfileSource {
 
     fn try_from(raw: RawProfileSource) -> Result<Self, Self::Error> {
         match (raw.gguf, raw.tokenizer_json, raw.tokenizer_config) {
-            (Some(path), None, None) => Ok(Self::Gguf { path }),
-            (None, Some(tokenizer_json), Some(tokenizer_config)) => Ok(Self::TokenizerJson {
-                tokenizer_json,
-                tokenizer_config,
+            (Some(path), None, None) => Ok(Self::Gguf {
+                path,
+                chat_template: raw.chat_template,
             }),
-            _ => Err("source must be either { gguf = PATH } or \
-                      { tokenizer_json = PATH, tokenizer_config = PATH }"
-                .to_owned()),
+            (None, Some(tokenizer_json), Some(tokenizer_config)) if raw.chat_template.is_none() => {
+                Ok(Self::TokenizerJson {
+                    tokenizer_json,
+                    tokenizer_config,
+                })
+            }
+            _ => Err(
+                "source must be either { gguf = PATH } (optionally with chat_template = PATH) \
+                      or { tokenizer_json = PATH, tokenizer_config = PATH }"
+                    .to_owned(),
+            ),
         }
     }
 }
@@ -461,10 +479,14 @@ impl TryFrom<RawProfileSource> for ProfileSource {
 impl From<ProfileSource> for RawProfileSource {
     fn from(source: ProfileSource) -> Self {
         match source {
-            ProfileSource::Gguf { path } => Self {
+            ProfileSource::Gguf {
+                path,
+                chat_template,
+            } => Self {
                 gguf: Some(path),
                 tokenizer_json: None,
                 tokenizer_config: None,
+                chat_template,
             },
             ProfileSource::TokenizerJson {
                 tokenizer_json,
@@ -473,6 +495,7 @@ impl From<ProfileSource> for RawProfileSource {
                 gguf: None,
                 tokenizer_json: Some(tokenizer_json),
                 tokenizer_config: Some(tokenizer_config),
+                chat_template: None,
             },
         }
     }
@@ -854,6 +877,7 @@ mod tests {
         assert!(expand_env("${DIR", env).is_err());
         let src = ProfileSource::Gguf {
             path: "${NOPE:-../models}/m.gguf".into(),
+            chat_template: None,
         };
         let r = src
             .resolve(Some(std::path::Path::new("/etc/kvgate")), env)
@@ -861,14 +885,30 @@ mod tests {
         assert_eq!(
             r,
             ProfileSource::Gguf {
-                path: "/etc/kvgate/../models/m.gguf".into()
+                path: "/etc/kvgate/../models/m.gguf".into(),
+                chat_template: None,
             }
         );
+        let with_template: RawProfileSource =
+            toml::from_str("gguf = \"m.gguf\"\nchat_template = \"t.jinja\"").unwrap();
+        assert_eq!(
+            ProfileSource::try_from(with_template).unwrap(),
+            ProfileSource::Gguf {
+                path: "m.gguf".into(),
+                chat_template: Some("t.jinja".into()),
+            }
+        );
+        let hf_with_template: RawProfileSource = toml::from_str(
+            "tokenizer_json = \"a\"\ntokenizer_config = \"b\"\nchat_template = \"t\"",
+        )
+        .unwrap();
+        assert!(ProfileSource::try_from(hf_with_template).is_err());
         let r = src.resolve(None, |_| Some("/abs".into())).unwrap();
         assert_eq!(
             r,
             ProfileSource::Gguf {
-                path: "/abs/m.gguf".into()
+                path: "/abs/m.gguf".into(),
+                chat_template: None,
             }
         );
     }

@@ -336,7 +336,7 @@ impl Validator {
             self.push(format!("{path}.revision"), "must not be empty");
         }
         match &p.source {
-            ProfileSource::Gguf { path: f } => {
+            ProfileSource::Gguf { path: f, .. } => {
                 if f.as_os_str().is_empty() {
                     self.push(format!("{path}.source.gguf"), "must not be empty");
                 }

@@ -748,7 +748,8 @@ fn example_file_parses_and_routes_by_model() {
     assert_eq!(
         profile.source,
         routing_rules::ProfileSource::Gguf {
-            path: "${KVGATE_MODEL_DIR:-../models}/SmolLM2-135M-Instruct.Q4_1.gguf".into()
+            path: "${KVGATE_MODEL_DIR:-../models}/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            chat_template: None,
         }
     );
     // Relative to the rules file: the workspace's models/ unless KVGATE_MODEL_DIR says otherwise.
@@ -761,7 +762,7 @@ fn example_file_parses_and_routes_by_model() {
         })
         .unwrap()
     {
-        routing_rules::ProfileSource::Gguf { path } => path,
+        routing_rules::ProfileSource::Gguf { path, .. } => path,
         other => panic!("{other:?}"),
     };
     assert_eq!(
