@@ -292,56 +292,110 @@ fn tiny_gemma3_agrees_with_llama_cpp() {
     tiny_arch_agrees("gemma3");
 }
 
-/// Sliding-window layers and the prefix cache: the paged cache keeps every position's K/V for
-/// every layer, so a cached prefix stays valid for the sliding layers (they only stop reading
-/// keys older than their window). A run that reuses two cached blocks gives the same greedy
-/// tokens and logits as a cold run of the same prompt.
+/// The exact-output property per architecture and weight format: the paged cache keeps every
+/// position's K/V for every layer (sliding layers only stop *reading* keys older than their
+/// window), so a run that reuses two cached blocks, and a run whose prompt is prefilled in
+/// chunks of 7, give the same greedy tokens as a cold one-chunk run, and bit-identical logits for
+/// every format but the packed-kernel ones (Q8_0, Q4_0, Q4_1: within 1e-5, measured ~1e-6).
 #[test]
-fn tiny_gemma3_cached_prefix_equals_cold_run() {
+fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-gemma3.gguf");
-    engine::model::tiny::write_tiny_gguf("gemma3", &model_path(), &path).unwrap();
-    let weights = Arc::new(
-        LlamaWeights::load(&path, &candle_core::Device::Cpu, WeightFormat::CPU_DEFAULT).unwrap(),
-    );
-    assert_eq!(weights.config().sliding_window, Some(4));
-    let mut exec = LlamaExecutor::new(
-        weights,
-        KvGeometry {
-            block_size: 16,
-            num_blocks: 8,
-        },
-    )
-    .unwrap();
-    let prompt: Vec<u32> = (0..40u32).map(|i| 100 + i * 37).collect();
-    let greedy = |exec: &mut LlamaExecutor, table: &[u32], start: usize| {
-        let mut tokens = prompt.clone();
-        let mut done = start;
-        let mut out = Vec::new();
-        let mut first = None;
-        for _ in 0..8 {
-            let chunk = [SeqChunk {
-                tokens: &tokens[done..],
-                start_pos: done,
-                block_table: table,
-                want_logits: true,
-            }];
-            let logits = exec.forward(&chunk).unwrap().remove(0).unwrap();
-            first.get_or_insert_with(|| logits.clone());
-            done = tokens.len();
-            let next = log_softmax_top(&logits, 1)[0].0;
-            tokens.push(next);
-            out.push(next);
+    let mut results = Vec::new();
+    for arch in [
+        "llama",
+        "llama3",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "llama-f16",
+        "llama-bf16",
+        "llama-q8_0",
+        "llama-q4_0",
+        "llama-q4_1",
+        "llama-q4_k",
+        "llama-q5_k",
+        "llama-q6_k",
+    ] {
+        let path = dir.path().join(format!("tiny-{arch}.gguf"));
+        engine::model::tiny::write_tiny_gguf(arch, &model_path(), &path).unwrap();
+        let weights = Arc::new(
+            LlamaWeights::load(&path, &candle_core::Device::Cpu, WeightFormat::CPU_DEFAULT)
+                .unwrap(),
+        );
+        if arch == "gemma3" {
+            assert_eq!(weights.config().sliding_window, Some(4));
         }
-        (out, first.unwrap())
-    };
-    // Cold: every position computed, blocks 0, 1, 2.
-    let (cold, cold_logits) = greedy(&mut exec, &[0, 1, 2], 0);
-    // Cached: blocks 0 and 1 (positions 0..32) are reused from the cold run; the rest is
-    // computed into block 3.
-    let (cached, cached_logits) = greedy(&mut exec, &[0, 1, 3], 32);
-    assert_eq!(cold, cached);
-    assert_eq!(cold_logits, cached_logits, "bit-identical first logits");
+        let mut exec = LlamaExecutor::new(
+            weights,
+            KvGeometry {
+                block_size: 16,
+                num_blocks: 8,
+            },
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..40u32).map(|i| 100 + i * 37).collect();
+        // Greedy from `start` (positions before it already cached), prefilling `chunk` tokens
+        // per step; returns the tokens and the logits of every step.
+        let mut greedy = |table: &[u32], start: usize, chunk: usize| {
+            let mut tokens = prompt.clone();
+            let mut done = start;
+            let mut out = Vec::new();
+            let mut all = Vec::new();
+            while out.len() < 6 {
+                let end = if done < prompt.len() {
+                    (done + chunk).min(prompt.len())
+                } else {
+                    tokens.len()
+                };
+                let c = [SeqChunk {
+                    tokens: &tokens[done..end],
+                    start_pos: done,
+                    block_table: table,
+                    want_logits: end >= prompt.len(),
+                }];
+                let logits = exec.forward(&c).unwrap().remove(0);
+                done = end;
+                if let Some(l) = logits {
+                    let next = log_softmax_top(&l, 1)[0].0;
+                    all.push(l);
+                    tokens.push(next);
+                    out.push(next);
+                }
+            }
+            (out, all)
+        };
+        let cold = greedy(&[0, 1, 2], 0, 64);
+        let cached = greedy(&[0, 1, 3], 32, 64);
+        let chunked = greedy(&[4, 5, 6], 0, 7);
+        let diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter()
+                .flatten()
+                .zip(b.iter().flatten())
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        println!(
+            "exact output, {arch}: cached max |Δlogit| {}, chunked {}; greedy equal {} / {}",
+            diff(&cold.1, &cached.1),
+            diff(&cold.1, &chunked.1),
+            cold.0 == cached.0,
+            cold.0 == chunked.0
+        );
+        assert_eq!(cold.0, cached.0, "{arch}: cached greedy tokens differ");
+        assert_eq!(cold.0, chunked.0, "{arch}: chunked greedy tokens differ");
+        results.push((arch, diff(&cold.1, &cached.1), diff(&cold.1, &chunked.1)));
+    }
+    // Measured: bit-identical everywhere but the packed-kernel formats (Q8_0, Q4_0, Q4_1), whose
+    // logits differ by ~1e-6 between step sizes at this width (the greedy tokens do not).
+    let packed = ["llama-q8_0", "llama-q4_0", "llama-q4_1"];
+    let inexact: Vec<_> = results
+        .iter()
+        .filter(|(arch, a, b)| {
+            let limit = if packed.contains(arch) { 1e-5 } else { 0.0 };
+            *a > limit || *b > limit
+        })
+        .collect();
+    assert!(inexact.is_empty(), "beyond their limits: {inexact:?}");
 }
 
 /// Weight formats: the tiny llama with every matrix but the embedding stored in each format
