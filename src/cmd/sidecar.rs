@@ -12,7 +12,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use receipts::KeyRing;
 use worker::sidecar::SidecarConfig;
 use worker::TicketPolicy;
 
@@ -86,16 +85,8 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;
     let key = super::worker::load_or_create_key(args.key.as_deref(), &state_dir, &args.id)?;
-    let gateway_keys = match &args.gateway_keys {
-        Some(dir) => KeyRing::load_dir(dir)
-            .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
-        None => KeyRing::new(),
-    };
-    if args.require_ticket && gateway_keys.is_empty() {
-        anyhow::bail!(
-            "--require-ticket needs --gateway-keys DIR with at least one gateway public key"
-        );
-    }
+    let gateway_keys =
+        super::worker::gateway_key_ring(args.gateway_keys.as_deref(), args.require_ticket, false)?;
     let receipts = args
         .receipts
         .clone()

@@ -175,6 +175,27 @@ pub struct Args {
     pub register_lease_ms: u64,
 }
 
+/// The trusted gateway keys of `--gateway-keys DIR` (none without it); `--require-ticket` needs
+/// at least one, unless the keys come from a cluster (`keys_from_cluster`).
+pub(crate) fn gateway_key_ring(
+    dir: Option<&Path>,
+    require_ticket: bool,
+    keys_from_cluster: bool,
+) -> anyhow::Result<KeyRing> {
+    let ring = match dir {
+        Some(dir) => KeyRing::load_dir(dir)
+            .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
+        None => KeyRing::new(),
+    };
+    if require_ticket && ring.is_empty() && !keys_from_cluster {
+        anyhow::bail!(
+            "--require-ticket needs --gateway-keys DIR with at least one gateway public key \
+             (a worker may instead --register, trusting the keys the gateway replicas publish)"
+        );
+    }
+    Ok(ring)
+}
+
 /// Parses `k=v,k2=v2` (empty: none).
 pub fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
     let mut out = std::collections::BTreeMap::new();
@@ -253,17 +274,11 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;
     let key = load_or_create_key(args.key.as_deref(), &state_dir, &args.id)?;
-    let gateway_keys = match &args.gateway_keys {
-        Some(dir) => KeyRing::load_dir(dir)
-            .with_context(|| format!("loading gateway keys from {}", dir.display()))?,
-        None => KeyRing::new(),
-    };
-    if args.require_ticket && gateway_keys.is_empty() && args.register.is_none() {
-        anyhow::bail!(
-            "--require-ticket needs --gateway-keys DIR with at least one gateway public key \
-             (or --register, which trusts the keys the gateway replicas publish)"
-        );
-    }
+    let gateway_keys = gateway_key_ring(
+        args.gateway_keys.as_deref(),
+        args.require_ticket,
+        args.register.is_some(),
+    )?;
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
     let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;
     let profile = match &args.chat_template {

@@ -146,7 +146,8 @@ fn after_receipt(st: &AppState, e: ApiError, written: bool) -> ApiError {
     }
 }
 
-fn with_ids(mut resp: Response, request_id: &str, receipt: bool) -> Response {
+/// `x-request-id` (and, when a receipt names it, `x-kvgate-receipt`) on an answer.
+pub(crate) fn with_ids(mut resp: Response, request_id: &str, receipt: bool) -> Response {
     if let Ok(v) = HeaderValue::from_str(request_id) {
         if receipt {
             resp.headers_mut().insert(RECEIPT_HEADER, v.clone());

@@ -636,7 +636,7 @@ async fn require_access(
 
 /// `x-kvgate-worker-id: <worker id>` on every answer, so that a client behind any proxy (not
 /// only kvgate's gateway, which names the worker itself) can tell which worker served it.
-async fn worker_id_header(
+pub(crate) async fn worker_id_header(
     axum::extract::State(id): axum::extract::State<Option<HeaderValue>>,
     req: Request,
     next: Next,

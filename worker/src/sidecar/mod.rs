@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api_error::ApiError;
 use crate::protocol::ReadyBody;
 use crate::tickets::{TicketGate, TicketPolicy};
-use crate::{WorkerError, WORKER_ID_HEADER};
+use crate::WorkerError;
 
 /// Everything a sidecar is built from.
 #[derive(Clone, Debug)]
@@ -314,21 +314,9 @@ fn router(st: Arc<SidecarState>) -> Router {
         })
         .layer(axum::middleware::from_fn_with_state(
             HeaderValue::from_str(&st.cfg.worker_id).ok(),
-            worker_id_header,
+            crate::worker_id_header,
         ))
         .with_state(st)
-}
-
-async fn worker_id_header(
-    State(id): State<Option<HeaderValue>>,
-    req: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let mut resp = next.run(req).await;
-    if let Some(v) = id {
-        resp.headers_mut().insert(WORKER_ID_HEADER, v);
-    }
-    resp
 }
 
 async fn require_access(

@@ -31,8 +31,8 @@ use tokio::sync::mpsc;
 use super::usage::{event_data, SseFramer, Usage};
 use super::SidecarState;
 use crate::api_error::ApiError;
-use crate::generate::CLIENT_CLOSED_STATUS;
-use crate::tickets::{generate_request_id, RECEIPT_HEADER, REQUEST_ID_HEADER};
+use crate::generate::{with_ids, CLIENT_CLOSED_STATUS};
+use crate::tickets::{generate_request_id, REQUEST_ID_HEADER};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -146,16 +146,6 @@ fn too_large(limit: usize) -> ApiError {
 
 fn to_hex_sha256(b: &[u8]) -> String {
     hex::encode(Sha256::digest(b))
-}
-
-fn with_ids(mut resp: Response, request_id: &str, receipt: bool) -> Response {
-    if let Ok(v) = HeaderValue::from_str(request_id) {
-        if receipt {
-            resp.headers_mut().insert(RECEIPT_HEADER, v.clone());
-        }
-        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
-    }
-    resp
 }
 
 /// Signs and appends `draft` (completion time stamped now) on the blocking pool.
