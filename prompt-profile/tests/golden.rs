@@ -349,3 +349,32 @@ fn huge_prompts_are_refused_before_they_are_tokenized() {
         p.prompt_ids(&small).unwrap()
     );
 }
+
+#[test]
+fn architecture_and_end_of_generation_ids() {
+    let p = profile();
+    assert_eq!(p.architecture(), Some("llama"));
+    // eos <|im_end|> (2), then <|endoftext|> (0), an end token of llama.cpp's list.
+    assert_eq!(p.eos_token_ids(), &[2]);
+    assert_eq!(p.end_of_generation_ids(), &[2, 0]);
+    assert_eq!(p.id_to_token(0).as_deref(), Some("<|endoftext|>"));
+
+    // Gemma 3 270M (scripts/fetch-gemma3.sh): the GGUF names <eos> (1) only; a chat turn ends
+    // with <end_of_turn> (106). The file has no chat template; any will do for this.
+    let gemma = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        gemma.is_file(),
+        "{} is missing: run scripts/fetch-gemma3.sh",
+        gemma.display()
+    );
+    let g = PromptProfile::from_gguf_with_template(&gemma, "{{ messages }}".into()).unwrap();
+    assert_eq!(g.architecture(), Some("gemma3"));
+    assert_eq!(g.eos_token_ids(), &[1]);
+    assert_eq!(g.end_of_generation_ids()[0], 1);
+    assert!(
+        g.end_of_generation_ids().contains(&106),
+        "{:?}",
+        g.end_of_generation_ids()
+    );
+    assert_eq!(g.id_to_token(106).as_deref(), Some("<end_of_turn>"));
+}

@@ -320,6 +320,11 @@ pub struct ProfileSpec {
     pub model_id: String,
     /// Model revision as the workers report it.
     pub revision: String,
+    /// Model architecture as the workers report it (GGUF `general.architecture`: `llama`,
+    /// `qwen2`, `qwen3`, `phi3`, `gemma3`, …). Optional: when absent, a GGUF source's own
+    /// `general.architecture` is pinned; a HF source pins none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
     /// Where the gateway loads the tokenizer and chat template from.
     pub source: ProfileSource,
     /// Pinned SHA-256 of the chat template, 64 lowercase hex digits.

@@ -335,6 +335,21 @@ impl Validator {
         if p.revision.trim().is_empty() {
             self.push(format!("{path}.revision"), "must not be empty");
         }
+        if let Some(a) = &p.architecture {
+            let ok = !a.is_empty()
+                && a.len() <= 64
+                && a.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
+            if !ok {
+                self.push(
+                    format!("{path}.architecture"),
+                    format!(
+                        "must be a GGUF architecture name (1-64 of a-z, 0-9, `_`, `-`), got {a:?}"
+                    ),
+                );
+            }
+        }
         match &p.source {
             ProfileSource::Gguf { path: f, .. } => {
                 if f.as_os_str().is_empty() {

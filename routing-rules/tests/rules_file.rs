@@ -124,6 +124,27 @@ fn profile_source_must_be_one_form() {
 }
 
 #[test]
+fn profile_architecture_is_optional_and_checked() {
+    let with = |a: &str| {
+        BASE.replace(
+            "revision = \"r\"",
+            &format!("revision = \"r\"\narchitecture = {a:?}"),
+        )
+    };
+    let rules = parse(&with("gemma3"));
+    assert_eq!(validate(&rules), vec![]);
+    assert_eq!(rules.profiles[0].architecture.as_deref(), Some("gemma3"));
+    assert_eq!(parse(BASE).profiles[0].architecture, None);
+    for bad in ["", "Llama", "llama 3", "qwen/2"] {
+        assert_problem(
+            &problems(&with(bad)),
+            "profiles.smol.architecture",
+            "must be a GGUF architecture name",
+        );
+    }
+}
+
+#[test]
 fn toml_syntax_error_has_empty_path() {
     let p = problems("[[workers]\nid = 1");
     assert_eq!(p.len(), 1);

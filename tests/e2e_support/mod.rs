@@ -16,6 +16,8 @@
 //! response, no receipt); the engine thread and the receipt log are then reaped with
 //! `RunningWorker::shutdown`. [`Fleet::stop_worker`] is the graceful stop.
 
+#![allow(dead_code)]
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -61,6 +63,50 @@ pub fn model_path() -> PathBuf {
     p
 }
 
+/// The model every worker of a [`Fleet`] embeds, and what the rules pin for it.
+#[derive(Clone, Debug)]
+pub struct FleetModel {
+    /// The GGUF file.
+    pub gguf: PathBuf,
+    /// A Jinja chat template to use instead of the GGUF's (`--chat-template`; the profile
+    /// pins it as `source = { gguf, chat_template }`).
+    pub chat_template: Option<PathBuf>,
+    /// The profile id in the rules.
+    pub profile_id: &'static str,
+    /// The workers' tool-call parser.
+    pub tool_call_parser: Option<worker::output_parser::ToolCallFormat>,
+    /// The KV-exact service takes a body's `cache_salt` (`salt = { mode = "per_request" }`)
+    /// instead of refusing it.
+    pub per_request_salt: bool,
+}
+
+impl FleetModel {
+    /// SmolLM2-135M-Instruct, the default model (it writes Hermes-style calls when shown them;
+    /// its template names no format).
+    pub fn smollm2() -> FleetModel {
+        FleetModel {
+            gguf: model_path(),
+            chat_template: None,
+            profile_id: "smollm2",
+            tool_call_parser: Some(worker::output_parser::ToolCallFormat::Hermes),
+            per_request_salt: false,
+        }
+    }
+
+    /// The prompt profile of the model (with the template file, when one is given).
+    pub fn profile(&self) -> PromptProfile {
+        match &self.chat_template {
+            None => PromptProfile::from_gguf(&self.gguf),
+            Some(t) => {
+                let text = std::fs::read_to_string(t)
+                    .unwrap_or_else(|e| panic!("chat template {}: {e}", t.display()));
+                PromptProfile::from_gguf_with_template(&self.gguf, text)
+            }
+        }
+        .expect("prompt profile of the model file")
+    }
+}
+
 /// One worker and the runtime that drives it.
 pub struct WorkerHost {
     pub id: String,
@@ -97,7 +143,11 @@ fn runtime(threads: usize, name: &str) -> tokio::runtime::Runtime {
 
 /// The rules file: both workers in one pool, the profile pinned from `profile`'s identity, a
 /// round-robin service (`model` = [`RR_MODEL`]) and a KV-exact one (`model` = [`KV_MODEL`]).
-pub fn rules_toml(profile: &PromptProfile, model: &Path, addrs: &[(String, SocketAddr)]) -> String {
+pub fn rules_toml(
+    profile: &PromptProfile,
+    model: &FleetModel,
+    addrs: &[(String, SocketAddr)],
+) -> String {
     let id = profile.identity();
     let mut s = String::from("[gateway]\nhealth_interval_ms = 100\n");
     for (wid, a) in addrs {
@@ -110,13 +160,21 @@ pub fn rules_toml(profile: &PromptProfile, model: &Path, addrs: &[(String, Socke
         "\n[[pools]]\nid = \"local\"\nworkers = [{}]\n",
         ids.join(", ")
     ));
+    let source = match &model.chat_template {
+        None => format!("{{ gguf = {:?} }}", model.gguf.display().to_string()),
+        Some(t) => format!(
+            "{{ gguf = {:?}, chat_template = {:?} }}",
+            model.gguf.display().to_string(),
+            t.display().to_string()
+        ),
+    };
     s.push_str(&format!(
-        "\n[[profiles]]\nid = \"smollm2\"\nmodel_id = {:?}\nrevision = {:?}\nsource = {{ gguf = {:?} }}\n\
+        "\n[[profiles]]\nid = {:?}\nmodel_id = {:?}\nrevision = {:?}\nsource = {source}\n\
          template_sha256 = {:?}\ntokenizer_sha256 = {:?}\nblock_size = 16\nhash_algorithm = \"xxh3\"\n\
          context_limit = {}\nnative_reserve_tokens = 0\n",
+        model.profile_id,
         id.model_id,
         id.revision,
-        model.display().to_string(),
         id.template_sha256,
         id.tokenizer_sha256,
         id.context_limit,
@@ -136,13 +194,17 @@ match = {{ path_prefix = "/v1/", models = ["{KV_MODEL}"] }}
 
 [services.rule]
 type = "kv_exact"
-profile = "smollm2"
+profile = "{}"
 max_load_ratio = 1.5
 min_match_tokens = 16
 on_no_match = "least_loaded"
 load_metric = "in_flight"
-"#
+"#,
+        model.profile_id
     ));
+    if model.per_request_salt {
+        s.push_str("salt = { mode = \"per_request\" }\n");
+    }
     s
 }
 
@@ -151,9 +213,13 @@ impl Fleet {
     /// and the rules, starts the gateway with a decision log, and waits until both workers are
     /// routable (healthy, contract checked, KV events connected).
     pub fn start() -> Fleet {
-        let model = model_path();
+        Fleet::start_with(FleetModel::smollm2())
+    }
+
+    /// [`Fleet::start`] with `model` in every worker.
+    pub fn start_with(model: FleetModel) -> Fleet {
         let dir = tempfile::tempdir().expect("tempdir");
-        let profile = PromptProfile::from_gguf(&model).expect("prompt profile of the model file");
+        let profile = model.profile();
         let gateway_key = KeyPair::generate();
         let worker_keys: Vec<KeyPair> = WORKER_IDS.iter().map(|_| KeyPair::generate()).collect();
         let keys_dir = dir.path().join("keys");
@@ -221,11 +287,11 @@ impl Fleet {
         fleet
     }
 
-    fn worker_config(&self, i: usize, model: &Path, profile: &PromptProfile) -> WorkerConfig {
+    fn worker_config(&self, i: usize, model: &FleetModel, profile: &PromptProfile) -> WorkerConfig {
         let mut ring = KeyRing::new();
         ring.insert("gateway", self.gateway_key.public().clone());
         let mut cfg = WorkerConfig::new(
-            model,
+            &model.gguf,
             EngineChoice::Model {
                 kv_budget_bytes: KV_BUDGET_BYTES,
                 threads: 1,
@@ -240,8 +306,7 @@ impl Fleet {
         cfg.profile = Some(profile.clone());
         cfg.gateway_keys = ring;
         cfg.settings.ticket_policy = TicketPolicy::Require;
-        // SmolLM2 writes Hermes-style calls when shown them (its template names no format).
-        cfg.settings.tool_call_parser = Some(worker::output_parser::ToolCallFormat::Hermes);
+        cfg.settings.tool_call_parser = model.tool_call_parser;
         cfg
     }
 
@@ -271,6 +336,14 @@ impl Fleet {
             .iter_mut()
             .find(|h| h.id == id)
             .unwrap_or_else(|| panic!("no worker {id}"))
+    }
+
+    /// A running worker.
+    pub fn running(&self, id: &str) -> &RunningWorker {
+        self.host(id)
+            .worker
+            .as_ref()
+            .unwrap_or_else(|| panic!("worker {id} is not running"))
     }
 
     /// The engine counters of a running worker.

@@ -377,7 +377,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     );
     let default_skip_special = !tool_format.is_some_and(|f| f.needs_special_tokens());
     let (stop_token_ids, output) = match plan.output.resolve(
-        &st.identity.eos_token_ids,
+        st.profile.end_of_generation_ids(),
         st.profile.vocab_size(),
         max_tokens,
         default_skip_special,

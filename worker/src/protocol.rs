@@ -448,11 +448,18 @@ pub struct ProfileBody {
     pub worker_id: String,
     pub model_id: String,
     pub revision: String,
+    /// The model architecture, GGUF `general.architecture` (`llama`, `qwen2`, `qwen3`,
+    /// `phi3`, `gemma3`, …) as the prompt profile read it; `null` for a profile from a HF
+    /// tokenizer.json. Compared by the gateway's contract check.
+    pub architecture: Option<String>,
     pub template_sha256: String,
     pub tokenizer_sha256: String,
     /// Digest of the whole profile identity (the prompt-profile crate's stable digest).
     pub profile_digest: String,
     pub eos_token_ids: Vec<u32>,
+    /// The ids that end generation: the eos ids and the vocabulary's other end tokens
+    /// (`prompt_profile::END_OF_GENERATION_TEXTS`, llama.cpp's list).
+    pub end_of_generation_ids: Vec<u32>,
     pub context_limit: usize,
     pub native_reserve: usize,
     pub block_size: usize,

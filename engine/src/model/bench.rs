@@ -65,6 +65,8 @@ impl EngineBenchConfig {
 /// Measured figures.
 #[derive(Clone, Debug)]
 pub struct EngineBenchReport {
+    /// The model's architecture (`general.architecture`, resolved).
+    pub architecture: super::weights::Architecture,
     /// Compute threads candle used.
     pub threads: usize,
     /// Weight format.
@@ -91,8 +93,8 @@ impl std::fmt::Display for EngineBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "threads {}, weights {:?}, load {:.2} s",
-            self.threads, self.format, self.load_s
+            "architecture {:?}, threads {}, weights {:?}, load {:.2} s",
+            self.architecture, self.threads, self.format, self.load_s
         )?;
         writeln!(f, "| measure | value |")?;
         writeln!(f, "|---|---|")?;
@@ -291,6 +293,7 @@ pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, EngineError> {
     }
 
     Ok(EngineBenchReport {
+        architecture: weights.config().arch,
         threads,
         format: cfg.format,
         load_s,

@@ -42,11 +42,31 @@ impl Rng {
 /// `q4_k`, `q6_k`) stores every matrix but the embedding in that format (norms stay F32); the
 /// K-quant ones use width 256 and FFN 512 (their blocks are 256 wide).
 pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<()> {
+    write_gguf(arch, Shape::Tiny, tokenizer_from, out)
+}
+
+/// The size of a generated model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// The test size of [`write_tiny_gguf`] (seconds to run, every code path).
+    Tiny,
+    /// SmolLM2-135M's shapes — 30 layers, width 576, 9 query and 3 KV heads of 64, FFN 1536
+    /// (`gemma3`: every 6th layer global, the others sliding over 512 positions) — so that a
+    /// speed comparison runs the matrices of a real small model. Only formats with 32-wide
+    /// blocks (576 is not a multiple of the K-quants' 256).
+    Bench,
+}
+
+/// [`write_tiny_gguf`] at any [`Shape`].
+pub fn write_gguf(arch: &str, shape: Shape, tokenizer_from: &Path, out: &Path) -> Result<()> {
     let (arch, fmt) = match arch.split_once('-') {
         Some((a, f)) => (a, Some(format_named(f)?)),
         None => (arch, None),
     };
     let kquant = matches!(fmt, Some(GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K));
+    if kquant && shape == Shape::Bench {
+        return Err("the bench shape (width 576) cannot hold 256-wide K-quant blocks".into());
+    }
     let mut f = std::fs::File::open(tokenizer_from)?;
     let src = gguf_file::Content::read(&mut f)?;
     let mut tok: Vec<(String, Value)> = src
@@ -60,13 +80,21 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         Some(Value::Array(a)) => a.len(),
         _ => return Err("the tokenizer GGUF has no tokenizer.ggml.tokens".into()),
     };
-    let (hidden, heads, kv_heads, ffn) = if kquant {
-        (256usize, 4usize, 2usize, 512usize)
-    } else {
-        (64, 4, 2, 128)
+    let (hidden, heads, kv_heads, ffn) = match (shape, kquant) {
+        (Shape::Bench, _) => (576usize, 9usize, 3usize, 1536usize),
+        (Shape::Tiny, true) => (256, 4, 2, 512),
+        (Shape::Tiny, false) => (64, 4, 2, 128),
     };
-    // gemma3: 3 layers, the last global, the first two sliding over 4 positions.
-    let layers = if arch == "gemma3" { 3usize } else { 2 };
+    // gemma3 (tiny): 3 layers, the last global, the first two sliding over 4 positions.
+    let layers = match shape {
+        Shape::Bench => 30usize,
+        Shape::Tiny if arch == "gemma3" => 3,
+        Shape::Tiny => 2,
+    };
+    let (window, pattern) = match shape {
+        Shape::Bench => (512u32, 6u32),
+        Shape::Tiny => (4, 3),
+    };
     let variant = arch;
     // `llama3` is a `llama` file with Llama 3.1-style RoPE frequency factors.
     let arch = if variant == "llama3" {
@@ -74,7 +102,11 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
     } else {
         variant
     };
-    let head_dim = if arch == "qwen3" { 32 } else { hidden / heads };
+    let head_dim = if arch == "qwen3" && shape == Shape::Tiny {
+        32
+    } else {
+        hidden / heads
+    };
     let rope_base = match variant {
         "llama" => 10_000.0f32,
         "llama3" => 500_000.0,
@@ -111,10 +143,13 @@ pub fn write_tiny_gguf(arch: &str, tokenizer_from: &Path, out: &Path) -> Result<
         (format!("{arch}.rope.freq_base"), Value::F32(rope_base)),
     ];
     if arch == "gemma3" {
-        meta.push((format!("{arch}.attention.sliding_window"), Value::U32(4)));
+        meta.push((
+            format!("{arch}.attention.sliding_window"),
+            Value::U32(window),
+        ));
         meta.push((
             format!("{arch}.attention.sliding_window_pattern"),
-            Value::U32(3),
+            Value::U32(pattern),
         ));
         meta.push((format!("{arch}.rope.freq_base_swa"), Value::F32(10_000.0)));
         // A cap near the logits' scale, so that soft-capping changes them measurably.
