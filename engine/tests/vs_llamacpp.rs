@@ -61,6 +61,16 @@ fn log_softmax_top(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
 /// probability here, and the engine's argmax is in llama.cpp's top 3, at every position. Returns
 /// the largest probability difference.
 fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
+    real_model_agrees_with(model, fixture, WeightFormat::CPU_DEFAULT).0
+}
+
+/// [`real_model_agrees`] with the weights in `format`; also returns the positions where the
+/// engine's argmax is not llama.cpp's greedy token, as `(case, position)`.
+fn real_model_agrees_with(
+    model: &std::path::Path,
+    fixture: &str,
+    format: WeightFormat,
+) -> (f64, Vec<(String, usize)>) {
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("tests/fixtures/llamacpp").join(fixture))
             .expect("fixture"),
@@ -75,9 +85,7 @@ fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
         Some(sha.as_str()),
         "not the fixture's model"
     );
-    let weights = Arc::new(
-        LlamaWeights::load(model, &candle_core::Device::Cpu, WeightFormat::CPU_DEFAULT).unwrap(),
-    );
+    let weights = Arc::new(LlamaWeights::load(model, &candle_core::Device::Cpu, format).unwrap());
     let block_size = 16;
     let mut exec = LlamaExecutor::new(
         weights,
@@ -90,6 +98,7 @@ fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
     let table: Vec<u32> = (0..16).collect();
     let mut worst: f64 = 0.0;
     let mut positions = 0;
+    let mut greedy_differs = Vec::new();
     for case in fixture["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let prompt: Vec<u32> = case["prompt_ids"]
@@ -139,20 +148,34 @@ fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
             );
             positions += 1;
             // Teacher forcing: continue with llama.cpp's token.
-            tokens.push(step["id"].as_u64().unwrap() as u32);
+            let theirs_greedy = step["id"].as_u64().unwrap() as u32;
+            if ours[0].0 != theirs_greedy {
+                greedy_differs.push((name.to_string(), k));
+            }
+            tokens.push(theirs_greedy);
         }
         // The next case starts again at position 0 and overwrites these KV slots.
     }
     println!(
-        "vs llama.cpp, {}: {positions} positions compared, largest probability difference on shared top-5 tokens {worst:.3}",
+        "vs llama.cpp, {} ({format:?}): {positions} positions compared, largest probability difference on shared top-5 tokens {worst:.3}, greedy token differs at {greedy_differs:?}",
         model.display()
     );
-    worst
+    (worst, greedy_differs)
 }
 
 #[test]
 fn next_token_distributions_agree_with_llama_cpp() {
     real_model_agrees(&model_path(), "smollm2-q4_1.json");
+}
+
+/// With the file's blocks through candle's quantized matmul (`WeightFormat::AsStored`: the
+/// activations quantized to 8 bits per 32-value block as ggml does for its Q4_1 products), the
+/// engine does llama.cpp's arithmetic.
+#[test]
+fn as_stored_greedy_tokens_equal_llama_cpp() {
+    let (worst, differs) =
+        real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::AsStored);
+    println!("AsStored: largest probability difference {worst:.4}, greedy differs at {differs:?}");
 }
 
 /// Gemma 3 270M (Q4_K_M, from PyPI: scripts/fetch-gemma3.sh, which scripts/setup.sh runs).
