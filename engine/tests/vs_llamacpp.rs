@@ -65,12 +65,13 @@ fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
 }
 
 /// [`real_model_agrees`] with the weights in `format`; also returns the positions where the
-/// engine's argmax is not llama.cpp's greedy token, as `(case, position)`.
+/// engine's argmax is not llama.cpp's greedy token, as `(case, position, llama.cpp's
+/// log-probability gap between its top two)`.
 fn real_model_agrees_with(
     model: &std::path::Path,
     fixture: &str,
     format: WeightFormat,
-) -> (f64, Vec<(String, usize)>) {
+) -> (f64, Vec<(String, usize, f64)>) {
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("tests/fixtures/llamacpp").join(fixture))
             .expect("fixture"),
@@ -150,7 +151,7 @@ fn real_model_agrees_with(
             // Teacher forcing: continue with llama.cpp's token.
             let theirs_greedy = step["id"].as_u64().unwrap() as u32;
             if ours[0].0 != theirs_greedy {
-                greedy_differs.push((name.to_string(), k));
+                greedy_differs.push((name.to_string(), k, theirs[0].1 - theirs[1].1));
             }
             tokens.push(theirs_greedy);
         }
@@ -168,14 +169,31 @@ fn next_token_distributions_agree_with_llama_cpp() {
     real_model_agrees(&model_path(), "smollm2-q4_1.json");
 }
 
-/// With the file's blocks through candle's quantized matmul (`WeightFormat::AsStored`: the
-/// activations quantized to 8 bits per 32-value block as ggml does for its Q4_1 products), the
-/// engine does llama.cpp's arithmetic.
+/// `WeightFormat::LlamaCpp` (llama.cpp's arithmetic: 8-bit activations in the block products,
+/// keys and values rounded to f16) gives llama.cpp's greedy token at every one of SmolLM2's 48
+/// positions — the near tie included — and a probability within 0.08 of llama.cpp's for each
+/// of its top 5 (measured 0.070; `Exact`: 0.117 and one greedy difference, `AsStored`, without
+/// the f16 rounding: 0.108 and two). Gemma 3 270M (a pretrained model: flat distributions on
+/// the fixture's counting prompt) differs at one of 36 positions, where llama.cpp's own top two
+/// are 0.17 apart (`Exact`: two, 0.10 and 0.014 apart) — llama.cpp's attention keeps more in f16
+/// than the cache (rounding the queries too made SmolLM2 worse, so that is not it): every
+/// difference must be such a near tie, below 0.2.
 #[test]
-fn as_stored_greedy_tokens_equal_llama_cpp() {
+fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
     let (worst, differs) =
-        real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::AsStored);
-    println!("AsStored: largest probability difference {worst:.4}, greedy differs at {differs:?}");
+        real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::LlamaCpp);
+    assert!(differs.is_empty(), "greedy tokens differ at {differs:?}");
+    assert!(
+        worst <= 0.08,
+        "largest probability difference {worst:.3} > 0.08"
+    );
+    let gemma = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    let (_, differs) =
+        real_model_agrees_with(&gemma, "gemma3-270m-q4_k_m.json", WeightFormat::LlamaCpp);
+    assert!(
+        differs.iter().all(|(_, _, gap)| *gap < 0.2),
+        "greedy differs beyond llama.cpp's near ties: {differs:?}"
+    );
 }
 
 /// Gemma 3 270M (Q4_K_M, from PyPI: scripts/fetch-gemma3.sh, which scripts/setup.sh runs).
@@ -343,7 +361,8 @@ fn tiny_gemma3_agrees_with_llama_cpp() {
 fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
     let dir = tempfile::tempdir().unwrap();
     let mut results = Vec::new();
-    for arch in [
+    // The name, and `+llama-cpp` for the same file under `WeightFormat::LlamaCpp`.
+    for name in [
         "llama",
         "llama3",
         "qwen2",
@@ -357,14 +376,21 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
         "llama-q4_k",
         "llama-q5_k",
         "llama-q6_k",
+        "llama-q4_1+llama-cpp",
+        "llama-q8_0+llama-cpp",
+        "gemma3-q4_k+llama-cpp",
     ] {
+        let (arch, format) = match name.strip_suffix("+llama-cpp") {
+            Some(a) => (a, WeightFormat::LlamaCpp),
+            None => (name, WeightFormat::CPU_DEFAULT),
+        };
         let path = dir.path().join(format!("tiny-{arch}.gguf"));
-        engine::model::tiny::write_tiny_gguf(arch, &model_path(), &path).unwrap();
-        let weights = Arc::new(
-            LlamaWeights::load(&path, &candle_core::Device::Cpu, WeightFormat::CPU_DEFAULT)
-                .unwrap(),
-        );
-        if arch == "gemma3" {
+        if !path.exists() {
+            engine::model::tiny::write_tiny_gguf(arch, &model_path(), &path).unwrap();
+        }
+        let weights =
+            Arc::new(LlamaWeights::load(&path, &candle_core::Device::Cpu, format).unwrap());
+        if arch.starts_with("gemma3") {
             assert_eq!(weights.config().sliding_window, Some(4));
         }
         let mut exec = LlamaExecutor::new(
@@ -417,15 +443,15 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
                 .fold(0f32, f32::max)
         };
         println!(
-            "exact output, {arch}: cached max |Δlogit| {}, chunked {}; greedy equal {} / {}",
+            "exact output, {name}: cached max |Δlogit| {}, chunked {}; greedy equal {} / {}",
             diff(&cold.1, &cached.1),
             diff(&cold.1, &chunked.1),
             cold.0 == cached.0,
             cold.0 == chunked.0
         );
-        assert_eq!(cold.0, cached.0, "{arch}: cached greedy tokens differ");
-        assert_eq!(cold.0, chunked.0, "{arch}: chunked greedy tokens differ");
-        results.push((arch, diff(&cold.1, &cached.1), diff(&cold.1, &chunked.1)));
+        assert_eq!(cold.0, cached.0, "{name}: cached greedy tokens differ");
+        assert_eq!(cold.0, chunked.0, "{name}: chunked greedy tokens differ");
+        results.push((name, diff(&cold.1, &cached.1), diff(&cold.1, &chunked.1)));
     }
     // Measured: bit-identical everywhere but the packed-kernel formats (Q8_0, Q4_0, Q4_1), whose
     // logits differ by ~1e-6 between step sizes at this width (the greedy tokens do not).

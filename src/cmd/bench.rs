@@ -30,6 +30,9 @@ pub struct Args {
     /// Compute threads of the engine benchmark (0 = candle's default).
     #[arg(long, default_value_t = 1)]
     pub engine_threads: usize,
+    /// The engine benchmark's arithmetic (as `kvgate worker --numerics`; default `exact`).
+    #[arg(long, value_enum, default_value_t = crate::cmd::worker::Numerics::Exact)]
+    pub engine_numerics: crate::cmd::worker::Numerics,
     /// Workloads to run, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "multi-turn")]
     pub workload: Vec<WorkloadKind>,
@@ -70,7 +73,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(model) = &args.engine_model {
-        let report = engine::model::bench::run_engine_bench(model, args.engine_threads)
+        let mut cfg = engine::model::bench::EngineBenchConfig::new(model, args.engine_threads);
+        cfg.format = args.engine_numerics.weight_format();
+        let report = engine::model::bench::run(&cfg)
             .with_context(|| format!("engine benchmark on {}", model.display()))?;
         println!("{report}");
         return Ok(ExitCode::SUCCESS);

@@ -30,6 +30,25 @@ pub enum EngineKind {
     Sim,
 }
 
+/// `--numerics`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Numerics {
+    /// F32 activations throughout (`WeightFormat::Exact`).
+    Exact,
+    /// llama.cpp's arithmetic (`WeightFormat::LlamaCpp`).
+    LlamaCpp,
+}
+
+impl Numerics {
+    /// The engine's weight format for this choice.
+    pub fn weight_format(self) -> engine::model::WeightFormat {
+        match self {
+            Numerics::Exact => engine::model::WeightFormat::CPU_DEFAULT,
+            Numerics::LlamaCpp => engine::model::WeightFormat::LlamaCpp,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// GGUF model file [default: $KVGATE_MODEL_DIR or ./models, then SmolLM2-135M-Instruct.Q4_1.gguf].
@@ -46,6 +65,11 @@ pub struct Args {
     /// What computes tokens.
     #[arg(long, value_enum, default_value_t = EngineKind::Model)]
     pub engine: EngineKind,
+    /// The model engine's arithmetic: `exact` (F32 activations, the CPU default) or
+    /// `llama-cpp` (llama.cpp's: 8-bit activations in the block products, keys and values
+    /// rounded to f16 — the same greedy tokens as llama-server on the same file; slower).
+    #[arg(long, value_enum)]
+    pub numerics: Option<Numerics>,
     /// Worker id (route tickets must name it; receipts are signed under it).
     #[arg(long, default_value = "worker-1")]
     pub id: String,
@@ -380,6 +404,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     };
     cfg.settings = settings;
     cfg.profile = Some(profile);
+    cfg.weight_format = args.numerics.map(Numerics::weight_format);
     cfg.tls = args.tls.server_tls();
     if let Some(url) = &args.register {
         cluster::check_url(url).context("--register")?;

@@ -159,6 +159,9 @@ pub struct WorkerConfig {
     /// An already loaded profile of `model_path` (saves the load when starting many workers).
     pub profile: Option<PromptProfile>,
     pub engine: EngineChoice,
+    /// The model engine's arithmetic (`None`: `engine::model::default_format` for the device —
+    /// `Exact` on CPU); `Some(WeightFormat::LlamaCpp)` gives llama.cpp's greedy tokens.
+    pub weight_format: Option<engine::model::WeightFormat>,
     /// The engine's scheduler knobs; its `hash_algorithm` is overridden by the settings'.
     pub engine_config: EngineConfig,
     /// The worker's receipt-signing key.
@@ -191,6 +194,7 @@ impl WorkerConfig {
             model_path: model_path.into(),
             profile: None,
             engine,
+            weight_format: None,
             engine_config: EngineConfig::default(),
             key,
             gateway_keys: KeyRing::new(),
@@ -323,6 +327,7 @@ fn build_executor(
     choice: &EngineChoice,
     model_path: &std::path::Path,
     block_size: usize,
+    weight_format: Option<engine::model::WeightFormat>,
 ) -> Result<Box<dyn Executor>, WorkerError> {
     match choice {
         EngineChoice::Sim(cfg) => {
@@ -344,7 +349,7 @@ fn build_executor(
         } => {
             engine::model::configure_compute_threads(*threads);
             let device = engine::model::device(*cuda)?;
-            let format = engine::model::default_format(&device);
+            let format = weight_format.unwrap_or_else(|| engine::model::default_format(&device));
             let weights = engine::model::LlamaWeights::load(model_path, &device, format)?;
             let num_blocks = weights.blocks_for_budget(*kv_budget_bytes, block_size);
             if num_blocks == 0 {
@@ -377,6 +382,7 @@ pub async fn spawn(
         model_path,
         profile,
         engine: choice,
+        weight_format,
         mut engine_config,
         key,
         gateway_keys,
@@ -404,7 +410,7 @@ pub async fn spawn(
                 None => PromptProfile::from_gguf(&path)
                     .map_err(|e| startup("prompt profile", format!("{}: {e}", path.display())))?,
             };
-            let exec = build_executor(&choice, &path, block_size.get())?;
+            let exec = build_executor(&choice, &path, block_size.get(), weight_format)?;
             Ok((profile, exec))
         })
         .await

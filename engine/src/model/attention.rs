@@ -57,6 +57,14 @@ pub(crate) struct KvLayout {
     pub n_kv_head: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    /// Round every key and value to f16 as it is stored ([`super::WeightFormat::LlamaCpp`]).
+    pub round_f16: bool,
+}
+
+/// `x` rounded to the nearest f16 (ties to even; beyond f16's range ±inf, below it subnormal or
+/// zero), back in f32: what an F16 cache would hold.
+pub(crate) fn round_to_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
 }
 
 impl KvLayout {
@@ -69,15 +77,23 @@ impl KvLayout {
     pub(crate) fn write(&self, kc: &mut [f32], vc: &mut [f32], slot: usize, k: &[f32], v: &[f32]) {
         let (hk, d, bs) = (self.n_kv_head, self.head_dim, self.block_size);
         let (b, o) = (slot / bs, slot % bs);
+        let r = |x: f32| if self.round_f16 { round_to_f16(x) } else { x };
         let kb = &mut kc[b * self.block_floats()..][..self.block_floats()];
         for g in 0..hk {
             for i in 0..d {
-                kb[(g * d + i) * bs + o] = k[g * d + i];
+                kb[(g * d + i) * bs + o] = r(k[g * d + i]);
             }
         }
         let vb = &mut vc[b * self.block_floats()..][..self.block_floats()];
         for g in 0..hk {
-            vb[(g * bs + o) * d..][..d].copy_from_slice(&v[g * d..][..d]);
+            let dst = &mut vb[(g * bs + o) * d..][..d];
+            if self.round_f16 {
+                for (x, &y) in dst.iter_mut().zip(&v[g * d..][..d]) {
+                    *x = round_to_f16(y);
+                }
+            } else {
+                dst.copy_from_slice(&v[g * d..][..d]);
+            }
         }
     }
 
@@ -636,6 +652,20 @@ pub(crate) fn rope_cos_sin_scaled(
 mod tests {
     use super::*;
 
+    #[test]
+    fn f16_rounding_is_round_to_nearest_even() {
+        assert_eq!(round_to_f16(1.0), 1.0);
+        // 1 + 2^-11 is halfway between 1 and 1 + 2^-10: ties to the even mantissa (1).
+        assert_eq!(round_to_f16(1.0 + 2f32.powi(-11)), 1.0);
+        assert_eq!(
+            round_to_f16(1.0 + 3.0 * 2f32.powi(-11)),
+            1.0 + 2.0 * 2f32.powi(-10)
+        );
+        assert_eq!(round_to_f16(65504.0), 65504.0);
+        assert_eq!(round_to_f16(1e6), f32::INFINITY);
+        assert_eq!(round_to_f16(-0.1), -0.099975586);
+    }
+
     /// Naive attention over a contiguous cache, for comparison.
     fn naive(
         q: &[f32],
@@ -691,6 +721,7 @@ mod tests {
             n_kv_head: hk,
             head_dim: d,
             block_size: block,
+            round_f16: false,
         };
         let k_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
         let v_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();

@@ -183,6 +183,7 @@ impl LlamaExecutor {
             n_kv_head: hk,
             head_dim: d,
             block_size: self.geometry.block_size,
+            round_f16: self.weights.format().rounds_kv_to_f16(),
         };
 
         let id_tensor = Tensor::from_vec(ids, total, dev)?;

@@ -143,6 +143,15 @@ pub enum WeightFormat {
         /// Smallest step (total tokens) that uses the dense F32 copy.
         dense_min_tokens: usize,
     },
+    /// llama.cpp's arithmetic, for fleets where kvgate workers and `llama-server` must give the
+    /// same greedy tokens: the file's blocks through ggml's quantized products as candle ports
+    /// them (each activation row quantized to 8 bits per 32 values — Q8_1 for Q4_0/Q4_1, Q8_0
+    /// for Q8_0 — integer dot products per block), and every key and value rounded to f16 when
+    /// it enters the cache, as llama.cpp's default F16 cache stores them (the cache stays f32
+    /// here: same values, no memory saved). Both are per row and per token, so results do not
+    /// depend on step size, chunking or prefix caching. Slower than [`WeightFormat::Exact`] on
+    /// CPU (no packed kernel, no panel GEMM).
+    LlamaCpp,
 }
 
 impl WeightFormat {
@@ -152,10 +161,16 @@ impl WeightFormat {
         dense_min_tokens: 32,
     };
 
+    /// Whether keys and values are rounded to f16 as they enter the KV cache
+    /// ([`WeightFormat::LlamaCpp`]).
+    pub fn rounds_kv_to_f16(&self) -> bool {
+        matches!(self, WeightFormat::LlamaCpp)
+    }
+
     /// Whether a step of `tokens` tokens multiplies with the dense copy.
     pub fn use_dense(&self, tokens: usize) -> bool {
         match self {
-            WeightFormat::AsStored | WeightFormat::Q8_0 => false,
+            WeightFormat::AsStored | WeightFormat::Q8_0 | WeightFormat::LlamaCpp => false,
             WeightFormat::F32 => true,
             WeightFormat::Hybrid { dense_min_tokens }
             | WeightFormat::Exact { dense_min_tokens } => tokens >= *dense_min_tokens,
@@ -200,7 +215,7 @@ impl Linear {
             format,
             WeightFormat::F32 | WeightFormat::Hybrid { .. } | WeightFormat::Exact { .. }
         );
-        let quant = if format == WeightFormat::AsStored {
+        let quant = if matches!(format, WeightFormat::AsStored | WeightFormat::LlamaCpp) {
             Some(QMatMul::from_qtensor(requantize_onto(
                 &w,
                 stored.dtype(),
