@@ -60,21 +60,6 @@ for entry in "${files[@]}"; do
   name="$(basename "$f" .gguf)"
   "$kvgate" bench --engine-model "$f" --engine-threads "$threads" >"$out/$name.kvgate.txt" 2>&1
   "$llama_bench" -m "$f" -p 512 -n 64 -t "$threads" -r 3 -o json >"$out/$name.llamacpp.json" 2>"$out/$name.llamacpp.err"
-  row="$(.venv/bin/python3 - "$out/$name.kvgate.txt" "$out/$name.llamacpp.json" <<'EOF'
-import json, re, sys
-k = open(sys.argv[1]).read()
-def grab(pat):
-    m = re.search(pat, k)
-    if not m:
-        sys.exit(f"bench: no figure {pat!r} in {sys.argv[1]}:\n{k}")
-    return float(m.group(1))
-kp = grab(r"prefill, 512 tokens, 1 stream \| ([0-9.]+) tok/s")
-kd = grab(r"\| decode, 1 stream \| ([0-9.]+) tok/s")
-runs = json.load(open(sys.argv[2]))
-lp = next(r["avg_ts"] for r in runs if r["n_prompt"] == 512 and r["n_gen"] == 0)
-ld = next(r["avg_ts"] for r in runs if r["n_prompt"] == 0 and r["n_gen"] == 64)
-print(f"{kp:.0f} | {lp:.0f} | {kp/lp:.2f}x | {kd:.1f} | {ld:.1f} | {kd/ld:.2f}x")
-EOF
-)"
+  row="$(.venv/bin/python3 scripts/engine_bench_row.py "$out/$name.kvgate.txt" "$out/$name.llamacpp.json")"
   echo "| $arch | $label | $row |"
 done

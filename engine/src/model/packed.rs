@@ -6,7 +6,9 @@
 //! per 32-value block, which flips SmolLM2's greedy answers and makes results depend on how a
 //! prompt was chunked (a cached continuation took a different path than an uncached prefill).
 //! Here each weight is dequantized exactly as `QTensor::dequantize` does (`q·d + m` in f32 for
-//! Q4_1, `(q−8)·d` for Q4_0, `q·d` for Q8_0) right before it is multiplied, so the result equals
+//! Q4_1, `(q−8)·d` for Q4_0, `q·d` for Q8_0; Q4_K is repacked as Q4_1 blocks of 32 with
+//! `d' = d·sc`, `m' = −dmin·m` and Q5_0 as Q8_0 blocks, both value for value) right before it is
+//! multiplied, so the result equals
 //! the dense F32 matmul over the dequantized matrix up to summation order, while the matrix is
 //! read at its stored size (0.75 / 0.56 / 1.06 bytes per weight as packed here, versus 4 for
 //! F32).
@@ -29,6 +31,24 @@ use crate::EngineError;
 
 /// Values per quantization block (Q4_0, Q4_1, Q8_0).
 const QK: usize = 32;
+/// Values per K-quant super-block.
+const QK_K: usize = 256;
+/// Bytes per Q4_K super-block and per Q5_0 block.
+const Q4K_BYTES: usize = 144;
+const Q5_0_BYTES: usize = 22;
+
+/// Sub-block `j`'s 6-bit scale and min from a K-quant block's 12 packed bytes (ggml's
+/// `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
 /// Activation rows sharing one unpacked weight block.
 pub(crate) const ROW_GROUP: usize = 4;
 
@@ -83,18 +103,21 @@ impl PackedMatrix {
     /// Repacks a `[rows, cols]` quantized tensor; `Ok(None)` when its format is not one this
     /// kernel reads (the caller then uses dense F32 weights).
     pub(crate) fn from_qtensor(q: &QTensor) -> Result<Option<Self>, EngineError> {
-        let (kind, block_bytes) = match q.dtype() {
-            GgmlDType::Q4_1 => (Kind::Q4_1, 20),
-            GgmlDType::Q4_0 => (Kind::Q4_0, 18),
-            GgmlDType::Q8_0 => (Kind::Q8_0, 34),
+        let (kind, block_bytes, block_values) = match q.dtype() {
+            GgmlDType::Q4_1 => (Kind::Q4_1, 20, QK),
+            GgmlDType::Q4_0 => (Kind::Q4_0, 18, QK),
+            GgmlDType::Q8_0 => (Kind::Q8_0, 34, QK),
+            // Re-expressed losslessly in the kinds above (see `from_q4k` / `from_q5_0`).
+            GgmlDType::Q4K => (Kind::Q4_1, Q4K_BYTES, QK_K),
+            GgmlDType::Q5_0 => (Kind::Q8_0, Q5_0_BYTES, QK),
             _ => return Ok(None),
         };
         let (rows, cols) = q.shape().dims2()?;
-        if cols % QK != 0 {
+        if cols % block_values != 0 {
             return Ok(None);
         }
         let data = q.data()?;
-        let blocks = rows * (cols / QK);
+        let blocks = rows * (cols / block_values);
         if data.len() != blocks * block_bytes {
             return Err(EngineError::Model(format!(
                 "{:?} tensor of {rows}×{cols} has {} bytes, expected {}",
@@ -103,13 +126,80 @@ impl PackedMatrix {
                 blocks * block_bytes
             )));
         }
-        Ok(Some(Self::from_blocks(
-            kind,
+        Ok(Some(match q.dtype() {
+            GgmlDType::Q4K => Self::from_q4k(rows, cols, &data),
+            GgmlDType::Q5_0 => Self::from_q5_0(rows, cols, &data),
+            _ => Self::from_blocks(kind, rows, cols, &data, block_bytes),
+        }))
+    }
+
+    /// Q4_K (256-value super-blocks: f16 `d` and `dmin`, 12 bytes of 6-bit sub-block scales and
+    /// mins, 128 bytes of nibbles) as Q4_1 blocks of 32: candle dequantizes sub-block `j` as
+    /// `(d·sc_j)·q − (dmin·m_j)`, which is `q·d' + m'` with `d' = d·sc_j` and `m' = −(dmin·m_j)`
+    /// computed once here in the same f32 operations — the same value for every weight.
+    fn from_q4k(rows: usize, cols: usize, data: &[u8]) -> Self {
+        let subs = data.len() / Q4K_BYTES * (QK_K / QK);
+        let mut scale = Vec::with_capacity(subs);
+        let mut min = Vec::with_capacity(subs);
+        let mut qs = Vec::with_capacity(subs * QK / 2);
+        for b in data.chunks_exact(Q4K_BYTES) {
+            let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            let dmin = f16_to_f32(u16::from_le_bytes([b[2], b[3]]));
+            let scales = &b[4..16];
+            let nibbles = &b[16..Q4K_BYTES];
+            for g in 0..QK_K / 64 {
+                let q = &nibbles[g * 32..][..32];
+                for half in 0..2 {
+                    let (sc, m) = scale_min_k4(2 * g + half, scales);
+                    scale.push(d * f32::from(sc));
+                    min.push(-(dmin * f32::from(m)));
+                    let v = |i: usize| if half == 0 { q[i] & 0x0f } else { q[i] >> 4 };
+                    for j in 0..QK / 2 {
+                        qs.push(v(j) | (v(j + QK / 2) << 4));
+                    }
+                }
+            }
+        }
+        PackedMatrix {
+            kind: Kind::Q4_1,
             rows,
             cols,
-            &data,
-            block_bytes,
-        )))
+            scale,
+            min,
+            qs,
+        }
+    }
+
+    /// Q5_0 (32 values: f16 `d`, 4 bytes of high bits, 16 bytes of low nibbles) as Q8_0 blocks:
+    /// candle dequantizes `(q5 − 16)·d`, the Q8_0 formula for the signed byte `q5 − 16`.
+    fn from_q5_0(rows: usize, cols: usize, data: &[u8]) -> Self {
+        let blocks = data.len() / Q5_0_BYTES;
+        let mut scale = Vec::with_capacity(blocks);
+        let mut qs = Vec::with_capacity(blocks * QK);
+        for b in data.chunks_exact(Q5_0_BYTES) {
+            scale.push(f16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let lo = &b[6..Q5_0_BYTES];
+            let value = |j: usize| -> u8 {
+                let (nibble, bit) = if j < QK / 2 {
+                    (lo[j] & 0x0f, (qh >> j) & 1)
+                } else {
+                    (lo[j - QK / 2] >> 4, (qh >> j) & 1)
+                };
+                ((i16::from(nibble | ((bit as u8) << 4)) - 16) as i8) as u8
+            };
+            for j in 0..QK {
+                qs.push(value(j));
+            }
+        }
+        PackedMatrix {
+            kind: Kind::Q8_0,
+            rows,
+            cols,
+            scale,
+            min: Vec::new(),
+            qs,
+        }
     }
 
     /// Several matrices with the same width and format stacked along the rows (fused
@@ -505,6 +595,36 @@ pub(crate) mod tests {
         assert!(f16_to_f32(0x7c00).is_infinite());
     }
 
+    /// Q4_K and Q5_0 are re-expressed as Q4_1 and Q8_0 blocks with every weight's value
+    /// unchanged: the packed blocks dequantize to candle's values bit for bit.
+    #[test]
+    fn k_quant_and_q5_0_repacking_keeps_every_value() {
+        let (n, k) = (5, 512);
+        let w = Tensor::from_vec(rnd_vec(0x51, n * k), (n, k), &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q5_0] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
+            let want: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut got = Vec::with_capacity(n * k);
+            let mut block = [0f32; QK];
+            for b in 0..n * k / QK {
+                p.dequant_block(b, &mut block);
+                got.extend_from_slice(&block);
+            }
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{dtype:?}: repacked values differ from candle's");
+        }
+    }
+
     /// The packed kernel equals a dense F32 matmul over candle's dequantized weights (same
     /// weights exactly; only summation order differs) for every supported format and batch
     /// sizes around the row group.
@@ -512,9 +632,15 @@ pub(crate) mod tests {
     fn matches_dense_matmul_over_dequantized_weights() {
         let seed = 0x9ac4_u64;
         println!("seed {seed}");
-        let (n, k) = (37, 96);
+        let (n, k) = (37, 256);
         let w = Tensor::from_vec(rnd_vec(seed, n * k), (n, k), &Device::Cpu).unwrap();
-        for dtype in [GgmlDType::Q4_1, GgmlDType::Q4_0, GgmlDType::Q8_0] {
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q4_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5_0,
+        ] {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             let deq = q.dequantize(&Device::Cpu).unwrap();
