@@ -101,6 +101,7 @@ fn scenario_rotating(dir: &Path, n: usize, rotation: Rotation) -> (PathBuf, Path
             client_request_id: None,
             receipt_named: None,
             tenant: None,
+            phase: None,
         })
         .unwrap();
     }

@@ -220,34 +220,44 @@ impl DataPlane {
             }
         }
         if let Some(log) = &self.decisions {
-            // Only a request that was routed (has a ticket) names service, rule, version, worker.
-            let routed = ctx.ticket.is_some();
-            let record = DecisionRecord {
-                request_id: ctx.request_id.clone(),
-                at_ms: now_ms(),
-                ticket: ctx.ticket.clone(),
-                service: ctx
-                    .service
-                    .as_ref()
-                    .filter(|_| routed)
-                    .map(|s| s.name().to_owned()),
-                rule_id: ctx
-                    .service
-                    .as_ref()
-                    .filter(|_| routed)
-                    .map(|s| s.rule_id.clone()),
-                rule_version: ctx.view.as_ref().filter(|_| routed).map(|v| v.version()),
-                worker: ctx.current.clone().filter(|_| routed),
-                status: ctx.status.unwrap_or(0),
-                error: ctx.error.clone(),
-                client_request_id: ctx.client_request_id.clone(),
-                receipt_named: ctx.receipt_named,
-                tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
-            };
-            if let Err(e) = log.append(&record) {
+            if let Err(e) = log.append(&decision_record(ctx, None)) {
                 tracing::warn!(error = %e, "decision log append failed");
             }
         }
         ctx.in_flight = None;
+    }
+}
+
+/// The decision line of `ctx`: the final one (`phase` none), or the `routed` one written as the
+/// request is sent (`status` 0, no outcome yet). Only a routed request (one with a ticket) names
+/// service, rule, version and worker.
+pub(crate) fn decision_record(
+    ctx: &RequestCtx,
+    phase: Option<receipts::DecisionPhase>,
+) -> DecisionRecord {
+    let routed = ctx.ticket.is_some();
+    let finished = phase.is_none();
+    DecisionRecord {
+        request_id: ctx.request_id.clone(),
+        at_ms: now_ms(),
+        ticket: ctx.ticket.clone(),
+        service: ctx
+            .service
+            .as_ref()
+            .filter(|_| routed)
+            .map(|s| s.name().to_owned()),
+        rule_id: ctx
+            .service
+            .as_ref()
+            .filter(|_| routed)
+            .map(|s| s.rule_id.clone()),
+        rule_version: ctx.view.as_ref().filter(|_| routed).map(|v| v.version()),
+        worker: ctx.current.clone().filter(|_| routed),
+        status: if finished { ctx.status.unwrap_or(0) } else { 0 },
+        error: ctx.error.clone().filter(|_| finished),
+        client_request_id: ctx.client_request_id.clone(),
+        receipt_named: ctx.receipt_named.filter(|_| finished),
+        tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
+        phase,
     }
 }

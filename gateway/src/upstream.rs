@@ -70,6 +70,14 @@ pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &Wor
     ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
     ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
     ctx.current = Some(worker.clone());
+    // Write-ahead: the ticket is on disk before the worker can act on it, so a gateway killed
+    // now still leaves it for the audit (the final line supersedes this one).
+    if let (Some(log), Some(_)) = (&data.decisions, &ctx.ticket) {
+        let line = crate::data_plane::decision_record(ctx, Some(receipts::DecisionPhase::Routed));
+        if let Err(e) = log.append(&line) {
+            tracing::warn!(error = %e, "decision log append (routed line) failed");
+        }
+    }
 }
 
 /// The signed route ticket of the request for one worker. `None` without a decision.

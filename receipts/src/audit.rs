@@ -179,6 +179,10 @@ pub struct AuditReport {
     pub unrouted: u64,
     /// Routed decisions whose `error` is set and that have no receipt (allowed).
     pub failed_without_receipt: u64,
+    /// Routed decisions with only their `routed` line (no final line: the gateway stopped with
+    /// the request in flight). A receipt is not required; one that exists is checked as usual
+    /// (except its status, which the gateway never saw).
+    pub unfinished: u64,
     /// Those requests, one entry each: the requests the gateway routed but the worker never
     /// answered (connect error, reset, worker killed).
     pub failed_requests: Vec<FailedRequest>,
@@ -260,13 +264,15 @@ impl fmt::Display for AuditReport {
         writeln!(
             f,
             "decisions {} (routed {}, unrouted {}), receipted {}, failed upstream without \
-             receipt {}, refused by the worker before its ticket was accepted {}",
+             receipt {}, refused by the worker before its ticket was accepted {}, unfinished \
+             (the gateway stopped with them in flight) {}",
             self.decisions,
             self.routed,
             self.unrouted,
             self.receipted,
             self.failed_without_receipt,
-            self.refused_by_worker
+            self.refused_by_worker,
+            self.unfinished
         )?;
         for r in &self.refused_requests {
             writeln!(
@@ -496,6 +502,34 @@ pub fn audit_replicas(
             ));
         }
     }
+    // A `routed` line is superseded by the final line of the same ticket; without one the
+    // request was in flight when the gateway stopped: kept, as a failure that owes no receipt.
+    let finished: std::collections::HashSet<[u8; 64]> = lines
+        .iter()
+        .filter(|(_, _, d)| d.phase.is_none())
+        .filter_map(|(_, _, d)| d.ticket.as_ref().map(|t| *t.signature()))
+        .collect();
+    let lines: Vec<(String, u64, DecisionRecord)> = lines
+        .into_iter()
+        .filter_map(|(p, n, mut d)| {
+            if d.phase.is_some() {
+                if d.ticket
+                    .as_ref()
+                    .is_some_and(|t| finished.contains(t.signature()))
+                {
+                    return None;
+                }
+                rep.unfinished += 1;
+                if d.error.is_none() {
+                    d.error = Some(
+                        "unfinished: the gateway stopped with the request in flight (routed line only)"
+                            .into(),
+                    );
+                }
+            }
+            Some((p, n, d))
+        })
+        .collect();
     for (dpath, n, d) in lines {
         rep.decisions += 1;
         let loc = format!("{dpath}:{n}");

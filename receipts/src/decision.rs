@@ -1,5 +1,7 @@
 //! The gateway's decision log: one canonical-JSON line per request the gateway handled, holding
-//! the signed route ticket it issued (if it routed the request) and the outcome it saw.
+//! the signed route ticket it issued (if it routed the request) and the outcome it saw, and
+//! before it, for a routed request, a `routed` line written as the request is sent (so that a
+//! gateway killed with requests in flight still leaves their tickets on disk).
 //!
 //! Lines are not individually signed or chained: the ticket inside is signed, and the audit
 //! correlates it with the workers' signed, chained receipts. Torn last lines are recovered as for
@@ -52,6 +54,20 @@ pub struct DecisionRecord {
     /// otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// `routed` on the line written as the gateway sends the request to the worker (before any
+    /// answer: `status` 0, `at_ms` the sending time); absent on the line written when it has
+    /// finished with the request, which supersedes it. A routed line without its final line
+    /// means the gateway stopped (crashed, was killed) with the request in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<DecisionPhase>,
+}
+
+/// [`DecisionRecord::phase`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionPhase {
+    /// Written when the request is sent to the worker.
+    Routed,
 }
 
 impl DecisionRecord {

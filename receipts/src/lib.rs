@@ -28,7 +28,7 @@ pub use audit::{
     audit, audit_replicas, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind,
     FailedRequest,
 };
-pub use decision::{DecisionLog, DecisionRecord};
+pub use decision::{DecisionLog, DecisionPhase, DecisionRecord};
 pub use error::{ReceiptsError, Result};
 pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};
 pub use logfile::{FsyncPolicy, TornTail};

@@ -64,6 +64,7 @@ fn fleet(n: usize) -> Fleet {
         client_request_id: None,
         receipt_named: None,
         tenant: None,
+        phase: None,
     })
     .unwrap();
     for (i, l) in rlogs.iter().enumerate() {
@@ -103,6 +104,7 @@ fn decision(
         client_request_id: None,
         receipt_named: None,
         tenant: None,
+        phase: None,
     }
 }
 
@@ -192,6 +194,52 @@ fn upstream_error_without_receipt_is_allowed() {
     );
     let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
     assert_eq!(kinds(&r), vec![DiscrepancyKind::MissingReceipt]);
+}
+
+/// Write-ahead `routed` lines: superseded by their request's final line; alone (the gateway
+/// stopped with the request in flight) they owe no receipt, and a receipt that exists matches.
+#[test]
+fn routed_lines_are_superseded_or_count_as_unfinished() {
+    let routed = |rid: &str, st: &SignedTicket| DecisionRecord {
+        status: 0,
+        phase: Some(DecisionPhase::Routed),
+        ..decision(rid, Some(st.clone()), 0, None)
+    };
+    // A routed line followed by its final line: one decision, as without it.
+    let f = fleet(2);
+    let before = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    let (w, k) = &f.workers[0];
+    let st = ticket("done", "w0", RouteMode::RoundRobin, T0).sign(&f.gw);
+    append_decision(&f.decisions, &routed("done", &st));
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    log.append(draft("done", Some(st.clone()), T0)).unwrap();
+    drop(log);
+    append_decision(&f.decisions, &decision("done", Some(st), 200, None));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(
+        (r.decisions, r.unfinished),
+        (before.decisions + 1, 0),
+        "{r}"
+    );
+    assert_eq!(r.receipted, before.receipted + 1);
+
+    // Routed lines alone: one receipted by the worker, one that never reached it.
+    let st = ticket("cut", "w0", RouteMode::KvExact, T0).sign(&f.gw);
+    append_decision(&f.decisions, &routed("cut", &st));
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    log.append(draft("cut", Some(st), T0)).unwrap();
+    drop(log);
+    let st = ticket("cut2", "w1", RouteMode::RoundRobin, T0).sign(&f.gw);
+    append_decision(&f.decisions, &routed("cut2", &st));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(r.unfinished, 2, "{r}");
+    assert_eq!(r.receipted, before.receipted + 2, "{r}");
+    assert_eq!(r.failed_without_receipt, 1, "{r}");
+    assert!(r
+        .to_string()
+        .contains("unfinished (the gateway stopped with them in flight) 2"));
 }
 
 #[test]

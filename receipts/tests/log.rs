@@ -178,6 +178,7 @@ fn decision_log_appends_and_recovers_torn_tail() {
         client_request_id: None,
         receipt_named: None,
         tenant: None,
+        phase: None,
     };
     log.append(&rec).unwrap();
     drop(log);

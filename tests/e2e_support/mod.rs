@@ -560,6 +560,8 @@ pub fn read_decisions(path: &Path) -> Vec<DecisionRecord> {
         .split_inclusive(|b| *b == b'\n')
         .filter(|l| l.ends_with(b"\n"))
         .map(|l| DecisionRecord::from_line(&l[..l.len() - 1]).expect("decision line parses"))
+        // The final line of each request (its write-ahead `routed` line is superseded).
+        .filter(|d| d.phase.is_none())
         .collect()
 }
 
