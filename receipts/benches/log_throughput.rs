@@ -170,4 +170,65 @@ fn main() {
     println!("| verify_log (receipt + ticket signatures, chain) | {n} | {verify_rate:.0} |");
     println!();
     println!("average line: {} bytes", bytes / n as u64);
+
+    // The gateway's decision log at its policy (synced by the background thread every 100 ms):
+    // one final line per request, or the write-ahead routed line and the final line.
+    let n = 20_000;
+    let records: Vec<(DecisionRecord, DecisionRecord)> = (0..n)
+        .map(|i| {
+            let d = draft(i, &gw, now_ms());
+            let last = DecisionRecord {
+                request_id: d.request_id.clone(),
+                at_ms: now_ms(),
+                ticket: d.ticket.clone(),
+                service: Some("chat".into()),
+                rule_id: Some("kv".into()),
+                rule_version: Some(1),
+                worker: Some("w0".into()),
+                status: 200,
+                error: None,
+                client_request_id: None,
+                receipt_named: Some(true),
+                tenant: None,
+                phase: None,
+            };
+            let routed = DecisionRecord {
+                status: 0,
+                receipt_named: None,
+                phase: Some(DecisionPhase::Routed),
+                ..last.clone()
+            };
+            (routed, last)
+        })
+        .collect();
+    println!();
+    println!("| decision log (batched, 100 ms) | requests | µs per request |");
+    println!("|---|---|---|");
+    for with_routed in [false, true, false, true] {
+        let path = dir.join(format!("bench-decisions-{}.jsonl", rand::random::<u64>()));
+        let log = DecisionLog::open(
+            &path,
+            FsyncPolicy::Batched {
+                max_receipts: u32::MAX,
+                max_ms: 100,
+            },
+        )
+        .expect("open decision log");
+        let start = Instant::now();
+        for (routed, last) in &records {
+            if with_routed {
+                log.append(routed).expect("append");
+            }
+            log.append(last).expect("append");
+        }
+        let us = start.elapsed().as_secs_f64() * 1e6 / n as f64;
+        drop(log);
+        let _ = std::fs::remove_file(&path);
+        let what = if with_routed {
+            "routed + final line"
+        } else {
+            "final line only"
+        };
+        println!("| {what} | {n} | {us:.1} |");
+    }
 }
