@@ -77,6 +77,16 @@ fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    let reported: Value = rt.block_on(async {
+        http.get(format!("{base}/v1/profile"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(reported["numerics"], "llama_cpp", "{reported}");
     let profile = PromptProfile::from_gguf(model_path()).unwrap();
     for case in fixture["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();

@@ -213,6 +213,8 @@ pub struct AppState {
     pub(crate) settings: ServerSettings,
     pub(crate) engine: Engine,
     pub(crate) engine_kind: &'static str,
+    /// The model engine's arithmetic (`WeightFormat::name`); `None` for the simulated engine.
+    pub(crate) numerics: Option<&'static str>,
     pub(crate) profile: PromptProfile,
     pub(crate) identity: ProfileIdentity,
     pub(crate) profile_digest: String,
@@ -328,7 +330,7 @@ fn build_executor(
     model_path: &std::path::Path,
     block_size: usize,
     weight_format: Option<engine::model::WeightFormat>,
-) -> Result<Box<dyn Executor>, WorkerError> {
+) -> Result<(Box<dyn Executor>, Option<&'static str>), WorkerError> {
     match choice {
         EngineChoice::Sim(cfg) => {
             if cfg.block_size != block_size {
@@ -340,7 +342,7 @@ fn build_executor(
                     ),
                 ));
             }
-            Ok(Box::new(SimExecutor::new(cfg.clone())?))
+            Ok((Box::new(SimExecutor::new(cfg.clone())?), None))
         }
         EngineChoice::Model {
             kv_budget_bytes,
@@ -365,7 +367,7 @@ fn build_executor(
                     num_blocks,
                 },
             )?;
-            Ok(Box::new(exec))
+            Ok((Box::new(exec), Some(format.name())))
         }
     }
 }
@@ -401,7 +403,7 @@ pub async fn spawn(
     let block_size = settings.block_size;
     engine_config.hash_algorithm = settings.hash_algorithm;
 
-    let (profile, executor) = {
+    let (profile, executor, numerics) = {
         let path = model_path.clone();
         let choice = choice.clone();
         tokio::task::spawn_blocking(move || -> Result<_, WorkerError> {
@@ -410,8 +412,8 @@ pub async fn spawn(
                 None => PromptProfile::from_gguf(&path)
                     .map_err(|e| startup("prompt profile", format!("{}: {e}", path.display())))?,
             };
-            let exec = build_executor(&choice, &path, block_size.get(), weight_format)?;
-            Ok((profile, exec))
+            let (exec, numerics) = build_executor(&choice, &path, block_size.get(), weight_format)?;
+            Ok((profile, exec, numerics))
         })
         .await
         .map_err(|e| startup("loader task", e))??
@@ -476,6 +478,7 @@ pub async fn spawn(
         tickets,
         settings,
         engine_kind: choice.kind(),
+        numerics,
         engine,
         profile,
         identity,

@@ -105,6 +105,7 @@ pub fn profile_body(st: &AppState) -> ProfileBody {
         hash_algorithm: st.settings.hash_algorithm,
         default_namespace_seed: st.tickets.default_namespace.to_hex(),
         engine: st.engine_kind.to_string(),
+        numerics: st.numerics.map(str::to_string),
         require_ticket: st.settings.ticket_policy == crate::TicketPolicy::Require,
     }
 }

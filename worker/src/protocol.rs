@@ -468,6 +468,10 @@ pub struct ProfileBody {
     pub default_namespace_seed: String,
     /// `model` (candle) or `sim` (simulated executor).
     pub engine: String,
+    /// The model engine's arithmetic: `exact` (F32 activations, the CPU default), `llama_cpp`
+    /// (`--numerics llama-cpp`), `as_stored` (the file's quantization through candle, the CUDA
+    /// default); `null` for the simulated engine.
+    pub numerics: Option<String>,
     /// Whether requests without a route ticket are refused.
     pub require_ticket: bool,
 }

@@ -639,8 +639,9 @@ async fn ops_endpoints_report_profile_readiness_models_keys_and_tokens() {
     assert_eq!(p["hash_algorithm"], "xxh3");
     assert_eq!(p["context_limit"], 8192);
     assert_eq!(p["engine"], "sim");
-    // The GGUF's `general.architecture`, over HTTP.
+    // The GGUF's `general.architecture`, over HTTP; the simulated engine has no numerics.
     assert_eq!(p["architecture"], "llama");
+    assert!(p["numerics"].is_null(), "{p}");
     let m: Value = c
         .get(w.url("/v1/models"))
         .send()

@@ -161,6 +161,18 @@ impl WeightFormat {
         dense_min_tokens: 32,
     };
 
+    /// The format's name in the worker's `/v1/profile` (`numerics`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            WeightFormat::AsStored => "as_stored",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::F32 => "f32",
+            WeightFormat::Exact { .. } => "exact",
+            WeightFormat::Hybrid { .. } => "hybrid",
+            WeightFormat::LlamaCpp => "llama_cpp",
+        }
+    }
+
     /// Whether keys and values are rounded to f16 as they enter the KV cache
     /// ([`WeightFormat::LlamaCpp`]).
     pub fn rounds_kv_to_f16(&self) -> bool {
