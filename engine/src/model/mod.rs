@@ -22,6 +22,7 @@ pub mod attention;
 pub mod bench;
 pub mod executor;
 pub(crate) mod gemm;
+pub(crate) mod int8;
 pub(crate) mod packed;
 pub mod reference;
 pub mod tiny;

@@ -54,7 +54,7 @@ pub(crate) const ROW_GROUP: usize = 4;
 
 /// The block formats this kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     /// `q·d + m`, 4-bit `q` in 0..16.
     Q4_1,
     /// `(q − 8)·d`, 4-bit `q`.
@@ -67,16 +67,19 @@ enum Kind {
 /// f32 (converted exactly from the file's f16).
 #[derive(Debug)]
 pub(crate) struct PackedMatrix {
-    kind: Kind,
+    pub(super) kind: Kind,
     rows: usize,
     cols: usize,
     /// Per block, `d`.
-    scale: Vec<f32>,
+    pub(super) scale: Vec<f32>,
     /// Per block, `m` (Q4_1 only; empty otherwise).
-    min: Vec<f32>,
+    pub(super) min: Vec<f32>,
     /// Per block, 16 bytes of nibbles (Q4_x: element `j` low nibble, `j + 16` high nibble of
     /// byte `j`) or 32 signed bytes (Q8_0).
-    qs: Vec<u8>,
+    pub(super) qs: Vec<u8>,
+    /// Multiply with 8-bit activations as ggml does ([`super::int8`], `WeightFormat::LlamaCpp`)
+    /// instead of F32 ones.
+    pub(super) int8_activations: bool,
 }
 
 /// Exact f16 → f32 conversion (every f16 is representable in f32).
@@ -167,6 +170,7 @@ impl PackedMatrix {
             scale,
             min,
             qs,
+            int8_activations: false,
         }
     }
 
@@ -199,6 +203,7 @@ impl PackedMatrix {
             scale,
             min: Vec::new(),
             qs,
+            int8_activations: false,
         }
     }
 
@@ -249,7 +254,14 @@ impl PackedMatrix {
             scale,
             min,
             qs,
+            int8_activations: false,
         }
+    }
+
+    /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]).
+    pub(crate) fn with_int8_activations(mut self) -> Self {
+        self.int8_activations = true;
+        self
     }
 
     /// Output width (`rows` of the weight matrix).
@@ -299,6 +311,9 @@ impl PackedMatrix {
                 x.len(),
                 self.cols
             )));
+        }
+        if self.int8_activations {
+            return Ok(super::int8::matmul(self, x, m));
         }
         let n = self.rows;
         // Transposed output [n, m]: each task owns a contiguous run of weight rows.

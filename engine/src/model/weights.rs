@@ -144,13 +144,13 @@ pub enum WeightFormat {
         dense_min_tokens: usize,
     },
     /// llama.cpp's arithmetic, for fleets where kvgate workers and `llama-server` must give the
-    /// same greedy tokens: the file's blocks through ggml's quantized products as candle ports
-    /// them (each activation row quantized to 8 bits per 32 values — Q8_1 for Q4_0/Q4_1, Q8_0
-    /// for Q8_0 — integer dot products per block), and every key and value rounded to f16 when
-    /// it enters the cache, as llama.cpp's default F16 cache stores them (the cache stays f32
-    /// here: same values, no memory saved). Both are per row and per token, so results do not
-    /// depend on step size, chunking or prefix caching. Slower than [`WeightFormat::Exact`] on
-    /// CPU (no packed kernel, no panel GEMM).
+    /// same greedy tokens: ggml's quantized block products (each activation row quantized to
+    /// 8 bits per 32 values — Q8_1 for Q4_1, Q8_0 for Q4_0/Q8_0/Q5_0 — integer dot products per
+    /// block; [`super::int8`] on the packed blocks, candle's port for the K-quants), and every
+    /// key and value rounded to f16 when it enters the cache, as llama.cpp's default F16 cache
+    /// stores them (the cache stays f32 here: same values, no memory saved). Both are per row
+    /// and per token, so results do not depend on step size, chunking or prefix caching. Slower
+    /// than [`WeightFormat::Exact`] on CPU (docs/benchmarks.md).
     LlamaCpp,
 }
 
@@ -214,8 +214,21 @@ impl Linear {
     ) -> Result<Self, EngineError> {
         let (out_features, in_features) = w.dims2()?;
         let stored_refs: Vec<&QTensor> = stored.iter().collect();
+        // LlamaCpp: ggml's products with 8-bit activations on the packed blocks where the
+        // activation quantization is the one ggml uses with them (Q8_1 / Q8_0 per 32 values);
+        // K-quants (Q8_K activations) stay on candle's port.
+        let int8 = format == WeightFormat::LlamaCpp
+            && device.is_cpu()
+            && stored.iter().all(|q| {
+                matches!(
+                    q.dtype(),
+                    GgmlDType::Q4_1 | GgmlDType::Q4_0 | GgmlDType::Q8_0 | GgmlDType::Q5_0
+                )
+            });
         let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
             PackedMatrix::stacked(&stored_refs)?
+        } else if int8 {
+            PackedMatrix::stacked(&stored_refs)?.map(PackedMatrix::with_int8_activations)
         } else {
             None
         };
@@ -227,7 +240,9 @@ impl Linear {
             format,
             WeightFormat::F32 | WeightFormat::Hybrid { .. } | WeightFormat::Exact { .. }
         );
-        let quant = if matches!(format, WeightFormat::AsStored | WeightFormat::LlamaCpp) {
+        let quant = if format == WeightFormat::AsStored
+            || (format == WeightFormat::LlamaCpp && packed.is_none())
+        {
             Some(QMatMul::from_qtensor(requantize_onto(
                 &w,
                 stored.dtype(),

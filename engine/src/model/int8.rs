@@ -1,0 +1,245 @@
+//! ggml's block products with 8-bit activations, on this crate's packed weights: the fast path of
+//! [`super::WeightFormat::LlamaCpp`] for Q4_0, Q4_1, Q8_0 and Q5_0 matrices (candle's port of the
+//! same arithmetic is scalar here and ~30× slower).
+//!
+//! Each activation row is quantized per 32 values exactly as candle's `BlockQ8_1::from_float` /
+//! `BlockQ8_0::from_float` do (ggml's `quantize_row_q8_1` / `q8_0` reference): `d = amax / 127`
+//! stored as f16, `q = round(x · (1/d))` (ties away from zero), and for Q8_1 the f16
+//! `s = f16(Σq) · d` (an f16 product). A block's product is then candle's
+//! `vec_dot_q4_1_q8_1` / `q4_0_q8_0` / `q8_0_q8_0`: the integer `sumi = Σ w·q` (exact), then
+//! `sumf += sumi · d_w · d_a (+ m_w · s_a for Q4_1)` in block order. Every (weight row,
+//! activation row) pair is computed by the same sequence of operations whatever the number of
+//! rows in the step, so results do not depend on step size, chunking or prefix caching.
+//!
+//! Cost `O(m · n · k)` integer multiply-adds plus `O(m · k)` for the quantization; weight blocks
+//! are unpacked once per group of [`GROUP`] activation rows. Work is split over output rows on the
+//! rayon pool like the F32 kernel.
+
+use rayon::prelude::*;
+
+use super::attention::round_to_f16;
+use super::packed::{Kind, PackedMatrix};
+
+/// Values per block.
+const QK: usize = 32;
+/// Activation rows sharing one unpacked weight block.
+const GROUP: usize = 4;
+
+/// Activation rows quantized per block: values, scales and (Q8_1) scaled sums.
+struct Quantized {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+/// Quantizes `m` rows of `k` values (`k` a multiple of [`QK`]).
+fn quantize(x: &[f32], with_sums: bool) -> Quantized {
+    let blocks = x.len() / QK;
+    let mut out = Quantized {
+        q: vec![0; x.len()],
+        d: Vec::with_capacity(blocks),
+        s: Vec::with_capacity(if with_sums { blocks } else { 0 }),
+    };
+    for (xb, qb) in x.chunks_exact(QK).zip(out.q.chunks_exact_mut(QK)) {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let d16 = round_to_f16(d);
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8;
+            sum += i32::from(*q);
+        }
+        out.d.push(d16);
+        if with_sums {
+            out.s.push(round_to_f16(round_to_f16(sum as f32) * d16));
+        }
+    }
+    out
+}
+
+/// `x [m, k] · Wᵀ` with `W` = `p` (`[n, k]`), as `[m, n]`.
+pub(crate) fn matmul(p: &PackedMatrix, x: &[f32], m: usize) -> Vec<f32> {
+    let (n, k) = (p.rows(), p.cols());
+    let xq = quantize(x, p.kind == Kind::Q4_1);
+    let mut out_t = vec![0f32; n * m];
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = n.div_ceil(threads * 4).clamp(16, 256);
+    out_t
+        .par_chunks_mut(rows_per_task * m)
+        .enumerate()
+        .for_each(|(task, dst)| rows_into(p, &xq, m, task * rows_per_task, dst));
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * n];
+    for (r, row) in out_t.chunks_exact(m).enumerate() {
+        for (a, v) in row.iter().enumerate() {
+            out[a * n + r] = *v;
+        }
+    }
+    debug_assert_eq!(k % QK, 0);
+    out
+}
+
+/// Fills `dst` (`[rows, m]`, from weight row `first`).
+fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
+            // SAFETY: the CPU has the features the function is compiled for (checked above).
+            unsafe { rows_into_avx512(p, xq, m, first, dst) };
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            unsafe { rows_into_avx2(p, xq, m, first, dst) };
+            return;
+        }
+    }
+    rows_into_impl(p, xq, m, first, dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_into_avx512(
+    p: &PackedMatrix,
+    xq: &Quantized,
+    m: usize,
+    first: usize,
+    dst: &mut [f32],
+) {
+    rows_into_impl(p, xq, m, first, dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rows_into_avx2(
+    p: &PackedMatrix,
+    xq: &Quantized,
+    m: usize,
+    first: usize,
+    dst: &mut [f32],
+) {
+    rows_into_impl(p, xq, m, first, dst);
+}
+
+/// The 32 weights of block `blk` as signed integers (Q4_1: the unsigned nibble).
+#[inline(always)]
+fn weights(p: &PackedMatrix, blk: usize, w: &mut [i8; QK]) {
+    match p.kind {
+        Kind::Q4_1 | Kind::Q4_0 => {
+            let off = if p.kind == Kind::Q4_0 { 8 } else { 0 };
+            let q = &p.qs[blk * 16..][..16];
+            for j in 0..16 {
+                w[j] = (q[j] & 0x0f) as i8 - off;
+                w[j + 16] = (q[j] >> 4) as i8 - off;
+            }
+        }
+        Kind::Q8_0 => {
+            for (o, &b) in w.iter_mut().zip(&p.qs[blk * QK..][..QK]) {
+                *o = b as i8;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn dot(w: &[i8; QK], q: &[i8]) -> i32 {
+    let q: &[i8; QK] = q.try_into().expect("a block of activations");
+    let mut s = 0i32;
+    for j in 0..QK {
+        s += i32::from(w[j]) * i32::from(q[j]);
+    }
+    s
+}
+
+#[inline(always)]
+fn rows_into_impl(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+    let nb = p.cols() / QK;
+    let mut w = [0i8; QK];
+    for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
+        let r = first + i;
+        let mut g = 0;
+        while g < m {
+            let rows = (m - g).min(GROUP);
+            let mut acc = [0f32; GROUP];
+            for b in 0..nb {
+                let blk = r * nb + b;
+                weights(p, blk, &mut w);
+                let dw = p.scale[blk];
+                for (a, acc_a) in acc.iter_mut().enumerate().take(rows) {
+                    let ab = (g + a) * nb + b;
+                    let sumi = dot(&w, &xq.q[ab * QK..][..QK]);
+                    let da = xq.d[ab];
+                    *acc_a += if p.kind == Kind::Q4_1 {
+                        sumi as f32 * dw * da + p.min[blk] * xq.s[ab]
+                    } else {
+                        sumi as f32 * dw * da
+                    };
+                }
+            }
+            out_row[g..g + rows].copy_from_slice(&acc[..rows]);
+            g += rows;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+
+    use super::*;
+    use crate::model::packed::tests::rnd_vec;
+
+    /// Against candle's quantized matmul (the port of ggml's products) on the same blocks: the
+    /// same values up to f32 rounding, for every format and row counts around the group; and
+    /// each row's result does not depend on how many rows share the call.
+    #[test]
+    fn matches_candles_quantized_matmul_and_is_row_count_invariant() {
+        let (n, k) = (24, 256);
+        let w = Tensor::from_vec(rnd_vec(0x77, n * k), (n, k), &Device::Cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q4_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+        ] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let p = PackedMatrix::from_qtensor(&q)
+                .unwrap()
+                .unwrap()
+                .with_int8_activations();
+            let candle = QMatMul::from_qtensor(q).unwrap();
+            let m = 9;
+            let x = rnd_vec(0x78, m * k);
+            let got = matmul(&p, &x, m);
+            let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+            let want: Vec<f32> = candle
+                .forward(&xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                    "{dtype:?}: {a} vs {b}"
+                );
+            }
+            for rows in [1, 2, 3, 5] {
+                let part = matmul(&p, &x[..rows * k], rows);
+                assert!(
+                    part.iter()
+                        .zip(&got[..rows * n])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?}: {rows} rows differ from the same rows in a step of {m}"
+                );
+            }
+        }
+    }
+}
