@@ -267,6 +267,36 @@ models = ["smol"]
         }
     }
 
+    /// Stops the in-process replicas and every worker, then audits every replica's decision log
+    /// against every worker's receipt log.
+    fn stop_and_audit(&mut self) -> receipts::AuditReport {
+        for gw in self.gateways.iter_mut() {
+            if let Some(mut gw) = gw.take() {
+                gw.shutdown();
+            }
+        }
+        for w in self.workers.iter_mut() {
+            if let Some(w) = w.take() {
+                self.rt.block_on(w.shutdown());
+            }
+        }
+        let mut ring = KeyRing::new();
+        for (g, k) in self.gateway_keys.iter().enumerate() {
+            ring.insert(format!("gw-{}", g + 1), k.public().clone());
+        }
+        for (i, k) in self.worker_keys.iter().enumerate() {
+            ring.insert(format!("w{}", i + 1), k.public().clone());
+        }
+        let decisions: Vec<PathBuf> = (0..self.gateway_keys.len())
+            .map(|g| self.decisions(g))
+            .collect();
+        let logs: Vec<PathBuf> = (1..=self.worker_keys.len())
+            .map(|i| self.dir.path().join(format!("receipts-w{i}.jsonl")))
+            .collect();
+        receipts::audit_replicas(&decisions, &logs, &ring, receipts::AuditOptions::default())
+            .unwrap()
+    }
+
     fn routable(&self, g: usize, id: &str) -> bool {
         let v = self.gw(g).data.views.load();
         v.workers
@@ -573,30 +603,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
     assert!(ok.load(Ordering::Relaxed) > 20);
 
     // Audit: all three decision logs against the four receipt logs.
-    for g in 1..3 {
-        if let Some(mut gw) = c.gateways[g].take() {
-            gw.shutdown();
-        }
-    }
-    for w in c.workers.iter_mut() {
-        if let Some(w) = w.take() {
-            c.rt.block_on(w.shutdown());
-        }
-    }
-    let mut ring = KeyRing::new();
-    for (g, k) in c.gateway_keys.iter().enumerate() {
-        ring.insert(format!("gw-{}", g + 1), k.public().clone());
-    }
-    for (i, k) in c.worker_keys.iter().enumerate() {
-        ring.insert(format!("w{}", i + 1), k.public().clone());
-    }
-    let decisions: Vec<PathBuf> = (0..3).map(|g| c.decisions(g)).collect();
-    let logs: Vec<PathBuf> = (1..=4)
-        .map(|i| c.dir.path().join(format!("receipts-w{i}.jsonl")))
-        .collect();
-    let report =
-        receipts::audit_replicas(&decisions, &logs, &ring, receipts::AuditOptions::default())
-            .unwrap();
+    let report = c.stop_and_audit();
     assert!(
         report.discrepancies.is_empty(),
         "{:?}",
@@ -769,28 +776,7 @@ fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
     assert!(ok.load(Ordering::Relaxed) > 20);
 
     // The audit over both decision logs: every decision receipted, no discrepancy.
-    if let Some(mut gw) = c.gateways[0].take() {
-        gw.shutdown();
-    }
-    for w in c.workers.iter_mut() {
-        if let Some(w) = w.take() {
-            c.rt.block_on(w.shutdown());
-        }
-    }
-    let mut ring = KeyRing::new();
-    for (g, k) in c.gateway_keys.iter().enumerate() {
-        ring.insert(format!("gw-{}", g + 1), k.public().clone());
-    }
-    for (i, k) in c.worker_keys.iter().enumerate() {
-        ring.insert(format!("w{}", i + 1), k.public().clone());
-    }
-    let decisions: Vec<PathBuf> = (0..2).map(|g| c.decisions(g)).collect();
-    let logs: Vec<PathBuf> = (1..=3)
-        .map(|i| c.dir.path().join(format!("receipts-w{i}.jsonl")))
-        .collect();
-    let report =
-        receipts::audit_replicas(&decisions, &logs, &ring, receipts::AuditOptions::default())
-            .unwrap();
+    let report = c.stop_and_audit();
     println!(
         "cluster: audit after the kill: {} routed, {} receipted, {} unfinished, {} discrepancies",
         report.routed,
