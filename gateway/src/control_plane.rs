@@ -170,14 +170,12 @@ pub fn contract_problems(
         let Some(pool) = rules.pools.iter().find(|p| p.id == s.pool) else {
             continue;
         };
+        let loaded = profiles.get(&pid.0).map(|p| p.as_ref());
+        let arch = pinned_architecture(pinned, loaded);
         for w in &pool.workers {
             if let Some(Ok(got)) = fetched.get(w) {
-                let loaded = profiles.get(&pid.0).map(|p| p.as_ref());
                 let diff = match got {
-                    Reported::Kvgate(p) => {
-                        let arch = pinned_architecture(pinned, loaded);
-                        profile_differences(pinned, arch.as_deref(), p)
-                    }
+                    Reported::Kvgate(p) => profile_differences(pinned, arch.as_deref(), p),
                     Reported::Native(n) => crate::native::differences(pinned, loaded, n),
                 };
                 if !diff.is_empty() {

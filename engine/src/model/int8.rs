@@ -12,10 +12,8 @@
 //! rows in the step, so results do not depend on step size, chunking or prefix caching.
 //!
 //! Cost `O(m · n · k)` integer multiply-adds plus `O(m · k)` for the quantization; weight blocks
-//! are unpacked once per group of [`GROUP`] activation rows. Work is split over output rows on the
-//! rayon pool like the F32 kernel.
-
-use rayon::prelude::*;
+//! are unpacked once per group of [`GROUP`] activation rows. [`PackedMatrix::matmul`] splits the
+//! work over output rows on the rayon pool as for the F32 kernel.
 
 use super::attention::round_to_f16;
 use super::packed::{Kind, PackedMatrix};
@@ -26,14 +24,15 @@ const QK: usize = 32;
 const GROUP: usize = 4;
 
 /// Activation rows quantized per block: values, scales and (Q8_1) scaled sums.
-struct Quantized {
+pub(crate) struct Quantized {
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
 }
 
-/// Quantizes `m` rows of `k` values (`k` a multiple of [`QK`]).
-fn quantize(x: &[f32], with_sums: bool) -> Quantized {
+/// Quantizes `m` rows of `k` values (`k` a multiple of [`QK`]); `with_sums` for Q8_1 (the
+/// activations of Q4_1 products).
+pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
     let blocks = x.len() / QK;
     let mut out = Quantized {
         q: vec![0; x.len()],
@@ -58,32 +57,9 @@ fn quantize(x: &[f32], with_sums: bool) -> Quantized {
     out
 }
 
-/// `x [m, k] · Wᵀ` with `W` = `p` (`[n, k]`), as `[m, n]`.
-pub(crate) fn matmul(p: &PackedMatrix, x: &[f32], m: usize) -> Vec<f32> {
-    let (n, k) = (p.rows(), p.cols());
-    let xq = quantize(x, p.kind == Kind::Q4_1);
-    let mut out_t = vec![0f32; n * m];
-    let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = n.div_ceil(threads * 4).clamp(16, 256);
-    out_t
-        .par_chunks_mut(rows_per_task * m)
-        .enumerate()
-        .for_each(|(task, dst)| rows_into(p, &xq, m, task * rows_per_task, dst));
-    if m == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; m * n];
-    for (r, row) in out_t.chunks_exact(m).enumerate() {
-        for (a, v) in row.iter().enumerate() {
-            out[a * n + r] = *v;
-        }
-    }
-    debug_assert_eq!(k % QK, 0);
-    out
-}
-
-/// Fills `dst` (`[rows, m]`, from weight row `first`).
-fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+/// Fills `dst` (`[rows, m]`, from weight row `first`) from activations quantized by
+/// [`quantize`]; [`PackedMatrix::matmul`] splits the rows over the pool and transposes.
+pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512bw")
@@ -148,12 +124,10 @@ fn weights(p: &PackedMatrix, blk: usize, w: &mut [i8; QK]) {
 
 #[inline(always)]
 fn dot(w: &[i8; QK], q: &[i8]) -> i32 {
-    let q: &[i8; QK] = q.try_into().expect("a block of activations");
-    let mut s = 0i32;
-    for j in 0..QK {
-        s += i32::from(w[j]) * i32::from(q[j]);
-    }
-    s
+    w.iter()
+        .zip(q)
+        .map(|(&a, &b)| i32::from(a) * i32::from(b))
+        .sum()
 }
 
 #[inline(always)]
@@ -216,7 +190,7 @@ mod tests {
             let candle = QMatMul::from_qtensor(q).unwrap();
             let m = 9;
             let x = rnd_vec(0x78, m * k);
-            let got = matmul(&p, &x, m);
+            let got = p.matmul(&x, m).unwrap();
             let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
             let want: Vec<f32> = candle
                 .forward(&xt)
@@ -232,7 +206,7 @@ mod tests {
                 );
             }
             for rows in [1, 2, 3, 5] {
-                let part = matmul(&p, &x[..rows * k], rows);
+                let part = p.matmul(&x[..rows * k], rows).unwrap();
                 assert!(
                     part.iter()
                         .zip(&got[..rows * n])

@@ -303,7 +303,8 @@ impl PackedMatrix {
         }
     }
 
-    /// `x [m, cols] · Wᵀ → [m, rows]` (row-major), F32 activations.
+    /// `x [m, cols] · Wᵀ → [m, rows]` (row-major): F32 activations, or 8-bit ones when built
+    /// [`Self::with_int8_activations`].
     pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, EngineError> {
         if x.len() != m * self.cols {
             return Err(EngineError::Tensor(format!(
@@ -312,9 +313,10 @@ impl PackedMatrix {
                 self.cols
             )));
         }
-        if self.int8_activations {
-            return Ok(super::int8::matmul(self, x, m));
-        }
+        // With 8-bit activations ([`super::int8`]) each row is quantized once, before the split.
+        let xq = self
+            .int8_activations
+            .then(|| super::int8::quantize(x, self.kind == Kind::Q4_1));
         let n = self.rows;
         // Transposed output [n, m]: each task owns a contiguous run of weight rows.
         let mut out_t = vec![0f32; n * m];
@@ -326,7 +328,10 @@ impl PackedMatrix {
             .enumerate()
             .for_each(|(task, dst)| {
                 let first = task * rows_per_task;
-                self.rows_into(x, m, first, dst);
+                match &xq {
+                    Some(q) => super::int8::rows_into(self, q, m, first, dst),
+                    None => self.rows_into(x, m, first, dst),
+                }
             });
         if m == 1 {
             return Ok(out_t);
