@@ -3,13 +3,15 @@
 # same fleet of simulated kvgate workers, side by side in one run (issue #17).
 #
 #   ./scripts/bench-vs-smg.sh [N] [SEEDS]          e.g. ./scripts/bench-vs-smg.sh 4 "1 2 3"
+#   WORKLOADS="prefix-chat" ./scripts/bench-vs-smg.sh 16 1   # a subset of the workloads
 #
 # For each seed and each of four routers — kvgate round_robin, kvgate kv_exact (its defaults),
 # smg round_robin, smg cache_aware (smg's defaults) — it starts N fresh simulated workers
 # (`kvgate worker --engine sim`: the real scheduler, block pool, prefix cache and KV events, a
 # timing model in place of the model: prefill 125 µs per uncached token, a decode step
 # 8 ms + 0.5 ms per sequence — the fleet bench's), the router in front of them, and runs the same
-# `kvgate bench --target` workloads (shared-prefix and multi-turn, the fleet bench's shapes)
+# `kvgate bench --target` workloads (shared-prefix, multi-turn and prefix-chat — conversations
+# over shared system prompts —, the fleet bench's shapes)
 # through it. Hit rate comes from the workers' `cached_tokens`, the worker of each answer from its
 # `x-kvgate-worker-id` header. Prints one table; outputs under $OUT (default bench-vs-smg-out/).
 #
@@ -126,7 +128,7 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
 P=$(( N / 4 > 4 ? N / 4 : 4 ))
 C=$(( N / 2 > 4 ? N / 2 : 4 ))
 CONV=$(( N > 8 ? N : 8 ))
-for workload in shared-prefix multi-turn; do
+for workload in ${WORKLOADS:-shared-prefix multi-turn prefix-chat}; do
   echo "== $workload, $N simulated workers"
   echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share"
   for seed in $SEEDS; do

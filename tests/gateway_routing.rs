@@ -7,6 +7,7 @@
 mod support;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use support::{chat, Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
 
@@ -385,6 +386,77 @@ fn load_guard_spreads_a_single_hot_prefix() {
     assert!(guarded > 0, "no load_guard decision: {reasons:?}");
     let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
     assert!(metrics.contains("reason=\"load_guard\""), "{metrics}");
+    fleet.stop();
+}
+
+/// The workers' own load reports (`event: load` on their KV event streams) reach the gateway
+/// and steer placement: a stream sent straight to w1 — work the gateway never routed, so its
+/// own count for w1 stays 0 — shows in the admin plane as w1's `reported_load`, and new
+/// conversations (no match anywhere) go to the idle workers instead of rotating onto w1.
+#[test]
+fn worker_load_reports_steer_placement_away_from_work_the_gateway_did_not_route() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 20_000; // 500 tokens = 10 s: the direct stream outlives the test
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ticket_policy: worker::TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let direct = format!("http://{}/v1/chat/completions", fleet.addrs[0]);
+    let mut long = chat(&[("user", "a long story, straight to w1")], 500);
+    long["stream"] = serde_json::json!(true);
+    let open = fleet.rt.block_on(async {
+        let r = fleet.http.post(&direct).json(&long).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r
+    });
+    let reported = |fleet: &Fleet| {
+        let v = fleet
+            .admin(reqwest::Method::GET, "/admin/workers", None)
+            .json();
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["id"] == "w1")
+            .unwrap()
+            .clone()
+    };
+    fleet.wait_for(
+        "w1's report of the direct stream",
+        Duration::from_secs(10),
+        || {
+            reported(&fleet)["reported_load"]["decode_tokens"]
+                .as_u64()
+                .is_some_and(|d| d > 400)
+        },
+    );
+    let w1 = reported(&fleet);
+    assert_eq!(w1["in_flight"], 0, "{w1}");
+    assert_eq!(w1["reported_load"]["running"], 1, "{w1}");
+    // Four new conversations, one after another: without the report the gateway would see two
+    // idle workers and alternate; with it every one goes to w2.
+    for i in 0..4 {
+        let r = fleet.post(
+            "/v1/chat/completions",
+            &chat(&[("user", &format!("a new conversation number {i}"))], 2),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.worker(),
+            "w2",
+            "request {i}: {:?}",
+            r.header("x-kvgate-route-reason")
+        );
+    }
+    drop(open);
+    // Once w1 is idle again its report says so (and placement alternates again).
+    fleet.wait_for("w1's idle report", Duration::from_secs(10), || {
+        reported(&fleet)["reported_load"]["decode_tokens"] == 0
+    });
     fleet.stop();
 }
 

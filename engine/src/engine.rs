@@ -299,6 +299,22 @@ pub struct EngineStats {
     pub generation_tokens: u64,
     /// Forward steps run (total).
     pub steps: u64,
+    /// Prompt tokens not computed yet (waiting and running sequences).
+    pub prefill_tokens: usize,
+    /// Output tokens still allowed (waiting and running sequences).
+    pub decode_tokens: usize,
+}
+
+impl EngineStats {
+    /// The queued work the KV event stream reports (`event: load`).
+    pub fn load(&self) -> prefix_index::WorkerLoad {
+        prefix_index::WorkerLoad {
+            running: self.running as u64,
+            waiting: self.waiting as u64,
+            prefill_tokens: self.prefill_tokens as u64,
+            decode_tokens: self.decode_tokens as u64,
+        }
+    }
 }
 
 enum Command {
@@ -372,6 +388,7 @@ struct Inner {
     failure: Arc<Mutex<Option<String>>>,
     stats: Arc<Mutex<EngineStats>>,
     queued: Arc<AtomicUsize>,
+    load: tokio::sync::watch::Sender<prefix_index::WorkerLoad>,
     next_id: AtomicU64,
     feed: KvEventFeed,
     block_size: usize,
@@ -440,6 +457,7 @@ impl Engine {
             ..EngineStats::default()
         }));
         let queued = Arc::new(AtomicUsize::new(0));
+        let (load_tx, _) = tokio::sync::watch::channel(prefix_index::WorkerLoad::default());
         let stopped = Arc::new(AtomicBool::new(false));
         let failure: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
@@ -459,6 +477,7 @@ impl Engine {
             feed: feed.clone(),
             stats: stats.clone(),
             queued: queued.clone(),
+            load: load_tx.clone(),
             totals: EngineStats::default(),
             block_size: bs,
             hash_algorithm: config.hash_algorithm,
@@ -491,6 +510,7 @@ impl Engine {
                 failure,
                 stats,
                 queued,
+                load: load_tx,
                 next_id: AtomicU64::new(1),
                 feed,
                 block_size: geometry.block_size,
@@ -589,6 +609,12 @@ impl Engine {
         s
     }
 
+    /// The engine's queued work, updated after every step when it changed (the KV event
+    /// stream's `load` messages follow it).
+    pub fn watch_load(&self) -> tokio::sync::watch::Receiver<prefix_index::WorkerLoad> {
+        self.inner.load.subscribe()
+    }
+
     /// Tokens per KV block.
     pub fn block_size(&self) -> usize {
         self.inner.block_size
@@ -655,6 +681,8 @@ struct StepLoop {
     feed: KvEventFeed,
     stats: Arc<Mutex<EngineStats>>,
     queued: Arc<AtomicUsize>,
+    /// The latest queued work, for `event: load` messages (sent when it changes).
+    load: tokio::sync::watch::Sender<prefix_index::WorkerLoad>,
     /// Cumulative counters (copied into `stats`).
     totals: EngineStats,
     block_size: BlockSize,
@@ -1004,16 +1032,25 @@ impl StepLoop {
 
     fn publish_stats(&mut self) {
         let c = self.sched.kv().counts();
-        let mut st = self.stats.lock();
-        *st = EngineStats {
+        let (prefill_tokens, decode_tokens) = self.sched.queued_tokens();
+        let st = EngineStats {
             running: self.sched.running_len(),
             waiting: self.queued.load(Ordering::SeqCst),
             blocks_total: c.total,
             blocks_used: c.used,
             blocks_cached: c.cached,
             blocks_free: c.free,
+            prefill_tokens,
+            decode_tokens,
             ..self.totals
         };
+        *self.stats.lock() = st;
+        let load = st.load();
+        self.load.send_if_modified(|l| {
+            let changed = *l != load;
+            *l = load;
+            changed
+        });
     }
 
     fn stop(&mut self) {

@@ -175,6 +175,11 @@ impl<P> Sequence<P> {
             .and_then(|i| self.links.get(i))
             .map(|l| l.key())
     }
+    /// Output tokens it may still generate.
+    fn remaining_output(&self) -> usize {
+        let generated = self.tokens.len().saturating_sub(self.prompt_len);
+        self.max_tokens.saturating_sub(generated)
+    }
     /// Still computing its prompt.
     pub fn is_prefilling(&self) -> bool {
         self.num_computed < self.prompt_len
@@ -253,6 +258,40 @@ impl<P> Scheduler<P> {
     /// Admitted sequences.
     pub fn running_len(&self) -> usize {
         self.running.len()
+    }
+
+    /// Queued work in tokens, as the KV event stream's `load` message reports it (see
+    /// [`prefix_index::WorkerLoad`]): (prompt tokens not computed yet, output tokens still
+    /// allowed), over waiting and running sequences. A running sequence counts the rest of its
+    /// prompt; a waiting one its prompt minus the leading blocks whose keys are in the prefix
+    /// cache or being computed by a running sequence (it will reuse those, see the module
+    /// docs; keys only, so an estimate). O(running blocks + waiting blocks).
+    pub fn queued_tokens(&self) -> (usize, usize) {
+        let mut prefill = 0usize;
+        let mut decode = 0usize;
+        let mut in_progress = std::collections::HashSet::new();
+        for s in &self.running {
+            prefill = prefill.saturating_add(s.prompt_len.saturating_sub(s.num_computed));
+            decode = decode.saturating_add(s.remaining_output());
+            if !self.waiting.is_empty() && s.cache_insert && s.is_prefilling() {
+                in_progress.extend(s.links.iter().skip(s.registered).map(|l| l.key()));
+            }
+        }
+        let b = self.block_size();
+        for s in &self.waiting {
+            let reusable = s
+                .links
+                .iter()
+                .take(s.prompt_len.saturating_sub(1) / b)
+                .take_while(|l| {
+                    let k = l.key();
+                    in_progress.contains(&k) || self.kv.cache().get(k).is_some()
+                })
+                .count();
+            prefill = prefill.saturating_add(s.prompt_len.saturating_sub(reusable * b));
+            decode = decode.saturating_add(s.remaining_output());
+        }
+        (prefill, decode)
     }
 
     /// Earliest admission deadline among waiting sequences.

@@ -183,6 +183,13 @@ impl Admin {
                     "healthy": e.healthy,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
                     "active_tokens": rt.active_tokens.load(Ordering::Relaxed),
+                    "reported_load": rt.reported_load.lock().map(|(l, at)| json!({
+                        "running": l.running,
+                        "waiting": l.waiting,
+                        "prefill_tokens": l.prefill_tokens,
+                        "decode_tokens": l.decode_tokens,
+                        "seconds_since_reported": at.elapsed().as_secs_f64(),
+                    })),
                     "indexed_blocks": stats.get(&e.spec.id).map_or(0, |s| s.precise_blocks),
                     "approximate_blocks": stats.get(&e.spec.id).map_or(0, |s| s.approximate_blocks),
                     "events": {

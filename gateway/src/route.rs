@@ -25,6 +25,7 @@ pub fn fallback_label(reason: Reason) -> Option<&'static str> {
     match reason {
         Reason::NoMatch | Reason::BelowMinMatch => Some("no_match"),
         Reason::LoadGuard => Some("load_guard"),
+        Reason::Cost => Some("cost"),
         Reason::Unhealthy => Some("unhealthy"),
         Reason::Hit | Reason::RoundRobin | Reason::NoHealthyWorker => None,
     }
@@ -43,6 +44,10 @@ pub struct PromptFacts {
     pub hash_algorithm: HashAlgorithm,
     /// Matched blocks per candidate worker (for the ticket's prediction).
     pub matched: Vec<(WorkerId, usize)>,
+    /// Matched blocks per candidate worker as placement saw them: `matched` plus routing-time
+    /// holdings (a worker computes a prefix another request of its queue is computing once, so
+    /// its queued prefill counts only the rest).
+    pub placed: Vec<(WorkerId, usize)>,
     /// Tokens per block.
     pub block_size: usize,
     /// Output tokens the request asks for (`max_completion_tokens`/`max_tokens`, else
@@ -73,13 +78,22 @@ impl Decision {
     /// Predicted matched tokens on `worker` (prefix routing only).
     pub fn predicted_tokens(&self, worker: &WorkerId) -> Option<u32> {
         let p = self.prompt.as_ref()?;
-        let blocks = p
-            .matched
-            .iter()
-            .find(|(w, _)| w == worker)
-            .map_or(0, |(_, b)| *b);
-        u32::try_from(blocks * p.block_size).ok()
+        u32::try_from(blocks_of(&p.matched, worker) * p.block_size).ok()
     }
+
+    /// Matched tokens on `worker` as placement saw them (routing-time holdings included;
+    /// prefix routing only): the part of the prompt its queued prefill does not count.
+    pub fn placed_tokens(&self, worker: &WorkerId) -> Option<u64> {
+        let p = self.prompt.as_ref()?;
+        Some((blocks_of(&p.placed, worker) * p.block_size) as u64)
+    }
+}
+
+fn blocks_of(matched: &[(WorkerId, usize)], worker: &WorkerId) -> usize {
+    matched
+        .iter()
+        .find(|(w, _)| w == worker)
+        .map_or(0, |(_, b)| *b)
 }
 
 /// The request facts routing needs besides the view (owned: prefix routing runs on the
@@ -178,18 +192,18 @@ fn look_up(
     })
 }
 
-fn load_of(view: &View, w: &WorkerId, metric: LoadMetric) -> u64 {
-    view.workers.get(w).map_or(0, |e| match metric {
-        // This replica's own load plus, in cluster mode, the others' (leased tables).
+/// A worker's load in `metric` given its queued (prefill, decode) tokens: in-flight requests
+/// are this replica's plus, in cluster mode, the others' (leased tables); active tokens are the
+/// queued tokens ([`crate::view::WorkerRuntime::queued_tokens`]: the gateways' count or the
+/// worker's own report, whichever is larger).
+fn load_of(runtime: &crate::view::WorkerRuntime, metric: LoadMetric, queued: (u64, u64)) -> u64 {
+    match metric {
         LoadMetric::InFlight => {
-            e.runtime.in_flight.load(Ordering::Relaxed)
-                + e.runtime.remote_in_flight.load(Ordering::Relaxed)
+            runtime.in_flight.load(Ordering::Relaxed)
+                + runtime.remote_in_flight.load(Ordering::Relaxed)
         }
-        LoadMetric::ActiveTokens => {
-            e.runtime.active_tokens.load(Ordering::Relaxed)
-                + e.runtime.remote_active_tokens.load(Ordering::Relaxed)
-        }
-    })
+        LoadMetric::ActiveTokens => queued.0.saturating_add(queued.1),
+    }
 }
 
 /// Decides where a request goes. Errors are client errors (400/503) to answer directly.
@@ -206,6 +220,8 @@ pub fn decide(
     let mut extra = Vec::new();
     let mut candidates = Vec::with_capacity(service.pool.len());
     let mut predicted_blocks = Vec::with_capacity(service.pool.len());
+    let mut placed_blocks = Vec::with_capacity(service.pool.len());
+    let now = std::time::Instant::now();
     for w in &service.pool {
         let Some(e) = view.workers.get(w) else {
             continue;
@@ -222,6 +238,7 @@ pub fn decide(
                     m.map_or(0, |m| m.precise_blocks)
                 };
                 predicted_blocks.push((w.clone(), predicted));
+                placed_blocks.push((w.clone(), m.map_or(0, |m| m.blocks)));
                 (
                     e.runtime.contract_ok(),
                     m.map_or(0, |m| m.blocks),
@@ -235,13 +252,22 @@ pub fn decide(
         if !contract_ok {
             extra.push("contract");
         }
+        // Round robin reads no queue (it would cost a lock per worker for nothing).
+        let queued = if looked.is_some() {
+            e.runtime.queued_tokens(now)
+        } else {
+            (0, 0)
+        };
         candidates.push(Candidate {
             worker: w.clone(),
             healthy: e.healthy && contract_ok,
-            load: load_of(view, w, metric),
+            load: load_of(&e.runtime, metric, queued),
             matched_blocks,
             weight: e.spec.weight,
             cached_blocks,
+            prompt_tokens: looked.as_ref().map_or(0, |(_, l)| l.prompt_tokens as u64),
+            queued_prefill: queued.0,
+            queued_decode: queued.1,
         });
     }
     let sel = service.policy().select(&candidates);
@@ -274,6 +300,7 @@ pub fn decide(
         seed: l.seed,
         hash_algorithm: p.profile.algorithm(),
         matched: predicted_blocks,
+        placed: placed_blocks,
         block_size: p.profile.block_size.get(),
         output_tokens: l.output_tokens,
     });

@@ -280,6 +280,7 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
                 *runtime.events_last_heard.lock() = Some(Instant::now());
                 let end = read_stream(&ctx.data, &id, &runtime, r, &mut position, &cancel).await;
                 *runtime.events.lock() = EventStreamState::Connecting;
+                *runtime.reported_load.lock() = None;
                 match end {
                     StreamEnd::Cancelled => return,
                     StreamEnd::Gap => {
@@ -343,6 +344,13 @@ async fn read_stream(
             Some(Ok(ev)) => ev,
         };
         if ev.data.is_empty() {
+            continue;
+        }
+        if ev.event == prefix_index::protocol::LOAD_EVENT_NAME {
+            match serde_json::from_str::<prefix_index::WorkerLoad>(&ev.data) {
+                Ok(load) => runtime.report_load(load, Instant::now()),
+                Err(e) => tracing::warn!(worker = %id, error = %e, "malformed load event ignored"),
+            }
             continue;
         }
         let env: KvEventEnvelope = match serde_json::from_str(&ev.data) {

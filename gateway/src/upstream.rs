@@ -44,15 +44,16 @@ pub fn peer_for(
 /// the ticket for it (kept in the ctx for the decision log).
 pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
-    // Active tokens: the prompt's tokens the worker must still compute (its predicted cached
-    // prefix excluded) and the output asked for. Without prefix routing the prompt is not
-    // tokenized: a quarter of the body's bytes stands for its tokens.
+    // Active tokens: the prompt's tokens the worker must still compute (its matched prefix as
+    // placement saw it excluded: cached, or being computed there for another request) and the
+    // output asked for. Without prefix routing the prompt is not tokenized: a quarter of the
+    // body's bytes stands for its tokens.
     let (prefill, output) = ctx
         .decision
         .as_ref()
         .and_then(|d| {
             let p = d.prompt.as_ref()?;
-            let cached = u64::from(d.predicted_tokens(worker).unwrap_or(0));
+            let cached = d.placed_tokens(worker).unwrap_or(0);
             Some((
                 (p.prompt_tokens as u64).saturating_sub(cached),
                 p.output_tokens as u64,

@@ -134,6 +134,10 @@ pub enum ContractState {
     Mismatch(String),
 }
 
+/// How old a worker's `load` report may be and still count (the worker sends one within 20 ms
+/// of a change and at least once a second; a stalled stream stops counting after this).
+pub const REPORTED_LOAD_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Live, per-worker state that survives rule reloads.
 #[derive(Debug)]
 pub struct WorkerRuntime {
@@ -145,10 +149,15 @@ pub struct WorkerRuntime {
     /// "active_tokens"`): each request's uncached prompt tokens until its first response byte
     /// (its prefill), plus its requested output tokens until it ends.
     pub active_tokens: AtomicU64,
+    /// The prefill part of `active_tokens` (uncached prompt tokens before the first byte).
+    pub prefill_tokens: AtomicU64,
     /// Cluster mode: the other replicas' in-flight requests and active tokens on this worker
     /// (their leased load tables, read every sync tick); 0 otherwise.
     pub remote_in_flight: AtomicU64,
     pub remote_active_tokens: AtomicU64,
+    /// The worker's own report of its queued work (its event stream's latest `load` message)
+    /// and when it arrived; cleared when the stream ends.
+    pub reported_load: Mutex<Option<(prefix_index::WorkerLoad, Instant)>>,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
     /// When the event stream last delivered something.
@@ -173,8 +182,10 @@ impl WorkerRuntime {
             id,
             in_flight: AtomicU64::new(0),
             active_tokens: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
             remote_in_flight: AtomicU64::new(0),
             remote_active_tokens: AtomicU64::new(0),
+            reported_load: Mutex::new(None),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),
@@ -190,6 +201,34 @@ impl WorkerRuntime {
         match self.reported.lock().as_ref() {
             Some(crate::control_plane::Reported::Kvgate(p)) => Some(p.hash_algorithm),
             _ => None,
+        }
+    }
+
+    /// Records the worker's load report (an event stream `load` message).
+    pub fn report_load(&self, load: prefix_index::WorkerLoad, at: Instant) {
+        *self.reported_load.lock() = Some((load, at));
+    }
+
+    /// The worker's load report when it is at most [`REPORTED_LOAD_MAX_AGE`] old at `now`.
+    pub fn fresh_reported_load(&self, now: Instant) -> Option<prefix_index::WorkerLoad> {
+        let g = self.reported_load.lock();
+        let (load, at) = g.as_ref()?;
+        (now.saturating_duration_since(*at) <= REPORTED_LOAD_MAX_AGE).then_some(*load)
+    }
+
+    /// The queued work placement and the load guard see on this worker: (prefill tokens,
+    /// decode tokens). Each is the larger of this gateway's own count (plus, in cluster mode,
+    /// the other replicas' leased counts) and the worker's fresh report: the gateway's count
+    /// knows a request the moment it is routed, the worker's report knows work from every
+    /// source (other gateways, direct clients) and what its cache really saved.
+    pub fn queued_tokens(&self, now: Instant) -> (u64, u64) {
+        let prefill = self.prefill_tokens.load(Ordering::Relaxed);
+        let active = self.active_tokens.load(Ordering::Relaxed)
+            + self.remote_active_tokens.load(Ordering::Relaxed);
+        let local = (prefill.min(active), active.saturating_sub(prefill));
+        match self.fresh_reported_load(now) {
+            Some(r) => (local.0.max(r.prefill_tokens), local.1.max(r.decode_tokens)),
+            None => local,
         }
     }
 
@@ -528,6 +567,7 @@ impl InFlight {
         runtime
             .active_tokens
             .fetch_add(prefill + output, Ordering::Relaxed);
+        runtime.prefill_tokens.fetch_add(prefill, Ordering::Relaxed);
         InFlight {
             runtime,
             prefill,
@@ -541,6 +581,9 @@ impl InFlight {
             self.runtime
                 .active_tokens
                 .fetch_sub(self.prefill, Ordering::Relaxed);
+            self.runtime
+                .prefill_tokens
+                .fetch_sub(self.prefill, Ordering::Relaxed);
             self.prefill = 0;
         }
     }
@@ -552,6 +595,9 @@ impl Drop for InFlight {
         self.runtime
             .active_tokens
             .fetch_sub(self.prefill + self.output, Ordering::Relaxed);
+        self.runtime
+            .prefill_tokens
+            .fetch_sub(self.prefill, Ordering::Relaxed);
     }
 }
 

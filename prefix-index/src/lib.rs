@@ -24,4 +24,4 @@ pub use key::{
     BlockKey, BlockSize, ChainLink, HashAlgorithm, KeyChain, NamespaceInputs, NamespaceSeed,
     WorkerId,
 };
-pub use protocol::{KvEvent, KvEventEnvelope};
+pub use protocol::{KvEvent, KvEventEnvelope, WorkerLoad};

@@ -50,9 +50,65 @@ pub struct KvEventEnvelope {
     pub event: KvEvent,
 }
 
+/// The SSE event name of a [`WorkerLoad`] message on the KV event stream (`event: load`). Load
+/// messages carry no `id` and no sequence number: they are not cache events, a subscriber keeps
+/// only the latest one, and resumption ignores them.
+pub const LOAD_EVENT_NAME: &str = "load";
+
+/// A worker's queued work, as its engine's scheduler counts it after a step: what a request
+/// routed there now would wait behind. Units are tokens, the same units as the gateway's
+/// `active_tokens` load (uncached prompt tokens plus output tokens still to generate).
+///
+/// JSON (`data` of an `event: load` SSE message):
+/// `{"running":3,"waiting":1,"prefill_tokens":1480,"decode_tokens":250}`; unknown fields are
+/// ignored, missing ones are 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WorkerLoad {
+    /// Admitted sequences.
+    pub running: u64,
+    /// Sequences waiting for admission.
+    pub waiting: u64,
+    /// Prompt tokens not computed yet: the uncomputed part of every running sequence's prompt
+    /// plus the whole prompt of every waiting one (their cache hits are not known before
+    /// admission, so this is an upper bound for them).
+    pub prefill_tokens: u64,
+    /// Output tokens still allowed (`max_tokens` minus generated) over running and waiting
+    /// sequences.
+    pub decode_tokens: u64,
+}
+
+impl WorkerLoad {
+    /// Prefill plus decode tokens: the worker's own count of what the gateway calls active
+    /// tokens.
+    pub fn active_tokens(&self) -> u64 {
+        self.prefill_tokens.saturating_add(self.decode_tokens)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_json_is_pinned() {
+        let l = WorkerLoad {
+            running: 3,
+            waiting: 1,
+            prefill_tokens: 1480,
+            decode_tokens: 250,
+        };
+        let json = r#"{"running":3,"waiting":1,"prefill_tokens":1480,"decode_tokens":250}"#;
+        assert_eq!(serde_json::to_string(&l).unwrap(), json);
+        assert_eq!(serde_json::from_str::<WorkerLoad>(json).unwrap(), l);
+        assert_eq!(l.active_tokens(), 1730);
+        let partial: WorkerLoad =
+            serde_json::from_str(r#"{"prefill_tokens":7,"future_field":[1]}"#).unwrap();
+        assert_eq!(partial.prefill_tokens, 7);
+        assert_eq!(partial.running, 0);
+        assert!(serde_json::from_str::<WorkerLoad>(r#"{"running":-1}"#).is_err());
+        assert!(serde_json::from_str::<WorkerLoad>(r#""busy""#).is_err());
+    }
 
     fn round_trip(env: &KvEventEnvelope, json: &str) {
         assert_eq!(serde_json::to_string(env).unwrap(), json);

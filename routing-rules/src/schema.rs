@@ -631,6 +631,43 @@ pub struct KvExactRule {
     /// the ticket's prediction. 0 = off. At most 60000. Default: 2000.
     #[serde(default = "default_pending_ttl_ms")]
     pub pending_ttl_ms: u64,
+    /// How the admissible candidates are ranked. Default: `least_cost`.
+    #[serde(default)]
+    pub placement: Placement,
+    /// `least_cost`: the weight of the prompt tokens a candidate would still have to compute
+    /// (prompt − its matched prefix) against the tokens already queued there. Finite, 0..=1000.
+    /// Default: 2.0 — a token computed cold costs the fleet its compute on top of this
+    /// request's wait, a queued token only the wait.
+    #[serde(default = "default_uncached_weight")]
+    pub uncached_weight: f64,
+    /// `least_cost`: the weight of a candidate's queued decode tokens (output tokens still to
+    /// generate there) against its queued prefill tokens. Finite, 0..=1000. Default: 0.25.
+    #[serde(default = "default_decode_weight")]
+    pub decode_weight: f64,
+}
+
+/// How `kv_exact` ranks the candidates that pass the load guard.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Least estimated cost: `uncached_weight × (prompt − matched) + queued prefill tokens +
+    /// decode_weight × queued decode tokens`; ties go to the longer match, then lower load.
+    #[default]
+    LeastCost,
+    /// Longest match first, then lower load (the ranking before least-cost placement).
+    LongestMatch,
+}
+
+/// Default `uncached_weight` of a `kv_exact` rule.
+pub const DEFAULT_UNCACHED_WEIGHT: f64 = 2.0;
+/// Default `decode_weight` of a `kv_exact` rule.
+pub const DEFAULT_DECODE_WEIGHT: f64 = 0.25;
+
+fn default_uncached_weight() -> f64 {
+    DEFAULT_UNCACHED_WEIGHT
+}
+fn default_decode_weight() -> f64 {
+    DEFAULT_DECODE_WEIGHT
 }
 
 impl KvExactRule {

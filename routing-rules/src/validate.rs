@@ -507,6 +507,17 @@ impl Validator {
                 format!("must be a finite number >= 1.0, got {}", k.max_load_ratio),
             );
         }
+        for (name, w) in [
+            ("uncached_weight", k.uncached_weight),
+            ("decode_weight", k.decode_weight),
+        ] {
+            if !w.is_finite() || !(0.0..=1000.0).contains(&w) {
+                self.push(
+                    format!("{path}.{name}"),
+                    format!("must be a finite number in 0..=1000, got {w}"),
+                );
+            }
+        }
         if k.load_slack == Some(0) {
             self.push(format!("{path}.load_slack"), "must be at least 1");
         }

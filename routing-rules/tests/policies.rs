@@ -7,7 +7,7 @@ use prefix_index::WorkerId;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use routing_rules::{
-    Candidate, KvExact, KvExactRule, NoMatchPolicy, Reason, RoundRobin, SelectionPolicy,
+    Candidate, KvExact, KvExactRule, NoMatchPolicy, Placement, Reason, RoundRobin, SelectionPolicy,
 };
 
 fn cand(i: usize, healthy: bool, load: u64, matched: usize) -> Candidate {
@@ -18,6 +18,9 @@ fn cand(i: usize, healthy: bool, load: u64, matched: usize) -> Candidate {
         load,
         matched_blocks: matched,
         weight: 1,
+        prompt_tokens: 0,
+        queued_prefill: 0,
+        queued_decode: 0,
     }
 }
 
@@ -32,6 +35,18 @@ fn kv_rule(ratio: f64, slack: Option<u64>, min_tokens: u32) -> KvExactRule {
         // The policy tests count requests (slack 1 by default).
         load_metric: routing_rules::schema::LoadMetric::InFlight,
         pending_ttl_ms: 0,
+        placement: Placement::LeastCost,
+        uncached_weight: 2.0,
+        decode_weight: 0.25,
+    }
+}
+
+/// A candidate for a 1,600-token prompt (blocks of 16) with `queued` prefill tokens ahead.
+fn costed(i: usize, load: u64, matched: usize, queued: u64) -> Candidate {
+    Candidate {
+        prompt_tokens: 1600,
+        queued_prefill: queued,
+        ..cand(i, true, load, matched)
     }
 }
 
@@ -394,4 +409,84 @@ fn kv_exact_places_unmatched_requests_on_the_worker_holding_least() {
     // And a match still wins over holding less.
     c[0].matched_blocks = 4;
     assert_eq!(p.select(&c).order[0], WorkerId("w0".into()));
+}
+
+#[test]
+fn least_cost_weighs_the_uncached_prompt_against_the_queue() {
+    let p = KvExact::new(&kv_rule(1e9, None, 0), 16);
+    // w0 holds 1,488 of the 1,600 tokens with 1,000 queued: 2·112 + 1000 = 1224; w1 is cold
+    // and idle: 2·1600 = 3200. The holder wins.
+    let s = p.select(&[costed(0, 1, 93, 1000), costed(1, 0, 0, 0)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (0, Reason::Hit));
+    // With 4,000 queued there (4224 > 3200) the cold, idle worker is cheaper: reason `cost`.
+    let s = p.select(&[costed(0, 1, 93, 4000), costed(1, 0, 0, 0)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::Cost));
+    // A shorter match with a short queue beats a longer one with a long queue.
+    let s = p.select(&[
+        costed(0, 1, 93, 3000),
+        costed(1, 1, 50, 0),
+        costed(2, 0, 0, 0),
+    ]);
+    assert_eq!(idx(&s.order[0]), 1);
+    // Queued decode tokens count at decode_weight (0.25): 4,000 of them = 1,000 prefill tokens.
+    let decoding = Candidate {
+        queued_decode: 4000,
+        ..costed(0, 1, 93, 0)
+    };
+    let s = p.select(&[decoding.clone(), costed(1, 0, 50, 0)]);
+    // w0: 2·112 + 1000 = 1224; w1: 2·800 = 1600.
+    assert_eq!(idx(&s.order[0]), 0);
+    let s = p.select(&[
+        Candidate {
+            queued_decode: 8000,
+            ..decoding
+        },
+        costed(1, 0, 50, 0),
+    ]);
+    // w0: 224 + 2000 = 2224 > 1600.
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::Cost));
+}
+
+#[test]
+fn least_cost_ties_go_to_the_longer_match_and_the_guard_stays_hard() {
+    let p = KvExact::new(&kv_rule(1.5, Some(1), 0), 16);
+    // Equal cost (2·1600 = 2·800 + 1600): the longer match wins the tie.
+    let s = p.select(&[costed(0, 0, 0, 0), costed(1, 0, 50, 1600)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::Hit));
+    // The cheapest worker is over the guard (load 10 against a mean of 5): never first.
+    let s = p.select(&[costed(0, 10, 100, 0), costed(1, 0, 0, 5000)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::LoadGuard));
+    // longest_match placement ignores the queue.
+    let mut rule = kv_rule(1e9, None, 0);
+    rule.placement = Placement::LongestMatch;
+    let p = KvExact::new(&rule, 16);
+    let s = p.select(&[costed(0, 1, 93, 100_000), costed(1, 0, 0, 0)]);
+    assert_eq!((idx(&s.order[0]), s.reason), (0, Reason::Hit));
+}
+
+/// With `active_tokens`, the guard allows a worker one request of this size (its prompt tokens)
+/// above the mean plus the slack: on a mostly idle fleet, the worker computing one long prompt
+/// still takes the next request of the same prefix (which waits for that prefill and computes
+/// only its suffix) instead of sending it cold elsewhere; a worker further ahead is refused.
+#[test]
+fn active_tokens_guard_allows_one_request_of_this_size_above_the_mean() {
+    let mut rule = kv_rule(1.5, None, 0);
+    rule.load_metric = routing_rules::schema::LoadMetric::ActiveTokens;
+    let p = KvExact::new(&rule, 16);
+    // w0 is computing the 1,600-token prefix (load 1,608: its prefill and 8 output tokens) and
+    // holds it for placement; 15 idle workers. Mean ≈ 100.5, limit ≈ 100.5 + 1024 + 1600.
+    let mut cands = vec![costed(0, 1608, 99, 1600)];
+    cands.extend((1..16).map(|i| costed(i, 0, 0, 0)));
+    let s = p.select(&cands);
+    assert_eq!((idx(&s.order[0]), s.reason), (0, Reason::Hit));
+    // Two such prefills queued ahead (load 3,216 > 201 + 2,624): over the guard.
+    cands[0] = costed(0, 3216, 99, 3200);
+    let s = p.select(&cands);
+    assert_ne!(idx(&s.order[0]), 0);
+    assert_eq!(s.reason, Reason::LoadGuard);
+    // `in_flight` counts requests: no allowance for the request's size (limit = mean + 1).
+    let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
+    let mut cands = vec![costed(0, 2, 99, 1600)];
+    cands.extend((1..16).map(|i| costed(i, 0, 0, 0)));
+    assert_eq!(p.select(&cands).reason, Reason::LoadGuard);
 }

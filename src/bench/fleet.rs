@@ -1,11 +1,13 @@
 //! Fleet simulation: `kvgate bench --fleet sim:N` starts N simulated workers (the real scheduler,
 //! KV pool, prefix cache and KV events; the model replaced by a timing model) and a real pingora
-//! gateway in-process, and runs the same workload under three policies, each on a fresh fleet
+//! gateway in-process, and runs the same workload under these policies, each on a fresh fleet
 //! (cold caches):
 //!
 //! - `round_robin`;
 //! - `kv_exact` with its defaults: the load guard (`max_load_ratio` 1.5) over `active_tokens`,
 //!   routing-time holdings for 2 s;
+//! - `kv_longest`: `kv_exact` with `placement = "longest_match"` (the ranking before least-cost
+//!   placement: longest match, then lower load);
 //! - `kv_in_flight`: the guard over in-flight requests, no routing-time holdings (the defaults
 //!   before 2026-12-01);
 //! - `oracle`: the worker with the longest cached prefix, ignoring load — implemented as
@@ -38,6 +40,10 @@ const POLICIES: &[(&str, &str)] = &[
     (
         "kv_exact",
         "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1.5\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"active_tokens\"\npending_ttl_ms = 2000\n",
+    ),
+    (
+        "kv_longest",
+        "type = \"kv_exact\"\nprofile = \"sim\"\nmax_load_ratio = 1.5\nmin_match_tokens = 16\non_no_match = \"least_loaded\"\nload_metric = \"active_tokens\"\npending_ttl_ms = 2000\nplacement = \"longest_match\"\n",
     ),
     (
         "kv_in_flight",
@@ -280,7 +286,10 @@ pub fn fleet_verdicts(kind: WorkloadKind, s: &[Summary]) -> Vec<Verdict> {
         ));
     }
     if let Some(rr) = find(s, "round_robin") {
-        if matches!(kind, WorkloadKind::MultiTurn | WorkloadKind::SharedPrefix) {
+        if matches!(
+            kind,
+            WorkloadKind::MultiTurn | WorkloadKind::SharedPrefix | WorkloadKind::PrefixChat
+        ) {
             out.push(report::judge(
                 "kv_exact TTFT p50 / round_robin TTFT p50 <= 0.5".into(),
                 ratio(kv.ttft.map(|p| p.p50), rr.ttft.map(|p| p.p50)),
@@ -399,6 +408,8 @@ pub struct FleetRun<'a> {
     /// `kv_exact` on G replicas in cluster mode (a `redis-server` the bench starts), requests
     /// spread over the replicas in turn.
     pub gateways: usize,
+    /// With one gateway: the policies to run (names of [`POLICIES`]); empty = all.
+    pub policies: &'a [String],
 }
 
 /// Runs every workload of `args` against `n` simulated workers under each policy.
@@ -420,11 +431,35 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     let g = args.gateways.max(1);
     // (label, rule, gateways)
     let runs: Vec<(String, &str, usize)> = if g == 1 {
-        println!("fleet: {n} simulated workers + gateway, policies: round_robin, kv_exact, kv_in_flight, oracle");
-        POLICIES
+        if let Some(unknown) = args
+            .policies
             .iter()
-            .map(|(l, r)| (l.to_string(), *r, 1))
-            .collect()
+            .find(|p| !POLICIES.iter().any(|(l, _)| l == p))
+        {
+            let known: Vec<&str> = POLICIES.iter().map(|(l, _)| *l).collect();
+            anyhow::bail!(
+                "--policies: unknown policy `{unknown}` (known: {})",
+                known.join(", ")
+            );
+        }
+        let runs: Vec<(String, &str, usize)> = if args.policies.is_empty() {
+            POLICIES
+                .iter()
+                .map(|(l, r)| (l.to_string(), *r, 1))
+                .collect()
+        } else {
+            args.policies
+                .iter()
+                .filter_map(|p| POLICIES.iter().find(|(l, _)| l == p))
+                .map(|(l, r)| (l.to_string(), *r, 1))
+                .collect()
+        };
+        let names: Vec<&str> = runs.iter().map(|(l, _, _)| l.as_str()).collect();
+        println!(
+            "fleet: {n} simulated workers + gateway, policies: {}",
+            names.join(", ")
+        );
+        runs
     } else {
         println!(
             "fleet: {n} simulated workers; kv_exact behind 1 gateway vs {g} replicas sharing Redis"
@@ -440,6 +475,40 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     } else {
         None
     };
+    // Warm-up, not recorded: the process's one-time costs (thread pools, first connections,
+    // allocator growth) otherwise fall on the first policy's first requests only — measured at
+    // +20–60 ms TTFT on the first wave of a 4-worker multi-turn run.
+    if let (Some(kind), Some((_, rule, _))) = (args.workload.first(), runs.first()) {
+        let tmp = tempfile::tempdir()?;
+        let fleet = start_fleet(n, 1, None, tmp.path(), &model_path, &profile, rule).await?;
+        let targets: Vec<String> = fleet
+            .gateways
+            .iter()
+            .map(|g| format!("http://{}", g.listen_addr))
+            .collect();
+        let mut plans = workload::plan(*kind, args.shape);
+        plans.truncate(args.concurrency.max(1));
+        for p in &mut plans {
+            p.user_turns.truncate(1);
+            p.think.truncate(1);
+        }
+        run_wave(
+            &client,
+            WaveSpec {
+                label: "warm-up",
+                targets: &targets,
+                model: args.model,
+                kind: *kind,
+                plans,
+                concurrency: args.concurrency,
+                max_duration: Duration::from_secs(args.max_seconds),
+                request_timeout: Duration::from_secs(args.request_timeout),
+                context_limit: Some(u64::from(profile.context_limit())),
+            },
+        )
+        .await;
+        fleet.stop().await;
+    }
     for kind in args.workload {
         let mut summaries = Vec::new();
         let mut records = Vec::new();

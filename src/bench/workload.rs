@@ -17,6 +17,11 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Short chats beside long prompts.
     Mixed,
+    /// Multi-turn conversations over a few shared system prompts, all at once: conversation c
+    /// uses prefix c mod P (`--prefixes`), `--conversations` × `--turns`, arrivals shuffled.
+    /// The cache-routing case of a chat product with several assistants: each conversation's
+    /// history grows on top of a prefix other conversations share.
+    PrefixChat,
     /// Twelve long prompts, then one short (≈ 64-token) request (its TTFT is the probe).
     OverloadFairness,
 }
@@ -27,6 +32,7 @@ impl WorkloadKind {
             WorkloadKind::MultiTurn => "multi-turn",
             WorkloadKind::SharedPrefix => "shared-prefix",
             WorkloadKind::Mixed => "mixed",
+            WorkloadKind::PrefixChat => "prefix-chat",
             WorkloadKind::OverloadFairness => "overload-fairness",
         }
     }
@@ -237,6 +243,29 @@ pub fn plan(kind: WorkloadKind, shape: &WorkloadShape) -> Vec<SessionPlan> {
                 });
             }
         }
+        WorkloadKind::PrefixChat => {
+            let prefixes: Vec<String> = (0..shape.prefixes.max(1))
+                .map(|k| {
+                    format!(
+                        "You are assistant {k}. Reference material: {}",
+                        words(&mut rng, shape.long_words)
+                    )
+                })
+                .collect();
+            for c in 0..shape.conversations {
+                out.push(SessionPlan {
+                    id: format!("p{}c{c}", c % prefixes.len()),
+                    class: "conversation",
+                    system: Some(prefixes[c % prefixes.len()].clone()),
+                    user_turns: (0..shape.turns).map(|_| question(&mut rng)).collect(),
+                    start_delay: Duration::ZERO,
+                    think: think(&mut rng, shape.turns, shape.think_ms),
+                    max_tokens: shape.max_tokens,
+                });
+            }
+            use rand::seq::SliceRandom;
+            out.shuffle(&mut rng);
+        }
         WorkloadKind::OverloadFairness => {
             for i in 0..12 {
                 out.push(SessionPlan {
@@ -298,6 +327,26 @@ mod tests {
         assert_eq!(f.len(), 13);
         assert_eq!(f[12].class, "probe");
         assert!(f[12].start_delay > Duration::ZERO);
+    }
+
+    #[test]
+    fn prefix_chat_conversations_share_prefixes_and_run_turns() {
+        let mut s = shape();
+        s.conversations = 5;
+        let p = plan(WorkloadKind::PrefixChat, &s);
+        assert_eq!(p.len(), 5);
+        assert!(p.iter().all(|c| c.user_turns.len() == s.turns));
+        let distinct: std::collections::HashSet<_> = p.iter().map(|c| c.system.clone()).collect();
+        assert_eq!(distinct.len(), s.prefixes);
+        // Every conversation of one prefix carries exactly that prefix.
+        for c in &p {
+            let k: usize = c.id[1..c.id.find('c').unwrap()].parse().unwrap();
+            assert!(c
+                .system
+                .as_ref()
+                .unwrap()
+                .starts_with(&format!("You are assistant {k}.")));
+        }
     }
 
     #[test]

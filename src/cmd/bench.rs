@@ -23,6 +23,10 @@ pub struct Args {
     /// over the replicas in turn.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
+    /// With --fleet and one gateway: the policies to run, in order (default: all of
+    /// round_robin, kv_exact, kv_longest, kv_in_flight, oracle).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<String>,
     /// Engine benchmark on a GGUF model (no HTTP): single-stream prefill and decode tok/s,
     /// aggregate decode at 1/4/8/16 streams, cached vs uncached prefill of a 1,040-token prompt.
     #[arg(long, conflicts_with = "target")]
@@ -99,6 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 request_timeout: args.request_timeout,
                 out: &args.out,
                 gateways: args.gateways,
+                policies: &args.policies,
             };
             return crate::bench::fleet::run(n, &run).await;
         }

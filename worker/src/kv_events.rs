@@ -20,6 +20,8 @@ use axum::response::{IntoResponse, Response};
 use futures::stream;
 use serde::Deserialize;
 
+use engine::kv::events::KvSubscription;
+
 use crate::api_error::ApiError;
 use crate::AppState;
 
@@ -106,27 +108,92 @@ pub async fn kv_events(
         return e.into_response();
     };
     st.metrics.request("kv_events", 200);
-    let sub = st.engine.kv_events().subscribe(since);
-    let shutdown = st.shutdown.clone();
+    let state = StreamState {
+        sub: st.engine.kv_events().subscribe(since),
+        load: Some(st.engine.watch_load()),
+        load_pending: true,
+        next_load_at: tokio::time::Instant::now(),
+        heartbeat_at: tokio::time::Instant::now() + LOAD_HEARTBEAT,
+        shutdown: st.shutdown.clone(),
+        _permit: permit,
+    };
     // The permit lives as long as the stream (dropped with it when the client goes away).
-    let events = stream::unfold(
-        (sub, shutdown, permit),
-        |(mut sub, shutdown, permit)| async move {
-            let env = tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => None,
-                env = sub.next() => env,
-            }?;
-            let data = serde_json::to_string(&env).ok()?;
-            let ev = Event::default()
-                .id(format!("{}:{}", env.epoch, env.seq))
-                .data(data);
-            Some((Ok::<_, Infallible>(ev), (sub, shutdown, permit)))
-        },
-    );
+    let events = stream::unfold(state, |mut s| async move {
+        let ev = s.next_event().await?;
+        Some((Ok::<_, Infallible>(ev), s))
+    });
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
         .into_response()
+}
+
+/// Shortest time between two `event: load` messages on one stream: the engine's load changes
+/// every step; a subscriber needs it fresh, not every step.
+pub const LOAD_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Longest time between two `event: load` messages on one stream (sent unchanged if need be).
+pub const LOAD_HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// One subscription: cache events in order, interleaved with the latest load.
+struct StreamState {
+    sub: KvSubscription,
+    /// `None` once the engine is gone (no more load messages).
+    load: Option<tokio::sync::watch::Receiver<prefix_index::WorkerLoad>>,
+    /// The load changed since the last message (the first message is always sent).
+    load_pending: bool,
+    next_load_at: tokio::time::Instant,
+    /// When the load is sent again even if unchanged (so a subscriber can tell a quiet worker
+    /// from a stalled stream).
+    heartbeat_at: tokio::time::Instant,
+    shutdown: tokio_util::sync::CancellationToken,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl StreamState {
+    /// The next SSE message; `None` ends the stream (shutdown, or the feed closed).
+    async fn next_event(&mut self) -> Option<Event> {
+        loop {
+            let has_load = self.load.is_some();
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => return None,
+                env = self.sub.next() => {
+                    let env = env?;
+                    let data = serde_json::to_string(&env).ok()?;
+                    return Some(
+                        Event::default()
+                            .id(format!("{}:{}", env.epoch, env.seq))
+                            .data(data),
+                    );
+                }
+                _ = tokio::time::sleep_until(self.next_load_at), if has_load && self.load_pending => {
+                    let Some(rx) = self.load.as_mut() else { continue };
+                    let load = *rx.borrow_and_update();
+                    self.load_pending = false;
+                    let now = tokio::time::Instant::now();
+                    self.next_load_at = now + LOAD_INTERVAL;
+                    self.heartbeat_at = now + LOAD_HEARTBEAT;
+                    let Ok(data) = serde_json::to_string(&load) else { continue };
+                    return Some(Event::default().event(prefix_index::protocol::LOAD_EVENT_NAME).data(data));
+                }
+                _ = tokio::time::sleep_until(self.heartbeat_at), if has_load && !self.load_pending => {
+                    self.load_pending = true;
+                }
+                changed = async {
+                    match self.load.as_mut() {
+                        Some(rx) => rx.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                }, if has_load && !self.load_pending => {
+                    if changed {
+                        self.load_pending = true;
+                    } else {
+                        self.load = None;
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -752,7 +752,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
     let resp = client().get(w.url("/v1/kv/events")).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let mut sse = SseReader::new(resp);
-    let first = sse.next_event().await.unwrap();
+    let first = sse.next_cache_event().await.unwrap();
     let env: Value = serde_json::from_str(&first.data).unwrap();
     assert_eq!(env["type"], "cleared");
     let epoch = env["epoch"].as_u64().unwrap();
@@ -760,7 +760,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
         first.id.as_deref(),
         Some(format!("{epoch}:{}", env["seq"]).as_str())
     );
-    let snap: Value = serde_json::from_str(&sse.next_event().await.unwrap().data).unwrap();
+    let snap: Value = serde_json::from_str(&sse.next_cache_event().await.unwrap().data).unwrap();
     assert_eq!(snap["type"], "stored");
     assert!(!snap["keys"].as_array().unwrap().is_empty());
     let snap_seq = snap["seq"].as_u64().unwrap();
@@ -771,7 +771,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
         .bytes()
         .await;
     let live = loop {
-        let ev: Value = serde_json::from_str(&sse.next_event().await.unwrap().data).unwrap();
+        let ev: Value = serde_json::from_str(&sse.next_cache_event().await.unwrap().data).unwrap();
         if ev["seq"].as_u64().unwrap() > snap_seq {
             break ev;
         }
@@ -790,7 +790,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
         .await
         .unwrap();
     let mut sse = SseReader::new(resp);
-    let ev: Value = serde_json::from_str(&sse.next_event().await.unwrap().data).unwrap();
+    let ev: Value = serde_json::from_str(&sse.next_cache_event().await.unwrap().data).unwrap();
     assert_eq!(ev["type"], "stored");
     assert_eq!(ev["seq"].as_u64().unwrap(), snap_seq + 1);
     assert!(ev["seq"].as_u64().unwrap() <= live_seq);
@@ -804,7 +804,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
         .await
         .unwrap();
     let mut sse = SseReader::new(resp);
-    let ev: Value = serde_json::from_str(&sse.next_event().await.unwrap().data).unwrap();
+    let ev: Value = serde_json::from_str(&sse.next_cache_event().await.unwrap().data).unwrap();
     assert_eq!(ev["type"], "cleared");
     drop(sse);
     // Malformed resume position.
@@ -814,6 +814,58 @@ async fn kv_events_stream_snapshots_and_resumes() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 400);
+    w.stop().await;
+}
+
+/// The event stream interleaves `event: load` messages (no id) with the cache events: the
+/// first right after subscribing, then one within 20 ms of each change — a request's prompt
+/// shows as prefill tokens while it waits, its output budget as decode tokens, and both go back
+/// to 0 when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_stream_reports_the_engine_load() {
+    // One running slot and slow decode steps: the second request waits behind the first.
+    let w = start_sim(SimOpts {
+        max_running: 1,
+        decode_us_base: 20_000,
+        ..SimOpts::default()
+    })
+    .await;
+    let resp = client().get(w.url("/v1/kv/events")).send().await.unwrap();
+    let mut sse = SseReader::new(resp);
+    let idle = sse.next_load().await.unwrap();
+    assert_eq!(
+        idle,
+        json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0})
+    );
+    let prompt = "Tell me a story about a lighthouse keeper and the sea. ".repeat(8);
+    let body = chat_body(&prompt, json!({"max_tokens": 40}));
+    let request = || async {
+        let r = post(&w, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap()
+    };
+    // Within the two requests' lifetime the load shows one running and one waiting, the
+    // waiting one's prompt as prefill and both output budgets as decode tokens.
+    let watch = async {
+        let mut saw_busy = false;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let idle = json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0});
+        loop {
+            let l = sse.next_load().await.unwrap();
+            // (`waiting` counts a submission the step loop has not taken in yet; its tokens
+            // count from the next step on.)
+            if l["running"] == 1 && l["waiting"] == 1 && l["prefill_tokens"].as_u64() > Some(0) {
+                assert!(l["decode_tokens"].as_u64().unwrap() > 40, "{l}");
+                assert!(l["decode_tokens"].as_u64().unwrap() <= 80, "{l}");
+                saw_busy = true;
+            }
+            if saw_busy && l == idle {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "last load {l}");
+        }
+    };
+    tokio::join!(request(), request(), watch);
     w.stop().await;
 }
 

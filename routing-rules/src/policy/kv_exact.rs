@@ -5,17 +5,28 @@
 //! - `threshold` = max(1, ⌈min_match_tokens / block_size⌉) blocks; a candidate's *score* is its
 //!   `matched_blocks` when at least `threshold`, else 0 (no hit).
 //! - `mean` = mean load of the healthy candidates; `limit` = max(max_load_ratio × mean,
-//!   mean + load_slack). A candidate is *admissible* when `load < limit`. The least-loaded
-//!   candidate always is (its load ≤ mean < mean + slack, slack ≥ 1), so the guard never leaves
-//!   a request without a worker. Consequence (tested): with no completions, a worker's load
-//!   never exceeds `limit + 1` at any point, however hot its prefix.
-//! - Order: admissible before inadmissible; then higher score; then lower load; then rotation
-//!   (a per-policy counter shifts which of equal candidates comes first, so ties never always
-//!   go to the same worker). When no admissible candidate has a hit and `on_no_match` is
-//!   `round_robin`, those zero-score admissible candidates are ordered by rotation alone.
+//!   mean + load_slack + own), where `own` is the request's own size in the load's unit when
+//!   the load is `active_tokens` (its prompt tokens) and 0 for `in_flight`: a worker is not
+//!   refused for being one request of this size ahead of the mean — with one long prompt
+//!   computing on a mostly idle fleet, the next request of the same prefix may still join it.
+//!   A candidate is *admissible* when `load < limit`. The least-loaded candidate always is (its
+//!   load ≤ mean < mean + slack, slack ≥ 1), so the guard never leaves a request without a
+//!   worker. Consequence (tested): with no completions, a worker's load never exceeds
+//!   `limit + 1` (`in_flight`) at any point, however hot its prefix.
+//! - *cost* (`placement = "least_cost"`, the default) =
+//!   `uncached_weight × max(0, prompt_tokens − score × block_size) + queued_prefill +
+//!   decode_weight × queued_decode`, truncated to an integer: the prompt tokens the candidate
+//!   would still compute for this request, weighted, plus the work already queued there.
+//!   With `placement = "longest_match"` every cost is 0.
+//! - Order: admissible before inadmissible; then lower cost; then higher score; then lower
+//!   load; then rotation (a per-policy counter shifts which of equal candidates comes first, so
+//!   ties never always go to the same worker). When no admissible candidate has a hit and
+//!   `on_no_match` is `round_robin`, those zero-score admissible candidates are ordered by
+//!   rotation alone. The load guard stays a hard bound: cost only ranks admissible workers.
 //!
-//! The reason names why the first choice is not simply the longest match: `load_guard` (a
-//! healthy worker with a longer match was over the guard), `unhealthy` (only unhealthy workers
+//! The reason names why the first choice is not simply the longest match: `cost` (an
+//! admissible worker with a longer match had more work queued than the match saves),
+//! `load_guard` (a healthy worker with a longer match was over the guard), `unhealthy` (only unhealthy workers
 //! hold a longer match), `below_min_match` / `no_match` (no hit anywhere), else `hit`.
 //!
 //! Cost per call: O(n log n) for n candidates.
@@ -24,7 +35,16 @@ use std::cmp::Reverse;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{Candidate, Reason, Selection, SelectionPolicy};
-use crate::schema::{KvExactRule, NoMatchPolicy};
+use crate::schema::{KvExactRule, LoadMetric, NoMatchPolicy, Placement};
+
+/// A weight that is finite and non-negative, else `default` (validation refuses the others).
+fn finite_or(w: f64, default: f64) -> f64 {
+    if w.is_finite() && w >= 0.0 {
+        w
+    } else {
+        default
+    }
+}
 
 /// KV-exact policy; see the module docs.
 #[derive(Debug)]
@@ -32,7 +52,12 @@ pub struct KvExact {
     threshold_blocks: usize,
     max_load_ratio: f64,
     load_slack: u64,
+    /// The guard allows the request's own prompt tokens on top of the slack (`active_tokens`).
+    own_size_allowance: bool,
     on_no_match: NoMatchPolicy,
+    block_size: u64,
+    /// `None`: longest-match placement (no cost term).
+    cost_weights: Option<(f64, f64)>,
     rotation: AtomicUsize,
 }
 
@@ -49,7 +74,16 @@ impl KvExact {
                 crate::schema::DEFAULT_MAX_LOAD_RATIO
             },
             load_slack: rule.effective_load_slack().max(1),
+            own_size_allowance: rule.load_metric == LoadMetric::ActiveTokens,
             on_no_match: rule.on_no_match,
+            block_size: u64::from(bs),
+            cost_weights: match rule.placement {
+                Placement::LeastCost => Some((
+                    finite_or(rule.uncached_weight, crate::schema::DEFAULT_UNCACHED_WEIGHT),
+                    finite_or(rule.decode_weight, crate::schema::DEFAULT_DECODE_WEIGHT),
+                )),
+                Placement::LongestMatch => None,
+            },
             rotation: AtomicUsize::new(0),
         }
     }
@@ -59,15 +93,29 @@ impl KvExact {
         self.threshold_blocks
     }
 
-    /// The load limit for a pool whose healthy candidates have these loads: a candidate is
-    /// admissible when its load is strictly below it.
-    pub fn load_limit(&self, loads: impl Iterator<Item = u64>) -> f64 {
+    /// The load limit for a pool whose healthy candidates have these loads, for a request of
+    /// `own` prompt tokens: a candidate is admissible when its load is strictly below it.
+    pub fn load_limit(&self, loads: impl Iterator<Item = u64>, own: u64) -> f64 {
         let (sum, n) = loads.fold((0u128, 0u64), |(s, n), l| (s + u128::from(l), n + 1));
         if n == 0 {
             return f64::INFINITY;
         }
         let mean = sum as f64 / n as f64;
-        (self.max_load_ratio * mean).max(mean + self.load_slack as f64)
+        let own = if self.own_size_allowance { own } else { 0 };
+        (self.max_load_ratio * mean).max(mean + self.load_slack as f64 + own as f64)
+    }
+
+    /// The candidate's placement cost (see the module docs).
+    pub fn cost(&self, c: &Candidate) -> u64 {
+        let Some((uncached_w, decode_w)) = self.cost_weights else {
+            return 0;
+        };
+        let matched = (self.score(c) as u64).saturating_mul(self.block_size);
+        let uncached = c.prompt_tokens.saturating_sub(matched) as f64;
+        let cost =
+            uncached_w * uncached + c.queued_prefill as f64 + decode_w * c.queued_decode as f64;
+        // `as` saturates (and maps NaN to 0; the weights are finite and non-negative).
+        cost as u64
     }
 
     fn score(&self, c: &Candidate) -> usize {
@@ -100,7 +148,12 @@ impl SelectionPolicy for KvExact {
         if healthy.is_empty() {
             return Selection::none_healthy();
         }
-        let limit = self.load_limit(healthy.iter().map(|&i| candidates[i].load));
+        let own = healthy
+            .iter()
+            .map(|&i| candidates[i].prompt_tokens)
+            .max()
+            .unwrap_or(0);
+        let limit = self.load_limit(healthy.iter().map(|&i| candidates[i].load), own);
         let admissible = |i: usize| (candidates[i].load as f64) < limit;
         let rank = |i: usize| (i + n - rot % n) % n;
         let best_admissible_score = healthy
@@ -123,7 +176,12 @@ impl SelectionPolicy for KvExact {
             } else {
                 0
             };
-            (!adm, Reverse(score), load, spread)
+            let cost = if rotate_no_match && adm {
+                0
+            } else {
+                self.cost(c)
+            };
+            (!adm, cost, Reverse(score), load, spread)
         };
         let mut order = healthy.clone();
         order.sort_by_key(|&i| (key(i), rank(i)));
@@ -148,7 +206,9 @@ impl SelectionPolicy for KvExact {
             .map(|c| self.score(c))
             .max()
             .unwrap_or(0);
-        let reason = if best_healthy > chosen {
+        let reason = if best_admissible_score > chosen {
+            Reason::Cost
+        } else if best_healthy > chosen {
             Reason::LoadGuard
         } else if best_unhealthy > chosen {
             Reason::Unhealthy

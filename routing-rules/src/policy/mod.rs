@@ -39,6 +39,12 @@ pub struct Candidate {
     /// request that matches nowhere: among equally loaded workers, the one holding least, so new
     /// conversations spread over the fleet instead of landing beside others' cached prefixes.
     pub cached_blocks: u64,
+    /// The request's prompt tokens (`kv_exact` least-cost placement; 0 for round robin).
+    pub prompt_tokens: u64,
+    /// Prompt tokens already queued on the worker, not computed yet (least-cost placement).
+    pub queued_prefill: u64,
+    /// Output tokens still to generate on the worker (least-cost placement).
+    pub queued_decode: u64,
 }
 
 /// Why the first choice was chosen; a metric label via [`Reason::as_str`].
@@ -52,6 +58,9 @@ pub enum Reason {
     BelowMinMatch,
     /// A worker with a longer match was over the load guard; the next-best was chosen.
     LoadGuard,
+    /// A worker with a longer match passed the guard but had more work queued than its match
+    /// saves (least-cost placement); a cheaper one was chosen.
+    Cost,
     /// A worker with a longer match is unhealthy; the best healthy one was chosen.
     Unhealthy,
     /// Plain round-robin choice.
@@ -62,11 +71,12 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-registering metric label values.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Hit,
         Reason::NoMatch,
         Reason::BelowMinMatch,
         Reason::LoadGuard,
+        Reason::Cost,
         Reason::Unhealthy,
         Reason::RoundRobin,
         Reason::NoHealthyWorker,
@@ -79,6 +89,7 @@ impl Reason {
             Reason::NoMatch => "no_match",
             Reason::BelowMinMatch => "below_min_match",
             Reason::LoadGuard => "load_guard",
+            Reason::Cost => "cost",
             Reason::Unhealthy => "unhealthy",
             Reason::RoundRobin => "round_robin",
             Reason::NoHealthyWorker => "no_healthy_worker",

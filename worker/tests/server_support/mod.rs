@@ -166,6 +166,8 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
 #[derive(Debug, Clone, Default)]
 pub struct SseEvent {
     pub id: Option<String>,
+    /// The `event:` field (`None`: the default `message`).
+    pub event: Option<String>,
     pub data: String,
 }
 
@@ -180,6 +182,29 @@ impl SseReader {
         SseReader {
             stream: resp.bytes_stream().boxed(),
             buf: String::new(),
+        }
+    }
+
+    /// The next KV cache event of a `/v1/kv/events` stream (its `event: load` messages
+    /// skipped).
+    pub async fn next_cache_event(&mut self) -> Option<SseEvent> {
+        loop {
+            let ev = self.next_event().await?;
+            if ev.event.as_deref() != Some("load") {
+                return Some(ev);
+            }
+        }
+    }
+
+    /// The next `event: load` message of a `/v1/kv/events` stream, parsed (cache events
+    /// skipped).
+    pub async fn next_load(&mut self) -> Option<serde_json::Value> {
+        loop {
+            let ev = self.next_event().await?;
+            if ev.event.as_deref() == Some("load") {
+                assert!(ev.id.is_none(), "load messages carry no id: {:?}", ev.id);
+                return Some(serde_json::from_str(&ev.data).expect("load JSON"));
+            }
         }
     }
 
@@ -200,6 +225,8 @@ impl SseReader {
                         has_data = true;
                     } else if let Some(i) = line.strip_prefix("id:") {
                         ev.id = Some(i.trim().to_string());
+                    } else if let Some(e) = line.strip_prefix("event:") {
+                        ev.event = Some(e.trim().to_string());
                     }
                 }
                 if has_data {
