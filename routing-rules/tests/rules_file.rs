@@ -61,6 +61,8 @@ fn base_is_valid_and_defaults_are_filled() {
     );
     assert_eq!(k.effective_load_slack(), 1024);
     assert_eq!(k.pending_ttl_ms, 2000);
+    assert_eq!(k.placement, routing_rules::schema::Placement::LeastCost);
+    assert_eq!((k.uncached_weight, k.decode_weight), (2.0, 0.25));
     assert_eq!(rules.workers[0].weight, 1);
     assert_eq!(rules.gateway.health_interval_ms, 1000);
 }
@@ -326,6 +328,18 @@ fn kv_exact_parameter_checks() {
     assert_problem(&p, "services.chat.rule.max_load_ratio", ">= 1.0");
     assert_problem(&p, "services.chat.rule.load_slack", "at least 1");
     assert_problem(&p, "services.chat.rule.min_match_tokens", "exceeds");
+    let w = problems(&BASE.replace(
+        "rule = { type = \"kv_exact\", profile = \"smol\" }",
+        "rule = { type = \"kv_exact\", profile = \"smol\", uncached_weight = -1.0, \
+         decode_weight = 1e9 }",
+    ));
+    assert_problem(&w, "services.chat.rule.uncached_weight", "0..=1000");
+    assert_problem(&w, "services.chat.rule.decode_weight", "0..=1000");
+    let bad = BASE.replace(
+        "rule = { type = \"kv_exact\", profile = \"smol\" }",
+        "rule = { type = \"kv_exact\", profile = \"smol\", placement = \"nearest\" }",
+    );
+    assert!(rules_from_toml(&bad).is_err());
     assert_problem(
         &p,
         "services.chat.rule.salt.header",
@@ -594,7 +608,7 @@ fn service_json_is_pinned() {
     let json = serde_json::to_string(chat).unwrap();
     assert_eq!(
         json,
-        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"active_tokens","pending_ttl_ms":2000},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000},"max_body_bytes":16777216,"token_budget":"reject"}"#
+        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"active_tokens","pending_ttl_ms":2000,"placement":"least_cost","uncached_weight":2.0,"decode_weight":0.25},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000},"max_body_bytes":16777216,"token_budget":"reject"}"#
     );
     assert_eq!(&service_from_json(&json).unwrap(), chat);
 }
