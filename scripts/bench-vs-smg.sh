@@ -116,7 +116,7 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
   pool=$(seq -s, 1 "$N" | sed 's/\([0-9]*\)/w\1/g')
   shift 3
   "$KVGATE" bench --target "http://127.0.0.1:$port" --label "$router-$policy" --seed "$seed" \
-    --pool "$pool" --out "$OUT/n$N-seed$seed" "$@" >"$dir/bench.log" 2>&1 || {
+    --pool "$pool" --out "$OUT/n$N-seed$seed/$router-$policy" "$@" >"$dir/bench.log" 2>&1 || {
       echo "bench-vs-smg: the bench through $router $policy failed (seed $seed):" >&2
       tail -20 "$dir/bench.log" >&2
       return 1
