@@ -122,6 +122,10 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
       return 1
     }
   grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | sed "s/^/seed $seed  /"
+  if [ "$router" = kvgate ]; then # its route decision and TTFT histograms, for the record
+    curl -fsS "http://127.0.0.1:$((port + 1))/metrics" \
+      >"$OUT/n$N-seed$seed/$router-$policy/gateway-metrics.txt" 2>/dev/null || true
+  fi
   stop_pids
 }
 
