@@ -244,8 +244,10 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
             return;
         };
         let url = match position {
-            Some((e, q)) => format!("{base_url}/v1/kv/events?since_epoch={e}&since_seq={q}"),
-            None => format!("{base_url}/v1/kv/events"),
+            Some((e, q)) => {
+                format!("{base_url}/v1/kv/events?since_epoch={e}&since_seq={q}&load=true")
+            }
+            None => format!("{base_url}/v1/kv/events?load=true"),
         };
         let runtime = data
             .views

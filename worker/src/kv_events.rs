@@ -32,6 +32,9 @@ pub struct EventsQuery {
     pub since_seq: Option<u64>,
     /// `EPOCH:SEQ`.
     pub since: Option<String>,
+    /// `true`: interleave `event: load` messages (the engine's queued work). Opt-in, so that a
+    /// subscriber written before they existed sees the stream it knows.
+    pub load: Option<bool>,
 }
 
 /// Parses `EPOCH:SEQ`.
@@ -110,7 +113,7 @@ pub async fn kv_events(
     st.metrics.request("kv_events", 200);
     let state = StreamState {
         sub: st.engine.kv_events().subscribe(since),
-        load: Some(st.engine.watch_load()),
+        load: (q.load == Some(true)).then(|| st.engine.watch_load()),
         load_pending: true,
         next_load_at: tokio::time::Instant::now(),
         heartbeat_at: tokio::time::Instant::now() + LOAD_HEARTBEAT,

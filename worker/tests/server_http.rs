@@ -814,6 +814,14 @@ async fn kv_events_stream_snapshots_and_resumes() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 400);
+    let resp = client()
+        .get(w.url("/v1/kv/events?load=maybe"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_value", "{body}");
     w.stop().await;
 }
 
@@ -830,7 +838,24 @@ async fn kv_events_stream_reports_the_engine_load() {
         ..SimOpts::default()
     })
     .await;
+    // Without `load=true` the stream carries cache events only.
     let resp = client().get(w.url("/v1/kv/events")).send().await.unwrap();
+    let mut plain = SseReader::new(resp);
+    let first = plain.next_event().await.unwrap();
+    assert_eq!(first.event, None, "{:?}", first.data);
+    // (longer than the 1 s heartbeat of load messages)
+    let quiet = tokio::time::timeout(Duration::from_millis(1500), plain.next_event()).await;
+    assert!(
+        quiet.is_err(),
+        "unexpected message: {:?}",
+        quiet.map(|e| e.map(|e| e.event))
+    );
+    drop(plain);
+    let resp = client()
+        .get(w.url("/v1/kv/events?load=true"))
+        .send()
+        .await
+        .unwrap();
     let mut sse = SseReader::new(resp);
     let idle = sse.next_load().await.unwrap();
     assert_eq!(
