@@ -212,6 +212,7 @@ mod tests {
             since_epoch: Some(3),
             since_seq: Some(9),
             since: None,
+            load: Some(true),
         };
         assert_eq!(resume_position(&q, &h).unwrap(), Some((3, 9)));
         let q = EventsQuery {
