@@ -460,6 +460,42 @@ fn worker_load_reports_steer_placement_away_from_work_the_gateway_did_not_route(
     fleet.stop();
 }
 
+/// A burst of new conversations sent at once splits evenly over two idle workers: each
+/// decision reserves its worker's load as it selects (under the service's placement lock), so
+/// the next decision — even one taken before the first request reached its worker — sees it.
+#[test]
+fn a_simultaneous_burst_of_new_conversations_splits_evenly() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.prefill_us_per_token = 3_000; // ~40-token prompts: ~120 ms of prefill each
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let url = fleet.url("/v1/chat/completions");
+    for round in 0..3 {
+        let workers: Vec<String> = fleet.rt.block_on(async {
+            let sends = (0..8).map(|i| {
+                // Distinct from the first block on (a system message of its own: the
+                // template's default one would be a prefix they all share).
+                let system = format!("{round}{i} is the number of this conversation.");
+                let body = chat(&[("system", &system), ("user", "hello there")], 2);
+                let (http, url) = (fleet.http.clone(), url.clone());
+                async move {
+                    let r = http.post(&url).json(&body).send().await.unwrap();
+                    assert_eq!(r.status(), 200);
+                    r.headers()["x-kvgate-worker"].to_str().unwrap().to_owned()
+                }
+            });
+            futures::future::join_all(sends).await
+        });
+        let on_w1 = workers.iter().filter(|w| w.as_str() == "w1").count();
+        assert_eq!(on_w1, 4, "round {round}: {workers:?}");
+    }
+    fleet.stop();
+}
+
 #[test]
 fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
     let mut fleet = Fleet::workers(FleetOptions {

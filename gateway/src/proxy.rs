@@ -282,8 +282,11 @@ impl ProxyHttp for Proxy {
             .route_decision
             .observe(decision_time.as_secs_f64());
         let decision = match decided {
-            Ok(d) => {
+            Ok((d, reserved)) => {
                 self.data.share_holding(&d);
+                // The first choice's load, counted from the decision on (the first attempt
+                // keeps it).
+                ctx.in_flight = reserved;
                 d
             }
             Err(err) => {

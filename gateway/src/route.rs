@@ -18,7 +18,7 @@ use routing_rules::schema::{LoadMetric, SaltInputs, SaltPolicy, TokenBudgetPolic
 
 use crate::error::GatewayError;
 use crate::protocol::{Endpoint, InferenceBody};
-use crate::view::{PrefixRoute, ServiceRoute, View};
+use crate::view::{InFlight, PrefixRoute, ServiceRoute, View};
 
 /// Why a request fell back from the plain choice, as a metric label. `None` for a hit or plain RR.
 pub fn fallback_label(reason: Reason) -> Option<&'static str> {
@@ -86,6 +86,18 @@ impl Decision {
     pub fn placed_tokens(&self, worker: &WorkerId) -> Option<u64> {
         let p = self.prompt.as_ref()?;
         Some((blocks_of(&p.placed, worker) * p.block_size) as u64)
+    }
+
+    /// The active tokens an attempt on `worker` counts there (prefix routing only): the
+    /// prompt's tokens it must still compute (its matched prefix as placement saw it excluded:
+    /// cached, or being computed there for another request) and the output asked for.
+    pub fn attempt_tokens(&self, worker: &WorkerId) -> Option<(u64, u64)> {
+        let p = self.prompt.as_ref()?;
+        let placed = self.placed_tokens(worker).unwrap_or(0);
+        Some((
+            (p.prompt_tokens as u64).saturating_sub(placed),
+            p.output_tokens as u64,
+        ))
     }
 }
 
@@ -206,17 +218,23 @@ fn load_of(runtime: &crate::view::WorkerRuntime, metric: LoadMetric, queued: (u6
     }
 }
 
-/// Decides where a request goes. Errors are client errors (400/503) to answer directly.
+/// Decides where a request goes, and with prefix routing reserves the first choice's load at
+/// once (the [`InFlight`] the first attempt keeps, [`crate::upstream::begin_attempt`]): reading
+/// the loads, selecting and reserving happen under the service's placement lock, so two
+/// concurrent decisions see each other's choice. Errors are client errors (400/503) to answer
+/// directly.
 pub fn decide(
     view: &View,
     index: &PrefixIndex,
     input: &RouteInput,
-) -> Result<Decision, GatewayError> {
+) -> Result<(Decision, Option<InFlight>), GatewayError> {
     let service = &input.service;
     let looked = match &service.prefix {
         Some(p) => Some((p, look_up(p, index, input)?)),
         None => None,
     };
+    // Round robin reads no load: no lock.
+    let _placing = looked.as_ref().map(|_| service.placement.lock());
     let mut extra = Vec::new();
     let mut candidates = Vec::with_capacity(service.pool.len());
     let mut predicted_blocks = Vec::with_capacity(service.pool.len());
@@ -304,11 +322,17 @@ pub fn decide(
         block_size: p.profile.block_size.get(),
         output_tokens: l.output_tokens,
     });
-    Ok(Decision {
+    let decision = Decision {
         pending,
         order: sel.order,
         reason: sel.reason,
         extra_fallbacks: extra,
         prompt,
-    })
+    };
+    let reserved = decision.order.first().and_then(|first| {
+        let (prefill, output) = decision.attempt_tokens(first)?;
+        let e = view.workers.get(first)?;
+        Some(InFlight::start(e.runtime.clone(), prefill, output))
+    });
+    Ok((decision, reserved))
 }

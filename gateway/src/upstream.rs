@@ -44,31 +44,25 @@ pub fn peer_for(
 /// the ticket for it (kept in the ctx for the decision log).
 pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
-    // Active tokens: the prompt's tokens the worker must still compute (its matched prefix as
-    // placement saw it excluded: cached, or being computed there for another request) and the
-    // output asked for. Without prefix routing the prompt is not tokenized: a quarter of the
-    // body's bytes stands for its tokens.
-    let (prefill, output) = ctx
-        .decision
-        .as_ref()
-        .and_then(|d| {
-            let p = d.prompt.as_ref()?;
-            let cached = d.placed_tokens(worker).unwrap_or(0);
-            Some((
-                (p.prompt_tokens as u64).saturating_sub(cached),
-                p.output_tokens as u64,
-            ))
-        })
-        .unwrap_or_else(|| {
-            let asked = crate::protocol::peek_output_tokens(&ctx.body);
-            let output = if asked == 0 {
-                crate::route::DEFAULT_OUTPUT_TOKENS as u64
-            } else {
-                asked
-            };
-            ((ctx.body.len() / 4) as u64, output)
-        });
-    ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
+    // The decision reserved the first choice's load (`route::decide`): an attempt there keeps
+    // it; any other attempt counts its own. Without prefix routing the prompt is not
+    // tokenized: a quarter of the body's bytes stands for its tokens.
+    if ctx.in_flight.as_ref().map(|f| f.worker()) != Some(worker) {
+        let (prefill, output) = ctx
+            .decision
+            .as_ref()
+            .and_then(|d| d.attempt_tokens(worker))
+            .unwrap_or_else(|| {
+                let asked = crate::protocol::peek_output_tokens(&ctx.body);
+                let output = if asked == 0 {
+                    crate::route::DEFAULT_OUTPUT_TOKENS as u64
+                } else {
+                    asked
+                };
+                ((ctx.body.len() / 4) as u64, output)
+            });
+        ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
+    }
     ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
     ctx.current = Some(worker.clone());
     // Write-ahead: the ticket is on disk before the worker can act on it, so a gateway killed

@@ -287,6 +287,11 @@ pub struct ServiceRoute {
     pub prefix: Option<PrefixRoute>,
     /// Metric handles, resolved on the first request ([`ServiceRoute::handles`]).
     handles: std::sync::OnceLock<crate::metrics::ServiceHandles>,
+    /// Held while a prefix-routing decision reads the workers' loads, selects and reserves the
+    /// first choice's load ([`crate::route::decide`]): two concurrent decisions never both see
+    /// a worker idle that one of them is about to fill. Microseconds per decision (the
+    /// tokenizing and index lookup happen before it).
+    pub(crate) placement: Mutex<()>,
 }
 
 impl ServiceRoute {
@@ -429,6 +434,7 @@ impl View {
                 mode,
                 prefix,
                 handles: std::sync::OnceLock::new(),
+                placement: Mutex::new(()),
             }));
         }
         let mut tenants = HashMap::new();
@@ -573,6 +579,11 @@ impl InFlight {
             prefill,
             output,
         }
+    }
+
+    /// The worker it counts on.
+    pub fn worker(&self) -> &WorkerId {
+        &self.runtime.id
     }
 
     /// The first response byte arrived: the prompt's prefill no longer counts. Idempotent.

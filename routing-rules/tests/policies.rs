@@ -207,13 +207,19 @@ fn kv_exact_hot_prefix_with_idle_others_stops_at_the_guard() {
 
 #[test]
 fn kv_exact_ties_rotate() {
-    let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
-    let cands: Vec<Candidate> = (0..3).map(|i| cand(i, true, 2, 4)).collect();
-    let mut firsts = std::collections::BTreeSet::new();
-    for _ in 0..3 {
-        firsts.insert(idx(&p.select(&cands).order[0]));
+    // Every pool size, odd and even: k·n consecutive ties give each worker exactly k firsts.
+    for n in 1..=8 {
+        let p = KvExact::new(&kv_rule(1.5, None, 0), 16);
+        let cands: Vec<Candidate> = (0..n).map(|i| cand(i, true, 2, 4)).collect();
+        let mut count = vec![0usize; n];
+        for _ in 0..2 * n {
+            count[idx(&p.select(&cands).order[0])] += 1;
+        }
+        assert!(
+            count.iter().all(|&c| c == 2),
+            "n = {n}: ties must rotate: {count:?}"
+        );
     }
-    assert_eq!(firsts.len(), 3, "ties must rotate: {firsts:?}");
 }
 
 #[test]
@@ -489,4 +495,33 @@ fn active_tokens_guard_allows_one_request_of_this_size_above_the_mean() {
     let mut cands = vec![costed(0, 2, 99, 1600)];
     cands.extend((1..16).map(|i| costed(i, 0, 0, 0)));
     assert_eq!(p.select(&cands).reason, Reason::LoadGuard);
+}
+
+/// Without a hit, holdings count in prompts of this request's size: workers within one prompt
+/// of each other tie and the rotation spreads over them; a worker holding a prompt more loses.
+#[test]
+fn unmatched_holdings_count_in_prompts_of_this_size() {
+    let p = KvExact::new(&kv_rule(1.5, Some(1), 16), 16);
+    // A 1,600-token prompt = 100 blocks; w0..w3 hold 40, 8, 0, 99 blocks (all < one prompt),
+    // w4 holds 150 (one prompt more).
+    let held = [40, 8, 0, 99, 150];
+    let c: Vec<Candidate> = held
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| Candidate {
+            cached_blocks: h,
+            ..costed(i, 0, 0, 0)
+        })
+        .collect();
+    let mut firsts = std::collections::BTreeSet::new();
+    for _ in 0..4 {
+        let s = p.select(&c);
+        assert_eq!(s.reason, Reason::NoMatch);
+        firsts.insert(idx(&s.order[0]));
+    }
+    assert_eq!(
+        firsts,
+        (0..4).collect(),
+        "rotation over the four tied workers"
+    );
 }

@@ -19,7 +19,9 @@
 //!   would still compute for this request, weighted, plus the work already queued there.
 //!   With `placement = "longest_match"` every cost is 0.
 //! - Order: admissible before inadmissible; then lower cost; then higher score; then lower
-//!   load; then rotation (a per-policy counter shifts which of equal candidates comes first, so
+//!   load; then, for a candidate without a hit, fewer held blocks counted in this request's
+//!   prompts (⌊cached_blocks / max(1, ⌊prompt_tokens / block_size⌋)⌋); then rotation (a
+//!   per-policy counter shifts which of equal candidates comes first, so
 //!   ties never always go to the same worker). When no admissible candidate has a hit and
 //!   `on_no_match` is `round_robin`, those zero-score admissible candidates are ordered by
 //!   rotation alone. The load guard stays a hard bound: cost only ranks admissible workers.
@@ -164,15 +166,21 @@ impl SelectionPolicy for KvExact {
             .unwrap_or(0);
         let rotate_no_match =
             best_admissible_score == 0 && self.on_no_match == NoMatchPolicy::RoundRobin;
+        // The request's prompt in blocks (at least 1; 0 prompt tokens: 1).
+        let prompt_blocks = (own / self.block_size).max(1);
 
         let key = |i: usize| {
             let c = &candidates[i];
             let adm = admissible(i);
             let load = if rotate_no_match && adm { 0 } else { c.load };
             let score = self.score(c);
-            // Without a match, prefer the worker holding least (then rotation).
+            // Without a match, prefer the worker holding least, counted in prompts of this
+            // request's size (then rotation): workers within one such prompt of each other
+            // tie, so the rotation spreads new requests over them — and gateway replicas,
+            // whose rotations start apart, do not all pick the same least-holding worker in
+            // the same instant.
             let spread = if score == 0 && !rotate_no_match {
-                c.cached_blocks
+                c.cached_blocks / prompt_blocks
             } else {
                 0
             };
@@ -190,6 +198,10 @@ impl SelectionPolicy for KvExact {
         let top = key(order[0]);
         let tied = order.iter().take_while(|&&i| key(i) == top).count();
         if tied > 1 {
+            // In pool order first: the sort's rank already shifted by `rot`, and shifting the
+            // group by `rot` again would step by 2 — only half of an even-sized group would
+            // ever come first.
+            order[..tied].sort_unstable();
             order[..tied].rotate_left(rot % tied);
         }
 
