@@ -96,7 +96,7 @@ fn route_decision_vs_tokenization() {
             floor.push(t.elapsed());
             assert!(ids.len() >= target);
             let t = Instant::now();
-            let d = decide(
+            let (d, _reserved) = decide(
                 &view,
                 &shared.index,
                 &RouteInput {
