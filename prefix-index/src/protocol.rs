@@ -78,14 +78,6 @@ pub struct WorkerLoad {
     pub decode_tokens: u64,
 }
 
-impl WorkerLoad {
-    /// Prefill plus decode tokens: the worker's own count of what the gateway calls active
-    /// tokens.
-    pub fn active_tokens(&self) -> u64 {
-        self.prefill_tokens.saturating_add(self.decode_tokens)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,7 +93,6 @@ mod tests {
         let json = r#"{"running":3,"waiting":1,"prefill_tokens":1480,"decode_tokens":250}"#;
         assert_eq!(serde_json::to_string(&l).unwrap(), json);
         assert_eq!(serde_json::from_str::<WorkerLoad>(json).unwrap(), l);
-        assert_eq!(l.active_tokens(), 1730);
         let partial: WorkerLoad =
             serde_json::from_str(r#"{"prefill_tokens":7,"future_field":[1]}"#).unwrap();
         assert_eq!(partial.prefill_tokens, 7);

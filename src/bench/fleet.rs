@@ -412,6 +412,42 @@ pub struct FleetRun<'a> {
     pub policies: &'a [String],
 }
 
+/// Runs `plans` through the fleet's gateways (requests spread over them in turn) with the
+/// run's concurrency and timeouts.
+async fn run_plans(
+    client: &reqwest::Client,
+    args: &FleetRun<'_>,
+    profile: &PromptProfile,
+    fleet: &Fleet,
+    label: &str,
+    kind: WorkloadKind,
+    plans: Vec<workload::SessionPlan>,
+) -> anyhow::Result<super::Wave> {
+    let targets: Vec<String> = fleet
+        .gateways
+        .iter()
+        .map(|g| format!("http://{}", g.listen_addr))
+        .collect();
+    if targets.is_empty() {
+        anyhow::bail!("no gateway started");
+    }
+    Ok(run_wave(
+        client,
+        WaveSpec {
+            label,
+            targets: &targets,
+            model: args.model,
+            kind,
+            plans,
+            concurrency: args.concurrency,
+            max_duration: Duration::from_secs(args.max_seconds),
+            request_timeout: Duration::from_secs(args.request_timeout),
+            context_limit: Some(u64::from(profile.context_limit())),
+        },
+    )
+    .await)
+}
+
 /// Runs every workload of `args` against `n` simulated workers under each policy.
 pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     // Absolute: the rules file (and, in cluster mode, its copy in Redis) names it, and relative
@@ -481,32 +517,13 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     if let (Some(kind), Some((_, rule, _))) = (args.workload.first(), runs.first()) {
         let tmp = tempfile::tempdir()?;
         let fleet = start_fleet(n, 1, None, tmp.path(), &model_path, &profile, rule).await?;
-        let targets: Vec<String> = fleet
-            .gateways
-            .iter()
-            .map(|g| format!("http://{}", g.listen_addr))
-            .collect();
         let mut plans = workload::plan(*kind, args.shape);
         plans.truncate(args.concurrency.max(1));
         for p in &mut plans {
             p.user_turns.truncate(1);
             p.think.truncate(1);
         }
-        run_wave(
-            &client,
-            WaveSpec {
-                label: "warm-up",
-                targets: &targets,
-                model: args.model,
-                kind: *kind,
-                plans,
-                concurrency: args.concurrency,
-                max_duration: Duration::from_secs(args.max_seconds),
-                request_timeout: Duration::from_secs(args.request_timeout),
-                context_limit: Some(u64::from(profile.context_limit())),
-            },
-        )
-        .await;
+        run_plans(&client, args, &profile, &fleet, "warm-up", *kind, plans).await?;
         fleet.stop().await;
     }
     for kind in args.workload {
@@ -522,29 +539,8 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             };
             let fleet =
                 start_fleet(n, *gws, cluster, tmp.path(), &model_path, &profile, rule).await?;
-            let targets: Vec<String> = fleet
-                .gateways
-                .iter()
-                .map(|g| format!("http://{}", g.listen_addr))
-                .collect();
-            if targets.is_empty() {
-                anyhow::bail!("no gateway started");
-            }
-            let wave = run_wave(
-                &client,
-                WaveSpec {
-                    label,
-                    targets: &targets,
-                    model: args.model,
-                    kind: *kind,
-                    plans: workload::plan(*kind, args.shape),
-                    concurrency: args.concurrency,
-                    max_duration: Duration::from_secs(args.max_seconds),
-                    request_timeout: Duration::from_secs(args.request_timeout),
-                    context_limit: Some(u64::from(profile.context_limit())),
-                },
-            )
-            .await;
+            let plans = workload::plan(*kind, args.shape);
+            let wave = run_plans(&client, args, &profile, &fleet, label, *kind, plans).await?;
             decisions.push(mean_decision_seconds(&client, &fleet).await);
             fleet.stop().await;
             let pool: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
