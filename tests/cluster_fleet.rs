@@ -354,6 +354,53 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
     assert_eq!(cl["mode"], "cluster");
     assert_eq!(cl["state"], "ok", "{cl}");
 
+    // The replicas stagger their rotations: each knows its own place among the three.
+    let mut places: Vec<u64> = (0..3)
+        .map(|g| {
+            let mut place = None;
+            c.wait_for("a place among 3 replicas", Duration::from_secs(5), || {
+                let cl = c
+                    .admin(g, reqwest::Method::GET, "/admin/cluster", None)
+                    .json();
+                let ok = cl["place"]["of"] == 3;
+                place = cl["place"]["index"].as_u64();
+                ok
+            });
+            place.unwrap()
+        })
+        .collect();
+    places.sort_unstable();
+    assert_eq!(places, [0, 1, 2]);
+
+    // A KV-exact decision on one replica is counted on its worker by the others at once (the
+    // load it reserved, published with its holding), not only at the next load-table sync.
+    let url = format!("http://{}/v1/chat/completions", c.gw(0).listen_addr);
+    let body = json!({"model": "smol", "messages": [{"role": "user",
+        "content": "a reservation the other replicas must see"}], "max_tokens": 300});
+    let sent = Instant::now();
+    let pending = c.rt.spawn(c.http.post(url).json(&body).send());
+    let mut seen = [None::<Duration>; 2];
+    while seen.iter().any(Option::is_none) && sent.elapsed() < Duration::from_secs(5) {
+        for (k, g) in [1usize, 2].into_iter().enumerate() {
+            let v = c.gw(g).data.views.load();
+            if seen[k].is_none()
+                && v.workers
+                    .values()
+                    .any(|e| e.runtime.remote_reserved_now().1 >= 300)
+            {
+                seen[k] = Some(sent.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let r = c.rt.block_on(pending).unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+    println!("a decision's reservation seen by the other replicas after {seen:?} (request sent to first seen)");
+    assert!(
+        seen.iter().all(Option::is_some),
+        "replicas 2 and 3 never counted replica 1's reservation: {seen:?}"
+    );
+
     // 50 rules changes, each through one replica's admin API, served by all three.
     let mut lat = Vec::new();
     for n in 0..50u64 {

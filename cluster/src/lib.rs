@@ -14,7 +14,7 @@
 //! | `P:gateways` | set of ids | gateway replicas | as `P:workers` |
 //! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
 //! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"` | one replica's load per worker | `PX` lease, rewritten by the replica |
-//! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's routing-time holding (prompt keys → chosen worker), for the others' placement | — (the receiver applies the TTL) |
+//! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
 //! reader never sees half of it. Costs: rules read/write O(document); listing registrations or
@@ -114,17 +114,25 @@ pub struct GatewayRecord {
     pub public_key_hex: String,
 }
 
-/// A routing-time holding one replica took (it routed a prompt with these block keys to
-/// `worker`), published so the other replicas place concurrent requests with the same new
-/// prefix on the same worker instead of computing it elsewhere.
+/// What one replica's KV-exact decision took on `worker`, published so the other replicas see
+/// it at once: the routing-time holding (the prompt's block keys, so concurrent requests with
+/// the same new prefix follow it; empty when none was taken) and the load it reserved there
+/// (so two replicas placing new prompts at the same moment do not both take the same idle
+/// worker). Unknown fields are ignored (a newer replica's message still applies).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SharedHolding {
     pub replica: String,
     pub worker: String,
-    /// The prompt's block keys, in chain order.
+    /// The prompt's block keys, in chain order (empty: no holding was taken).
     pub keys: Vec<u64>,
+    /// How long the holding counts (0: no holding).
     pub ttl_ms: u64,
+    /// The reserved load: prompt tokens the worker must still compute for this request, and
+    /// the output tokens it asked for (0 and 0 from a replica older than these fields).
+    #[serde(default)]
+    pub prefill_tokens: u64,
+    #[serde(default)]
+    pub decode_tokens: u64,
 }
 
 /// One replica's load on one worker.
@@ -643,5 +651,34 @@ mod tests {
             serde_json::to_string(&r).unwrap(),
             r#"{"id":"w1","url":"http://10.0.0.1:8101","key_id":"00","public_key_hex":"ab","profile_digest":"cd","labels":{"zone":"a"}}"#
         );
+    }
+
+    #[test]
+    fn shared_holdings_pin_their_json_and_read_older_and_newer_messages() {
+        let h = SharedHolding {
+            replica: "gw-1".into(),
+            worker: "w3".into(),
+            keys: vec![7, 9],
+            ttl_ms: 2000,
+            prefill_tokens: 1200,
+            decode_tokens: 8,
+        };
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(
+            json,
+            r#"{"replica":"gw-1","worker":"w3","keys":[7,9],"ttl_ms":2000,"prefill_tokens":1200,"decode_tokens":8}"#
+        );
+        assert_eq!(serde_json::from_str::<SharedHolding>(&json).unwrap(), h);
+        // A replica from before the reservation fields: a holding, no reserved load.
+        let old: SharedHolding =
+            serde_json::from_str(r#"{"replica":"gw-1","worker":"w3","keys":[7],"ttl_ms":5}"#)
+                .unwrap();
+        assert_eq!((old.prefill_tokens, old.decode_tokens), (0, 0));
+        // A newer replica's extra field does not make the message unreadable.
+        let newer: SharedHolding = serde_json::from_str(
+            r#"{"replica":"gw-1","worker":"w3","keys":[],"ttl_ms":0,"prefill_tokens":3,"decode_tokens":4,"later":true}"#,
+        )
+        .unwrap();
+        assert_eq!((newer.prefill_tokens, newer.decode_tokens), (3, 4));
     }
 }

@@ -139,6 +139,7 @@ impl Admin {
                     "last_error": *link.status.last_error.lock(),
                     "rules_version": version,
                     "replicas": *link.status.replicas.lock(),
+                    "place": {"index": self.control.stagger().index(), "of": self.control.stagger().of()},
                     "registered_workers": *link.status.registered.lock(),
                     "lease_ms": link.settings.lease.as_millis() as u64,
                 })
@@ -176,6 +177,7 @@ impl Admin {
                     ContractState::Unverified(why) => json!({"state": "unverified", "detail": why}),
                     ContractState::Mismatch(why) => json!({"state": "mismatch", "detail": why}),
                 };
+                let reserved = rt.remote_reserved_now();
                 json!({
                     "id": e.spec.id.0,
                     "url": e.spec.url,
@@ -183,6 +185,7 @@ impl Admin {
                     "healthy": e.healthy,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
                     "active_tokens": rt.active_tokens.load(Ordering::Relaxed),
+                    "remote_reserved": {"prefill_tokens": reserved.0, "decode_tokens": reserved.1},
                     "reported_load": rt.reported_load.lock().map(|(l, at)| json!({
                         "running": l.running,
                         "waiting": l.waiting,

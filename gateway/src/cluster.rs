@@ -189,9 +189,11 @@ async fn publish_holdings(
     }
 }
 
-/// Applies the other replicas' routing-time holdings to this replica's index (event-fed
-/// workers only, with the TTL the publisher used), so that concurrent requests with one new
-/// prefix follow the first wherever they arrive.
+/// Applies the other replicas' published decisions: their routing-time holdings to this
+/// replica's index (event-fed workers only, with the TTL the publisher used), so that
+/// concurrent requests with one new prefix follow the first wherever they arrive; and the load
+/// they reserved to the worker's count here (for [`crate::view::REMOTE_RESERVATION_TTL`]), so
+/// that two replicas placing new prompts close together do not both take one idle worker.
 async fn receive_holdings(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
     let mut backoff = Duration::from_millis(200);
     loop {
@@ -214,11 +216,18 @@ async fn receive_holdings(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
                 let Some(c) = control.upgrade() else { return };
                 let id = prefix_index::WorkerId(h.worker);
                 let view = c.data.views.load();
-                let event_fed = view
-                    .workers
-                    .get(&id)
-                    .is_some_and(|e| !e.runtime.approximate());
-                if event_fed && h.ttl_ms > 0 {
+                let Some(entry) = view.workers.get(&id) else {
+                    continue;
+                };
+                if h.prefill_tokens > 0 || h.decode_tokens > 0 {
+                    entry.runtime.reserve_remote(
+                        h.prefill_tokens,
+                        h.decode_tokens,
+                        std::time::Instant::now(),
+                    );
+                }
+                let event_fed = !entry.runtime.approximate();
+                if event_fed && h.ttl_ms > 0 && !h.keys.is_empty() {
                     let keys: Vec<prefix_index::BlockKey> =
                         h.keys.into_iter().map(prefix_index::BlockKey).collect();
                     let _ = c.data.index.insert_approximate_for(
@@ -270,13 +279,22 @@ async fn sync_once(
     store
         .announce_gateway(&link.record, link.settings.lease)
         .await?;
-    let replicas: Vec<String> = store
+    let mut replicas: Vec<String> = store
         .gateways()
         .await?
         .into_iter()
         .map(|g| g.gateway_id)
         .collect();
+    replicas.sort_unstable();
+    replicas.dedup();
+    // This replica's place among the live ones staggers its rotations (it announced itself
+    // above; if its record is not listed yet it counts itself in).
+    let stagger = match replicas.binary_search_by(|r| r.as_str().cmp(link.replica_id())) {
+        Ok(i) => routing_rules::Stagger::new(i, replicas.len()),
+        Err(i) => routing_rules::Stagger::new(i, replicas.len() + 1),
+    };
     *link.status.replicas.lock() = replicas;
+    control.set_stagger(stagger).await;
     let registered = store.workers().await?;
     *link.status.registered.lock() = registered.iter().map(|w| w.id.clone()).collect();
     control.set_registered(registered).await;

@@ -12,8 +12,7 @@ use futures::future::{join_all, BoxFuture};
 use parking_lot::Mutex;
 use prefix_index::WorkerId;
 use routing_rules::schema::{Rule, RulesFile, ServiceSpec};
-use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError};
-use sha2::Digest;
+use routing_rules::{ApplyOutcome, Problem, RuleSnapshot, RuleStore, RulesError, Stagger};
 
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
@@ -48,6 +47,9 @@ pub struct ControlPlane {
     /// Cluster mode: the workers registered in the shared store (merged into the rules'
     /// workers when views are built; a static worker of the same id wins).
     registered: Mutex<Vec<routing_rules::schema::WorkerSpec>>,
+    /// Cluster mode: this replica's place among the replicas (its policies' rotation offset);
+    /// [`Stagger::SOLO`] alone or before the first sync.
+    stagger: Mutex<Stagger>,
 }
 
 fn problems_text(problems: &[Problem]) -> String {
@@ -225,6 +227,7 @@ impl ControlPlane {
             apply_lock: tokio::sync::Mutex::new(()),
             cluster: Mutex::new(None),
             registered: Mutex::new(Vec::new()),
+            stagger: Mutex::new(Stagger::SOLO),
         }
     }
 
@@ -287,6 +290,27 @@ impl ControlPlane {
         let fetched = self.fetch_profiles(&rules, &ids).await;
         if let Err(e) = self.install_current(&fetched) {
             tracing::warn!(error = %e, "registered workers: view not rebuilt");
+        }
+    }
+
+    /// This replica's place among the replicas ([`Stagger::SOLO`] alone).
+    pub fn stagger(&self) -> Stagger {
+        *self.stagger.lock()
+    }
+
+    /// Cluster mode: this replica is `index` of `of` replicas (sorted ids); rebuilds the view
+    /// when that changed, so that its rotations sit apart from the others' ([`Stagger`]).
+    pub async fn set_stagger(&self, stagger: Stagger) {
+        let _g = self.apply_lock.lock().await;
+        if *self.stagger.lock() == stagger {
+            return;
+        }
+        *self.stagger.lock() = stagger;
+        let rules = self.effective(self.store.snapshot().rules());
+        let ids = kv_exact_workers(&rules);
+        let fetched = self.fetch_profiles(&rules, &ids).await;
+        if let Err(e) = self.install_current(&fetched) {
+            tracing::warn!(error = %e, "replica stagger: view not rebuilt");
         }
     }
 
@@ -479,23 +503,16 @@ impl ControlPlane {
         let base = self.store.snapshot();
         let snap = match self.cluster() {
             None if self.registered.lock().is_empty() => base,
-            // Cluster mode: the registered workers join, and this replica's rotations start at
-            // its own offset (a hash of its id), so replicas do not all pick the same worker
-            // first.
-            cluster => {
-                let start = cluster.map_or(0, |l| {
-                    let d = sha2::Sha256::digest(l.replica_id().as_bytes());
-                    usize::from(d[0]) << 8 | usize::from(d[1])
-                });
-                Arc::new(
-                    RuleSnapshot::build_starting_at(
-                        self.effective(base.rules()),
-                        base.version(),
-                        start,
-                    )
-                    .map_err(rules_error)?,
+            // Cluster mode: the registered workers join, and this replica's rotations sit at
+            // its own place among the replicas', so replicas do not all pick the same worker.
+            _ => Arc::new(
+                RuleSnapshot::build_staggered(
+                    self.effective(base.rules()),
+                    base.version(),
+                    *self.stagger.lock(),
                 )
-            }
+                .map_err(rules_error)?,
+            ),
         };
         let profiles = self
             .profiles

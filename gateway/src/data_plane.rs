@@ -92,18 +92,29 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// Cluster mode: offers the decision's routing-time holding to the other replicas.
+    /// Cluster mode: offers a KV-exact decision to the other replicas — the load it reserved
+    /// on its first choice and, when it took one, its routing-time holding there.
     pub fn share_holding(&self, d: &crate::route::Decision) {
-        let (Some(tx), Some((w, ttl)), Some(p)) =
-            (self.shared_holdings.load_full(), &d.pending, &d.prompt)
+        let (Some(tx), Some(p), Some(first)) =
+            (self.shared_holdings.load_full(), &d.prompt, d.order.first())
         else {
             return;
         };
+        let (prefill_tokens, decode_tokens) = d.attempt_tokens(first).unwrap_or((0, 0));
+        let (keys, ttl_ms) = match &d.pending {
+            Some((w, ttl)) if w == first => (
+                p.keys.iter().map(|k| k.0).collect(),
+                u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            ),
+            _ => (Vec::new(), 0),
+        };
         let _ = tx.try_send(cluster::SharedHolding {
             replica: self.gateway_id.clone(),
-            worker: w.0.clone(),
-            keys: p.keys.iter().map(|k| k.0).collect(),
-            ttl_ms: ttl.as_millis() as u64,
+            worker: first.0.clone(),
+            keys,
+            ttl_ms,
+            prefill_tokens,
+            decode_tokens,
         });
     }
 

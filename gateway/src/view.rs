@@ -10,7 +10,7 @@
 //! [`WorkerRuntime`], shared by reference between successive views: it is a live counter,
 //! not part of the decision's identity.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -138,6 +138,55 @@ pub enum ContractState {
 /// of a change and at least once a second; a stalled stream stops counting after this).
 pub const REPORTED_LOAD_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long another replica's reservation on a worker counts here (cluster mode, from its
+/// published decision): long enough for the request to reach the worker and for the worker's
+/// next `load` report (sent within 20 ms of a change) to show it; far shorter than the load
+/// tables' sync period (lease / 5, default 1 s), so a request is seldom counted both ways.
+pub const REMOTE_RESERVATION_TTL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// At most this many of the other replicas' reservations are kept per worker (the oldest go
+/// first): bounded memory whatever the publishers send.
+const REMOTE_RESERVATIONS_MAX: usize = 4096;
+
+/// The other replicas' recent reservations on one worker, oldest first, with their sums.
+#[derive(Debug, Default)]
+pub struct RemoteReservations {
+    queue: VecDeque<(Instant, u64, u64)>,
+    prefill: u64,
+    decode: u64,
+}
+
+impl RemoteReservations {
+    fn push(&mut self, until: Instant, prefill: u64, decode: u64) {
+        if self.queue.len() >= REMOTE_RESERVATIONS_MAX {
+            self.pop();
+        }
+        self.queue.push_back((until, prefill, decode));
+        self.prefill = self.prefill.saturating_add(prefill);
+        self.decode = self.decode.saturating_add(decode);
+    }
+
+    fn pop(&mut self) {
+        if let Some((_, p, d)) = self.queue.pop_front() {
+            self.prefill -= p;
+            self.decode -= d;
+        }
+    }
+
+    /// The unexpired reservations' (prefill, decode) tokens at `now`; drops the expired ones.
+    /// Every entry has the same TTL, so they expire in arrival order.
+    fn current(&mut self, now: Instant) -> (u64, u64) {
+        while self
+            .queue
+            .front()
+            .is_some_and(|(until, _, _)| *until <= now)
+        {
+            self.pop();
+        }
+        (self.prefill, self.decode)
+    }
+}
+
 /// Live, per-worker state that survives rule reloads.
 #[derive(Debug)]
 pub struct WorkerRuntime {
@@ -155,6 +204,9 @@ pub struct WorkerRuntime {
     /// (their leased load tables, read every sync tick); 0 otherwise.
     pub remote_in_flight: AtomicU64,
     pub remote_active_tokens: AtomicU64,
+    /// Cluster mode: the other replicas' reservations here from their published decisions,
+    /// each counted for [`REMOTE_RESERVATION_TTL`] (until the worker's report shows it).
+    pub remote_reserved: Mutex<RemoteReservations>,
     /// The worker's own report of its queued work (its event stream's latest `load` message)
     /// and when it arrived; cleared when the stream ends.
     pub reported_load: Mutex<Option<(prefix_index::WorkerLoad, Instant)>>,
@@ -185,6 +237,7 @@ impl WorkerRuntime {
             prefill_tokens: AtomicU64::new(0),
             remote_in_flight: AtomicU64::new(0),
             remote_active_tokens: AtomicU64::new(0),
+            remote_reserved: Mutex::new(RemoteReservations::default()),
             reported_load: Mutex::new(None),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
@@ -209,6 +262,19 @@ impl WorkerRuntime {
         *self.reported_load.lock() = Some((load, at));
     }
 
+    /// Counts another replica's reservation (its published decision) here from `now` for
+    /// [`REMOTE_RESERVATION_TTL`].
+    pub fn reserve_remote(&self, prefill: u64, decode: u64, now: Instant) {
+        self.remote_reserved
+            .lock()
+            .push(now + REMOTE_RESERVATION_TTL, prefill, decode);
+    }
+
+    /// The other replicas' reservations counted here now: (prefill, decode) tokens.
+    pub fn remote_reserved_now(&self) -> (u64, u64) {
+        self.remote_reserved.lock().current(Instant::now())
+    }
+
     /// The worker's load report when it is at most [`REPORTED_LOAD_MAX_AGE`] old at `now`.
     pub fn fresh_reported_load(&self, now: Instant) -> Option<prefix_index::WorkerLoad> {
         let g = self.reported_load.lock();
@@ -217,15 +283,21 @@ impl WorkerRuntime {
     }
 
     /// The queued work placement and the load guard see on this worker: (prefill tokens,
-    /// decode tokens). Each is the larger of this gateway's own count (plus, in cluster mode,
-    /// the other replicas' leased counts) and the worker's fresh report: the gateway's count
-    /// knows a request the moment it is routed, the worker's report knows work from every
-    /// source (other gateways, direct clients) and what its cache really saved.
+    /// decode tokens). Each is the larger of the gateways' count and the worker's fresh
+    /// report. The gateways' count is this gateway's own requests plus, in cluster mode, the
+    /// other replicas' leased tables (decode term) and their reservations of the last
+    /// [`REMOTE_RESERVATION_TTL`]: it knows a request the moment it is routed; the worker's
+    /// report knows work from every source (other gateways, direct clients) and what its cache
+    /// really saved.
     pub fn queued_tokens(&self, now: Instant) -> (u64, u64) {
         let prefill = self.prefill_tokens.load(Ordering::Relaxed);
         let active = self.active_tokens.load(Ordering::Relaxed)
             + self.remote_active_tokens.load(Ordering::Relaxed);
-        let local = (prefill.min(active), active.saturating_sub(prefill));
+        let (rp, rd) = self.remote_reserved.lock().current(now);
+        let local = (
+            prefill.min(active).saturating_add(rp),
+            active.saturating_sub(prefill).saturating_add(rd),
+        );
         match self.fresh_reported_load(now) {
             Some(r) => (local.0.max(r.prefill_tokens), local.1.max(r.decode_tokens)),
             None => local,
@@ -637,5 +709,51 @@ mod tests {
         assert_eq!(u.addr, "[::1]:9".parse().unwrap());
         assert!(Upstream::parse("ftp://x:1").is_err());
         assert!(Upstream::parse("http://").is_err());
+    }
+
+    #[test]
+    fn remote_reservations_count_until_they_expire_and_meet_the_report_by_max() {
+        let r = Arc::new(WorkerRuntime::new(WorkerId("w1".into())));
+        let t0 = Instant::now();
+        let ttl = REMOTE_RESERVATION_TTL;
+        // This replica's own request adds to the others' reservations.
+        let own = InFlight::start(r.clone(), 100, 10);
+        r.reserve_remote(1000, 8, t0);
+        assert_eq!(r.queued_tokens(t0), (1100, 18));
+        drop(own);
+        assert_eq!(r.queued_tokens(t0), (1000, 8));
+        r.reserve_remote(500, 16, t0 + ttl / 2);
+        assert_eq!(r.queued_tokens(t0), (1500, 24));
+        // The first expires, the second still counts.
+        assert_eq!(r.queued_tokens(t0 + ttl), (500, 16));
+        assert_eq!(r.queued_tokens(t0 + ttl + ttl / 2), (0, 0));
+        // With a fresh report the larger of the two counts, per term.
+        let now = Instant::now();
+        r.reserve_remote(1000, 8, now);
+        r.report_load(
+            prefix_index::WorkerLoad {
+                running: 1,
+                waiting: 0,
+                prefill_tokens: 600,
+                decode_tokens: 100,
+            },
+            now,
+        );
+        assert_eq!(r.queued_tokens(now), (1000, 100));
+        // Memory stays bounded whatever the publishers send.
+        for _ in 0..(REMOTE_RESERVATIONS_MAX + 10) {
+            r.reserve_remote(1, 1, now);
+        }
+        assert_eq!(
+            r.remote_reserved.lock().queue.len(),
+            REMOTE_RESERVATIONS_MAX
+        );
+        assert_eq!(
+            r.remote_reserved.lock().current(now),
+            (
+                REMOTE_RESERVATIONS_MAX as u64,
+                REMOTE_RESERVATIONS_MAX as u64
+            )
+        );
     }
 }

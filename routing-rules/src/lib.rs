@@ -22,7 +22,7 @@ pub mod validate;
 
 pub use error::{Problem, RulesError};
 pub use parse::{load_toml, rules_from_json, rules_from_toml, rules_to_toml, service_from_json};
-pub use policy::{Candidate, KvExact, Reason, RoundRobin, Selection, SelectionPolicy};
+pub use policy::{Candidate, KvExact, Reason, RoundRobin, Selection, SelectionPolicy, Stagger};
 pub use schema::*;
 pub use snapshot::{ContentHash, RequestInfo, RuleSnapshot, RuleVersion, ServiceEntry};
 pub use store::{ApplyOutcome, PreApplyCheck, RuleStore};

@@ -136,15 +136,15 @@ pub struct RuleSnapshot {
 impl RuleSnapshot {
     /// Validate `rules` and resolve them into a snapshot carrying `version`.
     pub fn build(rules: RulesFile, version: RuleVersion) -> Result<Self, RulesError> {
-        Self::build_starting_at(rules, version, 0)
+        Self::build_staggered(rules, version, policy::Stagger::SOLO)
     }
 
-    /// [`Self::build`] with every policy's rotation starting at `start`
-    /// ([`crate::policy::build_starting_at`]).
-    pub fn build_starting_at(
+    /// [`Self::build`] with every policy's rotations staggered for one replica of a cluster
+    /// ([`crate::policy::build_staggered`]).
+    pub fn build_staggered(
         rules: RulesFile,
         version: RuleVersion,
-        start: usize,
+        stagger: policy::Stagger,
     ) -> Result<Self, RulesError> {
         let problems = validate(&rules);
         if !problems.is_empty() {
@@ -204,10 +204,10 @@ impl RuleSnapshot {
                 ),
             };
             services.push(ServiceEntry {
-                policy: policy::build_starting_at(
+                policy: policy::build_staggered(
                     &spec.rule,
                     profile.as_ref().map_or(1, |p| p.block_size),
-                    start,
+                    stagger,
                 ),
                 spec: spec.clone(),
                 workers: members,

@@ -8,6 +8,7 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use routing_rules::{
     Candidate, KvExact, KvExactRule, NoMatchPolicy, Placement, Reason, RoundRobin, SelectionPolicy,
+    Stagger,
 };
 
 fn cand(i: usize, healthy: bool, load: u64, matched: usize) -> Candidate {
@@ -203,6 +204,50 @@ fn kv_exact_hot_prefix_with_idle_others_stops_at_the_guard() {
     }
     assert_eq!(loads[0], 2);
     assert_eq!(reasons, [Reason::Hit, Reason::Hit, Reason::LoadGuard]);
+}
+
+#[test]
+fn staggered_replicas_pick_disjoint_workers_of_an_idle_pool() {
+    // G replicas deciding in lockstep over one idle pool of n: each replica's first n / G
+    // picks are its own, so no worker is chosen twice before every worker was chosen once —
+    // for kv_exact's ties and for plain round robin.
+    for (n, g) in [(64usize, 8usize), (64, 3), (16, 3), (8, 8), (5, 2)] {
+        let kv: Vec<KvExact> = (0..g)
+            .map(|k| KvExact::new(&kv_rule(1.5, None, 0), 16).staggered(Stagger::new(k, g)))
+            .collect();
+        let rr: Vec<RoundRobin> = (0..g)
+            .map(|k| RoundRobin::new(false).staggered(Stagger::new(k, g)))
+            .collect();
+        let cands: Vec<Candidate> = (0..n).map(|i| cand(i, true, 0, 0)).collect();
+        for (name, picks) in [
+            (
+                "kv_exact",
+                (0..n / g)
+                    .flat_map(|_| kv.iter().map(|p| idx(&p.select(&cands).order[0])))
+                    .collect::<Vec<_>>(),
+            ),
+            (
+                "round_robin",
+                (0..n / g)
+                    .flat_map(|_| rr.iter().map(|p| idx(&p.select(&cands).order[0])))
+                    .collect::<Vec<_>>(),
+            ),
+        ] {
+            let mut seen = vec![false; n];
+            for &w in &picks {
+                assert!(
+                    !seen[w],
+                    "{name}, n = {n}, G = {g}: w{w} chosen twice in {picks:?}"
+                );
+                seen[w] = true;
+            }
+        }
+    }
+    // One gateway is unchanged: offset 0.
+    assert_eq!(Stagger::SOLO.offset(64), 0);
+    assert_eq!(Stagger::new(3, 8).offset(64), 24);
+    assert_eq!(Stagger::new(9, 8), Stagger::new(1, 8));
+    assert_eq!(Stagger::new(0, 0), Stagger::SOLO);
 }
 
 #[test]

@@ -36,7 +36,7 @@
 use std::cmp::Reverse;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{Candidate, Reason, Selection, SelectionPolicy};
+use super::{Candidate, Reason, Selection, SelectionPolicy, Stagger};
 use crate::schema::{KvExactRule, LoadMetric, NoMatchPolicy, Placement};
 
 /// A weight that is finite and non-negative, else `default` (validation refuses the others).
@@ -61,6 +61,8 @@ pub struct KvExact {
     /// `None`: longest-match placement (no cost term).
     cost_weights: Option<(f64, f64)>,
     rotation: AtomicUsize,
+    /// This replica's offset among its peers' (cluster mode; [`Stagger::SOLO`] alone).
+    stagger: Stagger,
 }
 
 impl KvExact {
@@ -87,6 +89,7 @@ impl KvExact {
                 Placement::LongestMatch => None,
             },
             rotation: AtomicUsize::new(0),
+            stagger: Stagger::SOLO,
         }
     }
 
@@ -130,10 +133,11 @@ impl KvExact {
 }
 
 impl KvExact {
-    /// Starts the tie-break rotation at `start` (gateway replicas start apart, so that their
-    /// first ties do not all go to the same worker).
-    pub fn starting_at(self, start: usize) -> Self {
-        self.rotation.store(start, Ordering::Relaxed);
+    /// Offsets the tie-break rotation for one replica of a cluster ([`super::Stagger`]: the
+    /// replicas' picks within one tied group stay apart, so their first ties do not all go to
+    /// the same worker).
+    pub fn staggered(mut self, stagger: Stagger) -> Self {
+        self.stagger = stagger;
         self
     }
 }
@@ -157,7 +161,7 @@ impl SelectionPolicy for KvExact {
             .unwrap_or(0);
         let limit = self.load_limit(healthy.iter().map(|&i| candidates[i].load), own);
         let admissible = |i: usize| (candidates[i].load as f64) < limit;
-        let rank = |i: usize| (i + n - rot % n) % n;
+        let rank = |i: usize| (i + n - (rot % n + self.stagger.offset(n)) % n) % n;
         let best_admissible_score = healthy
             .iter()
             .filter(|&&i| admissible(i))
@@ -202,7 +206,7 @@ impl SelectionPolicy for KvExact {
             // group by `rot` again would step by 2 — only half of an even-sized group would
             // ever come first.
             order[..tied].sort_unstable();
-            order[..tied].rotate_left(rot % tied);
+            order[..tied].rotate_left((rot % tied + self.stagger.offset(tied)) % tied);
         }
 
         let first = &candidates[order[0]];

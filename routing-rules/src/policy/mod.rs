@@ -139,15 +139,56 @@ pub trait SelectionPolicy: Send + Sync + fmt::Debug {
 /// Build the policy of a rule. `block_size` is the tokens per block of the rule's profile
 /// (used by `kv_exact` to turn `min_match_tokens` into blocks; ignored by round robin).
 pub fn build(rule: &Rule, block_size: u32) -> Box<dyn SelectionPolicy> {
-    build_starting_at(rule, block_size, 0)
+    build_staggered(rule, block_size, Stagger::SOLO)
 }
 
-/// [`build`] with the rotation (round robin's next worker, kv_exact's tie-break) starting at
-/// `start`: gateway replicas in cluster mode each start at their own offset, so that their
-/// first decisions over an idle pool spread instead of all choosing its first worker.
-pub fn build_starting_at(rule: &Rule, block_size: u32, start: usize) -> Box<dyn SelectionPolicy> {
+/// Where one gateway replica's rotations sit among its peers' (cluster mode): replica `index`
+/// of `of`, by the sorted replica ids. Every rotation over a group of n workers — round robin's
+/// next worker, kv_exact's pick within a group tied for first place — is offset by
+/// ⌊index · n / of⌋, so replicas that have made the same number of decisions stay n / of apart:
+/// their picks over one idle pool at the same instant are disjoint for n / of decisions each.
+/// A single gateway is [`Stagger::SOLO`] (offset 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stagger {
+    index: usize,
+    of: usize,
+}
+
+impl Stagger {
+    /// One gateway alone.
+    pub const SOLO: Stagger = Stagger { index: 0, of: 1 };
+
+    /// Replica `index` of `of` (`of` 0 is treated as 1, `index` is taken modulo `of`).
+    pub fn new(index: usize, of: usize) -> Stagger {
+        let of = of.max(1);
+        Stagger {
+            index: index % of,
+            of,
+        }
+    }
+
+    /// This replica's place (0-based).
+    pub fn index(self) -> usize {
+        self.index
+    }
+
+    /// How many replicas.
+    pub fn of(self) -> usize {
+        self.of
+    }
+
+    /// The offset of this replica's rotation over a group of `n`: ⌊index · n / of⌋ (< n).
+    pub fn offset(self, n: usize) -> usize {
+        (self.index as u128 * n as u128 / self.of as u128) as usize
+    }
+}
+
+/// [`build`] with the rotations (round robin's next worker, kv_exact's tie-break) staggered
+/// for replica `stagger` of a cluster, so that the replicas' first decisions over an idle pool
+/// spread instead of all choosing its first worker.
+pub fn build_staggered(rule: &Rule, block_size: u32, stagger: Stagger) -> Box<dyn SelectionPolicy> {
     match rule {
-        Rule::RoundRobin(r) => Box::new(RoundRobin::new(r.weighted).starting_at(start)),
-        Rule::KvExact(k) => Box::new(KvExact::new(k, block_size).starting_at(start)),
+        Rule::RoundRobin(r) => Box::new(RoundRobin::new(r.weighted).staggered(stagger)),
+        Rule::KvExact(k) => Box::new(KvExact::new(k, block_size).staggered(stagger)),
     }
 }

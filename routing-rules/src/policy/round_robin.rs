@@ -17,12 +17,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::Mutex;
 use prefix_index::WorkerId;
 
-use super::{Candidate, Reason, Selection, SelectionPolicy};
+use super::{Candidate, Reason, Selection, SelectionPolicy, Stagger};
 
 /// Round-robin policy; see the module docs.
 #[derive(Debug)]
 pub struct RoundRobin {
     next: AtomicUsize,
+    /// This replica's offset among its peers' (cluster mode; [`Stagger::SOLO`] alone).
+    stagger: Stagger,
     /// Current scores of smooth weighted round robin; `None` when unweighted.
     weighted: Option<Mutex<HashMap<WorkerId, i64>>>,
 }
@@ -32,13 +34,15 @@ impl RoundRobin {
     pub fn new(weighted: bool) -> Self {
         Self {
             next: AtomicUsize::new(0),
+            stagger: Stagger::SOLO,
             weighted: weighted.then(|| Mutex::new(HashMap::new())),
         }
     }
 
-    /// Starts the rotation at `start` (unweighted; see [`super::build_starting_at`]).
-    pub fn starting_at(self, start: usize) -> Self {
-        self.next.store(start, Ordering::Relaxed);
+    /// Offsets the rotation for one replica of a cluster (unweighted; see
+    /// [`super::Stagger`]).
+    pub fn staggered(mut self, stagger: Stagger) -> Self {
+        self.stagger = stagger;
         self
     }
 }
@@ -54,7 +58,10 @@ impl SelectionPolicy for RoundRobin {
             return Selection::none_healthy();
         }
         let start = match &self.weighted {
-            None => self.next.fetch_add(1, Ordering::Relaxed) % healthy.len(),
+            None => {
+                let n = healthy.len();
+                (self.next.fetch_add(1, Ordering::Relaxed) % n + self.stagger.offset(n)) % n
+            }
             Some(state) => {
                 let mut scores = state.lock();
                 // Forget workers that left the pool so the map stays bounded.
