@@ -285,11 +285,17 @@ impl ControlPlane {
             return;
         }
         *self.registered.lock() = specs;
+        self.rebuild_view("registered workers").await;
+    }
+
+    /// Rebuilds the view of the rules in force (after a change to what [`Self::effective`]
+    /// or [`Self::install_current`] reads); the caller holds `apply_lock`.
+    async fn rebuild_view(&self, why: &str) {
         let rules = self.effective(self.store.snapshot().rules());
         let ids = kv_exact_workers(&rules);
         let fetched = self.fetch_profiles(&rules, &ids).await;
         if let Err(e) = self.install_current(&fetched) {
-            tracing::warn!(error = %e, "registered workers: view not rebuilt");
+            tracing::warn!(error = %e, "{why}: view not rebuilt");
         }
     }
 
@@ -306,12 +312,7 @@ impl ControlPlane {
             return;
         }
         *self.stagger.lock() = stagger;
-        let rules = self.effective(self.store.snapshot().rules());
-        let ids = kv_exact_workers(&rules);
-        let fetched = self.fetch_profiles(&rules, &ids).await;
-        if let Err(e) = self.install_current(&fetched) {
-            tracing::warn!(error = %e, "replica stagger: view not rebuilt");
-        }
+        self.rebuild_view("replica stagger").await;
     }
 
     /// Cluster mode: installs the shared store's rules document when its version differs from
