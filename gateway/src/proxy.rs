@@ -257,30 +257,38 @@ impl ProxyHttp for Proxy {
             tenant_header,
             tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
         };
-        let decided = if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {
-            // CPU in proportion to the prompt: on the bounded routing pool.
-            let (view, data) = (view.clone(), self.data.clone());
-            match pool
-                .run(move || route::decide(&view, &data.index, &input))
-                .await
-            {
-                Ok(d) => d,
-                Err(PoolError::Full) => Err(GatewayError::Overloaded {
-                    what: "the routing pool's queue is full",
-                }),
-                Err(PoolError::Lost) => Err(GatewayError::Internal {
-                    reason: "the routing job did not complete".into(),
-                }),
-            }
-        } else {
-            route::decide(&view, &self.data.index, &input)
-        };
+        let (decided, decision_cpu) =
+            if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {
+                // CPU in proportion to the prompt: on the bounded routing pool.
+                let (view, data) = (view.clone(), self.data.clone());
+                match pool
+                    .run(move || route::decide_timed(&view, &data.index, &input))
+                    .await
+                {
+                    Ok(d) => d,
+                    Err(PoolError::Full) => (
+                        Err(GatewayError::Overloaded {
+                            what: "the routing pool's queue is full",
+                        }),
+                        None,
+                    ),
+                    Err(PoolError::Lost) => (
+                        Err(GatewayError::Internal {
+                            reason: "the routing job did not complete".into(),
+                        }),
+                        None,
+                    ),
+                }
+            } else {
+                route::decide_timed(&view, &self.data.index, &input)
+            };
         let decision_time = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
         ctx.decision_done = Some(Instant::now());
-        service
-            .handles(&self.data.metrics)
-            .route_decision
-            .observe(decision_time.as_secs_f64());
+        let handles = service.handles(&self.data.metrics);
+        handles.route_decision.observe(decision_time.as_secs_f64());
+        if let Some(cpu) = decision_cpu {
+            handles.route_decision_cpu.observe(cpu.as_secs_f64());
+        }
         let decision = match decided {
             Ok((d, reserved)) => {
                 self.data.share_holding(&d);

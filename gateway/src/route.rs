@@ -218,6 +218,23 @@ fn load_of(runtime: &crate::view::WorkerRuntime, metric: LoadMetric, queued: (u6
     }
 }
 
+/// [`decide`] with the CPU time its thread spent on it (`None` where the thread clock is not
+/// available): the cost of the decision itself, without the wait for a CPU or a pool thread.
+#[allow(clippy::type_complexity)]
+pub fn decide_timed(
+    view: &View,
+    index: &PrefixIndex,
+    input: &RouteInput,
+) -> (
+    Result<(Decision, Option<InFlight>), GatewayError>,
+    Option<std::time::Duration>,
+) {
+    let before = crate::metrics::thread_cpu_time();
+    let decided = decide(view, index, input);
+    let cpu = before.zip(crate::metrics::thread_cpu_time());
+    (decided, cpu.map(|(b, a)| a.saturating_sub(b)))
+}
+
 /// Decides where a request goes, and with prefix routing reserves the first choice's load at
 /// once (the [`InFlight`] the first attempt keeps, [`crate::upstream::begin_attempt`]): reading
 /// the loads, selecting and reserving happen under the service's placement lock, so two

@@ -251,6 +251,92 @@ fn staggered_replicas_pick_disjoint_workers_of_an_idle_pool() {
 }
 
 #[test]
+fn staggered_replicas_stay_disjoint_when_they_see_each_other_late() {
+    // G replicas take first turns (no match anywhere) in turn over one idle pool of n; each
+    // sees its own picks at once and the others' only `lag` decisions later, as a published
+    // reservation arrives after the decision. The tie groups their views hold then differ, and
+    // still no worker gets two first turns among the first n − lag: each replica's cursor
+    // walks its own part of the pool, and reaches another's part only after that part's picks
+    // are visible. (The last `lag` may collide: the only workers left may be ones another
+    // replica has just taken without this one seeing it yet.) With `hits`, every first turn
+    // is followed by a later turn of an earlier conversation, a hit on its worker, which must
+    // not move the cursor.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for hits in [false, true] {
+        for (n, g, lag) in [
+            (64usize, 3usize, 4usize),
+            (64, 8, 8),
+            (16, 3, 2),
+            (48, 4, 6),
+        ] {
+            let kv: Vec<KvExact> = (0..g)
+                .map(|k| KvExact::new(&kv_rule(1.5, None, 0), 16).staggered(Stagger::new(k, g)))
+                .collect();
+            let prompt = 685u64;
+            // (replica, worker, first turn) of every decision so far.
+            let mut picks: Vec<(usize, usize, bool)> = Vec::new();
+            let mut firsts = 0;
+            while firsts < n {
+                let t = picks.len();
+                let me = t % g;
+                let follow_up = hits && t % 2 == 1;
+                let mut load = vec![0u64; n];
+                // A conversation counts once on its worker (its turns follow one another).
+                for (at, p) in picks.iter().enumerate() {
+                    if p.2 && (p.0 == me || at + lag <= t) {
+                        load[p.1] += 1;
+                    }
+                }
+                let held = if follow_up {
+                    let earlier: Vec<usize> = picks.iter().filter(|p| p.2).map(|p| p.1).collect();
+                    Some(earlier[rng.gen_range(0..earlier.len())])
+                } else {
+                    None
+                };
+                let cands: Vec<Candidate> = (0..n)
+                    .map(|i| Candidate {
+                        prompt_tokens: prompt,
+                        queued_prefill: prompt * load[i],
+                        ..cand(i, true, load[i], if held == Some(i) { 40 } else { 0 })
+                    })
+                    .collect();
+                let w = idx(&kv[me].select(&cands).order[0]);
+                if let Some(h) = held {
+                    assert_eq!(w, h, "a follow-up goes to its conversation's worker");
+                } else {
+                    firsts += 1;
+                }
+                picks.push((me, w, held.is_none()));
+            }
+            let first: Vec<usize> = picks.iter().filter(|p| p.2).map(|p| p.1).collect();
+            let mut seen = vec![false; n];
+            for &w in &first[..n - lag] {
+                assert!(
+                    !seen[w],
+                    "n = {n}, G = {g}, lag = {lag}, hits = {hits}: w{w} twice in {picks:?}"
+                );
+                seen[w] = true;
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_exact_ties_rotate_in_a_sparse_group() {
+    // A tied group spread over the pool (every third worker idle, the rest loaded) is served
+    // in turn: 2·k consecutive decisions give each member exactly 2.
+    let p = KvExact::new(&kv_rule(100.0, Some(100), 0), 16);
+    let cands: Vec<Candidate> = (0..9)
+        .map(|i| cand(i, true, if i % 3 == 1 { 0 } else { 5 }, 0))
+        .collect();
+    let mut count = vec![0usize; 9];
+    for _ in 0..6 {
+        count[idx(&p.select(&cands).order[0])] += 1;
+    }
+    assert_eq!(count, [0, 2, 0, 0, 2, 0, 0, 2, 0]);
+}
+
+#[test]
 fn kv_exact_ties_rotate() {
     // Every pool size, odd and even: k·n consecutive ties give each worker exactly k firsts.
     for n in 1..=8 {

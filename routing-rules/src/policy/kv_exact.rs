@@ -20,9 +20,12 @@
 //!   With `placement = "longest_match"` every cost is 0.
 //! - Order: admissible before inadmissible; then lower cost; then higher score; then lower
 //!   load; then, for a candidate without a hit, fewer held blocks counted in this request's
-//!   prompts (⌊cached_blocks / max(1, ⌊prompt_tokens / block_size⌋)⌋); then rotation (a
-//!   per-policy counter shifts which of equal candidates comes first, so
-//!   ties never always go to the same worker). When no admissible candidate has a hit and
+//!   prompts (⌊cached_blocks / max(1, ⌊prompt_tokens / block_size⌋)⌋); then rotation: a
+//!   per-policy cursor over the candidate list (starting at the replica's stagger offset)
+//!   orders equal candidates by their distance from it in pool order, and after a decision
+//!   whose first place was tied moves just past the worker chosen, so a tied group is served
+//!   in turn ("next fit") and
+//!   ties never always go to the same worker. When no admissible candidate has a hit and
 //!   `on_no_match` is `round_robin`, those zero-score admissible candidates are ordered by
 //!   rotation alone. The load guard stays a hard bound: cost only ranks admissible workers.
 //!
@@ -48,6 +51,13 @@ fn finite_or(w: f64, default: f64) -> f64 {
     }
 }
 
+/// The cursor before any decision.
+const CURSOR_UNSET: usize = usize::MAX;
+
+/// How often a decision that lost the race for the cursor picks again before it keeps its
+/// pick (a bound on the work; losing it only risks two concurrent decisions on one worker).
+const MAX_CURSOR_RETRIES: usize = 8;
+
 /// KV-exact policy; see the module docs.
 #[derive(Debug)]
 pub struct KvExact {
@@ -60,7 +70,9 @@ pub struct KvExact {
     block_size: u64,
     /// `None`: longest-match placement (no cost term).
     cost_weights: Option<(f64, f64)>,
-    rotation: AtomicUsize,
+    /// Where the next search for equal candidates starts, as an index into the candidate list
+    /// ([`CURSOR_UNSET`] until the first decision, which starts at the stagger's offset).
+    cursor: AtomicUsize,
     /// This replica's offset among its peers' (cluster mode; [`Stagger::SOLO`] alone).
     stagger: Stagger,
 }
@@ -88,7 +100,7 @@ impl KvExact {
                 )),
                 Placement::LongestMatch => None,
             },
-            rotation: AtomicUsize::new(0),
+            cursor: AtomicUsize::new(CURSOR_UNSET),
             stagger: Stagger::SOLO,
         }
     }
@@ -133,9 +145,9 @@ impl KvExact {
 }
 
 impl KvExact {
-    /// Offsets the tie-break rotation for one replica of a cluster ([`super::Stagger`]: the
-    /// replicas' picks within one tied group stay apart, so their first ties do not all go to
-    /// the same worker).
+    /// Starts the tie-break cursor at this replica's offset in a cluster ([`super::Stagger`]:
+    /// the replicas' cursors walk the pool apart, so their first ties do not all go to the
+    /// same worker).
     pub fn staggered(mut self, stagger: Stagger) -> Self {
         self.stagger = stagger;
         self
@@ -149,7 +161,6 @@ impl SelectionPolicy for KvExact {
 
     fn select(&self, candidates: &[Candidate]) -> Selection {
         let n = candidates.len();
-        let rot = self.rotation.fetch_add(1, Ordering::Relaxed);
         let healthy: Vec<usize> = (0..n).filter(|&i| candidates[i].healthy).collect();
         if healthy.is_empty() {
             return Selection::none_healthy();
@@ -161,7 +172,6 @@ impl SelectionPolicy for KvExact {
             .unwrap_or(0);
         let limit = self.load_limit(healthy.iter().map(|&i| candidates[i].load), own);
         let admissible = |i: usize| (candidates[i].load as f64) < limit;
-        let rank = |i: usize| (i + n - (rot % n + self.stagger.offset(n)) % n) % n;
         let best_admissible_score = healthy
             .iter()
             .filter(|&&i| admissible(i))
@@ -181,7 +191,7 @@ impl SelectionPolicy for KvExact {
             // Without a match, prefer the worker holding least, counted in prompts of this
             // request's size (then rotation): workers within one such prompt of each other
             // tie, so the rotation spreads new requests over them — and gateway replicas,
-            // whose rotations start apart, do not all pick the same least-holding worker in
+            // whose cursors start apart, do not all pick the same least-holding worker in
             // the same instant.
             let spread = if score == 0 && !rotate_no_match {
                 c.cached_blocks / prompt_blocks
@@ -195,18 +205,40 @@ impl SelectionPolicy for KvExact {
             };
             (!adm, cost, Reverse(score), load, spread)
         };
-        let mut order = healthy.clone();
-        order.sort_by_key(|&i| (key(i), rank(i)));
-        // Rotate within the group tied for first place, so that consecutive decisions pick
-        // different members even when the group is a sparse subset of the pool.
-        let top = key(order[0]);
-        let tied = order.iter().take_while(|&&i| key(i) == top).count();
-        if tied > 1 {
-            // In pool order first: the sort's rank already shifted by `rot`, and shifting the
-            // group by `rot` again would step by 2 — only half of an even-sized group would
-            // ever come first.
-            order[..tied].sort_unstable();
-            order[..tied].rotate_left((rot % tied + self.stagger.offset(tied)) % tied);
+        let keyed: Vec<_> = healthy.iter().map(|&i| (key(i), i)).collect();
+        // Rotation: equal candidates are taken in pool order from the cursor on, and when the
+        // first place was tied the cursor then moves just past the one chosen ("next fit"). A tied group is served in
+        // turn however sparse it is in the pool, and replicas whose cursors start apart walk
+        // apart, whichever members each one's view has tied. Concurrent decisions of this
+        // replica race for the cursor: the loser re-reads it and picks again, so they too
+        // take different members.
+        let mut order = Vec::with_capacity(keyed.len());
+        for attempt in 0.. {
+            let seen = self.cursor.load(Ordering::Acquire);
+            let start = if seen == CURSOR_UNSET {
+                self.stagger.offset(n)
+            } else {
+                seen % n
+            };
+            let rank = |i: usize| (i + n - start) % n;
+            let mut sorted = keyed.clone();
+            sorted.sort_by_key(|&(k, i)| (k, rank(i)));
+            order.clear();
+            order.extend(sorted.iter().map(|&(_, i)| i));
+            // A choice the rotation did not make (one candidate alone in first place: a hit,
+            // a cheaper queue) leaves the cursor where it is, so that replicas' cursors stay
+            // in their own parts of the pool however their hits fall.
+            if sorted.get(1).is_none_or(|second| second.0 != sorted[0].0) {
+                break;
+            }
+            let next = (order[0] + 1) % n;
+            let moved = self
+                .cursor
+                .compare_exchange(seen, next, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok();
+            if moved || attempt >= MAX_CURSOR_RETRIES {
+                break;
+            }
         }
 
         let first = &candidates[order[0]];

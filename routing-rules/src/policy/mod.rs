@@ -143,10 +143,12 @@ pub fn build(rule: &Rule, block_size: u32) -> Box<dyn SelectionPolicy> {
 }
 
 /// Where one gateway replica's rotations sit among its peers' (cluster mode): replica `index`
-/// of `of`, by the sorted replica ids. Every rotation over a group of n workers — round robin's
-/// next worker, kv_exact's pick within a group tied for first place — is offset by
-/// ⌊index · n / of⌋, so replicas that have made the same number of decisions stay n / of apart:
-/// their picks over one idle pool at the same instant are disjoint for n / of decisions each.
+/// of `of`, by the sorted replica ids. Round robin's rotation over n workers is offset by
+/// ⌊index · n / of⌋, so replicas that have made the same number of decisions stay n / of apart;
+/// kv_exact's tie-break cursor over a pool of n candidates starts at that offset and moves just
+/// past each worker it picks, so replicas walk the pool apart whichever members of a tied group
+/// each one's view holds: their picks over one idle pool at the same instant are disjoint for
+/// n / of decisions each.
 /// A single gateway is [`Stagger::SOLO`] (offset 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stagger {
