@@ -385,13 +385,19 @@ mod tests {
         let mut x = 0u64;
         while thread_cpu_time().unwrap() - start < Duration::from_millis(10) {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            assert!(wall.elapsed() < Duration::from_secs(10), "the clock never moved");
+            assert!(
+                wall.elapsed() < Duration::from_secs(10),
+                "the clock never moved"
+            );
         }
         std::hint::black_box(x);
         let worked = thread_cpu_time().unwrap();
         std::thread::sleep(Duration::from_millis(200));
         let slept = thread_cpu_time().unwrap() - worked;
-        assert!(slept < Duration::from_millis(100), "sleeping used {slept:?} of CPU");
+        assert!(
+            slept < Duration::from_millis(100),
+            "sleeping used {slept:?} of CPU"
+        );
     }
 
     #[test]

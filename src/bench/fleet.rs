@@ -131,13 +131,23 @@ fn rules_toml(
 
 /// A `redis-server` the bench starts for its cluster-mode fleets (ephemeral port, no
 /// persistence); killed on drop.
-struct RedisServer {
+pub(crate) struct RedisServer {
     child: std::process::Child,
     url: String,
 }
 
 impl RedisServer {
-    fn start() -> anyhow::Result<RedisServer> {
+    /// Its URL (`redis://127.0.0.1:PORT`).
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Its process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(crate) fn start() -> anyhow::Result<RedisServer> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
@@ -181,6 +191,87 @@ impl Drop for RedisServer {
     }
 }
 
+/// Starts `n` simulated workers `w0`… (trusting `gateway_keys`' tickets) into `into` and waits
+/// until they are ready; on an error the ones started are in `into`, for the caller to stop.
+async fn start_workers(
+    n: usize,
+    dir: &Path,
+    model_path: &Path,
+    profile: &PromptProfile,
+    gateway_keys: &receipts::KeyRing,
+    into: &mut Vec<RunningWorker>,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let mut cfg = WorkerConfig::new(
+            model_path,
+            EngineChoice::Sim(sim_config(profile.vocab_size())),
+            KeyPair::generate(),
+            dir.join(format!("w{i}.receipts.jsonl")),
+            format!("w{i}"),
+        );
+        cfg.profile = Some(profile.clone());
+        cfg.gateway_keys = gateway_keys.clone();
+        cfg.engine_config = EngineConfig {
+            max_waiting: 256,
+            ..EngineConfig::default()
+        };
+        let w = worker::spawn(cfg, listener)
+            .await
+            .with_context(|| format!("starting simulated worker w{i}"))?;
+        into.push(w);
+    }
+    for w in into.iter() {
+        w.wait_ready(Duration::from_secs(30))
+            .await
+            .context("simulated worker not ready")?;
+    }
+    Ok(())
+}
+
+/// `kvgate bench --fleet sim:N --gateways G --event-rate R`: the KV event transports compared
+/// on N simulated workers ([`super::transport`]).
+pub async fn run_transport(
+    n: usize,
+    replicas: usize,
+    rate: u64,
+    seconds: u64,
+) -> anyhow::Result<ExitCode> {
+    let model_path =
+        std::fs::canonicalize(default_model_path()).unwrap_or_else(|_| default_model_path());
+    let profile = PromptProfile::from_gguf(&model_path).with_context(|| {
+        format!(
+            "loading the prompt profile from {} (run scripts/fetch-model.sh)",
+            model_path.display()
+        )
+    })?;
+    let tmp = tempfile::tempdir()?;
+    let mut workers = Vec::with_capacity(n);
+    let started = start_workers(
+        n,
+        tmp.path(),
+        &model_path,
+        &profile,
+        &receipts::KeyRing::new(),
+        &mut workers,
+    )
+    .await;
+    let args = super::transport::TransportRun {
+        workers: n,
+        replicas: replicas.max(1),
+        rate,
+        seconds,
+    };
+    let result = match started {
+        Ok(()) => super::transport::run(&args, &workers).await,
+        Err(e) => Err(e),
+    };
+    for w in workers {
+        w.shutdown().await;
+    }
+    result.map(|()| ExitCode::SUCCESS)
+}
+
 /// `gateways` replicas (cluster mode on `cluster` = (Redis URL, key prefix) when more than
 /// one) in front of `n` simulated workers.
 async fn start_fleet(
@@ -202,31 +293,15 @@ async fn start_fleet(
         gateway_keys.insert(format!("gw{g}"), k.public().clone());
     }
     let result = async {
-        for i in 0..n {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let mut cfg = WorkerConfig::new(
-                model_path,
-                EngineChoice::Sim(sim_config(profile.vocab_size())),
-                KeyPair::generate(),
-                dir.join(format!("w{i}.receipts.jsonl")),
-                format!("w{i}"),
-            );
-            cfg.profile = Some(profile.clone());
-            cfg.gateway_keys = gateway_keys.clone();
-            cfg.engine_config = EngineConfig {
-                max_waiting: 256,
-                ..EngineConfig::default()
-            };
-            let w = worker::spawn(cfg, listener)
-                .await
-                .with_context(|| format!("starting simulated worker w{i}"))?;
-            fleet.workers.push(w);
-        }
-        for w in &fleet.workers {
-            w.wait_ready(Duration::from_secs(30))
-                .await
-                .context("simulated worker not ready")?;
-        }
+        start_workers(
+            n,
+            dir,
+            model_path,
+            profile,
+            &gateway_keys,
+            &mut fleet.workers,
+        )
+        .await?;
         let rules_path = dir.join("rules.toml");
         std::fs::write(
             &rules_path,
@@ -618,7 +693,7 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             let tmp = tempfile::tempdir()?;
             let prefix = format!("bench-{}-{i}-{}", kind.as_str(), rand::random::<u32>());
             let cluster = match (&redis, *shared) {
-                (Some(r), true) => Some((r.url.as_str(), prefix.as_str())),
+                (Some(r), true) => Some((r.url(), prefix.as_str())),
                 _ => None,
             };
             let fleet =

@@ -5,6 +5,7 @@
 pub mod client;
 pub mod fleet;
 pub mod report;
+pub mod transport;
 pub mod workload;
 
 use std::io::IsTerminal;

@@ -23,6 +23,14 @@ pub struct Args {
     /// over the replicas in turn.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
+    /// With --fleet: instead of a workload, compare the KV event transports (SSE from every
+    /// worker to every replica vs one Redis Stream per worker) at this many events a second
+    /// per worker, to the --gateways replicas.
+    #[arg(long)]
+    pub event_rate: Option<u64>,
+    /// With --event-rate: how long each worker publishes, seconds.
+    #[arg(long, default_value_t = 5)]
+    pub event_seconds: u64,
     /// With --fleet and one gateway: the policies to run, in order (default: all of
     /// round_robin, kv_exact, kv_longest, kv_in_flight, oracle).
     #[arg(long, value_delimiter = ',')]
@@ -94,6 +102,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .and_then(|n| n.parse().ok())
                 .filter(|n| *n > 0)
                 .with_context(|| format!("--fleet `{fleet}`: expected sim:N with N > 0"))?;
+            if let Some(rate) = args.event_rate {
+                if rate == 0 || args.event_seconds == 0 {
+                    bail!("--event-rate and --event-seconds must be > 0");
+                }
+                return crate::bench::fleet::run_transport(
+                    n,
+                    args.gateways,
+                    rate,
+                    args.event_seconds,
+                )
+                .await;
+            }
             let run = crate::bench::fleet::FleetRun {
                 workload: &args.workload,
                 shape: &args.shape,
