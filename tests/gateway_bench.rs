@@ -51,16 +51,20 @@ fn route_decision_vs_tokenization() {
     let view = shared.views.load();
     let service = view.services[0].clone();
     let profile = service.profile().cloned().unwrap();
-    println!("| prompt tokens | render + tokenize (floor) | full decision | ratio |");
-    println!("|---:|---:|---:|---:|");
+    println!(
+        "| prompt tokens | render + tokenize (floor) | full decision | ratio | \
+         `tokenizers` pipeline alone | pipeline / floor |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
     for target in [1_000usize, 4_000, 16_000] {
-        // Grow a user message until the rendered prompt has about `target` tokens.
-        let unit = "The quick brown fox jumps over the lazy dog, again and again. ";
-        let mut reps = target / 14;
+        // Grow a user message of seeded varied prose (many distinct words, numbers and
+        // identifiers, so neither word cache answers for most of it) until the rendered prompt
+        // has about `target` tokens.
+        let mut reps = target / 3;
         let (body, tokens) = loop {
             let msgs = vec![
                 serde_json::json!({"role": "system", "content": "You are a helpful assistant."}),
-                serde_json::json!({"role": "user", "content": unit.repeat(reps)}),
+                serde_json::json!({"role": "user", "content": varied_prose(reps)}),
             ];
             let chat: Vec<ChatMessage> = serde_json::from_value(serde_json::json!(msgs)).unwrap();
             let n = profile
@@ -73,7 +77,7 @@ fn route_decision_vs_tokenization() {
                     n,
                 );
             }
-            reps += (target - n) / 13 + 1;
+            reps += (target - n) / 3 + 1;
         };
         let bytes = serde_json::to_vec(&body).unwrap();
         let msgs: Vec<prompt_profile::ChatMessage> =
@@ -90,11 +94,22 @@ fn route_decision_vs_tokenization() {
             .unwrap();
         let mut floor = Vec::new();
         let mut full = Vec::new();
+        let mut pipeline = Vec::new();
+        let rendered = fleet.profile.render_and_encode(&msgs).unwrap().text;
         for _ in 0..40 {
+            // A new prompt each time: the piece and word caches start empty.
+            fleet.profile.clear_token_cache();
+            profile.profile.clear_token_cache();
             let t = Instant::now();
             let ids = fleet.profile.render_and_encode(&msgs).unwrap().ids;
             floor.push(t.elapsed());
             assert!(ids.len() >= target);
+            let t = Instant::now();
+            let reference = fleet.profile.encode_uncached(&rendered, true).unwrap();
+            pipeline.push(t.elapsed());
+            assert_eq!(reference, ids);
+            fleet.profile.clear_token_cache();
+            profile.profile.clear_token_cache();
             let t = Instant::now();
             let (d, _reserved) = decide(
                 &view,
@@ -111,15 +126,78 @@ fn route_decision_vs_tokenization() {
             full.push(t.elapsed());
             assert_eq!(d.order[0], w1);
         }
-        let (f, d) = (median(floor), median(full));
+        let (f, d, p) = (median(floor), median(full), median(pipeline));
         println!(
-            "| {tokens} | {:.2} ms | {:.2} ms | {:.2}× |",
+            "| {tokens} | {:.2} ms | {:.2} ms | {:.2}× | {:.2} ms | {:.2}× |",
             f.as_secs_f64() * 1e3,
             d.as_secs_f64() * 1e3,
-            d.as_secs_f64() / f.as_secs_f64()
+            d.as_secs_f64() / f.as_secs_f64(),
+            p.as_secs_f64() * 1e3,
+            p.as_secs_f64() / f.as_secs_f64()
         );
     }
     fleet.stop();
+}
+
+/// `words` words of seeded pseudo-random prose with numbers and identifiers.
+fn varied_prose(words: usize) -> String {
+    const WORDS: &[&str] = &[
+        "the",
+        "gateway",
+        "routes",
+        "each",
+        "request",
+        "to",
+        "a",
+        "worker",
+        "holding",
+        "longest",
+        "cached",
+        "prefix",
+        "of",
+        "its",
+        "prompt",
+        "while",
+        "load",
+        "stays",
+        "balanced",
+        "across",
+        "fleet",
+        "tokens",
+        "blocks",
+        "keys",
+        "are",
+        "salted",
+        "and",
+        "chained",
+        "café",
+        "naïve",
+        "Straße",
+        "résumé",
+        "kernel",
+        "attention",
+        "decode",
+        "prefill",
+        "batch",
+        "scheduler",
+    ];
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut out = String::new();
+    for i in 0..words {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        out.push(' ');
+        match s % 7 {
+            0 => out.push_str(&format!("{}", s % 100_000)),
+            1 => out.push_str(&format!("id_{:x}", s % 65_536)),
+            _ => out.push_str(WORDS[(s >> 8) as usize % WORDS.len()]),
+        }
+        if i % 17 == 16 {
+            out.push_str(".\n");
+        }
+    }
+    out
 }
 
 #[test]

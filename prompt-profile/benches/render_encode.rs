@@ -4,9 +4,10 @@
 //! Run: `cargo bench -p prompt-profile --bench render_encode`
 //!
 //! The chats are seeded pseudo-random prose and code with many distinct words. `cold` empties
-//! the profile's piece cache before each call (a new conversation); `next_turn` has every
-//! message but the last one cached (the next request of a growing conversation). The
-//! `tokenizers` BPE word cache stays warm in all cases, as in a running server.
+//! the profile's piece cache and the direct BPE's word cache before each call (a new
+//! conversation); `next_turn` has every message but the last one cached (the next request of a
+//! growing conversation). `encode_uncached` is the plain `tokenizers` pipeline, whose own BPE
+//! word cache cannot be emptied from outside and stays warm.
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -12,6 +12,7 @@
 //!
 //! [`PromptProfile`] is cheap to clone (an `Arc` inside) and `Send + Sync`.
 
+mod bpe;
 pub mod error;
 pub mod gguf;
 pub mod identity;
@@ -170,6 +171,16 @@ impl Vocabulary {
     /// [`PromptProfile::encode`]: the same code.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         self.tokenizer.encode(text, parse_special)
+    }
+
+    /// [`PromptProfile::encode_uncached`]: the same code.
+    pub fn encode_uncached(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        self.tokenizer.encode_uncached(text, parse_special)
+    }
+
+    /// [`PromptProfile::uses_direct_bpe`]: the same code.
+    pub fn uses_direct_bpe(&self) -> bool {
+        self.tokenizer.uses_direct_bpe()
     }
 
     /// Turn ids back into text.
@@ -619,7 +630,16 @@ impl PromptProfile {
         self.inner.tokenizer.encode_uncached(text, parse_special)
     }
 
-    /// Drop the cached ids of text pieces (see [`Self::encode`]); for benchmarks and tests.
+    /// Whether [`Self::encode`] with special tokens parsed tokenizes the pieces between added
+    /// tokens with this crate's direct byte-level BPE (same ids as the `tokenizers` pipeline,
+    /// about 3× faster; docs/prompt-profiles.md) rather than through `tokenizers`.
+    pub fn uses_direct_bpe(&self) -> bool {
+        self.inner.tokenizer.uses_direct_bpe()
+    }
+
+    /// Drop the cached ids of text pieces and of words (see [`Self::encode`]); for benchmarks
+    /// and tests. The `tokenizers` pipeline's own word cache (used by
+    /// [`Self::encode_uncached`]) is not reachable and stays warm.
     pub fn clear_token_cache(&self) {
         if let Some(seg) = &self.inner.tokenizer.segments {
             seg.clear();

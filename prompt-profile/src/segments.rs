@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use tokenizers::Tokenizer;
 
+use crate::bpe::ByteLevelBpe;
 use crate::error::{tk_err, Result};
 
 /// Default cache budget in bytes (segment text + 4 bytes per id), across both generations.
@@ -39,13 +40,20 @@ struct Generations {
 pub(crate) struct SegmentEncoder {
     /// For each first byte, the added tokens starting with it, longest first.
     by_first_byte: Vec<Vec<(Box<str>, u32)>>,
+    /// The direct byte-level BPE for the pieces, where the tokenizer is one
+    /// ([`crate::bpe`]); else the `tokenizers` pipeline.
+    fast: Option<ByteLevelBpe>,
     cache: Mutex<Generations>,
     max_bytes: usize,
 }
 
 impl SegmentEncoder {
     /// `None` when some added token has options that an exact byte match cannot reproduce.
-    pub(crate) fn new(tok: &Tokenizer, max_bytes: usize) -> Option<Self> {
+    pub(crate) fn new(
+        tok: &Tokenizer,
+        fast: Option<ByteLevelBpe>,
+        max_bytes: usize,
+    ) -> Option<Self> {
         let has_normalizer = tok.get_normalizer().is_some();
         let mut by_first_byte: Vec<Vec<(Box<str>, u32)>> = vec![Vec::new(); 256];
         for (id, added) in tok.get_added_tokens_decoder() {
@@ -64,6 +72,7 @@ impl SegmentEncoder {
         }
         Some(SegmentEncoder {
             by_first_byte,
+            fast,
             cache: Mutex::new(Generations::default()),
             max_bytes,
         })
@@ -108,19 +117,33 @@ impl SegmentEncoder {
             return Ok(());
         }
         if piece.len() < MIN_CACHED_LEN {
-            let enc = tok.encode_fast(piece, false).map_err(tk_err)?;
-            out.extend_from_slice(enc.get_ids());
-            return Ok(());
+            return self.encode_direct(tok, piece, out);
         }
         if let Some(hit) = self.lookup(piece) {
             out.extend_from_slice(&hit);
             return Ok(());
         }
-        let enc = tok.encode_fast(piece, false).map_err(tk_err)?;
-        let ids: Arc<[u32]> = enc.get_ids().into();
-        out.extend_from_slice(&ids);
+        let start = out.len();
+        self.encode_direct(tok, piece, out)?;
+        let ids: Arc<[u32]> = out[start..].into();
         self.insert(piece, ids);
         Ok(())
+    }
+
+    fn encode_direct(&self, tok: &Tokenizer, piece: &str, out: &mut Vec<u32>) -> Result<()> {
+        match &self.fast {
+            Some(bpe) => bpe.encode(piece, out),
+            None => {
+                let enc = tok.encode_fast(piece, false).map_err(tk_err)?;
+                out.extend_from_slice(enc.get_ids());
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the pieces go through [`crate::bpe`] (not the `tokenizers` pipeline).
+    pub(crate) fn is_direct_bpe(&self) -> bool {
+        self.fast.is_some()
     }
 
     fn lookup(&self, piece: &str) -> Option<Arc<[u32]>> {
@@ -159,5 +182,8 @@ impl SegmentEncoder {
     pub(crate) fn clear(&self) {
         let mut g = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         *g = Generations::default();
+        if let Some(bpe) = &self.fast {
+            bpe.clear_cache();
+        }
     }
 }

@@ -38,6 +38,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
+use crate::bpe::ByteLevelBpe;
 use crate::error::{tk_err, ProfileError, Result};
 use crate::gguf::{GgufMetadata, GgufValue};
 use crate::segments::{SegmentEncoder, DEFAULT_CACHE_BYTES};
@@ -116,10 +117,13 @@ impl BuiltTokenizer {
                 }
             }
         }
-        let sha256 = canonical_sha256(&tok)?;
+        let json = tok.to_string(false).map_err(tk_err)?;
+        let serialized: serde_json::Value = serde_json::from_str(&json).map_err(tk_err)?;
+        let sha256 = canonical_sha256(&serialized, json.len());
         let mut plain = tok.clone();
         plain.set_encode_special_tokens(true);
-        let segments = SegmentEncoder::new(&tok, DEFAULT_CACHE_BYTES).map(Arc::new);
+        let fast = ByteLevelBpe::from_serialized(&serialized);
+        let segments = SegmentEncoder::new(&tok, fast, DEFAULT_CACHE_BYTES).map(Arc::new);
         let max_token_bytes = max_token_bytes(&tok);
         Ok(BuiltTokenizer {
             segments,
@@ -171,6 +175,11 @@ impl BuiltTokenizer {
             return seg.encode_until(&self.parse_special, text, max);
         }
         self.encode_uncached(text, true)
+    }
+
+    /// See `PromptProfile::uses_direct_bpe`.
+    pub(crate) fn uses_direct_bpe(&self) -> bool {
+        self.segments.as_ref().is_some_and(|s| s.is_direct_bpe())
     }
 
     /// Straight through the `tokenizers` pipeline.
@@ -559,13 +568,11 @@ fn string_array<'a>(meta: &'a GgufMetadata, key: &str) -> Result<Vec<&'a str>> {
         .collect()
 }
 
-/// SHA-256 hex of the tokenizer's canonical JSON serialization.
-fn canonical_sha256(tok: &Tokenizer) -> Result<String> {
-    let json = tok.to_string(false).map_err(tk_err)?;
-    let value: serde_json::Value = serde_json::from_str(&json).map_err(tk_err)?;
-    let mut out = String::with_capacity(json.len());
-    write_canonical(&mut out, &value);
-    Ok(hex::encode(Sha256::digest(out.as_bytes())))
+/// SHA-256 hex of the tokenizer's canonical JSON serialization (`value`, `len` bytes long).
+fn canonical_sha256(value: &serde_json::Value, len: usize) -> String {
+    let mut out = String::with_capacity(len);
+    write_canonical(&mut out, value);
+    hex::encode(Sha256::digest(out.as_bytes()))
 }
 
 /// Compact JSON with object keys sorted (recursively); independent of serde_json's map order.

@@ -146,3 +146,76 @@ fn bos_policy_follows_the_family_and_the_file() {
         assert_eq!(v.decode(&ids, false).unwrap(), text, "{n}");
     }
 }
+
+/// Random text over the character classes the split patterns tell apart: letters of several
+/// scripts and cases, marks, digits, apostrophe contractions, punctuation, every kind of
+/// whitespace, emoji and CJK.
+fn random_text(rng: &mut rand_chacha::ChaCha8Rng) -> String {
+    use rand::Rng;
+    const PARTS: &[&str] = &[
+        "a", "Z", "the", " The", "HELLO", "wOrLd", "é", "É", "ß", "ǅ", "\u{301}", "ñ", "Ω", "ж",
+        "Ж", "א", "ع", "ह", "ि", "ก", "中", "文", "の", "カ", "한", "국", "😀", "👍🏽", "🇫🇷", "0",
+        "7", "42", "1234", "٣", "²", "'s", "'T", "'re", "'VE", "'m", "'ll", "'d", "'", "’s", ".",
+        ",", "!", "?", "...", "-", "--", "(", ")", "[", "]", "{", "}", "<", ">", "/", "\\", "_",
+        "=", "+", "*", "&", "%", "$", "#", "@", "`", "~", "^", "|", ";", ":", "\"", " ", "  ",
+        "    ", "\t", "\n", "\n\n", "\r\n", "\r", "\u{a0}", "\u{3000}", "\u{2028}", "\u{200b}",
+        "\u{feff}", "\u{0}", "\u{7f}",
+    ];
+    let n = rng.gen_range(0..40);
+    (0..n)
+        .map(|_| PARTS[rng.gen_range(0..PARTS.len())])
+        .collect()
+}
+
+/// The direct byte-level BPE (`prompt_profile` `bpe` module, used by `encode` with special
+/// tokens parsed) gives exactly the `tokenizers` pipeline's ids on every byte-level vocabulary
+/// of the set: its test strings and seeded random text. The byte-level families must take the
+/// direct path (otherwise this would compare the pipeline with itself).
+#[test]
+fn the_direct_bpe_equals_the_tokenizers_pipeline_on_every_byte_level_vocabulary() {
+    use rand::SeedableRng;
+    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0xB9E);
+    println!("seed = {seed}");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(vocab_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    files.sort();
+    let mut direct = Vec::new();
+    for path in &files {
+        let Ok(vocab) = Vocabulary::from_gguf(path) else {
+            continue;
+        };
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !vocab.uses_direct_bpe() {
+            println!("{name}: {} (tokenizers pipeline)", vocab.family());
+            continue;
+        }
+        direct.push(name.clone());
+        let inp = path.with_extension("gguf.inp");
+        let mut texts: Vec<String> = std::fs::read_to_string(&inp)
+            .map(|t| inputs(&t).into_iter().map(str::to_owned).collect())
+            .unwrap_or_default();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        texts.extend((0..300).map(|_| random_text(&mut rng)));
+        for text in &texts {
+            assert_eq!(
+                vocab.encode(text, true).unwrap(),
+                vocab.encode_uncached(text, true).unwrap(),
+                "{name} ({}), seed {seed}: {text:?}",
+                vocab.family()
+            );
+        }
+        println!(
+            "{name}: {} direct, {} texts equal",
+            vocab.family(),
+            texts.len()
+        );
+    }
+    // The byte-level families of the set (gpt2-style merges with GPT-2's byte map).
+    assert!(direct.len() >= 10, "only {direct:?} take the direct path");
+}
