@@ -53,10 +53,10 @@ pub struct Tokenized {
 /// default model; every request of a first wave waited for them — docs/benchmarks.md). A
 /// template that refuses this chat costs nothing here: requests get its error as before.
 fn warm_up(profile: &PromptProfile) {
-    let chat = serde_json::json!([{"role": "user", "content": "Hello, world! 123"}]);
-    if let Ok(messages) = serde_json::from_value::<Vec<prompt_profile::ChatMessage>>(chat) {
-        let _ = profile.render_and_encode(&messages);
-    }
+    let _ = profile.render_and_encode(&[prompt_profile::ChatMessage::new(
+        "user",
+        "Hello, world! 123",
+    )]);
 }
 
 impl LoadedProfile {

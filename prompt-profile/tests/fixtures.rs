@@ -2,6 +2,8 @@
 //! both as GGUF metadata and as a HF `tokenizer.json`, differential tests between the two
 //! loaders, and every error path of the GGUF reader and the loaders.
 
+mod fixture_dir;
+
 use std::path::{Path, PathBuf};
 
 use prompt_profile::{parse_messages, ChatMessage, GgufMetadata, GgufValue, PromptProfile};
@@ -312,11 +314,7 @@ fn hf_loader_matches_gguf_loader() {
     assert_eq!(h.vocab_size(), g.vocab_size());
 
     // seeded differential test over random text
-    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20261129);
-    println!("seed = {seed}");
+    let seed = fixture_dir::test_seed(20261129);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let alphabet: Vec<&str> = vec![
         "h",

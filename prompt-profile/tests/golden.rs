@@ -3,6 +3,8 @@
 //! The model is found in `$KVGATE_MODEL_DIR` or `<workspace>/models/`; the tests fail with a
 //! clear message when it is missing (fetch it with the README's set-up command).
 
+mod fixture_dir;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -75,11 +77,7 @@ fn round_trip_mixed_text() {
 
 #[test]
 fn round_trip_random_unicode_seeded() {
-    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_2026);
-    println!("seed = {seed}");
+    let seed = fixture_dir::test_seed(0x5eed_2026);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let pools: [&[char]; 5] = [
         &['a', 'b', 'z', ' ', '\n', '1', '9', '.', '{', '}', '_'],
@@ -119,11 +117,7 @@ fn round_trip_random_unicode_seeded() {
 /// with special tokens and on a growing conversation (turn N+1 reuses turn N's pieces).
 #[test]
 fn cached_encode_equals_direct_seeded() {
-    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0xCAC4E);
-    println!("seed = {seed}");
+    let seed = fixture_dir::test_seed(0xCAC4E);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let pieces = [
         "<|im_start|>",

