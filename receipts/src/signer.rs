@@ -402,8 +402,48 @@ mod timing {
             std::hint::black_box(s.sign(&msg));
         }
         let pre = t.elapsed() / n;
+        let ring_key = ring::signature::Ed25519KeyPair::from_seed_unchecked(&[7; 32]).unwrap();
+        let dalek_key = KeyPair::from_seed(&[7; 32]);
+        assert_eq!(ring_key.sign(&msg).as_ref(), &dalek_key.sign(&msg)[..]);
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(dalek_key.sign_reference(&msg));
+        }
+        let dalek_det = t.elapsed() / n;
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(ring_key.sign(&msg));
+        }
+        let ring_det = t.elapsed() / n;
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(dalek_key.sign(&msg));
+        }
+        let aws_det = t.elapsed() / n;
+        let sig = dalek_key.sign(&msg);
+        let public = dalek_key.public().clone();
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(public.verify(&msg, &sig));
+        }
+        let dalek_verify = t.elapsed() / n;
+        let ring_public = ring::signature::UnparsedPublicKey::new(
+            &ring::signature::ED25519,
+            ring::signature::KeyPair::public_key(&ring_key)
+                .as_ref()
+                .to_vec(),
+        );
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(ring_public.verify(&msg, &sig).is_ok());
+        }
+        let ring_verify = t.elapsed() / n;
         println!(
-            "deterministic sign {det:?}; nonce r·B+encode radix-16 {n16:?}, radix-256 {n256:?}; \
+            "deterministic sign: AWS-LC (KeyPair::sign) {aws_det:?}, ed25519-dalek {dalek_det:?}, \
+             ring {ring_det:?}; verify: dalek strict {dalek_verify:?}, ring {ring_verify:?}"
+        );
+        println!(
+            "deterministic sign (KeyPair::sign) {det:?}; nonce r·B+encode radix-16 {n16:?}, radix-256 {n256:?}; \
              sign with a ready nonce {pre:?} ({:?})",
             s.stats()
         );
