@@ -18,48 +18,51 @@ use crate::logfile::{cut_torn_tail, scan, Appender, FsyncPolicy, TornTail};
 use crate::ticket::SignedTicket;
 
 /// One gateway decision and its outcome.
+///
+/// Fields are declared in canonical key order (bytewise), so that the canonical encoder writes
+/// them straight out without buffering and sorting (the bytes are the same either way).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecisionRecord {
-    /// The request id the gateway assigned.
-    pub request_id: String,
     /// When the gateway finished with the request (Unix ms).
     pub at_ms: u64,
-    /// The signed ticket sent to the worker; `None` when the request was not routed (rejected
-    /// before a worker was chosen: no service, bad request, no healthy worker).
-    pub ticket: Option<SignedTicket>,
-    /// The matched service, if any (must agree with the ticket).
-    pub service: Option<String>,
-    /// The rule that decided, if any (must agree with the ticket).
-    pub rule_id: Option<String>,
-    /// The rules snapshot version used, if any (must agree with the ticket).
-    pub rule_version: Option<u64>,
-    /// The worker the request went to, if any (must agree with the ticket).
-    pub worker: Option<WorkerId>,
-    /// The HTTP status the gateway returned to the client.
-    pub status: u16,
-    /// A gateway-side failure talking to the worker (connect error, timeout, reset, ...). When
-    /// set, the worker may not have written a receipt and the audit does not require one.
-    pub error: Option<String>,
     /// The client's own `x-request-id`, when it sent one (the ticket carries the gateway's id).
     #[serde(default)]
     pub client_request_id: Option<String>,
-    /// Whether the worker's answer named a receipt (`x-kvgate-receipt`): `false` means the
-    /// worker refused the request before accepting its ticket (bad ticket, oversized body,
-    /// unknown method), so no receipt is owed. `null` when no answer came (or in logs written
-    /// before this field existed).
-    #[serde(default)]
-    pub receipt_named: Option<bool>,
-    /// The tenant the request authenticated as (services with `auth = "api_key"`); absent
-    /// otherwise.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant: Option<String>,
+    /// A gateway-side failure talking to the worker (connect error, timeout, reset, ...). When
+    /// set, the worker may not have written a receipt and the audit does not require one.
+    pub error: Option<String>,
     /// `routed` on the line written as the gateway sends the request to the worker (before any
     /// answer: `status` 0, `at_ms` the sending time); absent on the line written when it has
     /// finished with the request, which supersedes it. A routed line without its final line
     /// means the gateway stopped (crashed, was killed) with the request in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<DecisionPhase>,
+    /// Whether the worker's answer named a receipt (`x-kvgate-receipt`): `false` means the
+    /// worker refused the request before accepting its ticket (bad ticket, oversized body,
+    /// unknown method), so no receipt is owed. `null` when no answer came (or in logs written
+    /// before this field existed).
+    #[serde(default)]
+    pub receipt_named: Option<bool>,
+    /// The request id the gateway assigned.
+    pub request_id: String,
+    /// The rule that decided, if any (must agree with the ticket).
+    pub rule_id: Option<String>,
+    /// The rules snapshot version used, if any (must agree with the ticket).
+    pub rule_version: Option<u64>,
+    /// The matched service, if any (must agree with the ticket).
+    pub service: Option<String>,
+    /// The HTTP status the gateway returned to the client.
+    pub status: u16,
+    /// The tenant the request authenticated as (services with `auth = "api_key"`); absent
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The signed ticket sent to the worker; `None` when the request was not routed (rejected
+    /// before a worker was chosen: no service, bad request, no healthy worker).
+    pub ticket: Option<SignedTicket>,
+    /// The worker the request went to, if any (must agree with the ticket).
+    pub worker: Option<WorkerId>,
 }
 
 /// [`DecisionRecord::phase`].

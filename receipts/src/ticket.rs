@@ -56,39 +56,42 @@ impl RouteMode {
 }
 
 /// The gateway's routing decision for one request (the signed content of a ticket).
+///
+/// Fields are declared in canonical key order (bytewise), so that the canonical encoder writes
+/// them straight out without buffering and sorting (the bytes are the same either way).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteTicket {
-    /// The request id (`x-request-id`) the gateway assigned.
-    pub request_id: String,
+    /// End of the ticket's validity window (Unix ms, gateway clock).
+    pub expires_at_ms: u64,
     /// The gateway instance that issued the ticket.
     pub gateway_id: String,
-    /// The key id of the gateway key that signed it (set by [`RouteTicket::sign`]).
-    pub key_id: KeyId,
-    /// The matched service.
-    pub service: String,
-    /// The rule that chose the worker.
-    pub rule_id: String,
-    /// The version of the rules snapshot the decision was taken under.
-    pub rule_version: u64,
-    /// The routing policy.
-    pub mode: RouteMode,
-    /// The chosen worker id.
-    pub worker: WorkerId,
-    /// Prefix tokens the gateway predicted the worker holds (KV-exact only).
-    pub predicted_matched_tokens: Option<u32>,
-    /// Prompt tokens as the gateway counted them (when it tokenized).
-    pub prompt_tokens: Option<u32>,
-    /// The block key of the prompt's last full block, 16 lowercase hex digits (when it tokenized).
-    pub last_block_key: Option<BlockKey>,
-    /// The namespace seed the worker must use for its block keys (64 lowercase hex digits).
-    pub namespace_seed: NamespaceSeed,
     /// The block-key hash algorithm: `xxh3` or `sha256` (docs/block-keys.md).
     pub hash_algorithm: HashAlgorithm,
     /// When the ticket was issued (Unix ms, gateway clock).
     pub issued_at_ms: u64,
-    /// End of the ticket's validity window (Unix ms, gateway clock).
-    pub expires_at_ms: u64,
+    /// The key id of the gateway key that signed it (set by [`RouteTicket::sign`]).
+    pub key_id: KeyId,
+    /// The block key of the prompt's last full block, 16 lowercase hex digits (when it tokenized).
+    pub last_block_key: Option<BlockKey>,
+    /// The routing policy.
+    pub mode: RouteMode,
+    /// The namespace seed the worker must use for its block keys (64 lowercase hex digits).
+    pub namespace_seed: NamespaceSeed,
+    /// Prefix tokens the gateway predicted the worker holds (KV-exact only).
+    pub predicted_matched_tokens: Option<u32>,
+    /// Prompt tokens as the gateway counted them (when it tokenized).
+    pub prompt_tokens: Option<u32>,
+    /// The request id (`x-request-id`) the gateway assigned.
+    pub request_id: String,
+    /// The rule that chose the worker.
+    pub rule_id: String,
+    /// The version of the rules snapshot the decision was taken under.
+    pub rule_version: u64,
+    /// The matched service.
+    pub service: String,
+    /// The chosen worker id.
+    pub worker: WorkerId,
 }
 
 fn is_lower_hex(s: &str) -> bool {

@@ -199,3 +199,35 @@ proptest! {
         }
     }
 }
+
+/// The ticket and decision-line structs declare their fields in canonical key order, so the
+/// canonical encoder writes them without buffering: their declaration-order JSON (serde_json)
+/// is already the canonical bytes. (Speed only — any order gives the same canonical bytes.)
+#[test]
+fn ticket_and_decision_fields_are_declared_in_canonical_order() {
+    let t = ticket("req-1", "w1", RouteMode::KvExact, 1_700_000_000_000);
+    assert_eq!(
+        serde_json::to_vec(&t).unwrap(),
+        receipts::canonical::to_vec(&t).unwrap()
+    );
+    let signed = t.sign(&gateway_key());
+    let line = receipts::DecisionRecord {
+        at_ms: 1,
+        client_request_id: Some("c".into()),
+        error: None,
+        phase: None,
+        receipt_named: Some(true),
+        request_id: "req-1".into(),
+        rule_id: Some("r".into()),
+        rule_version: Some(3),
+        service: Some("s".into()),
+        status: 200,
+        tenant: None,
+        ticket: Some(signed),
+        worker: Some(t.worker.clone()),
+    };
+    assert_eq!(
+        serde_json::to_vec(&line).unwrap(),
+        receipts::canonical::to_vec(&line).unwrap()
+    );
+}
