@@ -48,17 +48,6 @@ pub struct Tokenized {
     pub seed: NamespaceSeed,
 }
 
-/// Render and tokenize a one-message chat once, so the first requests after a (re)load do not
-/// pay the template engine's and the tokenizer's first-call costs (0.8 ms and 0.1 ms on the
-/// default model; every request of a first wave waited for them — docs/benchmarks.md). A
-/// template that refuses this chat costs nothing here: requests get its error as before.
-fn warm_up(profile: &PromptProfile) {
-    let _ = profile.render_and_encode(&[prompt_profile::ChatMessage::new(
-        "user",
-        "Hello, world! 123",
-    )]);
-}
-
 impl LoadedProfile {
     /// Loads the profile's tokenizer and template and checks the pinned hashes. The source's
     /// paths expand environment variables and are relative to `base` (the rules file's
@@ -114,7 +103,7 @@ impl LoadedProfile {
                 differ.join(", ")
             )));
         }
-        warm_up(&profile);
+        profile.warm_up();
         let block_size = BlockSize::new(spec.block_size).map_err(|e| cfg(e.to_string()))?;
         let key_space = KeySpace {
             model_id: spec.model_id.clone(),

@@ -412,6 +412,7 @@ pub async fn spawn(
                 None => PromptProfile::from_gguf(&path)
                     .map_err(|e| startup("prompt profile", format!("{}: {e}", path.display())))?,
             };
+            profile.warm_up();
             let (exec, numerics) = build_executor(&choice, &path, block_size.get(), weight_format)?;
             Ok((profile, exec, numerics))
         })
