@@ -26,3 +26,31 @@ wait_http() { # url, what: wait up to 30 s for a 2xx answer
   echo "$NAME: $2 did not come up ($1)" >&2
   return 1
 }
+
+# One simulated worker w1 at $W with a near-zero timing model (1 µs per prefill token, 10 µs per
+# decode step; it verifies the tickets that come and signs a receipt per answer), a gateway key
+# in $work/keys, and $work/rules.toml: one round-robin service over it for every path. Expects
+# KVGATE, MODEL, W and work.
+sim_worker_rr() {
+  "$KVGATE" keygen --out "$work/keys" --name gateway >/dev/null
+  "$KVGATE" worker --engine sim --model "$MODEL" --id w1 --listen "$W" --state-dir "$work/w1" \
+    --gateway-keys "$work/keys" --sim-prefill-us-per-token 1 --sim-decode-us-base 10 \
+    --sim-decode-us-per-seq 1 --max-running 64 >"$work/w1.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://$W/ready" "the worker"
+  cat >"$work/rules.toml" <<EOF
+[[workers]]
+id = "w1"
+url = "http://$W"
+
+[[pools]]
+id = "all"
+workers = ["w1"]
+
+[[services]]
+name = "rr"
+pool = "all"
+match = { path_prefix = "/" }
+rule = { type = "round_robin" }
+EOF
+}

@@ -65,28 +65,7 @@ SMG_PORT=$((BASE_PORT + 30))
 FLOOR_PORT=$((BASE_PORT + 40))
 W="127.0.0.1:$W_PORT"
 
-"$KVGATE" keygen --out "$work/keys" --name gateway >/dev/null
-"$KVGATE" worker --engine sim --model "$MODEL" --id w1 --listen "$W" --state-dir "$work/w1" \
-  --gateway-keys "$work/keys" --sim-prefill-us-per-token 1 --sim-decode-us-base 10 \
-  --sim-decode-us-per-seq 1 --max-running 64 >"$work/w1.log" 2>&1 &
-pids+=($!)
-wait_http "http://$W/ready" "the worker"
-
-cat >"$work/rules.toml" <<EOF
-[[workers]]
-id = "w1"
-url = "http://$W"
-
-[[pools]]
-id = "all"
-workers = ["w1"]
-
-[[services]]
-name = "rr"
-pool = "all"
-match = { path_prefix = "/" }
-rule = { type = "round_robin" }
-EOF
+sim_worker_rr
 "$KVGATE" gateway --rules "$work/rules.toml" --listen "127.0.0.1:$GW_PORT" \
   --admin "127.0.0.1:$((GW_PORT + 1))" --key "$work/keys/gateway.key" --no-watch \
   --threads "$GW_THREADS" --decision-log "$work/decisions.jsonl" >"$work/gw.log" 2>&1 &

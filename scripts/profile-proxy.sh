@@ -47,27 +47,7 @@ trap 'stop_pids; rm -rf "$work"' EXIT
 W="127.0.0.1:$((BASE_PORT + 1))"
 GW_PORT=$((BASE_PORT + 10))
 FLOOR_PORT=$((BASE_PORT + 40))
-"$KVGATE" keygen --out "$work/keys" --name gateway >/dev/null
-"$KVGATE" worker --engine sim --model "$MODEL" --id w1 --listen "$W" --state-dir "$work/w1" \
-  --gateway-keys "$work/keys" --sim-prefill-us-per-token 1 --sim-decode-us-base 10 \
-  --sim-decode-us-per-seq 1 --max-running 64 >"$work/w1.log" 2>&1 &
-pids+=($!)
-wait_http "http://$W/ready" "the worker"
-cat >"$work/rules.toml" <<EOF
-[[workers]]
-id = "w1"
-url = "http://$W"
-
-[[pools]]
-id = "all"
-workers = ["w1"]
-
-[[services]]
-name = "rr"
-pool = "all"
-match = { path_prefix = "/" }
-rule = { type = "round_robin" }
-EOF
+sim_worker_rr
 valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.kvgate.%p" "$KVGATE" gateway \
   --rules "$work/rules.toml" --listen "127.0.0.1:$GW_PORT" --admin "127.0.0.1:$((GW_PORT + 1))" \
   --key "$work/keys/gateway.key" --no-watch --threads 2 --decision-log "$work/decisions.jsonl" \
