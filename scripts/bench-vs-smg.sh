@@ -13,7 +13,8 @@
 # `kvgate bench --target` workloads (shared-prefix, multi-turn and prefix-chat — conversations
 # over shared system prompts —, the fleet bench's shapes)
 # through it. Hit rate comes from the workers' `cached_tokens`, the worker of each answer from its
-# `x-kvgate-worker-id` header. Prints one table; outputs under $OUT (default bench-vs-smg-out/).
+# `x-kvgate-worker-id` header. Prints one table; outputs under $OUT (default bench-vs-smg-out/),
+# kvgate's decision log (its gateway runs with `--decision-log`, as deployed) beside each run's records.
 #
 # Needs: cargo (builds target/debug/kvgate), python3 with venv (installs sglang-router into
 # .cache/smg-venv), the default model file (its prompt profile; scripts/fetch-model.sh).
@@ -77,7 +78,7 @@ PY
 }
 
 run_one() { # router policy seed workload-args...
-  local router=$1 policy=$2 seed=$3 dir="$work/$1-$2-$3-$5"
+  local router=$1 policy=$2 seed=$3 workload=$5 dir="$work/$1-$2-$3-$5"
   rm -rf "$dir"
   mkdir -p "$dir"
   "$KVGATE" keygen --out "$dir/keys" --name gateway >/dev/null
@@ -89,7 +90,7 @@ run_one() { # router policy seed workload-args...
     kvgate_rules "$dir" "$rule"
     "$KVGATE" gateway --rules "$dir/rules.toml" --listen "127.0.0.1:$port" \
       --admin "127.0.0.1:$((port + 1))" --key "$dir/keys/gateway.key" --no-watch \
-      >"$dir/gw.log" 2>&1 &
+      --decision-log "$dir/decisions.jsonl" >"$dir/gw.log" 2>&1 &
     pids+=($!)
   else
     "$VENV/bin/smg" launch --host 127.0.0.1 --port "$port" --policy "$policy" \
@@ -125,6 +126,10 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
   if [ "$router" = kvgate ]; then # its route decision and TTFT histograms, for the record
     curl -fsS "http://127.0.0.1:$((port + 1))/metrics" \
       >"$OUT/n$N-seed$seed/$router-$policy/gateway-metrics.txt" 2>/dev/null || true
+    # Which worker each request went to, with its ticket (predicted matched tokens), for the
+    # record beside the bench's own per-request records.
+    cp "$dir/decisions.jsonl" "$OUT/n$N-seed$seed/$router-$policy/$workload/decisions.jsonl" \
+      2>/dev/null || true
   fi
   stop_pids
 }
