@@ -251,7 +251,7 @@ pub(crate) fn decision_record(
     DecisionRecord {
         request_id: ctx.request_id.clone(),
         at_ms: now_ms(),
-        ticket: ctx.ticket.clone(),
+        ticket: ctx.ticket.as_deref().cloned(),
         service: ctx
             .service
             .as_ref()

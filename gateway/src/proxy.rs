@@ -342,7 +342,7 @@ impl ProxyHttp for Proxy {
                 h.matched_tokens.inc_by(u64::from(predicted));
             }
         }
-        ctx.decision = Some(decision);
+        ctx.decision = Some(Box::new(decision));
         ctx.body = body;
         if ctx.body.len() > RETRY_BUFFER_LIMIT {
             // pingora would forward only the headers of a body its retry buffer truncated.

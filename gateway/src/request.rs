@@ -48,12 +48,12 @@ pub struct RequestCtx {
     /// The tenant the request authenticated as (services with `auth = "api_key"`).
     pub(crate) tenant: Option<Arc<TenantSpec>>,
     /// The routing decision, only when one was taken.
-    pub(crate) decision: Option<Decision>,
+    pub(crate) decision: Option<Box<Decision>>,
     /// Index into `decision.order` of the next worker to try.
     pub(crate) next: usize,
     /// The worker of the current (last) attempt.
     pub(crate) current: Option<WorkerId>,
-    pub(crate) ticket: Option<SignedTicket>,
+    pub(crate) ticket: Option<Box<SignedTicket>>,
     pub(crate) in_flight: Option<InFlight>,
     pub(crate) status: Option<u16>,
     pub(crate) error: Option<String>,

@@ -63,7 +63,7 @@ pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &Wor
             });
         ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
     }
-    ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e));
+    ctx.ticket = entry.and_then(|e| ticket_for(data, ctx, e)).map(Box::new);
     ctx.current = Some(worker.clone());
     // Write-ahead: the ticket is on disk before the worker can act on it, so a gateway killed
     // now still leaves it for the audit (the final line supersedes this one).
