@@ -687,8 +687,8 @@ impl PromptProfile {
     /// Render and tokenize a one-message chat once, so the first requests after a load do not
     /// pay the template engine's and the tokenizer's first-call costs (0.8 ms and 0.1 ms on the
     /// default model, paid by every request of a first wave — docs/benchmarks.md). The gateway
-    /// (per profile, at each rules load), the worker and the sidecar call it once they loaded a
-    /// profile. A template that refuses this chat costs nothing: requests get its error as
+    /// (per profile, at each rules load) and the worker call it once they loaded a profile (the
+    /// sidecar only reads a profile's digest). A template that refuses this chat costs nothing: requests get its error as
     /// before.
     pub fn warm_up(&self) {
         let _ = self.render_and_encode(&[ChatMessage::new("user", "Hello, world! 123")]);

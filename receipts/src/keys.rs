@@ -127,7 +127,7 @@ impl PublicKey {
 /// An Ed25519 key pair (the signing side of a gateway or a worker).
 ///
 /// Signatures are made by AWS-LC (`aws-lc-rs`), whose constant-time base-point multiplication
-/// is 2.2× ed25519-dalek's on this project's machines; both implement RFC 8032's deterministic
+/// is about 2× faster than ed25519-dalek's on this project's machines (docs/receipts.md); both implement RFC 8032's deterministic
 /// signing, so the 64 bytes are the same either way (tested). Parsing, PEM and verification use
 /// ed25519-dalek.
 #[derive(Clone)]
