@@ -36,6 +36,7 @@ use crate::executor::{Executor, KvGeometry};
 use crate::kv::KvEventFeed;
 use crate::sampler::{Sampler, SamplingParams, StopChecker, TextStep};
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
+use crate::step_budget::StepBudget;
 use crate::EngineError;
 
 /// Engine limits. Defaults are documented per field.
@@ -45,10 +46,17 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Requests waiting for admission before `QueueFull` (default 256).
     pub max_waiting: usize,
-    /// Tokens per forward step, decodes + prefill chunks (default 512; ≥ `max_running`).
+    /// Tokens per forward step, decodes + prefill chunks (default 256; ≥ `max_running`). 256
+    /// rather than 512 since 2026-12-04: the fairness probe's short request waits about two
+    /// steps, and side by side the smaller step lost no prefill throughput (docs/benchmarks.md,
+    /// "fairness probe").
     pub step_token_budget: usize,
-    /// Largest prefill chunk of one sequence per step (default 256).
+    /// Largest prefill chunk of one sequence per step (default 128).
     pub prefill_chunk: usize,
+    /// Time target per forward step (default none): when set, each step holds as many tokens
+    /// as fit in it on this machine, learned from the steps run (at least `max_running` and
+    /// 64, at most `step_token_budget`); see [`crate::step_budget`].
+    pub step_time_target: Option<Duration>,
     /// Admission deadline when a request gives none (default 30 s).
     pub default_admission_timeout: Duration,
     /// Hash algorithm of the block keys (default xxh3).
@@ -60,8 +68,9 @@ impl Default for EngineConfig {
         EngineConfig {
             max_running: 16,
             max_waiting: 256,
-            step_token_budget: 512,
-            prefill_chunk: 256,
+            step_token_budget: 256,
+            prefill_chunk: 128,
+            step_time_target: None,
             default_admission_timeout: Duration::from_secs(30),
             hash_algorithm: HashAlgorithm::Xxh3,
         }
@@ -299,6 +308,8 @@ pub struct EngineStats {
     pub generation_tokens: u64,
     /// Forward steps run (total).
     pub steps: u64,
+    /// Tokens the next step may hold (the fixed budget, or what the time target allows).
+    pub step_budget_tokens: usize,
     /// Prompt tokens not computed yet (waiting and running sequences).
     pub prefill_tokens: usize,
     /// Output tokens still allowed (waiting and running sequences).
@@ -453,6 +464,7 @@ impl Engine {
         let feed = KvEventFeed::new();
         let stats = Arc::new(Mutex::new(EngineStats {
             blocks_total: geometry.num_blocks,
+            step_budget_tokens: config.step_token_budget,
             blocks_free: geometry.num_blocks,
             ..EngineStats::default()
         }));
@@ -478,6 +490,11 @@ impl Engine {
             stats: stats.clone(),
             queued: queued.clone(),
             load: load_tx.clone(),
+            budget: StepBudget::new(
+                config.step_token_budget,
+                config.max_running.max(STEP_BUDGET_FLOOR),
+                config.step_time_target,
+            ),
             totals: EngineStats::default(),
             block_size: bs,
             hash_algorithm: config.hash_algorithm,
@@ -683,6 +700,8 @@ struct StepLoop {
     queued: Arc<AtomicUsize>,
     /// The latest queued work, for `event: load` messages (sent when it changes).
     load: tokio::sync::watch::Sender<prefix_index::WorkerLoad>,
+    /// Tokens per step: fixed, or learned from a time target.
+    budget: StepBudget,
     /// Cumulative counters (copied into `stats`).
     totals: EngineStats,
     block_size: BlockSize,
@@ -700,6 +719,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         "engine thread panicked".to_string()
     }
 }
+
+/// Fewest tokens a time-targeted step is cut to (with `max_running`, whichever is larger): a
+/// step pays for reading the weights whatever it holds, so tiny steps waste it.
+const STEP_BUDGET_FLOOR: usize = 64;
 
 /// Longest idle wait while requests are waiting (they are re-examined at least this often).
 const WAITING_POLL: Duration = Duration::from_millis(50);
@@ -775,7 +798,8 @@ impl StepLoop {
                 }
             }
             // 5. Plan and run one step.
-            let (plan, broken) = self.sched.schedule();
+            let offered = self.budget.tokens();
+            let (plan, broken) = self.sched.schedule_within(offered);
             for id in broken {
                 self.fail(
                     id,
@@ -783,7 +807,10 @@ impl StepLoop {
                 );
             }
             if !plan.is_empty() {
+                let started = Instant::now();
                 self.step(&plan);
+                let tokens = plan.iter().map(|c| c.len).sum();
+                self.budget.observe(tokens, offered, started.elapsed());
             }
             self.feed.publish(self.sched.take_events());
             self.publish_stats();
@@ -1042,6 +1069,7 @@ impl StepLoop {
             blocks_free: c.free,
             prefill_tokens,
             decode_tokens,
+            step_budget_tokens: self.budget.tokens(),
             ..self.totals
         };
         *self.stats.lock() = st;

@@ -23,6 +23,7 @@ pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod sim;
+pub mod step_budget;
 
 pub use engine::{
     Engine, EngineConfig, EngineHealth, EngineStats, FinishReason, GenerateRequest, OutputParams,

@@ -456,13 +456,21 @@ impl<P> Scheduler<P> {
         admitted
     }
 
-    /// Plans the next step and allocates the blocks it writes. Sequences whose allocation
-    /// failed (a broken reservation: a bug) are returned in the second list; the caller
-    /// fails and removes them.
+    /// Plans the next step within the configured `step_token_budget`; see
+    /// [`Scheduler::schedule_within`].
     pub fn schedule(&mut self) -> (Vec<Scheduled>, Vec<SeqId>) {
+        self.schedule_within(self.cfg.step_token_budget)
+    }
+
+    /// Plans the next step with at most `tokens` tokens (clamped to `[max_running,
+    /// step_token_budget]`, so every decode fits) and allocates the blocks it writes.
+    /// Sequences whose allocation failed (a broken reservation: a bug) are returned in the
+    /// second list; the caller fails and removes them.
+    pub fn schedule_within(&mut self, tokens: usize) -> (Vec<Scheduled>, Vec<SeqId>) {
         let mut plan = Vec::new();
         let mut broken = Vec::new();
-        let mut budget = self.cfg.step_token_budget;
+        let cap = self.cfg.step_token_budget.max(1);
+        let mut budget = tokens.clamp(self.cfg.max_running.clamp(1, cap), cap);
         // 1. Decodes.
         for s in self.running.iter().filter(|s| s.is_decoding()) {
             if budget == 0 {

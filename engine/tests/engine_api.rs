@@ -653,3 +653,60 @@ async fn concurrent_requests_with_one_new_prefix_compute_it_once() {
     assert_eq!(stats.prompt_tokens, 4 * 67);
     assert_eq!(stats.prefix_hit_tokens, 3 * 64);
 }
+
+/// With a time target, the step loop learns how many tokens fit in it from the steps it runs
+/// (the sim executor sleeps 0.2 ms per prefill token, so 40 ms hold 200), and chunking by the
+/// learned budget leaves the greedy output as a plain run's.
+#[tokio::test]
+async fn a_step_time_target_sizes_steps_by_their_measured_cost() {
+    let sim = SimConfig {
+        prefill_us_per_token: 200,
+        decode_us_base: 0,
+        decode_us_per_seq: 0,
+        ..SimConfig::instant(16, 512)
+    };
+    let cfg = EngineConfig {
+        max_running: 4,
+        step_token_budget: 512,
+        prefill_chunk: 512,
+        step_time_target: Some(Duration::from_millis(40)),
+        ..EngineConfig::default()
+    };
+    let engine = sim_engine(sim.clone(), cfg);
+    assert_eq!(engine.stats().step_budget_tokens, 512, "nothing learned yet");
+    let prompt: Vec<u32> = (0..2000).map(|i| (i * 7 + 3) % 500).collect();
+    let want = reference_greedy(&sim, &prompt, 4);
+    let out = collect(engine.submit(req("long", prompt, 4, ns(1))).unwrap()).await;
+    assert_eq!(out.tokens, want, "time-sized chunks give the plain run's tokens");
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    // Each step runs a little longer than its modelled sleep, so the budget sits just below 200.
+    assert!(
+        (120..=200).contains(&st.step_budget_tokens),
+        "learned budget {}",
+        st.step_budget_tokens
+    );
+    assert!(st.steps >= 8, "2,000 tokens in steps of about 200: {} steps", st.steps);
+    engine.shutdown();
+}
+
+/// Without a target the budget stays the configured token count.
+#[tokio::test]
+async fn without_a_step_time_target_the_budget_is_fixed() {
+    let sim = SimConfig {
+        prefill_us_per_token: 200,
+        ..SimConfig::instant(16, 512)
+    };
+    let cfg = EngineConfig {
+        max_running: 4,
+        step_token_budget: 512,
+        prefill_chunk: 512,
+        ..EngineConfig::default()
+    };
+    let engine = sim_engine(sim, cfg);
+    let prompt: Vec<u32> = (0..1200).map(|i| (i * 7 + 3) % 500).collect();
+    let _ = collect(engine.submit(req("long", prompt, 2, ns(1))).unwrap()).await;
+    let st = wait_stats(&engine, |s| s.running == 0).await;
+    assert_eq!(st.step_budget_tokens, 512);
+    assert!(st.steps <= 5, "1,200 tokens in steps of 512: {} steps", st.steps);
+    engine.shutdown();
+}

@@ -78,6 +78,11 @@ pub struct Args {
     /// workers that served something are known.
     #[arg(long, value_delimiter = ',')]
     pub pool: Vec<String>,
+    /// With --target: open a new connection for every request instead of reusing idle
+    /// keep-alive connections (for servers that close them under the client: against
+    /// llama-server's cpp-httplib, reused connections failed some sends before any response).
+    #[arg(long)]
+    pub fresh_connections: bool,
     /// Output folder: records.jsonl, records.csv, summary.json, ttft.svg per workload.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
@@ -135,7 +140,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|t| report::parse_threshold(t).map_err(anyhow::Error::msg))
             .collect::<Result<_, _>>()?;
-        let client = reqwest::Client::builder().build()?;
+        let mut builder = reqwest::Client::builder();
+        if args.fresh_connections {
+            builder = builder.pool_max_idle_per_host(0);
+        }
+        let client = builder.build()?;
         let context_limit = crate::bench::client::context_limit(&client, &target).await;
         let runs: Vec<(String, String)> = if args.compare.is_empty() {
             vec![(args.label.clone(), args.model.clone())]

@@ -161,6 +161,12 @@ pub struct Args {
     /// Largest prefill chunk per sequence and step.
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
+    /// Time target per engine step, ms (0 = none: every step may hold the full
+    /// --step-token-budget). With a target, each step holds as many tokens as fit in it on this
+    /// machine (learned from the steps run; at most the token budget): a short request arriving
+    /// behind long prompts waits about two steps for its first token.
+    #[arg(long)]
+    pub step_time_target_ms: Option<u64>,
     /// Admission deadline, ms (beyond it: 429 admission_timeout).
     #[arg(long)]
     pub admission_timeout_ms: Option<u64>,
@@ -344,6 +350,9 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     }
     if let Some(v) = args.prefill_chunk {
         engine_config.prefill_chunk = v;
+    }
+    if let Some(ms) = args.step_time_target_ms {
+        engine_config.step_time_target = (ms > 0).then(|| Duration::from_millis(ms));
     }
     if let Some(ms) = args.admission_timeout_ms {
         engine_config.default_admission_timeout = Duration::from_millis(ms);

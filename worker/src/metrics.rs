@@ -261,6 +261,12 @@ impl Collector for EngineCollector {
         counter(&mut enc, "engine_steps", "Engine forward steps", s.steps)?;
         gauge(
             &mut enc,
+            "engine_step_budget_tokens",
+            "Tokens the next engine step may hold (the fixed step token budget, or what the step time target allows)",
+            clamp(s.step_budget_tokens),
+        )?;
+        gauge(
+            &mut enc,
             "ready",
             "1 while the worker serves: the start-up smoke inference produced a token and the engine runs",
             i64::from(
