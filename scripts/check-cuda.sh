@@ -21,7 +21,8 @@
 # Kernels are built for compute capability 90 (H100/H200); cudaforge turns it into sm_90a.
 #
 # Usage: scripts/check-cuda.sh [check|build|env]
-#   check (default)  cargo check -p engine --features cuda --all-targets
+#   check (default)  NVRTC-compile the device executor's kernels (scripts/nvrtc-compile.py) and
+#                    ptxas them for sm_90, then cargo check -p engine --features cuda --all-targets
 #   build            check, then cargo build -p engine --features cuda --lib
 #                    (runs nvcc on every candle kernel: PTX + libmoe.a under the target dir)
 #   env              only set up the venv and print `export ...` lines: eval "$(scripts/check-cuda.sh env)"
@@ -130,6 +131,15 @@ fi
 log "$(nvcc --version | tail -2 | head -1)"
 log "CUDA_HOME=$CUDA_HOME CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CARGO_TARGET_DIR=$CARGO_TARGET_DIR"
 cd "$root"
+
+# The device executor's own kernels, compiled as the engine compiles them on a GPU (NVRTC, no
+# headers), then assembled for sm_90 to report registers and spills.
+ptx="$(mktemp --suffix=.ptx)"
+LD_LIBRARY_PATH="$cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$vpy" "$root/scripts/nvrtc-compile.py" \
+  "$cuda/lib/libnvrtc.so.13" "$root/engine/src/model/cuda/kernels.cu" "$ptx" "compute_$CUDA_COMPUTE_CAP"
+"$cuda/bin/ptxas" -arch="sm_$CUDA_COMPUTE_CAP" -v "$ptx" -o /dev/null 2>&1 |
+  grep -E "Compiling entry|registers|spill" >&2
+rm -f "$ptx"
 
 t0=$SECONDS
 log "cargo check -p engine --features cuda --all-targets"

@@ -6,6 +6,9 @@
 //! `engine/tests/vs_llamacpp.rs::llama_cpp_numerics_give_llama_cpps_greedy_tokens`; this test
 //! proves the command line and the worker's whole path (admission, chunked prefill, sampling,
 //! detokenization) keep it.
+//!
+//! `--numerics device-f32` (the device executor on the CPU): the same prompts answered with the
+//! default worker's greedy text, one at a time and all at once.
 
 #[path = "gateway_support/mod.rs"]
 mod gateway_support;
@@ -27,25 +30,24 @@ impl Drop for Worker {
     }
 }
 
-#[test]
-fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
-    let fixture: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/llamacpp/smollm2-q4_1.json"),
-        )
-        .expect("fixture"),
-    )
-    .unwrap();
+/// A `kvgate worker` process on an ephemeral port with `args`, ready.
+struct Running {
+    _worker: Worker,
+    _dir: tempfile::TempDir,
+    base: String,
+}
+
+fn start_worker(args: &[&str], rt: &tokio::runtime::Runtime, http: &reqwest::Client) -> Running {
     let dir = tempfile::tempdir().unwrap();
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let _worker = Worker(
+    let worker = Worker(
         Command::new(env!("CARGO_BIN_EXE_kvgate"))
-            .args(["worker", "--numerics", "llama-cpp", "--threads", "1"])
+            .arg("worker")
+            .args(args)
             .arg("--model")
             .arg(model_path())
             .args(["--listen", &format!("127.0.0.1:{port}")])
@@ -57,11 +59,6 @@ fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
             .expect("start kvgate worker"),
     );
     let base = format!("http://127.0.0.1:{port}");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let ready = rt.block_on(async {
@@ -76,47 +73,96 @@ fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
         assert!(Instant::now() < deadline, "the worker did not become ready");
         std::thread::sleep(Duration::from_millis(100));
     }
+    Running {
+        _worker: worker,
+        _dir: dir,
+        base,
+    }
+}
 
-    let reported: Value = rt.block_on(async {
-        http.get(format!("{base}/v1/profile"))
+fn get(rt: &tokio::runtime::Runtime, http: &reqwest::Client, url: String) -> Value {
+    rt.block_on(async { http.get(url).send().await.unwrap().json().await.unwrap() })
+}
+
+/// A greedy completion of `prompt` (token ids) with `n` tokens, EOS ignored.
+fn complete(
+    rt: &tokio::runtime::Runtime,
+    http: &reqwest::Client,
+    base: &str,
+    prompt: &[u32],
+    n: usize,
+) -> Value {
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": n,
+        "temperature": 0, "ignore_eos": true, "skip_special_tokens": false});
+    rt.block_on(async {
+        let r = http
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
             .send()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
-    assert_eq!(reported["numerics"], "llama_cpp", "{reported}");
-    let profile = PromptProfile::from_gguf(model_path()).unwrap();
-    for case in fixture["cases"].as_array().unwrap() {
-        let name = case["name"].as_str().unwrap();
-        let ids = |v: &Value| -> Vec<u32> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let prompt = ids(&case["prompt_ids"]);
-        let theirs: Vec<u32> = case["steps"]
-            .as_array()
+            .expect("completion request");
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    })
+}
+
+/// The fixture's cases: (name, prompt ids, llama.cpp's greedy ids).
+fn fixture_cases() -> Vec<(String, Vec<u32>, Vec<u32>)> {
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/llamacpp/smollm2-q4_1.json"),
+        )
+        .expect("fixture"),
+    )
+    .unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
             .unwrap()
             .iter()
-            .map(|s| s["id"].as_u64().unwrap() as u32)
-            .collect();
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    fixture["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            let theirs: Vec<u32> = case["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["id"].as_u64().unwrap() as u32)
+                .collect();
+            (
+                case["name"].as_str().unwrap().to_string(),
+                ids(&case["prompt_ids"]),
+                theirs,
+            )
+        })
+        .collect()
+}
+
+fn runtime() -> (tokio::runtime::Runtime, reqwest::Client) {
+    (
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+        reqwest::Client::new(),
+    )
+}
+
+#[test]
+fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
+    let (rt, http) = runtime();
+    let w = start_worker(&["--numerics", "llama-cpp", "--threads", "1"], &rt, &http);
+    let reported = get(&rt, &http, format!("{}/v1/profile", w.base));
+    assert_eq!(reported["numerics"], "llama_cpp", "{reported}");
+    let profile = PromptProfile::from_gguf(model_path()).unwrap();
+    for (name, prompt, theirs) in fixture_cases() {
         let want = profile.decode(&theirs, false).unwrap();
-        let body = json!({"model": "m", "prompt": prompt, "max_tokens": theirs.len(),
-            "temperature": 0, "ignore_eos": true, "skip_special_tokens": false});
-        let r: Value = rt.block_on(async {
-            let r = http
-                .post(format!("{base}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .expect("completion request");
-            assert_eq!(r.status(), 200);
-            r.json().await.unwrap()
-        });
+        let r = complete(&rt, &http, &w.base, &prompt, theirs.len());
         let got = r["choices"][0]["text"].as_str().unwrap();
         assert_eq!(
             r["usage"]["completion_tokens"].as_u64(),
@@ -129,4 +175,66 @@ fn llama_cpp_numerics_worker_answers_llama_cpps_greedy_tokens_over_http() {
         );
         println!("{name}: {got:?} = llama.cpp's");
     }
+}
+
+/// `kvgate worker --numerics device-f32` runs the device executor (the GPU path's code —
+/// candle tensor ops, device-resident paged KV cache, composed attention — here on the CPU with
+/// F32 weights): over real HTTP it answers every fixture prompt with the default worker's greedy
+/// text, and with several requests in flight at once (decodes batched, prefill chunks beside
+/// them) the same text again.
+#[test]
+fn device_numerics_worker_answers_the_default_workers_greedy_text_over_http() {
+    let (rt, http) = runtime();
+    let default = start_worker(&["--threads", "1"], &rt, &http);
+    let device = start_worker(
+        &[
+            "--numerics",
+            "device-f32",
+            "--threads",
+            "1",
+            "--prefill-chunk",
+            "16",
+        ],
+        &rt,
+        &http,
+    );
+    let reported = get(&rt, &http, format!("{}/v1/profile", device.base));
+    assert_eq!(reported["numerics"], "device_f32", "{reported}");
+    let n = 12;
+    let cases = fixture_cases();
+    let mut want = Vec::new();
+    for (name, prompt, _) in &cases {
+        let a = complete(&rt, &http, &default.base, prompt, n);
+        let b = complete(&rt, &http, &device.base, prompt, n);
+        let (a, b) = (
+            a["choices"][0]["text"].as_str().unwrap().to_string(),
+            b["choices"][0]["text"].as_str().unwrap().to_string(),
+        );
+        assert_eq!(b, a, "{name}: the device executor's greedy text");
+        println!("{name}: {b:?}");
+        want.push(a);
+    }
+    // All at once: the engine batches their decodes and chunks their prefills together.
+    let together: Vec<String> = rt.block_on(async {
+        let futs = cases.iter().map(|(_, prompt, _)| {
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": n,
+                "temperature": 0, "ignore_eos": true, "skip_special_tokens": false});
+            let http = http.clone();
+            let url = format!("{}/v1/completions", device.base);
+            async move {
+                let v: Value = http
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        });
+        futures::future::join_all(futs).await
+    });
+    assert_eq!(together, want, "concurrent requests on the device executor");
 }

@@ -673,11 +673,18 @@ async fn a_step_time_target_sizes_steps_by_their_measured_cost() {
         ..EngineConfig::default()
     };
     let engine = sim_engine(sim.clone(), cfg);
-    assert_eq!(engine.stats().step_budget_tokens, 512, "nothing learned yet");
+    assert_eq!(
+        engine.stats().step_budget_tokens,
+        512,
+        "nothing learned yet"
+    );
     let prompt: Vec<u32> = (0..2000).map(|i| (i * 7 + 3) % 500).collect();
     let want = reference_greedy(&sim, &prompt, 4);
     let out = collect(engine.submit(req("long", prompt, 4, ns(1))).unwrap()).await;
-    assert_eq!(out.tokens, want, "time-sized chunks give the plain run's tokens");
+    assert_eq!(
+        out.tokens, want,
+        "time-sized chunks give the plain run's tokens"
+    );
     let st = wait_stats(&engine, |s| s.running == 0).await;
     // Each step runs a little longer than its modelled sleep, so the budget sits just below 200.
     assert!(
@@ -685,7 +692,11 @@ async fn a_step_time_target_sizes_steps_by_their_measured_cost() {
         "learned budget {}",
         st.step_budget_tokens
     );
-    assert!(st.steps >= 8, "2,000 tokens in steps of about 200: {} steps", st.steps);
+    assert!(
+        st.steps >= 8,
+        "2,000 tokens in steps of about 200: {} steps",
+        st.steps
+    );
     engine.shutdown();
 }
 
@@ -707,6 +718,10 @@ async fn without_a_step_time_target_the_budget_is_fixed() {
     let _ = collect(engine.submit(req("long", prompt, 2, ns(1))).unwrap()).await;
     let st = wait_stats(&engine, |s| s.running == 0).await;
     assert_eq!(st.step_budget_tokens, 512);
-    assert!(st.steps <= 5, "1,200 tokens in steps of 512: {} steps", st.steps);
+    assert!(
+        st.steps <= 5,
+        "1,200 tokens in steps of 512: {} steps",
+        st.steps
+    );
     engine.shutdown();
 }

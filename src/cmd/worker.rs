@@ -37,6 +37,14 @@ pub enum Numerics {
     Exact,
     /// llama.cpp's arithmetic (`WeightFormat::LlamaCpp`).
     LlamaCpp,
+    /// The device executor with dense F32 weights (on the CPU: the GPU path's code, for
+    /// checks; on CUDA: F32 cuBLAS).
+    DeviceF32,
+    /// The device executor with dense BF16 weights (the default with `--cuda`).
+    DeviceBf16,
+    /// The device executor with the file's quantized weights (candle's CUDA kernels; F32
+    /// activations).
+    DeviceQuantized,
 }
 
 impl Numerics {
@@ -45,7 +53,27 @@ impl Numerics {
         match self {
             Numerics::Exact => engine::model::WeightFormat::CPU_DEFAULT,
             Numerics::LlamaCpp => engine::model::WeightFormat::LlamaCpp,
+            Numerics::DeviceF32 => engine::model::WeightFormat::Device(engine::model::DType::F32),
+            Numerics::DeviceBf16 => engine::model::WeightFormat::Device(engine::model::DType::BF16),
+            Numerics::DeviceQuantized => engine::model::WeightFormat::AsStored,
         }
+    }
+}
+
+/// The share of free device memory the KV cache takes with `--cuda` when neither
+/// `--kv-budget-mb` nor `--kv-memory-fraction` is given.
+pub const DEFAULT_KV_MEMORY_FRACTION: f64 = 0.85;
+
+/// Scheduler defaults with `--cuda`: a GPU step costs about the same for 1 or 100 sequences
+/// (reading the weights dominates), so many more run at once and steps hold more tokens
+/// (docs/gpu.md). Each is still overridden by its flag.
+pub fn gpu_engine_config() -> EngineConfig {
+    EngineConfig {
+        max_running: 128,
+        max_waiting: 1024,
+        step_token_budget: 4096,
+        prefill_chunk: 2048,
+        ..EngineConfig::default()
     }
 }
 
@@ -140,15 +168,25 @@ pub struct Args {
     /// Retry-After seconds on 429 / 503.
     #[arg(long, default_value_t = 1)]
     pub retry_after_s: u64,
-    /// KV cache budget of the model engine, MiB.
-    #[arg(long, default_value_t = 256)]
-    pub kv_budget_mb: usize,
+    /// KV cache budget of the model engine, MiB [default: 256; with --cuda the KV cache is
+    /// sized by --kv-memory-fraction instead unless this is given].
+    #[arg(long)]
+    pub kv_budget_mb: Option<usize>,
     /// candle compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Run the model on CUDA device 0 (needs a `--features cuda` build).
+    /// Run the model on CUDA device 0 (needs a `--features cuda` build): the device executor,
+    /// BF16 weights unless --numerics says otherwise, GPU-sized scheduler defaults (see
+    /// docs/gpu.md) and, unless --kv-budget-mb is given, --kv-memory-fraction 0.85.
     #[arg(long)]
     pub cuda: bool,
+    /// Device executor's attention: `fused` (CUDA kernels; the default on CUDA) or `composed`
+    /// (candle tensor ops; the default on the CPU).
+    #[arg(long, value_parser = ["fused", "composed"])]
+    pub attention: Option<String>,
+    /// On CUDA: the KV cache takes this share of the device memory left free by the weights.
+    #[arg(long)]
+    pub kv_memory_fraction: Option<f64>,
     /// Sequences running at once.
     #[arg(long)]
     pub max_running: Option<usize>,
@@ -322,7 +360,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
     let engine = match args.engine {
         EngineKind::Model => EngineChoice::Model {
-            kv_budget_bytes: args.kv_budget_mb.saturating_mul(1 << 20),
+            kv_budget_bytes: args.kv_budget_mb.unwrap_or(256).saturating_mul(1 << 20),
             threads: args.threads,
             cuda: args.cuda,
         },
@@ -338,7 +376,11 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
             panic_at_step: None,
         }),
     };
-    let mut engine_config = EngineConfig::default();
+    let mut engine_config = if args.cuda {
+        gpu_engine_config()
+    } else {
+        EngineConfig::default()
+    };
     if let Some(v) = args.max_running {
         engine_config.max_running = v;
     }
@@ -414,6 +456,18 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     cfg.settings = settings;
     cfg.profile = Some(profile);
     cfg.weight_format = args.numerics.map(Numerics::weight_format);
+    cfg.device = worker::DeviceSettings {
+        attention: match args.attention.as_deref() {
+            Some("fused") => Some(engine::model::AttentionKind::Fused),
+            Some("composed") => Some(engine::model::AttentionKind::Composed),
+            _ => None,
+        },
+        kv_memory_fraction: match (args.kv_memory_fraction, args.cuda, args.kv_budget_mb) {
+            (Some(f), _, _) => Some(f),
+            (None, true, None) => Some(DEFAULT_KV_MEMORY_FRACTION),
+            _ => None,
+        },
+    };
     cfg.tls = args.tls.server_tls();
     if let Some(url) = &args.register {
         cluster::check_url(url).context("--register")?;

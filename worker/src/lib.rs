@@ -85,6 +85,17 @@ impl EngineChoice {
     }
 }
 
+/// The device executor's settings (`engine::model::DeviceExecutor`: used on CUDA, and on the
+/// CPU with a `WeightFormat::Device` format).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceSettings {
+    /// Attention kernels; `None`: fused on CUDA, composed on the CPU.
+    pub attention: Option<engine::model::AttentionKind>,
+    /// On CUDA, the KV cache takes this share of the device memory free after the weights
+    /// loaded (instead of `kv_budget_bytes`); `None` keeps `kv_budget_bytes`.
+    pub kv_memory_fraction: Option<f64>,
+}
+
 /// Default preallocated KV budget of a model worker: 256 MiB (≈ 5,700 SmolLM2 tokens in f32).
 pub const DEFAULT_KV_BUDGET_BYTES: usize = 256 << 20;
 
@@ -162,6 +173,9 @@ pub struct WorkerConfig {
     /// The model engine's arithmetic (`None`: `engine::model::default_format` for the device —
     /// `Exact` on CPU); `Some(WeightFormat::LlamaCpp)` gives llama.cpp's greedy tokens.
     pub weight_format: Option<engine::model::WeightFormat>,
+    /// Where the model runs on a GPU (or with `WeightFormat::Device` on the CPU): the device
+    /// executor's attention and KV budget.
+    pub device: DeviceSettings,
     /// The engine's scheduler knobs; its `hash_algorithm` is overridden by the settings'.
     pub engine_config: EngineConfig,
     /// The worker's receipt-signing key.
@@ -195,6 +209,7 @@ impl WorkerConfig {
             profile: None,
             engine,
             weight_format: None,
+            device: DeviceSettings::default(),
             engine_config: EngineConfig::default(),
             key,
             gateway_keys: KeyRing::new(),
@@ -330,6 +345,7 @@ fn build_executor(
     model_path: &std::path::Path,
     block_size: usize,
     weight_format: Option<engine::model::WeightFormat>,
+    dev_settings: DeviceSettings,
 ) -> Result<(Box<dyn Executor>, Option<&'static str>), WorkerError> {
     match choice {
         EngineChoice::Sim(cfg) => {
@@ -352,22 +368,56 @@ fn build_executor(
             engine::model::configure_compute_threads(*threads);
             let device = engine::model::device(*cuda)?;
             let format = weight_format.unwrap_or_else(|| engine::model::default_format(&device));
-            let weights = engine::model::LlamaWeights::load(model_path, &device, format)?;
-            let num_blocks = weights.blocks_for_budget(*kv_budget_bytes, block_size);
+            let weights = Arc::new(engine::model::LlamaWeights::load(
+                model_path, &device, format,
+            )?);
+            let on_device =
+                !device.is_cpu() || matches!(format, engine::model::WeightFormat::Device(_));
+            let (per_token, budget) = if on_device {
+                let budget = match (
+                    dev_settings.kv_memory_fraction,
+                    engine::model::device_memory(&device),
+                ) {
+                    (Some(f), Some((free, _))) if f > 0.0 && f <= 1.0 => (free as f64 * f) as usize,
+                    (Some(f), Some(_)) => {
+                        return Err(startup(
+                            "model engine",
+                            format!("--kv-memory-fraction {f} is not within (0, 1]"),
+                        ))
+                    }
+                    _ => *kv_budget_bytes,
+                };
+                (
+                    engine::model::DeviceExecutor::kv_bytes_per_token(&weights),
+                    budget,
+                )
+            } else {
+                (weights.kv_bytes_per_token(), *kv_budget_bytes)
+            };
+            let num_blocks = engine::model::blocks_for_budget(per_token, budget, block_size);
             if num_blocks == 0 {
                 return Err(startup(
                     "model engine",
-                    format!("a KV budget of {kv_budget_bytes} bytes holds no block"),
+                    format!("a KV budget of {budget} bytes holds no block"),
                 ));
             }
-            let exec = engine::model::LlamaExecutor::new(
-                Arc::new(weights),
-                KvGeometry {
-                    block_size,
-                    num_blocks,
-                },
-            )?;
-            Ok((Box::new(exec), Some(format.name())))
+            let geometry = KvGeometry {
+                block_size,
+                num_blocks,
+            };
+            let exec: Box<dyn Executor> = if on_device {
+                let attention = dev_settings.attention.unwrap_or(if device.is_cuda() {
+                    engine::model::AttentionKind::Fused
+                } else {
+                    engine::model::AttentionKind::Composed
+                });
+                Box::new(engine::model::DeviceExecutor::new(
+                    weights, geometry, attention,
+                )?)
+            } else {
+                Box::new(engine::model::LlamaExecutor::new(weights, geometry)?)
+            };
+            Ok((exec, Some(format.name())))
         }
     }
 }
@@ -385,6 +435,7 @@ pub async fn spawn(
         profile,
         engine: choice,
         weight_format,
+        device: dev_settings,
         mut engine_config,
         key,
         gateway_keys,
@@ -413,7 +464,13 @@ pub async fn spawn(
                     .map_err(|e| startup("prompt profile", format!("{}: {e}", path.display())))?,
             };
             profile.warm_up();
-            let (exec, numerics) = build_executor(&choice, &path, block_size.get(), weight_format)?;
+            let (exec, numerics) = build_executor(
+                &choice,
+                &path,
+                block_size.get(),
+                weight_format,
+                dev_settings,
+            )?;
             Ok((profile, exec, numerics))
         })
         .await

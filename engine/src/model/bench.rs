@@ -166,7 +166,7 @@ pub fn run_engine_bench(
     run(&EngineBenchConfig::new(model_path.as_ref(), threads))
 }
 
-/// Runs the benchmark described by `cfg`.
+/// Runs the benchmark described by `cfg` on the CPU executor.
 pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, EngineError> {
     let threads = super::configure_compute_threads(cfg.threads);
     let t0 = Instant::now();
@@ -176,18 +176,56 @@ pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, EngineError> {
         cfg.format,
     )?);
     let load_s = t0.elapsed().as_secs_f64();
-    let bs = cfg.block_size.max(1);
-    let max_streams = cfg.concurrency.iter().copied().max().unwrap_or(1).max(1);
-    let per_stream = cfg.decode_context + cfg.decode_steps + 1;
-    let need = (cfg.prefill_tokens.div_ceil(bs))
-        .max(max_streams * per_stream.div_ceil(bs))
-        .max((cfg.cached_prefix + cfg.cached_suffix).div_ceil(bs))
-        + 1;
-    let geometry = KvGeometry {
-        block_size: bs,
-        num_blocks: need,
-    };
-    let mut exec = LlamaExecutor::new(Arc::clone(&weights), geometry)?;
+    let mut exec = LlamaExecutor::new(Arc::clone(&weights), cfg.geometry())?;
+    measure(
+        cfg,
+        &mut exec,
+        weights.config().arch,
+        threads,
+        cfg.format,
+        load_s,
+    )
+}
+
+impl EngineBenchConfig {
+    /// The KV geometry the benchmark needs: every figure's sequences side by side, plus one
+    /// block.
+    pub fn geometry(&self) -> KvGeometry {
+        let bs = self.block_size.max(1);
+        let max_streams = self.concurrency.iter().copied().max().unwrap_or(1).max(1);
+        let per_stream = self.decode_context + self.decode_steps + 1;
+        let need = (self.prefill_tokens.div_ceil(bs))
+            .max(max_streams * per_stream.div_ceil(bs))
+            .max((self.cached_prefix + self.cached_suffix).div_ceil(bs))
+            + 1;
+        KvGeometry {
+            block_size: bs,
+            num_blocks: need,
+        }
+    }
+}
+
+/// Measures `cfg`'s figures on any executor whose KV storage is at least
+/// [`EngineBenchConfig::geometry`] (the CPU executor, or the device executor on a GPU:
+/// `engine/examples/gpu_check.rs`). Every timed step returns logits, so a device's queue is
+/// drained inside each timing.
+pub fn measure(
+    cfg: &EngineBenchConfig,
+    exec: &mut dyn Executor,
+    architecture: super::weights::Architecture,
+    threads: usize,
+    format: WeightFormat,
+    load_s: f64,
+) -> Result<EngineBenchReport, EngineError> {
+    let geometry = exec.geometry();
+    let bs = geometry.block_size;
+    let need = geometry.num_blocks;
+    if bs != cfg.block_size.max(1) || need < cfg.geometry().num_blocks {
+        return Err(EngineError::InvalidRequest(format!(
+            "the executor's KV storage {geometry:?} is smaller than the benchmark's {:?}",
+            cfg.geometry()
+        )));
+    }
     let repeats = cfg.repeats.max(1);
     let fresh = || Tables {
         next: 0,
@@ -293,9 +331,9 @@ pub fn run(cfg: &EngineBenchConfig) -> Result<EngineBenchReport, EngineError> {
     }
 
     Ok(EngineBenchReport {
-        architecture: weights.config().arch,
+        architecture,
         threads,
-        format: cfg.format,
+        format,
         load_s,
         prefill_tokens: p.len(),
         prefill_tok_s,

@@ -90,51 +90,6 @@ impl LlamaExecutor {
         &self.weights
     }
 
-    /// Checks a chunk against the geometry and vocabulary and lists the cache slot of every
-    /// position `0..start_pos + len`.
-    fn chunk_slots(
-        &self,
-        c: &SeqChunk<'_>,
-        token_offset: usize,
-    ) -> Result<ChunkSlots, EngineError> {
-        let bs = self.geometry.block_size;
-        if c.tokens.is_empty() {
-            return Err(EngineError::InvalidRequest("empty chunk".into()));
-        }
-        let vocab = self.weights.config().vocab_size;
-        if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {t} outside the vocabulary of {vocab}"
-            )));
-        }
-        let end = c.start_pos + c.tokens.len();
-        let blocks = end.div_ceil(bs);
-        if c.block_table.len() < blocks {
-            return Err(EngineError::InvalidRequest(format!(
-                "block table has {} blocks, positions up to {end} need {blocks}",
-                c.block_table.len()
-            )));
-        }
-        let mut slots = Vec::with_capacity(end);
-        for &b in &c.block_table[..blocks] {
-            let b = b as usize;
-            if b >= self.geometry.num_blocks {
-                return Err(EngineError::InvalidRequest(format!(
-                    "block id {b} outside the cache of {} blocks",
-                    self.geometry.num_blocks
-                )));
-            }
-            let room = (end - slots.len()).min(bs);
-            slots.extend((0..room).map(|o| b * bs + o));
-        }
-        Ok(ChunkSlots {
-            token_offset,
-            len: c.tokens.len(),
-            start_pos: c.start_pos,
-            slots,
-        })
-    }
-
     fn forward_inner(
         &mut self,
         chunks: &[SeqChunk<'_>],
@@ -147,7 +102,12 @@ impl LlamaExecutor {
         let mut ids = Vec::new();
         let mut layouts = Vec::with_capacity(chunks.len());
         for c in chunks {
-            layouts.push(self.chunk_slots(c, ids.len())?);
+            layouts.push(chunk_slots(
+                self.geometry,
+                self.weights.config().vocab_size,
+                c,
+                ids.len(),
+            )?);
             ids.extend_from_slice(c.tokens);
         }
         let total = ids.len();
@@ -305,6 +265,52 @@ impl LlamaExecutor {
         }
         Ok(out)
     }
+}
+
+/// Checks a chunk against the KV geometry and the vocabulary and lists the cache slot of every
+/// position `0..start_pos + len` (shared by [`LlamaExecutor`] and
+/// [`super::device::DeviceExecutor`], so both refuse the same chunks).
+pub(crate) fn chunk_slots(
+    geometry: KvGeometry,
+    vocab: usize,
+    c: &SeqChunk<'_>,
+    token_offset: usize,
+) -> Result<ChunkSlots, EngineError> {
+    let bs = geometry.block_size;
+    if c.tokens.is_empty() {
+        return Err(EngineError::InvalidRequest("empty chunk".into()));
+    }
+    if let Some(t) = c.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::InvalidRequest(format!(
+            "token id {t} outside the vocabulary of {vocab}"
+        )));
+    }
+    let end = c.start_pos + c.tokens.len();
+    let blocks = end.div_ceil(bs);
+    if c.block_table.len() < blocks {
+        return Err(EngineError::InvalidRequest(format!(
+            "block table has {} blocks, positions up to {end} need {blocks}",
+            c.block_table.len()
+        )));
+    }
+    let mut slots = Vec::with_capacity(end);
+    for &b in &c.block_table[..blocks] {
+        let b = b as usize;
+        if b >= geometry.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "block id {b} outside the cache of {} blocks",
+                geometry.num_blocks
+            )));
+        }
+        let room = (end - slots.len()).min(bs);
+        slots.extend((0..room).map(|o| b * bs + o));
+    }
+    Ok(ChunkSlots {
+        token_offset,
+        len: c.tokens.len(),
+        start_pos: c.start_pos,
+        slots,
+    })
 }
 
 /// RMSNorm of every row of `x` (`[rows, alpha.len()]`) into `out`, computed as candle's

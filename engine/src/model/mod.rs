@@ -7,9 +7,12 @@
 //! Does not own: which KV blocks a sequence uses (the engine's block pool), sampling,
 //! scheduling, tokenization.
 //!
-//! Device: CPU by default. With the crate's `cuda` feature, [`device`] can return CUDA device 0;
-//! the matmuls then run on the GPU while attention and the KV cache stay in host memory (see
-//! [`executor`]'s docs: correct, not tuned).
+//! Device: CPU by default ([`LlamaExecutor`]: host kernels, host KV cache). On a GPU (the
+//! crate's `cuda` feature, [`device`] returning CUDA device 0) the model runs in
+//! [`DeviceExecutor`] ([`device`](mod@device)): weights, activations, the paged KV cache and
+//! attention on the device, per step one upload of token ids, positions and block tables and
+//! one download of the sampling rows' logits. The same executor runs on the CPU with F32
+//! weights, which is how its equality with [`LlamaExecutor`] is tested without a GPU.
 //!
 //! Threads: candle runs CPU work on one process-wide pool sized from `CANDLE_NUM_THREADS` /
 //! `RAYON_NUM_THREADS` when it first starts; [`configure_compute_threads`] sets them and must run
@@ -20,8 +23,12 @@
 
 pub mod attention;
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+pub mod device;
 pub mod executor;
 pub(crate) mod gemm;
+pub mod golden;
 pub(crate) mod int8;
 pub(crate) mod packed;
 pub mod reference;
@@ -29,6 +36,9 @@ pub mod tiny;
 pub mod weights;
 
 pub use bench::{run_engine_bench, EngineBenchConfig, EngineBenchReport};
+/// The element types of [`WeightFormat::Device`] (candle's).
+pub use candle_core::DType;
+pub use device::{AttentionKind, DeviceExecutor};
 pub use executor::LlamaExecutor;
 pub use weights::{blocks_for_budget, HeadPrecision, LlamaConfig, LlamaWeights, WeightFormat};
 
@@ -48,16 +58,46 @@ pub fn configure_compute_threads(threads: usize) -> usize {
 }
 
 /// The compute device: CUDA device 0 when `cuda` is requested and the crate was built with the
-/// `cuda` feature, else the CPU.
+/// `cuda` feature, else the CPU. On CUDA every operation of the process runs on one stream of
+/// its own (whichever thread issues it), so they are ordered without events.
 pub fn device(cuda: bool) -> Result<candle_core::Device, EngineError> {
+    device_with(cuda, EventTracking::Off)
+}
+
+/// Whether candle records a CUDA event on every tensor use ([`device_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventTracking {
+    /// candle's default: each op waits for the last writer of its inputs by event, which
+    /// multi-stream code needs and one stream does not (an event record and wait per op).
+    On,
+    /// Off: correct because every op is issued on the device's one stream.
+    Off,
+}
+
+/// [`device`] with a choice of candle's per-tensor event tracking (measured both ways by
+/// `scripts/gpu-check.sh`).
+pub fn device_with(
+    cuda: bool,
+    tracking: EventTracking,
+) -> Result<candle_core::Device, EngineError> {
     if cuda {
         #[cfg(feature = "cuda")]
         {
-            return candle_core::Device::new_cuda(0)
-                .map_err(|e| EngineError::Model(format!("CUDA device 0: {e}")));
+            let dev = candle_core::Device::new_cuda_with_stream(0)
+                .map_err(|e| EngineError::Model(format!("CUDA device 0: {e}")))?;
+            if tracking == EventTracking::Off {
+                if let Ok(c) = dev.as_cuda_device() {
+                    // SAFETY: every tensor of this device is created and used on its one
+                    // stream (`new_cuda_with_stream`), so stream order alone orders writes
+                    // before reads and uses before frees; host reads synchronize the stream.
+                    unsafe { c.disable_event_tracking() };
+                }
+            }
+            return Ok(dev);
         }
         #[cfg(not(feature = "cuda"))]
         {
+            let _ = tracking;
             return Err(EngineError::Model(
                 "this build has no CUDA support (build with `--features cuda`)".into(),
             ));
@@ -66,12 +106,22 @@ pub fn device(cuda: bool) -> Result<candle_core::Device, EngineError> {
     Ok(candle_core::Device::Cpu)
 }
 
-/// The default weight format for a device: [`WeightFormat::Exact`] on CPU, the file's own
-/// quantization on GPUs (candle has Q4_1 CUDA kernels).
+/// The default weight format for a device: [`WeightFormat::Exact`] on CPU (the host
+/// kernels of [`LlamaExecutor`]), dense BF16 on GPUs ([`DeviceExecutor`], cuBLAS).
 pub fn default_format(device: &candle_core::Device) -> WeightFormat {
     if device.is_cpu() {
         WeightFormat::CPU_DEFAULT
     } else {
-        WeightFormat::AsStored
+        WeightFormat::Device(candle_core::DType::BF16)
     }
+}
+
+/// `(free, total)` bytes of a CUDA device's memory; `None` on other devices.
+pub fn device_memory(device: &candle_core::Device) -> Option<(usize, usize)> {
+    #[cfg(feature = "cuda")]
+    if let Ok(cuda) = device.as_cuda_device() {
+        return cuda.cuda_stream().context().mem_get_info().ok();
+    }
+    let _ = device;
+    None
 }

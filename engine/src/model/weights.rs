@@ -152,6 +152,11 @@ pub enum WeightFormat {
     /// and per token, so results do not depend on step size, chunking or prefix caching. Slower
     /// than [`WeightFormat::Exact`] on CPU (docs/benchmarks.md).
     LlamaCpp,
+    /// Dense matrices in `DType` on the model's device (no host copies) for
+    /// [`super::device::DeviceExecutor`]: `BF16` (the default with `--cuda`, cuBLAS) or `F16` on
+    /// a GPU, `F32` on the CPU (the device executor's CPU check). The embedding is kept in the
+    /// same dtype.
+    Device(DType),
 }
 
 impl WeightFormat {
@@ -170,6 +175,9 @@ impl WeightFormat {
             WeightFormat::Exact { .. } => "exact",
             WeightFormat::Hybrid { .. } => "hybrid",
             WeightFormat::LlamaCpp => "llama_cpp",
+            WeightFormat::Device(DType::BF16) => "device_bf16",
+            WeightFormat::Device(DType::F16) => "device_f16",
+            WeightFormat::Device(_) => "device_f32",
         }
     }
 
@@ -183,7 +191,7 @@ impl WeightFormat {
     pub fn use_dense(&self, tokens: usize) -> bool {
         match self {
             WeightFormat::AsStored | WeightFormat::Q8_0 | WeightFormat::LlamaCpp => false,
-            WeightFormat::F32 => true,
+            WeightFormat::F32 | WeightFormat::Device(_) => true,
             WeightFormat::Hybrid { dense_min_tokens }
             | WeightFormat::Exact { dense_min_tokens } => tokens >= *dense_min_tokens,
         }
@@ -264,7 +272,9 @@ impl Linear {
         } else {
             None
         };
-        let dense = if want_dense && panels.is_none() {
+        let dense = if let WeightFormat::Device(dtype) = format {
+            Some(w.to_dtype(dtype)?.to_device(device)?)
+        } else if want_dense && panels.is_none() {
             Some(w.to_device(device)?)
         } else {
             None
@@ -277,6 +287,12 @@ impl Linear {
             out_features,
             in_features,
         })
+    }
+
+    /// Whether the matrix has a dense copy on its device (else it is quantized: candle's
+    /// `QMatMul`, which takes F32 activations).
+    pub(crate) fn is_dense(&self) -> bool {
+        self.dense.is_some()
     }
 
     /// Output width.
@@ -592,7 +608,12 @@ impl LlamaConfig {
 
     /// Bytes of f32 K and V cache one token occupies across all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.n_layer * self.n_kv_head * self.head_dim * 2 * std::mem::size_of::<f32>()
+        self.kv_bytes_per_token_in(DType::F32)
+    }
+
+    /// Bytes of K and V cache one token occupies across all layers with elements of `dtype`.
+    pub fn kv_bytes_per_token_in(&self, dtype: DType) -> usize {
+        self.n_layer * self.n_kv_head * self.head_dim * 2 * dtype.size_in_bytes()
     }
 }
 
@@ -665,7 +686,10 @@ impl LlamaWeights {
         };
 
         let embd_q = r.qtensor("token_embd.weight")?;
-        let embedding = embd_q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let embedding = embd_q.dequantize(&Device::Cpu)?.to_dtype(match format {
+            WeightFormat::Device(dtype) => dtype,
+            _ => DType::F32,
+        })?;
         let (rows, cols) = embedding.dims2()?;
         if rows != config.vocab_size || cols != config.hidden {
             return Err(EngineError::Model(format!(
@@ -695,7 +719,10 @@ impl LlamaWeights {
                 Some(
                     head_q
                         .dequantize(&Device::Cpu)?
-                        .to_dtype(DType::F32)?
+                        .to_dtype(match format {
+                            WeightFormat::Device(dtype) => dtype,
+                            _ => DType::F32,
+                        })?
                         .to_device(device)?,
                 ),
             ),
@@ -847,6 +874,19 @@ impl LlamaWeights {
             .to_device(&Device::Cpu)?
             .flatten_all()?
             .to_vec1()?)
+    }
+
+    /// Logits `[rows, vocab]` (F32) of final-normed hidden states `x` on the weights' device, in
+    /// the dtype of the dense head (the embedding when tied) or through the quantized head.
+    pub(crate) fn lm_head_device(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        let y = match (&self.lm_head_q, &self.lm_head_dense) {
+            (Some(q), _) => q.forward(&x.to_dtype(DType::F32)?)?,
+            (None, Some(w)) => x.to_dtype(w.dtype())?.matmul(&w.t()?)?,
+            (None, None) => x
+                .to_dtype(self.embedding.dtype())?
+                .matmul(&self.embedding.t()?)?,
+        };
+        Ok(y.to_dtype(DType::F32)?)
     }
 
     /// How the output projection is computed.
