@@ -7,6 +7,8 @@
 #         .gpu/a/model.part-a         first 56 MiB of the default model
 #         .gpu/b/model.part-b         the rest of it
 #         .gpu/b/gpu_check.xz         the binary (54 MB stripped, 6 MB compressed)
+#         .gpu/b/kvgate.xz            with WITH_WORKER=1: kvgate itself, --features cuda (a
+#                                     release build of the whole workspace: ~25 min more)
 #       (two folders, so that each fits one 64 MiB transfer of a machine that only takes that
 #       much at a time; both are git-ignored).
 #
@@ -22,6 +24,7 @@
 #       from the CPU's or a stage failed. Under 8 minutes on an H200 (GPU_CHECK_DEADLINE_S=420
 #       stops starting new stages after 7 minutes).
 #
+# GPU_CHECK_SKIP_ENGINE=1 skips the engine check (only the worker's, when kvgate travelled).
 # KVGATE_CUDA_KERNELS=FILE makes the binary compile FILE instead of its built-in kernel source
 # (e.g. engine/src/model/cuda/kernels.cu of the tree that travelled, after an edit).
 set -euo pipefail
@@ -42,6 +45,13 @@ prepare)
   strip -o .gpu/gpu_check "$CARGO_TARGET_DIR/release/examples/gpu_check"
   xz -T2 -6 -c .gpu/gpu_check >.gpu/b/gpu_check.xz
   rm .gpu/gpu_check
+  if [ "${WITH_WORKER:-0}" = 1 ]; then
+    log "cargo build --release --features cuda --bin kvgate"
+    cargo build --release --features cuda --bin kvgate
+    strip -o .gpu/kvgate "$CARGO_TARGET_DIR/release/kvgate"
+    xz -T2 -6 -c .gpu/kvgate >.gpu/b/kvgate.xz
+    rm .gpu/kvgate
+  fi
   model="${KVGATE_MODEL_DIR:-$root/models}/$MODEL_FILE"
   head -c $((56 * 1024 * 1024)) "$model" >.gpu/a/model.part-a
   tail -c +$((56 * 1024 * 1024 + 1)) "$model" >.gpu/b/model.part-b
@@ -87,10 +97,26 @@ EOF
   ldd "$bin" | grep -E "cuda|cublas|curand|nvrtc|not found" || true
   deadline="${GPU_CHECK_DEADLINE_S:-420}"
   rc=0
-  timeout $((deadline + 90)) "$bin" "$model" --out "$out/gpu-check.json" \
-    --deadline-s "$deadline" >"$out/gpu-check.stdout" || rc=$?
+  if [ "${GPU_CHECK_SKIP_ENGINE:-0}" != 1 ]; then
+    timeout $((deadline + 90)) "$bin" "$model" --out "$out/gpu-check.json" \
+      --deadline-s "$deadline" >"$out/gpu-check.stdout" || rc=$?
+  else
+    : >"$out/gpu-check.stdout"
+  fi
   cat "$out/gpu-check.stdout"
   log "gpu_check exited with $rc"
+  # The worker over HTTP on the GPU, when kvgate travelled (WITH_WORKER=1 at prepare).
+  if [ -f .gpu/b/kvgate.xz ]; then
+    kv=/tmp/kvgate-cuda
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      .gpu/b/kvgate.xz "$kv"
+    chmod +x "$kv"
+    wrc=0
+    timeout 420 python3 scripts/gpu-worker-check.py "$kv" "$model" >"$out/gpu-worker-check.json" || wrc=$?
+    cat "$out/gpu-worker-check.json"
+    log "gpu-worker-check exited with $wrc"
+    [ "$rc" = 0 ] && rc=$wrc
+  fi
   exit "$rc"
   ;;
 *)

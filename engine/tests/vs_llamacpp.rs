@@ -64,14 +64,24 @@ fn real_model_agrees(model: &std::path::Path, fixture: &str) -> f64 {
     real_model_agrees_with(model, fixture, WeightFormat::CPU_DEFAULT).0
 }
 
+/// A position where the engine's argmax is not llama.cpp's greedy token.
+#[derive(Debug)]
+struct Differs {
+    case: String,
+    position: usize,
+    /// llama.cpp's log-probability gap between its top two.
+    their_gap: f64,
+    /// Ours, between our argmax and llama.cpp's greedy token (which must be in our top 5).
+    our_gap: f64,
+}
+
 /// [`real_model_agrees`] with the weights in `format`; also returns the positions where the
-/// engine's argmax is not llama.cpp's greedy token, as `(case, position, llama.cpp's
-/// log-probability gap between its top two)`.
+/// engine's argmax is not llama.cpp's greedy token.
 fn real_model_agrees_with(
     model: &std::path::Path,
     fixture: &str,
     format: WeightFormat,
-) -> (f64, Vec<(String, usize, f64)>) {
+) -> (f64, Vec<Differs>) {
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("tests/fixtures/llamacpp").join(fixture))
             .expect("fixture"),
@@ -151,7 +161,15 @@ fn real_model_agrees_with(
             // Teacher forcing: continue with llama.cpp's token.
             let theirs_greedy = step["id"].as_u64().unwrap() as u32;
             if ours[0].0 != theirs_greedy {
-                greedy_differs.push((name.to_string(), k, theirs[0].1 - theirs[1].1));
+                greedy_differs.push(Differs {
+                    case: name.to_string(),
+                    position: k,
+                    their_gap: theirs[0].1 - theirs[1].1,
+                    our_gap: ours
+                        .iter()
+                        .find(|(t, _)| *t == theirs_greedy)
+                        .map_or(f64::INFINITY, |x| ours[0].1 - x.1),
+                });
             }
             tokens.push(theirs_greedy);
         }
@@ -170,19 +188,30 @@ fn next_token_distributions_agree_with_llama_cpp() {
 }
 
 /// `WeightFormat::LlamaCpp` (llama.cpp's arithmetic: 8-bit activations in the block products,
-/// keys and values rounded to f16) gives llama.cpp's greedy token at every one of SmolLM2's 48
-/// positions — the near tie included — and a probability within 0.08 of llama.cpp's for each
-/// of its top 5 (measured 0.070; `Exact`: 0.117 and one greedy difference, `AsStored`, without
-/// the f16 rounding: 0.108 and two). Gemma 3 270M (a pretrained model: flat distributions on
-/// the fixture's counting prompt) differs at two of 36 positions, where llama.cpp's own top two
-/// are 0.14 and 0.17 apart (`Exact`: two, 0.10 and 0.014 apart) — llama.cpp's attention keeps more in f16
-/// than the cache (rounding the queries too made SmolLM2 worse, so that is not it): every
-/// difference must be such a near tie, below 0.2.
+/// keys and values rounded to f16) gives llama.cpp's greedy token at SmolLM2's 48 positions —
+/// the near tie included — except where our own top two are within 0.02 of each other (then
+/// the summation order of the machine's kernels decides: on the AVX-512 machines where the
+/// fixture was first compared all 48 matched; on an AVX2-only AMD EPYC (2026-12-04) position 9
+/// of the `kv` case, where our top two are 0.009 apart and llama.cpp's 0.29, takes our other
+/// token), and a probability within 0.08 of llama.cpp's for each of its top 5 (measured 0.066–
+/// 0.070; `Exact`: 0.117 and one greedy difference, `AsStored`, without the f16 rounding: 0.108
+/// and two). Gemma 3 270M (a pretrained model: flat distributions on the fixture's counting
+/// prompt) differs at two of 36 positions, where llama.cpp's own top two are 0.14 and 0.17 apart
+/// (`Exact`: two, 0.10 and 0.014 apart) — llama.cpp's attention keeps more in f16 than the cache
+/// (rounding the queries too made SmolLM2 worse, so that is not it): every difference must be
+/// such a near tie, below 0.2.
 #[test]
 fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
     let (worst, differs) =
         real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::LlamaCpp);
-    assert!(differs.is_empty(), "greedy tokens differ at {differs:?}");
+    assert!(
+        differs.iter().all(|d| d.our_gap < 0.02),
+        "greedy tokens differ beyond our own near ties: {differs:?}"
+    );
+    assert!(
+        differs.len() <= 1,
+        "more than one of 48 positions differs: {differs:?}"
+    );
     assert!(
         worst <= 0.08,
         "largest probability difference {worst:.3} > 0.08"
@@ -191,7 +220,7 @@ fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
     let (_, differs) =
         real_model_agrees_with(&gemma, "gemma3-270m-q4_k_m.json", WeightFormat::LlamaCpp);
     assert!(
-        differs.iter().all(|(_, _, gap)| *gap < 0.2),
+        differs.iter().all(|d| d.their_gap < 0.2),
         "greedy differs beyond llama.cpp's near ties: {differs:?}"
     );
 }
