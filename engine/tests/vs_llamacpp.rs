@@ -204,6 +204,12 @@ fn next_token_distributions_agree_with_llama_cpp() {
 fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
     let (worst, differs) =
         real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::LlamaCpp);
+    for d in &differs {
+        println!(
+            "{} position {}: our top two {:.3} apart, llama.cpp's {:.3}",
+            d.case, d.position, d.our_gap, d.their_gap
+        );
+    }
     assert!(
         differs.iter().all(|d| d.our_gap < 0.02),
         "greedy tokens differ beyond our own near ties: {differs:?}"

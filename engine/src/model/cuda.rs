@@ -344,36 +344,9 @@ impl Kernels {
             DType::F32 => &self.attention_f32,
             _ => &self.attention_bf16,
         };
-        let s = &self.stream;
-        let args = [
-            ptr(Some(a.q), s)?,
-            ptr(Some(a.k_cache), s)?,
-            ptr(Some(a.v_cache), s)?,
-            ptr(Some(a.positions), s)?,
-            ptr(Some(a.seq), s)?,
-            ptr(Some(a.tables), s)?,
-        ];
-        let ints = self.ints(a)?;
-        let window = as_i32(a.window.unwrap_or(0), "window")?;
-        let out_ptr = ptr(Some(a.out), s)?;
-        let mut b = self.stream.launch_builder(func);
-        for p in &args {
-            b.arg(p);
-        }
-        for i in &ints {
-            b.arg(i);
-        }
-        b.arg(&a.scale);
-        b.arg(&window);
-        b.arg(&out_ptr);
-        let cfg = LaunchConfig {
-            grid_dim: (as_u32(t, "tokens")?, as_u32(a.n_head, "heads")?, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as in `qkv_prep`.
-        unsafe { b.launch(cfg) }.map_err(|e| err("paged_attention launch", e))?;
-        Ok(())
+        // SAFETY (of the launch): as in `qkv_prep`; `seq` gives every token's chunk, whose
+        // block table covers its position.
+        self.launch_attention(func, a, a.seq, t, 32, "paged_attention")
     }
 
     /// Runs `tile_attention` into `a.out` over `n_tiles` tiles (`tiles`: first row, rows,
@@ -395,16 +368,38 @@ impl Kernels {
             DType::F32 => &self.tile_f32,
             _ => &self.tile_bf16,
         };
+        // SAFETY (of the launch): as in `qkv_prep`; every tile's rows are rows of `q` and `out`
+        // of one chunk whose block table covers their positions.
+        self.launch_attention(func, a, tiles, n_tiles, 128, "tile_attention")
+    }
+
+    /// Launches an attention kernel (both take the same arguments; `index` is the per-token
+    /// chunk index or the tile list) over a `(grid_x, n_head)` grid of `threads` threads.
+    fn launch_attention(
+        &self,
+        func: &CudaFunction,
+        a: &Attention<'_>,
+        index: &Tensor,
+        grid_x: usize,
+        threads: u32,
+        name: &str,
+    ) -> Result<(), EngineError> {
         let s = &self.stream;
         let args = [
             ptr(Some(a.q), s)?,
             ptr(Some(a.k_cache), s)?,
             ptr(Some(a.v_cache), s)?,
             ptr(Some(a.positions), s)?,
-            ptr(Some(tiles), s)?,
+            ptr(Some(index), s)?,
             ptr(Some(a.tables), s)?,
         ];
-        let ints = self.ints(a)?;
+        let ints = [
+            as_i32(a.max_blocks, "max_blocks")?,
+            as_i32(a.block_size, "block_size")?,
+            as_i32(a.n_head, "n_head")?,
+            as_i32(a.n_kv_head, "n_kv_head")?,
+            as_i32(a.head_dim, "head_dim")?,
+        ];
         let window = as_i32(a.window.unwrap_or(0), "window")?;
         let out_ptr = ptr(Some(a.out), s)?;
         let mut b = self.stream.launch_builder(func);
@@ -418,13 +413,13 @@ impl Kernels {
         b.arg(&window);
         b.arg(&out_ptr);
         let cfg = LaunchConfig {
-            grid_dim: (as_u32(n_tiles, "tiles")?, as_u32(a.n_head, "heads")?, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (as_u32(grid_x, "grid")?, as_u32(a.n_head, "heads")?, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: as in `qkv_prep`; every tile's rows are rows of `q` and `out` of one chunk
-        // whose block table covers their positions.
-        unsafe { b.launch(cfg) }.map_err(|e| err("tile_attention launch", e))?;
+        // SAFETY: the arguments match both kernels' signature (kernels.cu); the callers checked
+        // shapes and dtypes (`check`) and what `index` holds.
+        unsafe { b.launch(cfg) }.map_err(|e| err(name, e))?;
         Ok(())
     }
 
@@ -433,7 +428,7 @@ impl Kernels {
         let (t, width) = a.q.dims2()?;
         if width != a.n_head * a.head_dim
             || a.n_kv_head == 0
-            || a.n_head % a.n_kv_head != 0
+            || !a.n_head.is_multiple_of(a.n_kv_head)
             || a.out.dims2()? != (t, width)
         {
             return Err(err("attention", format!("q is {t}×{width}")));
@@ -447,15 +442,5 @@ impl Kernels {
             return Err(err("attention", format!("dtype {dtype:?}")));
         }
         Ok((t, width))
-    }
-
-    fn ints(&self, a: &Attention<'_>) -> Result<[i32; 5], EngineError> {
-        Ok([
-            as_i32(a.max_blocks, "max_blocks")?,
-            as_i32(a.block_size, "block_size")?,
-            as_i32(a.n_head, "n_head")?,
-            as_i32(a.n_kv_head, "n_kv_head")?,
-            as_i32(a.head_dim, "head_dim")?,
-        ])
     }
 }
