@@ -26,7 +26,7 @@ use candle_core::{DType, Device};
 use engine::executor::{BlockId, Executor, KvGeometry};
 use engine::model::bench::{measure, EngineBenchConfig};
 use engine::model::golden::{
-    germany_prompt, greedy_paged, run_batched, Seq, CHAT_PROMPT, COLORS_PROMPT,
+    germany_prompt, greedy_paged, greedy_sampled, run_batched, Seq, CHAT_PROMPT, COLORS_PROMPT,
 };
 use engine::model::{
     AttentionKind, DeviceExecutor, EventTracking, LlamaExecutor, LlamaWeights, WeightFormat,
@@ -156,6 +156,8 @@ fn cold(
 /// chunked (7 tokens per step) and batched (three prompts, chunks 7/13/64, decodes together).
 struct Runs {
     cold: Vec<(Vec<u32>, Vec<f32>)>,
+    /// Cold again, the argmax taken by the executor (`forward_sampled`).
+    sampled: Vec<Vec<u32>>,
     cached: Vec<Vec<u32>>,
     chunked: Vec<Vec<u32>>,
     batched: Vec<Vec<u32>>,
@@ -172,6 +174,10 @@ fn golden_runs(exec: &mut dyn Executor) -> Result<Runs, EngineError> {
     let mut cold_runs = Vec::new();
     for (i, p) in ps.iter().enumerate() {
         cold_runs.push(cold(exec, p, &table(i))?);
+    }
+    let mut sampled = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        sampled.push(greedy_sampled(exec, p, &table(12 + i), 0, N_NEW)?);
     }
     // Cached: prompt 0's first two blocks (positions 0..32) now hold the chat prefix.
     let mut cached = Vec::new();
@@ -209,6 +215,7 @@ fn golden_runs(exec: &mut dyn Executor) -> Result<Runs, EngineError> {
     let batched = run_batched(exec, &mut seqs, N_NEW)?;
     Ok(Runs {
         cold: cold_runs,
+        sampled,
         cached,
         chunked,
         batched,
@@ -218,7 +225,7 @@ fn golden_runs(exec: &mut dyn Executor) -> Result<Runs, EngineError> {
 fn geometry() -> KvGeometry {
     KvGeometry {
         block_size: BLOCK,
-        num_blocks: 16 * 4,
+        num_blocks: 16 * 5,
     }
 }
 
@@ -241,6 +248,7 @@ fn compare(runs: &Runs, reference: &Runs) -> Value {
             "cold_equals_cpu": toks == want,
             "cold_first_divergence_from_cpu": divergence(toks, want),
             "first_logits_max_abs_diff_vs_cpu": max_abs_diff(logits, want_logits),
+            "argmax_by_executor": mode(&runs.sampled),
             "cached": mode(&runs.cached),
             "chunked": mode(&runs.chunked),
             "batched": mode(&runs.batched),
@@ -257,6 +265,7 @@ fn compare(runs: &Runs, reference: &Runs) -> Value {
             && all(&equals_cpu, &runs.chunked) && all(&equals_cpu, &runs.batched),
         "cached_chunked_batched_equal_own_cold": all(&equals_own, &runs.cached)
             && all(&equals_own, &runs.chunked) && all(&equals_own, &runs.batched),
+        "argmax_by_executor_equals_own_cold": all(&equals_own, &runs.sampled),
         "prompts": per_prompt,
     })
 }
@@ -473,7 +482,9 @@ fn main() -> ExitCode {
                 let tables: Vec<Vec<BlockId>> = (0..n)
                     .map(|s| ((s * per) as BlockId..((s + 1) * per) as BlockId).collect())
                     .collect();
-                let mut time_steps = |all_rows: bool| -> Result<f64, EngineError> {
+                // mode 0: every row's logits back; 1: one row's; 2: every row's argmax, taken
+                // by the executor (what the engine does for greedy requests).
+                let mut time_steps = |mode: u8| -> Result<f64, EngineError> {
                     for s in 0..n {
                         e.forward(&[engine::SeqChunk {
                             tokens: &ctx[s],
@@ -482,6 +493,7 @@ fn main() -> ExitCode {
                             want_logits: true,
                         }])?;
                     }
+                    let argmax = vec![mode == 2; n];
                     let t = Instant::now();
                     for step in 0..32usize {
                         let toks: Vec<[u32; 1]> =
@@ -491,16 +503,21 @@ fn main() -> ExitCode {
                                 tokens: &toks[s],
                                 start_pos: 64 + step,
                                 block_table: &tables[s],
-                                want_logits: all_rows || s == 0,
+                                want_logits: mode != 1 || s == 0,
                             })
                             .collect();
-                        e.forward(&chunks)?;
+                        e.forward_sampled(&chunks, &argmax)?;
                     }
                     Ok(t.elapsed().as_secs_f64() * 1e3 / 32.0)
                 };
-                let (all, one) = (time_steps(true)?, time_steps(false)?);
-                let (all2, one2) = (time_steps(true)?, time_steps(false)?);
-                json!({ "streams": n, "step_ms_logits_all_rows": all.min(all2), "step_ms_logits_one_row": one.min(one2) })
+                let (all, one, ids) = (time_steps(0)?, time_steps(1)?, time_steps(2)?);
+                let (all2, one2, ids2) = (time_steps(0)?, time_steps(1)?, time_steps(2)?);
+                json!({
+                    "streams": n,
+                    "step_ms_logits_all_rows": all.min(all2),
+                    "step_ms_logits_one_row": one.min(one2),
+                    "step_ms_argmax_on_device_all_rows": ids.min(ids2),
+                })
             } else {
                 Value::Null
             };

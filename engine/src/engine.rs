@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use prompt_profile::{DecodeStream, TokenDecoder};
 
-use crate::executor::{Executor, KvGeometry};
+use crate::executor::{Executor, KvGeometry, Sampled};
 use crate::kv::KvEventFeed;
 use crate::sampler::{Sampler, SamplingParams, StopChecker, TextStep};
 use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqId, SeqSpec};
@@ -916,12 +916,26 @@ impl StepLoop {
     }
 
     fn step(&mut self, plan: &[Scheduled]) {
+        // Sequences whose next token is the plain argmax of the logits (greedy, no penalty, no
+        // log probabilities, no stop-id mask): the executor may pick it where the logits are.
+        let argmax: Vec<bool> = plan
+            .iter()
+            .map(|c| {
+                c.want_logits
+                    && self.sched.get(c.id).is_some_and(|s| {
+                        let p = s.payload();
+                        p.sampler.is_plain_argmax()
+                            && p.logprobs.is_none()
+                            && (s.generated().len() >= p.min_tokens || p.stop_ids.is_empty())
+                    })
+            })
+            .collect();
         let result = {
             let chunks = self.sched.chunks(plan);
             if chunks.len() != plan.len() {
                 Err(EngineError::Tensor("plan and chunks disagree".into()))
             } else {
-                self.executor.forward(&chunks)
+                self.executor.forward_sampled(&chunks, &argmax)
             }
         };
         self.totals.steps += 1;
@@ -954,7 +968,7 @@ impl StepLoop {
                 continue;
             }
             match out {
-                Some(logits) => self.on_logits(c.id, logits),
+                Some(next) => self.on_output(c.id, next),
                 None => self.fail(
                     c.id,
                     &EngineError::Tensor("executor returned no logits".into()),
@@ -963,20 +977,20 @@ impl StepLoop {
         }
     }
 
-    fn on_logits(&mut self, id: SeqId, mut logits: Vec<f32>) {
-        match self.sample_and_emit(id, &mut logits) {
+    fn on_output(&mut self, id: SeqId, next: Sampled) {
+        match self.sample_and_emit(id, next) {
             Ok(None) => {}
             Ok(Some((reason, completion))) => self.finish(id, reason, completion),
             Err(e) => self.fail(id, &e),
         }
     }
 
-    /// Samples one token for `id` and sends its text; `Some((reason, completion tokens))` when
-    /// the sequence ends with it.
+    /// Samples one token for `id` (or takes the executor's argmax) and sends its text;
+    /// `Some((reason, completion tokens))` when the sequence ends with it.
     fn sample_and_emit(
         &mut self,
         id: SeqId,
-        logits: &mut [f32],
+        next: Sampled,
     ) -> Result<Option<(FinishReason, usize)>, EngineError> {
         let detok_err = |e: prompt_profile::ProfileError| EngineError::Detokenize(e.to_string());
         let Some(s) = self.sched.get_mut(id) else {
@@ -984,17 +998,25 @@ impl StepLoop {
         };
         let max_tokens = s.max_tokens();
         let (p, generated) = s.payload_and_generated();
-        // The raw distribution, before the sampler and the min_tokens mask change the logits.
-        let raw = p.logprobs.map(|k| (logits.to_vec(), k));
         let early = generated.len() < p.min_tokens;
-        if early {
-            for &id in &p.stop_ids {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l = f32::NEG_INFINITY;
+        let (token, raw) = match next {
+            Sampled::Logits(mut logits) => {
+                // The raw distribution, before the sampler and the min_tokens mask change the
+                // logits.
+                let raw = p.logprobs.map(|k| (logits.to_vec(), k));
+                if early {
+                    for &id in &p.stop_ids {
+                        if let Some(l) = logits.get_mut(id as usize) {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
                 }
+                (p.sampler.sample(&mut logits), raw)
             }
-        }
-        let token = p.sampler.sample(logits);
+            // Asked for in `step` only when the sampler is the plain argmax, without log
+            // probabilities or a stop-id mask.
+            Sampled::Token(t) => (t, None),
+        };
         p.sampler.record(token);
         self.totals.generation_tokens += 1;
         let completion = generated.len() + 1;

@@ -31,6 +31,17 @@ pub struct SeqChunk<'a> {
     pub want_logits: bool,
 }
 
+/// What a step gives back for a chunk that wants its next token
+/// ([`Executor::forward_sampled`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Sampled {
+    /// The logits of the chunk's last token.
+    Logits(Vec<f32>),
+    /// Only their argmax ([`crate::sampler::argmax`]'s: the lowest id among equal maxima, never
+    /// a NaN), for plain greedy sampling.
+    Token(u32),
+}
+
 /// Computes one forward step over a batch of chunks from different sequences.
 pub trait Executor: Send {
     /// The KV storage this executor preallocated.
@@ -40,4 +51,26 @@ pub trait Executor: Send {
     /// Run one step: write the K/V of every chunk's tokens into its blocks and return, per
     /// chunk in order, `Some(logits of its last token)` when `want_logits`, else `None`.
     fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError>;
+
+    /// [`Executor::forward`] where the chunks flagged in `argmax` (one flag per chunk) need only
+    /// the argmax of their logits: those come back as [`Sampled::Token`], the other chunks that
+    /// want logits as [`Sampled::Logits`]. The default takes the argmax on the host; an
+    /// executor whose logits live elsewhere (a GPU) takes it there and copies back the ids.
+    fn forward_sampled(
+        &mut self,
+        chunks: &[SeqChunk<'_>],
+        argmax: &[bool],
+    ) -> Result<Vec<Option<Sampled>>, EngineError> {
+        let outs = self.forward(chunks)?;
+        Ok(outs
+            .into_iter()
+            .enumerate()
+            .map(|(i, o)| {
+                o.map(|l| match argmax.get(i) {
+                    Some(true) => Sampled::Token(crate::sampler::argmax(&l)),
+                    _ => Sampled::Logits(l),
+                })
+            })
+            .collect())
+    }
 }

@@ -30,4 +30,4 @@ pub use engine::{
     SeqEvent, SequenceHandle, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,
 };
 pub use error::EngineError;
-pub use executor::{BlockId, Executor, KvGeometry, SeqChunk};
+pub use executor::{BlockId, Executor, KvGeometry, Sampled, SeqChunk};

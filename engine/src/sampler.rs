@@ -138,6 +138,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether [`Sampler::sample`] is the plain argmax of the logits: greedy with no penalty
+    /// (an executor may then take the argmax where the logits are: `Executor::forward_sampled`).
+    pub fn is_plain_argmax(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
     /// Records a token appended to the output (call after every sampled token).
     pub fn record(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;

@@ -140,6 +140,10 @@ impl<P> Sequence<P> {
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }
+    /// The payload.
+    pub fn payload(&self) -> &P {
+        &self.payload
+    }
     /// The payload (mutable) and the generated tokens, borrowed together.
     pub fn payload_and_generated(&mut self) -> (&mut P, &[u32]) {
         (&mut self.payload, &self.tokens[self.prompt_len..])

@@ -140,6 +140,12 @@ fn device_executor_on_cpu_gives_the_tuned_executors_greedy_tokens_on_smollm2() {
         );
         assert_eq!(t, want[i], "prompt {i}: cold greedy tokens");
     }
+    // The argmax taken by the executor (forward_sampled: what the engine asks for greedy
+    // requests) gives the same tokens.
+    for (i, p) in prompts.iter().enumerate() {
+        let got = greedy_sampled(&mut exec, p, &table, 0, n_new).unwrap();
+        assert_eq!(got, want[i], "prompt {i}: argmax by the executor");
+    }
     // Prefix-cached: the chat prompt's first 4 blocks (32 positions) are in the cache.
     let chat_table: Vec<BlockId> =
         (0..((CHAT_PROMPT.len() + n_new).div_ceil(bs)) as BlockId).collect();

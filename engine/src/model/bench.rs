@@ -1,4 +1,5 @@
-//! The engine benchmark: drives [`LlamaExecutor`] directly (no scheduler) and measures
+//! The engine benchmark: drives an executor directly (no scheduler; greedy decode through
+//! [`Executor::forward_sampled`], as the engine does for greedy requests) and measures
 //! single-stream prefill and decode, aggregate batched decode at several concurrencies, and
 //! the prefill of a prompt whose prefix is already in the KV cache versus fully uncached.
 //!
@@ -12,7 +13,7 @@ use std::time::Instant;
 use super::executor::LlamaExecutor;
 use super::reference::argmax;
 use super::weights::{LlamaWeights, WeightFormat};
-use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
+use crate::executor::{BlockId, Executor, KvGeometry, Sampled, SeqChunk};
 use crate::EngineError;
 
 /// What to measure.
@@ -255,6 +256,7 @@ pub fn measure(
     if !levels.contains(&1) {
         levels.insert(0, 1);
     }
+    let greedy = vec![true; levels.iter().copied().max().unwrap_or(1)];
     for &n in &levels {
         let mut best = f64::INFINITY;
         for _ in 0..repeats {
@@ -289,10 +291,15 @@ pub fn measure(
                         want_logits: true,
                     })
                     .collect();
-                let out = exec.forward(&chunks)?;
-                for (s, l) in seqs.iter_mut().zip(out) {
+                // Greedy: the executor may take the argmax where the logits are.
+                let out = exec.forward_sampled(&chunks, &greedy[..chunks.len()])?;
+                for (s, next) in seqs.iter_mut().zip(out) {
                     s.1 += 1;
-                    s.2 = l.map(|l| argmax(&l)).unwrap_or(0);
+                    s.2 = match next {
+                        Some(Sampled::Token(t)) => t,
+                        Some(Sampled::Logits(l)) => argmax(&l),
+                        None => 0,
+                    };
                 }
             }
             best = best.min(t.elapsed().as_secs_f64());

@@ -54,6 +54,7 @@ pub(crate) struct Kernels {
     norm_bf16: CudaFunction,
     act_f32: CudaFunction,
     act_bf16: CudaFunction,
+    argmax: CudaFunction,
 }
 
 /// Arguments of `qkv_prep`.
@@ -172,6 +173,7 @@ impl Kernels {
             norm_bf16: f("add_rms_norm_bf16")?,
             act_f32: f("gated_act_f32")?,
             act_bf16: f("gated_act_bf16")?,
+            argmax: f("argmax_f32")?,
             stream,
         })
     }
@@ -421,6 +423,42 @@ impl Kernels {
         // shapes and dtypes (`check`) and what `index` holds.
         unsafe { b.launch(cfg) }.map_err(|e| err(name, e))?;
         Ok(())
+    }
+
+    /// Runs `argmax_f32`: the index of each row's largest logit (`logits` `[rows, vocab]` F32;
+    /// soft-capped first when `softcap` is given), lowest index on ties, NaN never chosen.
+    /// Returns `[rows]` u32 on the device.
+    pub(crate) fn argmax(
+        &self,
+        logits: &Tensor,
+        softcap: Option<f32>,
+    ) -> Result<Tensor, EngineError> {
+        let (rows, vocab) = logits.dims2()?;
+        if logits.dtype() != DType::F32 {
+            return Err(err("argmax", "logits must be F32"));
+        }
+        let out = Tensor::zeros(rows, DType::U32, logits.device())?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let s = &self.stream;
+        let logits = logits.contiguous()?;
+        let (l_ptr, o_ptr) = (ptr(Some(&logits), s)?, ptr(Some(&out), s)?);
+        let vocab32 = as_i32(vocab, "vocab")?;
+        let cap = softcap.unwrap_or(0.0);
+        let mut b = self.stream.launch_builder(&self.argmax);
+        b.arg(&l_ptr);
+        b.arg(&vocab32);
+        b.arg(&cap);
+        b.arg(&o_ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (as_u32(rows, "rows")?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as in `qkv_prep`; `logits` is `[rows, vocab]`, `out` `[rows]`.
+        unsafe { b.launch(cfg) }.map_err(|e| err("argmax launch", e))?;
+        Ok(out)
     }
 
     /// Checks shapes and dtypes shared by both attention kernels; returns `(T, width)`.

@@ -41,7 +41,7 @@ use candle_core::{DType, Device, Tensor};
 use super::attention::{rope_cos_sin_scaled, ChunkSlots};
 use super::executor::chunk_slots;
 use super::weights::{Architecture, Linear, LlamaWeights, WeightFormat};
-use crate::executor::{Executor, KvGeometry, SeqChunk};
+use crate::executor::{Executor, KvGeometry, Sampled, SeqChunk};
 use crate::EngineError;
 
 /// How attention runs.
@@ -690,10 +690,13 @@ impl DeviceExecutor {
         Ok((ids_t, step))
     }
 
+    /// One step; `argmax` flags the chunks whose logits' argmax is enough (taken on the
+    /// device, only the ids copied back).
     fn forward_inner(
         &mut self,
         chunks: &[SeqChunk<'_>],
-    ) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
+        argmax: &[bool],
+    ) -> Result<Vec<Option<Sampled>>, EngineError> {
         let w = Arc::clone(&self.weights);
         let cfg = w.config();
         let mut ids = Vec::new();
@@ -731,19 +734,76 @@ impl DeviceExecutor {
             let idx = Tensor::from_vec(rows, n_rows, w.device())?;
             normed_all.index_select(&idx, 0)?
         };
-        let logits: Vec<f32> = w.lm_head_device(&normed)?.flatten_all()?.to_vec1()?;
-        let vocab = logits.len() / n_rows;
-        let mut rows_out = logits.chunks_exact(vocab.max(1));
+        // `[n_rows, vocab]` F32 on the device, soft-capping not applied yet.
+        let logits = w.lm_head_device(&normed)?;
+        // Which logit rows go back whole and which only as their argmax.
+        let wanted: Vec<bool> = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.want_logits)
+            .map(|(i, _)| argmax.get(i).copied().unwrap_or(false))
+            .collect();
+        let pick = |flag: bool| -> Vec<u32> {
+            (0..n_rows as u32)
+                .filter(|&r| wanted[r as usize] == flag)
+                .collect()
+        };
+        let select = |rows: &[u32]| -> Result<Tensor, EngineError> {
+            Ok(if rows.len() == n_rows {
+                logits.clone()
+            } else {
+                logits.index_select(&Tensor::from_slice(rows, rows.len(), w.device())?, 0)?
+            })
+        };
+        let (full_rows, id_rows) = (pick(false), pick(true));
+        let mut full: Vec<f32> = if full_rows.is_empty() {
+            Vec::new()
+        } else {
+            select(&full_rows)?.flatten_all()?.to_vec1()?
+        };
+        if let Some(cap) = cfg.final_softcap {
+            full.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+        let ids: Vec<u32> = if id_rows.is_empty() {
+            Vec::new()
+        } else {
+            self.argmax_rows(&select(&id_rows)?)?
+        };
+        let vocab = cfg.vocab_size;
+        let mut full_rows_out = full.chunks_exact(vocab.max(1));
+        let mut ids_out = ids.into_iter();
+        let mut row = 0;
         for (slot, c) in out.iter_mut().zip(chunks) {
             if c.want_logits {
-                let mut l = rows_out.next().map(<[f32]>::to_vec);
-                if let (Some(cap), Some(l)) = (cfg.final_softcap, l.as_mut()) {
-                    l.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
-                }
-                *slot = l;
+                *slot = if wanted[row] {
+                    ids_out.next().map(Sampled::Token)
+                } else {
+                    full_rows_out.next().map(|l| Sampled::Logits(l.to_vec()))
+                };
+                row += 1;
             }
         }
         Ok(out)
+    }
+
+    /// The argmax of each row of `logits` (`[rows, vocab]` F32, before soft-capping) as the
+    /// host sampler picks it (`crate::sampler::argmax` after soft-capping): a kernel on CUDA,
+    /// the host on other devices.
+    fn argmax_rows(&self, logits: &Tensor) -> Result<Vec<u32>, EngineError> {
+        let cap = self.weights.config().final_softcap;
+        #[cfg(feature = "cuda")]
+        if let Some(k) = &self.kernels {
+            return Ok(k.argmax(logits, cap)?.to_vec1()?);
+        }
+        let (_, vocab) = logits.dims2()?;
+        let mut host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        if let Some(cap) = cap {
+            host.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+        Ok(host
+            .chunks_exact(vocab.max(1))
+            .map(crate::sampler::argmax)
+            .collect())
     }
 
     /// Every layer with candle ops around the composed attention; returns the output-normed
@@ -1093,6 +1153,24 @@ impl Executor for DeviceExecutor {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }
-        self.forward_inner(chunks)
+        Ok(self
+            .forward_inner(chunks, &[])?
+            .into_iter()
+            .map(|o| match o {
+                Some(Sampled::Logits(l)) => Some(l),
+                _ => None,
+            })
+            .collect())
+    }
+
+    fn forward_sampled(
+        &mut self,
+        chunks: &[SeqChunk<'_>],
+        argmax: &[bool],
+    ) -> Result<Vec<Option<Sampled>>, EngineError> {
+        if chunks.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.forward_inner(chunks, argmax)
     }
 }

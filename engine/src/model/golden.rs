@@ -3,7 +3,7 @@
 //! on a GPU) and by the engine benchmark's callers. Token ids are the chat template rendered
 //! and tokenized by the default model's own profile.
 
-use crate::executor::{BlockId, Executor, SeqChunk};
+use crate::executor::{BlockId, Executor, Sampled, SeqChunk};
 use crate::model::reference;
 use crate::EngineError;
 
@@ -150,6 +150,38 @@ pub fn greedy_paged(
             .ok_or_else(|| EngineError::Tensor("no logits returned".into()))?;
         done = tokens.len();
         tokens.push(reference::argmax(logits));
+    }
+    Ok(tokens[prompt.len()..].to_vec())
+}
+
+/// [`greedy_paged`] through [`Executor::forward_sampled`] with every step asking for the argmax
+/// only (what the engine does for plain greedy requests): must give the same tokens.
+pub fn greedy_sampled(
+    exec: &mut dyn Executor,
+    prompt: &[u32],
+    table: &[BlockId],
+    cached: usize,
+    n_new: usize,
+) -> Result<Vec<u32>, EngineError> {
+    let mut tokens = prompt.to_vec();
+    let mut done = cached;
+    for _ in 0..n_new {
+        let out = exec.forward_sampled(
+            &[SeqChunk {
+                tokens: &tokens[done..],
+                start_pos: done,
+                block_table: table,
+                want_logits: true,
+            }],
+            &[true],
+        )?;
+        let token = match out.into_iter().next().flatten() {
+            Some(Sampled::Token(t)) => t,
+            Some(Sampled::Logits(l)) => reference::argmax(&l),
+            None => return Err(EngineError::Tensor("no output returned".into())),
+        };
+        done = tokens.len();
+        tokens.push(token);
     }
     Ok(tokens[prompt.len()..].to_vec())
 }

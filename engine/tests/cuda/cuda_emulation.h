@@ -132,6 +132,9 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   return emu_exchange(v, (int)(threadIdx.x & 31) ^ mask, emu::cur->warp->f);
 }
 inline float __shfl_sync(unsigned, float v, int src) { return emu_exchange(v, src, emu::cur->warp->f); }
+inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int mask) {
+  return emu_exchange(v, (int)(threadIdx.x & 31) ^ mask, emu::cur->warp->u);
+}
 inline unsigned long long __shfl_sync(unsigned, unsigned long long v, int src) {
   return emu_exchange(v, src, emu::cur->warp->u);
 }

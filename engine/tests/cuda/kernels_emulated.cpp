@@ -296,6 +296,49 @@ bool run_elementwise(const char* dtype, double tol, uint64_t seed) {
   return ok;
 }
 
+// argmax_f32 against the host sampler's rule (largest value, lowest index on ties, NaN never
+// chosen, 0 when nothing is above -inf), with and without soft-capping.
+bool run_argmax(uint64_t seed) {
+  Rng rng{seed};
+  const int vocab = 1000;
+  std::vector<std::vector<float>> rows;
+  for (int r = 0; r < 5; ++r) {
+    std::vector<float> row(vocab);
+    for (auto& v : row) v = rng.uniform() * 10.f;
+    rows.push_back(row);
+  }
+  rows[1][700] = rows[1][300] = 50.f;                    // a tie: the lower index wins
+  rows[2][5] = NAN;                                      // NaN is never the answer
+  rows[2][900] = 40.f;
+  std::fill(rows[3].begin(), rows[3].end(), -INFINITY);  // nothing finite: 0
+  rows[3][0] = NAN;
+  rows[4][999] = 1e6f;                                   // the last index
+  std::vector<float> flat;
+  for (auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  bool ok = true;
+  for (float cap : {0.f, 30.f}) {
+    std::vector<unsigned> got(rows.size());
+    emu::launch(EmuDim3{(unsigned)rows.size(), 1, 1}, EmuDim3{256, 1, 1},
+                [&] { argmax_f32(flat.data(), vocab, cap, got.data()); });
+    for (size_t r = 0; r < rows.size(); ++r) {
+      unsigned want = 0;
+      float best = -INFINITY;
+      for (int i = 0; i < vocab; ++i) {
+        float v = rows[r][i];
+        if (cap > 0.f) v = cap * std::tanh(v / cap);
+        if (v > best) {
+          best = v;
+          want = i;
+        }
+      }
+      ok &= got[r] == want;
+    }
+  }
+  std::printf("%-30s      argmax over 5 rows of 1000 (ties, NaN, -inf, soft-cap)  %s\n", "argmax_f32",
+              ok ? "ok" : "FAILED");
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -330,6 +373,7 @@ int main() {
   }
   ok &= run_elementwise<float>("f32", 2e-6, seed++);
   ok &= run_elementwise<kv_bf16>("bf16", 1e-2, seed++);
+  ok &= run_argmax(seed++);
   std::printf("%s\n", ok ? "all cases ok" : "some cases FAILED");
   return ok ? 0 : 1;
 }

@@ -356,6 +356,54 @@ __device__ void gated_act(const T* __restrict__ gu, int rows, int ffn, int gelu,
   kv_store(out + i, a * u);
 }
 
+// The argmax of each row of F32 logits, as the engine's host sampler picks it: the largest value
+// (NaN never chosen), the lowest index among equal maxima; 0 when no value is above -inf. With
+// softcap > 0, each logit is first replaced by softcap * tanh(logit / softcap) (Gemma's final
+// soft-capping). Grid (rows), 256 threads; out[r] = the index.
+__device__ __forceinline__ bool kv_better(float v, unsigned int i, float bv, unsigned int bi) {
+  return v > bv || (v == bv && v > KV_NEG_INF && i < bi);
+}
+__device__ void argmax_rows(const float* __restrict__ logits, int vocab, float softcap,
+                            unsigned int* __restrict__ out) {
+  __shared__ float sv[32];
+  __shared__ unsigned int si[32];
+  const kv_size r = blockIdx.x;
+  const int tid = threadIdx.x;
+  const float* row = logits + r * vocab;
+  float bv = KV_NEG_INF;
+  unsigned int bi = 0xffffffffu;
+  for (int i = tid; i < vocab; i += blockDim.x) {
+    float v = row[i];
+    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+    if (kv_better(v, (unsigned int)i, bv, bi)) {
+      bv = v;
+      bi = (unsigned int)i;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(KV_FULL_MASK, bv, o);
+    const unsigned int oi = (unsigned int)__shfl_xor_sync(KV_FULL_MASK, (unsigned long long)bi, o);
+    if (kv_better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  if ((tid & 31) == 0) {
+    sv[tid >> 5] = bv;
+    si[tid >> 5] = bi;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < (int)(blockDim.x / 32); ++w) {
+      if (kv_better(sv[w], si[w], bv, bi)) {
+        bv = sv[w];
+        bi = si[w];
+      }
+    }
+    out[r] = bi == 0xffffffffu ? 0u : bi;
+  }
+}
+
 #define KV_QKV_PREP(NAME, T)                                                                      \
   extern "C" __global__ void NAME(const T* qkv, const float* bias, const float* q_norm,          \
                                   const float* k_norm, float eps, const float* cos_tab,          \
@@ -406,3 +454,7 @@ KV_ADD_RMS_NORM(add_rms_norm_f32, float)
 KV_ADD_RMS_NORM(add_rms_norm_bf16, kv_bf16)
 KV_GATED_ACT(gated_act_f32, float)
 KV_GATED_ACT(gated_act_bf16, kv_bf16)
+
+extern "C" __global__ void argmax_f32(const float* logits, int vocab, float softcap, unsigned int* out) {
+  argmax_rows(logits, vocab, softcap, out);
+}
