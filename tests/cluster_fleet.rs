@@ -841,3 +841,280 @@ fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
     // sent), receipted by the workers as the connections closed.
     assert_eq!(report.unfinished, outcomes.len() as u64, "{report:?}");
 }
+
+/// The claim script alone, on a real `redis-server`: a replica's fresh placement makes its
+/// worker dearer for the others (not for itself) until the claim's TTL passes, a prompt follows
+/// another replica's fresh placement of its prefix (even onto a worker it did not name as a
+/// candidate), and replicas claiming at the same instant over an idle pool all get different
+/// workers.
+#[test]
+fn claims_select_and_reserve_atomically_across_replicas() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    rt.block_on(async {
+        let store = cluster::Store::connect(&redis.url(), "claims-test")
+            .await
+            .unwrap();
+        let long = Duration::from_secs(30);
+        let claim = |replica: &'static str, candidates: &'static [(&'static str, u64)]| {
+            let store = store.clone();
+            async move {
+                store
+                    .claim(&cluster::Claim {
+                        replica,
+                        id: "x",
+                        candidates,
+                        others: &[],
+                        added: 100,
+                        credit: 0,
+                        keys: &[],
+                        ttl: Duration::from_secs(30),
+                    })
+                    .await
+                    .unwrap()
+            }
+        };
+        let idle: &[(&str, u64)] = &[("w1", 0), ("w2", 0)];
+        // A places first; B, a moment later, sees A's claim on w1.
+        assert_eq!(claim("gw-a", idle).await, "w1");
+        assert_eq!(claim("gw-b", idle).await, "w2");
+        // A's own claims are not added for A (its view counts them exactly): w1 = 0 for A,
+        // w2 = 0 + B's 100.
+        assert_eq!(claim("gw-a", idle).await, "w1");
+        // Costs still rule: for B, w1 = 0 + A's 200 is cheaper than w2 = 500.
+        assert_eq!(claim("gw-b", &[("w1", 0), ("w2", 500)]).await, "w1");
+        // Ties go to the caller's own order.
+        assert_eq!(claim("gw-c", &[("w3", 0), ("w4", 0)]).await, "w3");
+
+        // Eight replicas at once over eight idle workers: eight different workers.
+        let pool: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
+        let cands: Vec<(&str, u64)> = pool.iter().map(|w| (w.as_str(), 0)).collect();
+        let picks = futures::future::join_all((0..8).map(|g| {
+            let (store, cands) = (store.clone(), cands.clone());
+            async move {
+                store
+                    .claim(&cluster::Claim {
+                        replica: &format!("gw-{g}"),
+                        id: "x",
+                        candidates: &cands,
+                        others: &[],
+                        added: 1_000,
+                        credit: 0,
+                        keys: &[],
+                        ttl: long,
+                    })
+                    .await
+                    .unwrap()
+            }
+        }))
+        .await;
+        let mut distinct = picks.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 8, "one worker each: {picks:?}");
+
+        // Leads: gw-a places a 20-block prompt on p1; gw-b's prompt shares its first 16 blocks
+        // (the deepest sampled depth they share) and names p2, p3 as candidates: p1, brought in
+        // from `others`, costs max(0, 200 + 100 − 10·16) = 140 < 150.
+        let chain: Vec<u64> = (1..=20).collect();
+        let mut sharing: Vec<u64> = (1..=16).collect();
+        sharing.extend(1001..=1004);
+        let lead = |replica: &'static str, candidates: Vec<(&'static str, u64)>, keys: Vec<u64>| {
+            let store = store.clone();
+            async move {
+                store
+                    .claim(&cluster::Claim {
+                        replica,
+                        id: "y",
+                        candidates: &candidates,
+                        others: &[("p1", 200), ("p4", 0)],
+                        added: 100,
+                        credit: 10,
+                        keys: &keys,
+                        ttl: long,
+                    })
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(lead("gw-a", vec![("p1", 0)], chain.clone()).await, "p1");
+        assert_eq!(
+            lead("gw-b", vec![("p2", 150), ("p3", 150)], sharing.clone()).await,
+            "p1"
+        );
+        // A prompt sharing only the first 4 blocks: p1 = 200 + 200 − 40 = 360 > 150. The
+        // leads now point at p1 for gw-b; gw-b's own leads are not followed by gw-b.
+        let mut short: Vec<u64> = (1..=4).collect();
+        short.extend(2001..=2016);
+        assert_eq!(
+            lead("gw-c", vec![("p2", 150), ("p3", 150)], short).await,
+            "p2"
+        );
+        assert_eq!(
+            cluster::sample_chain(&chain),
+            vec![(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)],
+            "the sampled depths, deepest first"
+        );
+        // Ids that cannot travel in the script's arguments make no claim.
+        assert_eq!(claim("gw a", idle).await, "w1");
+
+        // A claim counts for its TTL only.
+        let short_claim = |replica: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .claim(&cluster::Claim {
+                        replica,
+                        id: "z",
+                        candidates: &[("e1", 0), ("e2", 0)],
+                        others: &[],
+                        added: 100,
+                        credit: 0,
+                        keys: &[],
+                        ttl: Duration::from_millis(40),
+                    })
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(short_claim("gw-a").await, "e1");
+        assert_eq!(short_claim("gw-b").await, "e2");
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert_eq!(short_claim("gw-c").await, "e1");
+    });
+}
+
+/// Claims through a real replica: another replica's fresh cold placements on two of three idle
+/// workers send a new prompt to the third, wherever this replica's own rotation would have put
+/// it (the decision is moved with its reservation and routing-time holding), and the moved
+/// requests' tickets and receipts still audit clean.
+#[test]
+fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    let mut c = Cluster {
+        rt,
+        profile: PromptProfile::from_gguf(model_path()).unwrap(),
+        dir: tempfile::tempdir().unwrap(),
+        gateway_keys: (0..3).map(|_| KeyPair::generate()).collect(),
+        worker_keys: (0..3).map(|_| KeyPair::generate()).collect(),
+        workers: Vec::new(),
+        gateways: vec![None, None, None],
+        http: reqwest::Client::new(),
+        redis,
+    };
+    for i in 0..3 {
+        let w = c.start_worker(i, false);
+        c.workers.push(Some(w));
+    }
+    c.start_gateway(0);
+    c.gateways.truncate(1);
+    c.gateway_keys.truncate(1);
+    for w in ["w1", "w2", "w3"] {
+        c.wait_for("static workers routable", Duration::from_secs(10), || {
+            c.routable(0, w)
+        });
+    }
+    let store =
+        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
+            .unwrap();
+    let ttl = Duration::from_millis(700);
+    for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
+        // "gw-other" has just placed new prompts everywhere but `target`.
+        for w in ["w1", "w2", "w3"].iter().filter(|w| *w != target) {
+            c.rt.block_on(store.claim(&cluster::Claim {
+                replica: "gw-other",
+                id: &format!("{round}"),
+                candidates: &[(w, 0)],
+                others: &[],
+                added: 1_000_000_000,
+                credit: 0,
+                keys: &[],
+                ttl,
+            }))
+            .unwrap();
+        }
+        // A new prompt (it shares only the template's system-prompt block with the others).
+        let topic = ["Rivers", "Volcanoes", "Glaciers"][round];
+        let text = format!(
+            "{topic} {}",
+            "shape the land over long spans of time. ".repeat(8)
+        );
+        let r = c.chat(0, "smol", &text, 4);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-kvgate-worker").as_deref(), Some(*target));
+        std::thread::sleep(ttl + Duration::from_millis(100));
+    }
+    let metrics = c.admin(0, reqwest::Method::GET, "/metrics", None);
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    let count = |outcome: &str| -> u64 {
+        text.lines()
+            .find(|l| l.contains("cluster_claims_total") && l.contains(&format!("\"{outcome}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    // The replica's own first choice is one worker: the other two targets were moves.
+    assert!(count("moved") >= 2, "{text}");
+    assert_eq!(count("moved") + count("kept"), 3, "{text}");
+    assert_eq!(count("failed"), 0);
+    let report = c.stop_and_audit();
+    assert!(report.discrepancies.is_empty(), "{report:?}");
+    assert_eq!((report.routed, report.receipted), (3, 3), "{report:?}");
+}
+
+/// What one claim costs against a `PING`, on a real `redis-server` over loopback: 2,000 of each,
+/// one at a time, a 64-worker pool (8 close candidates, 56 others) and a 1,300-token prompt
+/// (82 blocks: 13 sampled chain keys). `cargo test --test cluster_fleet claim_round_trip --
+/// --ignored --nocapture`.
+#[test]
+#[ignore]
+fn claim_round_trip_against_ping() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    rt.block_on(async {
+        let store = cluster::Store::connect(&redis.url(), "claims-timing")
+            .await
+            .unwrap();
+        let pool: Vec<String> = (0..64).map(|i| format!("w{i}")).collect();
+        let ranked: Vec<(&str, u64)> = pool.iter().map(|w| (w.as_str(), 2_600)).collect();
+        let keys: Vec<u64> = (1..=82).collect();
+        let n = 2_000;
+        for round in 0..2 {
+            let t = Instant::now();
+            for _ in 0..n {
+                store.ping().await.unwrap();
+            }
+            let ping = t.elapsed() / n;
+            let t = Instant::now();
+            for i in 0..n {
+                let replica = if i % 2 == 0 { "gw-a" } else { "gw-b" };
+                store
+                    .claim(&cluster::Claim {
+                        replica,
+                        id: &i.to_string(),
+                        candidates: &ranked[..8],
+                        others: &ranked[8..],
+                        added: 1_300,
+                        credit: 32,
+                        keys: &keys,
+                        ttl: Duration::from_millis(10),
+                    })
+                    .await
+                    .unwrap();
+            }
+            let claim = t.elapsed() / n;
+            println!("round {round}: PING {ping:?}, claim {claim:?} (mean of {n} each)");
+        }
+    });
+}

@@ -15,6 +15,8 @@
 //! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
 //! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"` | one replica's load per worker | `PX` lease, rewritten by the replica |
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
+//! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
+//! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
 //! reader never sees half of it. Costs: rules read/write O(document); listing registrations or
@@ -178,7 +180,119 @@ impl Keys {
     pub fn holdings_channel(&self) -> String {
         format!("{}:holdings", self.prefix)
     }
+    pub fn claims(&self, worker: &str) -> String {
+        format!("{}:claims:{worker}", self.prefix)
+    }
+    pub fn lead(&self, key: u64) -> String {
+        format!("{}:lead:{key}", self.prefix)
+    }
 }
+
+/// Atomic select-and-reserve (see [`Store::claim`]).
+/// KEYS: `P:claims:<w>` for the K candidates, then `P:lead:<key>` for the prompt's sampled chain
+/// keys, deepest first. ARGV: 1 replica, 2 ttl_ms, 3 added cost, 4 claim id, 5 credit per
+/// block, 6 K, 7 the `P:claims:` prefix, 8 the other admissible workers' costs (`"<id> <cost>\n"`
+/// each), then the K candidate ids, the K candidate costs, and the sampled depths (one per lead
+/// key). Returns the chosen worker id.
+const CLAIM: &str = r"
+local me, ttl, added = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local credit, K = tonumber(ARGV[5]) or 0, tonumber(ARGV[6])
+local M = #KEYS - K
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lead, lead_depth = nil, 0
+for j = 1, M do
+  local v = redis.call('GET', KEYS[K + j])
+  if v then
+    local who, w = string.match(v, '^([^|]*)|(.*)$')
+    if who ~= nil and who ~= me then
+      lead, lead_depth = w, tonumber(ARGV[8 + 2 * K + j]) or 0
+      break
+    end
+  end
+end
+local ids, costs, keys = {}, {}, {}
+for i = 1, K do
+  ids[i], costs[i], keys[i] = ARGV[8 + i], tonumber(ARGV[8 + K + i]) or 0, KEYS[i]
+end
+if lead then
+  local found = false
+  for i = 1, K do if ids[i] == lead then found = true end end
+  if not found then
+    for w, c in string.gmatch(ARGV[8], '([^ \n]+) (%d+)') do
+      if w == lead then
+        ids[K + 1], costs[K + 1], keys[K + 1] = w, tonumber(c), ARGV[7] .. w
+        break
+      end
+    end
+  end
+end
+local best, best_cost = 1, nil
+for i = 1, #ids do
+  local cost = costs[i]
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', keys[i], now, '+inf')) do
+    local who, a = string.match(m, '^([^|]*)|(%d+)|')
+    if who ~= nil and who ~= me then cost = cost + tonumber(a) end
+  end
+  if ids[i] == lead then cost = math.max(0, cost - credit * lead_depth) end
+  if best_cost == nil or cost < best_cost then best, best_cost = i, cost end
+end
+redis.call('ZREMRANGEBYSCORE', keys[best], '-inf', now)
+redis.call('ZADD', keys[best], now + ttl, me .. '|' .. added .. '|' .. ARGV[4])
+redis.call('PEXPIRE', keys[best], ttl)
+for j = 1, M do
+  redis.call('SET', KEYS[K + j], me .. '|' .. ids[best], 'PX', ttl)
+end
+return ids[best]
+";
+
+/// At most this many candidates are claimed among (the close ones; a lead adds one more).
+pub const MAX_CLAIM_CANDIDATES: usize = 8;
+
+/// One claim ([`Store::claim`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Claim<'a> {
+    /// The claiming replica.
+    pub replica: &'a str,
+    /// Makes the claim unique among the replica's.
+    pub id: &'a str,
+    /// The close alternatives (worker id, this replica's placement cost), in its order of
+    /// preference; at most [`MAX_CLAIM_CANDIDATES`] are used.
+    pub candidates: &'a [(&'a str, u64)],
+    /// The other admissible workers with their costs: where another replica's lead may point.
+    pub others: &'a [(&'a str, u64)],
+    /// What this request adds to the cost of the worker it goes to.
+    pub added: u64,
+    /// What one block of a prefix the worker is about to compute saves this request.
+    pub credit: u64,
+    /// The prompt's block keys, in chain order.
+    pub keys: &'a [u64],
+    /// How long the claim and its leads count.
+    pub ttl: Duration,
+}
+
+/// The chain depths (in blocks) a claim samples, deepest first, with the key there: 1, 2, 4,
+/// then every 8th block up to 512. Two prompts sharing their first `d` blocks share every
+/// sampled key at depth ≤ `d` (the keys are parent-chained), so the deepest shared sample is
+/// within 8 blocks of `d` (up to 512 blocks).
+pub fn sample_chain(keys: &[u64]) -> Vec<(usize, u64)> {
+    let mut out: Vec<(usize, u64)> = [1usize, 2, 4]
+        .into_iter()
+        .chain((8..=512).step_by(8))
+        .take_while(|&d| d <= keys.len())
+        .map(|d| (d, keys[d - 1]))
+        .collect();
+    out.reverse();
+    out
+}
+
+/// Whether a worker id can travel in a claim's arguments (no separator characters).
+fn claimable_id(id: &str) -> bool {
+    !id.is_empty() && !id.contains(['|', ' ', '\n'])
+}
+
+/// The largest cost a claim carries (Lua numbers are doubles: exact below 2^53).
+pub const MAX_CLAIM_COST: u64 = 1 << 50;
 
 /// Writes the document when `P:rules` is at version ARGV[1] (`0`: absent); publishes.
 const CAS_RULES: &str = r"
@@ -240,6 +354,7 @@ pub struct Store {
     client: redis::Client,
     con: ConnectionManager,
     keys: Keys,
+    claim_script: redis::Script,
 }
 
 fn parse_doc(v: Vec<Option<String>>) -> Result<Option<RulesDoc>> {
@@ -287,6 +402,7 @@ impl Store {
             client,
             con,
             keys: Keys::new(prefix),
+            claim_script: redis::Script::new(CLAIM),
         })
     }
 
@@ -386,6 +502,65 @@ impl Store {
             .query_async::<i64>(&mut con)
             .await?;
         Ok(())
+    }
+
+    /// Atomic select-and-reserve among a decision's close alternatives (one `EVALSHA`; Redis
+    /// runs one script at a time, so two replicas deciding at the same instant see each other's
+    /// choice). The other replicas' live claims on a candidate add what they added to its cost
+    /// (a replica's own are not counted: its view has them exactly). A *lead* — the deepest of
+    /// the prompt's sampled chain keys ([`sample_chain`]) that another replica placed within
+    /// its TTL — takes `credit` × its depth off its worker's cost, and brings that worker in
+    /// from `others` when it is not a candidate, so a burst with one new prefix spread over
+    /// replicas follows its first request. The least cost wins (ties: the earlier candidate);
+    /// it is claimed for `ttl` with `added`, and every sampled key of this prompt leads there
+    /// for `ttl`. Returns the chosen worker id. Ids with `|`, space or newline make no claim
+    /// (the first candidate is returned). Cost in Redis: O((candidates + 1) × their live claims
+    /// + sampled depths + others).
+    pub async fn claim(&self, c: &Claim<'_>) -> Result<String> {
+        let candidates = &c.candidates[..c.candidates.len().min(MAX_CLAIM_CANDIDATES)];
+        let Some((first, _)) = candidates.first() else {
+            return Err(ClusterError::Malformed {
+                what: "claim",
+                detail: "no candidate".into(),
+            });
+        };
+        if !claimable_id(c.replica)
+            || !claimable_id(c.id)
+            || !candidates.iter().all(|(w, _)| claimable_id(w))
+        {
+            return Ok(first.to_string());
+        }
+        let chain = sample_chain(c.keys);
+        let mut inv = self.claim_script.prepare_invoke();
+        for (w, _) in candidates {
+            inv.key(self.keys.claims(w));
+        }
+        for (_, key) in &chain {
+            inv.key(self.keys.lead(*key));
+        }
+        let mut others = String::new();
+        for (w, cost) in c.others.iter().filter(|(w, _)| claimable_id(w)) {
+            others.push_str(&format!("{w} {}\n", (*cost).min(MAX_CLAIM_COST)));
+        }
+        inv.arg(c.replica)
+            .arg(u64::try_from(c.ttl.as_millis()).unwrap_or(u64::MAX).max(1))
+            .arg(c.added.min(MAX_CLAIM_COST))
+            .arg(c.id)
+            .arg(c.credit.min(MAX_CLAIM_COST >> 10))
+            .arg(candidates.len())
+            .arg(self.keys.claims(""))
+            .arg(others);
+        for (w, _) in candidates {
+            inv.arg(*w);
+        }
+        for (_, cost) in candidates {
+            inv.arg((*cost).min(MAX_CLAIM_COST));
+        }
+        for (d, _) in &chain {
+            inv.arg(*d);
+        }
+        let mut con = self.con.clone();
+        Ok(inv.invoke_async(&mut con).await?)
     }
 
     /// The stream of every replica's published holdings (its own connection; ends when it

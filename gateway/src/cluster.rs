@@ -18,10 +18,11 @@
 //! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
 //! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
 //! load it saw: `degraded` in `/admin/cluster` and `kvgate_gateway_cluster_degraded` = 1. No
-//! request path touches Redis: the load guard reads two atomics the sync loop fills.
+//! request path waits on Redis except a close KV-exact decision's claim ([`Claims`]), and that for at most
+//! [`ClusterSettings::claim_timeout`]: the load guard reads two atomics the sync loop fills.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -42,6 +43,13 @@ pub struct ClusterSettings {
     /// Lease of this replica's key record and load table; registrations are read every
     /// `lease / 5`. Default 5 s.
     pub lease: Duration,
+    /// How long a cold placement's claim counts for the other replicas ([`Claims`]): a bit
+    /// longer than the published decision takes to reach them (then their own view counts
+    /// it). Default 10 ms; zero turns claims off.
+    pub claim_ttl: Duration,
+    /// How long a decision waits for its claim before it keeps its own choice unclaimed.
+    /// Default 5 ms.
+    pub claim_timeout: Duration,
 }
 
 impl ClusterSettings {
@@ -51,6 +59,8 @@ impl ClusterSettings {
             url: url.into(),
             prefix: "kvgate".into(),
             lease: Duration::from_secs(5),
+            claim_ttl: DEFAULT_CLAIM_TTL,
+            claim_timeout: DEFAULT_CLAIM_TIMEOUT,
         }
     }
 
@@ -59,6 +69,11 @@ impl ClusterSettings {
         (self.lease / 5).max(Duration::from_millis(100))
     }
 }
+
+/// Default [`ClusterSettings::claim_ttl`].
+pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_millis(10);
+/// Default [`ClusterSettings::claim_timeout`].
+pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_millis(5);
 
 /// What `/admin/cluster` shows.
 #[derive(Debug, Default)]
@@ -145,6 +160,12 @@ impl ClusterLink {
         let me = self.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(HOLDINGS_QUEUE);
         control.data.shared_holdings.store(Some(Arc::new(tx)));
+        if !self.settings.claim_ttl.is_zero() {
+            control.data.claims.store(Some(Arc::new(Claims {
+                link: self.clone(),
+                seq: AtomicU64::new(0),
+            })));
+        }
         let sync = handle.spawn(sync_loop(me.clone(), weak.clone()));
         let watch = handle.spawn(watch_loop(me.clone(), weak.clone()));
         let publish = handle.spawn(publish_holdings(me.clone(), rx));
@@ -164,6 +185,99 @@ impl ClusterLink {
                 tokio::time::timeout(Duration::from_secs(1), s.withdraw_gateway(&id)).await
             });
         }
+    }
+}
+
+/// The atomic select-and-reserve of close placements across replicas. A KV-exact decision
+/// whose runners-up are within one request's cost of its first choice
+/// ([`crate::route::Decision::alternatives`]: typically a new prompt, which every idle worker
+/// would take at the same cost) would, on two replicas deciding within the time their published
+/// decisions take to reach each other (~1 ms on one host), put both requests on the same
+/// worker. The decision instead claims in Redis ([`cluster::Store::claim`]: one script,
+/// atomic): the alternative whose cost plus what the other replicas' live claims added there is
+/// least, claimed for [`ClusterSettings::claim_ttl`] with what this request adds. A clear
+/// winner (a long cached prefix), a single candidate or a store that does not answer within
+/// [`ClusterSettings::claim_timeout`] keeps the local choice (no request waits longer than
+/// that or fails for Redis). Costs one Redis round trip on close decisions only.
+pub struct Claims {
+    link: Arc<ClusterLink>,
+    seq: AtomicU64,
+}
+
+impl Claims {
+    /// Claims `decision`'s placement among its close alternatives and moves it when another
+    /// replica's fresh claim makes one of them cheaper ([`crate::route::redirect`]). Records the
+    /// outcome metric.
+    pub async fn settle(
+        &self,
+        view: &crate::view::View,
+        data: &crate::data_plane::DataPlane,
+        service: &crate::view::ServiceRoute,
+        decision: &mut crate::route::Decision,
+        reserved: &mut Option<crate::view::InFlight>,
+    ) {
+        let (Some(prefix), Some(first)) = (service.prefix.as_ref(), decision.order.first()) else {
+            return;
+        };
+        if decision.close < 2 {
+            return;
+        }
+        let Some(store) = self.link.store() else {
+            return;
+        };
+        let (prefill, output) = decision.attempt_tokens(first).unwrap_or((0, 0));
+        let rule = &prefix.rule;
+        let added = routing_rules::policy::queued_cost(rule, prefill, output);
+        let credit = routing_rules::policy::block_credit(rule, prefix.profile.block_size.as_u32());
+        let keys: Vec<u64> = decision
+            .prompt
+            .as_ref()
+            .map(|p| p.keys.iter().map(|k| k.0).collect())
+            .unwrap_or_default();
+        let n = decision.close.min(cluster::MAX_CLAIM_CANDIDATES);
+        let ranked: Vec<(&str, u64)> = decision
+            .ranked
+            .iter()
+            .map(|(w, c)| (w.0.as_str(), *c))
+            .collect();
+        let id = self.seq.fetch_add(1, Ordering::Relaxed).to_string();
+        let started = std::time::Instant::now();
+        let claimed = tokio::time::timeout(
+            self.link.settings.claim_timeout,
+            store.claim(&cluster::Claim {
+                replica: self.link.replica_id(),
+                id: &id,
+                candidates: &ranked[..n],
+                others: &ranked[n..],
+                added,
+                credit,
+                keys: &keys,
+                ttl: self.link.settings.claim_ttl,
+            }),
+        )
+        .await;
+        data.metrics
+            .cluster_claim_seconds
+            .observe(started.elapsed().as_secs_f64());
+        let outcome = match claimed {
+            Ok(Ok(to)) if to == first.0 => "kept",
+            Ok(Ok(to)) => {
+                let to = prefix_index::WorkerId(to);
+                crate::route::redirect(view, &data.index, decision, reserved, service, &to);
+                "moved"
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cluster claim failed: the local choice stands");
+                "failed"
+            }
+            Err(_) => "failed",
+        };
+        data.metrics
+            .cluster_claims
+            .get_or_create(&crate::metrics::ClaimLabels {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
     }
 }
 

@@ -89,6 +89,8 @@ pub struct DataPlane {
     /// Cluster mode: where routing-time holdings go to be shared with the other replicas (a
     /// bounded queue the cluster link drains; full = dropped, never waited on).
     pub shared_holdings: arc_swap::ArcSwapOption<tokio::sync::mpsc::Sender<cluster::SharedHolding>>,
+    /// Cluster mode with claims on: the atomic select-and-reserve of cold placements.
+    pub claims: arc_swap::ArcSwapOption<crate::cluster::Claims>,
 }
 
 impl DataPlane {

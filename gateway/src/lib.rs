@@ -273,6 +273,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         upstream_identity,
         connector: pingora::connectors::http::Connector::new(Some(connector_options)),
         shared_holdings: arc_swap::ArcSwapOption::empty(),
+        claims: arc_swap::ArcSwapOption::empty(),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

@@ -63,6 +63,14 @@ pub struct ModeLabels {
     pub mode: String,
 }
 
+/// Labels of the cluster claims counter: `kept` (the first choice was claimed), `moved` (another
+/// replica had just placed a new prompt there: a cold alternative was claimed), `failed` (Redis
+/// did not answer in time or at all: the first choice stands, unclaimed).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    pub outcome: String,
+}
+
 /// Labels of a per-worker gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabels {
@@ -102,6 +110,10 @@ pub struct Metrics {
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
+    /// Cluster mode: cold placements claimed in Redis, by outcome ([`ClaimLabels`]).
+    pub cluster_claims: Family<ClaimLabels, Counter>,
+    /// Cluster mode: seconds a claim took (its Redis round trip, within the decision's time).
+    pub cluster_claim_seconds: Histogram,
     /// Rules changes applied (file, admin, SIGHUP).
     pub rules_reloads: Counter,
     /// Rules changes refused.
@@ -205,6 +217,18 @@ impl Metrics {
             "1 while the cluster store (Redis) is unreachable",
             cluster_degraded.clone(),
         );
+        let cluster_claims = Family::<ClaimLabels, Counter>::default();
+        registry.register(
+            "cluster_claims",
+            "Cluster mode: cold placements claimed in Redis, by outcome (kept, moved, failed)",
+            cluster_claims.clone(),
+        );
+        let cluster_claim_seconds = latency_histogram();
+        registry.register(
+            "cluster_claim_seconds",
+            "Cluster mode: seconds a cold placement's claim took",
+            cluster_claim_seconds.clone(),
+        );
         let rules_reloads = Counter::default();
         registry.register(
             "rules_changes",
@@ -246,6 +270,8 @@ impl Metrics {
             worker_in_flight,
             rules_version,
             cluster_degraded,
+            cluster_claims,
+            cluster_claim_seconds,
             rules_reloads,
             rules_rejected,
         }

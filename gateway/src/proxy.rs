@@ -282,6 +282,18 @@ impl ProxyHttp for Proxy {
             } else {
                 route::decide_timed(&view, &self.data.index, &input)
             };
+        // Cluster claims: a cold placement is settled atomically with the other replicas'.
+        let decided = match decided {
+            Ok((mut d, mut reserved)) => {
+                if let Some(claims) = self.data.claims.load_full() {
+                    claims
+                        .settle(&view, &self.data, &service, &mut d, &mut reserved)
+                        .await;
+                }
+                Ok((d, reserved))
+            }
+            Err(e) => Err(e),
+        };
         let decision_time = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
         ctx.decision_done = Some(Instant::now());
         let handles = service.handles(&self.data.metrics);

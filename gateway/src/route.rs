@@ -72,6 +72,16 @@ pub struct Decision {
     /// The routing-time holding taken for the first choice, with its TTL (cluster mode shares
     /// it with the other replicas).
     pub pending: Option<(WorkerId, std::time::Duration)>,
+    /// The admissible candidates with their placement costs, in order
+    /// ([`routing_rules::policy::Selection::ranked`]; empty without prefix routing).
+    pub ranked: Vec<(WorkerId, u64)>,
+    /// How many leading entries of `ranked` are *close* to the first choice: their cost is at
+    /// most the first's plus what this request adds to a worker's cost
+    /// ([`routing_rules::policy::queued_cost`] of its attempt there) — the alternatives one
+    /// other replica's placement of a request like this one on the first choice would make
+    /// preferable. At most 1 for a clear winner, or when every cost is 0 (`placement =
+    /// "longest_match"`). Cluster claims run when it is 2 or more ([`redirect`]).
+    pub close: usize,
 }
 
 impl Decision {
@@ -339,17 +349,78 @@ pub fn decide(
         block_size: p.profile.block_size.get(),
         output_tokens: l.output_tokens,
     });
-    let decision = Decision {
+    let mut decision = Decision {
         pending,
+        ranked: Vec::new(),
+        close: 0,
         order: sel.order,
         reason: sel.reason,
         extra_fallbacks: extra,
         prompt,
     };
+    if let (Some(p), Some(first)) = (&service.prefix, decision.order.first()) {
+        let (prefill, output) = decision.attempt_tokens(first).unwrap_or((0, 0));
+        let window = routing_rules::policy::queued_cost(&p.rule, prefill, output);
+        if let (Some(&(_, first_cost)), true) = (sel.ranked.first(), window > 0) {
+            let bound = first_cost.saturating_add(window);
+            decision.close = sel.ranked.iter().take_while(|(_, c)| *c <= bound).count();
+        }
+        decision.ranked = sel.ranked;
+    }
     let reserved = decision.order.first().and_then(|first| {
         let (prefill, output) = decision.attempt_tokens(first)?;
         let e = view.workers.get(first)?;
         Some(InFlight::start(e.runtime.clone(), prefill, output))
     });
     Ok((decision, reserved))
+}
+
+/// Moves `decision`'s first choice to `to`, another admissible candidate (a cluster claim chose
+/// it: another replica placed a request on the first choice a moment ago, or a prompt sharing
+/// this one's prefix on `to`): `to` goes first
+/// (the rest keep their order), the reservation moves there (the old one is released as it
+/// drops) and so does the routing-time holding — the keys it added on the old choice are
+/// forgotten there (those the old choice held before stay) and held on `to` for the same TTL.
+/// Under the service's placement lock, as [`decide`]. A `to` that is not admissible
+/// (in `ranked`), or already first, changes nothing.
+pub fn redirect(
+    view: &View,
+    index: &PrefixIndex,
+    decision: &mut Decision,
+    reserved: &mut Option<InFlight>,
+    service: &ServiceRoute,
+    to: &WorkerId,
+) {
+    if !decision.ranked.iter().any(|(w, _)| w == to) {
+        return;
+    }
+    let Some(pos) = decision.order.iter().position(|w| w == to) else {
+        return;
+    };
+    if pos == 0 {
+        return;
+    }
+    let _placing = service.placement.lock();
+    let old = decision.order[0].clone();
+    let moved = decision.order.remove(pos);
+    decision.order.insert(0, moved);
+    if let (Some((w, ttl)), Some(p)) = (decision.pending.take(), decision.prompt.as_ref()) {
+        if w == old {
+            let held_before = blocks_of(&p.placed, &old).min(p.keys.len());
+            if let Err(e) = index.remove_approximate(&old, &p.keys[held_before..]) {
+                tracing::debug!(worker = %old, error = %e, "moved holding not forgotten");
+            }
+        }
+        let event_fed = view
+            .workers
+            .get(to)
+            .is_some_and(|e| !e.runtime.approximate());
+        if event_fed && index.insert_approximate_for(to, &p.keys, ttl).is_ok() {
+            decision.pending = Some((to.clone(), ttl));
+        }
+    }
+    *reserved = decision.attempt_tokens(to).and_then(|(prefill, output)| {
+        let e = view.workers.get(to)?;
+        Some(InFlight::start(e.runtime.clone(), prefill, output))
+    });
 }

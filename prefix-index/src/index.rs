@@ -713,6 +713,26 @@ impl PrefixIndex {
         Ok(())
     }
 
+    /// Forgets `keys` as approximate holdings of `worker` (those it does not hold
+    /// approximately are skipped; precise holdings are untouched): a routing-time holding taken
+    /// for a choice the gateway then moved elsewhere. O(keys).
+    pub fn remove_approximate(
+        &self,
+        worker: &WorkerId,
+        keys: &[BlockKey],
+    ) -> Result<(), IndexError> {
+        let ws = self.slot_of(worker)?;
+        let mut st = ws.writer.lock();
+        for k in keys {
+            if st.lru.map.remove(k).is_some() {
+                self.remove_approx_entry(ws.slot, *k);
+            }
+        }
+        ws.approx_blocks
+            .store(st.lru.map.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Bounds how many routed prompts (key chains) of `worker` are believed held at once, as a
     /// slot-based prompt cache holds them (`llama-server --parallel N` without its RAM prompt
     /// cache keeps one prompt per slot): inserting a chain first drops the held chains that
@@ -1291,6 +1311,29 @@ mod tests {
         idx.insert_approximate(&a, &chain).unwrap();
         idx.clear_approximate(&a).unwrap();
         assert_eq!(idx.approx_entries.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn removed_approximate_keys_are_forgotten_and_the_rest_kept() {
+        let (idx, _) = small();
+        let (a, b) = (w("a"), w("b"));
+        idx.add_worker(&a);
+        idx.add_worker(&b);
+        let chain = keys(1..4);
+        idx.insert_approximate(&a, &chain).unwrap();
+        idx.insert_approximate(&b, &chain[..1]).unwrap();
+        idx.apply_event(&a, &stored(&chain[..1])).unwrap();
+        // A moved routing-time holding: keys 2 and 3 forgotten on `a`; key 1 stays (precise and
+        // approximate), `b`'s untouched; a key `a` never held is skipped.
+        idx.remove_approximate(&a, &chain[1..]).unwrap();
+        idx.remove_approximate(&a, &keys(9..10)).unwrap();
+        assert_eq!(
+            summary(&idx.longest_matches(&chain)),
+            vec![("a".into(), 1, 1, 1), ("b".into(), 1, 0, 1)]
+        );
+        assert_eq!(idx.worker_stats(&a).unwrap().approximate_blocks, 1);
+        assert_eq!(idx.approx_entries.load(Ordering::Relaxed), 2);
+        assert!(idx.remove_approximate(&w("nobody"), &chain).is_err());
     }
 
     #[test]

@@ -486,6 +486,18 @@ fn kv_exact_matches_naive_specification() {
             "seed {seed} case {case}: chose {:?}, allowed {allowed:?}, cands {cands:?}",
             s.order[0]
         );
+        // `ranked`: the admissible head of `order`, each with its cost, in non-decreasing cost.
+        assert_eq!(s.ranked.len(), admissible.len(), "seed {seed} case {case}");
+        for (k, (w, cost)) in s.ranked.iter().enumerate() {
+            assert_eq!(w, &s.order[k], "seed {seed} case {case}");
+            let c = cands.iter().find(|c| &c.worker == w).unwrap();
+            assert!(
+                (c.load as f64) < limit,
+                "seed {seed} case {case}: inadmissible ranked"
+            );
+            assert_eq!(*cost, p.cost(c), "seed {seed} case {case}");
+        }
+        assert!(s.ranked.windows(2).all(|p| p[0].1 <= p[1].1));
         let best_healthy = healthy.iter().map(|c| score(c)).max().unwrap();
         if best_healthy > best {
             assert_eq!(s.reason, Reason::LoadGuard, "seed {seed} case {case}");
@@ -582,6 +594,25 @@ fn least_cost_weighs_the_uncached_prompt_against_the_queue() {
     ]);
     // w0: 224 + 2000 = 2224 > 1600.
     assert_eq!((idx(&s.order[0]), s.reason), (1, Reason::Cost));
+}
+
+#[test]
+fn queued_cost_is_the_cost_terms_of_queued_work() {
+    let rule = kv_rule(1e9, None, 0);
+    // decode_weight 0.25: 1,000 prefill + 4,000 decode tokens queued = 2,000.
+    assert_eq!(routing_rules::policy::queued_cost(&rule, 1000, 4000), 2000);
+    // What it adds is what the policy's cost sees on a worker with that queue.
+    let p = KvExact::new(&rule, 16);
+    let queued = Candidate {
+        queued_decode: 4000,
+        ..costed(0, 0, 0, 1000)
+    };
+    assert_eq!(p.cost(&queued) - p.cost(&costed(0, 0, 0, 0)), 2000);
+    let longest = KvExactRule {
+        placement: Placement::LongestMatch,
+        ..rule
+    };
+    assert_eq!(routing_rules::policy::queued_cost(&longest, 1000, 4000), 0);
 }
 
 #[test]

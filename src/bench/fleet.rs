@@ -277,7 +277,7 @@ pub async fn run_transport(
 async fn start_fleet(
     n: usize,
     gateways: usize,
-    cluster: Option<(&str, &str)>,
+    cluster: Option<(&str, &str, Duration)>,
     dir: &Path,
     model_path: &Path,
     profile: &PromptProfile,
@@ -312,10 +312,11 @@ async fn start_fleet(
             gcfg.gateway_id = format!("gw{g}");
             gcfg.watch_rules = false;
             gcfg.threads = 2;
-            if let Some((url, prefix)) = cluster {
+            if let Some((url, prefix, claim_ttl)) = cluster {
                 let mut c = gateway::cluster::ClusterSettings::new(url);
                 c.prefix = prefix.to_string();
                 c.lease = Duration::from_millis(1000);
+                c.claim_ttl = claim_ttl;
                 gcfg.cluster = Some(c);
             }
             let g = tokio::task::spawn_blocking(move || gateway::spawn(gcfg)).await??;
@@ -441,11 +442,16 @@ pub struct DecisionCost {
     /// (`kvgate_gateway_route_decision_cpu_seconds`): what the decision costs, whatever else
     /// shares the machine.
     pub cpu: Option<f64>,
+    /// Cluster claims by outcome: kept, moved, failed (`kvgate_gateway_cluster_claims_total`).
+    pub claims: [u64; 3],
+    /// Mean claim round trip (`kvgate_gateway_cluster_claim_seconds`), seconds.
+    pub claim: Option<f64>,
 }
 
 /// The mean route decision of `fleet`'s gateways, from their histograms (admin `/metrics`).
 async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost {
-    let mut sums = [(0.0, 0.0); 2];
+    let mut sums = [(0.0, 0.0); 3];
+    let mut claims = [0u64; 3];
     for g in &fleet.gateways {
         let text = match client
             .get(format!("http://{}/metrics", g.admin_addr))
@@ -462,9 +468,17 @@ async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost 
                     .and_then(|v| v.parse::<f64>().ok())
                     .unwrap_or(0.0)
             };
+            for (i, outcome) in ["kept", "moved", "failed"].iter().enumerate() {
+                if line.starts_with("kvgate_gateway_cluster_claims_total")
+                    && line.contains(&format!("outcome=\"{outcome}\""))
+                {
+                    claims[i] += value() as u64;
+                }
+            }
             for (i, name) in [
                 "kvgate_gateway_route_decision_seconds",
                 "kvgate_gateway_route_decision_cpu_seconds",
+                "kvgate_gateway_cluster_claim_seconds",
             ]
             .iter()
             .enumerate()
@@ -483,6 +497,8 @@ async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost 
     DecisionCost {
         wall: mean(sums[0]),
         cpu: mean(sums[1]),
+        claims,
+        claim: mean(sums[2]),
     }
 }
 
@@ -567,6 +583,8 @@ pub struct FleetRun<'a> {
     pub gateways: usize,
     /// With one gateway: the policies to run (names of [`POLICIES`]); empty = all.
     pub policies: &'a [String],
+    /// Cluster mode: the replicas' claim TTL (0: claims off), docs/cluster.md "Claims".
+    pub claim_ttl: Duration,
 }
 
 /// Runs `plans` through the fleet's gateways (requests spread over them in turn) with the
@@ -693,7 +711,7 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             let tmp = tempfile::tempdir()?;
             let prefix = format!("bench-{}-{i}-{}", kind.as_str(), rand::random::<u32>());
             let cluster = match (&redis, *shared) {
-                (Some(r), true) => Some((r.url(), prefix.as_str())),
+                (Some(r), true) => Some((r.url(), prefix.as_str(), args.claim_ttl)),
                 _ => None,
             };
             let fleet =
@@ -718,10 +736,14 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             for (s, d) in summaries.iter().zip(&decisions) {
                 let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
                 println!(
-                    "  {}: mean route decision {} wall, {} CPU",
+                    "  {}: mean route decision {} wall, {} CPU; claims kept {} moved {} failed {}, mean claim {}",
                     s.label,
                     us(d.wall),
-                    us(d.cpu)
+                    us(d.cpu),
+                    d.claims[0],
+                    d.claims[1],
+                    d.claims[2],
+                    us(d.claim)
                 );
             }
             replica_verdicts(

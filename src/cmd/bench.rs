@@ -23,6 +23,10 @@ pub struct Args {
     /// over the replicas in turn.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
+    /// With --gateways G > 1: the replicas' claim TTL in ms (the atomic select-and-reserve of
+    /// cold placements, docs/cluster.md "Claims"); 0 turns claims off.
+    #[arg(long, default_value_t = 10)]
+    pub cluster_claim_ms: u64,
     /// With --fleet: instead of a workload, compare the KV event transports (SSE from every
     /// worker to every replica vs one Redis Stream per worker) at this many events a second
     /// per worker, to the --gateways replicas.
@@ -129,6 +133,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 out: &args.out,
                 gateways: args.gateways,
                 policies: &args.policies,
+                claim_ttl: std::time::Duration::from_millis(args.cluster_claim_ms),
             };
             return crate::bench::fleet::run(n, &run).await;
         }

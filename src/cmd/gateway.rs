@@ -74,6 +74,13 @@ pub struct Args {
     /// Lease of this replica's records in Redis, ms (synced every lease / 5).
     #[arg(long, default_value_t = 5000)]
     pub cluster_lease_ms: u64,
+    /// How long a cold placement's claim counts for the other replicas, ms (the atomic
+    /// select-and-reserve of new prompts, docs/cluster.md "Claims"); 0 turns claims off.
+    #[arg(long, default_value_t = 10)]
+    pub cluster_claim_ms: u64,
+    /// How long a decision waits for its claim before keeping its own choice, ms.
+    #[arg(long, default_value_t = 5)]
+    pub cluster_claim_timeout_ms: u64,
 }
 
 /// Runs the gateway until SIGINT/SIGTERM.
@@ -103,6 +110,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let mut c = gateway::cluster::ClusterSettings::new(url.clone());
         c.prefix = args.cluster_prefix.clone();
         c.lease = std::time::Duration::from_millis(args.cluster_lease_ms.max(500));
+        c.claim_ttl = std::time::Duration::from_millis(args.cluster_claim_ms);
+        c.claim_timeout = std::time::Duration::from_millis(args.cluster_claim_timeout_ms.max(1));
         config.cluster = Some(c);
     }
     config.upstream_tls = tls::ClientTls {

@@ -58,6 +58,40 @@ const CURSOR_UNSET: usize = usize::MAX;
 /// pick (a bound on the work; losing it only risks two concurrent decisions on one worker).
 const MAX_CURSOR_RETRIES: usize = 8;
 
+/// The queued-work term of the cost: `queued_prefill + decode_weight × queued_decode`.
+fn queued_term(decode_w: f64, prefill: u64, decode: u64) -> f64 {
+    prefill as f64 + decode_w * decode as f64
+}
+
+/// What `prefill` prompt tokens and `decode` output tokens queued on a worker add to its
+/// placement cost under `rule` (the queued terms of the module docs' cost; 0 with
+/// `placement = "longest_match"`, whose costs are all 0). A request placed on a worker adds
+/// this for the next decision: gateway replicas publish it with their cold placements.
+pub fn queued_cost(rule: &KvExactRule, prefill: u64, decode: u64) -> u64 {
+    match rule.placement {
+        Placement::LeastCost => queued_term(
+            finite_or(rule.decode_weight, crate::schema::DEFAULT_DECODE_WEIGHT),
+            prefill,
+            decode,
+        ) as u64,
+        Placement::LongestMatch => 0,
+    }
+}
+
+/// What one matched block saves in placement cost under `rule` with `block_size` tokens per
+/// block: `uncached_weight × block_size` (0 with `placement = "longest_match"`). A worker that
+/// another replica just chose for a prompt sharing this one's first `d` blocks costs this
+/// request `d ×` this less there (gateway cluster claims).
+pub fn block_credit(rule: &KvExactRule, block_size: u32) -> u64 {
+    match rule.placement {
+        Placement::LeastCost => {
+            (finite_or(rule.uncached_weight, crate::schema::DEFAULT_UNCACHED_WEIGHT)
+                * f64::from(block_size.max(1))) as u64
+        }
+        Placement::LongestMatch => 0,
+    }
+}
+
 /// KV-exact policy; see the module docs.
 #[derive(Debug)]
 pub struct KvExact {
@@ -129,8 +163,7 @@ impl KvExact {
         };
         let matched = (self.score(c) as u64).saturating_mul(self.block_size);
         let uncached = c.prompt_tokens.saturating_sub(matched) as f64;
-        let cost =
-            uncached_w * uncached + c.queued_prefill as f64 + decode_w * c.queued_decode as f64;
+        let cost = uncached_w * uncached + queued_term(decode_w, c.queued_prefill, c.queued_decode);
         // `as` saturates (and maps NaN to 0; the weights are finite and non-negative).
         cost as u64
     }
@@ -142,6 +175,28 @@ impl KvExact {
             0
         }
     }
+}
+
+/// The admissible entries of `order` (they lead it), with the cost of their key. `keyed`:
+/// (key = (inadmissible, cost, ..), candidate index < `n`). O(n).
+fn ranked_costs<K>(
+    keyed: &[((bool, u64, K), usize)],
+    order: &[usize],
+    n: usize,
+) -> Vec<(usize, u64)> {
+    let mut by_index: Vec<Option<(bool, u64)>> = vec![None; n];
+    for ((inadmissible, cost, _), i) in keyed {
+        if let Some(slot) = by_index.get_mut(*i) {
+            *slot = Some((*inadmissible, *cost));
+        }
+    }
+    order
+        .iter()
+        .map_while(|&i| match by_index.get(i).copied().flatten() {
+            Some((false, cost)) => Some((i, cost)),
+            _ => None,
+        })
+        .collect()
 }
 
 impl KvExact {
@@ -203,7 +258,7 @@ impl SelectionPolicy for KvExact {
             } else {
                 self.cost(c)
             };
-            (!adm, cost, Reverse(score), load, spread)
+            (!adm, cost, (Reverse(score), load, spread))
         };
         let keyed: Vec<_> = healthy.iter().map(|&i| (key(i), i)).collect();
         // Rotation: equal candidates are taken in pool order from the cursor on, and when the
@@ -267,12 +322,19 @@ impl SelectionPolicy for KvExact {
         } else {
             Reason::NoMatch
         };
+        // The admissible candidates in order, with the costs this decision ranked them by
+        // (the rotation's zeroed costs included).
+        let ranked = ranked_costs(&keyed, &order, n);
         Selection {
             order: order
                 .iter()
                 .map(|&i| candidates[i].worker.clone())
                 .collect(),
             reason,
+            ranked: ranked
+                .into_iter()
+                .map(|(i, cost)| (candidates[i].worker.clone(), cost))
+                .collect(),
         }
     }
 }

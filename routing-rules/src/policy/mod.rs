@@ -17,7 +17,7 @@ use std::fmt;
 
 use prefix_index::WorkerId;
 
-pub use kv_exact::KvExact;
+pub use kv_exact::{block_credit, queued_cost, KvExact};
 pub use round_robin::RoundRobin;
 
 use crate::schema::Rule;
@@ -110,6 +110,11 @@ pub struct Selection {
     pub order: Vec<WorkerId>,
     /// Why the first choice.
     pub reason: Reason,
+    /// `kv_exact` only: the admissible candidates (they lead `order`), each with the placement
+    /// cost this decision ranked it by (first = the first choice). Empty for round robin.
+    /// Gateway replicas re-rank the close ones atomically (cluster claims), adding the other
+    /// replicas' fresh placements to each cost.
+    pub ranked: Vec<(WorkerId, u64)>,
 }
 
 impl Selection {
@@ -118,6 +123,7 @@ impl Selection {
         Self {
             order: Vec::new(),
             reason: Reason::NoHealthyWorker,
+            ranked: Vec::new(),
         }
     }
 

@@ -91,6 +91,7 @@ impl SelectionPolicy for RoundRobin {
         Selection {
             order,
             reason: Reason::RoundRobin,
+            ranked: Vec::new(),
         }
     }
 }
