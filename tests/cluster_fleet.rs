@@ -115,6 +115,33 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// A fresh `redis-server`, keys for `gateways` replicas and `workers` workers, and the three
+    /// static simulated workers (w1..w3) started; no replica started yet.
+    fn new(gateways: usize, workers: usize) -> Cluster {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+        let mut c = Cluster {
+            rt,
+            profile: PromptProfile::from_gguf(model_path()).unwrap(),
+            dir: tempfile::tempdir().unwrap(),
+            gateway_keys: (0..gateways).map(|_| KeyPair::generate()).collect(),
+            worker_keys: (0..workers).map(|_| KeyPair::generate()).collect(),
+            workers: Vec::new(),
+            gateways: (0..gateways).map(|_| None).collect(),
+            http: reqwest::Client::new(),
+            redis,
+        };
+        for i in 0..3 {
+            let w = c.start_worker(i, false);
+            c.workers.push(Some(w));
+        }
+        c
+    }
+
     fn start_worker(&self, i: usize, register: bool) -> RunningWorker {
         let id = format!("w{}", i + 1);
         let mut sim = SimConfig::instant(16, 4096);
@@ -146,6 +173,7 @@ impl Cluster {
                     advertise_url: format!("http://{}", l.local_addr().unwrap()),
                     labels: [("tier".to_string(), "sim".to_string())].into(),
                     lease: Duration::from_millis(1500),
+                    kind: None,
                 });
             }
             let w = worker::spawn(cfg, l).await.unwrap();
@@ -313,29 +341,8 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 #[test]
 fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let redis_port = free_port();
-    let redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
-    let mut c = Cluster {
-        rt,
-        profile: PromptProfile::from_gguf(model_path()).unwrap(),
-        dir,
-        gateway_keys: (0..3).map(|_| KeyPair::generate()).collect(),
-        worker_keys: (0..4).map(|_| KeyPair::generate()).collect(),
-        workers: Vec::new(),
-        gateways: vec![None, None, None],
-        http: reqwest::Client::new(),
-        redis,
-    };
-    for i in 0..3 {
-        let w = c.start_worker(i, false);
-        c.workers.push(Some(w));
-    }
+    let mut c = Cluster::new(3, 4);
+    let redis_port = c.redis.port;
     for g in 0..3 {
         c.start_gateway(g);
     }
@@ -447,6 +454,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
         public_key_hex: "00".into(),
         profile_digest: String::new(),
         labels: Default::default(),
+        kind: None,
     };
     c.rt.block_on(store.announce_worker(&ghost, Duration::from_millis(150)))
         .unwrap();
@@ -671,28 +679,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
 /// `unfinished`, and the workers receipted them as the connections closed.
 #[test]
 fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
-    let mut c = Cluster {
-        rt,
-        profile: PromptProfile::from_gguf(model_path()).unwrap(),
-        dir,
-        gateway_keys: (0..2).map(|_| KeyPair::generate()).collect(),
-        worker_keys: (0..3).map(|_| KeyPair::generate()).collect(),
-        workers: Vec::new(),
-        gateways: vec![None, None],
-        http: reqwest::Client::new(),
-        redis,
-    };
-    for i in 0..3 {
-        let w = c.start_worker(i, false);
-        c.workers.push(Some(w));
-    }
+    let mut c = Cluster::new(2, 3);
     // Replica 1 in-process (it seeds the cluster's rules), replica 2 a real process.
     c.start_gateway(0);
     for w in ["w1", "w2", "w3"] {
@@ -873,6 +860,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
                         credit: 0,
                         keys: &[],
                         ttl: Duration::from_secs(30),
+                        lead_ttl: Duration::from_secs(30),
                     })
                     .await
                     .unwrap()
@@ -906,6 +894,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
                         credit: 0,
                         keys: &[],
                         ttl: long,
+                        lead_ttl: long,
                     })
                     .await
                     .unwrap()
@@ -936,6 +925,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
                         credit: 10,
                         keys: &keys,
                         ttl: long,
+                        lead_ttl: long,
                     })
                     .await
                     .unwrap()
@@ -976,6 +966,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
                         credit: 0,
                         keys: &[],
                         ttl: Duration::from_millis(40),
+                        lead_ttl: Duration::from_millis(40),
                     })
                     .await
                     .unwrap()
@@ -994,30 +985,8 @@ fn claims_select_and_reserve_atomically_across_replicas() {
 /// requests' tickets and receipts still audit clean.
 #[test]
 fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
-    let mut c = Cluster {
-        rt,
-        profile: PromptProfile::from_gguf(model_path()).unwrap(),
-        dir: tempfile::tempdir().unwrap(),
-        gateway_keys: (0..3).map(|_| KeyPair::generate()).collect(),
-        worker_keys: (0..3).map(|_| KeyPair::generate()).collect(),
-        workers: Vec::new(),
-        gateways: vec![None, None, None],
-        http: reqwest::Client::new(),
-        redis,
-    };
-    for i in 0..3 {
-        let w = c.start_worker(i, false);
-        c.workers.push(Some(w));
-    }
+    let mut c = Cluster::new(1, 3);
     c.start_gateway(0);
-    c.gateways.truncate(1);
-    c.gateway_keys.truncate(1);
     for w in ["w1", "w2", "w3"] {
         c.wait_for("static workers routable", Duration::from_secs(10), || {
             c.routable(0, w)
@@ -1039,6 +1008,7 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
                 credit: 0,
                 keys: &[],
                 ttl,
+                lead_ttl: ttl,
             }))
             .unwrap();
         }
@@ -1109,6 +1079,7 @@ fn claim_round_trip_against_ping() {
                         credit: 32,
                         keys: &keys,
                         ttl: Duration::from_millis(10),
+                        lead_ttl: Duration::from_millis(10),
                     })
                     .await
                     .unwrap();
@@ -1117,4 +1088,100 @@ fn claim_round_trip_against_ping() {
             println!("round {round}: PING {ping:?}, claim {claim:?} (mean of {n} each)");
         }
     });
+}
+
+/// An engine kvgate did not build, as far as a sidecar sees one: `/health` and a fixed chat
+/// answer.
+async fn fake_engine() -> std::net::SocketAddr {
+    use axum::routing::{get, post};
+    let app = axum::Router::new()
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route(
+            "/v1/chat/completions",
+            post(|| async {
+                axum::Json(json!({
+                    "id": "chatcmpl-native",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "native",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+                }))
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// A sidecar in front of a native engine registers itself as a worker does: it joins every
+/// replica's pool by its labels, takes route tickets signed by keys it read from Redis (it has
+/// no key folder and requires tickets), leaves the pools when it stops, and its receipts audit
+/// clean against both replicas' decision logs.
+#[test]
+fn a_registered_sidecar_serves_through_every_replica_and_leaves_when_it_stops() {
+    let mut c = Cluster::new(2, 4);
+    c.start_gateway(0);
+    c.start_gateway(1);
+    let sidecar = c.rt.block_on(async {
+        let engine = fake_engine().await;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut cfg = worker::sidecar::SidecarConfig::new(
+            format!("http://{engine}"),
+            "w4",
+            c.worker_keys[3].clone(),
+            c.dir.path().join("receipts-w4.jsonl"),
+        );
+        cfg.ticket_policy = TicketPolicy::Require;
+        cfg.registration = Some(worker::registration::Registration {
+            url: c.redis.url(),
+            prefix: "kvgate".into(),
+            advertise_url: format!("http://{}", l.local_addr().unwrap()),
+            labels: [("tier".to_string(), "sim".to_string())].into(),
+            lease: Duration::from_millis(1500),
+            kind: Some("openai".into()),
+        });
+        worker::sidecar::spawn(cfg, l).await.unwrap()
+    });
+    for g in 0..2 {
+        c.wait_for(
+            "the sidecar in every replica's pool",
+            Duration::from_secs(10),
+            || c.routable(g, "w4"),
+        );
+        // Announced as what it fronts: the replicas treat it as that kind of upstream.
+        let kind = c.gw(g).data.views.load().workers[&prefix_index::WorkerId("w4".into())]
+            .spec
+            .kind;
+        assert_eq!(kind, routing_rules::schema::UpstreamKind::Openai);
+    }
+    // Round robin over four workers: within 12 requests per replica, the sidecar serves some,
+    // with tickets it verified against keys it only knows from Redis.
+    for g in 0..2 {
+        let mut served = 0;
+        for i in 0..12 {
+            let r = c.chat(g, "rr", &format!("native {g} {i}"), 4);
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            if r.header("x-kvgate-worker").as_deref() == Some("w4") {
+                served += 1;
+                assert_eq!(r.json()["choices"][0]["message"]["content"], "hi");
+            }
+        }
+        assert!(
+            served >= 2,
+            "replica {g}: the sidecar served {served} of 12"
+        );
+    }
+    c.rt.block_on(sidecar.shutdown());
+    for g in 0..2 {
+        c.wait_for(
+            "the stopped sidecar out of the pools",
+            Duration::from_secs(5),
+            || !c.routable(g, "w4"),
+        );
+    }
+    let report = c.stop_and_audit();
+    assert!(report.discrepancies.is_empty(), "{report:?}");
+    assert_eq!(report.receipted, report.routed, "{report:?}");
 }

@@ -105,6 +105,11 @@ pub struct WorkerRecord {
     /// Labels pools select on.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// What serves behind the URL, as a rules file's `[[workers]] kind` names it (`openai`,
+    /// `llama_cpp`: a `kvgate sidecar` in front of a native engine); absent: a kvgate worker.
+    /// Absent from a kvgate worker's record, so replicas older than this field still read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 /// A gateway replica's public ticket key (the private key never leaves its host).
@@ -192,8 +197,8 @@ impl Keys {
 /// KEYS: `P:claims:<w>` for the K candidates, then `P:lead:<key>` for the prompt's sampled chain
 /// keys, deepest first. ARGV: 1 replica, 2 ttl_ms, 3 added cost, 4 claim id, 5 credit per
 /// block, 6 K, 7 the `P:claims:` prefix, 8 the other admissible workers' costs (`"<id> <cost>\n"`
-/// each), then the K candidate ids, the K candidate costs, and the sampled depths (one per lead
-/// key). Returns the chosen worker id.
+/// each), 9 the leads' ttl_ms, then the K candidate ids, the K candidate costs, and the sampled
+/// depths (one per lead key). Returns the chosen worker id.
 const CLAIM: &str = r"
 local me, ttl, added = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local credit, K = tonumber(ARGV[5]) or 0, tonumber(ARGV[6])
@@ -206,14 +211,14 @@ for j = 1, M do
   if v then
     local who, w = string.match(v, '^([^|]*)|(.*)$')
     if who ~= nil and who ~= me then
-      lead, lead_depth = w, tonumber(ARGV[8 + 2 * K + j]) or 0
+      lead, lead_depth = w, tonumber(ARGV[9 + 2 * K + j]) or 0
       break
     end
   end
 end
 local ids, costs, keys = {}, {}, {}
 for i = 1, K do
-  ids[i], costs[i], keys[i] = ARGV[8 + i], tonumber(ARGV[8 + K + i]) or 0, KEYS[i]
+  ids[i], costs[i], keys[i] = ARGV[9 + i], tonumber(ARGV[9 + K + i]) or 0, KEYS[i]
 end
 if lead then
   local found = false
@@ -241,7 +246,7 @@ redis.call('ZREMRANGEBYSCORE', keys[best], '-inf', now)
 redis.call('ZADD', keys[best], now + ttl, me .. '|' .. added .. '|' .. ARGV[4])
 redis.call('PEXPIRE', keys[best], ttl)
 for j = 1, M do
-  redis.call('SET', KEYS[K + j], me .. '|' .. ids[best], 'PX', ttl)
+  redis.call('SET', KEYS[K + j], me .. '|' .. ids[best], 'PX', ARGV[9])
 end
 return ids[best]
 ";
@@ -267,8 +272,12 @@ pub struct Claim<'a> {
     pub credit: u64,
     /// The prompt's block keys, in chain order.
     pub keys: &'a [u64],
-    /// How long the claim and its leads count.
+    /// How long the claim's added cost counts (a few times the time the published decision
+    /// takes to reach the other replicas: after that they count it themselves).
     pub ttl: Duration,
+    /// How long the prompt's leads count: as long as its routing-time holding (the rule's
+    /// `pending_ttl_ms`), which says the same thing to the replicas that received it.
+    pub lead_ttl: Duration,
 }
 
 /// The chain depths (in blocks) a claim samples, deepest first, with the key there: 1, 2, 4,
@@ -513,7 +522,7 @@ impl Store {
     /// from `others` when it is not a candidate, so a burst with one new prefix spread over
     /// replicas follows its first request. The least cost wins (ties: the earlier candidate);
     /// it is claimed for `ttl` with `added`, and every sampled key of this prompt leads there
-    /// for `ttl`. Returns the chosen worker id. Ids with `|`, space or newline make no claim
+    /// for `lead_ttl`. Returns the chosen worker id. Ids with `|`, space or newline make no claim
     /// (the first candidate is returned). Cost in Redis: O((candidates + 1) × their live claims
     /// + sampled depths + others).
     pub async fn claim(&self, c: &Claim<'_>) -> Result<String> {
@@ -549,7 +558,12 @@ impl Store {
             .arg(c.credit.min(MAX_CLAIM_COST >> 10))
             .arg(candidates.len())
             .arg(self.keys.claims(""))
-            .arg(others);
+            .arg(others)
+            .arg(
+                u64::try_from(c.lead_ttl.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+            );
         for (w, _) in candidates {
             inv.arg(*w);
         }
@@ -821,6 +835,7 @@ mod tests {
             public_key_hex: "ab".into(),
             profile_digest: "cd".into(),
             labels: BTreeMap::from([("zone".into(), "a".into())]),
+            kind: None,
         };
         assert_eq!(
             serde_json::to_string(&r).unwrap(),

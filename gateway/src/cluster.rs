@@ -253,6 +253,10 @@ impl Claims {
                 credit,
                 keys: &keys,
                 ttl: self.link.settings.claim_ttl,
+                lead_ttl: match rule.pending_ttl_ms {
+                    0 => self.link.settings.claim_ttl,
+                    ms => Duration::from_millis(ms),
+                },
             }),
         )
         .await;

@@ -269,12 +269,22 @@ impl ControlPlane {
                     tracing::warn!(worker = %r.id, url = %r.url, "registration ignored: bad id or url");
                     return None;
                 }
+                let kind = match r.kind.as_deref() {
+                    None => routing_rules::schema::UpstreamKind::Kvgate,
+                    Some(k) => match serde_json::from_value(serde_json::Value::from(k)) {
+                        Ok(kind) => kind,
+                        Err(_) => {
+                            tracing::warn!(worker = %r.id, kind = %k, "registration ignored: unknown kind");
+                            return None;
+                        }
+                    },
+                };
                 Some(routing_rules::schema::WorkerSpec {
                     id,
                     url: r.url,
                     weight: 1,
                     labels: r.labels,
-                    kind: routing_rules::schema::UpstreamKind::Kvgate,
+                    kind,
                     health_path: None,
                     prompt_cache: None,
                 })

@@ -277,7 +277,7 @@ pub async fn run_transport(
 async fn start_fleet(
     n: usize,
     gateways: usize,
-    cluster: Option<(&str, &str, Duration)>,
+    cluster: Option<(&str, &str, Duration, Duration)>,
     dir: &Path,
     model_path: &Path,
     profile: &PromptProfile,
@@ -312,11 +312,12 @@ async fn start_fleet(
             gcfg.gateway_id = format!("gw{g}");
             gcfg.watch_rules = false;
             gcfg.threads = 2;
-            if let Some((url, prefix, claim_ttl)) = cluster {
+            if let Some((url, prefix, claim_ttl, claim_timeout)) = cluster {
                 let mut c = gateway::cluster::ClusterSettings::new(url);
                 c.prefix = prefix.to_string();
                 c.lease = Duration::from_millis(1000);
                 c.claim_ttl = claim_ttl;
+                c.claim_timeout = claim_timeout;
                 gcfg.cluster = Some(c);
             }
             let g = tokio::task::spawn_blocking(move || gateway::spawn(gcfg)).await??;
@@ -585,6 +586,8 @@ pub struct FleetRun<'a> {
     pub policies: &'a [String],
     /// Cluster mode: the replicas' claim TTL (0: claims off), docs/cluster.md "Claims".
     pub claim_ttl: Duration,
+    /// Cluster mode: how long a decision waits for its claim.
+    pub claim_timeout: Duration,
 }
 
 /// Runs `plans` through the fleet's gateways (requests spread over them in turn) with the
@@ -711,7 +714,9 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             let tmp = tempfile::tempdir()?;
             let prefix = format!("bench-{}-{i}-{}", kind.as_str(), rand::random::<u32>());
             let cluster = match (&redis, *shared) {
-                (Some(r), true) => Some((r.url(), prefix.as_str(), args.claim_ttl)),
+                (Some(r), true) => {
+                    Some((r.url(), prefix.as_str(), args.claim_ttl, args.claim_timeout))
+                }
                 _ => None,
             };
             let fleet =

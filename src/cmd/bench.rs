@@ -27,6 +27,9 @@ pub struct Args {
     /// cold placements, docs/cluster.md "Claims"); 0 turns claims off.
     #[arg(long, default_value_t = 10)]
     pub cluster_claim_ms: u64,
+    /// With --gateways G > 1: how long a decision waits for its claim, ms.
+    #[arg(long, default_value_t = 5)]
+    pub cluster_claim_timeout_ms: u64,
     /// With --fleet: instead of a workload, compare the KV event transports (SSE from every
     /// worker to every replica vs one Redis Stream per worker) at this many events a second
     /// per worker, to the --gateways replicas.
@@ -134,6 +137,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 gateways: args.gateways,
                 policies: &args.policies,
                 claim_ttl: std::time::Duration::from_millis(args.cluster_claim_ms),
+                claim_timeout: std::time::Duration::from_millis(
+                    args.cluster_claim_timeout_ms.max(1),
+                ),
             };
             return crate::bench::fleet::run(n, &run).await;
         }

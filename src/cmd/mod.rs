@@ -3,6 +3,7 @@ pub mod bench;
 pub mod gateway;
 pub mod keygen;
 pub mod receipts;
+pub mod register_args;
 pub mod sidecar;
 pub mod tls_args;
 pub mod tokenize;

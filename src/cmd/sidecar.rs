@@ -26,6 +26,11 @@ pub struct Args {
     /// Worker id (route tickets must name it; receipts are signed under it).
     #[arg(long, default_value = "sidecar-1")]
     pub id: String,
+    /// What the engine is, as a rules file's `[[workers]] kind` names it (`llama_cpp` or
+    /// `openai`): what a registered sidecar announces (`--register`), so the gateways treat it
+    /// as that kind of upstream.
+    #[arg(long, default_value = "llama_cpp", value_parser = ["llama_cpp", "openai"])]
+    pub kind: String,
     /// Engine path probed by `GET /ready`.
     #[arg(long, default_value = "/health")]
     pub health_path: String,
@@ -75,6 +80,8 @@ pub struct Args {
     pub read_timeout_ms: u64,
     #[command(flatten)]
     pub tls: super::tls_args::ServerTlsArgs,
+    #[command(flatten)]
+    pub cluster: super::register_args::RegisterArgs,
 }
 
 pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
@@ -85,8 +92,11 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;
     let key = super::worker::load_or_create_key(args.key.as_deref(), &state_dir, &args.id)?;
-    let gateway_keys =
-        super::worker::gateway_key_ring(args.gateway_keys.as_deref(), args.require_ticket, false)?;
+    let gateway_keys = super::worker::gateway_key_ring(
+        args.gateway_keys.as_deref(),
+        args.require_ticket,
+        args.cluster.register.is_some(),
+    )?;
     let receipts = args
         .receipts
         .clone()
@@ -116,6 +126,9 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
         cfg.profile_digest = profile.identity().digest();
     }
     cfg.tls = args.tls.server_tls();
+    cfg.registration =
+        args.cluster
+            .registration(args.listen, cfg.tls.is_some(), Some(args.kind.as_str()))?;
     Ok(cfg)
 }
 

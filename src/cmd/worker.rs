@@ -225,22 +225,8 @@ pub struct Args {
     pub sim_eos_after: Option<usize>,
     #[command(flatten)]
     pub tls: super::tls_args::ServerTlsArgs,
-    /// Cluster mode: announce this worker in the gateways' Redis (`redis://…`, `rediss://…`)
-    /// under a lease, and trust the gateway keys listed there; also from KVGATE_REGISTER.
-    #[arg(long, env = "KVGATE_REGISTER", hide_env_values = true)]
-    pub register: Option<String>,
-    /// The URL gateways reach this worker at [default: http://<--listen>].
-    #[arg(long)]
-    pub advertise_url: Option<String>,
-    /// Labels pools select on: `k=v,k2=v2`.
-    #[arg(long, default_value = "")]
-    pub labels: String,
-    /// Key prefix in the cluster's Redis.
-    #[arg(long, default_value = "kvgate")]
-    pub register_prefix: String,
-    /// Lease of the registration, ms (renewed every lease / 3).
-    #[arg(long, default_value_t = 5000)]
-    pub register_lease_ms: u64,
+    #[command(flatten)]
+    pub cluster: super::register_args::RegisterArgs,
 }
 
 /// The trusted gateway keys of `--gateway-keys DIR` (none without it); `--require-ticket` needs
@@ -262,19 +248,6 @@ pub(crate) fn gateway_key_ring(
         );
     }
     Ok(ring)
-}
-
-/// Parses `k=v,k2=v2` (empty: none).
-pub fn parse_labels(s: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-    let mut out = std::collections::BTreeMap::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (k, v) = part
-            .split_once('=')
-            .filter(|(k, v)| !k.is_empty() && !v.is_empty())
-            .with_context(|| format!("--labels: {part:?} is not k=v"))?;
-        out.insert(k.to_string(), v.to_string());
-    }
-    Ok(out)
 }
 
 /// The model folder: `$KVGATE_MODEL_DIR`, else `./models`.
@@ -345,7 +318,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     let gateway_keys = gateway_key_ring(
         args.gateway_keys.as_deref(),
         args.require_ticket,
-        args.register.is_some(),
+        args.cluster.register.is_some(),
     )?;
     let block_size = BlockSize::new(args.block_size).context("--block-size")?;
     let hash_algorithm: HashAlgorithm = args.hash_algorithm.parse().context("--hash-algorithm")?;
@@ -469,20 +442,9 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
         },
     };
     cfg.tls = args.tls.server_tls();
-    if let Some(url) = &args.register {
-        cluster::check_url(url).context("--register")?;
-        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
-        cfg.registration = Some(worker::registration::Registration {
-            url: url.clone(),
-            prefix: args.register_prefix.clone(),
-            advertise_url: args
-                .advertise_url
-                .clone()
-                .unwrap_or_else(|| format!("{scheme}://{}", args.listen)),
-            labels: parse_labels(&args.labels)?,
-            lease: Duration::from_millis(args.register_lease_ms.max(500)),
-        });
-    }
+    cfg.registration = args
+        .cluster
+        .registration(args.listen, cfg.tls.is_some(), None)?;
     Ok(cfg)
 }
 

@@ -267,7 +267,7 @@ pub struct RunningWorker {
     smoke: JoinHandle<()>,
     ready_rx: watch::Receiver<Option<Result<(), String>>>,
     /// The registration loop, in cluster mode.
-    registration: Option<(CancellationToken, JoinHandle<()>)>,
+    registration: Option<registration::RegistrationTask>,
 }
 
 impl RunningWorker {
@@ -314,10 +314,9 @@ impl RunningWorker {
     /// Graceful stop: stop accepting, end streams (their receipts are written), stop the
     /// engine, flush the receipt log.
     pub async fn shutdown(self) {
-        if let Some((cancel, task)) = self.registration {
+        if let Some(task) = self.registration {
             // Withdraw first: gateways stop routing here before the server stops.
-            cancel.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+            registration::stop(task).await;
         }
         self.state.shutdown.cancel();
         self.smoke.abort();
@@ -562,22 +561,13 @@ pub async fn spawn(
     let (ready_tx, ready_rx) = watch::channel(None);
     let smoke = tokio::spawn(smoke_inference(state.clone(), ready_tx));
     let registration = registration.map(|reg| {
-        let record = cluster::WorkerRecord {
-            id: state.settings.worker_id.clone(),
-            url: reg.advertise_url.clone(),
-            key_id: state.key.key_id().to_string(),
-            public_key_hex: hex::encode(state.key.public().to_bytes()),
-            profile_digest: state.profile_digest.clone(),
-            labels: reg.labels.clone(),
-        };
-        let cancel = CancellationToken::new();
-        let task = tokio::spawn(registration::run(
+        registration::start(
             reg,
-            record,
-            Arc::new(registration::TicketGateHandle(state.clone())),
-            cancel.clone(),
-        ));
-        (cancel, task)
+            &state.settings.worker_id,
+            &state.key,
+            &state.profile_digest,
+            state.clone(),
+        )
     });
     Ok(RunningWorker {
         addr,

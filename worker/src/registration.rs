@@ -1,4 +1,5 @@
-//! Cluster mode for a worker (`kvgate worker --register redis://…`): the worker announces
+//! Cluster mode for a worker (`kvgate worker --register redis://…`, and a sidecar in front of a
+//! native engine, `kvgate sidecar --register …`, the same way): the worker announces
 //! itself — id, the URL gateways reach it at, its receipt key, its profile digest, its labels —
 //! in the shared store under a lease it renews every lease / 3, and trusts the gateway
 //! replicas' ticket keys the store lists (besides its configured `--gateway-keys`), re-read at
@@ -29,13 +30,67 @@ pub struct Registration {
     pub labels: BTreeMap<String, String>,
     /// Lease of the registration. Default 5 s.
     pub lease: Duration,
+    /// What the gateways reach behind the URL, as `[[workers]] kind` names it: `None` for a
+    /// kvgate worker; a sidecar gives its engine's (`openai`, `llama_cpp`).
+    pub kind: Option<String>,
+}
+
+/// What the registration loop needs of a worker or a sidecar: the ticket gate it updates with
+/// the gateway keys the store lists.
+pub(crate) trait HoldsTicketGate: Send + Sync {
+    fn gate(&self) -> &TicketGate;
+}
+
+impl HoldsTicketGate for crate::AppState {
+    fn gate(&self) -> &TicketGate {
+        &self.tickets
+    }
+}
+
+impl HoldsTicketGate for crate::sidecar::SidecarState {
+    fn gate(&self) -> &TicketGate {
+        &self.tickets
+    }
+}
+
+/// A running registration loop: cancel it (and await it) to withdraw.
+pub(crate) type RegistrationTask = (CancellationToken, tokio::task::JoinHandle<()>);
+
+/// Starts the registration loop of `record` (the caller's id, key and profile digest; `reg`
+/// gives its URL and labels) for `holder`.
+pub(crate) fn start(
+    reg: Registration,
+    id: &str,
+    key: &receipts::KeyPair,
+    profile_digest: &str,
+    holder: Arc<dyn HoldsTicketGate>,
+) -> RegistrationTask {
+    let record = cluster::WorkerRecord {
+        id: id.to_string(),
+        url: reg.advertise_url.clone(),
+        key_id: key.key_id().to_string(),
+        public_key_hex: hex::encode(key.public().to_bytes()),
+        profile_digest: profile_digest.to_string(),
+        labels: reg.labels.clone(),
+        kind: reg.kind.clone(),
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run(reg, record, holder, cancel.clone()));
+    (cancel, task)
+}
+
+/// Withdraws: ends the loop, which deletes the registration (at most `2 s`).
+pub(crate) async fn stop(task: RegistrationTask) {
+    let (cancel, task) = task;
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
 }
 
 /// The registration loop (owned by the running worker; ends on `cancel`, withdrawing).
-pub(crate) async fn run(
+async fn run(
     reg: Registration,
     record: cluster::WorkerRecord,
-    tickets: Arc<TicketGateHandle>,
+    tickets: Arc<dyn HoldsTicketGate>,
     cancel: CancellationToken,
 ) {
     let period = (reg.lease / 3).max(Duration::from_millis(100));
@@ -83,14 +138,5 @@ pub(crate) async fn run(
     }
     if let Some(s) = store {
         let _ = tokio::time::timeout(Duration::from_secs(1), s.withdraw_worker(&record.id)).await;
-    }
-}
-
-/// What the loop needs of the worker: its ticket gate (held by the worker's shared state).
-pub(crate) struct TicketGateHandle(pub(crate) Arc<crate::AppState>);
-
-impl TicketGateHandle {
-    fn gate(&self) -> &TicketGate {
-        &self.0.tickets
     }
 }

@@ -90,6 +90,10 @@ pub struct SidecarConfig {
     pub retry_after_s: u64,
     /// Serve HTTPS with this material; `None`: plain HTTP.
     pub tls: Option<tls::ServerTls>,
+    /// Cluster mode: announce this sidecar in the gateways' Redis under a lease and trust the
+    /// gateway keys listed there, exactly as a registered worker ([`crate::registration`]);
+    /// `None`: static worker lists only.
+    pub registration: Option<crate::registration::Registration>,
 }
 
 impl SidecarConfig {
@@ -121,6 +125,7 @@ impl SidecarConfig {
             read_timeout: Duration::from_secs(300),
             retry_after_s: 1,
             tls: None,
+            registration: None,
         }
     }
 }
@@ -161,6 +166,7 @@ pub struct RunningSidecar {
     addr: SocketAddr,
     state: Arc<SidecarState>,
     server: JoinHandle<std::io::Result<()>>,
+    registration: Option<crate::registration::RegistrationTask>,
 }
 
 impl RunningSidecar {
@@ -174,8 +180,12 @@ impl RunningSidecar {
         &self.state.receipts
     }
 
-    /// Graceful stop: stop accepting, end streams (their receipts are written), flush the log.
+    /// Graceful stop: withdraw the registration (cluster mode), stop accepting, end streams
+    /// (their receipts are written), flush the log.
     pub async fn shutdown(self) {
+        if let Some(task) = self.registration {
+            crate::registration::stop(task).await;
+        }
         self.state.shutdown.cancel();
         match tokio::time::timeout(Duration::from_secs(10), self.server).await {
             Ok(Ok(Ok(()))) => {}
@@ -275,10 +285,20 @@ pub async fn spawn(
         app,
         state.shutdown.clone(),
     ));
+    let registration = state.cfg.registration.clone().map(|reg| {
+        crate::registration::start(
+            reg,
+            &state.cfg.worker_id,
+            &state.cfg.key,
+            &state.cfg.profile_digest,
+            state.clone(),
+        )
+    });
     Ok(RunningSidecar {
         addr,
         state,
         server,
+        registration,
     })
 }
 
