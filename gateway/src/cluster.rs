@@ -18,8 +18,9 @@
 //! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
 //! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
 //! load it saw: `degraded` in `/admin/cluster` and `kvgate_gateway_cluster_degraded` = 1. No
-//! request path waits on Redis except a close KV-exact decision's claim ([`Claims`]), and that for at most
-//! [`ClusterSettings::claim_timeout`]: the load guard reads two atomics the sync loop fills.
+//! request path waits on Redis except a close KV-exact decision's claim ([`Claims`]), for at
+//! most [`ClusterSettings::claim_timeout`] and not at all while degraded: the load guard reads
+//! two atomics the sync loop fills.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -219,7 +220,9 @@ impl Claims {
         let (Some(prefix), Some(first)) = (service.prefix.as_ref(), decision.order.first()) else {
             return;
         };
-        if decision.close < 2 {
+        // Degraded (the store did not answer the last sync): no claim, so that no decision waits
+        // out the timeout while Redis is away; the next successful sync turns claims back on.
+        if decision.close < 2 || self.link.status.degraded.load(Ordering::Relaxed) {
             return;
         }
         let Some(store) = self.link.store() else {

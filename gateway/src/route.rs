@@ -377,11 +377,11 @@ pub fn decide(
 
 /// Moves `decision`'s first choice to `to`, another admissible candidate (a cluster claim chose
 /// it: another replica placed a request on the first choice a moment ago, or a prompt sharing
-/// this one's prefix on `to`): `to` goes first
-/// (the rest keep their order), the reservation moves there (the old one is released as it
-/// drops) and so does the routing-time holding — the keys it added on the old choice are
-/// forgotten there (those the old choice held before stay) and held on `to` for the same TTL.
-/// Under the service's placement lock, as [`decide`]. A `to` that is not admissible
+/// this one's prefix on `to`): `to` goes first (the rest keep their order), the reservation
+/// moves there (the old one is released as it drops) and so does the routing-time holding —
+/// the keys it added on the old choice are forgotten there (those the old choice held before
+/// stay) and held on `to` for the same TTL. The ticket's prediction follows, being read per
+/// worker. Under the service's placement lock, as [`decide`]. A `to` that is not admissible
 /// (in `ranked`), or already first, changes nothing.
 pub fn redirect(
     view: &View,
