@@ -478,7 +478,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
             .await
             .unwrap();
         store
-            .put_load("gw-ghost", &load, Duration::from_millis(150))
+            .put_load("gw-ghost", &load, 7, Duration::from_millis(150))
             .await
             .unwrap();
     });
@@ -488,10 +488,10 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
         .unwrap()
         .iter()
         .any(|w| w.id == "ghost"));
-    assert_eq!(
-        c.rt.block_on(store.fleet_load("gw-1")).unwrap()["w1"].in_flight,
-        99
-    );
+    let fleet = c.rt.block_on(store.fleet_load("gw-1")).unwrap();
+    assert_eq!(fleet.load["w1"].in_flight, 99);
+    // The table names the last published decision it covers.
+    assert_eq!(fleet.covered.get("gw-ghost"), Some(&7));
     std::thread::sleep(Duration::from_millis(300));
     assert!(!c
         .rt
@@ -509,6 +509,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
         .rt
         .block_on(store.fleet_load("gw-1"))
         .unwrap()
+        .load
         .get("w1")
         .is_none_or(|l| l.in_flight < 99));
 

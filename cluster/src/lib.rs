@@ -13,7 +13,7 @@
 //! | `P:worker:<id>` | string: [`WorkerRecord`] | one registration | `PX` lease, renewed by the worker |
 //! | `P:gateways` | set of ids | gateway replicas | as `P:workers` |
 //! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
-//! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"` | one replica's load per worker | `PX` lease, rewritten by the replica |
+//! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"`, and `#seq` → the last published decision number the table covers | one replica's load per worker | `PX` lease, rewritten by the replica |
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
@@ -140,7 +140,24 @@ pub struct SharedHolding {
     pub prefill_tokens: u64,
     #[serde(default)]
     pub decode_tokens: u64,
+    /// The publishing replica's number for this decision (1, 2, …; 0 from a replica older
+    /// than this field). Its load table names the last number it covers ([`FleetLoad`]), so a
+    /// receiver stops counting the reservation once the table counts the request.
+    #[serde(default)]
+    pub seq: u64,
 }
+
+/// The other replicas' load tables, summed per worker, and the last published decision number
+/// each table covers (`P:load:<id>` field `#seq`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FleetLoad {
+    pub load: BTreeMap<String, Load>,
+    pub covered: BTreeMap<String, u64>,
+}
+
+/// The `P:load:<id>` field holding the table's covered decision number (not a worker id: a
+/// worker id is never `#seq`, the table skips such a worker).
+pub const LOAD_SEQ_FIELD: &str = "#seq";
 
 /// One replica's load on one worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -752,6 +769,7 @@ impl Store {
         &self,
         id: &str,
         load: &BTreeMap<String, Load>,
+        covered: u64,
         lease: Duration,
     ) -> Result<()> {
         let key = self.keys.load(id);
@@ -760,7 +778,8 @@ impl Store {
         if !load.is_empty() {
             let mut h = redis::cmd("HSET");
             h.arg(&key);
-            for (w, l) in load {
+            h.arg(LOAD_SEQ_FIELD).arg(covered);
+            for (w, l) in load.iter().filter(|(w, _)| w.as_str() != LOAD_SEQ_FIELD) {
                 h.arg(w).arg(format!("{} {}", l.in_flight, l.active_tokens));
             }
             pipe.add_command(h).ignore();
@@ -775,14 +794,14 @@ impl Store {
     }
 
     /// Every live replica's load per worker, except `except`'s (the caller's own), summed.
-    pub async fn fleet_load(&self, except: &str) -> Result<BTreeMap<String, Load>> {
+    pub async fn fleet_load(&self, except: &str) -> Result<FleetLoad> {
         let mut con = self.con.clone();
         let ids: Vec<String> = redis::cmd("SMEMBERS")
             .arg(self.keys.gateways())
             .query_async(&mut con)
             .await?;
         let others: Vec<&String> = ids.iter().filter(|i| i.as_str() != except).collect();
-        let mut out: BTreeMap<String, Load> = BTreeMap::new();
+        let mut out = FleetLoad::default();
         if others.is_empty() {
             return Ok(out);
         }
@@ -791,10 +810,16 @@ impl Store {
             pipe.cmd("HGETALL").arg(self.keys.load(id));
         }
         let tables: Vec<BTreeMap<String, String>> = pipe.query_async(&mut con).await?;
-        for t in tables {
+        for (id, t) in others.iter().zip(tables) {
             for (w, v) in t {
+                if w == LOAD_SEQ_FIELD {
+                    if let Ok(seq) = v.parse::<u64>() {
+                        out.covered.insert(id.to_string(), seq);
+                    }
+                    continue;
+                }
                 let mut it = v.split(' ').map(|x| x.parse::<u64>().unwrap_or(0));
-                let e = out.entry(w).or_default();
+                let e = out.load.entry(w).or_default();
                 e.in_flight += it.next().unwrap_or(0);
                 e.active_tokens += it.next().unwrap_or(0);
             }
@@ -852,18 +877,19 @@ mod tests {
             ttl_ms: 2000,
             prefill_tokens: 1200,
             decode_tokens: 8,
+            seq: 42,
         };
         let json = serde_json::to_string(&h).unwrap();
         assert_eq!(
             json,
-            r#"{"replica":"gw-1","worker":"w3","keys":[7,9],"ttl_ms":2000,"prefill_tokens":1200,"decode_tokens":8}"#
+            r#"{"replica":"gw-1","worker":"w3","keys":[7,9],"ttl_ms":2000,"prefill_tokens":1200,"decode_tokens":8,"seq":42}"#
         );
         assert_eq!(serde_json::from_str::<SharedHolding>(&json).unwrap(), h);
         // A replica from before the reservation fields: a holding, no reserved load.
         let old: SharedHolding =
             serde_json::from_str(r#"{"replica":"gw-1","worker":"w3","keys":[7],"ttl_ms":5}"#)
                 .unwrap();
-        assert_eq!((old.prefill_tokens, old.decode_tokens), (0, 0));
+        assert_eq!((old.prefill_tokens, old.decode_tokens, old.seq), (0, 0, 0));
         // A newer replica's extra field does not make the message unreadable.
         let newer: SharedHolding = serde_json::from_str(
             r#"{"replica":"gw-1","worker":"w3","keys":[],"ttl_ms":0,"prefill_tokens":3,"decode_tokens":4,"later":true}"#,

@@ -341,10 +341,12 @@ async fn receive_holdings(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
                     continue;
                 };
                 if h.prefill_tokens > 0 || h.decode_tokens > 0 {
+                    let origin = (h.seq > 0).then(|| (Arc::<str>::from(h.replica.as_str()), h.seq));
                     entry.runtime.reserve_remote(
                         h.prefill_tokens,
                         h.decode_tokens,
                         std::time::Instant::now(),
+                        origin,
                     );
                 }
                 let event_fed = !entry.runtime.approximate();
@@ -419,7 +421,9 @@ async fn sync_once(
     let registered = store.workers().await?;
     *link.status.registered.lock() = registered.iter().map(|w| w.id.clone()).collect();
     control.set_registered(registered).await;
-    // Load: ours out, the others' in.
+    // Load: ours out, the others' in. The decision number is read before the counters, so
+    // every decision numbered up to it is in them (or has ended).
+    let covered = control.data.holdings_seq.load(Ordering::Acquire);
     let view = control.data.views.load();
     let ours: BTreeMap<String, cluster::Load> = view
         .workers
@@ -435,11 +439,16 @@ async fn sync_once(
         })
         .collect();
     store
-        .put_load(link.replica_id(), &ours, link.settings.lease)
+        .put_load(link.replica_id(), &ours, covered, link.settings.lease)
         .await?;
     let others = store.fleet_load(link.replica_id()).await?;
     for (id, e) in &view.workers {
-        let l = others.get(&id.0).copied().unwrap_or_default();
+        // The reservations these tables now count stop counting as reservations.
+        e.runtime
+            .remote_reserved
+            .lock()
+            .drop_covered(&others.covered);
+        let l = others.load.get(&id.0).copied().unwrap_or_default();
         e.runtime
             .remote_in_flight
             .store(l.in_flight, Ordering::Relaxed);

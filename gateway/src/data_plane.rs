@@ -89,8 +89,11 @@ pub struct DataPlane {
     /// Cluster mode: where routing-time holdings go to be shared with the other replicas (a
     /// bounded queue the cluster link drains; full = dropped, never waited on).
     pub shared_holdings: arc_swap::ArcSwapOption<tokio::sync::mpsc::Sender<cluster::SharedHolding>>,
-    /// Cluster mode with claims on: the atomic select-and-reserve of cold placements.
+    /// Cluster mode with claims on: the atomic select-and-reserve of close placements.
     pub claims: arc_swap::ArcSwapOption<crate::cluster::Claims>,
+    /// Cluster mode: the number of this replica's last published decision (its load table
+    /// names the last one it covers, so the others stop counting those as reservations).
+    pub holdings_seq: std::sync::atomic::AtomicU64,
 }
 
 impl DataPlane {
@@ -110,6 +113,12 @@ impl DataPlane {
             ),
             _ => (Vec::new(), 0),
         };
+        // Numbered after the decision's load is counted here (the sync loop reads the number
+        // before the counters: a table covering n counts every decision up to n).
+        let seq = self
+            .holdings_seq
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+            + 1;
         let _ = tx.try_send(cluster::SharedHolding {
             replica: self.gateway_id.clone(),
             worker: first.0.clone(),
@@ -117,6 +126,7 @@ impl DataPlane {
             ttl_ms,
             prefill_tokens,
             decode_tokens,
+            seq,
         });
     }
 

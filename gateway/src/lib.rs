@@ -274,6 +274,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         connector: pingora::connectors::http::Connector::new(Some(connector_options)),
         shared_holdings: arc_swap::ArcSwapOption::empty(),
         claims: arc_swap::ArcSwapOption::empty(),
+        holdings_seq: std::sync::atomic::AtomicU64::new(0),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

@@ -140,8 +140,9 @@ pub const REPORTED_LOAD_MAX_AGE: std::time::Duration = std::time::Duration::from
 
 /// How long another replica's reservation on a worker counts here (cluster mode, from its
 /// published decision): long enough for the request to reach the worker and for the worker's
-/// next `load` report (sent within 20 ms of a change) to show it; far shorter than the load
-/// tables' sync period (lease / 5, default 1 s), so a request is seldom counted both ways.
+/// next `load` report (sent within 20 ms of a change) to show it. It stops counting earlier
+/// when the publisher's load table arrives covering it ([`RemoteReservations::drop_covered`]),
+/// so no request is counted both in a table and as a reservation.
 pub const REMOTE_RESERVATION_TTL: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// At most this many of the other replicas' reservations are kept per worker (the oldest go
@@ -151,23 +152,28 @@ const REMOTE_RESERVATIONS_MAX: usize = 4096;
 /// The other replicas' recent reservations on one worker, oldest first, with their sums.
 #[derive(Debug, Default)]
 pub struct RemoteReservations {
-    queue: VecDeque<(Instant, u64, u64)>,
+    /// (until, prefill, decode, origin: the publishing replica and its decision number, when
+    /// it sent one).
+    queue: VecDeque<Reservation>,
     prefill: u64,
     decode: u64,
 }
 
+/// One reservation ([`RemoteReservations`]).
+type Reservation = (Instant, u64, u64, Option<(Arc<str>, u64)>);
+
 impl RemoteReservations {
-    fn push(&mut self, until: Instant, prefill: u64, decode: u64) {
+    fn push(&mut self, r: Reservation) {
         if self.queue.len() >= REMOTE_RESERVATIONS_MAX {
             self.pop();
         }
-        self.queue.push_back((until, prefill, decode));
-        self.prefill = self.prefill.saturating_add(prefill);
-        self.decode = self.decode.saturating_add(decode);
+        self.prefill = self.prefill.saturating_add(r.1);
+        self.decode = self.decode.saturating_add(r.2);
+        self.queue.push_back(r);
     }
 
     fn pop(&mut self) {
-        if let Some((_, p, d)) = self.queue.pop_front() {
+        if let Some((_, p, d, _)) = self.queue.pop_front() {
             self.prefill -= p;
             self.decode -= d;
         }
@@ -179,11 +185,27 @@ impl RemoteReservations {
         while self
             .queue
             .front()
-            .is_some_and(|(until, _, _)| *until <= now)
+            .is_some_and(|(until, _, _, _)| *until <= now)
         {
             self.pop();
         }
         (self.prefill, self.decode)
+    }
+
+    /// Drops the reservations that the publishers' load tables now count: those whose
+    /// decision number is at most the last one the replica's table covers (`covered`: replica
+    /// id → number). Reservations without a number (older replicas) are kept until they
+    /// expire. O(reservations).
+    pub fn drop_covered(&mut self, covered: &std::collections::BTreeMap<String, u64>) {
+        if covered.is_empty() || self.queue.is_empty() {
+            return;
+        }
+        self.queue.retain(|(_, _, _, origin)| match origin {
+            Some((replica, seq)) => covered.get(&**replica).is_none_or(|c| seq > c),
+            None => true,
+        });
+        self.prefill = self.queue.iter().map(|r| r.1).fold(0, u64::saturating_add);
+        self.decode = self.queue.iter().map(|r| r.2).fold(0, u64::saturating_add);
     }
 }
 
@@ -263,11 +285,18 @@ impl WorkerRuntime {
     }
 
     /// Counts another replica's reservation (its published decision) here from `now` for
-    /// [`REMOTE_RESERVATION_TTL`].
-    pub fn reserve_remote(&self, prefill: u64, decode: u64, now: Instant) {
+    /// [`REMOTE_RESERVATION_TTL`], or until that replica's load table covers `origin` (its id
+    /// and the decision's number; `None`: until it expires).
+    pub fn reserve_remote(
+        &self,
+        prefill: u64,
+        decode: u64,
+        now: Instant,
+        origin: Option<(Arc<str>, u64)>,
+    ) {
         self.remote_reserved
             .lock()
-            .push(now + REMOTE_RESERVATION_TTL, prefill, decode);
+            .push((now + REMOTE_RESERVATION_TTL, prefill, decode, origin));
     }
 
     /// The other replicas' reservations counted here now: (prefill, decode) tokens.
@@ -712,24 +741,47 @@ mod tests {
     }
 
     #[test]
+    fn remote_reservations_stop_counting_once_the_publishers_table_covers_them() {
+        let r = Arc::new(WorkerRuntime::new(WorkerId("w1".into())));
+        let now = Instant::now();
+        let (a, b): (Arc<str>, Arc<str>) = ("gw-a".into(), "gw-b".into());
+        r.reserve_remote(100, 1, now, Some((a.clone(), 1)));
+        r.reserve_remote(200, 2, now, Some((a.clone(), 2)));
+        r.reserve_remote(400, 4, now, Some((b.clone(), 1)));
+        r.reserve_remote(800, 8, now, None);
+        assert_eq!(r.queued_tokens(now), (1500, 15));
+        // gw-a's table now covers its decision 1: that request is in the table, not here.
+        let covered = std::collections::BTreeMap::from([("gw-a".to_string(), 1)]);
+        r.remote_reserved.lock().drop_covered(&covered);
+        assert_eq!(r.queued_tokens(now), (1400, 14));
+        // Both replicas' tables cover everything they sent; a reservation without a number
+        // (an older replica) stays until it expires.
+        let covered =
+            std::collections::BTreeMap::from([("gw-a".to_string(), 5), ("gw-b".to_string(), 1)]);
+        r.remote_reserved.lock().drop_covered(&covered);
+        assert_eq!(r.queued_tokens(now), (800, 8));
+        assert_eq!(r.queued_tokens(now + REMOTE_RESERVATION_TTL), (0, 0));
+    }
+
+    #[test]
     fn remote_reservations_count_until_they_expire_and_meet_the_report_by_max() {
         let r = Arc::new(WorkerRuntime::new(WorkerId("w1".into())));
         let t0 = Instant::now();
         let ttl = REMOTE_RESERVATION_TTL;
         // This replica's own request adds to the others' reservations.
         let own = InFlight::start(r.clone(), 100, 10);
-        r.reserve_remote(1000, 8, t0);
+        r.reserve_remote(1000, 8, t0, None);
         assert_eq!(r.queued_tokens(t0), (1100, 18));
         drop(own);
         assert_eq!(r.queued_tokens(t0), (1000, 8));
-        r.reserve_remote(500, 16, t0 + ttl / 2);
+        r.reserve_remote(500, 16, t0 + ttl / 2, None);
         assert_eq!(r.queued_tokens(t0), (1500, 24));
         // The first expires, the second still counts.
         assert_eq!(r.queued_tokens(t0 + ttl), (500, 16));
         assert_eq!(r.queued_tokens(t0 + ttl + ttl / 2), (0, 0));
         // With a fresh report the larger of the two counts, per term.
         let now = Instant::now();
-        r.reserve_remote(1000, 8, now);
+        r.reserve_remote(1000, 8, now, None);
         r.report_load(
             prefix_index::WorkerLoad {
                 running: 1,
@@ -742,7 +794,7 @@ mod tests {
         assert_eq!(r.queued_tokens(now), (1000, 100));
         // Memory stays bounded whatever the publishers send.
         for _ in 0..(REMOTE_RESERVATIONS_MAX + 10) {
-            r.reserve_remote(1, 1, now);
+            r.reserve_remote(1, 1, now, None);
         }
         assert_eq!(
             r.remote_reserved.lock().queue.len(),
