@@ -847,59 +847,52 @@ fn claims_select_and_reserve_atomically_across_replicas() {
         let store = cluster::Store::connect(&redis.url(), "claims-test")
             .await
             .unwrap();
+        let ids = AtomicU64::new(0);
         let long = Duration::from_secs(30);
-        let claim = |replica: &'static str, candidates: &'static [(&'static str, u64)]| {
-            let store = store.clone();
-            async move {
-                store
-                    .claim(&cluster::Claim {
-                        replica,
-                        id: "x",
-                        candidates,
-                        others: &[],
-                        added: 100,
-                        credit: 0,
-                        keys: &[],
-                        ttl: Duration::from_secs(30),
-                        lead_ttl: Duration::from_secs(30),
-                    })
-                    .await
-                    .unwrap()
-            }
+        let base = cluster::Claim {
+            replica: "",
+            id: "",
+            candidates: &[],
+            others: &[],
+            added: 100,
+            credit: 0,
+            keys: &[],
+            ttl: long,
+            lead_ttl: long,
         };
         let idle: &[(&str, u64)] = &[("w1", 0), ("w2", 0)];
+        let on = |replica, candidates| cluster::Claim {
+            replica,
+            candidates,
+            ..base
+        };
         // A places first; B, a moment later, sees A's claim on w1.
-        assert_eq!(claim("gw-a", idle).await, "w1");
-        assert_eq!(claim("gw-b", idle).await, "w2");
+        assert_eq!(claim(&store, &ids, on("gw-a", idle)).await, "w1");
+        assert_eq!(claim(&store, &ids, on("gw-b", idle)).await, "w2");
         // A's own claims are not added for A (its view counts them exactly): w1 = 0 for A,
         // w2 = 0 + B's 100.
-        assert_eq!(claim("gw-a", idle).await, "w1");
+        assert_eq!(claim(&store, &ids, on("gw-a", idle)).await, "w1");
         // Costs still rule: for B, w1 = 0 + A's 200 is cheaper than w2 = 500.
-        assert_eq!(claim("gw-b", &[("w1", 0), ("w2", 500)]).await, "w1");
+        assert_eq!(
+            claim(&store, &ids, on("gw-b", &[("w1", 0), ("w2", 500)])).await,
+            "w1"
+        );
         // Ties go to the caller's own order.
-        assert_eq!(claim("gw-c", &[("w3", 0), ("w4", 0)]).await, "w3");
+        assert_eq!(
+            claim(&store, &ids, on("gw-c", &[("w3", 0), ("w4", 0)])).await,
+            "w3"
+        );
 
         // Eight replicas at once over eight idle workers: eight different workers.
         let pool: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
         let cands: Vec<(&str, u64)> = pool.iter().map(|w| (w.as_str(), 0)).collect();
-        let picks = futures::future::join_all((0..8).map(|g| {
-            let (store, cands) = (store.clone(), cands.clone());
-            async move {
-                store
-                    .claim(&cluster::Claim {
-                        replica: &format!("gw-{g}"),
-                        id: "x",
-                        candidates: &cands,
-                        others: &[],
-                        added: 1_000,
-                        credit: 0,
-                        keys: &[],
-                        ttl: long,
-                        lead_ttl: long,
-                    })
-                    .await
-                    .unwrap()
-            }
+        let replicas: Vec<String> = (0..8).map(|g| format!("gw-{g}")).collect();
+        let picks = futures::future::join_all(replicas.iter().map(|r| {
+            let c = cluster::Claim {
+                added: 1_000,
+                ..on(r, &cands)
+            };
+            claim(&store, &ids, c)
         }))
         .await;
         let mut distinct = picks.clone();
@@ -913,71 +906,51 @@ fn claims_select_and_reserve_atomically_across_replicas() {
         let chain: Vec<u64> = (1..=20).collect();
         let mut sharing: Vec<u64> = (1..=16).collect();
         sharing.extend(1001..=1004);
-        let lead = |replica: &'static str, candidates: Vec<(&'static str, u64)>, keys: Vec<u64>| {
-            let store = store.clone();
-            async move {
-                store
-                    .claim(&cluster::Claim {
-                        replica,
-                        id: "y",
-                        candidates: &candidates,
-                        others: &[("p1", 200), ("p4", 0)],
-                        added: 100,
-                        credit: 10,
-                        keys: &keys,
-                        ttl: long,
-                        lead_ttl: long,
-                    })
-                    .await
-                    .unwrap()
-            }
+        let lead = |replica, candidates, keys| cluster::Claim {
+            others: &[("p1", 200), ("p4", 0)],
+            credit: 10,
+            keys,
+            ..on(replica, candidates)
         };
-        assert_eq!(lead("gw-a", vec![("p1", 0)], chain.clone()).await, "p1");
         assert_eq!(
-            lead("gw-b", vec![("p2", 150), ("p3", 150)], sharing.clone()).await,
+            claim(&store, &ids, lead("gw-a", &[("p1", 0)], &chain)).await,
+            "p1"
+        );
+        let p2_p3: &[(&str, u64)] = &[("p2", 150), ("p3", 150)];
+        assert_eq!(
+            claim(&store, &ids, lead("gw-b", p2_p3, &sharing)).await,
             "p1"
         );
         // A prompt sharing only the first 4 blocks: p1 = 200 + 200 − 40 = 360 > 150. The
         // leads now point at p1 for gw-b; gw-b's own leads are not followed by gw-b.
         let mut short: Vec<u64> = (1..=4).collect();
         short.extend(2001..=2016);
-        assert_eq!(
-            lead("gw-c", vec![("p2", 150), ("p3", 150)], short).await,
-            "p2"
-        );
+        assert_eq!(claim(&store, &ids, lead("gw-c", p2_p3, &short)).await, "p2");
         assert_eq!(
             cluster::sample_chain(&chain),
             vec![(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)],
             "the sampled depths, deepest first"
         );
         // Ids that cannot travel in the script's arguments make no claim.
-        assert_eq!(claim("gw a", idle).await, "w1");
+        assert_eq!(claim(&store, &ids, on("gw a", idle)).await, "w1");
 
         // A claim counts for its TTL only.
-        let short_claim = |replica: &'static str| {
-            let store = store.clone();
-            async move {
-                store
-                    .claim(&cluster::Claim {
-                        replica,
-                        id: "z",
-                        candidates: &[("e1", 0), ("e2", 0)],
-                        others: &[],
-                        added: 100,
-                        credit: 0,
-                        keys: &[],
-                        ttl: Duration::from_millis(40),
-                        lead_ttl: Duration::from_millis(40),
-                    })
-                    .await
-                    .unwrap()
-            }
+        let brief = |replica| cluster::Claim {
+            ttl: Duration::from_millis(40),
+            lead_ttl: Duration::from_millis(40),
+            ..on(replica, &[("e1", 0), ("e2", 0)])
         };
-        assert_eq!(short_claim("gw-a").await, "e1");
-        assert_eq!(short_claim("gw-b").await, "e2");
+        assert_eq!(claim(&store, &ids, brief("gw-a")).await, "e1");
+        assert_eq!(claim(&store, &ids, brief("gw-b")).await, "e2");
         tokio::time::sleep(Duration::from_millis(80)).await;
-        assert_eq!(short_claim("gw-c").await, "e1");
+        assert_eq!(claim(&store, &ids, brief("gw-c")).await, "e1");
     });
+}
+
+/// One claim with its own id (a replica numbers its claims: each is its own member).
+async fn claim(store: &cluster::Store, ids: &AtomicU64, c: cluster::Claim<'_>) -> String {
+    let id = ids.fetch_add(1, Ordering::Relaxed).to_string();
+    store.claim(&cluster::Claim { id: &id, ..c }).await.unwrap()
 }
 
 /// Claims through a real replica: another replica's fresh cold placements on two of three idle

@@ -572,6 +572,7 @@ impl Store {
             .arg(u64::try_from(c.ttl.as_millis()).unwrap_or(u64::MAX).max(1))
             .arg(c.added.min(MAX_CLAIM_COST))
             .arg(c.id)
+            // credit × depth (≤ 512 = 2^9) stays below 2^50 as well.
             .arg(c.credit.min(MAX_CLAIM_COST >> 10))
             .arg(candidates.len())
             .arg(self.keys.claims(""))

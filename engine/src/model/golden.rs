@@ -135,23 +135,14 @@ pub fn greedy_paged(
     cached: usize,
     n_new: usize,
 ) -> Result<Vec<u32>, EngineError> {
-    let mut tokens = prompt.to_vec();
-    let mut done = cached;
-    for _ in 0..n_new {
-        let out = exec.forward(&[SeqChunk {
-            tokens: &tokens[done..],
-            start_pos: done,
-            block_table: table,
-            want_logits: true,
-        }])?;
+    greedy_steps(prompt, table, cached, n_new, |chunk| {
+        let out = exec.forward(&[chunk])?;
         let logits = out
             .first()
             .and_then(Option::as_ref)
             .ok_or_else(|| EngineError::Tensor("no logits returned".into()))?;
-        done = tokens.len();
-        tokens.push(reference::argmax(logits));
-    }
-    Ok(tokens[prompt.len()..].to_vec())
+        Ok(reference::argmax(logits))
+    })
 }
 
 /// [`greedy_paged`] through [`Executor::forward_sampled`] with every step asking for the argmax
@@ -163,23 +154,38 @@ pub fn greedy_sampled(
     cached: usize,
     n_new: usize,
 ) -> Result<Vec<u32>, EngineError> {
+    greedy_steps(prompt, table, cached, n_new, |chunk| {
+        match exec
+            .forward_sampled(&[chunk], &[true])?
+            .into_iter()
+            .next()
+            .flatten()
+        {
+            Some(Sampled::Token(t)) => Ok(t),
+            Some(Sampled::Logits(l)) => Ok(reference::argmax(&l)),
+            None => Err(EngineError::Tensor("no output returned".into())),
+        }
+    })
+}
+
+/// The loop of [`greedy_paged`] and [`greedy_sampled`]: `next` runs one step's chunk (the
+/// prompt's uncached rest first, then each new token) and gives the greedy token.
+fn greedy_steps(
+    prompt: &[u32],
+    table: &[BlockId],
+    cached: usize,
+    n_new: usize,
+    mut next: impl FnMut(SeqChunk<'_>) -> Result<u32, EngineError>,
+) -> Result<Vec<u32>, EngineError> {
     let mut tokens = prompt.to_vec();
     let mut done = cached;
     for _ in 0..n_new {
-        let out = exec.forward_sampled(
-            &[SeqChunk {
-                tokens: &tokens[done..],
-                start_pos: done,
-                block_table: table,
-                want_logits: true,
-            }],
-            &[true],
-        )?;
-        let token = match out.into_iter().next().flatten() {
-            Some(Sampled::Token(t)) => t,
-            Some(Sampled::Logits(l)) => reference::argmax(&l),
-            None => return Err(EngineError::Tensor("no output returned".into())),
-        };
+        let token = next(SeqChunk {
+            tokens: &tokens[done..],
+            start_pos: done,
+            block_table: table,
+            want_logits: true,
+        })?;
         done = tokens.len();
         tokens.push(token);
     }
