@@ -15,7 +15,8 @@
 //! over the values. Cost per layer: `O(Σ_tokens pos · n_head · head_dim)` multiply-adds (plus
 //! up to `TQ − 1` masked keys per query), memory `O(TQ · n_head / n_kv_head · max_pos)` scratch
 //! per thread. Hand-written AVX-512 kernels when the CPU has them and `block_size` and
-//! `head_dim` are multiples of 16; a portable loop over the same layout otherwise.
+//! `head_dim` are multiples of 16, AVX2 ones (8 lanes) when it has AVX2 and FMA and they are
+//! multiples of 8; a portable loop over the same layout otherwise.
 
 use rayon::prelude::*;
 
@@ -266,7 +267,27 @@ fn scores_block(
             unsafe { avx512::scores_block(q, nq, d, bs, keys, p, stride, j0) };
             return;
         }
+        if bs.is_multiple_of(8) && avx2::available() {
+            // SAFETY: AVX2/FMA present; shapes as documented (checked inside).
+            unsafe { avx2::scores_block(q, nq, d, bs, keys, p, stride, j0) };
+            return;
+        }
     }
+    scores_block_portable(q, nq, d, bs, keys, p, stride, j0);
+}
+
+/// The portable loop of [`scores_block`].
+#[allow(clippy::too_many_arguments)]
+fn scores_block_portable(
+    q: &[f32],
+    nq: usize,
+    d: usize,
+    bs: usize,
+    keys: &[f32],
+    p: &mut [f32],
+    stride: usize,
+    j0: usize,
+) {
     for r in 0..nq {
         let qr = &q[r * d..][..d];
         let row = &mut p[r * stride + j0..][..bs];
@@ -299,7 +320,27 @@ fn values_block(
             unsafe { avx512::values_block(p, stride, j0, keys, nq, d, values, o) };
             return;
         }
+        if d.is_multiple_of(8) && avx2::available() {
+            // SAFETY: AVX2/FMA present; shapes as documented (checked inside).
+            unsafe { avx2::values_block(p, stride, j0, keys, nq, d, values, o) };
+            return;
+        }
     }
+    values_block_portable(p, stride, j0, keys, nq, d, values, o);
+}
+
+/// The portable loop of [`values_block`].
+#[allow(clippy::too_many_arguments)]
+fn values_block_portable(
+    p: &[f32],
+    stride: usize,
+    j0: usize,
+    keys: usize,
+    nq: usize,
+    d: usize,
+    values: &[f32],
+    o: &mut [f32],
+) {
     for r in 0..nq {
         let orow = &mut o[r * d..][..d];
         for j in 0..keys {
@@ -320,6 +361,11 @@ fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) {
         if avx512::available() {
             // SAFETY: AVX-512F/FMA present (checked just above).
             unsafe { avx512::softmax(live, scale) };
+            return;
+        }
+        if avx2::available() {
+            // SAFETY: AVX2/FMA present (checked just above).
+            unsafe { avx2::softmax(live, scale) };
             return;
         }
     }
@@ -587,6 +633,311 @@ mod avx512 {
     }
 }
 
+/// The same kernels with 8-lane AVX2 registers, for x86-64 CPUs without AVX-512 (AMD Zen 1–3,
+/// Intel client cores): every output is accumulated in the same order as in the AVX-512 and
+/// portable paths (scores over dimensions, values over keys, one fused multiply-add each), only
+/// the lane count and tile shapes differ. Without them those CPUs ran the portable loop, whose
+/// `mul_add` compiles to a call to `fmaf` per product when FMA is not enabled at compile time
+/// (80 % of a prefill's time, docs/benchmarks.md "AVX2").
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// `e^x` for `x ≤ 0`: the AVX-512 kernel's reduction and polynomial; `2^n` is applied as
+    /// two exact power-of-two factors (`n ≥ −127` after the clamp, so each factor's exponent is
+    /// normal) and the second product rounds once, as `scalef` does.
+    #[inline(always)]
+    unsafe fn exp_nonpositive(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-88.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let p = _mm256_fmadd_ps(
+            p,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        let ni = _mm256_cvtps_epi32(n);
+        let n1 = _mm256_srai_epi32::<1>(ni);
+        let n2 = _mm256_sub_epi32(ni, n1);
+        let bias = _mm256_set1_epi32(127);
+        let f1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n1, bias)));
+        let f2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n2, bias)));
+        _mm256_mul_ps(_mm256_mul_ps(p, f1), f2)
+    }
+
+    /// The lanes of `v` below `n` (0..=8) as a mask for `maskload`/`maskstore`.
+    #[inline(always)]
+    unsafe fn tail_mask(n: usize) -> __m256i {
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes)
+    }
+
+    #[inline(always)]
+    unsafe fn hmax(v: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+        _mm_cvtss_f32(m)
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Softmax of `scale · row` in place (see the AVX-512 kernel).
+    ///
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn softmax(row: &mut [f32], scale: f32) {
+        let n = row.len();
+        let full = n / 8 * 8;
+        let tail = tail_mask(n - full);
+        let has_tail = n > full;
+        let ptr = row.as_mut_ptr();
+        let sc = _mm256_set1_ps(scale);
+        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut mx = neg_inf;
+        for i in (0..full).step_by(8) {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), sc);
+            _mm256_storeu_ps(ptr.add(i), v);
+            mx = _mm256_max_ps(mx, v);
+        }
+        if has_tail {
+            let v = _mm256_mul_ps(_mm256_maskload_ps(ptr.add(full), tail), sc);
+            _mm256_maskstore_ps(ptr.add(full), tail, v);
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, v, _mm256_castsi256_ps(tail)));
+        }
+        let m = _mm256_set1_ps(hmax(mx));
+        let mut sum = _mm256_setzero_ps();
+        for i in (0..full).step_by(8) {
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(i)), m));
+            _mm256_storeu_ps(ptr.add(i), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        if has_tail {
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(ptr.add(full), tail), m));
+            let e = _mm256_and_ps(e, _mm256_castsi256_ps(tail));
+            _mm256_maskstore_ps(ptr.add(full), tail, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let total = hsum(sum);
+        let inv = _mm256_set1_ps(if total > 0.0 { 1.0 / total } else { 0.0 });
+        for i in (0..full).step_by(8) {
+            _mm256_storeu_ps(ptr.add(i), _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), inv));
+        }
+        if has_tail {
+            let v = _mm256_mul_ps(_mm256_maskload_ps(ptr.add(full), tail), inv);
+            _mm256_maskstore_ps(ptr.add(full), tail, v);
+        }
+    }
+
+    /// `R` queries × `C`·8 keys from lane `l0`: `acc_r += q_r[i] · keys[i][l0..]`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_tile<const R: usize, const C: usize>(
+        q: *const f32,
+        d: usize,
+        bs: usize,
+        keys: *const f32,
+        l0: usize,
+        dst: *mut f32,
+        stride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for i in 0..d {
+            let mut k = [_mm256_setzero_ps(); C];
+            for (c, kc) in k.iter_mut().enumerate() {
+                *kc = _mm256_loadu_ps(keys.add(i * bs + l0 + 8 * c));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let qv = _mm256_set1_ps(*q.add(r * d + i));
+                for (a, kc) in acc_r.iter_mut().zip(k) {
+                    *a = _mm256_fmadd_ps(qv, kc, *a);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, a) in acc_r.iter().enumerate() {
+                _mm256_storeu_ps(dst.add(r * stride + l0 + 8 * c), *a);
+            }
+        }
+    }
+
+    /// See [`super::scores_block`].
+    ///
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn scores_block(
+        q: &[f32],
+        nq: usize,
+        d: usize,
+        bs: usize,
+        keys: &[f32],
+        p: &mut [f32],
+        stride: usize,
+        j0: usize,
+    ) {
+        assert!(
+            bs.is_multiple_of(8)
+                && q.len() >= nq * d
+                && keys.len() >= d * bs
+                && j0 + bs <= stride
+                && p.len() >= nq * stride
+        );
+        let dst = p.as_mut_ptr().add(j0);
+        let kp = keys.as_ptr();
+        let mut l0 = 0;
+        while l0 < bs {
+            let wide = bs - l0 >= 16;
+            let mut r = 0;
+            while r < nq {
+                let left = nq - r;
+                let qp = q.as_ptr().add(r * d);
+                let out = dst.add(r * stride);
+                r += match (left, wide) {
+                    (6.., true) => {
+                        scores_tile::<6, 2>(qp, d, bs, kp, l0, out, stride);
+                        6
+                    }
+                    (3.., true) => {
+                        scores_tile::<3, 2>(qp, d, bs, kp, l0, out, stride);
+                        3
+                    }
+                    (_, true) => {
+                        scores_tile::<1, 2>(qp, d, bs, kp, l0, out, stride);
+                        1
+                    }
+                    (6.., false) => {
+                        scores_tile::<6, 1>(qp, d, bs, kp, l0, out, stride);
+                        6
+                    }
+                    _ => {
+                        scores_tile::<1, 1>(qp, d, bs, kp, l0, out, stride);
+                        1
+                    }
+                };
+            }
+            l0 += if wide { 16 } else { 8 };
+        }
+    }
+
+    /// `R` queries × `C` 8-dimension columns from `c0`: `o_r += Σ_j p_r[j] · v_j`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values_tile<const R: usize, const C: usize>(
+        p: *const f32,
+        stride: usize,
+        keys: usize,
+        d: usize,
+        values: *const f32,
+        c0: usize,
+        o: *mut f32,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            for (c, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(o.add(r * d + c0 + 8 * c));
+            }
+        }
+        for j in 0..keys {
+            let mut v = [_mm256_setzero_ps(); C];
+            for (c, vc) in v.iter_mut().enumerate() {
+                *vc = _mm256_loadu_ps(values.add(j * d + c0 + 8 * c));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let w = _mm256_set1_ps(*p.add(r * stride + j));
+                for (a, vc) in acc_r.iter_mut().zip(v) {
+                    *a = _mm256_fmadd_ps(w, vc, *a);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, a) in acc_r.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * d + c0 + 8 * c), *a);
+            }
+        }
+    }
+
+    /// See [`super::values_block`].
+    ///
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn values_block(
+        p: &[f32],
+        stride: usize,
+        j0: usize,
+        keys: usize,
+        nq: usize,
+        d: usize,
+        values: &[f32],
+        o: &mut [f32],
+    ) {
+        assert!(
+            d.is_multiple_of(8)
+                && p.len() >= nq * stride
+                && j0 + keys <= stride
+                && values.len() >= keys * d
+                && o.len() >= nq * d
+        );
+        let pp = p.as_ptr().add(j0);
+        let vp = values.as_ptr();
+        let mut c0 = 0;
+        while c0 < d {
+            let wide = d - c0 >= 32;
+            let mut r = 0;
+            while r < nq {
+                let left = nq - r;
+                let (pr, or) = (pp.add(r * stride), o.as_mut_ptr().add(r * d));
+                r += match (left, wide) {
+                    (3.., true) => {
+                        values_tile::<3, 4>(pr, stride, keys, d, vp, c0, or);
+                        3
+                    }
+                    (_, true) => {
+                        values_tile::<1, 4>(pr, stride, keys, d, vp, c0, or);
+                        1
+                    }
+                    (4.., false) => {
+                        values_tile::<4, 1>(pr, stride, keys, d, vp, c0, or);
+                        4
+                    }
+                    _ => {
+                        values_tile::<1, 1>(pr, stride, keys, d, vp, c0, or);
+                        1
+                    }
+                };
+            }
+            c0 += if wide { 32 } else { 8 };
+        }
+    }
+}
+
 /// Applies interleaved RoPE (GGUF Llama convention: pairs `(x[2i], x[2i+1])` rotate by
 /// `pos · base^(-2i/d)`) in place to `heads` consecutive heads of `head_dim` at `x`.
 pub(crate) fn rope_interleaved(x: &mut [f32], heads: usize, head_dim: usize, cos_sin: &[f32]) {
@@ -792,18 +1143,86 @@ mod tests {
         check(0x5ef1, 4, 4, 48, 16, 33, 33);
     }
 
-    /// The AVX-512 softmax (own `exp`) against the scalar one (libm `expf`) on rows of every
-    /// length around the vector width, with large negative gaps (underflow to 0).
+    /// The AVX2 score and value kernels (run on any CPU with AVX2, also one with AVX-512) give
+    /// bit for bit the portable loop's results: each output is the same chain of fused
+    /// multiply-adds in the same order. Shapes around every tile: block sizes 8–40, head
+    /// sizes 8–72, 1–13 query rows, partial key blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_equal_the_portable_loop() {
+        if !avx2::available() {
+            return;
+        }
+        let seed = 0xa2f2_u64;
+        println!("seed {seed}");
+        let mut state = seed;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        for bs in [8usize, 16, 24, 32, 40] {
+            for d in [8usize, 24, 32, 64, 72] {
+                for nq in [1usize, 2, 3, 4, 5, 6, 7, 12, 13] {
+                    let stride = 3 * bs;
+                    let j0 = bs;
+                    let q: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
+                    let keys: Vec<f32> = (0..d * bs).map(|_| rnd()).collect();
+                    let mut want = vec![f32::NAN; nq * stride];
+                    let mut got = want.clone();
+                    scores_block_portable(&q, nq, d, bs, &keys, &mut want, stride, j0);
+                    // SAFETY: AVX2/FMA checked above.
+                    unsafe { avx2::scores_block(&q, nq, d, bs, &keys, &mut got, stride, j0) };
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "scores bs={bs} d={d} nq={nq}"
+                    );
+                    let probs: Vec<f32> = (0..nq * stride).map(|_| rnd()).collect();
+                    let values: Vec<f32> = (0..bs * d).map(|_| rnd()).collect();
+                    for keys_used in [1, bs / 2 + 1, bs] {
+                        let o0: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
+                        let (mut want, mut got) = (o0.clone(), o0);
+                        values_block_portable(
+                            &probs, stride, j0, keys_used, nq, d, &values, &mut want,
+                        );
+                        // SAFETY: as above.
+                        unsafe {
+                            avx2::values_block(
+                                &probs, stride, j0, keys_used, nq, d, &values, &mut got,
+                            )
+                        };
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "values bs={bs} d={d} nq={nq} keys={keys_used}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 and AVX2 softmaxes (own `exp`) against the scalar one (libm `expf`) on rows of
+    /// every length around the vector widths, with large negative gaps (underflow to 0).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_softmax_matches_scalar() {
-        if !avx512::available() {
-            return;
+        type Softmax = unsafe fn(&mut [f32], f32);
+        let mut kernels: Vec<(&str, Softmax)> = Vec::new();
+        if avx512::available() {
+            kernels.push(("avx512", avx512::softmax));
+        }
+        if avx2::available() {
+            kernels.push(("avx2", avx2::softmax));
         }
         let seed = 0x50f7_u64;
         println!("seed {seed}");
         let mut state = seed;
-        for n in [1usize, 2, 15, 16, 17, 33, 100, 1040] {
+        for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 33, 100, 1040] {
             let row: Vec<f32> = (0..n)
                 .map(|i| {
                     state = state
@@ -833,14 +1252,16 @@ mod tests {
                 })
                 .sum();
             want.iter_mut().for_each(|x| *x /= sum);
-            let mut got = row.clone();
-            // SAFETY: AVX-512 checked above.
-            unsafe { avx512::softmax(&mut got, scale) };
-            for (a, b) in got.iter().zip(&want) {
-                assert!(
-                    (a - b).abs() <= 2e-6 * b.abs().max(1e-30) + 1e-12,
-                    "n={n}: {a} vs {b}"
-                );
+            for (name, kernel) in &kernels {
+                let mut got = row.clone();
+                // SAFETY: the CPU has the kernel's features (checked above).
+                unsafe { kernel(&mut got, scale) };
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 2e-6 * b.abs().max(1e-30) + 1e-12,
+                        "{name} n={n}: {a} vs {b}"
+                    );
+                }
             }
         }
     }

@@ -16,9 +16,10 @@
 //!
 //! Cost: `O(m·n·k)` multiply-adds; memory `O(n·k)` for the panels (the dense copy, padded to a
 //! multiple of 32 rows). Work is split into (row block × panel group) tasks on the rayon pool;
-//! each task writes a disjoint rectangle of the output. CPUs without AVX-512 use a portable
-//! loop over the same panels (correct, slower: callers prefer candle's GEMM there, see
-//! [`DensePanels::is_fast`]).
+//! each task writes a disjoint rectangle of the output. CPUs with AVX2 and FMA but no AVX-512
+//! run an 8-lane kernel over the same panels (a `3 × 32` tile); others a portable loop (correct,
+//! slower: callers prefer candle's GEMM there, see [`DensePanels::is_fast`]). All three compute
+//! each output as the same `kk`-ordered chain of fused multiply-adds: the same bits.
 
 use rayon::prelude::*;
 
@@ -92,12 +93,11 @@ impl DensePanels {
         self.k
     }
 
-    /// Whether this CPU runs the AVX-512 kernel (else the portable loop is used).
+    /// Whether this CPU runs the AVX-512 or the AVX2 kernel (else the portable loop is used).
     pub(crate) fn is_fast() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
+            avx512::available() || avx2::available()
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -153,9 +153,14 @@ impl DensePanels {
         debug_assert!(rows.end <= m);
         #[cfg(target_arch = "x86_64")]
         {
-            if Self::is_fast() {
+            if avx512::available() {
                 // SAFETY: AVX-512F and FMA are present (checked above); the caller's contract.
                 avx512::block(self, x, rows, ps, out);
+                return;
+            }
+            if avx2::available() {
+                // SAFETY: AVX2 and FMA are present (checked above); the caller's contract.
+                avx2::block(self, x, rows, ps, out);
                 return;
             }
         }
@@ -198,6 +203,10 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{DensePanels, MR, NR};
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+    }
 
     /// `R` activation rows from row `i0` against panel `p`: a `R × 32` output tile.
     #[inline(always)]
@@ -277,6 +286,95 @@ mod avx512 {
     }
 }
 
+/// The same panels with 8-lane AVX2 registers (CPUs without AVX-512): a `3 × 32` tile in 12
+/// accumulators (of 16 registers), the weights' four vectors loaded once per `kk` and used by
+/// every row. Every output is the same `kk`-ordered chain of fused multiply-adds as in the
+/// AVX-512 kernel, so both give the same bits.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{DensePanels, NR};
+
+    /// Activation rows per micro-tile (a divisor of [`super::MC`]).
+    const MR: usize = 3;
+    /// Registers per panel row.
+    const V: usize = NR / 8;
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// `R` activation rows from row `i0` against panel `p`: a `R × 32` output tile.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        w: &DensePanels,
+        x: *const f32,
+        i0: usize,
+        p: usize,
+        out: *mut f32,
+    ) {
+        let (n, k) = (w.n, w.k);
+        let panel = w.data.as_ptr().add(p * k * NR);
+        let xs = x.add(i0 * k);
+        let mut acc = [[_mm256_setzero_ps(); V]; R];
+        for kk in 0..k {
+            let mut wv = [_mm256_setzero_ps(); V];
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(panel.add(kk * NR + 8 * c));
+            }
+            for (a, acc_a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_set1_ps(*xs.add(a * k + kk));
+                for (o, v) in acc_a.iter_mut().zip(wv) {
+                    *o = _mm256_fmadd_ps(xv, v, *o);
+                }
+            }
+        }
+        let width = (n - p * NR).min(NR);
+        for (a, acc_a) in acc.iter().enumerate() {
+            let dst = out.add((i0 + a) * n + p * NR);
+            let mut tmp = [0f32; NR];
+            for (c, v) in acc_a.iter().enumerate() {
+                _mm256_storeu_ps(tmp.as_mut_ptr().add(8 * c), *v);
+            }
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, width);
+        }
+    }
+
+    /// As the AVX-512 `block`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; `x` holds `rows.end · k` floats; `out` points to an output of
+    /// `rows.end · n` floats or more whose rectangle no other thread writes.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(
+        w: &DensePanels,
+        x: &[f32],
+        rows: std::ops::Range<usize>,
+        ps: std::ops::Range<usize>,
+        out: *mut f32,
+    ) {
+        assert!(x.len() >= rows.end * w.k && ps.end * NR < w.n + NR);
+        let xp = x.as_ptr();
+        for p in ps {
+            let mut i = rows.start;
+            while i < rows.end {
+                let left = rows.end - i;
+                i += if left >= MR {
+                    tile::<MR>(w, xp, i, p, out);
+                    MR
+                } else if left == 2 {
+                    tile::<2>(w, xp, i, p, out);
+                    2
+                } else {
+                    tile::<1>(w, xp, i, p, out);
+                    1
+                };
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::packed::tests::rnd_vec;
@@ -294,7 +392,7 @@ mod tests {
         out
     }
 
-    /// Both kernels against an f64 reference for shapes around the tile and task sizes
+    /// The kernels against an f64 reference, and against each other bit for bit for shapes around the tile and task sizes
     /// (ragged last panel, row tails of every tile height, several row blocks).
     #[test]
     fn matches_naive_matmul() {
@@ -316,6 +414,24 @@ mod tests {
             let mut portable = vec![0f32; m * n];
             // SAFETY: one thread writes the whole output.
             unsafe { p.block_portable(&x, 0..m, 0..n.div_ceil(NR), portable.as_mut_ptr()) };
+            #[cfg(target_arch = "x86_64")]
+            if avx2::available() {
+                let mut v8 = vec![0f32; m * n];
+                // SAFETY: AVX2/FMA checked; one thread writes the whole output.
+                unsafe { avx2::block(&p, &x, 0..m, 0..n.div_ceil(NR), v8.as_mut_ptr()) };
+                assert!(
+                    v8.iter()
+                        .zip(&portable)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "avx2 m={m} n={n} k={k}: not the portable loop's bits"
+                );
+            }
+            assert!(
+                got.iter()
+                    .zip(&portable)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "m={m} n={n} k={k}: the dispatched kernel differs from the portable loop"
+            );
             for ((a, b), c) in got.iter().zip(&want).zip(&portable) {
                 let tol = 1e-5 * (k as f32).sqrt() * 4.0;
                 assert!((a - b).abs() < tol, "m={m} n={n} k={k}: {a} vs {b}");

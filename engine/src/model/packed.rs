@@ -17,8 +17,8 @@
 //! unpacked once per group of activation rows (up to 6 with AVX-512, [`ROW_GROUP`] otherwise),
 //! so a batch of decode rows (one per sequence) reads the weights about once per group. Work is
 //! split over output rows on the rayon pool; memory `O(m · n)` for the output. Kernels:
-//! hand-written AVX-512 for Q4_1 and Q8_0 (run-time detected), else plain Rust over fixed-size
-//! arrays compiled with AVX2+FMA enabled or generic.
+//! hand-written AVX-512 for Q4_1 and Q8_0, AVX2 for Q4_1, Q4_0 and Q8_0 (run-time detected),
+//! else plain Rust over fixed-size arrays.
 //!
 //! Measured (docs/benchmarks.md, "worker engine"; `kernel_timing` below): faster than a dense
 //! F32 GEMM for small steps (it reads a quarter of the bytes), slower for large ones, hence the
@@ -358,25 +358,18 @@ impl PackedMatrix {
                 unsafe { avx512::rows_into(self, x, m, first, dst) };
                 return;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-                unsafe { self.rows_into_avx2(x, m, first, dst) };
+            if avx2::available() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above); slice bounds are
+                // checked inside before any raw load.
+                unsafe { avx2::rows_into(self, x, m, first, dst) };
                 return;
             }
         }
-        self.rows_into_impl(x, m, first, dst);
+        self.rows_into_portable(x, m, first, dst);
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_into_avx2(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
-        self.rows_into_impl(x, m, first, dst);
-    }
-
-    #[inline(always)]
-    fn rows_into_impl(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
+    /// The plain-Rust loop (CPUs without AVX2).
+    fn rows_into_portable(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
         let nb = self.cols / QK;
         let mut w = [0f32; QK];
         for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
@@ -588,6 +581,210 @@ mod avx512 {
     }
 }
 
+/// The same tiling with 8-lane AVX2 registers, for CPUs without AVX-512 (AMD Zen 1–3, Intel
+/// client cores), for Q4_1, Q4_0 and Q8_0. A block is dequantized into four 8-lane vectors
+/// with candle's rounding (`q·d` then `+ m`, two roundings; `(q − 8)·d`; `q·d`), computed
+/// directly (a 16-entry table lookup costs more µops with 8-lane permutes). Tiles (R × C):
+/// 8 × 1, 4 × 2, 2 × 4, 1 × 4 — at most 8 accumulators plus the block's 4 vectors in the 16
+/// registers. Before this the plain-Rust loop ran there at about a sixth of the speed
+/// (docs/benchmarks.md "AVX2").
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Kind, PackedMatrix, QK};
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// A block format: how one 32-value block is dequantized into four 8-lane vectors.
+    trait Format {
+        /// Elements `8i..8i + 8` of block `blk`, `i` in 0..4.
+        ///
+        /// # Safety
+        /// AVX2 available; `blk` is a valid block index of `p` (not checked).
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> [__m256; 4];
+    }
+
+    struct Q41;
+    struct Q40;
+    struct Q80;
+
+    /// The 32 nibbles of a Q4 block as four vectors of 8 integers (low nibbles are elements
+    /// 0..16, high ones 16..32): each 8 bytes zero-extended once, then masked or shifted.
+    #[inline(always)]
+    unsafe fn nibbles(p: &PackedMatrix, blk: usize) -> [__m256i; 4] {
+        let base = p.qs.as_ptr().add(blk * 16);
+        let b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(base as *const __m128i));
+        let b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(base.add(8) as *const __m128i));
+        let mask = _mm256_set1_epi32(0x0f);
+        [
+            _mm256_and_si256(b0, mask),
+            _mm256_and_si256(b1, mask),
+            _mm256_srli_epi32::<4>(b0),
+            _mm256_srli_epi32::<4>(b1),
+        ]
+    }
+
+    impl Format for Q41 {
+        #[inline(always)]
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> [__m256; 4] {
+            let d = _mm256_set1_ps(*p.scale.get_unchecked(blk));
+            let mn = _mm256_set1_ps(*p.min.get_unchecked(blk));
+            // No closures here: a closure is compiled without the caller's target features,
+            // so the intrinsics in it would become calls.
+            let q = nibbles(p, blk);
+            let mut out = [_mm256_setzero_ps(); 4];
+            for (o, qi) in out.iter_mut().zip(q) {
+                *o = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qi), d), mn);
+            }
+            out
+        }
+    }
+
+    impl Format for Q40 {
+        #[inline(always)]
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> [__m256; 4] {
+            let d = _mm256_set1_ps(*p.scale.get_unchecked(blk));
+            let eight = _mm256_set1_epi32(8);
+            let q = nibbles(p, blk);
+            let mut out = [_mm256_setzero_ps(); 4];
+            for (o, qi) in out.iter_mut().zip(q) {
+                *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, eight)), d);
+            }
+            out
+        }
+    }
+
+    impl Format for Q80 {
+        #[inline(always)]
+        unsafe fn block(p: &PackedMatrix, blk: usize) -> [__m256; 4] {
+            let d = _mm256_set1_ps(*p.scale.get_unchecked(blk));
+            let base = p.qs.as_ptr().add(blk * QK);
+            let mut out = [_mm256_setzero_ps(); 4];
+            for (i, o) in out.iter_mut().enumerate() {
+                let q = _mm_loadl_epi64(base.add(8 * i) as *const __m128i);
+                *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+            }
+            out
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// As the AVX-512 `tile`: `R` activation rows against weight rows `r0..r0 + C`.
+    #[inline(always)]
+    unsafe fn tile<F: Format, const R: usize, const C: usize>(
+        p: &PackedMatrix,
+        r0: usize,
+        x: *const f32,
+        dst: *mut f32,
+        m: usize,
+    ) {
+        let nb = p.cols / QK;
+        let mut acc = [[_mm256_setzero_ps(); R]; C];
+        for b in 0..nb {
+            for (c, acc_c) in acc.iter_mut().enumerate() {
+                let w = F::block(p, (r0 + c) * nb + b);
+                for (a, acc_ca) in acc_c.iter_mut().enumerate() {
+                    let xa = x.add(a * p.cols + b * QK);
+                    for (i, wi) in w.iter().enumerate() {
+                        *acc_ca = _mm256_fmadd_ps(*wi, _mm256_loadu_ps(xa.add(8 * i)), *acc_ca);
+                    }
+                }
+            }
+        }
+        for (c, acc_c) in acc.iter().enumerate() {
+            for (a, acc_ca) in acc_c.iter().enumerate() {
+                *dst.add(c * m + a) = hsum(*acc_ca);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn sweep<F: Format, const R: usize, const C: usize>(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        g: usize,
+        first: usize,
+        n_rows: usize,
+        dst: &mut [f32],
+    ) {
+        let xg = x.as_ptr().add(g * p.cols);
+        let out = dst.as_mut_ptr().add(g);
+        let mut i = 0;
+        while i + C <= n_rows {
+            tile::<F, R, C>(p, first + i, xg, out.add(i * m), m);
+            i += C;
+        }
+        while i < n_rows {
+            tile::<F, R, 1>(p, first + i, xg, out.add(i * m), m);
+            i += 1;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_into_format<F: Format>(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        let n_rows = dst.len() / m;
+        let mut g = 0;
+        while g < m {
+            let left = m - g;
+            g += if left >= 8 {
+                sweep::<F, 8, 1>(p, x, m, g, first, n_rows, dst);
+                8
+            } else if left >= 4 {
+                sweep::<F, 4, 2>(p, x, m, g, first, n_rows, dst);
+                4
+            } else if left >= 2 {
+                sweep::<F, 2, 4>(p, x, m, g, first, n_rows, dst);
+                2
+            } else {
+                sweep::<F, 1, 4>(p, x, m, g, first, n_rows, dst);
+                1
+            };
+        }
+    }
+
+    /// Fills `dst` (`[rows, m]` from weight row `first`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `x.len() == m · cols`, `first + dst.len() / m` at
+    /// most `rows` (checked here).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_into(
+        p: &PackedMatrix,
+        x: &[f32],
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        if m == 0 {
+            return;
+        }
+        let n_rows = dst.len() / m;
+        assert!(x.len() == m * p.cols && dst.len() == n_rows * m && first + n_rows <= p.rows);
+        match p.kind {
+            Kind::Q4_1 => rows_into_format::<Q41>(p, x, m, first, dst),
+            Kind::Q4_0 => rows_into_format::<Q40>(p, x, m, first, dst),
+            Kind::Q8_0 => rows_into_format::<Q80>(p, x, m, first, dst),
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -645,9 +842,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// The packed kernel equals a dense F32 matmul over candle's dequantized weights (same
+    /// The packed kernels equal a dense F32 matmul over candle's dequantized weights (same
     /// weights exactly; only summation order differs) for every supported format and batch
-    /// sizes around the row group.
+    /// sizes around the row group and tiles, and give each activation row the same bits
+    /// whatever rows share its step.
     #[test]
     fn matches_dense_matmul_over_dequantized_weights() {
         let seed = 0x9ac4_u64;
@@ -664,6 +862,61 @@ pub(crate) mod tests {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             let deq = q.dequantize(&Device::Cpu).unwrap();
+            let x17 = rnd_vec(seed + 17, 17 * k);
+            // Every kernel this CPU has, called directly (the AVX2 one on AVX-512 CPUs too):
+            // against the dense product, and each row's bits independent of the rows beside it.
+            type Kernel = unsafe fn(&PackedMatrix, &[f32], usize, usize, &mut [f32]);
+            let mut kernels: Vec<(&str, Kernel)> = Vec::new();
+            #[cfg(target_arch = "x86_64")]
+            {
+                if p.kind != Kind::Q4_0 && std::arch::is_x86_feature_detected!("avx512f") {
+                    kernels.push(("avx512", avx512::rows_into));
+                }
+                if avx2::available() {
+                    kernels.push(("avx2", avx2::rows_into));
+                }
+            }
+            kernels.push(("portable", |p, x, m, first, dst| {
+                p.rows_into_portable(x, m, first, dst)
+            }));
+            for (name, kernel) in &kernels {
+                let run = |m: usize| {
+                    let mut dst = vec![0f32; n * m];
+                    // SAFETY: the CPU has the kernel's features (checked above); shapes match.
+                    unsafe { kernel(&p, &x17[..m * k], m, 0, &mut dst) };
+                    dst
+                };
+                let all = run(17);
+                for m in [1, 2, 3, 4, 5, 8, 9, 12] {
+                    let part = run(m);
+                    for r in 0..n {
+                        for a in 0..m {
+                            assert_eq!(
+                                part[r * m + a].to_bits(),
+                                all[r * 17 + a].to_bits(),
+                                "{name} {dtype:?}: row {a} of {m} differs from the same row of 17"
+                            );
+                        }
+                    }
+                }
+                let want: Vec<f32> = Tensor::from_vec(x17.clone(), (17, k), &Device::Cpu)
+                    .unwrap()
+                    .matmul(&deq.t().unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                for r in 0..n {
+                    for a in 0..17 {
+                        let (got, want) = (all[r * 17 + a], want[a * n + r]);
+                        assert!(
+                            (got - want).abs() < 1e-4,
+                            "{name} {dtype:?}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
             for m in [1, 2, 3, 4, 8, 9, 15, 17] {
                 let x = rnd_vec(seed + m as u64, m * k);
                 let got = p.matmul(&x, m).unwrap();
@@ -683,8 +936,8 @@ pub(crate) mod tests {
     }
 
     /// Kernel timing (run on purpose: `cargo test -p engine --lib kernel_timing -- --ignored
-    /// --nocapture`): the AVX-512 and the compiler-vectorized (AVX2) kernels alternated in one
-    /// process on SmolLM2's gate/up shape (`KVGATE_KERNEL_ROWS=98304` for a 42 MB matrix that
+    /// --nocapture`): the AVX-512 (where the CPU has it), AVX2 and portable kernels and candle's
+    /// F32 matmul alternated in one process on SmolLM2's gate/up shape (`KVGATE_KERNEL_ROWS=98304` for a 42 MB matrix that
     /// does not stay in L2), so machine load affects both alike. Single thread.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -702,7 +955,7 @@ pub(crate) mod tests {
         for m in [1usize, 2, 4, 8, 16, 32] {
             let x = rnd_vec(6, m * k);
             let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
-            let mut best = [f64::INFINITY; 3];
+            let mut best = [f64::INFINITY; 4];
             for _ in 0..20 {
                 let mut dst = vec![0f32; n * m];
                 let t = std::time::Instant::now();
@@ -711,22 +964,25 @@ pub(crate) mod tests {
                 }
                 best[0] = best[0].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
-                unsafe { p.rows_into_avx2(&x, m, 0, &mut dst) };
+                if avx2::available() {
+                    unsafe { avx2::rows_into(&p, &x, m, 0, &mut dst) };
+                }
                 best[1] = best[1].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
-                let _ = xt.matmul(&wt).unwrap();
+                p.rows_into_portable(&x, m, 0, &mut dst);
                 best[2] = best[2].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                let _ = xt.matmul(&wt).unwrap();
+                best[3] = best[3].min(t.elapsed().as_secs_f64());
             }
             let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
-            println!(
-                "m={m}: avx512 {:.3} ms ({:.1} GMAC/s), autovec {:.3} ms ({:.1}), candle F32 {:.3} ms ({:.1})",
-                best[0] * 1e3,
-                gmac(best[0]),
-                best[1] * 1e3,
-                gmac(best[1]),
-                best[2] * 1e3,
-                gmac(best[2])
-            );
+            let names = ["avx512", "avx2", "portable", "candle F32"];
+            let line: Vec<String> = names
+                .iter()
+                .zip(best)
+                .map(|(name, s)| format!("{name} {:.3} ms ({:.1} GMAC/s)", s * 1e3, gmac(s)))
+                .collect();
+            println!("m={m}: {}", line.join(", "));
         }
     }
 
