@@ -1266,6 +1266,63 @@ mod tests {
         }
     }
 
+    /// Kernel timing (run on purpose: `cargo test -p engine --lib attention_timing -- --ignored
+    /// --nocapture`): one item's scores and weighted values over 1,040 keys (SmolLM2's shape: 3
+    /// query heads per KV head × 4 tokens, head size 64, blocks of 16) with each kernel this
+    /// CPU has, alternated in one process; one thread.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore = "timing: run explicitly with --ignored --nocapture"]
+    fn attention_timing() {
+        let (nq, d, bs, n) = (12usize, 64usize, 16usize, 1040usize);
+        let stride = n;
+        let q = crate::model::packed::tests::rnd_vec(1, nq * d);
+        let keys = crate::model::packed::tests::rnd_vec(2, d * bs);
+        let values = crate::model::packed::tests::rnd_vec(3, bs * d);
+        let mut p = vec![0f32; nq * stride];
+        let mut o = vec![0f32; nq * d];
+        type Kernels = (
+            &'static str,
+            unsafe fn(&[f32], usize, usize, usize, &[f32], &mut [f32], usize, usize),
+            unsafe fn(&[f32], usize, usize, usize, usize, usize, &[f32], &mut [f32]),
+        );
+        let mut kernels: Vec<Kernels> = vec![(
+            "portable",
+            |q, nq, d, bs, k, p, st, j0| scores_block_portable(q, nq, d, bs, k, p, st, j0),
+            |p, st, j0, keys, nq, d, v, o| values_block_portable(p, st, j0, keys, nq, d, v, o),
+        )];
+        if avx2::available() {
+            kernels.push(("avx2", avx2::scores_block, avx2::values_block));
+        }
+        if avx512::available() {
+            kernels.push(("avx512", avx512::scores_block, avx512::values_block));
+        }
+        let mut best = vec![f64::INFINITY; kernels.len()];
+        for _ in 0..10 {
+            for (i, (_, scores, weighted)) in kernels.iter().enumerate() {
+                let t = std::time::Instant::now();
+                for j0 in (0..n).step_by(bs) {
+                    // SAFETY: the CPU has the kernel's features (checked above); shapes match.
+                    unsafe { scores(&q, nq, d, bs, &keys, &mut p, stride, j0) };
+                }
+                for j0 in (0..n).step_by(bs) {
+                    // SAFETY: as above.
+                    unsafe { weighted(&p, stride, j0, bs, nq, d, &values, &mut o) };
+                }
+                best[i] = best[i].min(t.elapsed().as_secs_f64());
+            }
+        }
+        let macs = (2 * nq * n * d) as f64;
+        for ((name, _, _), s) in kernels.iter().zip(&best) {
+            println!(
+                "{name}: {:.3} ms ({:.2} GMAC/s, {:.1}× portable)",
+                s * 1e3,
+                macs / s / 1e9,
+                best[0] / s
+            );
+        }
+    }
+
     #[test]
     fn rope_at_zero_is_identity() {
         let mut cs = Vec::new();

@@ -17,7 +17,7 @@
 //! Cost: `O(m·n·k)` multiply-adds; memory `O(n·k)` for the panels (the dense copy, padded to a
 //! multiple of 32 rows). Work is split into (row block × panel group) tasks on the rayon pool;
 //! each task writes a disjoint rectangle of the output. CPUs with AVX2 and FMA but no AVX-512
-//! run an 8-lane kernel over the same panels (a `3 × 32` tile); others a portable loop (correct,
+//! run an 8-lane kernel over the same panels (a `6 × 16` tile); others a portable loop (correct,
 //! slower: callers prefer candle's GEMM there, see [`DensePanels::is_fast`]). All three compute
 //! each output as the same `kk`-ordered chain of fused multiply-adds: the same bits.
 
@@ -290,6 +290,10 @@ mod avx512 {
 /// accumulators (of 16 registers), the weights' four vectors loaded once per `kk` and used by
 /// every row. Every output is the same `kk`-ordered chain of fused multiply-adds as in the
 /// AVX-512 kernel, so both give the same bits.
+/// The same panels with 8-lane AVX2 registers (CPUs without AVX-512): a `6 × 16` tile (half a
+/// panel) in 12 accumulators of the 16 registers; per `kk` two weight vectors and six
+/// broadcast activations feed 12 fused multiply-adds. Every output is the same `kk`-ordered
+/// chain of fused multiply-adds as in the AVX-512 kernel, so both give the same bits.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -297,47 +301,53 @@ mod avx2 {
     use super::{DensePanels, NR};
 
     /// Activation rows per micro-tile (a divisor of [`super::MC`]).
-    const MR: usize = 3;
-    /// Registers per panel row.
-    const V: usize = NR / 8;
+    const MR: usize = 6;
+    /// Columns per micro-tile: half a panel, two registers.
+    const NC: usize = 16;
 
     pub(super) fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
 
-    /// `R` activation rows from row `i0` against panel `p`: a `R × 32` output tile.
+    /// `R` activation rows from row `i0` against columns `h·16..h·16 + 16` of panel `p`.
     #[inline(always)]
     unsafe fn tile<const R: usize>(
         w: &DensePanels,
         x: *const f32,
         i0: usize,
         p: usize,
+        h: usize,
         out: *mut f32,
     ) {
         let (n, k) = (w.n, w.k);
-        let panel = w.data.as_ptr().add(p * k * NR);
+        let col0 = p * NR + h * NC;
+        if col0 >= n {
+            return;
+        }
+        let panel = w.data.as_ptr().add(p * k * NR + h * NC);
         let xs = x.add(i0 * k);
-        let mut acc = [[_mm256_setzero_ps(); V]; R];
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for kk in 0..k {
-            let mut wv = [_mm256_setzero_ps(); V];
-            for (c, v) in wv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(panel.add(kk * NR + 8 * c));
-            }
+            let w0 = _mm256_loadu_ps(panel.add(kk * NR));
+            let w1 = _mm256_loadu_ps(panel.add(kk * NR + 8));
             for (a, acc_a) in acc.iter_mut().enumerate() {
                 let xv = _mm256_set1_ps(*xs.add(a * k + kk));
-                for (o, v) in acc_a.iter_mut().zip(wv) {
-                    *o = _mm256_fmadd_ps(xv, v, *o);
-                }
+                acc_a[0] = _mm256_fmadd_ps(xv, w0, acc_a[0]);
+                acc_a[1] = _mm256_fmadd_ps(xv, w1, acc_a[1]);
             }
         }
-        let width = (n - p * NR).min(NR);
+        let width = (n - col0).min(NC);
         for (a, acc_a) in acc.iter().enumerate() {
-            let dst = out.add((i0 + a) * n + p * NR);
-            let mut tmp = [0f32; NR];
-            for (c, v) in acc_a.iter().enumerate() {
-                _mm256_storeu_ps(tmp.as_mut_ptr().add(8 * c), *v);
+            let dst = out.add((i0 + a) * n + col0);
+            if width == NC {
+                _mm256_storeu_ps(dst, acc_a[0]);
+                _mm256_storeu_ps(dst.add(8), acc_a[1]);
+            } else {
+                let mut tmp = [0f32; NC];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), acc_a[0]);
+                _mm256_storeu_ps(tmp.as_mut_ptr().add(8), acc_a[1]);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, width);
             }
-            std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, width);
         }
     }
 
@@ -357,19 +367,21 @@ mod avx2 {
         assert!(x.len() >= rows.end * w.k && ps.end * NR < w.n + NR);
         let xp = x.as_ptr();
         for p in ps {
-            let mut i = rows.start;
-            while i < rows.end {
-                let left = rows.end - i;
-                i += if left >= MR {
-                    tile::<MR>(w, xp, i, p, out);
-                    MR
-                } else if left == 2 {
-                    tile::<2>(w, xp, i, p, out);
-                    2
-                } else {
-                    tile::<1>(w, xp, i, p, out);
-                    1
-                };
+            for h in 0..NR / NC {
+                let mut i = rows.start;
+                while i < rows.end {
+                    let left = rows.end - i;
+                    i += if left >= MR {
+                        tile::<MR>(w, xp, i, p, h, out);
+                        MR
+                    } else if left >= 3 {
+                        tile::<3>(w, xp, i, p, h, out);
+                        3
+                    } else {
+                        tile::<1>(w, xp, i, p, h, out);
+                        1
+                    };
+                }
             }
         }
     }
