@@ -643,9 +643,8 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
+    pub(super) use crate::model::simd::avx2::available;
+    use crate::model::simd::avx2::{hmax, hsum};
 
     /// `e^x` for `x ≤ 0`: the AVX-512 kernel's reduction and polynomial; `2^n` is applied as
     /// two exact power-of-two factors (`n ≥ −127` after the clamp, so each factor's exponent is
@@ -687,22 +686,6 @@ mod avx2 {
     unsafe fn tail_mask(n: usize) -> __m256i {
         let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes)
-    }
-
-    #[inline(always)]
-    unsafe fn hmax(v: __m256) -> f32 {
-        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
-        _mm_cvtss_f32(m)
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
     }
 
     /// Softmax of `scale · row` in place (see the AVX-512 kernel).

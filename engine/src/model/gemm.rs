@@ -305,9 +305,7 @@ mod avx2 {
     /// Columns per micro-tile: half a panel, two registers.
     const NC: usize = 16;
 
-    pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
+    pub(super) use crate::model::simd::avx2::available;
 
     /// `R` activation rows from row `i0` against columns `h·16..h·16 + 16` of panel `p`.
     #[inline(always)]

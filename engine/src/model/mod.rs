@@ -32,6 +32,7 @@ pub mod golden;
 pub(crate) mod int8;
 pub(crate) mod packed;
 pub mod reference;
+pub(crate) mod simd;
 pub mod tiny;
 pub mod weights;
 

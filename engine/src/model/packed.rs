@@ -593,10 +593,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Kind, PackedMatrix, QK};
-
-    pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
+    pub(super) use crate::model::simd::avx2::available;
+    use crate::model::simd::avx2::hsum;
 
     /// A block format: how one 32-value block is dequantized into four 8-lane vectors.
     trait Format {
@@ -669,14 +667,6 @@ mod avx2 {
             }
             out
         }
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
     }
 
     /// As the AVX-512 `tile`: `R` activation rows against weight rows `r0..r0 + C`.
