@@ -589,6 +589,7 @@ async fn smoke_inference(st: Arc<AppState>, ready_tx: watch::Sender<Option<Resul
             tracing::info!(
                 worker = %st.settings.worker_id,
                 ms = started.elapsed().as_millis() as u64,
+                cpu_kernels = engine::model::cpu_kernels(),
                 "smoke inference produced a token: ready"
             );
         }

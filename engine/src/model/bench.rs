@@ -94,8 +94,12 @@ impl std::fmt::Display for EngineBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "architecture {:?}, threads {}, weights {:?}, load {:.2} s",
-            self.architecture, self.threads, self.format, self.load_s
+            "architecture {:?}, threads {}, weights {:?}, CPU kernels {}, load {:.2} s",
+            self.architecture,
+            self.threads,
+            self.format,
+            super::cpu_kernels(),
+            self.load_s
         )?;
         writeln!(f, "| measure | value |")?;
         writeln!(f, "|---|---|")?;

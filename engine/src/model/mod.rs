@@ -58,6 +58,25 @@ pub fn configure_compute_threads(threads: usize) -> usize {
     candle_core::utils::get_num_threads()
 }
 
+/// Which hand-written CPU kernels this CPU runs (attention, dense GEMM, packed blocks):
+/// `"avx512"`, `"avx2"` (AVX2 and FMA, no AVX-512F) or `"portable"` (plain Rust loops,
+/// several times slower: docs/benchmarks.md "CPUs without AVX-512"). Logged by the worker
+/// when it is ready and printed by the engine benchmark.
+pub fn cpu_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "avx512";
+        }
+        if simd::avx2::available() {
+            return "avx2";
+        }
+    }
+    "portable"
+}
+
 /// The compute device: CUDA device 0 when `cuda` is requested and the crate was built with the
 /// `cuda` feature, else the CPU. On CUDA every operation of the process runs on one stream of
 /// its own (whichever thread issues it), so they are ordered without events.
