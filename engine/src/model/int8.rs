@@ -71,28 +71,118 @@ pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: as above.
-            unsafe { rows_into_avx2(p, xq, m, first, dst) };
+            unsafe { avx2::rows_into(p, xq, m, first, dst) };
             return;
         }
     }
     rows_into_impl(p, xq, m, first, dst);
 }
 
+/// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI): a block's
+/// `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most 2·128·127, no
+/// saturation since ggml's activations stay within ±127), `madd` with ones to i32 and a
+/// horizontal sum — exact, so the same integer as the scalar loop; the float part is the scalar
+/// loop's, in the same order. Signed weights (Q4_0, Q8_0) go through `|w|` and `sign(x, w)`.
+/// Before, the compiler-vectorized loop widened every byte to i32.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_into_avx512(
-    p: &PackedMatrix,
-    xq: &Quantized,
-    m: usize,
-    first: usize,
-    dst: &mut [f32],
-) {
-    rows_into_impl(p, xq, m, first, dst);
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Quantized, GROUP, QK};
+    use crate::model::packed::{Kind, PackedMatrix};
+
+    /// Block `blk`'s 32 weights as bytes in element order (Q4_1: the unsigned nibble; Q4_0:
+    /// nibble − 8; Q8_0: the signed byte).
+    #[inline(always)]
+    unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
+        match p.kind {
+            Kind::Q4_1 | Kind::Q4_0 => {
+                let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
+                let mask = _mm_set1_epi8(0x0f);
+                let lo = _mm_and_si128(q, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+                let w = _mm256_set_m128i(hi, lo);
+                if p.kind == Kind::Q4_0 {
+                    _mm256_sub_epi8(w, _mm256_set1_epi8(8))
+                } else {
+                    w
+                }
+            }
+            Kind::Q8_0 => _mm256_loadu_si256(p.qs.as_ptr().add(blk * QK) as *const __m256i),
+        }
+    }
+
+    /// `Σ w·x` over one block, exactly.
+    #[inline(always)]
+    unsafe fn dot(w_abs: __m256i, w_signed: __m256i, signed: bool, x: *const i8) -> i32 {
+        let xv = _mm256_loadu_si256(x as *const __m256i);
+        let pairs = if signed {
+            _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w_signed))
+        } else {
+            _mm256_maddubs_epi16(w_signed, xv)
+        };
+        let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(quads),
+            _mm256_extracti128_si256::<1>(quads),
+        );
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// As [`super::rows_into_impl`], with [`dot`].
+    ///
+    /// # Safety
+    /// AVX2 available; `xq` holds `m` quantized rows of `p.cols()` values; `first + dst.len() /
+    /// m` at most `p.rows()` (checked here).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn rows_into(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        if m == 0 {
+            return;
+        }
+        let nb = p.cols() / QK;
+        let n_rows = dst.len() / m;
+        assert!(first + n_rows <= p.rows() && xq.q.len() >= m * p.cols() && xq.d.len() >= m * nb);
+        let signed = p.kind != Kind::Q4_1;
+        for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
+            let r = first + i;
+            let mut g = 0;
+            while g < m {
+                let rows = (m - g).min(GROUP);
+                let mut acc = [0f32; GROUP];
+                for b in 0..nb {
+                    let blk = r * nb + b;
+                    let w = weights(p, blk);
+                    let w_abs = _mm256_abs_epi8(w);
+                    let dw = p.scale[blk];
+                    for (a, acc_a) in acc.iter_mut().enumerate().take(rows) {
+                        let ab = (g + a) * nb + b;
+                        let sumi = dot(w_abs, w, signed, xq.q.as_ptr().add(ab * QK));
+                        let da = xq.d[ab];
+                        *acc_a += if p.kind == Kind::Q4_1 {
+                            sumi as f32 * dw * da + p.min[blk] * xq.s[ab]
+                        } else {
+                            sumi as f32 * dw * da
+                        };
+                    }
+                }
+                out_row[g..g + rows].copy_from_slice(&acc[..rows]);
+                g += rows;
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn rows_into_avx2(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_into_avx512(
     p: &PackedMatrix,
     xq: &Quantized,
     m: usize,
@@ -205,6 +295,22 @@ mod tests {
                     "{dtype:?}: {a} vs {b}"
                 );
             }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // The AVX2 kernel (also on AVX-512 CPUs) gives the scalar loop's bits.
+                let xq = quantize(&x, p.kind == Kind::Q4_1);
+                let (mut scalar, mut simd) = (vec![0f32; n * m], vec![0f32; n * m]);
+                rows_into_impl(&p, &xq, m, 0, &mut scalar);
+                // SAFETY: AVX2 checked above; shapes match.
+                unsafe { avx2::rows_into(&p, &xq, m, 0, &mut simd) };
+                assert!(
+                    scalar
+                        .iter()
+                        .zip(&simd)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?}: the AVX2 kernel differs from the scalar loop"
+                );
+            }
             for rows in [1, 2, 3, 5] {
                 let part = p.matmul(&x[..rows * k], rows).unwrap();
                 assert!(
@@ -215,5 +321,58 @@ mod tests {
                 );
             }
         }
+    }
+    /// Kernel timing (run on purpose: `cargo test -p engine --lib int8_timing -- --ignored
+    /// --nocapture`): the AVX2 kernel and the compiler-vectorized loop alternated in one
+    /// process, Q4_1 on SmolLM2's gate/up shape, one thread.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore = "timing: run explicitly with --ignored --nocapture"]
+    fn int8_timing() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let (n, k) = (3072, 576);
+        let w = Tensor::from_vec(rnd_vec(5, n * k), (n, k), &Device::Cpu).unwrap();
+        let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+            .unwrap()
+            .unwrap()
+            .with_int8_activations();
+        for m in [1usize, 8, 32] {
+            let xq = quantize(&rnd_vec(6, m * k), true);
+            let mut best = [f64::INFINITY; 2];
+            let mut dst = vec![0f32; n * m];
+            for _ in 0..20 {
+                let t = std::time::Instant::now();
+                // SAFETY: AVX2 checked above.
+                unsafe { avx2::rows_into(&p, &xq, m, 0, &mut dst) };
+                best[0] = best[0].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                // SAFETY: as above (the loop compiled with AVX2 enabled).
+                unsafe { rows_into_autovec(&p, &xq, m, 0, &mut dst) };
+                best[1] = best[1].min(t.elapsed().as_secs_f64());
+            }
+            let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
+            println!(
+                "m={m}: avx2 {:.3} ms ({:.1} GMAC/s), compiler-vectorized {:.3} ms ({:.1} GMAC/s)",
+                best[0] * 1e3,
+                gmac(best[0]),
+                best[1] * 1e3,
+                gmac(best[1])
+            );
+        }
+    }
+
+    /// The scalar loop compiled with AVX2 enabled (what AVX2 CPUs ran before [`avx2`]).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows_into_autovec(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        rows_into_impl(p, xq, m, first, dst);
     }
 }
