@@ -82,60 +82,68 @@ pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize
 /// `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most 2·128·127, no
 /// saturation since ggml's activations stay within ±127), `madd` with ones to i32 and a
 /// horizontal sum — exact, so the same integer as the scalar loop; the float part is the scalar
-/// loop's, in the same order. Signed weights (Q4_0, Q8_0) go through `|w|` and `sign(x, w)`.
-/// Before, the compiler-vectorized loop widened every byte to i32.
+/// loop's ([`rows_into_with`], shared). Signed weights (Q4_0, Q8_0) go through `|w|` and
+/// `sign(x, w)`. Before, the compiler-vectorized loop widened every byte to i32.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Quantized, GROUP, QK};
+    use super::{rows_into_with, BlockDot, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix};
 
-    /// Block `blk`'s 32 weights as bytes in element order (Q4_1: the unsigned nibble; Q4_0:
-    /// nibble − 8; Q8_0: the signed byte).
-    #[inline(always)]
-    unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
-        match p.kind {
-            Kind::Q4_1 | Kind::Q4_0 => {
-                let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
-                let mask = _mm_set1_epi8(0x0f);
-                let lo = _mm_and_si128(q, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                let w = _mm256_set_m128i(hi, lo);
-                if p.kind == Kind::Q4_0 {
-                    _mm256_sub_epi8(w, _mm256_set1_epi8(8))
-                } else {
-                    w
+    /// The block product with 256-bit integer instructions.
+    struct Avx2;
+
+    impl BlockDot for Avx2 {
+        /// Block `blk`'s 32 weights as bytes in element order (Q4_1: the unsigned nibble;
+        /// Q4_0: nibble − 8; Q8_0: the signed byte), and their absolute values.
+        type Weights = (__m256i, __m256i);
+
+        #[inline(always)]
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> Self::Weights {
+            let w = match p.kind {
+                Kind::Q4_1 | Kind::Q4_0 => {
+                    let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0f);
+                    let lo = _mm_and_si128(q, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+                    let w = _mm256_set_m128i(hi, lo);
+                    if p.kind == Kind::Q4_0 {
+                        _mm256_sub_epi8(w, _mm256_set1_epi8(8))
+                    } else {
+                        w
+                    }
                 }
-            }
-            Kind::Q8_0 => _mm256_loadu_si256(p.qs.as_ptr().add(blk * QK) as *const __m256i),
+                Kind::Q8_0 => _mm256_loadu_si256(p.qs.as_ptr().add(blk * QK) as *const __m256i),
+            };
+            (w, _mm256_abs_epi8(w))
+        }
+
+        #[inline(always)]
+        unsafe fn dot(p: &PackedMatrix, w: &Self::Weights, x: &[i8]) -> i32 {
+            let (w_signed, w_abs) = *w;
+            debug_assert!(x.len() >= QK);
+            let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
+            let pairs = if p.kind == Kind::Q4_1 {
+                _mm256_maddubs_epi16(w_signed, xv)
+            } else {
+                _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w_signed))
+            };
+            let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            let s = _mm_add_epi32(
+                _mm256_castsi256_si128(quads),
+                _mm256_extracti128_si256::<1>(quads),
+            );
+            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
+            _mm_cvtsi128_si32(s)
         }
     }
 
-    /// `Σ w·x` over one block, exactly.
-    #[inline(always)]
-    unsafe fn dot(w_abs: __m256i, w_signed: __m256i, signed: bool, x: *const i8) -> i32 {
-        let xv = _mm256_loadu_si256(x as *const __m256i);
-        let pairs = if signed {
-            _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w_signed))
-        } else {
-            _mm256_maddubs_epi16(w_signed, xv)
-        };
-        let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-        let s = _mm_add_epi32(
-            _mm256_castsi256_si128(quads),
-            _mm256_extracti128_si256::<1>(quads),
-        );
-        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
-        _mm_cvtsi128_si32(s)
-    }
-
-    /// As [`super::rows_into_impl`], with [`dot`].
+    /// [`super::rows_into_with`] on [`Avx2`]'s block product.
     ///
     /// # Safety
-    /// AVX2 available; `xq` holds `m` quantized rows of `p.cols()` values; `first + dst.len() /
-    /// m` at most `p.rows()` (checked here).
+    /// AVX2 available.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn rows_into(
         p: &PackedMatrix,
@@ -144,39 +152,7 @@ mod avx2 {
         first: usize,
         dst: &mut [f32],
     ) {
-        if m == 0 {
-            return;
-        }
-        let nb = p.cols() / QK;
-        let n_rows = dst.len() / m;
-        assert!(first + n_rows <= p.rows() && xq.q.len() >= m * p.cols() && xq.d.len() >= m * nb);
-        let signed = p.kind != Kind::Q4_1;
-        for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
-            let r = first + i;
-            let mut g = 0;
-            while g < m {
-                let rows = (m - g).min(GROUP);
-                let mut acc = [0f32; GROUP];
-                for b in 0..nb {
-                    let blk = r * nb + b;
-                    let w = weights(p, blk);
-                    let w_abs = _mm256_abs_epi8(w);
-                    let dw = p.scale[blk];
-                    for (a, acc_a) in acc.iter_mut().enumerate().take(rows) {
-                        let ab = (g + a) * nb + b;
-                        let sumi = dot(w_abs, w, signed, xq.q.as_ptr().add(ab * QK));
-                        let da = xq.d[ab];
-                        *acc_a += if p.kind == Kind::Q4_1 {
-                            sumi as f32 * dw * da + p.min[blk] * xq.s[ab]
-                        } else {
-                            sumi as f32 * dw * da
-                        };
-                    }
-                }
-                out_row[g..g + rows].copy_from_slice(&acc[..rows]);
-                g += rows;
-            }
-        }
+        rows_into_with::<Avx2>(p, xq, m, first, dst);
     }
 }
 
@@ -192,38 +168,87 @@ unsafe fn rows_into_avx512(
     rows_into_impl(p, xq, m, first, dst);
 }
 
-/// The 32 weights of block `blk` as signed integers (Q4_1: the unsigned nibble).
-#[inline(always)]
-fn weights(p: &PackedMatrix, blk: usize, w: &mut [i8; QK]) {
-    match p.kind {
-        Kind::Q4_1 | Kind::Q4_0 => {
-            let off = if p.kind == Kind::Q4_0 { 8 } else { 0 };
-            let q = &p.qs[blk * 16..][..16];
-            for j in 0..16 {
-                w[j] = (q[j] & 0x0f) as i8 - off;
-                w[j + 16] = (q[j] >> 4) as i8 - off;
+/// One block's integer product `Σ w·q`, computed exactly (the kernels differ only here).
+trait BlockDot {
+    /// A block's weights, unpacked once and used for every activation row of the group.
+    type Weights;
+
+    /// Block `blk`'s weights.
+    ///
+    /// # Safety
+    /// The CPU has the implementation's features; `blk` is a valid block of `p`.
+    unsafe fn weights(p: &PackedMatrix, blk: usize) -> Self::Weights;
+
+    /// `Σ w·q` over the block's 32 values (`q` holds at least 32).
+    ///
+    /// # Safety
+    /// As [`BlockDot::weights`].
+    unsafe fn dot(p: &PackedMatrix, w: &Self::Weights, q: &[i8]) -> i32;
+}
+
+/// The portable block product.
+struct Scalar;
+
+impl BlockDot for Scalar {
+    /// The 32 weights as signed integers (Q4_1: the unsigned nibble).
+    type Weights = [i8; QK];
+
+    #[inline(always)]
+    unsafe fn weights(p: &PackedMatrix, blk: usize) -> [i8; QK] {
+        let mut w = [0i8; QK];
+        match p.kind {
+            Kind::Q4_1 | Kind::Q4_0 => {
+                let off = if p.kind == Kind::Q4_0 { 8 } else { 0 };
+                let q = &p.qs[blk * 16..][..16];
+                for j in 0..16 {
+                    w[j] = (q[j] & 0x0f) as i8 - off;
+                    w[j + 16] = (q[j] >> 4) as i8 - off;
+                }
+            }
+            Kind::Q8_0 => {
+                for (o, &b) in w.iter_mut().zip(&p.qs[blk * QK..][..QK]) {
+                    *o = b as i8;
+                }
             }
         }
-        Kind::Q8_0 => {
-            for (o, &b) in w.iter_mut().zip(&p.qs[blk * QK..][..QK]) {
-                *o = b as i8;
-            }
-        }
+        w
+    }
+
+    #[inline(always)]
+    unsafe fn dot(_: &PackedMatrix, w: &[i8; QK], q: &[i8]) -> i32 {
+        w.iter()
+            .zip(&q[..QK])
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum()
     }
 }
 
 #[inline(always)]
-fn dot(w: &[i8; QK], q: &[i8]) -> i32 {
-    w.iter()
-        .zip(q)
-        .map(|(&a, &b)| i32::from(a) * i32::from(b))
-        .sum()
+fn rows_into_impl(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+    // SAFETY: the scalar product needs no CPU feature.
+    unsafe { rows_into_with::<Scalar>(p, xq, m, first, dst) }
 }
 
+/// The loop every kernel shares: per weight row, groups of [`GROUP`] activation rows, blocks
+/// in order; `sumf += sumi · d_w · d_a (+ m_w · s_a for Q4_1)` — one float order for all.
+///
+/// # Safety
+/// The CPU has `D`'s features.
 #[inline(always)]
-fn rows_into_impl(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+unsafe fn rows_into_with<D: BlockDot>(
+    p: &PackedMatrix,
+    xq: &Quantized,
+    m: usize,
+    first: usize,
+    dst: &mut [f32],
+) {
+    if m == 0 {
+        return;
+    }
     let nb = p.cols() / QK;
-    let mut w = [0i8; QK];
+    assert!(
+        first + dst.len() / m <= p.rows() && xq.q.len() >= m * p.cols() && xq.d.len() >= m * nb
+    );
     for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
         let r = first + i;
         let mut g = 0;
@@ -232,11 +257,13 @@ fn rows_into_impl(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst:
             let mut acc = [0f32; GROUP];
             for b in 0..nb {
                 let blk = r * nb + b;
-                weights(p, blk, &mut w);
+                let w = D::weights(p, blk);
                 let dw = p.scale[blk];
                 for (a, acc_a) in acc.iter_mut().enumerate().take(rows) {
                     let ab = (g + a) * nb + b;
-                    let sumi = dot(&w, &xq.q[ab * QK..][..QK]);
+                    // SAFETY: `ab < m · nb`, so the block lies inside `xq.q` (asserted above).
+                    let q = std::slice::from_raw_parts(xq.q.as_ptr().add(ab * QK), QK);
+                    let sumi = D::dot(p, &w, q);
                     let da = xq.d[ab];
                     *acc_a += if p.kind == Kind::Q4_1 {
                         sumi as f32 * dw * da + p.min[blk] * xq.s[ab]
