@@ -10,6 +10,8 @@
 # ratios, kvgate's aggregate decode at 8 streams (and its multiple of one stream) and 16 streams,
 # and the 16-token chunk after 1,024 cached tokens as % of the uncached prefill. Raw outputs in
 # $OUT. The #18 goals: decode ≥ 1.0×, prefill ≥ 2×, 8 streams ≥ 4× one stream, cached ≤ 5 %.
+#   KVGATE_BENCH_NUMERICS the engine's arithmetic, `exact` (default: F32 activations) or
+#                         `llama-cpp` (8-bit activations in the block products, as llama.cpp)
 #   KVGATE_BENCH_THREADS  thread counts (default "1 2")
 #   KVGATE_BENCH_ROUNDS   rounds per thread count (default 2)
 #   OUT                   raw outputs (default bench-out/vs-llamacpp)
@@ -18,6 +20,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 threads_list="${KVGATE_BENCH_THREADS:-1 2}"
 rounds="${KVGATE_BENCH_ROUNDS:-2}"
+numerics="${KVGATE_BENCH_NUMERICS:-exact}"
 out="${OUT:-bench-out/vs-llamacpp}"
 mkdir -p "$out"
 
@@ -30,14 +33,14 @@ cargo build --quiet --workspace --bin kvgate
 kvgate="${CARGO_TARGET_DIR:-$root/target}/debug/kvgate"
 
 cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-echo "machine: $cpu, $(nproc) vCPUs; $(date -u '+%Y-%m-%d %H:%M UTC'); $(basename "$model")"
+echo "machine: $cpu, $(nproc) vCPUs; $(date -u '+%Y-%m-%d %H:%M UTC'); $(basename "$model"); kvgate --numerics $numerics"
 echo
 echo "| threads | round | kvgate prefill 512 | llama.cpp pp512 | ratio | kvgate decode | llama.cpp tg128 | ratio | kvgate 8 streams | × one | kvgate 16 streams | 16 after 1,024 cached |"
 echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for t in $threads_list; do
   for r in $(seq 1 "$rounds"); do
     name="t$t-r$r"
-    "$kvgate" bench --engine-model "$model" --engine-threads "$t" >"$out/$name.kvgate.txt" 2>&1
+    "$kvgate" bench --engine-model "$model" --engine-threads "$t" --engine-numerics "$numerics" >"$out/$name.kvgate.txt" 2>&1
     "$llama_bench" -m "$model" -p 512 -n 128 -t "$t" -r 3 -o json >"$out/$name.llamacpp.json" 2>"$out/$name.llamacpp.err"
     row="$(.venv/bin/python3 scripts/engine_bench_row.py "$out/$name.kvgate.txt" "$out/$name.llamacpp.json" --full)"
     echo "| $t | $r | $row |"

@@ -60,76 +60,284 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
 /// Fills `dst` (`[rows, m]`, from weight row `first`) from activations quantized by
 /// [`quantize`]; [`PackedMatrix::matmul`] splits the rows over the pool and transposes.
 pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+    // AVX-512 CPUs run the AVX2 kernel too: the same bits, and the tiled block order
+    // ([`PackedMatrix::block_index`]) is what it reads sequentially.
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-        {
-            // SAFETY: the CPU has the features the function is compiled for (checked above).
-            unsafe { rows_into_avx512(p, xq, m, first, dst) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: as above.
-            unsafe { avx2::rows_into(p, xq, m, first, dst) };
-            return;
-        }
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has the features the function is compiled for (checked above).
+        unsafe { avx2::rows_into(p, xq, m, first, dst) };
+        return;
     }
     rows_into_impl(p, xq, m, first, dst);
 }
 
-/// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI): a block's
-/// `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most 2·128·127, no
-/// saturation since ggml's activations stay within ±127), `madd` with ones to i32 and a
-/// horizontal sum — exact, so the same integer as the scalar loop; the float part is the scalar
-/// loop's ([`rows_into_with`], shared). Signed weights (Q4_0, Q8_0) go through `|w|` and
-/// `sign(x, w)`. Before, the compiler-vectorized loop widened every byte to i32.
+/// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI), register-tiled.
+///
+/// A block's `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most
+/// 2·128·127, no saturation since ggml's activations stay within ±127) and `madd` with ones to
+/// eight i32 — exact, so the same integer as the scalar loop. Signed weights (Q4_0, Q8_0) go
+/// through `|w|` and `sign(x, w)`.
+///
+/// The tile ([`tile`]) is [`TILE_ROWS`] weight rows × `R` activation rows (4, else 2, else 1;
+/// 4 measured fastest, `int8_timing`): the eight partial-sum
+/// vectors of one activation row against the tile's weight rows are reduced together by a tree of
+/// `hadd`s into one vector of eight block sums (one lane per weight row), and the float part —
+/// `acc += sumi · d_w · d_a (+ m_w · s_a)` — runs lane-wise, every lane doing the scalar loop's
+/// operations in its order ([`rows_into_with`]), so the bits are the scalar loop's (asserted).
+/// The weights' scales of the tile's rows are one vector load thanks to the matrix's tile order
+/// ([`PackedMatrix::block_index`]). Rows outside whole tiles take the untiled loop
+/// ([`rows_into_with`] over [`Avx2`]'s block product).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{rows_into_with, BlockDot, Quantized, QK};
-    use crate::model::packed::{Kind, PackedMatrix};
+    use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
 
-    /// The block product with 256-bit integer instructions.
+    /// The 32 nibbles of the Q4 block at `blk` ([`PackedMatrix::block_index`]) as bytes in
+    /// element order (low nibbles are elements 0..16).
+    #[inline(always)]
+    unsafe fn q4_nibbles(p: &PackedMatrix, blk: usize) -> __m256i {
+        let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// A block format of the tiled kernel.
+    trait Format {
+        /// Signed weights (the products go through `|w|` and `sign(x, w)`).
+        const SIGNED: bool;
+        /// Q4_1: `+ m_w · s_a` per block.
+        const WITH_MIN: bool;
+        /// The sum of 16 products fits in an i16 (4-bit weights: at most 16·15·127 for Q4_1,
+        /// 16·8·127 for Q4_0), so the reduction runs on `maddubs`'s i16 pairs without `madd`.
+        const I16_SUMS: bool;
+        /// The weights of the block at `blk` ([`PackedMatrix::block_index`]) as bytes (signed
+        /// unless Q4_1).
+        ///
+        /// # Safety
+        /// AVX2 available; `blk` a valid block of `p` (not checked).
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i;
+    }
+
+    struct Q41;
+    struct Q40;
+    struct Q80;
+
+    impl Format for Q41 {
+        const I16_SUMS: bool = true;
+        const SIGNED: bool = false;
+        const WITH_MIN: bool = true;
+        #[inline(always)]
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
+            q4_nibbles(p, blk)
+        }
+    }
+
+    impl Format for Q40 {
+        const I16_SUMS: bool = true;
+        const SIGNED: bool = true;
+        const WITH_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
+            _mm256_sub_epi8(q4_nibbles(p, blk), _mm256_set1_epi8(8))
+        }
+    }
+
+    impl Format for Q80 {
+        const I16_SUMS: bool = false;
+        const SIGNED: bool = true;
+        const WITH_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
+            _mm256_loadu_si256(p.qs.as_ptr().add(blk * QK) as *const __m256i)
+        }
+    }
+
+    /// Sixteen i16 sums of adjacent products `w·x` over one block (exact: `maddubs`).
+    #[inline(always)]
+    unsafe fn pair_products<F: Format>(w: __m256i, x: __m256i) -> __m256i {
+        if F::SIGNED {
+            _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+        } else {
+            _mm256_maddubs_epi16(w, x)
+        }
+    }
+
+    /// Eight i32 partial sums of `Σ w·x` over one block (exact).
+    #[inline(always)]
+    unsafe fn products<F: Format>(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_madd_epi16(pair_products::<F>(w, x), _mm256_set1_epi16(1))
+    }
+
+    /// One level of the reduction tree: horizontal sums of adjacent lanes of `a` and `b`
+    /// (i16 lanes for [`Format::I16_SUMS`], else i32), per 128-bit half.
+    #[inline(always)]
+    unsafe fn hadd<F: Format>(a: __m256i, b: __m256i) -> __m256i {
+        if F::I16_SUMS {
+            _mm256_hadd_epi16(a, b)
+        } else {
+            _mm256_hadd_epi32(a, b)
+        }
+    }
+
+    /// A block's partial sums against one weight row, as the reduction tree takes them.
+    #[inline(always)]
+    unsafe fn leaf<F: Format>(w: __m256i, x: __m256i) -> __m256i {
+        if F::I16_SUMS {
+            pair_products::<F>(w, x)
+        } else {
+            products::<F>(w, x)
+        }
+    }
+
+    /// Weight rows `r0..r0 + 8` (`r0` a multiple of [`TILE_ROWS`]) against activation rows
+    /// `a0..a0 + R`; result `(r0 + c, a0 + a)` goes to `out[c·m + a]`.
+    #[inline(always)]
+    unsafe fn tile<F: Format, const R: usize>(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        a0: usize,
+        r0: usize,
+        out: *mut f32,
+        m: usize,
+    ) {
+        let nb = p.cols() / QK;
+        let params = p.block_index(r0, 0);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let mut x = [_mm256_setzero_si256(); R];
+            for (a, xa) in x.iter_mut().enumerate() {
+                *xa = _mm256_loadu_si256(
+                    xq.q.as_ptr().add(((a0 + a) * nb + b) * QK) as *const __m256i
+                );
+            }
+            // Per activation row, two levels of the tree over weight rows 0..4 and 4..8: per
+            // 128-bit half (block elements 0..16 and 16..32), each weight row's sums in
+            // adjacent lanes.
+            let mut quads = [[_mm256_setzero_si256(); R]; 2];
+            for (quad, qv) in quads.iter_mut().enumerate() {
+                let mut pairs = [[_mm256_setzero_si256(); R]; 2];
+                for (pair, pv) in pairs.iter_mut().enumerate() {
+                    let c = b * TILE_ROWS + quad * 4 + pair * 2;
+                    let w0 = F::weights(p, params + c);
+                    let w1 = F::weights(p, params + c + 1);
+                    for (pa, xa) in pv.iter_mut().zip(&x) {
+                        *pa = hadd::<F>(leaf::<F>(w0, *xa), leaf::<F>(w1, *xa));
+                    }
+                }
+                for (qa, (p0, p1)) in qv.iter_mut().zip(pairs[0].iter().zip(&pairs[1])) {
+                    *qa = hadd::<F>(*p0, *p1);
+                }
+            }
+            let dw = _mm256_loadu_ps(p.scale.as_ptr().add(params + b * TILE_ROWS));
+            let mw = if F::WITH_MIN {
+                _mm256_loadu_ps(p.min.as_ptr().add(params + b * TILE_ROWS))
+            } else {
+                _mm256_setzero_ps()
+            };
+            for (a, (acc_a, (lo, hi))) in acc
+                .iter_mut()
+                .zip(quads[0].iter().zip(&quads[1]))
+                .enumerate()
+            {
+                // The last level: lane c holds weight row c's sum over the block.
+                let sumi = if F::I16_SUMS {
+                    // Per half, lane c = row c's 16 products (fits an i16); widen, add halves.
+                    let h = _mm256_hadd_epi16(*lo, *hi);
+                    _mm256_add_epi32(
+                        _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
+                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(h)),
+                    )
+                } else {
+                    _mm256_add_epi32(
+                        _mm256_permute2x128_si256::<0x20>(*lo, *hi),
+                        _mm256_permute2x128_si256::<0x31>(*lo, *hi),
+                    )
+                };
+                let ab = (a0 + a) * nb + b;
+                let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
+                let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
+                if F::WITH_MIN {
+                    t = _mm256_add_ps(
+                        t,
+                        _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
+                    );
+                }
+                *acc_a = _mm256_add_ps(*acc_a, t);
+            }
+        }
+        for (a, acc_a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; TILE_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
+            for (c, v) in lanes.iter().enumerate() {
+                *out.add(c * m + a) = *v;
+            }
+        }
+    }
+
+    /// Whole tiles: `tiles` groups of [`TILE_ROWS`] weight rows from `first`, every activation
+    /// row.
+    #[inline(always)]
+    unsafe fn tiles_into<F: Format>(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        tiles: usize,
+        dst: &mut [f32],
+    ) {
+        let out = dst.as_mut_ptr();
+        for t in 0..tiles {
+            let r0 = first + t * TILE_ROWS;
+            let tile_out = out.add(t * TILE_ROWS * m);
+            let mut a0 = 0;
+            while a0 < m {
+                a0 += match m - a0 {
+                    4.. => {
+                        tile::<F, 4>(p, xq, a0, r0, tile_out.add(a0), m);
+                        4
+                    }
+                    2 | 3 => {
+                        tile::<F, 2>(p, xq, a0, r0, tile_out.add(a0), m);
+                        2
+                    }
+                    _ => {
+                        tile::<F, 1>(p, xq, a0, r0, tile_out.add(a0), m);
+                        1
+                    }
+                };
+            }
+        }
+    }
+
+    /// The block product for the rows outside whole tiles.
     struct Avx2;
 
     impl BlockDot for Avx2 {
-        /// Block `blk`'s 32 weights as bytes in element order (Q4_1: the unsigned nibble;
-        /// Q4_0: nibble − 8; Q8_0: the signed byte), and their absolute values.
-        type Weights = (__m256i, __m256i);
+        /// Block `blk`'s 32 weights as bytes (signed unless Q4_1).
+        type Weights = __m256i;
 
         #[inline(always)]
-        unsafe fn weights(p: &PackedMatrix, blk: usize) -> Self::Weights {
-            let w = match p.kind {
-                Kind::Q4_1 | Kind::Q4_0 => {
-                    let q = _mm_loadu_si128(p.qs.as_ptr().add(blk * 16) as *const __m128i);
-                    let mask = _mm_set1_epi8(0x0f);
-                    let lo = _mm_and_si128(q, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                    let w = _mm256_set_m128i(hi, lo);
-                    if p.kind == Kind::Q4_0 {
-                        _mm256_sub_epi8(w, _mm256_set1_epi8(8))
-                    } else {
-                        w
-                    }
-                }
-                Kind::Q8_0 => _mm256_loadu_si256(p.qs.as_ptr().add(blk * QK) as *const __m256i),
-            };
-            (w, _mm256_abs_epi8(w))
+        unsafe fn weights(p: &PackedMatrix, blk: usize) -> __m256i {
+            match p.kind {
+                Kind::Q4_1 => Q41::weights(p, blk),
+                Kind::Q4_0 => Q40::weights(p, blk),
+                Kind::Q8_0 => Q80::weights(p, blk),
+            }
         }
 
         #[inline(always)]
-        unsafe fn dot(p: &PackedMatrix, w: &Self::Weights, x: &[i8]) -> i32 {
-            let (w_signed, w_abs) = *w;
+        unsafe fn dot(p: &PackedMatrix, w: &__m256i, x: &[i8]) -> i32 {
             debug_assert!(x.len() >= QK);
             let xv = _mm256_loadu_si256(x.as_ptr() as *const __m256i);
-            let pairs = if p.kind == Kind::Q4_1 {
-                _mm256_maddubs_epi16(w_signed, xv)
+            let quads = if p.kind == Kind::Q4_1 {
+                products::<Q41>(*w, xv)
             } else {
-                _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xv, w_signed))
+                products::<Q80>(*w, xv)
             };
-            let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
             let s = _mm_add_epi32(
                 _mm256_castsi256_si128(quads),
                 _mm256_extracti128_si256::<1>(quads),
@@ -140,12 +348,13 @@ mod avx2 {
         }
     }
 
-    /// [`super::rows_into_with`] on [`Avx2`]'s block product.
+    /// The untiled loop alone (every row through [`Avx2`]'s block product), for the timing.
     ///
     /// # Safety
     /// AVX2 available.
+    #[cfg(test)]
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn rows_into(
+    pub(super) unsafe fn rows_into_untiled(
         p: &PackedMatrix,
         xq: &Quantized,
         m: usize,
@@ -154,18 +363,47 @@ mod avx2 {
     ) {
         rows_into_with::<Avx2>(p, xq, m, first, dst);
     }
-}
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_into_avx512(
-    p: &PackedMatrix,
-    xq: &Quantized,
-    m: usize,
-    first: usize,
-    dst: &mut [f32],
-) {
-    rows_into_impl(p, xq, m, first, dst);
+    /// Fills `dst` (`[rows, m]`, from weight row `first`): whole tiles through [`tile`], the
+    /// rest through [`super::rows_into_with`] on [`Avx2`]'s block product.
+    ///
+    /// # Safety
+    /// AVX2 available; `p` built with int8 activations (tile-ordered scales).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn rows_into(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        if m == 0 {
+            return;
+        }
+        let nb = p.cols() / QK;
+        let n_rows = dst.len() / m;
+        assert!(
+            p.int8_activations
+                && first + n_rows <= p.rows()
+                && xq.q.len() >= m * p.cols()
+                && xq.d.len() >= m * nb
+                && (p.kind != Kind::Q4_1 || xq.s.len() >= m * nb)
+        );
+        // Whole tiles start at a multiple of TILE_ROWS (the scales' groups) and end inside the
+        // matrix, whose tile-ordered scales are padded to whole groups.
+        let tiles = if first.is_multiple_of(TILE_ROWS) {
+            n_rows / TILE_ROWS
+        } else {
+            0
+        };
+        let (tiled, rest) = dst.split_at_mut(tiles * TILE_ROWS * m);
+        match p.kind {
+            Kind::Q4_1 => tiles_into::<Q41>(p, xq, m, first, tiles, tiled),
+            Kind::Q4_0 => tiles_into::<Q40>(p, xq, m, first, tiles, tiled),
+            Kind::Q8_0 => tiles_into::<Q80>(p, xq, m, first, tiles, tiled),
+        }
+        rows_into_with::<Avx2>(p, xq, m, first + tiles * TILE_ROWS, rest);
+    }
 }
 
 /// One block's integer product `Σ w·q`, computed exactly (the kernels differ only here).
@@ -173,7 +411,7 @@ trait BlockDot {
     /// A block's weights, unpacked once and used for every activation row of the group.
     type Weights;
 
-    /// Block `blk`'s weights.
+    /// The weights of the block at `blk` ([`PackedMatrix::block_index`]).
     ///
     /// # Safety
     /// The CPU has the implementation's features; `blk` is a valid block of `p`.
@@ -256,9 +494,9 @@ unsafe fn rows_into_with<D: BlockDot>(
             let rows = (m - g).min(GROUP);
             let mut acc = [0f32; GROUP];
             for b in 0..nb {
-                let blk = r * nb + b;
-                let w = D::weights(p, blk);
-                let dw = p.scale[blk];
+                let at = p.block_index(r, b);
+                let w = D::weights(p, at);
+                let dw = p.scale[at];
                 for (a, acc_a) in acc.iter_mut().enumerate().take(rows) {
                     let ab = (g + a) * nb + b;
                     // SAFETY: `ab < m · nb`, so the block lies inside `xq.q` (asserted above).
@@ -266,7 +504,7 @@ unsafe fn rows_into_with<D: BlockDot>(
                     let sumi = D::dot(p, &w, q);
                     let da = xq.d[ab];
                     *acc_a += if p.kind == Kind::Q4_1 {
-                        sumi as f32 * dw * da + p.min[blk] * xq.s[ab]
+                        sumi as f32 * dw * da + p.min[at] * xq.s[ab]
                     } else {
                         sumi as f32 * dw * da
                     };
@@ -291,7 +529,8 @@ mod tests {
     /// each row's result does not depend on how many rows share the call.
     #[test]
     fn matches_candles_quantized_matmul_and_is_row_count_invariant() {
-        let (n, k) = (24, 256);
+        // 28 weight rows: three whole tiles of the AVX2 kernel and a 4-row rest.
+        let (n, k) = (28, 256);
         let w = Tensor::from_vec(rnd_vec(0x77, n * k), (n, k), &Device::Cpu).unwrap();
         for dtype in [
             GgmlDType::Q4_1,
@@ -324,19 +563,28 @@ mod tests {
             }
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
-                // The AVX2 kernel (also on AVX-512 CPUs) gives the scalar loop's bits.
-                let xq = quantize(&x, p.kind == Kind::Q4_1);
-                let (mut scalar, mut simd) = (vec![0f32; n * m], vec![0f32; n * m]);
-                rows_into_impl(&p, &xq, m, 0, &mut scalar);
-                // SAFETY: AVX2 checked above; shapes match.
-                unsafe { avx2::rows_into(&p, &xq, m, 0, &mut simd) };
-                assert!(
-                    scalar
-                        .iter()
-                        .zip(&simd)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{dtype:?}: the AVX2 kernel differs from the scalar loop"
-                );
+                // The AVX2 kernel (also on AVX-512 CPUs) gives the scalar loop's bits: tiles of
+                // 2 and 1 activation rows, whole weight tiles and the untiled rest, and a call
+                // that starts inside the matrix (as the pool's tasks do) or off a tile boundary.
+                for rows in [1, 2, 3, m] {
+                    let xq = quantize(&x[..rows * k], p.kind == Kind::Q4_1);
+                    for (first, len) in [(0, n), (8, 16), (3, 9)] {
+                        let mut scalar = vec![0f32; len * rows];
+                        let mut simd = vec![1f32; len * rows];
+                        rows_into_impl(&p, &xq, rows, first, &mut scalar);
+                        // SAFETY: AVX2 checked above; shapes match.
+                        unsafe { avx2::rows_into(&p, &xq, rows, first, &mut simd) };
+                        assert!(
+                            scalar
+                                .iter()
+                                .zip(&simd)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{dtype:?}: the AVX2 kernel differs from the scalar loop \
+                             ({rows} rows, weight rows {first}..{})",
+                            first + len
+                        );
+                    }
+                }
             }
             for rows in [1, 2, 3, 5] {
                 let part = p.matmul(&x[..rows * k], rows).unwrap();
@@ -350,8 +598,11 @@ mod tests {
         }
     }
     /// Kernel timing (run on purpose: `cargo test -p engine --lib int8_timing -- --ignored
-    /// --nocapture`): the AVX2 kernel and the compiler-vectorized loop alternated in one
-    /// process, Q4_1 on SmolLM2's gate/up shape, one thread.
+    /// --nocapture`): the tiled AVX2 kernel, the untiled AVX2 loop (one block product at a
+    /// time, what ran before the tiles) and the compiler-vectorized loop alternated in one
+    /// process, Q4_1 on SmolLM2's gate/up shape, one thread (`KVGATE_KERNEL_ROWS=49152` for
+    /// a matrix of the output head's size, larger than the caches; `KVGATE_KERNEL_FORMAT=q8_0`
+    /// for Q8_0 weights).
     #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore = "timing: run explicitly with --ignored --nocapture"]
@@ -359,15 +610,22 @@ mod tests {
         if !std::arch::is_x86_feature_detected!("avx2") {
             return;
         }
-        let (n, k) = (3072, 576);
+        let n = std::env::var("KVGATE_KERNEL_ROWS")
+            .map(|v| v.parse().expect("KVGATE_KERNEL_ROWS is a row count"))
+            .unwrap_or(3072);
+        let k = 576;
+        let dtype = match std::env::var("KVGATE_KERNEL_FORMAT").as_deref() {
+            Ok("q8_0") => GgmlDType::Q8_0,
+            _ => GgmlDType::Q4_1,
+        };
         let w = Tensor::from_vec(rnd_vec(5, n * k), (n, k), &Device::Cpu).unwrap();
-        let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+        let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, dtype).unwrap())
             .unwrap()
             .unwrap()
             .with_int8_activations();
         for m in [1usize, 8, 32] {
-            let xq = quantize(&rnd_vec(6, m * k), true);
-            let mut best = [f64::INFINITY; 2];
+            let xq = quantize(&rnd_vec(6, m * k), dtype == GgmlDType::Q4_1);
+            let mut best = [f64::INFINITY; 3];
             let mut dst = vec![0f32; n * m];
             for _ in 0..20 {
                 let t = std::time::Instant::now();
@@ -375,17 +633,24 @@ mod tests {
                 unsafe { avx2::rows_into(&p, &xq, m, 0, &mut dst) };
                 best[0] = best[0].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
+                // SAFETY: as above.
+                unsafe { avx2::rows_into_untiled(&p, &xq, m, 0, &mut dst) };
+                best[1] = best[1].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
                 // SAFETY: as above (the loop compiled with AVX2 enabled).
                 unsafe { rows_into_autovec(&p, &xq, m, 0, &mut dst) };
-                best[1] = best[1].min(t.elapsed().as_secs_f64());
+                best[2] = best[2].min(t.elapsed().as_secs_f64());
             }
             let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
             println!(
-                "m={m}: avx2 {:.3} ms ({:.1} GMAC/s), compiler-vectorized {:.3} ms ({:.1} GMAC/s)",
+                "m={m}: avx2 tiled {:.3} ms ({:.1} GMAC/s), avx2 untiled {:.3} ms ({:.1} GMAC/s), \
+                 compiler-vectorized {:.3} ms ({:.1} GMAC/s)",
                 best[0] * 1e3,
                 gmac(best[0]),
                 best[1] * 1e3,
-                gmac(best[1])
+                gmac(best[1]),
+                best[2] * 1e3,
+                gmac(best[2])
             );
         }
     }

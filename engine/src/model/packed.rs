@@ -51,6 +51,9 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 /// Activation rows sharing one unpacked weight block.
 pub(crate) const ROW_GROUP: usize = 4;
+/// Weight rows whose scales an int8-activation matrix keeps side by side
+/// ([`PackedMatrix::block_index`]).
+pub(super) const TILE_ROWS: usize = 8;
 
 /// The block formats this kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,12 +73,13 @@ pub(crate) struct PackedMatrix {
     pub(super) kind: Kind,
     rows: usize,
     cols: usize,
-    /// Per block, `d`.
+    /// Per block, `d`: row-major, or in [`PackedMatrix::block_index`]'s tile order for a matrix
+    /// built [`PackedMatrix::with_int8_activations`].
     pub(super) scale: Vec<f32>,
-    /// Per block, `m` (Q4_1 only; empty otherwise).
+    /// Per block, `m` (Q4_1 only; empty otherwise), in the same order as `scale`.
     pub(super) min: Vec<f32>,
     /// Per block, 16 bytes of nibbles (Q4_x: element `j` low nibble, `j + 16` high nibble of
-    /// byte `j`) or 32 signed bytes (Q8_0).
+    /// byte `j`) or 32 signed bytes (Q8_0), in the same order as `scale`.
     pub(super) qs: Vec<u8>,
     /// Multiply with 8-bit activations as ggml does ([`super::int8`], `WeightFormat::LlamaCpp`)
     /// instead of F32 ones.
@@ -258,10 +262,55 @@ impl PackedMatrix {
         }
     }
 
-    /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]).
+    /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]). The
+    /// blocks are reordered so that those of [`TILE_ROWS`] consecutive weight rows at one block
+    /// position lie side by side ([`PackedMatrix::block_index`]): the int8 kernels read a tile's
+    /// blocks as one sequential stream and load its scales as one vector, one lane per weight
+    /// row.
     pub(crate) fn with_int8_activations(mut self) -> Self {
+        if self.int8_activations {
+            return self;
+        }
+        let nb = self.cols / QK;
+        let padded = self.rows.div_ceil(TILE_ROWS) * TILE_ROWS * nb;
+        let tiled_index = |blk: usize| {
+            (blk / nb / TILE_ROWS) * TILE_ROWS * nb
+                + (blk % nb) * TILE_ROWS
+                + (blk / nb) % TILE_ROWS
+        };
+        let tiled = |row_major: &[f32]| {
+            let mut out = vec![0f32; padded];
+            for (blk, &v) in row_major.iter().enumerate() {
+                out[tiled_index(blk)] = v;
+            }
+            out
+        };
+        self.scale = tiled(&self.scale);
+        if self.kind == Kind::Q4_1 {
+            self.min = tiled(&self.min);
+        }
+        let q_bytes = self.qs.len() / (self.rows * nb).max(1);
+        let mut qs = vec![0u8; padded * q_bytes];
+        for (blk, q) in self.qs.chunks_exact(q_bytes).enumerate() {
+            qs[tiled_index(blk) * q_bytes..][..q_bytes].copy_from_slice(q);
+        }
+        self.qs = qs;
         self.int8_activations = true;
         self
+    }
+
+    /// Where block `b` of weight row `r` lies (its scale, min and quantized values, in block
+    /// units): `r · nb + b` (row-major), or for an int8-activation matrix
+    /// `(r / 8) · 8 · nb + b · 8 + r % 8`, so the blocks of weight rows `8g..8g + 8` at block
+    /// position `b` are contiguous (rows padded to a multiple of [`TILE_ROWS`] with zeros).
+    #[inline(always)]
+    pub(super) fn block_index(&self, r: usize, b: usize) -> usize {
+        let nb = self.cols / QK;
+        if self.int8_activations {
+            (r / TILE_ROWS) * TILE_ROWS * nb + b * TILE_ROWS + r % TILE_ROWS
+        } else {
+            r * nb + b
+        }
     }
 
     /// Output width (`rows` of the weight matrix).
@@ -277,25 +326,27 @@ impl PackedMatrix {
     /// Dequantizes block `block` (row-major block index) into `out`, exactly as candle does.
     #[inline(always)]
     fn dequant_block(&self, block: usize, out: &mut [f32; QK]) {
-        let d = self.scale[block];
+        let nb = self.cols / QK;
+        let at = self.block_index(block / nb, block % nb);
+        let d = self.scale[at];
         match self.kind {
             Kind::Q4_1 => {
-                let m = self.min[block];
-                let q = &self.qs[block * 16..][..16];
+                let m = self.min[at];
+                let q = &self.qs[at * 16..][..16];
                 for j in 0..16 {
                     out[j] = f32::from(q[j] & 0x0f) * d + m;
                     out[j + 16] = f32::from(q[j] >> 4) * d + m;
                 }
             }
             Kind::Q4_0 => {
-                let q = &self.qs[block * 16..][..16];
+                let q = &self.qs[at * 16..][..16];
                 for j in 0..16 {
                     out[j] = f32::from(i16::from(q[j] & 0x0f) - 8) * d;
                     out[j + 16] = f32::from(i16::from(q[j] >> 4) - 8) * d;
                 }
             }
             Kind::Q8_0 => {
-                let q = &self.qs[block * QK..][..QK];
+                let q = &self.qs[at * QK..][..QK];
                 for j in 0..QK {
                     out[j] = f32::from(q[j] as i8) * d;
                 }

@@ -227,12 +227,7 @@ impl Linear {
         // K-quants (Q8_K activations) stay on candle's port.
         let int8 = format == WeightFormat::LlamaCpp
             && device.is_cpu()
-            && stored.iter().all(|q| {
-                matches!(
-                    q.dtype(),
-                    GgmlDType::Q4_1 | GgmlDType::Q4_0 | GgmlDType::Q8_0 | GgmlDType::Q5_0
-                )
-            });
+            && stored.iter().all(|q| int8_format(q.dtype()));
         let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
             PackedMatrix::stacked(&stored_refs)?
         } else if int8 {
@@ -447,6 +442,16 @@ pub enum HeadPrecision {
     F32,
     /// The file's (or Q8_0) weights with 8-bit activations: faster, less exact.
     Quantized,
+}
+
+/// Whether [`WeightFormat::LlamaCpp`] multiplies a matrix stored as `dtype` through this crate's
+/// 8-bit-activation kernel ([`super::int8`]: the formats whose ggml activation type is Q8_0 or
+/// Q8_1 per 32 values); K-quants (Q8_K activations) go through candle's port.
+fn int8_format(dtype: GgmlDType) -> bool {
+    matches!(
+        dtype,
+        GgmlDType::Q4_1 | GgmlDType::Q4_0 | GgmlDType::Q8_0 | GgmlDType::Q5_0
+    )
 }
 
 /// Reads GGUF metadata value `key` as an integer.
@@ -703,13 +708,16 @@ impl LlamaWeights {
         } else {
             embd_q
         };
-        let lm_head_packed = if matches!(format, WeightFormat::Exact { .. })
-            && device.is_cpu()
-            && head == HeadPrecision::F32
-        {
-            PackedMatrix::from_qtensor(&head_q)?
-        } else {
-            None
+        // The packed head: F32 activations for `Exact`; for `LlamaCpp` the 8-bit-activation
+        // product llama.cpp runs on the same blocks (its output matmul quantizes the hidden
+        // state as for any other Q4/Q8/Q5_0 matrix), where the head is in such a format.
+        let lm_head_packed = match format {
+            _ if !device.is_cpu() || head != HeadPrecision::F32 => None,
+            WeightFormat::Exact { .. } => PackedMatrix::from_qtensor(&head_q)?,
+            WeightFormat::LlamaCpp if int8_format(head_q.dtype()) => {
+                PackedMatrix::from_qtensor(&head_q)?.map(PackedMatrix::with_int8_activations)
+            }
+            _ => None,
         };
         let (lm_head_q, lm_head_dense) = match head {
             HeadPrecision::Quantized => (Some(quantized_head(head_q, device)?), None),
