@@ -12,8 +12,10 @@
 //! rows in the step, so results do not depend on step size, chunking or prefix caching.
 //!
 //! Cost `O(m · n · k)` integer multiply-adds plus `O(m · k)` for the quantization; weight blocks
-//! are unpacked once per group of [`GROUP`] activation rows. [`PackedMatrix::matmul`] splits the
-//! work over output rows on the rayon pool as for the F32 kernel.
+//! are unpacked once per tile of up to 4 activation rows (AVX2, also on AVX-512 CPUs; the blocks
+//! of 8 weight rows are stored side by side, [`PackedMatrix::block_index`]) or per group of
+//! [`GROUP`] (the portable loop). [`PackedMatrix::matmul`] splits the work over output rows on
+//! the rayon pool as for the F32 kernel.
 
 use super::attention::round_to_f16;
 use super::packed::{Kind, PackedMatrix};
