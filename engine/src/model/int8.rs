@@ -385,7 +385,7 @@ mod avx2 {
         let nb = p.cols() / QK;
         let n_rows = dst.len() / m;
         assert!(
-            p.int8_activations
+            p.tiled
                 && first + n_rows <= p.rows()
                 && xq.q.len() >= m * p.cols()
                 && xq.d.len() >= m * nb

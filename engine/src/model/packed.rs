@@ -17,8 +17,9 @@
 //! unpacked once per group of activation rows (up to 6 with AVX-512, [`ROW_GROUP`] otherwise),
 //! so a batch of decode rows (one per sequence) reads the weights about once per group. Work is
 //! split over output rows on the rayon pool; memory `O(m · n)` for the output. Kernels:
-//! hand-written AVX-512 for Q4_1 and Q8_0, AVX2 for Q4_1, Q4_0 and Q8_0 (run-time detected),
-//! else plain Rust over fixed-size arrays.
+//! hand-written AVX-512 for Q4_1 and Q8_0 (row-major blocks), AVX2 for Q4_1, Q4_0 and Q8_0
+//! (run-time detected; the blocks of 8 weight rows side by side, [`PackedMatrix::block_index`],
+//! [`PackedMatrix::for_this_cpu`]), else plain Rust over fixed-size arrays.
 //!
 //! Measured (docs/benchmarks.md, "worker engine"; `kernel_timing` below): faster than a dense
 //! F32 GEMM for small steps (it reads a quarter of the bytes), slower for large ones, hence the
@@ -73,8 +74,7 @@ pub(crate) struct PackedMatrix {
     pub(super) kind: Kind,
     rows: usize,
     cols: usize,
-    /// Per block, `d`: row-major, or in [`PackedMatrix::block_index`]'s tile order for a matrix
-    /// built [`PackedMatrix::with_int8_activations`].
+    /// Per block, `d`: row-major, or in [`PackedMatrix::block_index`]'s tile order (`tiled`).
     pub(super) scale: Vec<f32>,
     /// Per block, `m` (Q4_1 only; empty otherwise), in the same order as `scale`.
     pub(super) min: Vec<f32>,
@@ -84,6 +84,8 @@ pub(crate) struct PackedMatrix {
     /// Multiply with 8-bit activations as ggml does ([`super::int8`], `WeightFormat::LlamaCpp`)
     /// instead of F32 ones.
     pub(super) int8_activations: bool,
+    /// The blocks are in tile order ([`PackedMatrix::block_index`]).
+    pub(super) tiled: bool,
 }
 
 /// Exact f16 → f32 conversion (every f16 is representable in f32).
@@ -175,6 +177,7 @@ impl PackedMatrix {
             min,
             qs,
             int8_activations: false,
+            tiled: false,
         }
     }
 
@@ -208,6 +211,7 @@ impl PackedMatrix {
             min: Vec::new(),
             qs,
             int8_activations: false,
+            tiled: false,
         }
     }
 
@@ -259,16 +263,51 @@ impl PackedMatrix {
             min,
             qs,
             int8_activations: false,
+            tiled: false,
         }
     }
 
-    /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]). The
-    /// blocks are reordered so that those of [`TILE_ROWS`] consecutive weight rows at one block
-    /// position lie side by side ([`PackedMatrix::block_index`]): the int8 kernels read a tile's
-    /// blocks as one sequential stream and load its scales as one vector, one lane per weight
-    /// row.
-    pub(crate) fn with_int8_activations(mut self) -> Self {
-        if self.int8_activations {
+    /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]), with
+    /// its blocks in tile order (the int8 kernels read them so).
+    pub(crate) fn with_int8_activations(self) -> Self {
+        let mut p = self.into_tile_order();
+        p.int8_activations = true;
+        p
+    }
+
+    /// This matrix laid out for the kernel that will multiply it on this CPU: row-major for the
+    /// AVX-512 F32 kernel, else tile order ([`PackedMatrix::block_index`]), which the AVX2
+    /// kernels read as one sequential stream per tile of weight rows (row-major, a tile reads as
+    /// many streams as it has rows; measured in docs/benchmarks.md).
+    pub(crate) fn for_this_cpu(self) -> Self {
+        if self.avx512_f32_kernel() {
+            self
+        } else {
+            self.into_tile_order()
+        }
+    }
+
+    /// Whether [`PackedMatrix::matmul`] runs the AVX-512 F32 kernel for this matrix on this CPU
+    /// (row-major blocks, F32 activations, not Q4_0).
+    fn avx512_f32_kernel(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            !self.int8_activations
+                && !self.tiled
+                && self.kind != Kind::Q4_0
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// The blocks reordered so that those of [`TILE_ROWS`] consecutive weight rows at one block
+    /// position lie side by side ([`PackedMatrix::block_index`]): values, scales and mins.
+    fn into_tile_order(mut self) -> Self {
+        if self.tiled {
             return self;
         }
         let nb = self.cols / QK;
@@ -295,18 +334,18 @@ impl PackedMatrix {
             qs[tiled_index(blk) * q_bytes..][..q_bytes].copy_from_slice(q);
         }
         self.qs = qs;
-        self.int8_activations = true;
+        self.tiled = true;
         self
     }
 
     /// Where block `b` of weight row `r` lies (its scale, min and quantized values, in block
-    /// units): `r · nb + b` (row-major), or for an int8-activation matrix
-    /// `(r / 8) · 8 · nb + b · 8 + r % 8`, so the blocks of weight rows `8g..8g + 8` at block
-    /// position `b` are contiguous (rows padded to a multiple of [`TILE_ROWS`] with zeros).
+    /// units): `r · nb + b` (row-major), or in tile order `(r / 8) · 8 · nb + b · 8 + r % 8`, so
+    /// the blocks of weight rows `8g..8g + 8` at block position `b` are contiguous (rows padded
+    /// to a multiple of [`TILE_ROWS`] with zeros).
     #[inline(always)]
     pub(super) fn block_index(&self, r: usize, b: usize) -> usize {
         let nb = self.cols / QK;
-        if self.int8_activations {
+        if self.tiled {
             (r / TILE_ROWS) * TILE_ROWS * nb + b * TILE_ROWS + r % TILE_ROWS
         } else {
             r * nb + b
@@ -400,10 +439,7 @@ impl PackedMatrix {
     fn rows_into(&self, x: &[f32], m: usize, first: usize, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
-            if self.kind != Kind::Q4_0
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if self.avx512_f32_kernel() {
                 // SAFETY: the CPU supports AVX-512F and FMA (checked just above); slice bounds
                 // are checked inside before any raw load.
                 unsafe { avx512::rows_into(self, x, m, first, dst) };
@@ -619,6 +655,7 @@ mod avx512 {
             return;
         }
         let n_rows = dst.len() / m;
+        assert!(!p.tiled, "the AVX-512 kernel reads row-major blocks");
         assert!(
             x.len() == m * p.cols
                 && dst.len() == n_rows * m
@@ -634,7 +671,8 @@ mod avx512 {
 
 /// The same tiling with 8-lane AVX2 registers, for CPUs without AVX-512 (AMD Zen 1–3, Intel
 /// client cores), for Q4_1, Q4_0 and Q8_0. A block is dequantized into four 8-lane vectors
-/// with candle's rounding (`q·d` then `+ m`, two roundings; `(q − 8)·d`; `q·d`), computed
+/// with candle's values (`q·d + m` as one fused multiply-add — the same value, since `q·d` is
+/// exact; `(q − 8)·d`; `q·d`; `avx2_dequantization_equals_candles`), computed
 /// directly (a 16-entry table lookup costs more µops with 8-lane permutes). Tiles (R × C):
 /// 8 × 1, 4 × 2, 2 × 4, 1 × 4 — at most 8 accumulators plus the block's 4 vectors in the 16
 /// registers. Before this the plain-Rust loop ran there at about a sixth of the speed
@@ -685,8 +723,11 @@ mod avx2 {
             // so the intrinsics in it would become calls.
             let q = nibbles(p, blk);
             let mut out = [_mm256_setzero_ps(); 4];
+            // One fused multiply-add gives candle's two roundings bit for bit: `q·d` is exact
+            // in f32 (a 4-bit `q` times a `d` of at most 17 significant bits: an f16, or for
+            // repacked Q4_K an f16 times a 6-bit scale), so `fl(fl(q·d) + m) = fl(q·d + m)`.
             for (o, qi) in out.iter_mut().zip(q) {
-                *o = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qi), d), mn);
+                *o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), d, mn);
             }
             out
         }
@@ -733,7 +774,7 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); R]; C];
         for b in 0..nb {
             for (c, acc_c) in acc.iter_mut().enumerate() {
-                let w = F::block(p, (r0 + c) * nb + b);
+                let w = F::block(p, p.block_index(r0 + c, b));
                 for (a, acc_ca) in acc_c.iter_mut().enumerate() {
                     let xa = x.add(a * p.cols + b * QK);
                     for (i, wi) in w.iter().enumerate() {
@@ -800,6 +841,26 @@ mod avx2 {
         }
     }
 
+    /// Block `blk`'s 32 values as this kernel dequantizes them (for the tests).
+    ///
+    /// # Safety
+    /// AVX2 and FMA available.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block_values(p: &PackedMatrix, blk: usize) -> [f32; QK] {
+        assert!(blk < p.scale.len());
+        let v = match p.kind {
+            Kind::Q4_1 => Q41::block(p, blk),
+            Kind::Q4_0 => Q40::block(p, blk),
+            Kind::Q8_0 => Q80::block(p, blk),
+        };
+        let mut out = [0f32; QK];
+        for (i, vi) in v.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), *vi);
+        }
+        out
+    }
+
     /// Fills `dst` (`[rows, m]` from weight row `first`).
     ///
     /// # Safety
@@ -853,6 +914,61 @@ pub(crate) mod tests {
         assert!(f16_to_f32(0x7c00).is_infinite());
     }
 
+    /// The AVX2 kernel dequantizes every block to candle's values bit for bit (its Q4_1 path
+    /// uses one fused multiply-add for candle's `q·d + m`, exact because `q·d` is), over
+    /// weights spanning nine orders of magnitude, for every format it reads (Q4_K and Q5_0 as
+    /// repacked).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_dequantization_equals_candles() {
+        if !avx2::available() {
+            return;
+        }
+        let (n, k) = (16, 512);
+        let scales: Vec<f32> = (0..n).map(|r| 10f32.powi(r as i32 % 9 - 6)).collect();
+        let values: Vec<f32> = rnd_vec(0x5a, n * k)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v + 0.3) * scales[i / k])
+            .collect();
+        let w = Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q4_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5_0,
+        ] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
+            let want: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            // Row-major and in tile order (the layout the AVX2 kernels get).
+            for p in [
+                p.into_tile_order(),
+                PackedMatrix::from_qtensor(&q).unwrap().unwrap(),
+            ] {
+                for b in 0..n * k / QK {
+                    let at = p.block_index(b / (k / QK), b % (k / QK));
+                    // SAFETY: AVX2 and FMA checked above; `at` is a block of `p`.
+                    let got = unsafe { avx2::block_values(&p, at) };
+                    assert!(
+                        got.iter()
+                            .zip(&want[b * QK..][..QK])
+                            .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{dtype:?} block {b}: {got:?} vs {:?}",
+                        &want[b * QK..][..QK]
+                    );
+                }
+            }
+        }
+    }
+
     /// Q4_K and Q5_0 are re-expressed as Q4_1 and Q8_0 blocks with every weight's value
     /// unchanged: the packed blocks dequantize to candle's values bit for bit.
     #[test]
@@ -902,32 +1018,50 @@ pub(crate) mod tests {
         ] {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
+            // The same matrix in tile order (what the AVX2 kernels get).
+            let tiled = PackedMatrix::from_qtensor(&q)
+                .unwrap()
+                .unwrap()
+                .into_tile_order();
             let deq = q.dequantize(&Device::Cpu).unwrap();
             let x17 = rnd_vec(seed + 17, 17 * k);
             // Every kernel this CPU has, called directly (the AVX2 one on AVX-512 CPUs too):
             // against the dense product, and each row's bits independent of the rows beside it.
             type Kernel = unsafe fn(&PackedMatrix, &[f32], usize, usize, &mut [f32]);
-            let mut kernels: Vec<(&str, Kernel)> = Vec::new();
+            let mut kernels: Vec<(&str, Kernel, &PackedMatrix)> = Vec::new();
             #[cfg(target_arch = "x86_64")]
             {
                 if p.kind != Kind::Q4_0 && std::arch::is_x86_feature_detected!("avx512f") {
-                    kernels.push(("avx512", avx512::rows_into));
+                    kernels.push(("avx512", avx512::rows_into, &p));
                 }
                 if avx2::available() {
-                    kernels.push(("avx2", avx2::rows_into));
+                    kernels.push(("avx2", avx2::rows_into, &p));
+                    kernels.push(("avx2, tile order", avx2::rows_into, &tiled));
                 }
             }
-            kernels.push(("portable", |p, x, m, first, dst| {
-                p.rows_into_portable(x, m, first, dst)
-            }));
-            for (name, kernel) in &kernels {
+            let portable: Kernel = |p, x, m, first, dst| p.rows_into_portable(x, m, first, dst);
+            kernels.push(("portable", portable, &p));
+            kernels.push(("portable, tile order", portable, &tiled));
+            let mut by_layout: Vec<Vec<f32>> = Vec::new();
+            for (name, kernel, p) in &kernels {
                 let run = |m: usize| {
                     let mut dst = vec![0f32; n * m];
                     // SAFETY: the CPU has the kernel's features (checked above); shapes match.
-                    unsafe { kernel(&p, &x17[..m * k], m, 0, &mut dst) };
+                    unsafe { kernel(p, &x17[..m * k], m, 0, &mut dst) };
                     dst
                 };
                 let all = run(17);
+                if name.ends_with("tile order") {
+                    // The layout does not change the arithmetic: the row-major run's bits.
+                    let row_major = by_layout.last().unwrap();
+                    assert!(
+                        all.iter()
+                            .zip(row_major)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} {dtype:?}: differs from the row-major layout"
+                    );
+                }
+                by_layout.push(all.clone());
                 for m in [1, 2, 3, 4, 5, 8, 9, 12] {
                     let part = run(m);
                     for r in 0..n {
@@ -958,7 +1092,10 @@ pub(crate) mod tests {
                     }
                 }
             }
-            for m in [1, 2, 3, 4, 8, 9, 15, 17] {
+            for (m, p) in [1, 2, 3, 4, 8, 9, 15, 17]
+                .into_iter()
+                .flat_map(|m| [(m, &p), (m, &tiled)])
+            {
                 let x = rnd_vec(seed + m as u64, m * k);
                 let got = p.matmul(&x, m).unwrap();
                 let xt = Tensor::from_vec(x, (m, k), &Device::Cpu).unwrap();
@@ -992,35 +1129,62 @@ pub(crate) mod tests {
         let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
             .unwrap()
             .unwrap();
+        // What AVX2 CPUs get (`PackedMatrix::for_this_cpu`).
+        let tiled = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
+            .unwrap()
+            .unwrap()
+            .into_tile_order();
         let wt = w.t().unwrap();
+        let have = [
+            std::arch::is_x86_feature_detected!("avx512f"),
+            avx2::available(),
+            avx2::available(),
+            true,
+            true,
+        ];
         for m in [1usize, 2, 4, 8, 16, 32] {
             let x = rnd_vec(6, m * k);
             let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
-            let mut best = [f64::INFINITY; 4];
+            let mut best = [f64::INFINITY; 5];
             for _ in 0..20 {
                 let mut dst = vec![0f32; n * m];
                 let t = std::time::Instant::now();
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if have[0] {
                     unsafe { avx512::rows_into(&p, &x, m, 0, &mut dst) };
                 }
                 best[0] = best[0].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
-                if avx2::available() {
-                    unsafe { avx2::rows_into(&p, &x, m, 0, &mut dst) };
+                if have[1] {
+                    unsafe { avx2::rows_into(&tiled, &x, m, 0, &mut dst) };
                 }
                 best[1] = best[1].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
-                p.rows_into_portable(&x, m, 0, &mut dst);
+                if have[2] {
+                    unsafe { avx2::rows_into(&p, &x, m, 0, &mut dst) };
+                }
                 best[2] = best[2].min(t.elapsed().as_secs_f64());
                 let t = std::time::Instant::now();
-                let _ = xt.matmul(&wt).unwrap();
+                p.rows_into_portable(&x, m, 0, &mut dst);
                 best[3] = best[3].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                let _ = xt.matmul(&wt).unwrap();
+                best[4] = best[4].min(t.elapsed().as_secs_f64());
             }
             let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
-            let names = ["avx512", "avx2", "portable", "candle F32"];
+            let names = [
+                "avx512",
+                "avx2 (tile order)",
+                "avx2 (row-major)",
+                "portable",
+                "candle F32",
+            ];
+            // A kernel the CPU lacks is not run: not printed.
             let line: Vec<String> = names
                 .iter()
                 .zip(best)
+                .zip(have)
+                .filter(|(_, have)| *have)
+                .map(|(named, _)| named)
                 .map(|(name, s)| format!("{name} {:.3} ms ({:.1} GMAC/s)", s * 1e3, gmac(s)))
                 .collect();
             println!("m={m}: {}", line.join(", "));

@@ -229,7 +229,7 @@ impl Linear {
             && device.is_cpu()
             && stored.iter().all(|q| int8_format(q.dtype()));
         let packed = if matches!(format, WeightFormat::Exact { .. }) && device.is_cpu() {
-            PackedMatrix::stacked(&stored_refs)?
+            PackedMatrix::stacked(&stored_refs)?.map(PackedMatrix::for_this_cpu)
         } else if int8 {
             PackedMatrix::stacked(&stored_refs)?.map(PackedMatrix::with_int8_activations)
         } else {
@@ -713,7 +713,9 @@ impl LlamaWeights {
         // state as for any other Q4/Q8/Q5_0 matrix), where the head is in such a format.
         let lm_head_packed = match format {
             _ if !device.is_cpu() || head != HeadPrecision::F32 => None,
-            WeightFormat::Exact { .. } => PackedMatrix::from_qtensor(&head_q)?,
+            WeightFormat::Exact { .. } => {
+                PackedMatrix::from_qtensor(&head_q)?.map(PackedMatrix::for_this_cpu)
+            }
             WeightFormat::LlamaCpp if int8_format(head_q.dtype()) => {
                 PackedMatrix::from_qtensor(&head_q)?.map(PackedMatrix::with_int8_activations)
             }
