@@ -18,6 +18,8 @@
 # per workload × concurrency × engine, and kvgate/llama-server ratios (for TTFT and ITL below 1
 # is better; for tok/s above 1). Raw outputs (records, summaries, server logs) in $OUT.
 #   KVGATE_BENCH_THREADS  engine threads for both (default 2)
+#   KVGATE_BENCH_NUMERICS the kvgate worker's `--numerics` (default exact; llama-cpp: 8-bit
+#                         activations as llama.cpp)
 #   CONCURRENCY           concurrencies (default "1 4 8")
 #   WORKLOADS             default "multi-turn shared-prefix"
 #   OUT                   raw outputs (default bench-out/vs-llama-server)
@@ -27,6 +29,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 NAME=bench-vs-llama-server
 threads="${KVGATE_BENCH_THREADS:-2}"
+numerics="${KVGATE_BENCH_NUMERICS:-exact}"
 concurrency_list="${CONCURRENCY:-1 4 8}"
 workloads="${WORKLOADS:-multi-turn shared-prefix}"
 out="${OUT:-bench-out/vs-llama-server}"
@@ -48,7 +51,7 @@ port=8461
 
 start_kvgate() { # dir
   "$kvgate" worker --model "$model" --listen "127.0.0.1:$port" --id w1 --state-dir "$1/state" \
-    --threads "$threads" --kv-budget-mb 1024 >"$1/server.log" 2>&1 &
+    --threads "$threads" --numerics "$numerics" --kv-budget-mb 1024 >"$1/server.log" 2>&1 &
   pids+=($!)
   wait_http "http://127.0.0.1:$port/ready" "kvgate worker"
 }
@@ -61,7 +64,7 @@ start_llama() { # dir, concurrency
 }
 
 cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-echo "machine: $cpu, $(nproc) vCPUs; $(date -u '+%Y-%m-%d %H:%M UTC'); $(basename "$model"), $threads threads"
+echo "machine: $cpu, $(nproc) vCPUs; $(date -u '+%Y-%m-%d %H:%M UTC'); $(basename "$model"), $threads threads; kvgate --numerics $numerics"
 for c in $concurrency_list; do
   for w in $workloads; do
     for engine in kvgate llama-server; do
