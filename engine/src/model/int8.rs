@@ -370,7 +370,7 @@ mod avx2 {
     /// rest through [`super::rows_into_with`] on [`Avx2`]'s block product.
     ///
     /// # Safety
-    /// AVX2 available; `p` built with int8 activations (tile-ordered scales).
+    /// AVX2 available; `p` in tile order (asserted).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn rows_into(
         p: &PackedMatrix,
