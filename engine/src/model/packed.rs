@@ -52,7 +52,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 /// Activation rows sharing one unpacked weight block.
 pub(crate) const ROW_GROUP: usize = 4;
-/// Weight rows whose scales an int8-activation matrix keeps side by side
+/// Weight rows whose blocks a matrix in tile order keeps side by side
 /// ([`PackedMatrix::block_index`]).
 pub(super) const TILE_ROWS: usize = 8;
 
@@ -288,12 +288,11 @@ impl PackedMatrix {
     }
 
     /// Whether [`PackedMatrix::matmul`] runs the AVX-512 F32 kernel for this matrix on this CPU
-    /// (row-major blocks, F32 activations, not Q4_0).
+    /// (row-major blocks — int8-activation matrices are always tiled — and not Q4_0).
     fn avx512_f32_kernel(&self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            !self.int8_activations
-                && !self.tiled
+            !self.tiled
                 && self.kind != Kind::Q4_0
                 && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("fma")
@@ -349,6 +348,17 @@ impl PackedMatrix {
             (r / TILE_ROWS) * TILE_ROWS * nb + b * TILE_ROWS + r % TILE_ROWS
         } else {
             r * nb + b
+        }
+    }
+
+    /// How far apart consecutive blocks of one weight row lie: `block_index(r, b)` is
+    /// `block_index(r, 0) + b · block_step()` in either layout.
+    #[inline(always)]
+    pub(super) fn block_step(&self) -> usize {
+        if self.tiled {
+            TILE_ROWS
+        } else {
+            1
         }
     }
 
@@ -772,9 +782,15 @@ mod avx2 {
     ) {
         let nb = p.cols / QK;
         let mut acc = [[_mm256_setzero_ps(); R]; C];
+        // Each weight row's first block; block `b` lies `b · step` further (either layout).
+        let mut first_block = [0usize; C];
+        for (c, f) in first_block.iter_mut().enumerate() {
+            *f = p.block_index(r0 + c, 0);
+        }
+        let step = p.block_step();
         for b in 0..nb {
             for (c, acc_c) in acc.iter_mut().enumerate() {
-                let w = F::block(p, p.block_index(r0 + c, b));
+                let w = F::block(p, first_block[c] + b * step);
                 for (a, acc_ca) in acc_c.iter_mut().enumerate() {
                     let xa = x.add(a * p.cols + b * QK);
                     for (i, wi) in w.iter().enumerate() {
@@ -914,6 +930,15 @@ pub(crate) mod tests {
         assert!(f16_to_f32(0x7c00).is_infinite());
     }
 
+    /// Every format [`PackedMatrix::from_qtensor`] reads (Q4_K and Q5_0 repacked).
+    const PACKED_FORMATS: [GgmlDType; 5] = [
+        GgmlDType::Q4_1,
+        GgmlDType::Q4_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5_0,
+    ];
+
     /// The AVX2 kernel dequantizes every block to candle's values bit for bit (its Q4_1 path
     /// uses one fused multiply-add for candle's `q·d + m`, exact because `q·d` is), over
     /// weights spanning nine orders of magnitude, for every format it reads (Q4_K and Q5_0 as
@@ -932,13 +957,7 @@ pub(crate) mod tests {
             .map(|(i, v)| (v + 0.3) * scales[i / k])
             .collect();
         let w = Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap();
-        for dtype in [
-            GgmlDType::Q4_1,
-            GgmlDType::Q4_0,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5_0,
-        ] {
+        for dtype in PACKED_FORMATS {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             let want: Vec<f32> = q
@@ -1009,13 +1028,7 @@ pub(crate) mod tests {
         println!("seed {seed}");
         let (n, k) = (37, 256);
         let w = Tensor::from_vec(rnd_vec(seed, n * k), (n, k), &Device::Cpu).unwrap();
-        for dtype in [
-            GgmlDType::Q4_1,
-            GgmlDType::Q4_0,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5_0,
-        ] {
+        for dtype in PACKED_FORMATS {
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
             // The same matrix in tile order (what the AVX2 kernels get).
