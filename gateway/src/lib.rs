@@ -43,7 +43,7 @@ pub mod upstream;
 pub mod view;
 
 use std::collections::BTreeSet;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,16 +166,41 @@ impl ShutdownSignalWatch for ChannelSignal {
     }
 }
 
-fn pick_port(addr: SocketAddr) -> Result<SocketAddr, GatewayError> {
+/// A port the kernel picked for a `:0` listen address, held until pingora listens on it.
+///
+/// pingora cannot report the port it bound for `:0`, so the gateway asks the kernel for one
+/// first. The socket that got it stays bound, with `SO_REUSEADDR` and without `listen()`, until
+/// the gateway's listeners accept: pingora (which also sets `SO_REUSEADDR`) can bind and listen
+/// next to a socket that is not listening, while any other `bind(:0)` or outgoing connection in
+/// the meantime gets another port. Dropping the listener and binding again later let a worker in
+/// the same process take the port in between, and the readiness check then reached the worker.
+struct PortReservation {
+    addr: SocketAddr,
+    _socket: Option<tokio::net::TcpSocket>,
+}
+
+fn reserve_port(addr: SocketAddr) -> Result<PortReservation, GatewayError> {
     if addr.port() != 0 {
-        return Ok(addr);
+        return Ok(PortReservation {
+            addr,
+            _socket: None,
+        });
     }
-    // pingora cannot report the port it bound for :0, so pick a free one first.
-    let l = TcpListener::bind(addr).map_err(|e| GatewayError::Config {
+    let err = |e: std::io::Error| GatewayError::Config {
         reason: format!("cannot bind {addr}: {e}"),
-    })?;
-    l.local_addr().map_err(|e| GatewayError::Config {
-        reason: e.to_string(),
+    };
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(err)?;
+    socket.set_reuseaddr(true).map_err(err)?;
+    socket.bind(addr).map_err(err)?;
+    let addr = socket.local_addr().map_err(err)?;
+    Ok(PortReservation {
+        addr,
+        _socket: Some(socket),
     })
 }
 
@@ -184,8 +209,10 @@ fn pick_port(addr: SocketAddr) -> Result<SocketAddr, GatewayError> {
 /// both listeners accept connections.
 pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let cfg_err = |reason: String| GatewayError::Config { reason };
-    let listen_addr = pick_port(config.listen)?;
-    let admin_addr = pick_port(config.admin)?;
+    // Held until this function returns: see `PortReservation`.
+    let listen_reservation = reserve_port(config.listen)?;
+    let admin_reservation = reserve_port(config.admin)?;
+    let (listen_addr, admin_addr) = (listen_reservation.addr, admin_reservation.addr);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvgate-gw-bg")
@@ -472,6 +499,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
+    drop((listen_reservation, admin_reservation));
     Ok(running)
 }
 
@@ -563,5 +591,37 @@ impl RunningGateway {
 impl Drop for RunningGateway {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reserved_port_stays_taken_until_the_reservation_drops() {
+        let reservation = reserve_port("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = reservation.addr;
+        assert_ne!(addr.port(), 0);
+        // A socket without SO_REUSEADDR (as the kernel treats every `bind(:0)` search) cannot
+        // have it while it is held ...
+        let other = tokio::net::TcpSocket::new_v4().unwrap();
+        let err = other.bind(addr).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        // ... while a listener that sets SO_REUSEADDR, as pingora's does, binds and listens.
+        let pingora_like = tokio::net::TcpSocket::new_v4().unwrap();
+        pingora_like.set_reuseaddr(true).unwrap();
+        pingora_like.bind(addr).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _listening = rt.block_on(async { pingora_like.listen(16) }).unwrap();
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+        drop(reservation);
+        // An explicit port is used as given, with nothing held.
+        let fixed = reserve_port(addr).unwrap();
+        assert_eq!(fixed.addr, addr);
+        assert!(fixed._socket.is_none());
     }
 }
