@@ -12,9 +12,10 @@
 //! rows in the step, so results do not depend on step size, chunking or prefix caching.
 //!
 //! Cost `O(m · n · k)` integer multiply-adds plus `O(m · k)` for the quantization; weight blocks
-//! are unpacked once per tile of up to 4 activation rows (AVX2, also on AVX-512 CPUs; the blocks
-//! of 8 weight rows are stored side by side, [`PackedMatrix::block_index`]) or per group of
-//! [`GROUP`] (the portable loop). [`PackedMatrix::matmul`] splits the work over output rows on
+//! are unpacked once per tile of 8 weight rows × up to 4 activation rows (the blocks of 8 weight
+//! rows are stored side by side, [`PackedMatrix::block_index`]; AVX-512 VNNI CPUs also
+//! interleave their bytes, [`PackedMatrix::interleaved`], and run [`vnni`], other AVX2 CPUs
+//! [`avx2`]) or per group of [`GROUP`] (the portable loop). [`PackedMatrix::matmul`] splits the work over output rows on
 //! the rayon pool as for the F32 kernel.
 
 use super::attention::round_to_f16;
@@ -30,6 +31,8 @@ pub(crate) struct Quantized {
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    /// Per block, the integer `Σq` (the VNNI kernel's Q4_0 products are `Σ n·q − 8·Σq`).
+    sums: Vec<i32>,
 }
 
 /// Quantizes `m` rows of `k` values (`k` a multiple of [`QK`]); `with_sums` for Q8_1 (the
@@ -40,6 +43,7 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
         q: vec![0; x.len()],
         d: Vec::with_capacity(blocks),
         s: Vec::with_capacity(if with_sums { blocks } else { 0 }),
+        sums: Vec::with_capacity(blocks),
     };
     for (xb, qb) in x.chunks_exact(QK).zip(out.q.chunks_exact_mut(QK)) {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -52,6 +56,7 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
             sum += i32::from(*q);
         }
         out.d.push(d16);
+        out.sums.push(sum);
         if with_sums {
             out.s.push(round_to_f16(round_to_f16(sum as f32) * d16));
         }
@@ -62,15 +67,34 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
 /// Fills `dst` (`[rows, m]`, from weight row `first`) from activations quantized by
 /// [`quantize`]; [`PackedMatrix::matmul`] splits the rows over the pool and transposes.
 pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
-    // AVX-512 CPUs run the AVX2 kernel too: the same bits, and the tiled block order
-    // ([`PackedMatrix::block_index`]) is what it reads sequentially.
+    // Every kernel gives the scalar loop's bits; the layout says which one reads the matrix.
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has the features the function is compiled for (checked above).
-        unsafe { avx2::rows_into(p, xq, m, first, dst) };
-        return;
+    {
+        if p.interleaved && vnni::available() {
+            // SAFETY: the CPU has the features the function is compiled for (checked above).
+            unsafe { vnni::rows_into(p, xq, m, first, dst) };
+            return;
+        }
+        if !p.interleaved && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            unsafe { avx2::rows_into(p, xq, m, first, dst) };
+            return;
+        }
     }
     rows_into_impl(p, xq, m, first, dst);
+}
+
+/// Whether this CPU runs the AVX-512 VNNI kernel ([`PackedMatrix::with_int8_activations`] then
+/// interleaves the blocks for it).
+pub(crate) fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vnni::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI), register-tiled.
@@ -386,6 +410,7 @@ mod avx2 {
         let n_rows = dst.len() / m;
         assert!(
             p.tiled
+                && !p.interleaved
                 && first + n_rows <= p.rows()
                 && xq.q.len() >= m * p.cols()
                 && xq.d.len() >= m * nb
@@ -405,6 +430,272 @@ mod avx2 {
             Kind::Q8_0 => tiles_into::<Q80>(p, xq, m, first, tiles, tiled),
         }
         rows_into_with::<Avx2>(p, xq, m, first + tiles * TILE_ROWS, rest);
+    }
+}
+
+/// The same products with AVX-512 VNNI (`vpdpbusd`: unsigned × signed bytes, four adjacent
+/// products added into an i32 lane), on blocks interleaved by 8 bytes
+/// ([`PackedMatrix::interleaved`]).
+///
+/// A tile is [`TILE_ROWS`] weight rows × `R` activation rows (4, else 2, else 1). Vector `j` of
+/// a block holds elements `8j..8j + 8` of all eight weight rows (one 64-byte load for Q8_0; for
+/// Q4 two loads, masked and shifted into four vectors), and the activation's elements
+/// `8j..8j + 8` are one 8-byte broadcast: four `vpdpbusd` leave each weight row's block sum in
+/// two adjacent lanes, which one shift and add join — no horizontal reduction tree. The sums
+/// are exact integers, so the same as the scalar loop's: Q4_1 nibbles are unsigned as they are;
+/// Q4_0 is `Σ n·q − 8·Σq` (nibbles `n`, the activation block's `Σq` from [`quantize`]); Q8_0
+/// goes through `|w|` and `q` negated where `w < 0` (ggml's activations stay within ±127). The
+/// float part is the AVX2 tile's, lane-wise in the scalar loop's order, so the bits are the
+/// scalar loop's (asserted). A tile that the call's rows cut (the matrix's last rows, or a call
+/// that starts off a tile boundary) is computed whole into a scratch buffer, reading the
+/// zero-padded rows, and copied.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::{Quantized, QK};
+    use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
+
+    /// The CPU has AVX-512 F/BW and VNNI (and AVX2 for the float part).
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx2")
+    }
+
+    /// A block format of the kernel.
+    trait Format {
+        /// Q4_1: `+ m_w · s_a` per block.
+        const WITH_MIN: bool;
+        /// Q4_0: the nibbles are `w + 8`.
+        const OFFSET8: bool;
+        /// Q8_0: signed bytes, 32 per block.
+        const SIGNED: bool;
+    }
+
+    struct Q41;
+    struct Q40;
+    struct Q80;
+
+    impl Format for Q41 {
+        const WITH_MIN: bool = true;
+        const OFFSET8: bool = false;
+        const SIGNED: bool = false;
+    }
+
+    impl Format for Q40 {
+        const WITH_MIN: bool = false;
+        const OFFSET8: bool = true;
+        const SIGNED: bool = false;
+    }
+
+    impl Format for Q80 {
+        const WITH_MIN: bool = false;
+        const OFFSET8: bool = false;
+        const SIGNED: bool = true;
+    }
+
+    /// The tile's weights at one block position, from its group's first block `blk0`: vector
+    /// `j` holds elements `8j..8j + 8` of weight row `c` in bytes `8c..8c + 8` (unsigned for
+    /// Q4, `|w|` for Q8_0), and for Q8_0 the mask of the negative weights.
+    #[inline(always)]
+    unsafe fn weights<F: Format>(p: &PackedMatrix, blk0: usize) -> ([__m512i; 4], [__mmask64; 4]) {
+        if F::SIGNED {
+            let base = p.qs.as_ptr().add(blk0 * QK);
+            let mut w = [_mm512_setzero_si512(); 4];
+            let mut neg = [0; 4];
+            for j in 0..4 {
+                let v = _mm512_loadu_si512(base.add(64 * j) as *const _);
+                neg[j] = _mm512_movepi8_mask(v);
+                w[j] = _mm512_abs_epi8(v);
+            }
+            (w, neg)
+        } else {
+            // Column 0 holds bytes 0..8 (elements 0..8 low, 16..24 high), column 1 bytes 8..16.
+            let base = p.qs.as_ptr().add(blk0 * 16);
+            let c0 = _mm512_loadu_si512(base as *const _);
+            let c1 = _mm512_loadu_si512(base.add(64) as *const _);
+            let mask = _mm512_set1_epi8(0x0f);
+            (
+                [
+                    _mm512_and_si512(c0, mask),
+                    _mm512_and_si512(c1, mask),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(c0), mask),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(c1), mask),
+                ],
+                [0; 4],
+            )
+        }
+    }
+
+    /// Weight rows `r0..r0 + 8` (`r0` a multiple of [`TILE_ROWS`]; rows past the matrix are
+    /// its zero padding) against activation rows `a0..a0 + R`; result `(r0 + c, a0 + a)` goes
+    /// to `out[c·m + a]`.
+    #[inline(always)]
+    unsafe fn tile<F: Format, const R: usize>(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        a0: usize,
+        r0: usize,
+        out: *mut f32,
+        m: usize,
+    ) {
+        let nb = p.cols() / QK;
+        let params = p.block_index(r0, 0);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let blk0 = params + b * TILE_ROWS;
+            {
+                // The values 8 block positions ahead (the next tile's past the row's end): with
+                // this, 1-row products of matrices larger than L2 run ~1.4× faster
+                // (`int8_timing`, `KVGATE_KERNEL_ROWS=49152`). A prefetch never faults.
+                let qb = if F::SIGNED { QK } else { 16 };
+                let ahead = p.qs.as_ptr().wrapping_add((blk0 + 8 * TILE_ROWS) * qb) as *const i8;
+                for l in 0..qb * TILE_ROWS / 64 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l));
+                }
+            }
+            let (w, neg) = weights::<F>(p, blk0);
+            let dw = _mm256_loadu_ps(p.scale.as_ptr().add(blk0));
+            let mw = if F::WITH_MIN {
+                _mm256_loadu_ps(p.min.as_ptr().add(blk0))
+            } else {
+                _mm256_setzero_ps()
+            };
+            for (a, acc_a) in acc.iter_mut().enumerate() {
+                let ab = (a0 + a) * nb + b;
+                let x = xq.q.as_ptr().add(ab * QK) as *const i64;
+                // Two chains of two, joined: the four products do not wait on each other.
+                let mut dots = [_mm512_setzero_si512(); 2];
+                for j in 0..4 {
+                    let xj = _mm512_set1_epi64(x.add(j).read_unaligned());
+                    let xj = if F::SIGNED {
+                        _mm512_mask_sub_epi8(xj, neg[j], _mm512_setzero_si512(), xj)
+                    } else {
+                        xj
+                    };
+                    dots[j % 2] = _mm512_dpbusd_epi32(dots[j % 2], w[j], xj);
+                }
+                let dot = _mm512_add_epi32(dots[0], dots[1]);
+                // Lanes 2c and 2c + 1 hold weight row c's two halves: join them in the low one.
+                let joined = _mm512_add_epi32(dot, _mm512_srli_epi64::<32>(dot));
+                let mut sumi = _mm512_cvtepi64_epi32(joined);
+                if F::OFFSET8 {
+                    sumi =
+                        _mm256_sub_epi32(sumi, _mm256_set1_epi32(8 * *xq.sums.get_unchecked(ab)));
+                }
+                let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
+                let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
+                if F::WITH_MIN {
+                    t = _mm256_add_ps(
+                        t,
+                        _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
+                    );
+                }
+                *acc_a = _mm256_add_ps(*acc_a, t);
+            }
+        }
+        for (a, acc_a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; TILE_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
+            for (c, v) in lanes.iter().enumerate() {
+                *out.add(c * m + a) = *v;
+            }
+        }
+    }
+
+    /// One tile (weight rows `r0..r0 + 8`) against every activation row into `out`
+    /// (`[8, m]`).
+    #[inline(always)]
+    unsafe fn tile_rows<F: Format>(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let mut a0 = 0;
+        while a0 < m {
+            a0 += match m - a0 {
+                8.. => {
+                    tile::<F, 8>(p, xq, a0, r0, out.add(a0), m);
+                    8
+                }
+                4..=7 => {
+                    tile::<F, 4>(p, xq, a0, r0, out.add(a0), m);
+                    4
+                }
+                2 | 3 => {
+                    tile::<F, 2>(p, xq, a0, r0, out.add(a0), m);
+                    2
+                }
+                _ => {
+                    tile::<F, 1>(p, xq, a0, r0, out.add(a0), m);
+                    1
+                }
+            };
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_into_format<F: Format>(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        let end = first + dst.len() / m;
+        let mut scratch = Vec::new();
+        let mut r0 = first / TILE_ROWS * TILE_ROWS;
+        while r0 < end {
+            if r0 >= first && r0 + TILE_ROWS <= end {
+                tile_rows::<F>(p, xq, m, r0, dst.as_mut_ptr().add((r0 - first) * m));
+            } else {
+                scratch.resize(TILE_ROWS * m, 0f32);
+                tile_rows::<F>(p, xq, m, r0, scratch.as_mut_ptr());
+                let (lo, hi) = (r0.max(first), (r0 + TILE_ROWS).min(end));
+                dst[(lo - first) * m..(hi - first) * m]
+                    .copy_from_slice(&scratch[(lo - r0) * m..(hi - r0) * m]);
+            }
+            r0 += TILE_ROWS;
+        }
+    }
+
+    /// Fills `dst` (`[rows, m]`, from weight row `first`).
+    ///
+    /// # Safety
+    /// [`available`]; `p` interleaved (asserted).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    pub(super) unsafe fn rows_into(
+        p: &PackedMatrix,
+        xq: &Quantized,
+        m: usize,
+        first: usize,
+        dst: &mut [f32],
+    ) {
+        if m == 0 {
+            return;
+        }
+        let nb = p.cols() / QK;
+        let n_rows = dst.len() / m;
+        // Tiles read whole groups of TILE_ROWS rows: the tile-ordered matrix is padded to them.
+        assert!(
+            p.tiled
+                && p.interleaved
+                && first + n_rows <= p.rows()
+                && p.scale.len() >= p.rows().div_ceil(TILE_ROWS) * TILE_ROWS * nb
+                && xq.q.len() >= m * p.cols()
+                && xq.d.len() >= m * nb
+                && xq.sums.len() >= m * nb
+                && (p.kind != Kind::Q4_1 || xq.s.len() >= m * nb)
+        );
+        match p.kind {
+            Kind::Q4_1 => rows_into_format::<Q41>(p, xq, m, first, dst),
+            Kind::Q4_0 => rows_into_format::<Q40>(p, xq, m, first, dst),
+            Kind::Q8_0 => rows_into_format::<Q80>(p, xq, m, first, dst),
+        }
     }
 }
 
@@ -436,17 +727,17 @@ impl BlockDot for Scalar {
     #[inline(always)]
     unsafe fn weights(p: &PackedMatrix, blk: usize) -> [i8; QK] {
         let mut w = [0i8; QK];
+        let q = p.block_qs(blk);
         match p.kind {
             Kind::Q4_1 | Kind::Q4_0 => {
                 let off = if p.kind == Kind::Q4_0 { 8 } else { 0 };
-                let q = &p.qs[blk * 16..][..16];
                 for j in 0..16 {
                     w[j] = (q[j] & 0x0f) as i8 - off;
                     w[j + 16] = (q[j] >> 4) as i8 - off;
                 }
             }
             Kind::Q8_0 => {
-                for (o, &b) in w.iter_mut().zip(&p.qs[blk * QK..][..QK]) {
+                for (o, &b) in w.iter_mut().zip(&q) {
                     *o = b as i8;
                 }
             }
@@ -545,7 +836,7 @@ mod tests {
                 .unwrap()
                 .unwrap()
                 .with_int8_activations();
-            let candle = QMatMul::from_qtensor(q).unwrap();
+            let candle = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
             let m = 9;
             let x = rnd_vec(0x78, m * k);
             let got = p.matmul(&x, m).unwrap();
@@ -563,25 +854,53 @@ mod tests {
                     "{dtype:?}: {a} vs {b}"
                 );
             }
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // The AVX2 kernel (also on AVX-512 CPUs) gives the scalar loop's bits: tiles of
-                // 2 and 1 activation rows, whole weight tiles and the untiled rest, and a call
-                // that starts inside the matrix (as the pool's tasks do) or off a tile boundary.
-                for rows in [1, 2, 3, m] {
-                    let xq = quantize(&x[..rows * k], p.kind == Kind::Q4_1);
-                    for (first, len) in [(0, n), (8, 16), (3, 9)] {
-                        let mut scalar = vec![0f32; len * rows];
-                        let mut simd = vec![1f32; len * rows];
-                        rows_into_impl(&p, &xq, rows, first, &mut scalar);
+            // Every kernel gives the scalar loop's bits on its layout: tiles of 4, 2 and 1
+            // activation rows, whole weight tiles and the cut ones (the last 4 rows, a call that
+            // starts inside the matrix as the pool's tasks do, or off a tile boundary).
+            let plain = PackedMatrix::from_qtensor(&q)
+                .unwrap()
+                .unwrap()
+                .with_int8_layout(false);
+            let interleaved = PackedMatrix::from_qtensor(&q)
+                .unwrap()
+                .unwrap()
+                .with_int8_layout(true);
+            for rows in [1, 2, 3, m] {
+                let xq = quantize(&x[..rows * k], p.kind == Kind::Q4_1);
+                for (first, len) in [(0, n), (8, 16), (3, 9), (24, 4)] {
+                    let mut scalar = vec![0f32; len * rows];
+                    rows_into_impl(&plain, &xq, rows, first, &mut scalar);
+                    let mut kernels: Vec<(&str, Vec<f32>)> = Vec::new();
+                    let mut run = |name, f: &dyn Fn(&mut [f32])| {
+                        let mut out = vec![1f32; len * rows];
+                        f(&mut out);
+                        kernels.push((name, out));
+                    };
+                    run("scalar, interleaved", &|out| {
+                        rows_into_impl(&interleaved, &xq, rows, first, out)
+                    });
+                    run("dispatch", &|out| rows_into(&p, &xq, rows, first, out));
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
                         // SAFETY: AVX2 checked above; shapes match.
-                        unsafe { avx2::rows_into(&p, &xq, rows, first, &mut simd) };
+                        run("avx2", &|out| unsafe {
+                            avx2::rows_into(&plain, &xq, rows, first, out)
+                        });
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if vnni::available() {
+                        // SAFETY: the CPU has the kernel's features (checked above).
+                        run("avx512 vnni", &|out| unsafe {
+                            vnni::rows_into(&interleaved, &xq, rows, first, out)
+                        });
+                    }
+                    for (name, got) in &kernels {
                         assert!(
                             scalar
                                 .iter()
-                                .zip(&simd)
+                                .zip(got)
                                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{dtype:?}: the AVX2 kernel differs from the scalar loop \
+                            "{dtype:?}: the {name} kernel differs from the scalar loop \
                              ({rows} rows, weight rows {first}..{})",
                             first + len
                         );
@@ -600,7 +919,8 @@ mod tests {
         }
     }
     /// Kernel timing (run on purpose: `cargo test -p engine --lib int8_timing -- --ignored
-    /// --nocapture`): the tiled AVX2 kernel, the untiled AVX2 loop (one block product at a
+    /// --nocapture`): the AVX-512 VNNI kernel where the CPU has it, the tiled AVX2 kernel, the
+    /// untiled AVX2 loop (one block product at a
     /// time, what ran before the tiles) and the compiler-vectorized loop alternated in one
     /// process, Q4_1 on SmolLM2's gate/up shape, one thread (`KVGATE_KERNEL_ROWS=49152` for
     /// a matrix of the output head's size, larger than the caches; `KVGATE_KERNEL_FORMAT=q8_0`
@@ -621,39 +941,59 @@ mod tests {
             _ => GgmlDType::Q4_1,
         };
         let w = Tensor::from_vec(rnd_vec(5, n * k), (n, k), &Device::Cpu).unwrap();
-        let p = PackedMatrix::from_qtensor(&QTensor::quantize(&w, dtype).unwrap())
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let plain = PackedMatrix::from_qtensor(&q)
             .unwrap()
             .unwrap()
-            .with_int8_activations();
+            .with_int8_layout(false);
+        let interleaved = PackedMatrix::from_qtensor(&q)
+            .unwrap()
+            .unwrap()
+            .with_int8_layout(true);
+        type Kernel<'a> = (&'a str, Box<dyn Fn(&Quantized, usize, &mut [f32]) + 'a>);
+        let mut kernels: Vec<Kernel> = Vec::new();
+        if vnni::available() {
+            kernels.push((
+                "avx512 vnni (interleaved)",
+                // SAFETY: the CPU has the kernel's features (checked above).
+                Box::new(|xq, m, dst| unsafe { vnni::rows_into(&interleaved, xq, m, 0, dst) }),
+            ));
+        }
+        // SAFETY (these three): AVX2 checked above.
+        kernels.push((
+            "avx2 tiled",
+            Box::new(|xq, m, dst| unsafe { avx2::rows_into(&plain, xq, m, 0, dst) }),
+        ));
+        kernels.push((
+            "avx2 untiled",
+            Box::new(|xq, m, dst| unsafe { avx2::rows_into_untiled(&plain, xq, m, 0, dst) }),
+        ));
+        kernels.push((
+            "compiler-vectorized",
+            Box::new(|xq, m, dst| unsafe { rows_into_autovec(&plain, xq, m, 0, dst) }),
+        ));
+        println!(
+            "qs alignment mod 64: {}",
+            interleaved.qs.as_ptr() as usize % 64
+        );
         for m in [1usize, 8, 32] {
             let xq = quantize(&rnd_vec(6, m * k), dtype == GgmlDType::Q4_1);
-            let mut best = [f64::INFINITY; 3];
+            let mut best = vec![f64::INFINITY; kernels.len()];
             let mut dst = vec![0f32; n * m];
             for _ in 0..20 {
-                let t = std::time::Instant::now();
-                // SAFETY: AVX2 checked above.
-                unsafe { avx2::rows_into(&p, &xq, m, 0, &mut dst) };
-                best[0] = best[0].min(t.elapsed().as_secs_f64());
-                let t = std::time::Instant::now();
-                // SAFETY: as above.
-                unsafe { avx2::rows_into_untiled(&p, &xq, m, 0, &mut dst) };
-                best[1] = best[1].min(t.elapsed().as_secs_f64());
-                let t = std::time::Instant::now();
-                // SAFETY: as above (the loop compiled with AVX2 enabled).
-                unsafe { rows_into_autovec(&p, &xq, m, 0, &mut dst) };
-                best[2] = best[2].min(t.elapsed().as_secs_f64());
+                for ((_, f), best) in kernels.iter().zip(best.iter_mut()) {
+                    let t = std::time::Instant::now();
+                    f(&xq, m, &mut dst);
+                    *best = best.min(t.elapsed().as_secs_f64());
+                }
             }
             let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
-            println!(
-                "m={m}: avx2 tiled {:.3} ms ({:.1} GMAC/s), avx2 untiled {:.3} ms ({:.1} GMAC/s), \
-                 compiler-vectorized {:.3} ms ({:.1} GMAC/s)",
-                best[0] * 1e3,
-                gmac(best[0]),
-                best[1] * 1e3,
-                gmac(best[1]),
-                best[2] * 1e3,
-                gmac(best[2])
-            );
+            let line: Vec<String> = kernels
+                .iter()
+                .zip(&best)
+                .map(|((name, _), s)| format!("{name} {:.3} ms ({:.1} GMAC/s)", s * 1e3, gmac(*s)))
+                .collect();
+            println!("m={m}: {}", line.join(", "));
         }
     }
 

@@ -86,6 +86,12 @@ pub(crate) struct PackedMatrix {
     pub(super) int8_activations: bool,
     /// The blocks are in tile order ([`PackedMatrix::block_index`]).
     pub(super) tiled: bool,
+    /// Within each group of [`TILE_ROWS`] side-by-side blocks (tile order), `qs` is interleaved
+    /// by 8 bytes: the group's bytes are `[column j][row c][8 bytes]`, so byte `i` of row `c`'s
+    /// block lies at `(i / 8) · 64 + c · 8 + i % 8` of the group (Q4: 2 columns, Q8_0: 4).
+    /// Scales and mins are as in tile order. The AVX-512 VNNI kernel reads one column of all
+    /// eight rows as one vector ([`super::int8`]); [`PackedMatrix::block_qs`] reads any layout.
+    pub(super) interleaved: bool,
 }
 
 /// Exact f16 → f32 conversion (every f16 is representable in f32).
@@ -178,6 +184,7 @@ impl PackedMatrix {
             qs,
             int8_activations: false,
             tiled: false,
+            interleaved: false,
         }
     }
 
@@ -212,6 +219,7 @@ impl PackedMatrix {
             qs,
             int8_activations: false,
             tiled: false,
+            interleaved: false,
         }
     }
 
@@ -264,15 +272,74 @@ impl PackedMatrix {
             qs,
             int8_activations: false,
             tiled: false,
+            interleaved: false,
         }
     }
 
     /// This matrix multiplied with 8-bit activations, ggml's arithmetic ([`super::int8`]), with
-    /// its blocks in tile order (the int8 kernels read them so).
+    /// its blocks in tile order (the int8 kernels read them so), interleaved where this CPU runs
+    /// the AVX-512 VNNI kernel.
     pub(crate) fn with_int8_activations(self) -> Self {
+        let vnni = super::int8::vnni_available();
+        self.with_int8_layout(vnni)
+    }
+
+    /// [`Self::with_int8_activations`] with the layout chosen: tile order, and `interleaved`
+    /// ([`PackedMatrix::interleaved`]) or not.
+    pub(super) fn with_int8_layout(self, interleaved: bool) -> Self {
         let mut p = self.into_tile_order();
+        if interleaved {
+            p = p.into_interleaved();
+        }
         p.int8_activations = true;
         p
+    }
+
+    /// Bytes of one block's quantized values: 16 (Q4) or 32 (Q8_0).
+    fn q_bytes(&self) -> usize {
+        match self.kind {
+            Kind::Q4_1 | Kind::Q4_0 => 16,
+            Kind::Q8_0 => QK,
+        }
+    }
+
+    /// The tile-ordered blocks' values interleaved by 8 bytes ([`PackedMatrix::interleaved`]).
+    fn into_interleaved(mut self) -> Self {
+        assert!(self.tiled, "interleaving works on tile order");
+        if self.interleaved {
+            return self;
+        }
+        let q_bytes = self.q_bytes();
+        let group = TILE_ROWS * q_bytes;
+        let mut out = vec![0u8; self.qs.len()];
+        for (src, dst) in self.qs.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+            for (c, block) in src.chunks_exact(q_bytes).enumerate() {
+                for (j, column) in block.chunks_exact(8).enumerate() {
+                    dst[j * TILE_ROWS * 8 + c * 8..][..8].copy_from_slice(column);
+                }
+            }
+        }
+        self.qs = out;
+        self.interleaved = true;
+        self
+    }
+
+    /// The quantized values of the block at `blk` ([`PackedMatrix::block_index`]) in their
+    /// file order, whatever the layout: the first 16 bytes (Q4) or all 32 (Q8_0).
+    #[inline(always)]
+    pub(super) fn block_qs(&self, blk: usize) -> [u8; QK] {
+        let q_bytes = self.q_bytes();
+        let mut out = [0u8; QK];
+        if self.interleaved {
+            let group = &self.qs[(blk / TILE_ROWS) * TILE_ROWS * q_bytes..][..TILE_ROWS * q_bytes];
+            let c = blk % TILE_ROWS;
+            for (j, column) in out[..q_bytes].chunks_exact_mut(8).enumerate() {
+                column.copy_from_slice(&group[j * TILE_ROWS * 8 + c * 8..][..8]);
+            }
+        } else {
+            out[..q_bytes].copy_from_slice(&self.qs[blk * q_bytes..][..q_bytes]);
+        }
+        out
     }
 
     /// This matrix laid out for the kernel that will multiply it on this CPU: row-major for the
@@ -327,7 +394,7 @@ impl PackedMatrix {
         if self.kind == Kind::Q4_1 {
             self.min = tiled(&self.min);
         }
-        let q_bytes = self.qs.len() / (self.rows * nb).max(1);
+        let q_bytes = self.q_bytes();
         let mut qs = vec![0u8; padded * q_bytes];
         for (blk, q) in self.qs.chunks_exact(q_bytes).enumerate() {
             qs[tiled_index(blk) * q_bytes..][..q_bytes].copy_from_slice(q);
@@ -378,24 +445,22 @@ impl PackedMatrix {
         let nb = self.cols / QK;
         let at = self.block_index(block / nb, block % nb);
         let d = self.scale[at];
+        let q = self.block_qs(at);
         match self.kind {
             Kind::Q4_1 => {
                 let m = self.min[at];
-                let q = &self.qs[at * 16..][..16];
                 for j in 0..16 {
                     out[j] = f32::from(q[j] & 0x0f) * d + m;
                     out[j + 16] = f32::from(q[j] >> 4) * d + m;
                 }
             }
             Kind::Q4_0 => {
-                let q = &self.qs[at * 16..][..16];
                 for j in 0..16 {
                     out[j] = f32::from(i16::from(q[j] & 0x0f) - 8) * d;
                     out[j + 16] = f32::from(i16::from(q[j] >> 4) - 8) * d;
                 }
             }
             Kind::Q8_0 => {
-                let q = &self.qs[at * QK..][..QK];
                 for j in 0..QK {
                     out[j] = f32::from(q[j] as i8) * d;
                 }
@@ -894,7 +959,12 @@ mod avx2 {
             return;
         }
         let n_rows = dst.len() / m;
-        assert!(x.len() == m * p.cols && dst.len() == n_rows * m && first + n_rows <= p.rows);
+        assert!(
+            x.len() == m * p.cols
+                && dst.len() == n_rows * m
+                && first + n_rows <= p.rows
+                && !p.interleaved
+        );
         match p.kind {
             Kind::Q4_1 => rows_into_format::<Q41>(p, x, m, first, dst),
             Kind::Q4_0 => rows_into_format::<Q40>(p, x, m, first, dst),
