@@ -97,6 +97,56 @@ pub(crate) fn vnni_available() -> bool {
     }
 }
 
+/// The float part of both x86 tiles: one lane per weight row of the tile.
+#[cfg(target_arch = "x86_64")]
+mod lanes {
+    use std::arch::x86_64::*;
+
+    use super::Quantized;
+    use crate::model::packed::TILE_ROWS;
+
+    /// `acc += sumi · d_w · d_a (+ m_w · s_a)` lane-wise for activation block `ab`: the scalar
+    /// loop's operations in its order ([`super::rows_into_with`]), so the same bits.
+    ///
+    /// # Safety
+    /// AVX2 available; `ab` a block of `xq` (and of its sums `s` when `with_min`).
+    #[inline(always)]
+    pub(super) unsafe fn accumulate(
+        acc: &mut __m256,
+        sumi: __m256i,
+        dw: __m256,
+        mw: __m256,
+        with_min: bool,
+        xq: &Quantized,
+        ab: usize,
+    ) {
+        let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
+        let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
+        if with_min {
+            t = _mm256_add_ps(
+                t,
+                _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
+            );
+        }
+        *acc = _mm256_add_ps(*acc, t);
+    }
+
+    /// Lane `c` of `acc[a]` (weight row `c`, activation row `a`) to `out[c·m + a]`.
+    ///
+    /// # Safety
+    /// AVX2 available; `out` valid for `[TILE_ROWS, m]` with `R <= m`.
+    #[inline(always)]
+    pub(super) unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, m: usize) {
+        for (a, acc_a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; TILE_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
+            for (c, v) in lanes.iter().enumerate() {
+                *out.add(c * m + a) = *v;
+            }
+        }
+    }
+}
+
 /// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI), register-tiled.
 ///
 /// A block's `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most
@@ -117,7 +167,7 @@ pub(crate) fn vnni_available() -> bool {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{rows_into_with, BlockDot, Quantized, QK};
+    use super::{lanes, rows_into_with, BlockDot, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
 
     /// The 32 nibbles of the Q4 block at `blk` ([`PackedMatrix::block_index`]) as bytes in
@@ -284,24 +334,10 @@ mod avx2 {
                     )
                 };
                 let ab = (a0 + a) * nb + b;
-                let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
-                let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
-                if F::WITH_MIN {
-                    t = _mm256_add_ps(
-                        t,
-                        _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
-                    );
-                }
-                *acc_a = _mm256_add_ps(*acc_a, t);
+                lanes::accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
             }
         }
-        for (a, acc_a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; TILE_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
-            for (c, v) in lanes.iter().enumerate() {
-                *out.add(c * m + a) = *v;
-            }
-        }
+        lanes::store(&acc, out, m);
     }
 
     /// Whole tiles: `tiles` groups of [`TILE_ROWS`] weight rows from `first`, every activation
@@ -453,7 +489,7 @@ mod avx2 {
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{Quantized, QK};
+    use super::{lanes, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
 
     /// The CPU has AVX-512 F/BW and VNNI (and AVX2 for the float part).
@@ -585,24 +621,10 @@ mod vnni {
                     sumi =
                         _mm256_sub_epi32(sumi, _mm256_set1_epi32(8 * *xq.sums.get_unchecked(ab)));
                 }
-                let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
-                let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
-                if F::WITH_MIN {
-                    t = _mm256_add_ps(
-                        t,
-                        _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
-                    );
-                }
-                *acc_a = _mm256_add_ps(*acc_a, t);
+                lanes::accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
             }
         }
-        for (a, acc_a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; TILE_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
-            for (c, v) in lanes.iter().enumerate() {
-                *out.add(c * m + a) = *v;
-            }
-        }
+        lanes::store(&acc, out, m);
     }
 
     /// One tile (weight rows `r0..r0 + 8`) against every activation row into `out`
