@@ -94,6 +94,26 @@ pub(crate) struct PackedMatrix {
     pub(super) interleaved: bool,
 }
 
+/// `[rows, cols]` → `[cols, rows]`, a block of [`TRANSPOSE_ROWS`] source rows at a time: the
+/// writes are runs of that many values and the block's rows stay in L1 while they are read
+/// across. (Element by element, each write went to another cache line: 15 % of an engine
+/// benchmark with `--numerics llama-cpp`, `perf record -e cpu-clock`.)
+fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    for r0 in (0..rows).step_by(TRANSPOSE_ROWS) {
+        let r1 = (r0 + TRANSPOSE_ROWS).min(rows);
+        for (i, out_row) in out.chunks_exact_mut(rows).enumerate() {
+            for (o, r) in out_row[r0..r1].iter_mut().zip(r0..r1) {
+                *o = src[r * cols + i];
+            }
+        }
+    }
+    out
+}
+
+/// Source rows per block of [`transpose`].
+const TRANSPOSE_ROWS: usize = 32;
+
 /// Exact f16 → f32 conversion (every f16 is representable in f32).
 fn f16_to_f32(h: u16) -> f32 {
     let sign = u32::from(h >> 15) << 31;
@@ -501,13 +521,7 @@ impl PackedMatrix {
         if m == 1 {
             return Ok(out_t);
         }
-        let mut out = vec![0f32; m * n];
-        for (r, row) in out_t.chunks_exact(m).enumerate() {
-            for (i, &v) in row.iter().enumerate() {
-                out[i * n + r] = v;
-            }
-        }
-        Ok(out)
+        Ok(transpose(&out_t, n, m))
     }
 
     /// Fills `dst` (`[rows, m]`, starting at weight row `first`).
@@ -977,6 +991,31 @@ mod avx2 {
 pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
+
+    #[test]
+    fn blocked_transpose_moves_every_value() {
+        for (rows, cols) in [
+            (1, 1),
+            (1, 7),
+            (31, 3),
+            (32, 5),
+            (33, 1),
+            (70, 16),
+            (100, 9),
+        ] {
+            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            let t = transpose(&src, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        t[c * rows + r],
+                        src[r * cols + c],
+                        "{rows}×{cols} at {r},{c}"
+                    );
+                }
+            }
+        }
+    }
 
     /// Deterministic values in [−1, 1) (xorshift), shared by the kernel tests.
     pub(crate) fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
