@@ -179,56 +179,6 @@ pub(crate) fn vnni_available() -> bool {
     }
 }
 
-/// The float part of both x86 tiles: one lane per weight row of the tile.
-#[cfg(target_arch = "x86_64")]
-mod lanes {
-    use std::arch::x86_64::*;
-
-    use super::Quantized;
-    use crate::model::packed::TILE_ROWS;
-
-    /// `acc += sumi · d_w · d_a (+ m_w · s_a)` lane-wise for activation block `ab`: the scalar
-    /// loop's operations in its order ([`super::rows_into_with`]), so the same bits.
-    ///
-    /// # Safety
-    /// AVX2 available; `ab` a block of `xq` (and of its sums `s` when `with_min`).
-    #[inline(always)]
-    pub(super) unsafe fn accumulate(
-        acc: &mut __m256,
-        sumi: __m256i,
-        dw: __m256,
-        mw: __m256,
-        with_min: bool,
-        xq: &Quantized,
-        ab: usize,
-    ) {
-        let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
-        let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
-        if with_min {
-            t = _mm256_add_ps(
-                t,
-                _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
-            );
-        }
-        *acc = _mm256_add_ps(*acc, t);
-    }
-
-    /// Lane `c` of `acc[a]` (weight row `c`, activation row `a`) to `out[c·m + a]`.
-    ///
-    /// # Safety
-    /// AVX2 available; `out` valid for `[TILE_ROWS, m]` with `R <= m`.
-    #[inline(always)]
-    pub(super) unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, m: usize) {
-        for (a, acc_a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; TILE_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
-            for (c, v) in lanes.iter().enumerate() {
-                *out.add(c * m + a) = *v;
-            }
-        }
-    }
-}
-
 /// The same products with AVX2 integer instructions (CPUs without AVX-512 VNNI), register-tiled.
 ///
 /// A block's `sumi` is `maddubs` (unsigned × signed bytes, adjacent pairs to i16: at most
@@ -249,7 +199,7 @@ mod lanes {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{lanes, rows_into_with, BlockDot, Quantized, QK};
+    use super::{rows_into_with, BlockDot, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
 
     /// The 32 nibbles of the Q4 block at `blk` ([`PackedMatrix::block_index`]) as bytes in
@@ -416,10 +366,51 @@ mod avx2 {
                     )
                 };
                 let ab = (a0 + a) * nb + b;
-                lanes::accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
+                accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
             }
         }
-        lanes::store(&acc, out, m);
+        store(&acc, out, m);
+    }
+
+    /// `acc += sumi · d_w · d_a (+ m_w · s_a)` lane-wise for activation block `ab`: the scalar
+    /// loop's operations in its order ([`super::rows_into_with`]), so the same bits.
+    ///
+    /// # Safety
+    /// AVX2 available; `ab` a block of `xq` (and of its sums `s` when `with_min`).
+    #[inline(always)]
+    pub(super) unsafe fn accumulate(
+        acc: &mut __m256,
+        sumi: __m256i,
+        dw: __m256,
+        mw: __m256,
+        with_min: bool,
+        xq: &Quantized,
+        ab: usize,
+    ) {
+        let da = _mm256_set1_ps(*xq.d.get_unchecked(ab));
+        let mut t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dw), da);
+        if with_min {
+            t = _mm256_add_ps(
+                t,
+                _mm256_mul_ps(mw, _mm256_set1_ps(*xq.s.get_unchecked(ab))),
+            );
+        }
+        *acc = _mm256_add_ps(*acc, t);
+    }
+
+    /// Lane `c` of `acc[a]` (weight row `c`, activation row `a`) to `out[c·m + a]`.
+    ///
+    /// # Safety
+    /// AVX2 available; `out` valid for `[TILE_ROWS, m]` with `R <= m`.
+    #[inline(always)]
+    pub(super) unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, m: usize) {
+        for (a, acc_a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; TILE_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
+            for (c, v) in lanes.iter().enumerate() {
+                *out.add(c * m + a) = *v;
+            }
+        }
     }
 
     /// Whole tiles: `tiles` groups of [`TILE_ROWS`] weight rows from `first`, every activation
@@ -527,7 +518,7 @@ mod avx2 {
         let nb = p.cols() / QK;
         let n_rows = dst.len() / m;
         assert!(
-            p.tiled
+            p.tile_rows == TILE_ROWS
                 && !p.interleaved
                 && first + n_rows <= p.rows()
                 && xq.q.len() >= m * p.cols()
@@ -552,34 +543,36 @@ mod avx2 {
 }
 
 /// The same products with AVX-512 VNNI (`vpdpbusd`: unsigned × signed bytes, four adjacent
-/// products added into an i32 lane), on blocks interleaved by 8 bytes
-/// ([`PackedMatrix::interleaved`]).
+/// products added into an i32 lane), on blocks interleaved by 4 bytes in tiles of 16 weight
+/// rows ([`PackedMatrix::interleaved`]).
 ///
-/// A tile is [`TILE_ROWS`] weight rows × `R` activation rows (4, else 2, else 1). Vector `j` of
-/// a block holds elements `8j..8j + 8` of all eight weight rows (one 64-byte load for Q8_0; for
-/// Q4 two loads, masked and shifted into four vectors), and the activation's elements
-/// `8j..8j + 8` are one 8-byte broadcast: four `vpdpbusd` leave each weight row's block sum in
-/// two adjacent lanes, which one shift and add join — no horizontal reduction tree. The sums
-/// are exact integers, so the same as the scalar loop's: Q4_1 nibbles are unsigned as they are;
-/// Q4_0 is `Σ n·q − 8·Σq` (nibbles `n`, the activation block's `Σq` from [`quantize`]); Q8_0
-/// goes through `|w|` and `q` negated where `w < 0` (ggml's activations stay within ±127). The
-/// float part is the AVX2 tile's, lane-wise in the scalar loop's order, so the bits are the
-/// scalar loop's (asserted). A tile that the call's rows cut (the matrix's last rows, or a call
-/// that starts off a tile boundary) is computed whole into a scratch buffer, reading the
-/// zero-padded rows, and copied.
+/// A tile is [`VNNI_TILE_ROWS`] weight rows × `R` activation rows (8, else 4, 2, 1). Vector `j`
+/// of a block holds elements `4j..4j + 4` of all sixteen weight rows, one per i32 lane (one
+/// 64-byte load per column for Q8_0; for Q4 a load gives the columns of elements `4j..4j + 4`
+/// (low nibbles) and `16 + 4j..` (high nibbles)), and the activation's four elements are one
+/// 4-byte broadcast: eight `vpdpbusd` leave every weight row's block sum in its own lane — no
+/// reduction at all. The sums are exact integers, so the same as the scalar loop's: Q4_1
+/// nibbles are unsigned as they are; Q4_0 is `Σ n·q − 8·Σq` (nibbles `n`, the activation
+/// block's `Σq` from [`quantize`]); Q8_0 goes through `|w|` and `q` negated where `w < 0`
+/// (ggml's activations stay within ±127). The float part runs on 16 lanes, each doing the
+/// scalar loop's operations in its order, so the bits are the scalar loop's (asserted). A tile
+/// that the call's rows cut (the matrix's last rows, or a call that starts off a tile boundary)
+/// is computed whole into a scratch buffer, reading the zero-padded rows, and copied.
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{lanes, Quantized, QK};
-    use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
+    use super::{Quantized, QK};
+    use crate::model::packed::{Kind, PackedMatrix, VNNI_TILE_ROWS};
 
-    /// The CPU has AVX-512 F/BW and VNNI (and AVX2 for the float part).
+    /// Weight rows per tile.
+    const T: usize = VNNI_TILE_ROWS;
+
+    /// The CPU has AVX-512 F/BW and VNNI.
     pub(super) fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("avx2")
     }
 
     /// A block format of the kernel.
@@ -615,41 +608,35 @@ mod vnni {
     }
 
     /// The tile's weights at one block position, from its group's first block `blk0`: vector
-    /// `j` holds elements `8j..8j + 8` of weight row `c` in bytes `8c..8c + 8` (unsigned for
-    /// Q4, `|w|` for Q8_0), and for Q8_0 the mask of the negative weights.
+    /// `j` holds elements `4j..4j + 4` of weight row `c` in bytes `4c..4c + 4` (unsigned for
+    /// Q4, `|w|` for Q8_0), and for Q8_0 the masks of the negative weights.
     #[inline(always)]
-    unsafe fn weights<F: Format>(p: &PackedMatrix, blk0: usize) -> ([__m512i; 4], [__mmask64; 4]) {
+    unsafe fn weights<F: Format>(p: &PackedMatrix, blk0: usize) -> ([__m512i; 8], [__mmask64; 8]) {
+        let mut w = [_mm512_setzero_si512(); 8];
+        let mut neg = [0; 8];
         if F::SIGNED {
             let base = p.qs.as_ptr().add(blk0 * QK);
-            let mut w = [_mm512_setzero_si512(); 4];
-            let mut neg = [0; 4];
-            for j in 0..4 {
+            for j in 0..8 {
                 let v = _mm512_loadu_si512(base.add(64 * j) as *const _);
                 neg[j] = _mm512_movepi8_mask(v);
                 w[j] = _mm512_abs_epi8(v);
             }
-            (w, neg)
         } else {
-            // Column 0 holds bytes 0..8 (elements 0..8 low, 16..24 high), column 1 bytes 8..16.
+            // Column j holds bytes 4j..4j + 4: elements 4j.. in the low nibbles, 16 + 4j.. high.
             let base = p.qs.as_ptr().add(blk0 * 16);
-            let c0 = _mm512_loadu_si512(base as *const _);
-            let c1 = _mm512_loadu_si512(base.add(64) as *const _);
             let mask = _mm512_set1_epi8(0x0f);
-            (
-                [
-                    _mm512_and_si512(c0, mask),
-                    _mm512_and_si512(c1, mask),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(c0), mask),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(c1), mask),
-                ],
-                [0; 4],
-            )
+            for j in 0..4 {
+                let c = _mm512_loadu_si512(base.add(64 * j) as *const _);
+                w[j] = _mm512_and_si512(c, mask);
+                w[4 + j] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), mask);
+            }
         }
+        (w, neg)
     }
 
-    /// Weight rows `r0..r0 + 8` (`r0` a multiple of [`TILE_ROWS`]; rows past the matrix are
-    /// its zero padding) against activation rows `a0..a0 + R`; result `(r0 + c, a0 + a)` goes
-    /// to `out[c·m + a]`.
+    /// Weight rows `r0..r0 + 16` (`r0` a multiple of [`T`]; rows past the matrix are its zero
+    /// padding) against activation rows `a0..a0 + R`; result `(r0 + c, a0 + a)` goes to
+    /// `out[c·m + a]`.
     #[inline(always)]
     unsafe fn tile<F: Format, const R: usize>(
         p: &PackedMatrix,
@@ -661,33 +648,32 @@ mod vnni {
     ) {
         let nb = p.cols() / QK;
         let params = p.block_index(r0, 0);
-        let mut acc = [_mm256_setzero_ps(); R];
+        let qb = if F::SIGNED { QK } else { 16 };
+        let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            let blk0 = params + b * TILE_ROWS;
-            {
-                // The values 8 block positions ahead (the next tile's past the row's end): with
-                // this, 1-row products of matrices larger than L2 run ~1.4× faster
-                // (`int8_timing`, `KVGATE_KERNEL_ROWS=49152`). A prefetch never faults.
-                let qb = if F::SIGNED { QK } else { 16 };
-                let ahead = p.qs.as_ptr().wrapping_add((blk0 + 8 * TILE_ROWS) * qb) as *const i8;
-                for l in 0..qb * TILE_ROWS / 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l));
-                }
+            let blk0 = params + b * T;
+            // The values 4 block positions ahead (the next tile's past the row's end): with
+            // this, 1-row products of matrices larger than L2 ran ~1.4× faster (`int8_timing`,
+            // `KVGATE_KERNEL_ROWS=49152`). A prefetch never faults.
+            let ahead = p.qs.as_ptr().wrapping_add((blk0 + 4 * T) * qb) as *const i8;
+            for l in 0..qb * T / 64 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l));
             }
             let (w, neg) = weights::<F>(p, blk0);
-            let dw = _mm256_loadu_ps(p.scale.as_ptr().add(blk0));
+            let dw = _mm512_loadu_ps(p.scale.as_ptr().add(blk0));
             let mw = if F::WITH_MIN {
-                _mm256_loadu_ps(p.min.as_ptr().add(blk0))
+                _mm512_loadu_ps(p.min.as_ptr().add(blk0))
             } else {
-                _mm256_setzero_ps()
+                _mm512_setzero_ps()
             };
             for (a, acc_a) in acc.iter_mut().enumerate() {
                 let ab = (a0 + a) * nb + b;
-                let x = xq.q.as_ptr().add(ab * QK) as *const i64;
-                // Two chains of two, joined: the four products do not wait on each other.
+                let x = xq.q.as_ptr().add(ab * QK) as *const i32;
+                // Two chains of four, joined: the products do not all wait on each other.
                 let mut dots = [_mm512_setzero_si512(); 2];
-                for j in 0..4 {
-                    let xj = _mm512_set1_epi64(x.add(j).read_unaligned());
+                for j in 0..8 {
+                    // Q4: vectors 0..4 are elements 4j.., 4..8 are 16 + 4(j − 4).. = 4j.. too.
+                    let xj = _mm512_set1_epi32(x.add(j).read_unaligned());
                     let xj = if F::SIGNED {
                         _mm512_mask_sub_epi8(xj, neg[j], _mm512_setzero_si512(), xj)
                     } else {
@@ -695,22 +681,34 @@ mod vnni {
                     };
                     dots[j % 2] = _mm512_dpbusd_epi32(dots[j % 2], w[j], xj);
                 }
-                let dot = _mm512_add_epi32(dots[0], dots[1]);
-                // Lanes 2c and 2c + 1 hold weight row c's two halves: join them in the low one.
-                let joined = _mm512_add_epi32(dot, _mm512_srli_epi64::<32>(dot));
-                let mut sumi = _mm512_cvtepi64_epi32(joined);
+                let mut sumi = _mm512_add_epi32(dots[0], dots[1]);
                 if F::OFFSET8 {
                     sumi =
-                        _mm256_sub_epi32(sumi, _mm256_set1_epi32(8 * *xq.sums.get_unchecked(ab)));
+                        _mm512_sub_epi32(sumi, _mm512_set1_epi32(8 * *xq.sums.get_unchecked(ab)));
                 }
-                lanes::accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
+                // `acc += sumi · d_w · d_a (+ m_w · s_a)`: the scalar loop's order, per lane.
+                let da = _mm512_set1_ps(*xq.d.get_unchecked(ab));
+                let mut t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dw), da);
+                if F::WITH_MIN {
+                    t = _mm512_add_ps(
+                        t,
+                        _mm512_mul_ps(mw, _mm512_set1_ps(*xq.s.get_unchecked(ab))),
+                    );
+                }
+                *acc_a = _mm512_add_ps(*acc_a, t);
             }
         }
-        lanes::store(&acc, out, m);
+        for (a, acc_a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; T];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *acc_a);
+            for (c, v) in lanes.iter().enumerate() {
+                *out.add(c * m + a) = *v;
+            }
+        }
     }
 
-    /// One tile (weight rows `r0..r0 + 8`) against every activation row into `out`
-    /// (`[8, m]`).
+    /// One tile (weight rows `r0..r0 + 16`) against every activation row into `out`
+    /// (`[16, m]`).
     #[inline(always)]
     unsafe fn tile_rows<F: Format>(
         p: &PackedMatrix,
@@ -752,18 +750,18 @@ mod vnni {
     ) {
         let end = first + dst.len() / m;
         let mut scratch = Vec::new();
-        let mut r0 = first / TILE_ROWS * TILE_ROWS;
+        let mut r0 = first / T * T;
         while r0 < end {
-            if r0 >= first && r0 + TILE_ROWS <= end {
+            if r0 >= first && r0 + T <= end {
                 tile_rows::<F>(p, xq, m, r0, dst.as_mut_ptr().add((r0 - first) * m));
             } else {
-                scratch.resize(TILE_ROWS * m, 0f32);
+                scratch.resize(T * m, 0f32);
                 tile_rows::<F>(p, xq, m, r0, scratch.as_mut_ptr());
-                let (lo, hi) = (r0.max(first), (r0 + TILE_ROWS).min(end));
+                let (lo, hi) = (r0.max(first), (r0 + T).min(end));
                 dst[(lo - first) * m..(hi - first) * m]
                     .copy_from_slice(&scratch[(lo - r0) * m..(hi - r0) * m]);
             }
-            r0 += TILE_ROWS;
+            r0 += T;
         }
     }
 
@@ -771,7 +769,7 @@ mod vnni {
     ///
     /// # Safety
     /// [`available`]; `p` interleaved (asserted).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn rows_into(
         p: &PackedMatrix,
         xq: &Quantized,
@@ -784,12 +782,12 @@ mod vnni {
         }
         let nb = p.cols() / QK;
         let n_rows = dst.len() / m;
-        // Tiles read whole groups of TILE_ROWS rows: the tile-ordered matrix is padded to them.
+        // Tiles read whole groups of T rows: the tile-ordered matrix is padded to them.
         assert!(
-            p.tiled
+            p.tile_rows == T
                 && p.interleaved
                 && first + n_rows <= p.rows()
-                && p.scale.len() >= p.rows().div_ceil(TILE_ROWS) * TILE_ROWS * nb
+                && p.scale.len() >= p.rows().div_ceil(T) * T * nb
                 && xq.q.len() >= m * p.cols()
                 && xq.d.len() >= m * nb
                 && xq.sums.len() >= m * nb
@@ -1134,7 +1132,7 @@ mod tests {
             "qs alignment mod 64: {}",
             interleaved.qs.as_ptr() as usize % 64
         );
-        for m in [1usize, 8, 32] {
+        for m in [1usize, 4, 8, 32] {
             let xq = quantize(&rnd_vec(6, m * k), dtype == GgmlDType::Q4_1);
             let mut best = vec![f64::INFINITY; kernels.len()];
             let mut dst = vec![0f32; n * m];

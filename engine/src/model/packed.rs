@@ -55,6 +55,8 @@ pub(crate) const ROW_GROUP: usize = 4;
 /// Weight rows whose blocks a matrix in tile order keeps side by side
 /// ([`PackedMatrix::block_index`]).
 pub(super) const TILE_ROWS: usize = 8;
+/// Weight rows per tile of the AVX-512 VNNI kernel's layout ([`PackedMatrix::interleaved`]).
+pub(super) const VNNI_TILE_ROWS: usize = 16;
 
 /// The block formats this kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,13 +86,14 @@ pub(crate) struct PackedMatrix {
     /// Multiply with 8-bit activations as ggml does ([`super::int8`], `WeightFormat::LlamaCpp`)
     /// instead of F32 ones.
     pub(super) int8_activations: bool,
-    /// The blocks are in tile order ([`PackedMatrix::block_index`]).
-    pub(super) tiled: bool,
-    /// Within each group of [`TILE_ROWS`] side-by-side blocks (tile order), `qs` is interleaved
-    /// by 8 bytes: the group's bytes are `[column j][row c][8 bytes]`, so byte `i` of row `c`'s
-    /// block lies at `(i / 8) · 64 + c · 8 + i % 8` of the group (Q4: 2 columns, Q8_0: 4).
-    /// Scales and mins are as in tile order. The AVX-512 VNNI kernel reads one column of all
-    /// eight rows as one vector ([`super::int8`]); [`PackedMatrix::block_qs`] reads any layout.
+    /// Weight rows whose blocks lie side by side ([`PackedMatrix::block_index`]): 1 (row-major),
+    /// [`TILE_ROWS`] (tile order) or [`VNNI_TILE_ROWS`] (interleaved).
+    pub(super) tile_rows: usize,
+    /// Within each group of [`VNNI_TILE_ROWS`] side-by-side blocks (tile order), `qs` is
+    /// interleaved by 4 bytes: the group's bytes are `[column j][row c][4 bytes]`, so byte `i` of
+    /// row `c`'s block lies at `(i / 4) · 64 + c · 4 + i % 4` of the group (Q4: 4 columns, Q8_0:
+    /// 8). Scales and mins are as in tile order. The AVX-512 VNNI kernel reads one column of all
+    /// sixteen rows as one vector ([`super::int8`]); [`PackedMatrix::block_qs`] reads any layout.
     pub(super) interleaved: bool,
 }
 
@@ -203,7 +206,7 @@ impl PackedMatrix {
             min,
             qs,
             int8_activations: false,
-            tiled: false,
+            tile_rows: 1,
             interleaved: false,
         }
     }
@@ -238,7 +241,7 @@ impl PackedMatrix {
             min: Vec::new(),
             qs,
             int8_activations: false,
-            tiled: false,
+            tile_rows: 1,
             interleaved: false,
         }
     }
@@ -291,7 +294,7 @@ impl PackedMatrix {
             min,
             qs,
             int8_activations: false,
-            tiled: false,
+            tile_rows: 1,
             interleaved: false,
         }
     }
@@ -307,10 +310,11 @@ impl PackedMatrix {
     /// [`Self::with_int8_activations`] with the layout chosen: tile order, and `interleaved`
     /// ([`PackedMatrix::interleaved`]) or not.
     pub(super) fn with_int8_layout(self, interleaved: bool) -> Self {
-        let mut p = self.into_tile_order();
-        if interleaved {
-            p = p.into_interleaved();
-        }
+        let mut p = if interleaved {
+            self.into_tile_order(VNNI_TILE_ROWS).into_interleaved()
+        } else {
+            self.into_tile_order(TILE_ROWS)
+        };
         p.int8_activations = true;
         p
     }
@@ -323,19 +327,22 @@ impl PackedMatrix {
         }
     }
 
-    /// The tile-ordered blocks' values interleaved by 8 bytes ([`PackedMatrix::interleaved`]).
+    /// The tile-ordered blocks' values interleaved by 4 bytes ([`PackedMatrix::interleaved`]).
     fn into_interleaved(mut self) -> Self {
-        assert!(self.tiled, "interleaving works on tile order");
+        assert_eq!(
+            self.tile_rows, VNNI_TILE_ROWS,
+            "interleaving works on 16-row tiles"
+        );
         if self.interleaved {
             return self;
         }
         let q_bytes = self.q_bytes();
-        let group = TILE_ROWS * q_bytes;
+        let group = VNNI_TILE_ROWS * q_bytes;
         let mut out = vec![0u8; self.qs.len()];
         for (src, dst) in self.qs.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
             for (c, block) in src.chunks_exact(q_bytes).enumerate() {
-                for (j, column) in block.chunks_exact(8).enumerate() {
-                    dst[j * TILE_ROWS * 8 + c * 8..][..8].copy_from_slice(column);
+                for (j, column) in block.chunks_exact(4).enumerate() {
+                    dst[j * VNNI_TILE_ROWS * 4 + c * 4..][..4].copy_from_slice(column);
                 }
             }
         }
@@ -351,10 +358,11 @@ impl PackedMatrix {
         let q_bytes = self.q_bytes();
         let mut out = [0u8; QK];
         if self.interleaved {
-            let group = &self.qs[(blk / TILE_ROWS) * TILE_ROWS * q_bytes..][..TILE_ROWS * q_bytes];
-            let c = blk % TILE_ROWS;
-            for (j, column) in out[..q_bytes].chunks_exact_mut(8).enumerate() {
-                column.copy_from_slice(&group[j * TILE_ROWS * 8 + c * 8..][..8]);
+            let t = VNNI_TILE_ROWS;
+            let group = &self.qs[(blk / t) * t * q_bytes..][..t * q_bytes];
+            let c = blk % t;
+            for (j, column) in out[..q_bytes].chunks_exact_mut(4).enumerate() {
+                column.copy_from_slice(&group[j * t * 4 + c * 4..][..4]);
             }
         } else {
             out[..q_bytes].copy_from_slice(&self.qs[blk * q_bytes..][..q_bytes]);
@@ -370,8 +378,13 @@ impl PackedMatrix {
         if self.avx512_f32_kernel() {
             self
         } else {
-            self.into_tile_order()
+            self.into_tile_order(TILE_ROWS)
         }
+    }
+
+    /// Whether the blocks are in tile order (of any height).
+    pub(super) fn tiled(&self) -> bool {
+        self.tile_rows > 1
     }
 
     /// Whether [`PackedMatrix::matmul`] runs the AVX-512 F32 kernel for this matrix on this CPU
@@ -379,7 +392,7 @@ impl PackedMatrix {
     fn avx512_f32_kernel(&self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            !self.tiled
+            !self.tiled()
                 && self.kind != Kind::Q4_0
                 && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("fma")
@@ -390,19 +403,13 @@ impl PackedMatrix {
         }
     }
 
-    /// The blocks reordered so that those of [`TILE_ROWS`] consecutive weight rows at one block
-    /// position lie side by side ([`PackedMatrix::block_index`]): values, scales and mins.
-    fn into_tile_order(mut self) -> Self {
-        if self.tiled {
-            return self;
-        }
+    /// The blocks reordered so that those of `t` consecutive weight rows at one block position
+    /// lie side by side ([`PackedMatrix::block_index`]): values, scales and mins.
+    fn into_tile_order(mut self, t: usize) -> Self {
+        assert!(!self.tiled(), "the blocks are row-major before tiling");
         let nb = self.cols / QK;
-        let padded = self.rows.div_ceil(TILE_ROWS) * TILE_ROWS * nb;
-        let tiled_index = |blk: usize| {
-            (blk / nb / TILE_ROWS) * TILE_ROWS * nb
-                + (blk % nb) * TILE_ROWS
-                + (blk / nb) % TILE_ROWS
-        };
+        let padded = self.rows.div_ceil(t) * t * nb;
+        let tiled_index = |blk: usize| (blk / nb / t) * t * nb + (blk % nb) * t + (blk / nb) % t;
         let tiled = |row_major: &[f32]| {
             let mut out = vec![0f32; padded];
             for (blk, &v) in row_major.iter().enumerate() {
@@ -420,33 +427,26 @@ impl PackedMatrix {
             qs[tiled_index(blk) * q_bytes..][..q_bytes].copy_from_slice(q);
         }
         self.qs = qs;
-        self.tiled = true;
+        self.tile_rows = t;
         self
     }
 
     /// Where block `b` of weight row `r` lies (its scale, min and quantized values, in block
-    /// units): `r · nb + b` (row-major), or in tile order `(r / 8) · 8 · nb + b · 8 + r % 8`, so
-    /// the blocks of weight rows `8g..8g + 8` at block position `b` are contiguous (rows padded
-    /// to a multiple of [`TILE_ROWS`] with zeros).
+    /// units): with `t` = [`PackedMatrix::tile_rows`], `(r / t) · t · nb + b · t + r % t` — `r ·
+    /// nb + b` when row-major (`t` = 1); in tile order the blocks of weight rows `tg..tg + t` at
+    /// block position `b` are contiguous (rows padded to a multiple of `t` with zeros).
     #[inline(always)]
     pub(super) fn block_index(&self, r: usize, b: usize) -> usize {
         let nb = self.cols / QK;
-        if self.tiled {
-            (r / TILE_ROWS) * TILE_ROWS * nb + b * TILE_ROWS + r % TILE_ROWS
-        } else {
-            r * nb + b
-        }
+        let t = self.tile_rows;
+        (r / t) * t * nb + b * t + r % t
     }
 
     /// How far apart consecutive blocks of one weight row lie: `block_index(r, b)` is
-    /// `block_index(r, 0) + b · block_step()` in either layout.
+    /// `block_index(r, 0) + b · block_step()` in every layout.
     #[inline(always)]
     pub(super) fn block_step(&self) -> usize {
-        if self.tiled {
-            TILE_ROWS
-        } else {
-            1
-        }
+        self.tile_rows
     }
 
     /// Output width (`rows` of the weight matrix).
@@ -506,8 +506,14 @@ impl PackedMatrix {
         // Transposed output [n, m]: each task owns a contiguous run of weight rows.
         let mut out_t = vec![0f32; n * m];
         let threads = rayon::current_num_threads().max(1);
-        // A multiple of every tile width (2, 3, 4, 8 weight rows).
-        let rows_per_task = n.div_ceil(threads * 4).clamp(24, 240).div_ceil(24) * 24;
+        // A multiple of every tile width (2, 3, 4, 8 weight rows; 16 in the VNNI layout), so
+        // that tasks start on tile boundaries.
+        let unit = if self.tile_rows == VNNI_TILE_ROWS {
+            48
+        } else {
+            24
+        };
+        let rows_per_task = n.div_ceil(threads * 4).clamp(unit, 240).div_ceil(unit) * unit;
         out_t
             .par_chunks_mut(rows_per_task * m)
             .enumerate()
@@ -744,7 +750,7 @@ mod avx512 {
             return;
         }
         let n_rows = dst.len() / m;
-        assert!(!p.tiled, "the AVX-512 kernel reads row-major blocks");
+        assert!(!p.tiled(), "the AVX-512 kernel reads row-major blocks");
         assert!(
             x.len() == m * p.cols
                 && dst.len() == n_rows * m
@@ -1078,7 +1084,7 @@ pub(crate) mod tests {
                 .unwrap();
             // Row-major and in tile order (the layout the AVX2 kernels get).
             for p in [
-                p.into_tile_order(),
+                p.into_tile_order(TILE_ROWS),
                 PackedMatrix::from_qtensor(&q).unwrap().unwrap(),
             ] {
                 for b in 0..n * k / QK {
@@ -1091,6 +1097,40 @@ pub(crate) mod tests {
                             .all(|(g, w)| g.to_bits() == w.to_bits()),
                         "{dtype:?} block {b}: {got:?} vs {:?}",
                         &want[b * QK..][..QK]
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every layout keeps every block's values where `block_index` and `block_qs` find them:
+    /// row-major, tile order and the VNNI kernel's interleaved 16-row tiles (with a cut tile).
+    #[test]
+    fn every_layout_dequantizes_to_the_same_values() {
+        let (n, k) = (21, 128);
+        let w = Tensor::from_vec(rnd_vec(0x52, n * k), (n, k), &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q4_0, GgmlDType::Q8_0] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let plain = PackedMatrix::from_qtensor(&q).unwrap().unwrap();
+            let layouts = [
+                PackedMatrix::from_qtensor(&q)
+                    .unwrap()
+                    .unwrap()
+                    .with_int8_layout(false),
+                PackedMatrix::from_qtensor(&q)
+                    .unwrap()
+                    .unwrap()
+                    .with_int8_layout(true),
+            ];
+            let (mut want, mut got) = ([0f32; QK], [0f32; QK]);
+            for layout in &layouts {
+                for b in 0..n * k / QK {
+                    plain.dequant_block(b, &mut want);
+                    layout.dequant_block(b, &mut got);
+                    assert_eq!(
+                        want, got,
+                        "{dtype:?}, {} rows per tile: block {b}",
+                        layout.tile_rows
                     );
                 }
             }
@@ -1144,7 +1184,7 @@ pub(crate) mod tests {
             let tiled = PackedMatrix::from_qtensor(&q)
                 .unwrap()
                 .unwrap()
-                .into_tile_order();
+                .into_tile_order(TILE_ROWS);
             let deq = q.dequantize(&Device::Cpu).unwrap();
             let x17 = rnd_vec(seed + 17, 17 * k);
             // Every kernel this CPU has, called directly (the AVX2 one on AVX-512 CPUs too):
@@ -1255,7 +1295,7 @@ pub(crate) mod tests {
         let tiled = PackedMatrix::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap())
             .unwrap()
             .unwrap()
-            .into_tile_order();
+            .into_tile_order(TILE_ROWS);
         let wt = w.t().unwrap();
         let have = [
             std::arch::is_x86_feature_detected!("avx512f"),
