@@ -47,9 +47,12 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
     };
     #[cfg(target_arch = "x86_64")]
     let simd = std::arch::is_x86_feature_detected!("avx2");
-    for (xb, qb) in x.chunks_exact(QK).zip(out.q.chunks_exact_mut(QK)) {
-        let xb: &[f32; QK] = xb.try_into().expect("chunks of QK");
-        let qb: &mut [i8; QK] = qb.try_into().expect("chunks of QK");
+    for (xb, qb) in x
+        .as_chunks::<QK>()
+        .0
+        .iter()
+        .zip(out.q.as_chunks_mut::<QK>().0)
+    {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 checked above.
         let (d16, sum) = if simd {
