@@ -202,9 +202,10 @@ pub struct Args {
     /// Time target per engine step, ms (0 = none: every step may hold the full
     /// --step-token-budget). With a target, each step holds as many tokens as fit in it on this
     /// machine (learned from the steps run; at most the token budget): a short request arriving
-    /// behind long prompts waits about two steps for its first token.
-    #[arg(long)]
-    pub step_time_target_ms: Option<u64>,
+    /// behind long prompts waits about two steps for its first token. The default, 600 ms, keeps
+    /// that wait under 2 s on a slow 2-vCPU VM (docs/benchmarks.md, "fairness probe").
+    #[arg(long, default_value_t = 600)]
+    pub step_time_target_ms: u64,
     /// Admission deadline, ms (beyond it: 429 admission_timeout).
     #[arg(long)]
     pub admission_timeout_ms: Option<u64>,
@@ -366,9 +367,8 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     if let Some(v) = args.prefill_chunk {
         engine_config.prefill_chunk = v;
     }
-    if let Some(ms) = args.step_time_target_ms {
-        engine_config.step_time_target = (ms > 0).then(|| Duration::from_millis(ms));
-    }
+    engine_config.step_time_target =
+        (args.step_time_target_ms > 0).then(|| Duration::from_millis(args.step_time_target_ms));
     if let Some(ms) = args.admission_timeout_ms {
         engine_config.default_admission_timeout = Duration::from_millis(ms);
     }
