@@ -216,11 +216,17 @@ unsafe fn attend_item(
     }
     s.p.clear();
     s.p.resize(nq * stride, 0.0);
-    // Scores, one key block at a time.
-    for kb in 0..n_blocks {
-        let b = c.slots[kb * bs] / bs;
-        let keys = layout.keys(k_cache, b, item.g);
-        scores_block(&s.q, nq, d, bs, keys, &mut s.p, stride, kb * bs);
+    // Scores, up to SPAN key blocks at a time.
+    const SPAN: usize = 4;
+    let mut kb = 0;
+    while kb < n_blocks {
+        let span = (n_blocks - kb).min(SPAN);
+        let keys: [&[f32]; SPAN] = std::array::from_fn(|i| {
+            let b = c.slots[(kb + i.min(span - 1)) * bs] / bs;
+            layout.keys(k_cache, b, item.g)
+        });
+        scores_blocks(&s.q, nq, d, bs, &keys[..span], &mut s.p, stride, kb * bs);
+        kb += span;
     }
     // Scale, causal (and sliding-window) mask and softmax per query.
     for i in 0..item.nt {
@@ -274,6 +280,33 @@ fn scores_block(
         }
     }
     scores_block_portable(q, nq, d, bs, keys, p, stride, j0);
+}
+
+/// [`scores_block`] over consecutive key blocks `keys` (columns `j0 ..`): the AVX-512 kernel
+/// tiles across blocks, so a decode token's `n_head / n_kv_head` query rows keep enough
+/// independent accumulators; every score is the same sum in the same order as per block.
+#[allow(clippy::too_many_arguments)]
+fn scores_blocks(
+    q: &[f32],
+    nq: usize,
+    d: usize,
+    bs: usize,
+    keys: &[&[f32]],
+    p: &mut [f32],
+    stride: usize,
+    j0: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if bs.is_multiple_of(16) && avx512::available() {
+            // SAFETY: AVX-512F/FMA present; shapes as documented (checked inside).
+            unsafe { avx512::scores_blocks(q, nq, d, bs, keys, p, stride, j0) };
+            return;
+        }
+    }
+    for (i, k) in keys.iter().enumerate() {
+        scores_block(q, nq, d, bs, k, p, stride, j0 + i * bs);
+    }
 }
 
 /// The portable loop of [`scores_block`].
@@ -467,30 +500,122 @@ mod avx512 {
         }
     }
 
-    /// `R` queries × 16 keys (lanes): `acc_r += q_r[i] · keys[i][l0..l0 + 16]`.
+    /// `R` queries × `G` groups of 16 keys (lanes): `acc_rg += q_r[i] · keys_g[i · bs ..][..16]`
+    /// over `i` in order, stored at columns `col0 + 16 g` of each query's row.
     #[inline(always)]
-    unsafe fn scores_tile<const R: usize>(
+    unsafe fn scores_tile<const R: usize, const G: usize>(
         q: *const f32,
         d: usize,
         bs: usize,
-        keys: *const f32,
-        l0: usize,
+        keys: [*const f32; G],
         dst: *mut f32,
+        col0: usize,
         stride: usize,
     ) {
-        let mut acc = [_mm512_setzero_ps(); R];
+        let mut acc = [[_mm512_setzero_ps(); G]; R];
         for i in 0..d {
-            let k = _mm512_loadu_ps(keys.add(i * bs + l0));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(r * d + i)), k, *a);
+            let k: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(keys[g].add(i * bs)));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let qv = _mm512_set1_ps(*q.add(r * d + i));
+                for (a, kg) in acc_r.iter_mut().zip(k) {
+                    *a = _mm512_fmadd_ps(qv, kg, *a);
+                }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(dst.add(r * stride + l0), *a);
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (g, a) in acc_r.iter().enumerate() {
+                _mm512_storeu_ps(dst.add(r * stride + col0 + 16 * g), *a);
+            }
         }
     }
 
-    /// See [`super::scores_block`].
+    /// `R` queries against every 16-key group of `keys` (consecutive blocks), `G` groups per
+    /// tile: a decode token's few query rows then keep `R · G` independent accumulators.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_rows<const R: usize, const G: usize>(
+        q: *const f32,
+        d: usize,
+        bs: usize,
+        keys: &[&[f32]],
+        dst: *mut f32,
+        j0: usize,
+        stride: usize,
+    ) {
+        let per_block = bs / 16;
+        let n_groups = keys.len() * per_block;
+        // Group `x` is lanes `16 (x mod per_block)..` of block `x / per_block`: column
+        // `j0 + 16 x`, as the blocks are consecutive in `j`.
+        let group = |x: usize| {
+            keys.get_unchecked(x / per_block)
+                .as_ptr()
+                .add((x % per_block) * 16)
+        };
+        let mut x = 0;
+        while x + G <= n_groups {
+            let ptrs: [*const f32; G] = std::array::from_fn(|g| group(x + g));
+            scores_tile::<R, G>(q, d, bs, ptrs, dst, j0 + 16 * x, stride);
+            x += G;
+        }
+        while x < n_groups {
+            scores_tile::<R, 1>(q, d, bs, [group(x)], dst, j0 + 16 * x, stride);
+            x += 1;
+        }
+    }
+
+    /// See [`super::scores_blocks`].
+    ///
+    /// # Safety
+    /// AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn scores_blocks(
+        q: &[f32],
+        nq: usize,
+        d: usize,
+        bs: usize,
+        keys: &[&[f32]],
+        p: &mut [f32],
+        stride: usize,
+        j0: usize,
+    ) {
+        assert!(
+            bs.is_multiple_of(16)
+                && q.len() >= nq * d
+                && keys.iter().all(|k| k.len() >= d * bs)
+                && j0 + keys.len() * bs <= stride
+                && p.len() >= nq * stride
+        );
+        let (qp, dst) = (q.as_ptr(), p.as_mut_ptr());
+        let mut r = 0;
+        while r < nq {
+            let (qr, out) = (qp.add(r * d), dst.add(r * stride));
+            r += match nq - r {
+                8.. => {
+                    scores_rows::<8, 2>(qr, d, bs, keys, out, j0, stride);
+                    8
+                }
+                4..=7 => {
+                    scores_rows::<4, 4>(qr, d, bs, keys, out, j0, stride);
+                    4
+                }
+                3 => {
+                    scores_rows::<3, 4>(qr, d, bs, keys, out, j0, stride);
+                    3
+                }
+                2 => {
+                    scores_rows::<2, 4>(qr, d, bs, keys, out, j0, stride);
+                    2
+                }
+                _ => {
+                    scores_rows::<1, 4>(qr, d, bs, keys, out, j0, stride);
+                    1
+                }
+            };
+        }
+    }
+
+    /// See [`super::scores_block`]: [`scores_blocks`] over one block.
     ///
     /// # Safety
     /// AVX-512F and FMA available.
@@ -506,38 +631,7 @@ mod avx512 {
         stride: usize,
         j0: usize,
     ) {
-        assert!(
-            bs.is_multiple_of(16)
-                && q.len() >= nq * d
-                && keys.len() >= d * bs
-                && j0 + bs <= stride
-                && p.len() >= nq * stride
-        );
-        let dst = p.as_mut_ptr().add(j0);
-        for l0 in (0..bs).step_by(16) {
-            let mut r = 0;
-            while r < nq {
-                let left = nq - r;
-                let qp = q.as_ptr().add(r * d);
-                let out = dst.add(r * stride);
-                r += if left >= 8 {
-                    scores_tile::<8>(qp, d, bs, keys.as_ptr(), l0, out, stride);
-                    8
-                } else if left >= 4 {
-                    scores_tile::<4>(qp, d, bs, keys.as_ptr(), l0, out, stride);
-                    4
-                } else if left == 3 {
-                    scores_tile::<3>(qp, d, bs, keys.as_ptr(), l0, out, stride);
-                    3
-                } else if left == 2 {
-                    scores_tile::<2>(qp, d, bs, keys.as_ptr(), l0, out, stride);
-                    2
-                } else {
-                    scores_tile::<1>(qp, d, bs, keys.as_ptr(), l0, out, stride);
-                    1
-                };
-            }
-        }
+        scores_blocks(q, nq, d, bs, &[keys], p, stride, j0);
     }
 
     /// `R` queries × `C` 16-dimension columns from `c0`: `o_r += Σ_j p_r[j] · v_j`.
@@ -609,20 +703,30 @@ mod avx512 {
                 let left = nq - r;
                 let (pr, or) = (pp.add(r * stride), o.as_mut_ptr().add(r * d));
                 let vp = values.as_ptr();
-                r += match (left >= 4, cols) {
-                    (true, 4) => {
+                // A decode token's query group (`n_head / n_kv_head` rows, often 2–7) fills
+                // one tile: its value loads are shared by every row.
+                r += match (left, cols) {
+                    (4.., 4) => {
                         values_tile::<4, 4>(pr, stride, keys, d, vp, c0, or);
                         4
                     }
-                    (true, _) => {
+                    (3, 4) => {
+                        values_tile::<3, 4>(pr, stride, keys, d, vp, c0, or);
+                        3
+                    }
+                    (2, 4) => {
+                        values_tile::<2, 4>(pr, stride, keys, d, vp, c0, or);
+                        2
+                    }
+                    (4.., _) => {
                         values_tile::<4, 1>(pr, stride, keys, d, vp, c0, or);
                         4
                     }
-                    (false, 4) => {
+                    (1, 4) => {
                         values_tile::<1, 4>(pr, stride, keys, d, vp, c0, or);
                         1
                     }
-                    (false, _) => {
+                    _ => {
                         values_tile::<1, 1>(pr, stride, keys, d, vp, c0, or);
                         1
                     }
@@ -1126,15 +1230,22 @@ mod tests {
         check(0x5ef1, 4, 4, 48, 16, 33, 33);
     }
 
-    /// The AVX2 score and value kernels (run on any CPU with AVX2, also one with AVX-512) give
-    /// bit for bit the portable loop's results: each output is the same chain of fused
+    /// The AVX2 and AVX-512 score and value kernels (each where the CPU has it) give bit for
+    /// bit the portable loop's results: each output is the same chain of fused
     /// multiply-adds in the same order. Shapes around every tile: block sizes 8–40, head
     /// sizes 8–72, 1–13 query rows, partial key blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_kernels_equal_the_portable_loop() {
-        if !avx2::available() {
-            return;
+    fn vector_kernels_equal_the_portable_loop() {
+        type Scores = unsafe fn(&[f32], usize, usize, usize, &[f32], &mut [f32], usize, usize);
+        type Values = unsafe fn(&[f32], usize, usize, usize, usize, usize, &[f32], &mut [f32]);
+        // (name, lanes: block size and head_dim must be multiples of it, kernels)
+        let mut kernels: Vec<(&str, usize, Scores, Values)> = Vec::new();
+        if avx2::available() {
+            kernels.push(("avx2", 8, avx2::scores_block, avx2::values_block));
+        }
+        if avx512::available() {
+            kernels.push(("avx512", 16, avx512::scores_block, avx512::values_block));
         }
         let seed = 0xa2f2_u64;
         println!("seed {seed}");
@@ -1145,43 +1256,95 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
         };
-        for bs in [8usize, 16, 24, 32, 40] {
-            for d in [8usize, 24, 32, 64, 72] {
-                for nq in [1usize, 2, 3, 4, 5, 6, 7, 12, 13] {
-                    let stride = 3 * bs;
-                    let j0 = bs;
-                    let q: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
-                    let keys: Vec<f32> = (0..d * bs).map(|_| rnd()).collect();
-                    let mut want = vec![f32::NAN; nq * stride];
-                    let mut got = want.clone();
-                    scores_block_portable(&q, nq, d, bs, &keys, &mut want, stride, j0);
-                    // SAFETY: AVX2/FMA checked above.
-                    unsafe { avx2::scores_block(&q, nq, d, bs, &keys, &mut got, stride, j0) };
-                    assert!(
-                        got.iter()
-                            .zip(&want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "scores bs={bs} d={d} nq={nq}"
-                    );
-                    let probs: Vec<f32> = (0..nq * stride).map(|_| rnd()).collect();
-                    let values: Vec<f32> = (0..bs * d).map(|_| rnd()).collect();
-                    for keys_used in [1, bs / 2 + 1, bs] {
-                        let o0: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
-                        let (mut want, mut got) = (o0.clone(), o0);
-                        values_block_portable(
-                            &probs, stride, j0, keys_used, nq, d, &values, &mut want,
+        for (name, lanes, scores, weighted) in kernels {
+            for bs in [8usize, 16, 24, 32, 40]
+                .into_iter()
+                .filter(|b| b % lanes == 0)
+            {
+                for d in [8usize, 24, 32, 64, 72]
+                    .into_iter()
+                    .filter(|d| d % lanes == 0)
+                {
+                    for nq in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13] {
+                        let stride = 3 * bs;
+                        let j0 = bs;
+                        let q: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
+                        let keys: Vec<f32> = (0..d * bs).map(|_| rnd()).collect();
+                        let mut want = vec![f32::NAN; nq * stride];
+                        let mut got = want.clone();
+                        scores_block_portable(&q, nq, d, bs, &keys, &mut want, stride, j0);
+                        // SAFETY: the kernel's features were checked above.
+                        unsafe { scores(&q, nq, d, bs, &keys, &mut got, stride, j0) };
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{name} scores bs={bs} d={d} nq={nq}"
                         );
-                        // SAFETY: as above.
+                        let probs: Vec<f32> = (0..nq * stride).map(|_| rnd()).collect();
+                        let values: Vec<f32> = (0..bs * d).map(|_| rnd()).collect();
+                        for keys_used in [1, bs / 2 + 1, bs] {
+                            let o0: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
+                            let (mut want, mut got) = (o0.clone(), o0);
+                            values_block_portable(
+                                &probs, stride, j0, keys_used, nq, d, &values, &mut want,
+                            );
+                            // SAFETY: as above.
+                            unsafe {
+                                weighted(&probs, stride, j0, keys_used, nq, d, &values, &mut got)
+                            };
+                            assert!(
+                                got.iter()
+                                    .zip(&want)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{name} values bs={bs} d={d} nq={nq} keys={keys_used}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 scores over spans of 1–9 scattered key blocks (tiles across blocks, tails)
+    /// equal the portable loop run block by block, bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_scores_across_blocks_equal_the_portable_loop() {
+        if !avx512::available() {
+            return;
+        }
+        let mut state = 0x5eed_u64;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        for bs in [16usize, 32, 48] {
+            for d in [16usize, 64] {
+                for nq in [1usize, 2, 3, 4, 5, 8, 9, 12] {
+                    for span in 1..=9usize {
+                        let blocks: Vec<Vec<f32>> = (0..span)
+                            .map(|_| (0..d * bs).map(|_| rnd()).collect())
+                            .collect();
+                        let keys: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+                        let (j0, stride) = (bs, (span + 2) * bs);
+                        let q: Vec<f32> = (0..nq * d).map(|_| rnd()).collect();
+                        let mut want = vec![f32::NAN; nq * stride];
+                        let mut got = want.clone();
+                        for (i, k) in keys.iter().enumerate() {
+                            scores_block_portable(&q, nq, d, bs, k, &mut want, stride, j0 + i * bs);
+                        }
+                        // SAFETY: AVX-512F/FMA checked above.
                         unsafe {
-                            avx2::values_block(
-                                &probs, stride, j0, keys_used, nq, d, &values, &mut got,
-                            )
+                            avx512::scores_blocks(&q, nq, d, bs, &keys, &mut got, stride, j0)
                         };
                         assert!(
                             got.iter()
                                 .zip(&want)
                                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "values bs={bs} d={d} nq={nq} keys={keys_used}"
+                            "bs={bs} d={d} nq={nq} span={span}"
                         );
                     }
                 }
