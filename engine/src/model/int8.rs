@@ -149,24 +149,115 @@ mod quantize_avx2 {
     }
 }
 
-/// Fills `dst` (`[rows, m]`, from weight row `first`) from activations quantized by
-/// [`quantize`]; [`PackedMatrix::matmul`] splits the rows over the pool and transposes.
+/// Fills `dst` (`[m, rows]`, from weight row `first`) from activations quantized by
+/// [`quantize`] (the tests' entry; [`PackedMatrix::matmul`] splits the rows over the pool
+/// through [`rows_into_strided`]).
+#[cfg(test)]
 pub(crate) fn rows_into(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
+    let (out, n_rows) = Out::of(dst, m);
+    // SAFETY: `out` covers `dst`, `[m, n_rows]`.
+    unsafe { rows_into_strided(p, xq, m, first, n_rows, out) }
+}
+
+/// Runs a kernel's activation-row tiles over rows `0..m`: the widest arm that fits (arms in
+/// decreasing widths, the last of width 1), `a0` bound to each tile's first row.
+macro_rules! row_tiles {
+    ($m:expr, $a0:ident, { $($w:literal => $call:expr),+ $(,)? }) => {{
+        let m = $m;
+        let mut $a0 = 0;
+        while $a0 < m {
+            let left = m - $a0;
+            $(
+                if left >= $w {
+                    $call;
+                    $a0 += $w;
+                    continue;
+                }
+            )+
+        }
+    }};
+}
+pub(crate) use row_tiles;
+
+/// Where a kernel call's results go: the result of weight row `first + i` (the call's `i`-th
+/// row) and activation row `a` at `base[a · stride + i]` — activation-major, so a tile of
+/// weight rows stores each activation row's results as one vector, straight into the
+/// `[m, n]` product.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    pub(crate) base: *mut f32,
+    pub(crate) stride: usize,
+}
+
+impl Out {
+    /// `dst` as the `[m, dst.len() / m]` output of its own rows, and that row count.
+    #[cfg(test)]
+    fn of(dst: &mut [f32], m: usize) -> (Out, usize) {
+        let n_rows = dst.len().checked_div(m).unwrap_or(0);
+        assert_eq!(n_rows * m, dst.len(), "output is not [m, rows]");
+        (
+            Out {
+                base: dst.as_mut_ptr(),
+                stride: n_rows,
+            },
+            n_rows,
+        )
+    }
+
+    /// The place of the call's row `i`, activation row `a`.
+    ///
+    /// # Safety
+    /// Inside the output the caller handed over.
+    #[inline(always)]
+    unsafe fn at(self, i: usize, a: usize) -> *mut f32 {
+        self.base.add(a * self.stride + i)
+    }
+
+    /// The same output seen from the call's row `i` on.
+    ///
+    /// # Safety
+    /// As [`Out::at`].
+    #[inline(always)]
+    unsafe fn skip_rows(self, i: usize) -> Out {
+        Out {
+            base: self.base.add(i),
+            stride: self.stride,
+        }
+    }
+}
+
+/// Results of weight rows `first .. first + n_rows` against the `m` activation rows of `xq`
+/// into `out`.
+///
+/// # Safety
+/// `out` is valid for writes at `base[a · stride + i]` for every `a < m`, `i < n_rows` (so
+/// `stride >= n_rows`), and nothing else touches those places meanwhile.
+pub(crate) unsafe fn rows_into_strided(
+    p: &PackedMatrix,
+    xq: &Quantized,
+    m: usize,
+    first: usize,
+    n_rows: usize,
+    out: Out,
+) {
+    assert!(out.stride >= n_rows || m <= 1);
     // Every kernel gives the scalar loop's bits; the layout says which one reads the matrix.
     #[cfg(target_arch = "x86_64")]
     {
         if p.interleaved && vnni::available() {
-            // SAFETY: the CPU has the features the function is compiled for (checked above).
-            unsafe { vnni::rows_into(p, xq, m, first, dst) };
+            // SAFETY: the CPU has the features the function is compiled for (checked above);
+            // the output as the caller promised.
+            unsafe { vnni::rows_into_strided(p, xq, m, first, n_rows, out) };
             return;
         }
         if !p.interleaved && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: as above.
-            unsafe { avx2::rows_into(p, xq, m, first, dst) };
+            unsafe { avx2::rows_into_strided(p, xq, m, first, n_rows, out) };
             return;
         }
     }
-    rows_into_impl(p, xq, m, first, dst);
+    // SAFETY: the scalar product needs no CPU feature; the output as promised.
+    unsafe { rows_into_with::<Scalar>(p, xq, m, first, n_rows, out) }
 }
 
 /// Whether this CPU runs the AVX-512 VNNI kernel ([`PackedMatrix::with_int8_activations`] then
@@ -202,7 +293,7 @@ pub(crate) fn vnni_available() -> bool {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{rows_into_with, BlockDot, Quantized, QK};
+    use super::{rows_into_with, BlockDot, Out, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix, TILE_ROWS};
 
     /// The 32 nibbles of the Q4 block at `blk` ([`PackedMatrix::block_index`]) as bytes in
@@ -305,15 +396,14 @@ mod avx2 {
     }
 
     /// Weight rows `r0..r0 + 8` (`r0` a multiple of [`TILE_ROWS`]) against activation rows
-    /// `a0..a0 + R`; result `(r0 + c, a0 + a)` goes to `out[c·m + a]`.
+    /// `a0..a0 + R`; `out` seen from row `r0` (result `(r0 + c, a)` at `out.at(c, a)`).
     #[inline(always)]
     unsafe fn tile<F: Format, const R: usize>(
         p: &PackedMatrix,
         xq: &Quantized,
         a0: usize,
         r0: usize,
-        out: *mut f32,
-        m: usize,
+        out: Out,
     ) {
         let nb = p.cols() / QK;
         let params = p.block_index(r0, 0);
@@ -372,7 +462,9 @@ mod avx2 {
                 accumulate(acc_a, sumi, dw, mw, F::WITH_MIN, xq, ab);
             }
         }
-        store(&acc, out, m);
+        for (a, acc_a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.at(0, a0 + a), *acc_a);
+        }
     }
 
     /// `acc += sumi · d_w · d_a (+ m_w · s_a)` lane-wise for activation block `ab`: the scalar
@@ -401,21 +493,6 @@ mod avx2 {
         *acc = _mm256_add_ps(*acc, t);
     }
 
-    /// Lane `c` of `acc[a]` (weight row `c`, activation row `a`) to `out[c·m + a]`.
-    ///
-    /// # Safety
-    /// AVX2 available; `out` valid for `[TILE_ROWS, m]` with `R <= m`.
-    #[inline(always)]
-    pub(super) unsafe fn store<const R: usize>(acc: &[__m256; R], out: *mut f32, m: usize) {
-        for (a, acc_a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; TILE_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_a);
-            for (c, v) in lanes.iter().enumerate() {
-                *out.add(c * m + a) = *v;
-            }
-        }
-    }
-
     /// Whole tiles: `tiles` groups of [`TILE_ROWS`] weight rows from `first`, every activation
     /// row.
     #[inline(always)]
@@ -425,29 +502,16 @@ mod avx2 {
         m: usize,
         first: usize,
         tiles: usize,
-        dst: &mut [f32],
+        out: Out,
     ) {
-        let out = dst.as_mut_ptr();
         for t in 0..tiles {
             let r0 = first + t * TILE_ROWS;
-            let tile_out = out.add(t * TILE_ROWS * m);
-            let mut a0 = 0;
-            while a0 < m {
-                a0 += match m - a0 {
-                    4.. => {
-                        tile::<F, 4>(p, xq, a0, r0, tile_out.add(a0), m);
-                        4
-                    }
-                    2 | 3 => {
-                        tile::<F, 2>(p, xq, a0, r0, tile_out.add(a0), m);
-                        2
-                    }
-                    _ => {
-                        tile::<F, 1>(p, xq, a0, r0, tile_out.add(a0), m);
-                        1
-                    }
-                };
-            }
+            let tile_out = out.skip_rows(t * TILE_ROWS);
+            super::row_tiles!(m, a0, {
+                4 => tile::<F, 4>(p, xq, a0, r0, tile_out),
+                2 => tile::<F, 2>(p, xq, a0, r0, tile_out),
+                1 => tile::<F, 1>(p, xq, a0, r0, tile_out),
+            });
         }
     }
 
@@ -499,27 +563,30 @@ mod avx2 {
         first: usize,
         dst: &mut [f32],
     ) {
-        rows_into_with::<Avx2>(p, xq, m, first, dst);
+        let (out, n_rows) = Out::of(dst, m);
+        rows_into_with::<Avx2>(p, xq, m, first, n_rows, out);
     }
 
-    /// Fills `dst` (`[rows, m]`, from weight row `first`): whole tiles through [`tile`], the
-    /// rest through [`super::rows_into_with`] on [`Avx2`]'s block product.
+    /// Weight rows `first .. first + n_rows` into `out` ([`super::rows_into_strided`]): whole
+    /// tiles through [`tile`], the rest through [`super::rows_into_with`] on [`Avx2`]'s block
+    /// product.
     ///
     /// # Safety
-    /// AVX2 available; `p` in tile order (asserted).
+    /// AVX2 available; `p` in tile order (asserted); `out` as [`super::rows_into_strided`]
+    /// requires.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn rows_into(
+    pub(super) unsafe fn rows_into_strided(
         p: &PackedMatrix,
         xq: &Quantized,
         m: usize,
         first: usize,
-        dst: &mut [f32],
+        n_rows: usize,
+        out: Out,
     ) {
         if m == 0 {
             return;
         }
         let nb = p.cols() / QK;
-        let n_rows = dst.len() / m;
         assert!(
             p.tile_rows == TILE_ROWS
                 && !p.interleaved
@@ -535,13 +602,13 @@ mod avx2 {
         } else {
             0
         };
-        let (tiled, rest) = dst.split_at_mut(tiles * TILE_ROWS * m);
         match p.kind {
-            Kind::Q4_1 => tiles_into::<Q41>(p, xq, m, first, tiles, tiled),
-            Kind::Q4_0 => tiles_into::<Q40>(p, xq, m, first, tiles, tiled),
-            Kind::Q8_0 => tiles_into::<Q80>(p, xq, m, first, tiles, tiled),
+            Kind::Q4_1 => tiles_into::<Q41>(p, xq, m, first, tiles, out),
+            Kind::Q4_0 => tiles_into::<Q40>(p, xq, m, first, tiles, out),
+            Kind::Q8_0 => tiles_into::<Q80>(p, xq, m, first, tiles, out),
         }
-        rows_into_with::<Avx2>(p, xq, m, first + tiles * TILE_ROWS, rest);
+        let done = tiles * TILE_ROWS;
+        rows_into_with::<Avx2>(p, xq, m, first + done, n_rows - done, out.skip_rows(done));
     }
 }
 
@@ -565,7 +632,7 @@ mod avx2 {
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{Quantized, QK};
+    use super::{Out, Quantized, QK};
     use crate::model::packed::{Kind, PackedMatrix, VNNI_TILE_ROWS};
 
     /// Weight rows per tile.
@@ -638,16 +705,15 @@ mod vnni {
     }
 
     /// Weight rows `r0..r0 + 16` (`r0` a multiple of [`T`]; rows past the matrix are its zero
-    /// padding) against activation rows `a0..a0 + R`; result `(r0 + c, a0 + a)` goes to
-    /// `out[c·m + a]`.
+    /// padding) against activation rows `a0..a0 + R`; `out` seen from row `r0` (result
+    /// `(r0 + c, a)` at `out.at(c, a)`).
     #[inline(always)]
     unsafe fn tile<F: Format, const R: usize>(
         p: &PackedMatrix,
         xq: &Quantized,
         a0: usize,
         r0: usize,
-        out: *mut f32,
-        m: usize,
+        out: Out,
     ) {
         let nb = p.cols() / QK;
         let params = p.block_index(r0, 0);
@@ -702,45 +768,26 @@ mod vnni {
             }
         }
         for (a, acc_a) in acc.iter().enumerate() {
-            let mut lanes = [0f32; T];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), *acc_a);
-            for (c, v) in lanes.iter().enumerate() {
-                *out.add(c * m + a) = *v;
-            }
+            _mm512_storeu_ps(out.at(0, a0 + a), *acc_a);
         }
     }
 
-    /// One tile (weight rows `r0..r0 + 16`) against every activation row into `out`
-    /// (`[16, m]`).
+    /// One tile (weight rows `r0..r0 + 16`) against every activation row into `out` (seen
+    /// from row `r0`).
     #[inline(always)]
     unsafe fn tile_rows<F: Format>(
         p: &PackedMatrix,
         xq: &Quantized,
         m: usize,
         r0: usize,
-        out: *mut f32,
+        out: Out,
     ) {
-        let mut a0 = 0;
-        while a0 < m {
-            a0 += match m - a0 {
-                8.. => {
-                    tile::<F, 8>(p, xq, a0, r0, out.add(a0), m);
-                    8
-                }
-                4..=7 => {
-                    tile::<F, 4>(p, xq, a0, r0, out.add(a0), m);
-                    4
-                }
-                2 | 3 => {
-                    tile::<F, 2>(p, xq, a0, r0, out.add(a0), m);
-                    2
-                }
-                _ => {
-                    tile::<F, 1>(p, xq, a0, r0, out.add(a0), m);
-                    1
-                }
-            };
-        }
+        super::row_tiles!(m, a0, {
+            8 => tile::<F, 8>(p, xq, a0, r0, out),
+            4 => tile::<F, 4>(p, xq, a0, r0, out),
+            2 => tile::<F, 2>(p, xq, a0, r0, out),
+            1 => tile::<F, 1>(p, xq, a0, r0, out),
+        });
     }
 
     #[inline(always)]
@@ -749,42 +796,54 @@ mod vnni {
         xq: &Quantized,
         m: usize,
         first: usize,
-        dst: &mut [f32],
+        n_rows: usize,
+        out: Out,
     ) {
-        let end = first + dst.len() / m;
+        let end = first + n_rows;
         let mut scratch = Vec::new();
         let mut r0 = first / T * T;
         while r0 < end {
             if r0 >= first && r0 + T <= end {
-                tile_rows::<F>(p, xq, m, r0, dst.as_mut_ptr().add((r0 - first) * m));
+                tile_rows::<F>(p, xq, m, r0, out.skip_rows(r0 - first));
             } else {
+                // A cut tile: whole into `[m, T]`, then the call's rows of it.
                 scratch.resize(T * m, 0f32);
-                tile_rows::<F>(p, xq, m, r0, scratch.as_mut_ptr());
+                let whole = Out {
+                    base: scratch.as_mut_ptr(),
+                    stride: T,
+                };
+                tile_rows::<F>(p, xq, m, r0, whole);
                 let (lo, hi) = (r0.max(first), (r0 + T).min(end));
-                dst[(lo - first) * m..(hi - first) * m]
-                    .copy_from_slice(&scratch[(lo - r0) * m..(hi - r0) * m]);
+                for a in 0..m {
+                    std::ptr::copy_nonoverlapping(
+                        scratch.as_ptr().add(a * T + lo - r0),
+                        out.at(lo - first, a),
+                        hi - lo,
+                    );
+                }
             }
             r0 += T;
         }
     }
 
-    /// Fills `dst` (`[rows, m]`, from weight row `first`).
+    /// Weight rows `first .. first + n_rows` into `out` ([`super::rows_into_strided`]).
     ///
     /// # Safety
-    /// [`available`]; `p` interleaved (asserted).
+    /// [`available`]; `p` interleaved (asserted); `out` as [`super::rows_into_strided`]
+    /// requires.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn rows_into(
+    pub(super) unsafe fn rows_into_strided(
         p: &PackedMatrix,
         xq: &Quantized,
         m: usize,
         first: usize,
-        dst: &mut [f32],
+        n_rows: usize,
+        out: Out,
     ) {
         if m == 0 {
             return;
         }
         let nb = p.cols() / QK;
-        let n_rows = dst.len() / m;
         // Tiles read whole groups of T rows: the tile-ordered matrix is padded to them.
         assert!(
             p.tile_rows == T
@@ -797,9 +856,9 @@ mod vnni {
                 && (p.kind != Kind::Q4_1 || xq.s.len() >= m * nb)
         );
         match p.kind {
-            Kind::Q4_1 => rows_into_format::<Q41>(p, xq, m, first, dst),
-            Kind::Q4_0 => rows_into_format::<Q40>(p, xq, m, first, dst),
-            Kind::Q8_0 => rows_into_format::<Q80>(p, xq, m, first, dst),
+            Kind::Q4_1 => rows_into_format::<Q41>(p, xq, m, first, n_rows, out),
+            Kind::Q4_0 => rows_into_format::<Q40>(p, xq, m, first, n_rows, out),
+            Kind::Q8_0 => rows_into_format::<Q80>(p, xq, m, first, n_rows, out),
         }
     }
 }
@@ -859,33 +918,34 @@ impl BlockDot for Scalar {
     }
 }
 
+#[cfg(test)]
 #[inline(always)]
 fn rows_into_impl(p: &PackedMatrix, xq: &Quantized, m: usize, first: usize, dst: &mut [f32]) {
-    // SAFETY: the scalar product needs no CPU feature.
-    unsafe { rows_into_with::<Scalar>(p, xq, m, first, dst) }
+    let (out, n_rows) = Out::of(dst, m);
+    // SAFETY: the scalar product needs no CPU feature; `out` covers `dst`.
+    unsafe { rows_into_with::<Scalar>(p, xq, m, first, n_rows, out) }
 }
 
 /// The loop every kernel shares: per weight row, groups of [`GROUP`] activation rows, blocks
 /// in order; `sumf += sumi · d_w · d_a (+ m_w · s_a for Q4_1)` — one float order for all.
 ///
 /// # Safety
-/// The CPU has `D`'s features.
+/// The CPU has `D`'s features; `out` as [`rows_into_strided`] requires.
 #[inline(always)]
 unsafe fn rows_into_with<D: BlockDot>(
     p: &PackedMatrix,
     xq: &Quantized,
     m: usize,
     first: usize,
-    dst: &mut [f32],
+    n_rows: usize,
+    out: Out,
 ) {
     if m == 0 {
         return;
     }
     let nb = p.cols() / QK;
-    assert!(
-        first + dst.len() / m <= p.rows() && xq.q.len() >= m * p.cols() && xq.d.len() >= m * nb
-    );
-    for (i, out_row) in dst.chunks_exact_mut(m).enumerate() {
+    assert!(first + n_rows <= p.rows() && xq.q.len() >= m * p.cols() && xq.d.len() >= m * nb);
+    for i in 0..n_rows {
         let r = first + i;
         let mut g = 0;
         while g < m {
@@ -908,7 +968,9 @@ unsafe fn rows_into_with<D: BlockDot>(
                     };
                 }
             }
-            out_row[g..g + rows].copy_from_slice(&acc[..rows]);
+            for (a, v) in acc.iter().enumerate().take(rows) {
+                *out.at(i, g + a) = *v;
+            }
             g += rows;
         }
     }
@@ -921,6 +983,12 @@ mod tests {
 
     use super::*;
     use crate::model::packed::tests::rnd_vec;
+
+    /// Runs a strided kernel `f(rows, out)` into `dst` (`[m, rows]`).
+    fn strided(dst: &mut [f32], m: usize, f: impl FnOnce(usize, Out)) {
+        let (out, n_rows) = Out::of(dst, m);
+        f(n_rows, out)
+    }
 
     /// The AVX2 quantization gives the reference's bits: random blocks at many scales, ties at
     /// ±½ steps, zeros, subnormals (whose `1/d` overflows), infinities and NaNs.
@@ -1043,14 +1111,18 @@ mod tests {
                     if std::arch::is_x86_feature_detected!("avx2") {
                         // SAFETY: AVX2 checked above; shapes match.
                         run("avx2", &|out| unsafe {
-                            avx2::rows_into(&plain, &xq, rows, first, out)
+                            strided(out, rows, |n, o| {
+                                avx2::rows_into_strided(&plain, &xq, rows, first, n, o)
+                            })
                         });
                     }
                     #[cfg(target_arch = "x86_64")]
                     if vnni::available() {
                         // SAFETY: the CPU has the kernel's features (checked above).
                         run("avx512 vnni", &|out| unsafe {
-                            vnni::rows_into(&interleaved, &xq, rows, first, out)
+                            strided(out, rows, |n, o| {
+                                vnni::rows_into_strided(&interleaved, &xq, rows, first, n, o)
+                            })
                         });
                     }
                     for (name, got) in &kernels {
@@ -1115,13 +1187,21 @@ mod tests {
             kernels.push((
                 "avx512 vnni (interleaved)",
                 // SAFETY: the CPU has the kernel's features (checked above).
-                Box::new(|xq, m, dst| unsafe { vnni::rows_into(&interleaved, xq, m, 0, dst) }),
+                Box::new(|xq, m, dst| unsafe {
+                    strided(dst, m, |n, o| {
+                        vnni::rows_into_strided(&interleaved, xq, m, 0, n, o)
+                    })
+                }),
             ));
         }
         // SAFETY (these three): AVX2 checked above.
         kernels.push((
             "avx2 tiled",
-            Box::new(|xq, m, dst| unsafe { avx2::rows_into(&plain, xq, m, 0, dst) }),
+            Box::new(|xq, m, dst| unsafe {
+                strided(dst, m, |n, o| {
+                    avx2::rows_into_strided(&plain, xq, m, 0, n, o)
+                })
+            }),
         ));
         kernels.push((
             "avx2 untiled",

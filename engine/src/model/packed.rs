@@ -25,6 +25,7 @@
 //! F32 GEMM for small steps (it reads a quarter of the bytes), slower for large ones, hence the
 //! dense copy ([`super::gemm`]) for prefill.
 
+use super::gemm::OutPtr;
 use candle_core::quantized::{GgmlDType, QTensor};
 use rayon::prelude::*;
 
@@ -498,13 +499,7 @@ impl PackedMatrix {
                 self.cols
             )));
         }
-        // With 8-bit activations ([`super::int8`]) each row is quantized once, before the split.
-        let xq = self
-            .int8_activations
-            .then(|| super::int8::quantize(x, self.kind == Kind::Q4_1));
         let n = self.rows;
-        // Transposed output [n, m]: each task owns a contiguous run of weight rows.
-        let mut out_t = vec![0f32; n * m];
         let threads = rayon::current_num_threads().max(1);
         // A multiple of every tile width (2, 3, 4, 8 weight rows; 16 in the VNNI layout), so
         // that tasks start on tile boundaries.
@@ -514,16 +509,35 @@ impl PackedMatrix {
             24
         };
         let rows_per_task = n.div_ceil(threads * 4).clamp(unit, 240).div_ceil(unit) * unit;
+        if self.int8_activations {
+            // With 8-bit activations ([`super::int8`]) each row is quantized once, before the
+            // split, and the kernels store `[m, n]` directly: each task writes its weight rows'
+            // columns of every activation row.
+            let xq = super::int8::quantize(x, self.kind == Kind::Q4_1);
+            let mut out = vec![0f32; m * n];
+            let base = OutPtr::new(&mut out);
+            (0..n.div_ceil(rows_per_task))
+                .into_par_iter()
+                .for_each(|task| {
+                    let first = task * rows_per_task;
+                    let rows = rows_per_task.min(n - first);
+                    let dst = super::int8::Out {
+                        // SAFETY: `first < n`: inside `out`.
+                        base: unsafe { base.get().add(first) },
+                        stride: n,
+                    };
+                    // SAFETY: `dst` covers columns `first .. first + rows` of the `m` rows of
+                    // `out` (`[m, n]`), which no other task writes; `out` outlives the loop.
+                    unsafe { super::int8::rows_into_strided(self, &xq, m, first, rows, dst) };
+                });
+            return Ok(out);
+        }
+        // Transposed output [n, m]: each task owns a contiguous run of weight rows.
+        let mut out_t = vec![0f32; n * m];
         out_t
             .par_chunks_mut(rows_per_task * m)
             .enumerate()
-            .for_each(|(task, dst)| {
-                let first = task * rows_per_task;
-                match &xq {
-                    Some(q) => super::int8::rows_into(self, q, m, first, dst),
-                    None => self.rows_into(x, m, first, dst),
-                }
-            });
+            .for_each(|(task, dst)| self.rows_into(x, m, task * rows_per_task, dst));
         if m == 1 {
             return Ok(out_t);
         }
