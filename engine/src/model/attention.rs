@@ -58,8 +58,61 @@ pub(crate) struct KvLayout {
     pub n_kv_head: usize,
     pub head_dim: usize,
     pub block_size: usize,
-    /// Round every key and value to f16 as it is stored ([`super::WeightFormat::LlamaCpp`]).
-    pub round_f16: bool,
+}
+
+/// One layer's K and V storage in [`KvLayout`]: f32, or f16 for
+/// [`super::WeightFormat::LlamaCpp`] (llama.cpp's F16 cache: every key and value rounded to
+/// the nearest f16 as it is stored). An f16 store takes half the memory — twice the blocks for a
+/// KV budget — and half the bytes attention reads; before the kernels run, an item converts
+/// each block it reads back to f32 (exact) in its scratch, so the results equal those of an f32
+/// store holding the rounded values, bit for bit (tested).
+pub(crate) enum LayerKv {
+    F32 { k: Vec<f32>, v: Vec<f32> },
+    F16 { k: Vec<u16>, v: Vec<u16> },
+}
+
+impl LayerKv {
+    /// `values` zero-filled elements in each of K and V (f16 when `f16`).
+    pub(crate) fn zeroed(values: usize, f16: bool) -> Result<Self, String> {
+        fn alloc<T: Clone + Default>(n: usize) -> Result<Vec<T>, String> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n)
+                .map_err(|e| format!("cannot allocate a KV cache of {n} values: {e}"))?;
+            v.resize(n, T::default());
+            Ok(v)
+        }
+        Ok(if f16 {
+            LayerKv::F16 {
+                k: alloc(values)?,
+                v: alloc(values)?,
+            }
+        } else {
+            LayerKv::F32 {
+                k: alloc(values)?,
+                v: alloc(values)?,
+            }
+        })
+    }
+}
+
+/// Block parts of one K or V store.
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+}
+
+impl<'a> Part<'a> {
+    /// Elements `at .. at + n` as f32: in place, or converted into `tmp` (at least `n` long).
+    fn floats(self, at: usize, n: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            Part::F32(x) => &x[at..][..n],
+            Part::F16(x) => {
+                f16_bits_to_f32(&x[at..][..n], &mut tmp[..n]);
+                &tmp[..n]
+            }
+        }
+    }
 }
 
 /// `x` rounded to the nearest f16 (ties to even; beyond f16's range ±inf, below it subnormal or
@@ -68,33 +121,72 @@ pub(crate) fn round_to_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
-/// [`round_to_f16`] of every value of `x`, in place: 8 at a time with the F16C conversions
-/// (the instructions `half` uses for one value, so the same bits) where the CPU has them.
-pub(crate) fn round_slice_to_f16(x: &mut [f32]) {
+/// `src` as f16 bits, each rounded to the nearest (ties to even): 8 at a time with F16C (the
+/// instruction `half` uses for one value, so the same bits) where the CPU has it.
+pub(crate) fn f32_to_f16_bits(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("f16c") {
-            // SAFETY: F16C checked just above.
-            unsafe { round_slice_f16c(x) };
+            // SAFETY: F16C checked just above; equal lengths asserted.
+            unsafe { f16c::narrow(src, dst) };
             return;
         }
     }
-    x.iter_mut().for_each(|v| *v = round_to_f16(*v));
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(x).to_bits();
+    }
 }
 
-/// # Safety
-/// F16C available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-unsafe fn round_slice_f16c(x: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let (chunks, tail) = x.as_chunks_mut::<8>();
-    for c in chunks {
-        let v = _mm256_loadu_ps(c.as_ptr());
-        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-        _mm256_storeu_ps(c.as_mut_ptr(), _mm256_cvtph_ps(h));
+/// f16 bits `src` as f32 (exact), 8 at a time with F16C where the CPU has it.
+pub(crate) fn f16_bits_to_f32(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: F16C checked just above; equal lengths asserted.
+            unsafe { f16c::widen(src, dst) };
+            return;
+        }
     }
-    tail.iter_mut().for_each(|v| *v = round_to_f16(*v));
+    for (d, &h) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_bits(h).to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// F16C available; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn narrow(src: &[f32], dst: &mut [u16]) {
+        let (chunks, tail) = src.as_chunks::<8>();
+        let (out, out_tail) = dst.as_chunks_mut::<8>();
+        for (c, o) in chunks.iter().zip(out) {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(c.as_ptr()));
+            _mm_storeu_si128(o.as_mut_ptr() as *mut __m128i, h);
+        }
+        for (d, &x) in out_tail.iter_mut().zip(tail) {
+            *d = half::f16::from_f32(x).to_bits();
+        }
+    }
+
+    /// # Safety
+    /// F16C available; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen(src: &[u16], dst: &mut [f32]) {
+        let (chunks, tail) = src.as_chunks::<8>();
+        let (out, out_tail) = dst.as_chunks_mut::<8>();
+        for (c, o) in chunks.iter().zip(out) {
+            let h = _mm_loadu_si128(c.as_ptr() as *const __m128i);
+            _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+        for (d, &h) in out_tail.iter_mut().zip(tail) {
+            *d = half::f16::from_bits(h).to_f32();
+        }
+    }
 }
 
 impl KvLayout {
@@ -103,45 +195,47 @@ impl KvLayout {
         self.n_kv_head * self.head_dim * self.block_size
     }
 
-    /// Stores one token's keys and values (`[n_kv_head · head_dim]` each) in `slot`.
-    pub(crate) fn write(&self, kc: &mut [f32], vc: &mut [f32], slot: usize, k: &[f32], v: &[f32]) {
+    /// Stores one token's keys and values (`[n_kv_head · head_dim]` each) in `slot` (an f16
+    /// store rounds them to f16).
+    pub(crate) fn write(&self, kv: &mut LayerKv, slot: usize, k: &[f32], v: &[f32]) {
         let (hk, d, bs) = (self.n_kv_head, self.head_dim, self.block_size);
         let (b, o) = (slot / bs, slot % bs);
-        let rounded;
-        let k = if self.round_f16 {
-            let mut kr = k[..hk * d].to_vec();
-            round_slice_to_f16(&mut kr);
-            rounded = kr;
-            &rounded[..]
-        } else {
-            k
-        };
-        let kb = &mut kc[b * self.block_floats()..][..self.block_floats()];
-        for g in 0..hk {
-            for i in 0..d {
-                kb[(g * d + i) * bs + o] = k[g * d + i];
+        let n = self.block_floats();
+        match kv {
+            LayerKv::F32 { k: kc, v: vc } => {
+                let kb = &mut kc[b * n..][..n];
+                for g in 0..hk {
+                    for i in 0..d {
+                        kb[(g * d + i) * bs + o] = k[g * d + i];
+                    }
+                }
+                let vb = &mut vc[b * n..][..n];
+                for g in 0..hk {
+                    vb[(g * bs + o) * d..][..d].copy_from_slice(&v[g * d..][..d]);
+                }
             }
-        }
-        let vb = &mut vc[b * self.block_floats()..][..self.block_floats()];
-        for g in 0..hk {
-            let dst = &mut vb[(g * bs + o) * d..][..d];
-            dst.copy_from_slice(&v[g * d..][..d]);
-            if self.round_f16 {
-                round_slice_to_f16(dst);
+            LayerKv::F16 { k: kc, v: vc } => {
+                let mut bits = vec![0u16; hk * d];
+                f32_to_f16_bits(&k[..hk * d], &mut bits);
+                let kb = &mut kc[b * n..][..n];
+                for g in 0..hk {
+                    for i in 0..d {
+                        kb[(g * d + i) * bs + o] = bits[g * d + i];
+                    }
+                }
+                let vb = &mut vc[b * n..][..n];
+                for g in 0..hk {
+                    f32_to_f16_bits(&v[g * d..][..d], &mut vb[(g * bs + o) * d..][..d]);
+                }
             }
         }
     }
 
-    /// Block `b`'s keys of KV head `g`: `[head_dim, block_size]`.
-    fn keys<'a>(&self, kc: &'a [f32], b: usize, g: usize) -> &'a [f32] {
+    /// Where block `b`'s keys (`[head_dim, block_size]`) or values (`[block_size, head_dim]`)
+    /// of KV head `g` start, and how many there are.
+    fn part(&self, b: usize, g: usize) -> (usize, usize) {
         let n = self.head_dim * self.block_size;
-        &kc[b * self.block_floats() + g * n..][..n]
-    }
-
-    /// Block `b`'s values of KV head `g`: `[block_size, head_dim]`.
-    fn values<'a>(&self, vc: &'a [f32], b: usize, g: usize) -> &'a [f32] {
-        let n = self.head_dim * self.block_size;
-        &vc[b * self.block_floats() + g * n..][..n]
+        (b * self.block_floats() + g * n, n)
     }
 }
 
@@ -157,12 +251,11 @@ struct Item {
 /// Computes attention for every token of `chunks` into `out` (`[tokens, n_head · head_dim]`).
 ///
 /// `q` holds each token's query heads at `q[t · q_stride ..][.. n_head · head_dim]` (RoPE
-/// applied); `k_cache` / `v_cache` are one layer's buffers in `layout` and already hold this
-/// step's keys and values.
+/// applied); `kv` is one layer's store in `layout` and already holds this step's keys and
+/// values.
 pub(crate) fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    kv: &LayerKv,
     chunks: &[ChunkSlots],
     layout: KvLayout,
     shape: AttnShape,
@@ -188,6 +281,10 @@ pub(crate) fn paged_attention(
     }
     // Every item writes only the head slices of its own tokens and KV head group.
     let ptr = OutPtr::new(out);
+    let (keys, values) = match kv {
+        LayerKv::F32 { k, v } => (Part::F32(k), Part::F32(v)),
+        LayerKv::F16 { k, v } => (Part::F16(k), Part::F16(v)),
+    };
     items
         .par_iter()
         .for_each_init(Scratch::default, |scratch, item| {
@@ -195,8 +292,8 @@ pub(crate) fn paged_attention(
             unsafe {
                 attend_item(
                     q,
-                    k_cache,
-                    v_cache,
+                    keys,
+                    values,
                     &chunks[item.c],
                     *item,
                     layout,
@@ -217,7 +314,14 @@ struct Scratch {
     o: Vec<f32>,
     /// `[queries, head_dim]` query vectors, gathered.
     q: Vec<f32>,
+    /// Key blocks converted from an f16 store (up to `SPAN` blocks).
+    k: Vec<f32>,
+    /// A value block converted from an f16 store.
+    v: Vec<f32>,
 }
+
+/// Key blocks per scores call.
+const SPAN: usize = 4;
 
 /// One item: its queries are `(token i, head r)` → row `i · rk + r`.
 ///
@@ -227,8 +331,8 @@ struct Scratch {
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_item(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_store: Part<'_>,
+    v_store: Part<'_>,
     c: &ChunkSlots,
     item: Item,
     layout: KvLayout,
@@ -251,14 +355,26 @@ unsafe fn attend_item(
     s.p.clear();
     s.p.resize(nq * stride, 0.0);
     // Scores, up to SPAN key blocks at a time.
-    const SPAN: usize = 4;
+    let block_len = d * bs;
+    if matches!(k_store, Part::F16(_)) {
+        s.k.resize(SPAN * block_len, 0.0);
+    }
     let mut kb = 0;
     while kb < n_blocks {
         let span = (n_blocks - kb).min(SPAN);
-        let keys: [&[f32]; SPAN] = std::array::from_fn(|i| {
-            let b = c.slots[(kb + i.min(span - 1)) * bs] / bs;
-            layout.keys(k_cache, b, item.g)
-        });
+        let mut keys: [&[f32]; SPAN] = [&[]; SPAN];
+        for (i, (slot, tmp)) in keys
+            .iter_mut()
+            .zip(
+                s.k.chunks_mut(block_len.max(1))
+                    .chain(std::iter::repeat_with(<&mut [f32]>::default)),
+            )
+            .enumerate()
+            .take(span)
+        {
+            let (at, n) = layout.part(c.slots[(kb + i) * bs] / bs, item.g);
+            *slot = k_store.floats(at, n, tmp);
+        }
         scores_blocks(&s.q, nq, d, bs, &keys[..span], &mut s.p, stride, kb * bs);
         kb += span;
     }
@@ -275,9 +391,12 @@ unsafe fn attend_item(
     // Weighted values.
     s.o.clear();
     s.o.resize(nq * d, 0.0);
+    if matches!(v_store, Part::F16(_)) {
+        s.v.resize(block_len, 0.0);
+    }
     for kb in 0..n_blocks {
-        let b = c.slots[kb * bs] / bs;
-        let values = layout.values(v_cache, b, item.g);
+        let (at, len) = layout.part(c.slots[kb * bs] / bs, item.g);
+        let values = v_store.floats(at, len, &mut s.v);
         let keys = bs.min(n - kb * bs);
         values_block(&s.p, stride, kb * bs, keys, nq, d, values, &mut s.o);
     }
@@ -1125,7 +1244,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slice_rounding_equals_one_value_at_a_time() {
+    fn f16_conversions_equal_one_value_at_a_time() {
         // Ties, the largest finite f16, overflow, subnormals, underflow, signed zeros, NaN,
         // infinities, then random values; lengths around the vector width.
         let mut vals = vec![
@@ -1151,11 +1270,24 @@ mod tests {
                 .map(|v| v * 300.0),
         );
         for len in [0, 1, 7, 8, 9, 15, 16, 17, vals.len()] {
-            let mut got = vals[..len].to_vec();
-            round_slice_to_f16(&mut got);
+            let mut got = vec![0u16; len];
+            f32_to_f16_bits(&vals[..len], &mut got);
             for (g, &v) in got.iter().zip(&vals) {
-                assert_eq!(g.to_bits(), round_to_f16(v).to_bits(), "{v}");
+                assert_eq!(*g, half::f16::from_f32(v).to_bits(), "{v}");
             }
+        }
+        // Every f16 back to f32, in runs that are not multiples of the vector width.
+        let all: Vec<u16> = (0..=u16::MAX).collect();
+        let mut wide = vec![0f32; all.len()];
+        for run in all.chunks(1000).zip(wide.chunks_mut(1000)) {
+            f16_bits_to_f32(run.0, run.1);
+        }
+        for (&h, w) in all.iter().zip(&wide) {
+            let want = half::f16::from_bits(h).to_f32();
+            assert!(
+                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
+                "{h:#06x}"
+            );
         }
     }
 
@@ -1211,7 +1343,26 @@ mod tests {
     /// One chunk of the last `chunk` of `n_pos` positions, blocks placed in reverse order, against
     /// the naive attention over contiguous K/V.
     fn check(seed: u64, hq: usize, hk: usize, d: usize, block: usize, n_pos: usize, chunk: usize) {
-        println!("seed {seed} hq {hq} hk {hk} d {d} block {block} n_pos {n_pos} chunk {chunk}");
+        check_store(seed, hq, hk, d, block, n_pos, chunk, false);
+        check_store(seed, hq, hk, d, block, n_pos, chunk, true);
+    }
+
+    /// [`check`] on an f32 or an f16 store; the f16 store's output also equals, bit for bit,
+    /// an f32 store's holding the same values rounded to f16.
+    #[allow(clippy::too_many_arguments)]
+    fn check_store(
+        seed: u64,
+        hq: usize,
+        hk: usize,
+        d: usize,
+        block: usize,
+        n_pos: usize,
+        chunk: usize,
+        f16: bool,
+    ) {
+        println!(
+            "seed {seed} hq {hq} hk {hk} d {d} block {block} n_pos {n_pos} chunk {chunk} f16 {f16}"
+        );
         let mut state = seed;
         let mut rnd = || {
             state = state
@@ -1228,30 +1379,34 @@ mod tests {
             n_kv_head: hk,
             head_dim: d,
             block_size: block,
-            round_f16: false,
         };
-        let k_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
-        let v_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| rnd()).collect();
-        let mut k_cache = vec![f32::NAN; (n_blocks + 1) * layout.block_floats()];
-        let mut v_cache = vec![f32::NAN; (n_blocks + 1) * layout.block_floats()];
+        let round = |x: f32| if f16 { round_to_f16(x) } else { x };
+        let k_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| round(rnd())).collect();
+        let v_contig: Vec<f32> = (0..n_pos * hk * d).map(|_| round(rnd())).collect();
+        let values = (n_blocks + 1) * layout.block_floats();
         // Unwritten slots of the last block hold garbage that must never be read into a result.
-        for b in 0..=n_blocks {
-            for x in &mut k_cache[b * layout.block_floats()..][..layout.block_floats()] {
-                *x = 1e3;
+        let garbage = 1e3f32;
+        let mut kv = if f16 {
+            let g = half::f16::from_f32(garbage).to_bits();
+            LayerKv::F16 {
+                k: vec![g; values],
+                v: vec![g; values],
             }
-            for x in &mut v_cache[b * layout.block_floats()..][..layout.block_floats()] {
-                *x = 1e3;
+        } else {
+            LayerKv::F32 {
+                k: vec![garbage; values],
+                v: vec![garbage; values],
             }
-        }
+        };
+        let mut kv32 = LayerKv::F32 {
+            k: vec![garbage; values],
+            v: vec![garbage; values],
+        };
         for p in 0..n_pos {
             let row = hk * d;
-            layout.write(
-                &mut k_cache,
-                &mut v_cache,
-                slots[p],
-                &k_contig[p * row..][..row],
-                &v_contig[p * row..][..row],
-            );
+            let (k, v) = (&k_contig[p * row..][..row], &v_contig[p * row..][..row]);
+            layout.write(&mut kv, slots[p], k, v);
+            layout.write(&mut kv32, slots[p], k, v);
         }
         let start = n_pos - chunk;
         let q: Vec<f32> = (0..chunk * hq * d).map(|_| rnd()).collect();
@@ -1270,7 +1425,15 @@ mod tests {
             window: None,
         };
         let mut out = vec![0f32; chunk * hq * d];
-        paged_attention(&q, &k_cache, &v_cache, &chunks, layout, shape, &mut out);
+        paged_attention(&q, &kv, &chunks, layout, shape, &mut out);
+        let mut out32 = vec![0f32; chunk * hq * d];
+        paged_attention(&q, &kv32, &chunks, layout, shape, &mut out32);
+        assert!(
+            out.iter()
+                .zip(&out32)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the store's element type changed a result"
+        );
         for t in 0..chunk {
             let want = naive(
                 &q[t * hq * d..][..hq * d],

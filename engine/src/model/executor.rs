@@ -2,7 +2,8 @@
 //! [`Executor`].
 //!
 //! The executor owns the KV *storage* — per layer one K and one V buffer of
-//! `num_blocks` blocks of `block_size` tokens in [`KvLayout`] (f32), preallocated — and nothing else: which
+//! `num_blocks` blocks of `block_size` tokens in [`KvLayout`] (f32; f16 with
+//! [`super::WeightFormat::LlamaCpp`], [`LayerKv`]), preallocated — and nothing else: which
 //! blocks a sequence uses is the caller's block table. One `forward` packs the tokens of all
 //! chunks into one `[total_tokens, hidden]` activation so every matmul runs once per step,
 //! writes each token's K/V into its slot, attends through the block tables
@@ -21,7 +22,7 @@ use candle_core::{Device, Tensor};
 
 use super::attention::{
     paged_attention, rope_cos_sin_scaled, rope_halves, rope_interleaved, AttnShape, ChunkSlots,
-    KvLayout,
+    KvLayout, LayerKv,
 };
 use super::weights::{Architecture, LlamaWeights};
 use crate::executor::{Executor, KvGeometry, SeqChunk};
@@ -32,9 +33,8 @@ pub struct LlamaExecutor {
     weights: Arc<LlamaWeights>,
     geometry: KvGeometry,
     /// Per layer, `num_blocks` blocks in [`KvLayout`] (K dimension-major within a block, V
-    /// token-major).
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    /// token-major); f16 with [`super::WeightFormat::LlamaCpp`].
+    kv: Vec<LayerKv>,
 }
 
 impl std::fmt::Debug for LlamaExecutor {
@@ -63,25 +63,15 @@ impl LlamaExecutor {
             .ok_or_else(|| {
                 EngineError::InvalidRequest(format!("KV geometry too large: {geometry:?}"))
             })?;
-        let alloc = |n: usize| -> Result<Vec<f32>, EngineError> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(n).map_err(|e| {
-                EngineError::Model(format!("cannot allocate KV cache of {n} floats: {e}"))
-            })?;
-            v.resize(n, 0.0);
-            Ok(v)
-        };
-        let mut k_cache = Vec::with_capacity(cfg.n_layer);
-        let mut v_cache = Vec::with_capacity(cfg.n_layer);
+        let f16 = weights.format().rounds_kv_to_f16();
+        let mut kv = Vec::with_capacity(cfg.n_layer);
         for _ in 0..cfg.n_layer {
-            k_cache.push(alloc(per_layer)?);
-            v_cache.push(alloc(per_layer)?);
+            kv.push(LayerKv::zeroed(per_layer, f16).map_err(EngineError::Model)?);
         }
         Ok(LlamaExecutor {
             weights,
             geometry,
-            k_cache,
-            v_cache,
+            kv,
         })
     }
 
@@ -143,7 +133,6 @@ impl LlamaExecutor {
             n_kv_head: hk,
             head_dim: d,
             block_size: self.geometry.block_size,
-            round_f16: self.weights.format().rounds_kv_to_f16(),
         };
 
         let id_tensor = Tensor::from_vec(ids, total, dev)?;
@@ -170,7 +159,7 @@ impl LlamaExecutor {
                     total * qkv_width
                 )));
             }
-            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            let kv = &mut self.kv[li];
             let halves = cfg.arch.rope_halves();
             let sliding = cfg.sliding_layers.get(li).copied().unwrap_or(false);
             let (cos_sin, shape) = match (&cos_sin_swa, sliding) {
@@ -207,10 +196,10 @@ impl LlamaExecutor {
                         rope_interleaved(&mut row[..q_width + kv_width], hq + hk, d, cs);
                     }
                     let (k, v) = row[q_width..].split_at(kv_width);
-                    kv_layout.write(kc, vc, l.slots[l.start_pos + i], k, v);
+                    kv_layout.write(kv, l.slots[l.start_pos + i], k, v);
                 }
             }
-            paged_attention(&qkv, kc, vc, &layouts, kv_layout, shape, &mut attn_out);
+            paged_attention(&qkv, kv, &layouts, kv_layout, shape, &mut attn_out);
             let mut o = layer.wo.forward_host(&attn_out, total, dense, dev)?;
             if let Some((post_attn, _)) = &layer.post_norms {
                 let mut tmp = vec![0f32; o.len()];

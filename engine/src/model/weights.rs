@@ -919,9 +919,15 @@ impl LlamaWeights {
         &self.device
     }
 
-    /// Bytes of KV cache one token occupies (f32 K and V, all layers).
+    /// Bytes of the CPU executor's KV cache one token occupies (K and V, all layers): f16
+    /// elements with [`WeightFormat::LlamaCpp`] (its cache rounds them to f16 as llama.cpp's
+    /// does, so it stores them as f16), f32 otherwise.
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.config.kv_bytes_per_token()
+        if self.format.rounds_kv_to_f16() {
+            self.config.kv_bytes_per_token_in(DType::F16)
+        } else {
+            self.config.kv_bytes_per_token()
+        }
     }
 
     /// How many blocks of `block_size` tokens fit in `budget_bytes` of KV cache.
