@@ -9,7 +9,8 @@
 # default, so slots' prompts are also kept in host memory and reused across slots), `--parallel`
 # = concurrency, `-c 4096 × concurrency` (4,096 tokens per slot), `--jinja` (the file's chat
 # template, which the worker's pinned profile renders identically for SmolLM2). kvgate worker:
-# defaults but `--threads`, `--kv-budget-mb 1024` (F32 K/V, ~22k tokens: neither side evicts).
+# defaults but `--threads`, `--kv-budget-mb 1024` (F32 K/V, ~22k tokens; f16 with `--numerics
+# llama-cpp`, ~44k: neither side evicts).
 # Both report cached prompt tokens in `usage.prompt_tokens_details.cached_tokens`. The bench opens
 # a fresh connection per request (`--fresh-connections`) for both: cpp-httplib closes idle
 # keep-alive connections under the client, which failed some of llama-server's sends otherwise.
