@@ -1243,6 +1243,22 @@ pub(crate) fn rope_cos_sin_scaled(
 mod tests {
     use super::*;
 
+    /// A seeded stream of values in [−0.5, 0.5) (an LCG: reproducible from the printed seed).
+    fn rng(seed: u64) -> impl FnMut() -> f32 {
+        let mut state = seed;
+        move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        }
+    }
+
+    /// The same bits everywhere.
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     #[test]
     fn f16_conversions_equal_one_value_at_a_time() {
         // Ties, the largest finite f16, overflow, subnormals, underflow, signed zeros, NaN,
@@ -1363,13 +1379,7 @@ mod tests {
         println!(
             "seed {seed} hq {hq} hk {hk} d {d} block {block} n_pos {n_pos} chunk {chunk} f16 {f16}"
         );
-        let mut state = seed;
-        let mut rnd = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
+        let mut rnd = rng(seed);
         let n_blocks = n_pos.div_ceil(block);
         // Scattered: logical block i lives in physical block n_blocks − i (block 0 unused).
         let slots: Vec<usize> = (0..n_pos)
@@ -1429,9 +1439,7 @@ mod tests {
         let mut out32 = vec![0f32; chunk * hq * d];
         paged_attention(&q, &kv32, &chunks, layout, shape, &mut out32);
         assert!(
-            out.iter()
-                .zip(&out32)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&out, &out32),
             "the store's element type changed a result"
         );
         for t in 0..chunk {
@@ -1481,13 +1489,7 @@ mod tests {
         }
         let seed = 0xa2f2_u64;
         println!("seed {seed}");
-        let mut state = seed;
-        let mut rnd = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
+        let mut rnd = rng(seed);
         for (name, lanes, scores, weighted) in kernels {
             for bs in [8usize, 16, 24, 32, 40]
                 .into_iter()
@@ -1508,9 +1510,7 @@ mod tests {
                         // SAFETY: the kernel's features were checked above.
                         unsafe { scores(&q, nq, d, bs, &keys, &mut got, stride, j0) };
                         assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            same_bits(&got, &want),
                             "{name} scores bs={bs} d={d} nq={nq}"
                         );
                         let probs: Vec<f32> = (0..nq * stride).map(|_| rnd()).collect();
@@ -1526,9 +1526,7 @@ mod tests {
                                 weighted(&probs, stride, j0, keys_used, nq, d, &values, &mut got)
                             };
                             assert!(
-                                got.iter()
-                                    .zip(&want)
-                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                same_bits(&got, &want),
                                 "{name} values bs={bs} d={d} nq={nq} keys={keys_used}"
                             );
                         }
@@ -1546,13 +1544,7 @@ mod tests {
         if !avx512::available() {
             return;
         }
-        let mut state = 0x5eed_u64;
-        let mut rnd = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
+        let mut rnd = rng(0x5eed_u64);
         for bs in [16usize, 32, 48] {
             for d in [16usize, 64] {
                 for nq in [1usize, 2, 3, 4, 5, 8, 9, 12] {
@@ -1572,12 +1564,7 @@ mod tests {
                         unsafe {
                             avx512::scores_blocks(&q, nq, d, bs, &keys, &mut got, stride, j0)
                         };
-                        assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "bs={bs} d={d} nq={nq} span={span}"
-                        );
+                        assert!(same_bits(&got, &want), "bs={bs} d={d} nq={nq} span={span}");
                     }
                 }
             }
