@@ -215,12 +215,16 @@ impl KvLayout {
                 }
             }
             LayerKv::F16 { k: kc, v: vc } => {
-                let mut bits = vec![0u16; hk * d];
-                f32_to_f16_bits(&k[..hk * d], &mut bits);
+                // Keys: converted 64 at a time through a stack buffer (no allocation per token
+                // and layer), then scattered dimension-major: element `j = g·d + i` of the row
+                // goes to `j·bs + o`.
                 let kb = &mut kc[b * n..][..n];
-                for g in 0..hk {
-                    for i in 0..d {
-                        kb[(g * d + i) * bs + o] = bits[g * d + i];
+                let mut buf = [0u16; 64];
+                for (c, chunk) in k[..hk * d].chunks(64).enumerate() {
+                    let bits = &mut buf[..chunk.len()];
+                    f32_to_f16_bits(chunk, bits);
+                    for (t, &h) in bits.iter().enumerate() {
+                        kb[(c * 64 + t) * bs + o] = h;
                     }
                 }
                 let vb = &mut vc[b * n..][..n];
@@ -363,17 +367,11 @@ unsafe fn attend_item(
     while kb < n_blocks {
         let span = (n_blocks - kb).min(SPAN);
         let mut keys: [&[f32]; SPAN] = [&[]; SPAN];
-        for (i, (slot, tmp)) in keys
-            .iter_mut()
-            .zip(
-                s.k.chunks_mut(block_len.max(1))
-                    .chain(std::iter::repeat_with(<&mut [f32]>::default)),
-            )
-            .enumerate()
-            .take(span)
-        {
+        // An f16 store's blocks are widened into SPAN chunks of `s.k`; an f32 store needs none.
+        let mut tmp = s.k.chunks_mut(block_len.max(1));
+        for (i, slot) in keys.iter_mut().enumerate().take(span) {
             let (at, n) = layout.part(c.slots[(kb + i) * bs] / bs, item.g);
-            *slot = k_store.floats(at, n, tmp);
+            *slot = k_store.floats(at, n, tmp.next().unwrap_or_default());
         }
         scores_blocks(&s.q, nq, d, bs, &keys[..span], &mut s.p, stride, kb * bs);
         kb += span;

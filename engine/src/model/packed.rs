@@ -101,7 +101,8 @@ pub(crate) struct PackedMatrix {
 /// `[rows, cols]` → `[cols, rows]`, a block of [`TRANSPOSE_ROWS`] source rows at a time: the
 /// writes are runs of that many values and the block's rows stay in L1 while they are read
 /// across. (Element by element, each write went to another cache line: 15 % of an engine
-/// benchmark with `--numerics llama-cpp`, `perf record -e cpu-clock`.)
+/// benchmark with `--numerics llama-cpp`, `perf record -e cpu-clock`; that mode's kernels now
+/// store `[m, n]` directly, so only the F32 kernels' output comes through here.)
 fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * cols];
     for r0 in (0..rows).step_by(TRANSPOSE_ROWS) {
