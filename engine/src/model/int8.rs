@@ -2,10 +2,12 @@
 //! [`super::WeightFormat::LlamaCpp`] for Q4_0, Q4_1, Q8_0 and Q5_0 matrices (candle's port of the
 //! same arithmetic is scalar here and ~30× slower).
 //!
-//! Each activation row is quantized per 32 values exactly as candle's `BlockQ8_1::from_float` /
-//! `BlockQ8_0::from_float` do (ggml's `quantize_row_q8_1` / `q8_0` reference): `d = amax / 127`
-//! stored as f16, `q = round(x · (1/d))` (ties away from zero), and for Q8_1 the f16
-//! `s = f16(Σq) · d` (an f16 product). A block's product is then candle's
+//! Each activation row is quantized per 32 values exactly as ggml's x86 code does it
+//! (`quantize_row_q8_1` / `q8_0` in `ggml-cpu/arch/x86/quants.c`, what llama.cpp runs on every
+//! CPU with AVX; `scripts/check-ggml-ops.sh` compares the bits with ggml's own): `d = amax / 127`
+//! stored as f16, `q = round(x · (127 / amax))` with ties to even, and for Q8_1 `s = f16(d · Σq)`
+//! (candle's `from_float`, ggml's portable reference, uses `1/d`, ties away from zero and an f16
+//! product for `s`, which gives other bits). A block's product is then candle's
 //! `vec_dot_q4_1_q8_1` / `q4_0_q8_0` / `q8_0_q8_0`: the integer `sumi = Σ w·q` (exact), then
 //! `sumf += sumi · d_w · d_a (+ m_w · s_a for Q4_1)` in block order. Every (weight row,
 //! activation row) pair is computed by the same sequence of operations whatever the number of
@@ -55,45 +57,47 @@ pub(crate) fn quantize(x: &[f32], with_sums: bool) -> Quantized {
     {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 checked above.
-        let (d16, sum) = if simd {
+        let (d, sum) = if simd {
             unsafe { quantize_avx2::block(xb, qb) }
         } else {
             quantize_block(xb, qb)
         };
         #[cfg(not(target_arch = "x86_64"))]
-        let (d16, sum) = quantize_block(xb, qb);
-        out.d.push(d16);
+        let (d, sum) = quantize_block(xb, qb);
+        out.d.push(round_to_f16(d));
         out.sums.push(sum);
         if with_sums {
-            out.s.push(round_to_f16(round_to_f16(sum as f32) * d16));
+            out.s.push(round_to_f16(d * sum as f32));
         }
     }
     out
 }
 
-/// One block as ggml's reference does it: `d = amax / 127` (its f16 returned), `q = round(x ·
-/// (1/d))` (ties away from zero, `as i8` saturating; NaN → 0), and `Σq`.
+/// One block as ggml's x86 `quantize_row_q8_0` / `quantize_row_q8_1` do it (the code llama.cpp
+/// runs on every CPU with AVX): `d = amax / 127` (its f16 stored), `q = round(x · (127 / amax))`
+/// with ties to even (`_mm256_round_ps`; ggml's portable reference uses `1/d` and ties away
+/// from zero, which gives other bits), `as i8` saturating, NaN → 0. Returns the f32 `d` (Q8_1's
+/// `s` is `f16(d · Σq)` with it) and `Σq`.
 fn quantize_block(xb: &[f32; QK], qb: &mut [i8; QK]) -> (f32, i32) {
     let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in qb.iter_mut().zip(xb) {
-        *q = (v * id).round() as i8;
+        *q = (v * id).round_ties_even() as i8;
         sum += i32::from(*q);
     }
-    (round_to_f16(d), sum)
+    (d, sum)
 }
 
-/// [`quantize_block`] with AVX2, the same bits: `round` as truncation plus one step away from
-/// zero where the dropped fraction is at least ½ (exact: `x − trunc(x)` is exact in f32), NaN to
+/// [`quantize_block`] with AVX2, the same bits: ties to even as ggml's `_mm256_round_ps`, NaN to
 /// 0 and the saturation of `as i8` by clamping to −128..127 before the conversion. (The scalar
-/// `round` is a libm call: 12 % of an engine benchmark with `--numerics llama-cpp`.)
+/// rounding is a libm call: 12 % of an engine benchmark with `--numerics llama-cpp`.)
 #[cfg(target_arch = "x86_64")]
 mod quantize_avx2 {
     use std::arch::x86_64::*;
 
-    use super::{round_to_f16, QK};
+    use super::QK;
 
     /// # Safety
     /// AVX2 available.
@@ -110,18 +114,10 @@ mod quantize_avx2 {
         _mm256_storeu_ps(lanes.as_mut_ptr(), amax);
         let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
         let d = amax / 127.0;
-        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-        let half = _mm256_set1_ps(0.5);
-        let one = _mm256_set1_ps(1.0);
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
         let ints: [__m256i; 4] = std::array::from_fn(|j| {
             let y = _mm256_mul_ps(v[j], id);
-            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
-            let away = _mm256_and_ps(
-                _mm256_cmp_ps::<_CMP_GE_OQ>(frac, half),
-                _mm256_or_ps(_mm256_and_ps(y, sign), one),
-            );
-            let r = _mm256_add_ps(t, away);
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
             // NaN → 0; ±∞ and anything past the range saturate as `as i8` does.
             let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
             let r = _mm256_min_ps(
@@ -145,7 +141,7 @@ mod quantize_avx2 {
         );
         let mut sums = [0i32; 8];
         _mm256_storeu_si256(sums.as_mut_ptr() as *mut __m256i, s);
-        (round_to_f16(d), sums.iter().sum())
+        (d, sums.iter().sum())
     }
 }
 
@@ -978,8 +974,9 @@ unsafe fn rows_into_with<D: BlockDot>(
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-    use candle_core::{Device, Module, Tensor};
+    use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, GgmlType};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
 
     use super::*;
     use crate::model::packed::tests::rnd_vec;
@@ -1044,11 +1041,96 @@ mod tests {
         }
     }
 
-    /// Against candle's quantized matmul (the port of ggml's products) on the same blocks: the
-    /// same values up to f32 rounding, for every format and row counts around the group; and
-    /// each row's result does not depend on how many rows share the call.
+    /// ggml's own quantization, from the dump `scripts/check-ggml-ops.sh` writes with the
+    /// llama.cpp build (`KVGATE_GGML_OPS`; outside CI): the same `d`, `s` and values for Q8_1 and
+    /// Q8_0 on every block (random at scales 1e-20 to 1e20, exact ties, zeros).
     #[test]
-    fn matches_candles_quantized_matmul_and_is_row_count_invariant() {
+    #[ignore = "needs the dump of scripts/check-ggml-ops.sh"]
+    fn quantization_equals_ggmls() {
+        let path = std::env::var("KVGATE_GGML_OPS").expect("KVGATE_GGML_OPS: the dump's path");
+        let dump: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let f16_bits = |x: f32| half::f16::from_f32(x).to_bits();
+        let ints = |v: &serde_json::Value| -> Vec<i64> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect()
+        };
+        let blocks = dump["blocks"].as_array().unwrap();
+        for (n, b) in blocks.iter().enumerate() {
+            let x: Vec<f32> = ints(&b["x"])
+                .iter()
+                .map(|&u| f32::from_bits(u as u32))
+                .collect();
+            for (key, with_sums) in [("q8_1", true), ("q8_0", false)] {
+                let q = quantize(&x, with_sums);
+                let want = &b[key];
+                let got_qs: Vec<i64> = q.q.iter().map(|&v| i64::from(v)).collect();
+                assert_eq!(got_qs, ints(&want["qs"]), "block {n} {key}: values");
+                assert_eq!(
+                    i64::from(f16_bits(q.d[0])),
+                    want["d"].as_i64().unwrap(),
+                    "block {n} {key}: d"
+                );
+                if with_sums {
+                    assert_eq!(
+                        i64::from(f16_bits(q.s[0])),
+                        want["s"].as_i64().unwrap(),
+                        "block {n} {key}: s"
+                    );
+                }
+            }
+        }
+        println!(
+            "{} blocks equal ggml's Q8_1 and Q8_0 quantization",
+            blocks.len()
+        );
+    }
+
+    /// `bytes` as candle blocks of type `T` (ggml's `#[repr(C)]` layout, read unaligned).
+    fn candle_blocks<T: GgmlType>(bytes: &[u8]) -> Vec<T> {
+        let size = std::mem::size_of::<T>();
+        assert_eq!(bytes.len() % size, 0);
+        (0..bytes.len() / size)
+            // SAFETY: in bounds (checked above); `T` is a plain `#[repr(C)]` block of f16 and
+            // integer fields, valid for any bytes.
+            .map(|i| unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(i * size) as *const T) })
+            .collect()
+    }
+
+    /// One activation row quantized by [`quantize`] in ggml's block layout: per block `d` (f16),
+    /// for Q8_1 `s` (f16), then the 32 values.
+    fn activation_bytes(q: &Quantized, with_sums: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (b, qs) in q.q.chunks_exact(QK).enumerate() {
+            out.extend(half::f16::from_f32(q.d[b]).to_bits().to_le_bytes());
+            if with_sums {
+                out.extend(half::f16::from_f32(q.s[b]).to_bits().to_le_bytes());
+            }
+            out.extend(qs.iter().map(|&v| v as u8));
+        }
+        out
+    }
+
+    /// candle's block product (its port of ggml's `vec_dot_*`) of weight row `wr` (`W`'s bytes)
+    /// with an activation row in its `VecDotType`'s bytes.
+    fn candle_dot<W: GgmlType>(wr: &[u8], act: &[u8], k: usize) -> f32 {
+        W::vec_dot(
+            k,
+            &candle_blocks::<W>(wr),
+            &candle_blocks::<W::VecDotType>(act),
+        )
+    }
+
+    /// Against candle's block products (its port of ggml's `vec_dot_*`) on the same weight blocks
+    /// and the same quantized activations (ours: ggml's x86 quantization, which candle's
+    /// `from_float` — ggml's portable reference — does not reproduce): the same values up to
+    /// f32 rounding, for every format and row counts around the group; and each row's result
+    /// does not depend on how many rows share the call.
+    #[test]
+    fn matches_candles_block_products_and_is_row_count_invariant() {
         // 28 weight rows: three whole tiles of the AVX2 kernel and a 4-row rest.
         let (n, k) = (28, 256);
         let w = Tensor::from_vec(rnd_vec(0x77, n * k), (n, k), &Device::Cpu).unwrap();
@@ -1063,18 +1145,24 @@ mod tests {
                 .unwrap()
                 .unwrap()
                 .with_int8_activations();
-            let candle = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
             let m = 9;
             let x = rnd_vec(0x78, m * k);
             let got = p.matmul(&x, m).unwrap();
-            let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
-            let want: Vec<f32> = candle
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let with_sums = dtype == GgmlDType::Q4_1;
+            let wdata = q.data().unwrap();
+            let row_bytes = wdata.len() / n;
+            let mut want = Vec::with_capacity(m * n);
+            for r in 0..m {
+                let act = activation_bytes(&quantize(&x[r * k..][..k], with_sums), with_sums);
+                for wr in wdata.chunks_exact(row_bytes) {
+                    want.push(match dtype {
+                        GgmlDType::Q4_1 => candle_dot::<BlockQ4_1>(wr, &act, k),
+                        GgmlDType::Q4_0 => candle_dot::<BlockQ4_0>(wr, &act, k),
+                        GgmlDType::Q8_0 => candle_dot::<BlockQ8_0>(wr, &act, k),
+                        _ => candle_dot::<BlockQ5_0>(wr, &act, k),
+                    });
+                }
+            }
             for (a, b) in got.iter().zip(&want) {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs().max(1.0),

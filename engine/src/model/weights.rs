@@ -145,12 +145,13 @@ pub enum WeightFormat {
     },
     /// llama.cpp's arithmetic, for fleets where kvgate workers and `llama-server` must give the
     /// same greedy tokens: ggml's quantized block products (each activation row quantized to
-    /// 8 bits per 32 values — Q8_1 for Q4_1, Q8_0 for Q4_0/Q8_0/Q5_0 — integer dot products per
-    /// block; [`super::int8`] on the packed blocks, candle's port for the K-quants), and every
-    /// key and value rounded to f16 when it enters the cache, as llama.cpp's default F16 cache
-    /// stores them (the cache stays f32 here: same values, no memory saved). Both are per row
-    /// and per token, so results do not depend on step size, chunking or prefix caching. Slower
-    /// than [`WeightFormat::Exact`] on CPU (docs/benchmarks.md).
+    /// 8 bits per 32 values as ggml's x86 code does it — Q8_1 for Q4_1, Q8_0 for
+    /// Q4_0/Q8_0/Q5_0 — integer dot products per block; [`super::int8`] on the packed blocks,
+    /// candle's port for the K-quants), GELU through ggml's f16 table, and every key and value
+    /// stored as f16, as llama.cpp's default F16 cache stores them (half the KV bytes of the
+    /// other CPU formats). All are per row and per token, so results do not depend on step
+    /// size, chunking or prefix caching. Faster than [`WeightFormat::Exact`] on AVX-512 VNNI
+    /// CPUs, slower prefill on AVX2 ones (docs/benchmarks.md).
     LlamaCpp,
     /// Dense matrices in `DType` on the model's device (no host copies) for
     /// [`super::device::DeviceExecutor`]: `BF16` (the default with `--cuda`, cuBLAS) or `F16` on
@@ -184,6 +185,12 @@ impl WeightFormat {
     /// Whether keys and values are rounded to f16 as they enter the KV cache
     /// ([`WeightFormat::LlamaCpp`]).
     pub fn rounds_kv_to_f16(&self) -> bool {
+        matches!(self, WeightFormat::LlamaCpp)
+    }
+
+    /// Whether GELU goes through ggml's f16 table ([`WeightFormat::LlamaCpp`]; see
+    /// `executor::GeluTable`).
+    pub fn gelu_through_f16(&self) -> bool {
         matches!(self, WeightFormat::LlamaCpp)
     }
 
