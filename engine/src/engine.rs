@@ -294,10 +294,13 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Blocks in the pool.
     pub blocks_total: usize,
-    /// Referenced blocks.
+    /// Blocks held by running sequences.
     pub blocks_used: usize,
-    /// Unreferenced blocks still holding a cached key.
+    /// Unreferenced blocks holding a cached (published) prefix key.
     pub blocks_cached: usize,
+    /// Unreferenced blocks kept as partial tails of finished sequences (evictable, never
+    /// published; docs/architecture.md, "Prefix cache").
+    pub blocks_tail: usize,
     /// Unreferenced blocks without a key.
     pub blocks_free: usize,
     /// Prompt tokens served from the prefix cache (total).
@@ -1087,7 +1090,8 @@ impl StepLoop {
             waiting: self.queued.load(Ordering::SeqCst),
             blocks_total: c.total,
             blocks_used: c.used,
-            blocks_cached: c.cached,
+            blocks_cached: c.cached - self.sched.kv().tails(),
+            blocks_tail: self.sched.kv().tails(),
             blocks_free: c.free,
             prefill_tokens,
             decode_tokens,

@@ -43,7 +43,7 @@ use prefix_index::BlockKey;
 
 use crate::executor::{BlockId, KvGeometry, SeqChunk};
 use crate::kv::prefix_cache::ContentRef;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, TailParent};
 use crate::EngineError;
 
 /// Engine-wide id of a sequence (submission order).
@@ -372,9 +372,25 @@ impl<P> Scheduler<P> {
         }
         let i = self.running.iter().position(|s| s.id == id)?;
         let s = self.running.remove(i);
-        self.kv.release(&s.block_table);
         self.kv
             .unreserve(s.reserved_total.saturating_sub(s.block_table.len()));
+        // The last, partially computed block becomes a tail (see `KvCache::keep_tail`) when the
+        // request may populate the cache and the block before it is cached.
+        let b = s.block_size();
+        let (h, r) = (s.num_computed / b, s.num_computed % b);
+        let parent = match h {
+            0 => Some(TailParent::Root(s.chain.root().key())),
+            _ => s.canon.get(h - 1).copied().flatten().map(TailParent::Block),
+        };
+        match (s.cache_insert && r > 0, parent, s.block_table.get(h)) {
+            (true, Some(parent), Some(&tail)) => {
+                self.kv.release(&s.block_table[h + 1..]);
+                self.kv
+                    .keep_tail(tail, parent, &s.tokens[h * b..s.num_computed]);
+                self.kv.release(&s.block_table[..h]);
+            }
+            _ => self.kv.release(&s.block_table),
+        }
         Some(s)
     }
 
@@ -430,8 +446,21 @@ impl<P> Scheduler<P> {
                     continue;
                 }
             }
-            let new_blocks = s.reserved_total.saturating_sub(hits.len());
-            if !self.kv.can_admit(&hits, new_blocks) {
+            // A kept tail continuing the last hit: its shared tokens are reused too (never the
+            // last prompt token).
+            let h = hits.len();
+            let parent = match hits.last() {
+                Some(&c) => TailParent::Block(c),
+                None => TailParent::Root(s.chain.root().key()),
+            };
+            let next = s.tokens.get(h * b..s.prompt_len).unwrap_or_default();
+            let tail = self
+                .kv
+                .find_tail(parent, next, (s.prompt_len - 1).saturating_sub(h * b));
+            let new_blocks = s
+                .reserved_total
+                .saturating_sub(h + usize::from(tail.is_some()));
+            if !self.kv.can_admit(&hits, tail.is_some(), new_blocks) {
                 if i == 0 && self.head_bypassed >= self.cfg.max_running {
                     break;
                 }
@@ -450,8 +479,12 @@ impl<P> Scheduler<P> {
             self.kv.admit(&hits, new_blocks);
             s.block_table = hits.iter().map(|c| c.0).collect();
             s.canon = hits.iter().map(|&c| Some(c)).collect();
-            s.registered = hits.len();
-            s.num_computed = hits.len() * b;
+            s.registered = h;
+            s.num_computed = h * b;
+            if let Some(block) = tail.and_then(|(key, _)| self.kv.take_tail(key)) {
+                s.block_table.push(block);
+                s.num_computed += tail.map_or(0, |(_, shared)| shared);
+            }
             s.cached_tokens = s.num_computed;
             s.admitted_at = Some(now);
             admitted.push(s.id);

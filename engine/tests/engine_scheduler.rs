@@ -111,16 +111,24 @@ fn randomized_differential_accounting() {
             })
             .collect();
         let mut prompts: Vec<(Vec<u32>, usize)> = Vec::new();
+        let mut turns: Vec<Vec<u32>> = Vec::new();
         let mut live: Vec<SeqId> = Vec::new();
         let mut next_id = 0u64;
         let mut finished = 0usize;
         let mut rejected = 0usize;
         let mut cancelled = 0usize;
         let mut hits = 0usize;
+        let mut tail_hits = 0usize;
         for op in 0..400 {
             match rng.gen_range(0..10) {
                 0..=2 => {
-                    let mut p = prefixes[rng.gen_range(0..prefixes.len())].clone();
+                    // A new prompt on a shared prefix, or the next turn of a finished
+                    // conversation (its prompt and answer: reuses full blocks and its tail).
+                    let mut p = if !turns.is_empty() && rng.gen_bool(0.4) {
+                        turns[rng.gen_range(0..turns.len())].clone()
+                    } else {
+                        prefixes[rng.gen_range(0..prefixes.len())].clone()
+                    };
                     let extra = rng.gen_range(0..20);
                     p.extend((0..extra).map(|_| rng.gen_range(0..500)));
                     if p.is_empty() {
@@ -165,9 +173,17 @@ fn randomized_differential_accounting() {
                             reference_greedy(&sim, p, *m),
                             "seed {seed} round {round} op {op}: output differs from the plain run"
                         );
+                        if p.len() + out.len() < 200 {
+                            turns.push([&p[..], &out[..]].concat());
+                        }
                         live.retain(|x| *x != id);
                         finished += 1;
                     }
+                    tail_hits += s
+                        .running()
+                        .iter()
+                        .filter(|q| q.cached_tokens() % bs != 0)
+                        .count();
                     hits = hits.max(
                         s.running()
                             .iter()
@@ -204,9 +220,10 @@ fn randomized_differential_accounting() {
         let c = s.kv().counts();
         assert_eq!(c.used, 0, "seed {seed} round {round}: leaked references");
         assert_eq!(c.free + c.cached, c.total);
+        assert!(c.cached >= s.kv().tails(), "kept tails are cached blocks");
         assert_eq!(s.kv().reserved(), 0);
         println!(
-            "round {round}: B={bs} blocks={} finished={finished} cancelled={cancelled} rejected={rejected} largest-hit={hits} cached-now={}",
+            "round {round}: B={bs} blocks={} finished={finished} cancelled={cancelled} rejected={rejected} largest-hit={hits} steps-with-tail-hits={tail_hits} cached-now={}",
             c.total, c.cached
         );
     }
@@ -321,13 +338,83 @@ fn generated_blocks_are_cached_for_the_next_turn() {
         }
     }
     assert_eq!(answer.len(), 12);
-    // K/V exists for prompt + answer minus its last token = 17 tokens = 4 full blocks.
+    // K/V exists for prompt + answer minus its last token = 17 tokens = 4 full blocks and a
+    // 1-token tail, which the next turn adopts.
     let mut turn2 = p.clone();
     turn2.extend(&answer);
     turn2.extend([9, 9, 9]);
-    s.enqueue(SeqId(2), spec(turn2, 2, ns(1), bs), ());
+    s.enqueue(SeqId(2), spec(turn2.clone(), 2, ns(1), bs), ());
     s.admit(Instant::now());
-    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 16);
+    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 17);
+    assert_eq!(s.kv().tails(), 0, "adopted");
+    s.check_invariants().unwrap();
+    let mut out = Vec::new();
+    while s.running_len() > 0 {
+        for (_, _, o) in step(&mut s, &mut exec, 2) {
+            out = o;
+        }
+    }
+    assert_eq!(out, reference_greedy(&sim, &turn2, 2));
+}
+
+/// Tails: reused only under their own parent (another namespace or a different prefix gets
+/// nothing), up to the shared tokens, never the last prompt token; a longer tail replaces a
+/// shorter one; under memory pressure tails go first, before cached full blocks.
+#[test]
+fn partial_tails_are_reused_exactly_and_given_up_first() {
+    let bs = 4;
+    let sim = SimConfig::instant(bs, 16);
+    let mut exec = SimExecutor::new(sim.clone()).unwrap();
+    let mut s: Scheduler<()> = Scheduler::new(sched_cfg(2, 64, 64), exec.geometry());
+    let run = |s: &mut Scheduler<()>, exec: &mut SimExecutor, id: u64, p: &[u32], n: usize| {
+        s.enqueue(SeqId(id), spec(p.to_vec(), n, ns(1), bs), ());
+        let mut out = Vec::new();
+        while s.running_len() + s.waiting_len() > 0 {
+            for (_, _, o) in step(s, exec, 2) {
+                out = o;
+            }
+        }
+        s.check_invariants().unwrap();
+        assert_eq!(out, reference_greedy(&sim, p, n), "request {id}");
+        out
+    };
+    // 6 prompt tokens, 1 generated: 6 computed = 1 block + a 2-token tail [5, 6].
+    let p: Vec<u32> = (1..7).collect();
+    run(&mut s, &mut exec, 1, &p, 1);
+    assert_eq!(s.kv().tails(), 1);
+    // Another namespace: nothing.
+    s.enqueue(SeqId(2), spec([&p[..], &[40]].concat(), 1, ns(2), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 0);
+    s.remove(SeqId(2));
+    // Same first block, the tail's first token only: 4 + 1.
+    let q = vec![1, 2, 3, 4, 5, 77, 78];
+    s.enqueue(SeqId(3), spec(q.clone(), 1, ns(1), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(3)).unwrap().cached_tokens(), 5);
+    s.remove(SeqId(3));
+    s.check_invariants().unwrap();
+    // Seq 3 computed nothing after adopting; its removal keeps the adopted block as the tail
+    // [5] (what it had computed there).
+    assert_eq!(s.kv().tails(), 1);
+    // The prompt itself (6 tokens) may reuse 5 at most: the last token is computed.
+    s.enqueue(SeqId(4), spec(p.clone(), 1, ns(1), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(4)).unwrap().cached_tokens(), 5);
+    s.remove(SeqId(4));
+    // A run through the whole tail and beyond, exact.
+    let r = vec![1, 2, 3, 4, 5, 6, 9, 9];
+    run(&mut s, &mut exec, 5, &r, 2);
+    assert!(s.kv().tails() >= 1);
+    // A request that needs the whole pool (60 + 5 − 1 = 64 tokens = 16 blocks) is admitted:
+    // kept tails are evictable like cached blocks.
+    let big: Vec<u32> = (100..160).collect();
+    run(&mut s, &mut exec, 6, &big, 5);
+    assert_eq!(
+        s.kv().tails(),
+        0,
+        "evicted; 64 computed tokens leave no partial block"
+    );
 }
 
 #[test]

@@ -221,13 +221,14 @@ impl Collector for EngineCollector {
         {
             let mut me = enc.encode_descriptor(
                 "kv_blocks",
-                "KV cache blocks by state (used = referenced by a sequence, cached = unreferenced but holding a cached prefix key, free)",
+                "KV cache blocks by state (used = referenced by a sequence, cached = unreferenced but holding a cached prefix key, tail = unreferenced partial last block of a finished sequence kept for reuse, free)",
                 None,
                 MetricType::Gauge,
             )?;
             for (state, v) in [
                 ("used", s.blocks_used),
                 ("cached", s.blocks_cached),
+                ("tail", s.blocks_tail),
                 ("free", s.blocks_free),
             ] {
                 let labels: Labels = vec![("state", state.to_string())];

@@ -475,7 +475,7 @@ async fn client_disconnect_mid_stream_frees_blocks_at_once() {
     })
     .await;
     let s = w.worker.engine().stats();
-    assert_eq!(s.blocks_free + s.blocks_cached, total);
+    assert_eq!(s.blocks_free + s.blocks_cached + s.blocks_tail, total);
     let r = wait_receipt(&w, "to-cancel").await;
     assert_eq!(
         (r.body.status, r.body.error_code.as_deref()),
@@ -975,7 +975,7 @@ async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
     assert!(sample(&fams, "kvgate_worker_generation_tokens_total", &[]).unwrap() >= 12.0);
     assert_eq!(sample(&fams, "kvgate_worker_ready", &[]), Some(1.0));
     let total = sample(&fams, "kvgate_worker_kv_blocks_capacity", &[]).unwrap();
-    let sum: f64 = ["used", "cached", "free"]
+    let sum: f64 = ["used", "cached", "tail", "free"]
         .iter()
         .map(|s| sample(&fams, "kvgate_worker_kv_blocks", &[("state", s)]).unwrap())
         .sum();

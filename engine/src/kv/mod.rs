@@ -10,12 +10,30 @@
 //! KV). Events produced by one step are buffered (adjacent ones coalesced) and taken by the
 //! engine once per step.
 //!
+//! **Tails.** A finished sequence's last, partially filled block (the `r < B` tokens after its
+//! last full block) is worth keeping too: the next turn of a chat repeats the whole previous
+//! conversation, so its prompt usually runs through that block. [`KvCache::keep_tail`] keeps
+//! such a block, identified by its parent — the cached content of the previous block, or the
+//! chain's root key for a chain's first block (so namespaces and salts stay apart) — and its
+//! tokens. The block gets a local key (never published, never in the prefix cache) so that it
+//! sits in the pool's LRU like a cached block and is evicted in the same order: released with
+//! its sequence's other blocks (first among them), it outlives nothing that leads to it. At
+//! admission [`KvCache::find_tail`] offers the tail under the request's last hit block whose
+//! tokens share the longest prefix with the request's next tokens; the request *adopts* that
+//! block ([`KvCache::take_tail`]: no copy — its key is cleared, the request writes its own
+//! tokens after the shared ones over the stale slots, and the block becomes an ordinary block of
+//! its table). Tails send no KV events (the gateway's index only knows full blocks): they are
+//! this worker's own bonus on top of the routed prefix. At most [`KvCache::max_tails`] are kept.
+//!
 //! Complexity: every method is O(1) per block touched, except [`KvCache::lookup`]
-//! (O(m × B) for an m-block match) and [`KvCache::check_invariants`] (O(n), tests).
+//! (O(m × B) for an m-block match), [`KvCache::find_tail`] and [`KvCache::keep_tail`] (O(T ×
+//! B) over the T kept tails) and [`KvCache::check_invariants`] (O(n), tests).
 
 pub mod block_pool;
 pub mod events;
 pub mod prefix_cache;
+
+use std::collections::HashMap;
 
 use prefix_index::{BlockKey, KvEvent};
 
@@ -25,11 +43,34 @@ use prefix_cache::{CacheEntry, ContentRef, PrefixCache};
 
 pub use events::{KvEventFeed, KvSubscription};
 
-/// Block pool + prefix cache + reservations + the pending events of the current step.
+/// What a tail continues: the cached content of the block before it, or (a chain's first
+/// block) the chain's root key, which names the namespace and salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TailParent {
+    /// The tail is block 0 of the chain with this root key.
+    Root(BlockKey),
+    /// The tail follows this cached content.
+    Block(ContentRef),
+}
+
+/// A kept partial block: `tokens` (fewer than a block) computed in `block` after `parent`.
+#[derive(Debug)]
+struct Tail {
+    block: BlockId,
+    parent: TailParent,
+    tokens: Box<[u32]>,
+    /// Insertion order (the oldest goes first beyond [`KvCache::max_tails`]).
+    order: u64,
+}
+
+/// Block pool + prefix cache + tails + reservations + the pending events of the current step.
 #[derive(Debug)]
 pub struct KvCache {
     pool: BlockPool,
     cache: PrefixCache,
+    /// Kept partial blocks by their local key (the key their block holds in the pool).
+    tails: HashMap<BlockKey, Tail>,
+    tail_order: u64,
     block_size: usize,
     reserved: usize,
     events: Vec<KvEvent>,
@@ -41,6 +82,8 @@ impl KvCache {
         KvCache {
             pool: BlockPool::new(num_blocks),
             cache: PrefixCache::new(),
+            tails: HashMap::new(),
+            tail_order: 0,
             block_size: block_size.max(1),
             reserved: 0,
             events: Vec::new(),
@@ -92,14 +135,14 @@ impl KvCache {
         out
     }
 
-    /// Whether a sequence can take references on `hits` and reserve `new_blocks` more while
-    /// every existing reservation stays satisfiable.
-    pub fn can_admit(&self, hits: &[ContentRef], new_blocks: usize) -> bool {
+    /// Whether a sequence can take references on `hits`, adopt a kept tail (`adopts`) and
+    /// reserve `new_blocks` more while every existing reservation stays satisfiable.
+    pub fn can_admit(&self, hits: &[ContentRef], adopts: bool, new_blocks: usize) -> bool {
         let hits_free = hits
             .iter()
             .filter(|(b, _)| self.pool.refcount(*b) == 0)
             .count();
-        self.pool.available() >= hits_free + self.reserved + new_blocks
+        self.pool.available() >= hits_free + usize::from(adopts) + self.reserved + new_blocks
     }
 
     /// Takes references on `hits` and reserves `new_blocks`. Call only after
@@ -109,6 +152,113 @@ impl KvCache {
             self.pool.incref(*b);
         }
         self.reserved += new_blocks;
+    }
+
+    /// Kept tails (free blocks with a local key, counted as cached by the pool).
+    pub fn tails(&self) -> usize {
+        self.tails.len()
+    }
+
+    /// At most this many tails are kept: an eighth of the pool (at least one).
+    pub fn max_tails(&self) -> usize {
+        (self.pool.total() / 8).max(1)
+    }
+
+    /// Keeps `block` — holding `tokens` (1 to B − 1 of them) computed after `parent` — as a
+    /// tail, and drops the caller's reference on it. A tail with the same parent whose tokens
+    /// are a prefix of these is dropped (this one serves everything it did); one whose tokens
+    /// extend these makes this one redundant; beyond [`KvCache::max_tails`] the oldest is
+    /// dropped. A block that cannot be a tail (token count out of range, keyed, unreferenced)
+    /// is just released.
+    pub fn keep_tail(&mut self, block: BlockId, parent: TailParent, tokens: &[u32]) {
+        let key = tail_key(parent, tokens);
+        let usable = !tokens.is_empty()
+            && tokens.len() < self.block_size
+            && self.pool.refcount(block) > 0
+            && self.pool.key(block).is_none()
+            && self.cache.get(key).is_none()
+            && !self.tails.contains_key(&key)
+            && !self
+                .tails
+                .values()
+                .any(|t| t.parent == parent && t.tokens.starts_with(tokens));
+        if !usable {
+            self.pool.decref(block);
+            return;
+        }
+        let shorter: Vec<BlockKey> = self
+            .tails
+            .iter()
+            .filter(|(_, t)| t.parent == parent && tokens.starts_with(&t.tokens))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in shorter {
+            self.drop_tail(k);
+        }
+        self.pool.set_key(block, key);
+        self.tail_order += 1;
+        self.tails.insert(
+            key,
+            Tail {
+                block,
+                parent,
+                tokens: tokens.into(),
+                order: self.tail_order,
+            },
+        );
+        self.pool.decref(block);
+        while self.tails.len() > self.max_tails() {
+            let Some(oldest) = self
+                .tails
+                .iter()
+                .min_by_key(|(_, t)| t.order)
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            self.drop_tail(oldest);
+        }
+    }
+
+    /// The kept tail under `parent` sharing the longest prefix with `tokens`, capped at
+    /// `max_len` tokens: `(its key, shared tokens ≥ 1)`. Changes nothing.
+    pub fn find_tail(
+        &self,
+        parent: TailParent,
+        tokens: &[u32],
+        max_len: usize,
+    ) -> Option<(BlockKey, usize)> {
+        self.tails
+            .iter()
+            .filter(|(_, t)| t.parent == parent)
+            .map(|(k, t)| {
+                let shared = t
+                    .tokens
+                    .iter()
+                    .zip(tokens)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (*k, shared.min(max_len), t.order)
+            })
+            .filter(|&(_, n, _)| n > 0)
+            .max_by_key(|&(_, n, order)| (n, order))
+            .map(|(k, n, _)| (k, n))
+    }
+
+    /// Removes the tail `key` (from [`KvCache::find_tail`]) and hands its block to the caller
+    /// with one reference, unkeyed (the caller overwrites it past the shared tokens).
+    pub fn take_tail(&mut self, key: BlockKey) -> Option<BlockId> {
+        let t = self.tails.remove(&key)?;
+        self.pool.incref(t.block);
+        self.pool.clear_key(t.block);
+        Some(t.block)
+    }
+
+    /// Forgets tail `key`; its block becomes an unkeyed free block.
+    fn drop_tail(&mut self, key: BlockKey) {
+        if let Some(t) = self.tails.remove(&key) {
+            self.pool.clear_key(t.block);
+        }
     }
 
     /// Allocates one block against a reservation, evicting the least recently used cached
@@ -121,7 +271,14 @@ impl KvCache {
         }
         let (b, evicted) = self.pool.allocate()?;
         self.reserved -= 1;
-        if let Some(key) = evicted {
+        if let Some(key) = evicted.filter(|k| {
+            // An evicted tail leaves quietly: it was never announced.
+            let tail = self.tails.get(k).is_some_and(|t| t.block == b);
+            if tail {
+                self.tails.remove(k);
+            }
+            !tail
+        }) {
             // Only remove the map entry if it points at this block (it always should).
             if self.cache.get(key).is_some_and(|e| e.block == b) {
                 self.cache.remove(key);
@@ -164,6 +321,10 @@ impl KvCache {
     ) -> Option<ContentRef> {
         if tokens.len() != self.block_size || self.pool.refcount(block) == 0 {
             return None;
+        }
+        if self.tails.contains_key(&key) {
+            // A tail's local key equal to a real one (~2⁻⁶⁴): the tail gives way.
+            self.drop_tail(key);
         }
         let parent_ref = match (first, parent) {
             (true, _) => None,
@@ -263,16 +424,33 @@ impl KvCache {
         for b in 0..self.pool.total() as BlockId {
             if let Some(k) = self.pool.key(b) {
                 keyed += 1;
+                if let Some(t) = self.tails.get(&k).filter(|t| t.block == b) {
+                    if self.pool.refcount(b) != 0 {
+                        return Err(format!("tail block {b} is referenced"));
+                    }
+                    if t.tokens.is_empty() || t.tokens.len() >= self.block_size {
+                        return Err(format!("tail of {} tokens", t.tokens.len()));
+                    }
+                    continue;
+                }
                 match self.cache.get(k) {
                     Some(e) if e.block == b && e.generation == self.pool.generation(b) => {}
                     other => return Err(format!("block {b} keyed {k} but entry is {other:?}")),
                 }
             }
         }
-        if keyed != self.cache.len() {
+        if keyed != self.cache.len() + self.tails.len() {
             return Err(format!(
-                "{keyed} keyed blocks but {} cache entries",
-                self.cache.len()
+                "{keyed} keyed blocks but {} cache entries and {} tails",
+                self.cache.len(),
+                self.tails.len()
+            ));
+        }
+        if self.tails.len() > self.max_tails() {
+            return Err(format!(
+                "{} tails kept, at most {}",
+                self.tails.len(),
+                self.max_tails()
             ));
         }
         if self.pool.available() < self.reserved {
@@ -283,5 +461,122 @@ impl KvCache {
             ));
         }
         Ok(())
+    }
+}
+
+/// A tail's local key: a hash of its parent and tokens (this process only; never published).
+fn tail_key(parent: TailParent, tokens: &[u32]) -> BlockKey {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("kvgate tail", parent, tokens).hash(&mut h);
+    BlockKey(h.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Block `b` registered as a cached chain head with `tokens`, then released (cached, free).
+    fn cached_block(kv: &mut KvCache, key: u64, tokens: &[u32]) -> BlockId {
+        kv.admit(&[], 1);
+        let b = kv.allocate_reserved().unwrap();
+        assert!(kv.register(b, BlockKey(key), tokens, true, None).is_some());
+        kv.release(&[b]);
+        b
+    }
+
+    /// A tail is evicted in LRU order with the cached blocks, quietly (no `Removed` event), and
+    /// adopting one takes it off the free list.
+    #[test]
+    fn tails_age_with_cached_blocks_and_leave_quietly() {
+        let mut kv = KvCache::new(4, 4);
+        let a = cached_block(&mut kv, 7, &[1, 2, 3, 4]);
+        kv.admit(&[], 1);
+        let t = kv.allocate_reserved().unwrap();
+        let parent = TailParent::Block((a, kv.pool().generation(a)));
+        kv.keep_tail(t, parent, &[5, 6]);
+        assert_eq!(
+            (kv.tails(), kv.counts().cached, kv.counts().used),
+            (1, 2, 0)
+        );
+        kv.check_invariants().unwrap();
+        kv.take_events();
+        // Two unkeyed blocks go first, then the least recently released: `a`, then the tail.
+        kv.admit(&[], 3);
+        let got: Vec<BlockId> = (0..3).map(|_| kv.allocate_reserved().unwrap()).collect();
+        assert!(got.contains(&a) && !got.contains(&t));
+        assert_eq!(
+            kv.take_events(),
+            vec![KvEvent::Removed {
+                keys: vec![BlockKey(7)]
+            }]
+        );
+        assert_eq!(
+            kv.tails(),
+            1,
+            "the tail is still there (useless now: its parent is gone)"
+        );
+        assert_eq!(kv.find_tail(parent, &[5, 6], 2).map(|x| x.1), Some(2));
+        kv.admit(&[], 1);
+        assert_eq!(kv.allocate_reserved(), Some(t));
+        assert_eq!(kv.tails(), 0);
+        assert_eq!(kv.take_events(), vec![], "an evicted tail sends nothing");
+        kv.check_invariants().unwrap();
+        // Adoption: the block comes back referenced and unkeyed.
+        kv.release(&got);
+        kv.release(&[t]);
+        kv.admit(&[], 1);
+        let u = kv.allocate_reserved().unwrap();
+        let root = TailParent::Root(BlockKey(3));
+        kv.keep_tail(u, root, &[8]);
+        let (key, shared) = kv.find_tail(root, &[8, 9], 1).unwrap();
+        assert_eq!(shared, 1);
+        assert!(kv.can_admit(&[], true, 3));
+        assert!(!kv.can_admit(&[], true, 4));
+        assert_eq!(kv.take_tail(key), Some(u));
+        assert_eq!((kv.pool().refcount(u), kv.pool().key(u)), (1, None));
+        kv.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_tail_is_found_under_its_parent_only_and_the_longer_one_wins() {
+        let mut kv = KvCache::new(8, 4);
+        let root = TailParent::Root(BlockKey(1));
+        let other = TailParent::Root(BlockKey(2));
+        for tokens in [&[5u32][..], &[5, 6, 7], &[5, 6]] {
+            kv.admit(&[], 1);
+            let b = kv.allocate_reserved().unwrap();
+            kv.keep_tail(b, root, tokens);
+        }
+        // [5] was replaced by [5, 6, 7], which makes [5, 6] redundant.
+        assert_eq!(kv.tails(), 1);
+        kv.check_invariants().unwrap();
+        let shared = |t: &[u32], max| kv.find_tail(root, t, max).map(|x| x.1);
+        assert_eq!(shared(&[5, 6, 9], 3), Some(2));
+        assert_eq!(shared(&[5, 6, 7, 8], 3), Some(3));
+        assert_eq!(shared(&[5, 6, 7, 8], 1), Some(1), "capped");
+        assert_eq!(kv.find_tail(root, &[9], 3), None);
+        assert_eq!(
+            kv.find_tail(other, &[5, 6, 7], 3),
+            None,
+            "another namespace"
+        );
+        let (key, _) = kv.find_tail(root, &[5], 1).unwrap();
+        let b = kv.take_tail(key).unwrap();
+        assert_eq!(kv.pool().refcount(b), 1, "handed over with one reference");
+        assert_eq!(kv.tails(), 0);
+        // Out of range: a full block's worth of tokens is not a tail.
+        kv.keep_tail(b, root, &[1, 2, 3, 4]);
+        assert_eq!((kv.tails(), kv.pool().refcount(b)), (0, 0));
+        // At most an eighth of the pool (1 of 8): the newest is kept.
+        for t in [&[1u32][..], &[2]] {
+            kv.admit(&[], 1);
+            let b = kv.allocate_reserved().unwrap();
+            kv.keep_tail(b, root, t);
+        }
+        assert_eq!(kv.tails(), 1);
+        assert_eq!(kv.find_tail(root, &[2], 1).map(|x| x.1), Some(1));
+        assert_eq!(kv.find_tail(root, &[1], 1), None);
+        kv.check_invariants().unwrap();
     }
 }
