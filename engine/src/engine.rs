@@ -481,6 +481,7 @@ impl Engine {
                 max_running: config.max_running,
                 step_token_budget: config.step_token_budget,
                 prefill_chunk: config.prefill_chunk,
+                copy_partial_blocks: executor.copies_blocks(),
             },
             geometry,
         );
@@ -799,6 +800,15 @@ impl StepLoop {
                         queue_time: now.saturating_duration_since(s.submitted_at()),
                     });
                 }
+            }
+            // Copies of the cached blocks whose first tokens the admitted requests reuse.
+            let copies = self.sched.take_copies();
+            if !copies.is_empty() {
+                let ok: Vec<bool> = copies
+                    .iter()
+                    .map(|c| self.executor.copy_block(c.src, c.dst).is_ok())
+                    .collect();
+                self.sched.copies_done(&copies, &ok);
             }
             // 5. Plan and run one step.
             let offered = self.budget.tokens();

@@ -52,6 +52,21 @@ pub trait Executor: Send {
     /// chunk in order, `Some(logits of its last token)` when `want_logits`, else `None`.
     fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError>;
 
+    /// Whether [`Executor::copy_block`] works here (the scheduler only asks executors that
+    /// say so; the default is no).
+    fn copies_blocks(&self) -> bool {
+        false
+    }
+
+    /// Copies block `src`'s K/V — every layer, every slot — into block `dst`, for a request
+    /// that reuses the first tokens of a cached block it must not write into. O(one block's
+    /// K/V). The default refuses.
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
+        Err(EngineError::InvalidRequest(format!(
+            "this executor does not copy KV blocks ({src} → {dst})"
+        )))
+    }
+
     /// [`Executor::forward`] where the chunks flagged in `argmax` (one flag per chunk) need only
     /// the argmax of their logits: those come back as [`Sampled::Token`], the other chunks that
     /// want logits as [`Sampled::Logits`]. The default takes the argmax on the host; an

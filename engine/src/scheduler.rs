@@ -14,7 +14,10 @@
 //!    past it, but at most `max_running` times in a row, so the head cannot starve.
 //! 2. **Prefix reuse** at admission: the longest verified cached prefix (see
 //!    [`crate::kv::prefix_cache`]), at most `floor((prompt − 1) / B)` blocks, so the last
-//!    prompt token is always computed (its logits start the answer). A waiting sequence whose
+//!    prompt token is always computed (its logits start the answer); then, inside the next
+//!    block, the longer of a kept tail's shared tokens (adopted: [`crate::kv`], "Tails") and a
+//!    cached block's shared first tokens (copied into the request's own block:
+//!    [`BlockCopy`], when the executor copies blocks), again never the last prompt token. A waiting sequence whose
 //!    next uncached prompt block is being computed by a running, prefilling sequence (the same
 //!    key at the same position, not yet registered) is not admitted yet: it waits for that
 //!    block to land in the prefix cache (within the other's prefill) rather than compute it a
@@ -43,7 +46,7 @@ use prefix_index::BlockKey;
 
 use crate::executor::{BlockId, KvGeometry, SeqChunk};
 use crate::kv::prefix_cache::ContentRef;
-use crate::kv::{KvCache, TailParent};
+use crate::kv::{BlockParent, KvCache};
 use crate::EngineError;
 
 /// Engine-wide id of a sequence (submission order).
@@ -59,6 +62,22 @@ pub struct SchedulerConfig {
     pub step_token_budget: usize,
     /// Largest prefill chunk of one sequence in one step (≥ 1).
     pub prefill_chunk: usize,
+    /// Reuse the first tokens of a cached block by copying it ([`BlockCopy`]; only for an
+    /// executor that copies blocks, [`crate::executor::Executor::copies_blocks`]).
+    pub copy_partial_blocks: bool,
+}
+
+/// A copy the caller runs after [`Scheduler::admit`] and before the next step
+/// ([`Scheduler::take_copies`], [`Scheduler::copies_done`]): block `src` (a cached block, pinned
+/// until then) into `dst` (the first block `seq` writes), whose first tokens `seq` reuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    /// The admitted sequence.
+    pub seq: SeqId,
+    /// The cached block.
+    pub src: BlockId,
+    /// The sequence's own block.
+    pub dst: BlockId,
 }
 
 /// Blocks a request needs in all: K/V of the prompt and of every generated token but the last.
@@ -222,6 +241,8 @@ pub struct Scheduler<P> {
     /// Admissions that bypassed the current head of the queue.
     head_bypassed: usize,
     head_id: Option<SeqId>,
+    /// Copies admitted but not yet run (their sources pinned).
+    copies: Vec<BlockCopy>,
 }
 
 impl<P> Scheduler<P> {
@@ -235,6 +256,7 @@ impl<P> Scheduler<P> {
             rr_last: None,
             head_bypassed: 0,
             head_id: None,
+            copies: Vec::new(),
         }
     }
 
@@ -371,6 +393,9 @@ impl<P> Scheduler<P> {
             return self.waiting.remove(i);
         }
         let i = self.running.iter().position(|s| s.id == id)?;
+        if let Some(c) = self.copies.iter().find(|c| c.seq == id).copied() {
+            self.copies_done(&[c], &[false]);
+        }
         let s = self.running.remove(i);
         self.kv
             .unreserve(s.reserved_total.saturating_sub(s.block_table.len()));
@@ -379,8 +404,13 @@ impl<P> Scheduler<P> {
         let b = s.block_size();
         let (h, r) = (s.num_computed / b, s.num_computed % b);
         let parent = match h {
-            0 => Some(TailParent::Root(s.chain.root().key())),
-            _ => s.canon.get(h - 1).copied().flatten().map(TailParent::Block),
+            0 => Some(BlockParent::Root(s.chain.root().key())),
+            _ => s
+                .canon
+                .get(h - 1)
+                .copied()
+                .flatten()
+                .map(BlockParent::Block),
         };
         match (s.cache_insert && r > 0, parent, s.block_table.get(h)) {
             (true, Some(parent), Some(&tail)) => {
@@ -450,17 +480,38 @@ impl<P> Scheduler<P> {
             // last prompt token).
             let h = hits.len();
             let parent = match hits.last() {
-                Some(&c) => TailParent::Block(c),
-                None => TailParent::Root(s.chain.root().key()),
+                Some(&c) => BlockParent::Block(c),
+                None => BlockParent::Root(s.chain.root().key()),
             };
             let next = s.tokens.get(h * b..s.prompt_len).unwrap_or_default();
-            let tail = self
-                .kv
-                .find_tail(parent, next, (s.prompt_len - 1).saturating_sub(h * b));
+            let max_len = (s.prompt_len - 1).saturating_sub(h * b);
+            let mut tail = self.kv.find_tail(parent, next, max_len);
+            // Or the first tokens of a cached block, copied (when more than a tail gives).
+            let mut partial = if self.cfg.copy_partial_blocks {
+                self.kv
+                    .find_partial(parent, next, max_len)
+                    .filter(|&(_, n)| n > tail.map_or(0, |t| t.1))
+            } else {
+                None
+            };
+            // A copied block is pinned like a hit until the copy has run: one block more than
+            // without it, so it is dropped when only that block is missing.
+            let mut pinned: Vec<ContentRef> = hits.clone();
+            if let Some((src, _)) = partial {
+                if self
+                    .kv
+                    .can_admit(&[&hits[..], &[src]].concat(), false, s.reserved_total - h)
+                {
+                    pinned.push(src);
+                    tail = None;
+                } else {
+                    partial = None;
+                }
+            }
             let new_blocks = s
                 .reserved_total
                 .saturating_sub(h + usize::from(tail.is_some()));
-            if !self.kv.can_admit(&hits, tail.is_some(), new_blocks) {
+            if !self.kv.can_admit(&pinned, tail.is_some(), new_blocks) {
                 if i == 0 && self.head_bypassed >= self.cfg.max_running {
                     break;
                 }
@@ -476,7 +527,7 @@ impl<P> Scheduler<P> {
                 self.head_id = self.waiting.front().map(|s| s.id);
                 self.head_bypassed = 0;
             }
-            self.kv.admit(&hits, new_blocks);
+            self.kv.admit(&pinned, new_blocks);
             s.block_table = hits.iter().map(|c| c.0).collect();
             s.canon = hits.iter().map(|&c| Some(c)).collect();
             s.registered = h;
@@ -485,12 +536,58 @@ impl<P> Scheduler<P> {
                 s.block_table.push(block);
                 s.num_computed += tail.map_or(0, |(_, shared)| shared);
             }
+            if let Some(((src, _), shared)) = partial {
+                match self.kv.allocate_reserved() {
+                    Some(dst) => {
+                        s.block_table.push(dst);
+                        s.num_computed += shared;
+                        self.copies.push(BlockCopy {
+                            seq: s.id,
+                            src,
+                            dst,
+                        });
+                    }
+                    // A broken reservation (a bug): no reuse, the pin goes.
+                    None => self.kv.release(&[src]),
+                }
+            }
             s.cached_tokens = s.num_computed;
             s.admitted_at = Some(now);
             admitted.push(s.id);
             self.running.push(s);
         }
         admitted
+    }
+
+    /// The block copies admitted since the last call; run each on the executor, then report
+    /// them with [`Scheduler::copies_done`] before the next [`Scheduler::schedule`] (a copy
+    /// still pending then is abandoned: its sequence recomputes the block).
+    pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        self.copies.clone()
+    }
+
+    /// Unpins the sources of `copies` (from [`Scheduler::take_copies`]); where `ok` is false the
+    /// copy did not happen and its sequence recomputes that block from its start.
+    pub fn copies_done(&mut self, copies: &[BlockCopy], ok: &[bool]) {
+        for (i, c) in copies.iter().enumerate() {
+            let Some(at) = self.copies.iter().position(|p| p == c) else {
+                continue;
+            };
+            self.copies.swap_remove(at);
+            self.kv.release(&[c.src]);
+            if !ok.get(i).copied().unwrap_or(false) {
+                self.forget_partial(c.seq);
+            }
+        }
+    }
+
+    /// A sequence whose block copy did not run starts again at its block boundary.
+    fn forget_partial(&mut self, id: SeqId) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            let b = s.block_size();
+            s.num_computed = s.num_computed / b * b;
+            s.cached_tokens = s.num_computed;
+        }
     }
 
     /// Plans the next step within the configured `step_token_budget`; see
@@ -504,6 +601,10 @@ impl<P> Scheduler<P> {
     /// Sequences whose allocation failed (a broken reservation: a bug) are returned in the
     /// second list; the caller fails and removes them.
     pub fn schedule_within(&mut self, tokens: usize) -> (Vec<Scheduled>, Vec<SeqId>) {
+        if !self.copies.is_empty() {
+            let pending = self.copies.clone();
+            self.copies_done(&pending, &vec![false; pending.len()]);
+        }
         let mut plan = Vec::new();
         let mut broken = Vec::new();
         let cap = self.cfg.step_token_budget.max(1);
@@ -660,7 +761,8 @@ impl<P> Scheduler<P> {
                             .flatten()
                             .zip(s.links.get(i - 1).map(|l| l.key()))
                     };
-                    kv.register(blk, s.links[i].key(), block_tokens, i == 0, parent)
+                    let root = (i == 0).then(|| s.chain.root().key());
+                    kv.register(blk, s.links[i].key(), block_tokens, root, parent)
                 }
                 _ => None,
             };
@@ -699,6 +801,11 @@ impl<P> Scheduler<P> {
         self.kv.check_invariants()?;
         let total = self.kv.pool().total();
         let mut refs = vec![0u32; total];
+        for c in &self.copies {
+            *refs
+                .get_mut(c.src as usize)
+                .ok_or_else(|| format!("bad copy source {}", c.src))? += 1;
+        }
         let mut outstanding = 0usize;
         for s in &self.running {
             for &b in &s.block_table {

@@ -192,6 +192,22 @@ impl Executor for SimExecutor {
         }
     }
 
+    fn copies_blocks(&self) -> bool {
+        true
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
+        let (b, n) = (self.cfg.block_size, self.cfg.num_blocks);
+        let (src, dst) = (src as usize, dst as usize);
+        if src >= n || dst >= n {
+            return Err(EngineError::Tensor(format!(
+                "block copy {src} → {dst} outside {n} blocks"
+            )));
+        }
+        self.slots.copy_within(src * b..(src + 1) * b, dst * b);
+        Ok(())
+    }
+
     fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
     }

@@ -50,18 +50,20 @@ async fn greedy_stream_matches_plain_run_and_prefix_is_reused() {
     let expected_text: String = want.iter().map(|t| format!("t{t} ")).collect();
     assert_eq!(a.text, expected_text);
 
-    // Same prompt, same namespace: 7 full blocks are reusable ((30 − 1) / 4).
+    // Same prompt, same namespace: 7 full blocks are reusable ((30 − 1) / 4), and the first
+    // token of the eighth (positions 28, 29 and two answer tokens) through a block copy: all
+    // but the last prompt token.
     let b = collect(engine.submit(req("b", prompt.clone(), 10, ns(1))).unwrap()).await;
-    assert_eq!(b.cached_tokens, Some(28));
+    assert_eq!(b.cached_tokens, Some(29));
     assert_eq!(b.tokens, want, "prefix-cached output equals the plain run");
-    assert_eq!(b.finish.unwrap().1.cached_tokens, 28);
+    assert_eq!(b.finish.unwrap().1.cached_tokens, 29);
     // Another namespace: nothing shared.
     let c = collect(engine.submit(req("c", prompt.clone(), 10, ns(2))).unwrap()).await;
     assert_eq!(c.cached_tokens, Some(0));
     assert_eq!(c.tokens, want);
 
     let st = wait_stats(&engine, |s| s.running == 0).await;
-    assert_eq!(st.prefix_hit_tokens, 28);
+    assert_eq!(st.prefix_hit_tokens, 29);
     assert_eq!(st.prompt_tokens, 90);
     assert_eq!(st.generation_tokens, 30);
     assert_eq!(st.blocks_used, 0);

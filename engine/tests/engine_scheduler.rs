@@ -41,6 +41,7 @@ fn sched_cfg(max_running: usize, budget: usize, chunk: usize) -> SchedulerConfig
         max_running,
         step_token_budget: budget,
         prefill_chunk: chunk,
+        copy_partial_blocks: true,
     }
 }
 
@@ -48,6 +49,12 @@ fn sched_cfg(max_running: usize, budget: usize, chunk: usize) -> SchedulerConfig
 /// sequences as (payload, generated tokens).
 fn step<P: Copy>(s: &mut Scheduler<P>, e: &mut SimExecutor, eos: u32) -> Vec<(SeqId, P, Vec<u32>)> {
     s.admit(Instant::now());
+    let copies = s.take_copies();
+    let ok: Vec<bool> = copies
+        .iter()
+        .map(|c| e.copy_block(c.src, c.dst).is_ok())
+        .collect();
+    s.copies_done(&copies, &ok);
     let (plan, broken) = s.schedule();
     assert!(broken.is_empty(), "broken reservations: {broken:?}");
     let mut done = Vec::new();
@@ -215,6 +222,26 @@ fn randomized_differential_accounting() {
             s.check_invariants()
                 .unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}"));
             guard += 1;
+            if guard == 99_999 {
+                eprintln!(
+                    "STUCK running {} waiting {} counts {:?} reserved {} tails {}",
+                    s.running_len(),
+                    s.waiting_len(),
+                    s.kv().counts(),
+                    s.kv().reserved(),
+                    s.kv().tails()
+                );
+                for q in s.running() {
+                    eprintln!(
+                        "  run {:?} prompt {} computed {} table {:?} cached {}",
+                        q.id,
+                        q.prompt_len(),
+                        q.num_computed(),
+                        q.block_table(),
+                        q.cached_tokens()
+                    );
+                }
+            }
             assert!(guard < 100_000, "seed {seed}: no progress");
         }
         let c = s.kv().counts();
@@ -243,7 +270,11 @@ fn prefix_reuse_never_covers_the_last_prompt_token() {
     }
     s.enqueue(SeqId(2), spec(p.clone(), 3, ns(1), bs), ());
     s.admit(Instant::now());
-    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 8, "2 of 3 blocks");
+    assert_eq!(
+        s.get(SeqId(2)).unwrap().cached_tokens(),
+        11,
+        "2 of 3 blocks, and 3 of the third's 4 tokens copied: all but the last"
+    );
     // 13 tokens: all 3 full blocks are reusable.
     let mut p13 = p.clone();
     p13.push(5);
@@ -282,10 +313,11 @@ fn key_collision_costs_a_miss_not_a_wrong_answer() {
         }
     }
     assert_eq!(out, reference_greedy(&sim, &p, 5));
-    // The colliding entry was replaced by the verified one: the next request hits.
+    // The colliding entry was replaced by the verified one: the next request hits (2 blocks,
+    // and the first token of the third, copied: all but the last prompt token).
     s.enqueue(SeqId(2), spec(p.clone(), 5, ns(7), bs), ());
     s.admit(Instant::now());
-    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 8);
+    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 9);
     s.check_invariants().unwrap();
 
     // A second block planted with the right tokens but no parent link is not trusted.
@@ -355,6 +387,81 @@ fn generated_blocks_are_cached_for_the_next_turn() {
         }
     }
     assert_eq!(out, reference_greedy(&sim, &turn2, 2));
+}
+
+/// Partial copies: a request sharing only the first tokens of a cached block gets them by a
+/// copy into its own block (the cached block is never written), under its own namespace only;
+/// the copy's source stays pinned until the copy is reported; a copy that did not run leaves
+/// the request recomputing the block, still exact.
+#[test]
+fn cached_blocks_are_copied_for_their_shared_first_tokens() {
+    let bs = 4;
+    let sim = SimConfig::instant(bs, 32);
+    let mut exec = SimExecutor::new(sim.clone()).unwrap();
+    let mut s: Scheduler<()> = Scheduler::new(sched_cfg(4, 64, 64), exec.geometry());
+    let finish = |s: &mut Scheduler<()>, exec: &mut SimExecutor| {
+        let mut outs = Vec::new();
+        while s.running_len() + s.waiting_len() > 0 {
+            outs.extend(step(s, exec, 2).into_iter().map(|(id, _, o)| (id, o)));
+        }
+        s.check_invariants().unwrap();
+        outs
+    };
+    // A "system prompt" of 6 tokens, then the first user's 6.
+    let sys: Vec<u32> = (1..7).collect();
+    let a = [&sys[..], &[50, 51, 52, 53, 54, 55]].concat();
+    s.enqueue(SeqId(1), spec(a.clone(), 2, ns(1), bs), ());
+    finish(&mut s, &mut exec);
+    // A second user: one full block (4) and 2 tokens copied out of the cached block [5, 6, 50, 51].
+    let b = [&sys[..], &[60, 61, 62]].concat();
+    s.enqueue(SeqId(2), spec(b.clone(), 3, ns(1), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(2)).unwrap().cached_tokens(), 6);
+    let copies = s.take_copies();
+    assert_eq!(copies.len(), 1);
+    let own = s.get(SeqId(2)).unwrap().block_table()[1];
+    assert_ne!(copies[0].src, own, "the request writes its own block");
+    assert_eq!(copies[0].dst, own);
+    assert!(s.kv().pool().refcount(copies[0].src) >= 1, "pinned");
+    s.check_invariants().unwrap();
+    exec.copy_block(copies[0].src, copies[0].dst).unwrap();
+    s.copies_done(&copies, &[true]);
+    s.check_invariants().unwrap();
+    let outs = finish(&mut s, &mut exec);
+    assert_eq!(outs, vec![(SeqId(2), reference_greedy(&sim, &b, 3))]);
+    // Another namespace shares nothing.
+    s.enqueue(SeqId(3), spec(b.clone(), 3, ns(2), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(3)).unwrap().cached_tokens(), 0);
+    assert!(s.take_copies().is_empty());
+    finish(&mut s, &mut exec);
+    // A copy that did not run: the request recomputes the block, exactly.
+    let c = [&sys[..], &[70, 71, 72]].concat();
+    s.enqueue(SeqId(4), spec(c.clone(), 3, ns(1), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.get(SeqId(4)).unwrap().cached_tokens(), 6);
+    let copies = s.take_copies();
+    s.copies_done(&copies, &[false]);
+    assert_eq!(s.get(SeqId(4)).unwrap().cached_tokens(), 4);
+    s.check_invariants().unwrap();
+    assert_eq!(
+        finish(&mut s, &mut exec),
+        vec![(SeqId(4), reference_greedy(&sim, &c, 3))]
+    );
+    // A copy never reported is abandoned at the next schedule, exactly too.
+    let d = [&sys[..], &[80, 81, 82]].concat();
+    s.enqueue(SeqId(5), spec(d.clone(), 3, ns(1), bs), ());
+    s.admit(Instant::now());
+    assert_eq!(s.take_copies().len(), 1);
+    let (plan, broken) = s.schedule();
+    assert!(broken.is_empty());
+    assert_eq!(plan[0].start, 4, "recomputes the copied block");
+    let outs = exec.forward(&s.chunks(&plan)).unwrap();
+    s.complete(&plan);
+    let first = engine::sampler::argmax(outs[0].as_ref().unwrap());
+    assert_eq!(first, reference_greedy(&sim, &d, 1)[0]);
+    s.remove(SeqId(5));
+    s.check_invariants().unwrap();
 }
 
 /// Tails: reused only under their own parent (another namespace or a different prefix gets

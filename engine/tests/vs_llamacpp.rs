@@ -431,8 +431,9 @@ fn tiny_gemma3_agrees_with_llama_cpp() {
 
 /// The exact-output property per architecture and weight format: the paged cache keeps every
 /// position's K/V for every layer (sliding layers only stop *reading* keys older than their
-/// window), so a run that reuses two cached blocks, and a run whose prompt is prefilled in
-/// chunks of 7, give the same greedy tokens as a cold one-chunk run, and bit-identical logits for
+/// window), so a run that reuses two cached blocks, a run that reuses a copy of a cached block's
+/// first 4 positions, and a run whose prompt is prefilled in chunks of 7, give the same greedy
+/// tokens as a cold one-chunk run, and bit-identical logits for
 /// every format but the packed-kernel ones (Q8_0, Q4_0, Q4_1: within 1e-5, measured ~1e-6).
 #[test]
 fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
@@ -481,7 +482,7 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
         let prompt: Vec<u32> = (0..40u32).map(|i| 100 + i * 37).collect();
         // Greedy from `start` (positions before it already cached), prefilling `chunk` tokens
         // per step; returns the tokens and the logits of every step.
-        let mut greedy = |table: &[u32], start: usize, chunk: usize| {
+        let greedy = |exec: &mut LlamaExecutor, table: &[u32], start: usize, chunk: usize| {
             let mut tokens = prompt.clone();
             let mut done = start;
             let mut out = Vec::new();
@@ -509,9 +510,14 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
             }
             (out, all)
         };
-        let cold = greedy(&[0, 1, 2], 0, 64);
-        let cached = greedy(&[0, 1, 3], 32, 64);
-        let chunked = greedy(&[4, 5, 6], 0, 7);
+        let cold = greedy(&mut exec, &[0, 1, 2], 0, 64);
+        let cached = greedy(&mut exec, &[0, 1, 3], 32, 64);
+        let chunked = greedy(&mut exec, &[4, 5, 6], 0, 7);
+        // A partial reuse through a block copy (the scheduler's copy of a cached block whose
+        // first tokens a request shares): block 1 (positions 16..32) copied to block 7, then
+        // positions 20.. recomputed over the copy's other slots.
+        exec.copy_block(1, 7).unwrap();
+        let copied = greedy(&mut exec, &[0, 7, 5], 20, 64);
         let diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
             a.iter()
                 .flatten()
@@ -520,15 +526,25 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
                 .fold(0f32, f32::max)
         };
         println!(
-            "exact output, {name}: cached max |Δlogit| {}, chunked {}; greedy equal {} / {}",
+            "exact output, {name}: cached max |Δlogit| {}, copied {}, chunked {}; greedy equal {} / {} / {}",
             diff(&cold.1, &cached.1),
+            diff(&cold.1, &copied.1),
             diff(&cold.1, &chunked.1),
             cold.0 == cached.0,
+            cold.0 == copied.0,
             cold.0 == chunked.0
         );
         assert_eq!(cold.0, cached.0, "{name}: cached greedy tokens differ");
         assert_eq!(cold.0, chunked.0, "{name}: chunked greedy tokens differ");
-        results.push((name, diff(&cold.1, &cached.1), diff(&cold.1, &chunked.1)));
+        assert_eq!(
+            cold.0, copied.0,
+            "{name}: greedy tokens after a block copy differ"
+        );
+        results.push((
+            name,
+            diff(&cold.1, &cached.1).max(diff(&cold.1, &copied.1)),
+            diff(&cold.1, &chunked.1),
+        ));
     }
     // Measured: bit-identical everywhere but the packed-kernel formats (Q8_0, Q4_0, Q4_1, and Q4_K
     // repacked as Q4_1), whose logits differ by ~1e-6 between step sizes at this width (the

@@ -39,25 +39,16 @@ use prefix_index::{BlockKey, KvEvent};
 
 use crate::executor::BlockId;
 use block_pool::{BlockPool, PoolCounts};
+pub use prefix_cache::BlockParent;
 use prefix_cache::{CacheEntry, ContentRef, PrefixCache};
 
 pub use events::{KvEventFeed, KvSubscription};
-
-/// What a tail continues: the cached content of the block before it, or (a chain's first
-/// block) the chain's root key, which names the namespace and salt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TailParent {
-    /// The tail is block 0 of the chain with this root key.
-    Root(BlockKey),
-    /// The tail follows this cached content.
-    Block(ContentRef),
-}
 
 /// A kept partial block: `tokens` (fewer than a block) computed in `block` after `parent`.
 #[derive(Debug)]
 struct Tail {
     block: BlockId,
-    parent: TailParent,
+    parent: BlockParent,
     tokens: Box<[u32]>,
     /// Insertion order (the oldest goes first beyond [`KvCache::max_tails`]).
     order: u64,
@@ -170,7 +161,7 @@ impl KvCache {
     /// extend these makes this one redundant; beyond [`KvCache::max_tails`] the oldest is
     /// dropped. A block that cannot be a tail (token count out of range, keyed, unreferenced)
     /// is just released.
-    pub fn keep_tail(&mut self, block: BlockId, parent: TailParent, tokens: &[u32]) {
+    pub fn keep_tail(&mut self, block: BlockId, parent: BlockParent, tokens: &[u32]) {
         let key = tail_key(parent, tokens);
         let usable = !tokens.is_empty()
             && tokens.len() < self.block_size
@@ -224,7 +215,7 @@ impl KvCache {
     /// `max_len` tokens: `(its key, shared tokens ≥ 1)`. Changes nothing.
     pub fn find_tail(
         &self,
-        parent: TailParent,
+        parent: BlockParent,
         tokens: &[u32],
         max_len: usize,
     ) -> Option<(BlockKey, usize)> {
@@ -243,6 +234,37 @@ impl KvCache {
             .filter(|&(_, n, _)| n > 0)
             .max_by_key(|&(_, n, order)| (n, order))
             .map(|(k, n, _)| (k, n))
+    }
+
+    /// The cached full block continuing `parent` whose tokens share the longest prefix with
+    /// `tokens` (fewer than all of them: a whole match is a hit), capped at `max_len`: `(its
+    /// content, shared tokens ≥ 1)`. A request reuses those tokens by copying the block
+    /// (it must not write into a cached block). Changes nothing.
+    pub fn find_partial(
+        &self,
+        parent: BlockParent,
+        tokens: &[u32],
+        max_len: usize,
+    ) -> Option<(ContentRef, usize)> {
+        self.cache
+            .children(parent)
+            .iter()
+            .filter_map(|&k| {
+                let e = self.cache.get(k)?;
+                let content = (e.block, e.generation);
+                if !self.is_current(content, k) {
+                    return None;
+                }
+                let shared = e
+                    .tokens
+                    .iter()
+                    .zip(tokens)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                Some((content, shared.min(max_len)))
+            })
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n)
     }
 
     /// Removes the tail `key` (from [`KvCache::find_tail`]) and hands its block to the caller
@@ -306,19 +328,21 @@ impl KvCache {
         self.pool.generation(c.0) == c.1 && self.pool.key(c.0) == Some(key)
     }
 
-    /// Offers a full, computed block to the cache. `first`: this is block 0 of its chain.
-    /// `parent`: the cached content and key of the previous block, `None` when that block is
-    /// not cached (then this one is not cached either: it could never be reached). Returns
-    /// the content that now represents this block in the cache (this block, or an identical
-    /// one already cached), or `None` when it was not cached.
+    /// Offers a full, computed block to the cache. `root`: `Some(the chain's root key)` when
+    /// this is block 0 of its chain. `parent`: the cached content and key of the previous
+    /// block, `None` when that block is not cached (then this one is not cached either: it
+    /// could never be reached). Returns the content that now represents this block in the
+    /// cache (this block, or an identical one already cached), or `None` when it was not
+    /// cached.
     pub fn register(
         &mut self,
         block: BlockId,
         key: BlockKey,
         tokens: &[u32],
-        first: bool,
+        root: Option<BlockKey>,
         parent: Option<(ContentRef, BlockKey)>,
     ) -> Option<ContentRef> {
+        let first = root.is_some();
         if tokens.len() != self.block_size || self.pool.refcount(block) == 0 {
             return None;
         }
@@ -361,6 +385,7 @@ impl KvCache {
                 tokens: tokens.into(),
                 parent: parent_ref,
                 parent_key,
+                root,
             },
         );
         self.push_event(KvEvent::Stored {
@@ -393,6 +418,7 @@ impl KvCache {
                 tokens: tokens.into(),
                 parent,
                 parent_key: None,
+                root: None,
             },
         );
     }
@@ -465,7 +491,7 @@ impl KvCache {
 }
 
 /// A tail's local key: a hash of its parent and tokens (this process only; never published).
-fn tail_key(parent: TailParent, tokens: &[u32]) -> BlockKey {
+fn tail_key(parent: BlockParent, tokens: &[u32]) -> BlockKey {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     ("kvgate tail", parent, tokens).hash(&mut h);
@@ -480,9 +506,57 @@ mod tests {
     fn cached_block(kv: &mut KvCache, key: u64, tokens: &[u32]) -> BlockId {
         kv.admit(&[], 1);
         let b = kv.allocate_reserved().unwrap();
-        assert!(kv.register(b, BlockKey(key), tokens, true, None).is_some());
+        assert!(kv
+            .register(b, BlockKey(key), tokens, Some(BlockKey(99)), None)
+            .is_some());
         kv.release(&[b]);
         b
+    }
+
+    /// `find_partial` offers a cached child of the request's parent (under a root key for a
+    /// first block: no other namespace's), the longest shared prefix, never a stale content.
+    #[test]
+    fn partial_matches_come_from_current_children_of_the_same_parent() {
+        let mut kv = KvCache::new(4, 4);
+        let root = BlockKey(99); // `cached_block`'s root key
+        let a = cached_block(&mut kv, 7, &[1, 2, 3, 4]);
+        let under_root = BlockParent::Root(root);
+        assert_eq!(
+            kv.find_partial(under_root, &[1, 2, 9], 3),
+            Some(((a, kv.pool().generation(a)), 2))
+        );
+        assert_eq!(
+            kv.find_partial(under_root, &[1, 2, 3, 9], 2).map(|x| x.1),
+            Some(2),
+            "cap"
+        );
+        assert_eq!(kv.find_partial(under_root, &[9], 3), None);
+        assert_eq!(
+            kv.find_partial(BlockParent::Root(BlockKey(98)), &[1, 2], 3),
+            None
+        );
+        // A child of `a`, and a second child sharing more.
+        let ca = (a, kv.pool().generation(a));
+        let child = |kv: &mut KvCache, key, tokens: &[u32]| {
+            kv.admit(&[], 1);
+            let b = kv.allocate_reserved().unwrap();
+            kv.register(b, BlockKey(key), tokens, None, Some((ca, BlockKey(7))));
+            kv.release(&[b]);
+            b
+        };
+        child(&mut kv, 8, &[5, 6, 7, 8]);
+        let c2 = child(&mut kv, 9, &[5, 6, 0, 0]);
+        let best = kv.find_partial(BlockParent::Block(ca), &[5, 6, 0, 1], 3);
+        assert_eq!(best, Some(((c2, kv.pool().generation(c2)), 3)));
+        kv.check_invariants().unwrap();
+        // Evicted content is never offered.
+        kv.admit(&[], 4);
+        for _ in 0..4 {
+            kv.allocate_reserved().unwrap();
+        }
+        assert_eq!(kv.find_partial(BlockParent::Block(ca), &[5, 6], 3), None);
+        assert_eq!(kv.find_partial(under_root, &[1, 2], 3), None);
+        kv.check_invariants().unwrap();
     }
 
     /// A tail is evicted in LRU order with the cached blocks, quietly (no `Removed` event), and
@@ -493,7 +567,7 @@ mod tests {
         let a = cached_block(&mut kv, 7, &[1, 2, 3, 4]);
         kv.admit(&[], 1);
         let t = kv.allocate_reserved().unwrap();
-        let parent = TailParent::Block((a, kv.pool().generation(a)));
+        let parent = BlockParent::Block((a, kv.pool().generation(a)));
         kv.keep_tail(t, parent, &[5, 6]);
         assert_eq!(
             (kv.tails(), kv.counts().cached, kv.counts().used),
@@ -527,7 +601,7 @@ mod tests {
         kv.release(&[t]);
         kv.admit(&[], 1);
         let u = kv.allocate_reserved().unwrap();
-        let root = TailParent::Root(BlockKey(3));
+        let root = BlockParent::Root(BlockKey(3));
         kv.keep_tail(u, root, &[8]);
         let (key, shared) = kv.find_tail(root, &[8, 9], 1).unwrap();
         assert_eq!(shared, 1);
@@ -541,8 +615,8 @@ mod tests {
     #[test]
     fn a_tail_is_found_under_its_parent_only_and_the_longer_one_wins() {
         let mut kv = KvCache::new(8, 4);
-        let root = TailParent::Root(BlockKey(1));
-        let other = TailParent::Root(BlockKey(2));
+        let root = BlockParent::Root(BlockKey(1));
+        let other = BlockParent::Root(BlockKey(2));
         for tokens in [&[5u32][..], &[5, 6, 7], &[5, 6]] {
             kv.admit(&[], 1);
             let b = kv.allocate_reserved().unwrap();

@@ -15,8 +15,12 @@
 //! inserting over a stale or colliding entry replaces it (the old block loses its key).
 //! An entry whose parent was evicted becomes unreachable and ages out through the LRU.
 //!
+//! Entries are also indexed by what they continue ([`BlockParent`]: the parent content, or the
+//! chain's root key for a first block), so a request whose next block is not cached can find
+//! the cached blocks that share its first tokens ([`PrefixCache::children`]).
+//!
 //! Complexity: lookup O(m × B) for an m-block match (hash lookup + token compare per block);
-//! insert/remove O(B). Memory per entry: the B token ids (4 B bytes) plus ~64 bytes.
+//! insert/remove O(B + siblings). Memory per entry: the B token ids (4 B bytes) plus ~64 bytes.
 
 use std::collections::HashMap;
 
@@ -26,6 +30,16 @@ use crate::executor::BlockId;
 
 /// A cached content: `(block id, generation of that block when it was keyed)`.
 pub type ContentRef = (BlockId, u32);
+
+/// What a block continues: the cached content of the block before it, or (a chain's first
+/// block) the chain's root key, which names the namespace and salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockParent {
+    /// Block 0 of the chain with this root key.
+    Root(BlockKey),
+    /// The block after this cached content.
+    Block(ContentRef),
+}
 
 /// One cached block.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,12 +54,28 @@ pub struct CacheEntry {
     pub parent: Option<ContentRef>,
     /// The parent's key (for `Stored` events).
     pub parent_key: Option<BlockKey>,
+    /// For a chain's first block, the chain's root key (indexes it under
+    /// [`BlockParent::Root`]); `None` otherwise.
+    pub root: Option<BlockKey>,
 }
 
-/// Key → verified cached block.
+impl CacheEntry {
+    /// What this block continues, when known (a first block registered without its root key
+    /// is not indexed).
+    pub fn under(&self) -> Option<BlockParent> {
+        match (self.parent, self.root) {
+            (Some(c), _) => Some(BlockParent::Block(c)),
+            (None, Some(r)) => Some(BlockParent::Root(r)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Key → verified cached block, and each parent's cached children (for partial matches).
 #[derive(Clone, Debug, Default)]
 pub struct PrefixCache {
     map: HashMap<BlockKey, CacheEntry>,
+    children: HashMap<BlockParent, Vec<BlockKey>>,
 }
 
 impl PrefixCache {
@@ -84,18 +114,37 @@ impl PrefixCache {
 
     /// Inserts or replaces the entry of `key`; returns the replaced entry.
     pub fn insert(&mut self, key: BlockKey, entry: CacheEntry) -> Option<CacheEntry> {
-        self.map.insert(key, entry)
+        let old = self.remove(key);
+        if let Some(under) = entry.under() {
+            self.children.entry(under).or_default().push(key);
+        }
+        self.map.insert(key, entry);
+        old
     }
 
     /// Removes the entry of `key` (when its block is evicted or re-keyed).
     pub fn remove(&mut self, key: BlockKey) -> Option<CacheEntry> {
-        self.map.remove(&key)
+        let e = self.map.remove(&key)?;
+        if let Some(under) = e.under() {
+            if let Some(keys) = self.children.get_mut(&under) {
+                keys.retain(|k| *k != key);
+                if keys.is_empty() {
+                    self.children.remove(&under);
+                }
+            }
+        }
+        Some(e)
+    }
+
+    /// The keys of the cached blocks that continue `parent` (in insertion order).
+    pub fn children(&self, parent: BlockParent) -> &[BlockKey] {
+        self.children.get(&parent).map_or(&[], |v| v.as_slice())
     }
 
     /// Test hook: plants an entry directly (e.g. to force a key collision).
     #[doc(hidden)]
     pub fn insert_raw(&mut self, key: BlockKey, entry: CacheEntry) {
-        self.map.insert(key, entry);
+        self.insert(key, entry);
     }
 
     /// Iterates over all entries.
@@ -115,6 +164,7 @@ mod tests {
             tokens: tokens.into(),
             parent,
             parent_key: None,
+            root: None,
         }
     }
 
@@ -137,5 +187,39 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert_eq!(c.remove(BlockKey(1)).map(|e| e.block), Some(5));
         assert!(c.get(BlockKey(1)).is_none());
+    }
+
+    #[test]
+    fn children_follow_inserts_and_removals() {
+        let mut c = PrefixCache::new();
+        let root = BlockParent::Root(BlockKey(9));
+        let mut first = entry(5, &[1, 2], None);
+        first.root = Some(BlockKey(9));
+        c.insert(BlockKey(1), first.clone());
+        c.insert(BlockKey(2), entry(6, &[3, 4], Some((5, 0))));
+        c.insert(BlockKey(3), entry(7, &[3, 5], Some((5, 0))));
+        assert_eq!(c.children(root), &[BlockKey(1)]);
+        assert_eq!(
+            c.children(BlockParent::Root(BlockKey(8))),
+            &[] as &[BlockKey]
+        );
+        assert_eq!(
+            c.children(BlockParent::Block((5, 0))),
+            &[BlockKey(2), BlockKey(3)]
+        );
+        assert_eq!(
+            c.children(BlockParent::Block((5, 1))),
+            &[] as &[BlockKey],
+            "generation"
+        );
+        c.remove(BlockKey(2));
+        assert_eq!(c.children(BlockParent::Block((5, 0))), &[BlockKey(3)]);
+        // Replacing an entry re-indexes it.
+        c.insert(BlockKey(3), entry(8, &[3, 6], Some((4, 0))));
+        assert_eq!(c.children(BlockParent::Block((5, 0))), &[] as &[BlockKey]);
+        assert_eq!(c.children(BlockParent::Block((4, 0))), &[BlockKey(3)]);
+        c.remove(BlockKey(1));
+        assert_eq!(c.children(root), &[] as &[BlockKey]);
+        assert!(c.children.is_empty() || c.children.len() == 1);
     }
 }

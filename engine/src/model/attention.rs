@@ -95,6 +95,27 @@ impl LayerKv {
     }
 }
 
+impl LayerKv {
+    /// Copies block `src`'s keys and values (`n` elements each) over block `dst`'s.
+    pub(crate) fn copy_block(&mut self, src: usize, dst: usize, n: usize) {
+        fn copy<T: Copy>(x: &mut [T], src: usize, dst: usize, n: usize) {
+            if src != dst {
+                x.copy_within(src * n..(src + 1) * n, dst * n);
+            }
+        }
+        match self {
+            LayerKv::F32 { k, v } => {
+                copy(k, src, dst, n);
+                copy(v, src, dst, n);
+            }
+            LayerKv::F16 { k, v } => {
+                copy(k, src, dst, n);
+                copy(v, src, dst, n);
+            }
+        }
+    }
+}
+
 /// Block parts of one K or V store.
 #[derive(Clone, Copy)]
 enum Part<'a> {

@@ -25,7 +25,7 @@ use super::attention::{
     rope_interleaved, AttnShape, ChunkSlots, KvLayout, LayerKv,
 };
 use super::weights::{Architecture, LlamaWeights};
-use crate::executor::{Executor, KvGeometry, SeqChunk};
+use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
 use crate::EngineError;
 
 /// The candle Llama model with its paged KV storage.
@@ -444,6 +444,26 @@ fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, EngineError
 impl Executor for LlamaExecutor {
     fn geometry(&self) -> KvGeometry {
         self.geometry
+    }
+
+    fn copies_blocks(&self) -> bool {
+        true
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
+        let cfg = self.weights.config();
+        let n = cfg.n_kv_head * cfg.head_dim * self.geometry.block_size;
+        let (src, dst) = (src as usize, dst as usize);
+        if src >= self.geometry.num_blocks || dst >= self.geometry.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV block copy {src} → {dst} outside {} blocks",
+                self.geometry.num_blocks
+            )));
+        }
+        for layer in &mut self.kv {
+            layer.copy_block(src, dst, n);
+        }
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {
