@@ -157,6 +157,17 @@ fn device_executor_on_cpu_gives_the_tuned_executors_greedy_tokens_on_smollm2() {
         let got = greedy_paged(&mut exec, p, &t, 32, n_new).unwrap();
         assert_eq!(got, want[i], "prompt {i}: 32 cached tokens");
     }
+    // A block copy (the scheduler's reuse of a cached block's first tokens): the chat's block 4
+    // (positions 32..40) copied to block 80, then positions 35.. recomputed over it.
+    exec.copy_block(chat_table[4], 80).unwrap();
+    let mut t = chat_table[..4].to_vec();
+    t.push(80);
+    t.extend((0..((CHAT_PROMPT.len() + n_new).div_ceil(bs) - 5) as BlockId).map(|b| 81 + b));
+    let got = greedy_paged(&mut exec, &CHAT_PROMPT, &t, 35, n_new).unwrap();
+    assert_eq!(
+        got, want[0],
+        "35 cached tokens, 3 of them through a block copy"
+    );
     // Chunked and batched: prefill chunks of 7/13/64 beside decodes, decodes attended together.
     let mut fresh = device_exec(&dense, bs, nb);
     let (got, logits) = batched(&mut fresh, &prompts, n_new, bs, nb);

@@ -41,7 +41,7 @@ use candle_core::{DType, Device, Tensor};
 use super::attention::{rope_cos_sin_scaled, ChunkSlots};
 use super::executor::chunk_slots;
 use super::weights::{Architecture, Linear, LlamaWeights, WeightFormat};
-use crate::executor::{Executor, KvGeometry, Sampled, SeqChunk};
+use crate::executor::{BlockId, Executor, KvGeometry, Sampled, SeqChunk};
 use crate::EngineError;
 
 /// How attention runs.
@@ -1143,6 +1143,31 @@ fn rope(
 impl Executor for DeviceExecutor {
     fn geometry(&self) -> KvGeometry {
         self.geometry
+    }
+
+    fn copies_blocks(&self) -> bool {
+        true
+    }
+
+    /// Rows `src·B..(src+1)·B` of every layer's K and V cache copied over block `dst`'s, on the
+    /// device (a block-sized temporary per tensor: `slice_set` refuses a source sharing the
+    /// destination's storage).
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
+        let (bs, n) = (self.geometry.block_size, self.geometry.num_blocks);
+        let (src, dst) = (src as usize, dst as usize);
+        if src >= n || dst >= n {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV block copy {src} → {dst} outside {n} blocks"
+            )));
+        }
+        if src == dst {
+            return Ok(());
+        }
+        for cache in self.k_cache.iter().chain(&self.v_cache) {
+            let rows = cache.narrow(0, src * bs, bs)?.copy()?;
+            cache.slice_set(&rows, 0, dst * bs)?;
+        }
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {
