@@ -222,15 +222,7 @@ impl KvCache {
         self.tails
             .iter()
             .filter(|(_, t)| t.parent == parent)
-            .map(|(k, t)| {
-                let shared = t
-                    .tokens
-                    .iter()
-                    .zip(tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                (*k, shared.min(max_len), t.order)
-            })
+            .map(|(k, t)| (*k, shared_prefix(&t.tokens, tokens).min(max_len), t.order))
             .filter(|&(_, n, _)| n > 0)
             .max_by_key(|&(_, n, order)| (n, order))
             .map(|(k, n, _)| (k, n))
@@ -255,13 +247,7 @@ impl KvCache {
                 if !self.is_current(content, k) {
                     return None;
                 }
-                let shared = e
-                    .tokens
-                    .iter()
-                    .zip(tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                Some((content, shared.min(max_len)))
+                Some((content, shared_prefix(&e.tokens, tokens).min(max_len)))
             })
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(_, n)| n)
@@ -488,6 +474,11 @@ impl KvCache {
         }
         Ok(())
     }
+}
+
+/// How many leading tokens `a` and `b` share.
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// A tail's local key: a hash of its parent and tokens (this process only; never published).
