@@ -4,7 +4,8 @@
 //! 1. the CPU reference: the tuned CPU executor's greedy tokens and first logits for the golden
 //!    prompts (`engine::model::golden`);
 //! 2. per device variant (weights F32 / BF16 / the file's Q4_1 through candle's CUDA kernels;
-//!    attention composed / fused): the same prompts cold, with a cached prefix, prefilled in
+//!    attention composed / fused): the same prompts cold, with a cached prefix (and one through a
+//!    copied KV block), prefilled in
 //!    chunks and batched with decodes together — greedy tokens against the CPU's and against
 //!    the variant's own cold run, logits' largest distance;
 //! 3. a generated model of every architecture, device (F32) against the CPU executor;
@@ -159,6 +160,8 @@ struct Runs {
     /// Cold again, the argmax taken by the executor (`forward_sampled`).
     sampled: Vec<Vec<u32>>,
     cached: Vec<Vec<u32>>,
+    /// Prompt 0 reusing 3 tokens of a copied block (`Executor::copy_block`).
+    copied: Vec<Vec<u32>>,
     chunked: Vec<Vec<u32>>,
     batched: Vec<Vec<u32>>,
 }
@@ -186,6 +189,17 @@ fn golden_runs(exec: &mut dyn Executor) -> Result<Runs, EngineError> {
         t.extend(table(3 + i)[..blocks_each - 2].iter());
         cached.push(greedy_paged(exec, p, &t, 32, N_NEW)?);
     }
+    // Copied: prompt 0's block 2 (positions 32..48 of its cold run) copied into a free block,
+    // then positions 35.. recomputed over the copy — the scheduler's reuse of a cached block's
+    // first tokens.
+    let copied = {
+        let dst = table(5)[0];
+        exec.copy_block(table(0)[2], dst)?;
+        let mut t = table(0)[..2].to_vec();
+        t.push(dst);
+        t.extend(table(5)[1..blocks_each - 2].iter());
+        vec![greedy_paged(exec, &ps[0], &t, 35, N_NEW)?]
+    };
     let mut chunked = Vec::new();
     for (i, p) in ps.iter().enumerate() {
         let mut seqs = vec![Seq {
@@ -217,6 +231,7 @@ fn golden_runs(exec: &mut dyn Executor) -> Result<Runs, EngineError> {
         cold: cold_runs,
         sampled,
         cached,
+        copied,
         chunked,
         batched,
     })
@@ -250,6 +265,7 @@ fn compare(runs: &Runs, reference: &Runs) -> Value {
             "first_logits_max_abs_diff_vs_cpu": max_abs_diff(logits, want_logits),
             "argmax_by_executor": mode(&runs.sampled),
             "cached": mode(&runs.cached),
+            "copied_block": mode(&runs.copied),
             "chunked": mode(&runs.chunked),
             "batched": mode(&runs.batched),
         }));
@@ -262,8 +278,10 @@ fn compare(runs: &Runs, reference: &Runs) -> Value {
     let cold: Vec<Vec<u32>> = runs.cold.iter().map(|c| c.0.clone()).collect();
     json!({
         "all_equal_cpu": all(&equals_cpu, &cold) && all(&equals_cpu, &runs.cached)
+            && all(&equals_cpu, &runs.copied)
             && all(&equals_cpu, &runs.chunked) && all(&equals_cpu, &runs.batched),
         "cached_chunked_batched_equal_own_cold": all(&equals_own, &runs.cached)
+            && all(&equals_own, &runs.copied)
             && all(&equals_own, &runs.chunked) && all(&equals_own, &runs.batched),
         "argmax_by_executor_equals_own_cold": all(&equals_own, &runs.sampled),
         "prompts": per_prompt,
