@@ -3,9 +3,12 @@
 // llama.cpp build of scripts/build-llamacpp.sh and runs the ignored tests that read the dump):
 //   - activation quantization: `from_float` of Q8_1 and Q8_0 (ggml's x86 `quantize_row_q8_1` /
 //     `quantize_row_q8_0`) on blocks of 32 finite values at many scales, with exact ties;
-//   - GELU: `ggml_gelu` on every finite f16 value and on values beyond ±10.
+//   - GELU: `ggml_gelu` on every finite f16 value and on values beyond ±10;
+//   - SiLU: `ggml_silu` (the vector `expf` of the CPU ggml was built for) over magnitudes 1e-30
+//     to 1e6 of both signs, zeros, saturation, and 20,000 normal samples.
 // Output (stdout), one JSON object: {"blocks": [{"x": [f32 bits], "q8_1": {"d": f16 bits,
-// "s": f16 bits, "qs": [...]}, "q8_0": {"d", "qs"}}], "gelu": {"x": [f32 bits], "y": [f32 bits]}}.
+// "s": f16 bits, "qs": [...]}, "q8_0": {"d", "qs"}}], "gelu": {"x": [f32 bits], "y": [f32 bits]},
+// "silu": {"x", "y"}}.
 #include "ggml.h"
 #include "ggml-cpu.h"
 #include <cmath>
@@ -64,7 +67,7 @@ int main() {
         if (std::isfinite(f)) gx.push_back(f);
     }
     for (float f : {-1e6f, -10.5f, -10.0f, -9.99f, 9.99f, 10.0f, 10.5f, 1e6f}) gx.push_back(f);
-    ggml_init_params ip = { gx.size() * 8 + 16 * 1024 * 1024, nullptr, false };
+    ggml_init_params ip = { gx.size() * 8 + 64 * 1024 * 1024, nullptr, false };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t)gx.size());
     memcpy(t->data, gx.data(), gx.size() * 4);
@@ -77,6 +80,27 @@ int main() {
     for (size_t i = 0; i < gx.size(); i++) printf("%s%u", i ? ", " : "", bits(gx[i]));
     printf("], \"y\": [");
     for (size_t i = 0; i < gx.size(); i++) printf("%s%u", i ? ", " : "", bits(gy[i]));
+    printf("]}, ");
+    // SiLU over magnitudes 1e-30 .. 1e6 of both signs (geometric steps), zeros, and where the
+    // vector expf saturates; a multiple of 16 values, so every one takes the vector path.
+    std::vector<float> sx = {0.0f, -0.0f, 88.0f, -88.0f, 104.0f, -104.0f, 150.0f, -150.0f};
+    for (double v = 1e-30; v < 1e6; v *= 1.0013) {
+        sx.push_back((float) v);
+        sx.push_back((float) -v);
+    }
+    for (int i = 0; i < 20000; i++) sx.push_back(nd(rng) * 8.0f);
+    while (sx.size() % 16) sx.push_back(1.0f);
+    ggml_tensor * st = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, (int64_t) sx.size());
+    memcpy(st->data, sx.data(), sx.size() * 4);
+    ggml_tensor * sl = ggml_silu(ctx, st);
+    ggml_cgraph * sg = ggml_new_graph(ctx);
+    ggml_build_forward_expand(sg, sl);
+    ggml_graph_compute_with_ctx(ctx, sg, 1);
+    const float * sy = (const float *) sl->data;
+    printf("\"silu\": {\"x\": [");
+    for (size_t i = 0; i < sx.size(); i++) printf("%s%u", i ? ", " : "", bits(sx[i]));
+    printf("], \"y\": [");
+    for (size_t i = 0; i < sx.size(); i++) printf("%s%u", i ? ", " : "", bits(sy[i]));
     printf("]}}\n");
     ggml_free(ctx);
     return 0;

@@ -20,9 +20,10 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
+use super::activation::{gelu_mul, silu_mul, GeluTable, Silu};
 use super::attention::{
-    f16_bits_to_f32, f32_to_f16_bits, paged_attention, rope_cos_sin_scaled, rope_halves,
-    rope_interleaved, AttnShape, ChunkSlots, KvLayout, LayerKv,
+    paged_attention, rope_cos_sin_scaled, rope_halves, rope_interleaved, AttnShape, ChunkSlots,
+    KvLayout, LayerKv,
 };
 use super::weights::{Architecture, LlamaWeights};
 use crate::executor::{BlockId, Executor, KvGeometry, SeqChunk};
@@ -37,6 +38,8 @@ pub struct LlamaExecutor {
     kv: Vec<LayerKv>,
     /// ggml's GELU table, for Gemma 3 with [`super::WeightFormat::LlamaCpp`].
     gelu_table: Option<GeluTable>,
+    /// Which SiLU the feed-forward uses (ggml's with [`super::WeightFormat::LlamaCpp`]).
+    silu: Silu,
 }
 
 impl std::fmt::Debug for LlamaExecutor {
@@ -70,13 +73,15 @@ impl LlamaExecutor {
         for _ in 0..cfg.n_layer {
             kv.push(LayerKv::zeroed(per_layer, f16).map_err(EngineError::Model)?);
         }
-        let gelu_table = (cfg.arch == Architecture::Gemma3 && weights.format().gelu_through_f16())
-            .then(GeluTable::new);
+        let ggml = weights.format().ggml_activations();
+        let gelu_table = (cfg.arch == Architecture::Gemma3 && ggml).then(GeluTable::new);
+        let silu = if ggml { Silu::Ggml } else { Silu::Libm };
         Ok(LlamaExecutor {
             weights,
             geometry,
             kv,
             gelu_table,
+            silu,
         })
     }
 
@@ -218,7 +223,7 @@ impl LlamaExecutor {
             let act = if cfg.arch == Architecture::Gemma3 {
                 gelu_mul(&gu, total, ffn, self.gelu_table.as_ref())?
             } else {
-                silu_mul(&gu, total, ffn)?
+                silu_mul(&gu, total, ffn, self.silu)?
             };
             let mut down = layer.w_down.forward_host(&act, total, dense, dev)?;
             if let Some((_, post_ffn)) = &layer.post_norms {
@@ -335,112 +340,6 @@ fn add_into(x: &mut [f32], y: &[f32]) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// GELU's tanh form in f32, as ggml's `ggml_gelu_f32` computes it:
-/// `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x·x)))`, where GCC fuses `1 + (0.044715·x)·x` into
-/// one multiply-add (ggml's table differs from the unfused form at one f16 value, −1.999).
-fn gelu(g: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * g * (1.0 + (SQRT_2_OVER_PI * g * (0.044_715 * g).mul_add(g, 1.0)).tanh())
-}
-
-/// ggml's CPU GELU (`GGML_GELU_FP16`, on in every llama.cpp build): for `−10 < x < 10` the input
-/// rounded to f16 indexes a table of `f16(gelu(x))` over all 65,536 f16 values; below −10 it is
-/// 0, from 10 on `x`. [`WeightFormat::LlamaCpp`] uses it, so Gemma's feed-forward takes the
-/// values llama.cpp's does (`O(65,536)` `tanh` calls and 128 KiB, once per executor).
-pub(crate) struct GeluTable(Vec<u16>);
-
-impl GeluTable {
-    pub(crate) fn new() -> Self {
-        let x: Vec<f32> = (0..=u16::MAX)
-            .map(|h| half::f16::from_bits(h).to_f32())
-            .collect();
-        let y: Vec<f32> = x.iter().map(|&v| gelu(v)).collect();
-        let mut bits = vec![0u16; y.len()];
-        f32_to_f16_bits(&y, &mut bits);
-        GeluTable(bits)
-    }
-
-    /// `gelu(x)` for every value of `x` (in place), ggml's way.
-    fn apply(&self, x: &mut [f32]) {
-        let mut h = [0u16; 64];
-        let mut y = [0f32; 64];
-        for chunk in x.chunks_mut(64) {
-            let n = chunk.len();
-            f32_to_f16_bits(chunk, &mut h[..n]);
-            for hv in &mut h[..n] {
-                *hv = self.0[usize::from(*hv)];
-            }
-            f16_bits_to_f32(&h[..n], &mut y[..n]);
-            for (v, &t) in chunk.iter_mut().zip(&y[..n]) {
-                *v = if *v <= -10.0 {
-                    0.0
-                } else if *v >= 10.0 {
-                    *v
-                } else {
-                    t
-                };
-            }
-        }
-    }
-}
-
-/// `gelu(gate) · up` per row (`gu` is `[rows, 2·ffn]`, gate then up), GELU's tanh form as
-/// llama.cpp's `ggml_geglu` computes it: in f32, or through ggml's f16 table (`table`).
-fn gelu_mul(
-    gu: &[f32],
-    rows: usize,
-    ffn: usize,
-    table: Option<&GeluTable>,
-) -> Result<Vec<f32>, EngineError> {
-    if gu.len() != rows * 2 * ffn {
-        return Err(EngineError::Tensor(format!(
-            "gate/up projection gave {} values, expected {rows}×{}",
-            gu.len(),
-            2 * ffn
-        )));
-    }
-    let mut out = Vec::with_capacity(rows * ffn);
-    let mut act = vec![0f32; ffn];
-    for row in gu.chunks_exact(2 * ffn) {
-        let (gate, up) = row.split_at(ffn);
-        match table {
-            Some(t) => {
-                act.copy_from_slice(gate);
-                t.apply(&mut act);
-            }
-            None => {
-                for (a, &g) in act.iter_mut().zip(gate) {
-                    *a = gelu(g);
-                }
-            }
-        }
-        out.extend(act.iter().zip(up).map(|(&a, &u)| a * u));
-    }
-    Ok(out)
-}
-
-/// `silu(gate) · up` for rows of `[gate (ffn) | up (ffn)]`, as candle computes `silu`
-/// (`v / (1 + e^(−v))`).
-fn silu_mul(gu: &[f32], rows: usize, ffn: usize) -> Result<Vec<f32>, EngineError> {
-    if gu.len() != rows * 2 * ffn {
-        return Err(EngineError::Tensor(format!(
-            "gate/up projection gave {} values, expected {rows}×{}",
-            gu.len(),
-            2 * ffn
-        )));
-    }
-    let mut out = Vec::with_capacity(rows * ffn);
-    for row in gu.chunks_exact(2 * ffn) {
-        let (gate, up) = row.split_at(ffn);
-        out.extend(
-            gate.iter()
-                .zip(up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
-        );
-    }
-    Ok(out)
-}
-
 impl Executor for LlamaExecutor {
     fn geometry(&self) -> KvGeometry {
         self.geometry
@@ -476,68 +375,5 @@ impl Executor for LlamaExecutor {
         }
         let device = self.weights.device().clone();
         device.with_context(|| self.forward_inner(chunks))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::attention::round_to_f16;
-    use super::*;
-
-    /// ggml's GELU from the dump `scripts/check-ggml-ops.sh` writes with the llama.cpp build
-    /// (`KVGATE_GGML_OPS`; outside CI): every finite f16 value and values beyond ±10, bit for
-    /// bit.
-    #[test]
-    #[ignore = "needs the dump of scripts/check-ggml-ops.sh"]
-    fn gelu_table_equals_ggmls() {
-        let path = std::env::var("KVGATE_GGML_OPS").expect("KVGATE_GGML_OPS: the dump's path");
-        let dump: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let floats = |v: &serde_json::Value| -> Vec<f32> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|u| f32::from_bits(u.as_u64().unwrap() as u32))
-                .collect()
-        };
-        let x = floats(&dump["gelu"]["x"]);
-        let want = floats(&dump["gelu"]["y"]);
-        let mut got = x.clone();
-        GeluTable::new().apply(&mut got);
-        let differ: Vec<(f32, f32, f32)> = x
-            .iter()
-            .zip(&got)
-            .zip(&want)
-            .filter(|((_, g), w)| g.to_bits() != w.to_bits())
-            .map(|((&x, &g), &w)| (x, g, w))
-            .take(10)
-            .collect();
-        assert!(differ.is_empty(), "(x, ours, ggml's): {differ:?}");
-        println!("{} values equal ggml's GELU", x.len());
-    }
-
-    /// The table path is GELU rounded through f16, close to the f32 formula.
-    #[test]
-    fn gelu_table_is_the_f16_rounded_formula() {
-        let table = GeluTable::new();
-        let xs = [
-            -12.0f32, -10.0, -3.3, -1.0, -0.01, 0.0, 0.3, 1.0, 2.5, 9.9, 10.0, 11.0,
-        ];
-        let mut got = xs;
-        table.apply(&mut got);
-        for (&x, &y) in xs.iter().zip(&got) {
-            let want = if x <= -10.0 {
-                0.0
-            } else if x >= 10.0 {
-                x
-            } else {
-                round_to_f16(gelu(round_to_f16(x)))
-            };
-            assert_eq!(y.to_bits(), want.to_bits(), "gelu({x})");
-            assert!(
-                (y - gelu(x)).abs() <= 2e-3 * gelu(x).abs().max(1e-2),
-                "gelu({x})"
-            );
-        }
     }
 }

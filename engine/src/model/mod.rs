@@ -21,6 +21,7 @@
 //!
 //! [`Executor`]: crate::executor::Executor
 
+pub(crate) mod activation;
 pub mod attention;
 pub mod bench;
 #[cfg(feature = "cuda")]

@@ -147,7 +147,7 @@ pub enum WeightFormat {
     /// same greedy tokens: ggml's quantized block products (each activation row quantized to
     /// 8 bits per 32 values as ggml's x86 code does it — Q8_1 for Q4_1, Q8_0 for
     /// Q4_0/Q8_0/Q5_0 — integer dot products per block; [`super::int8`] on the packed blocks,
-    /// candle's port for the K-quants), GELU through ggml's f16 table, and every key and value
+    /// candle's port for the K-quants), SiLU and GELU as ggml computes them, and every key and value
     /// stored as f16, as llama.cpp's default F16 cache stores them (half the KV bytes of the
     /// other CPU formats). All are per row and per token, so results do not depend on step
     /// size, chunking or prefix caching. Faster than [`WeightFormat::Exact`] on AVX-512 VNNI
@@ -188,9 +188,10 @@ impl WeightFormat {
         matches!(self, WeightFormat::LlamaCpp)
     }
 
-    /// Whether GELU goes through ggml's f16 table ([`WeightFormat::LlamaCpp`]; see
-    /// `executor::GeluTable`).
-    pub fn gelu_through_f16(&self) -> bool {
+    /// Whether the feed-forward's activations are computed as ggml's CPU code computes them
+    /// (SiLU through its vector `expf`, GELU through its f16 table; [`WeightFormat::LlamaCpp`];
+    /// see `model::activation`).
+    pub fn ggml_activations(&self) -> bool {
         matches!(self, WeightFormat::LlamaCpp)
     }
 
