@@ -443,23 +443,22 @@ mod tests {
         };
         #[cfg(target_arch = "x86_64")]
         {
-            if x86::avx512_available() {
+            type Kernel = unsafe fn(&[f32], &mut [f32]) -> usize;
+            let kernels: [(&str, bool, Kernel); 2] = [
+                ("avx512", x86::avx512_available(), x86::silu16),
+                ("avx2", super::super::simd::avx2::available(), x86::silu8),
+            ];
+            for (name, available, kernel) in kernels {
+                if !available {
+                    continue;
+                }
                 let mut y = vec![0f32; x.len()];
-                // SAFETY: checked just above; equal lengths.
-                let done = unsafe { x86::silu16(&x, &mut y) };
+                // SAFETY: the kernel's features are available (checked above); equal lengths.
+                let done = unsafe { kernel(&x, &mut y) };
                 for (o, &t) in y[done..].iter_mut().zip(&x[done..]) {
                     *o = silu_libm(t);
                 }
-                check("avx512", &y, done);
-            }
-            if super::super::simd::avx2::available() {
-                let mut y = vec![0f32; x.len()];
-                // SAFETY: checked just above; equal lengths.
-                let done = unsafe { x86::silu8(&x, &mut y) };
-                for (o, &t) in y[done..].iter_mut().zip(&x[done..]) {
-                    *o = silu_libm(t);
-                }
-                check("avx2", &y, done);
+                check(name, &y, done);
             }
         }
         let mut y = vec![0f32; x.len()];
