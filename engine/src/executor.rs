@@ -16,6 +16,21 @@ pub struct KvGeometry {
     pub num_blocks: usize,
 }
 
+impl KvGeometry {
+    /// `(src, dst)` as indices when both name blocks of this geometry (an
+    /// [`Executor::copy_block`]'s arguments), else the error every executor returns.
+    pub fn block_copy(&self, src: BlockId, dst: BlockId) -> Result<(usize, usize), EngineError> {
+        let (src, dst) = (src as usize, dst as usize);
+        if src >= self.num_blocks || dst >= self.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV block copy {src} → {dst} outside {} blocks",
+                self.num_blocks
+            )));
+        }
+        Ok((src, dst))
+    }
+}
+
 /// One sequence's share of a forward step.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqChunk<'a> {

@@ -498,13 +498,14 @@ impl<P> Scheduler<P> {
             // without it, so it is dropped when only that block is missing.
             let mut pinned: Vec<ContentRef> = hits.clone();
             if let Some((src, _)) = partial {
+                pinned.push(src);
                 if self
                     .kv
-                    .can_admit(&[&hits[..], &[src]].concat(), false, s.reserved_total - h)
+                    .can_admit(&pinned, false, s.reserved_total.saturating_sub(h))
                 {
-                    pinned.push(src);
                     tail = None;
                 } else {
+                    pinned.pop();
                     partial = None;
                 }
             }

@@ -197,13 +197,8 @@ impl Executor for SimExecutor {
     }
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
-        let (b, n) = (self.cfg.block_size, self.cfg.num_blocks);
-        let (src, dst) = (src as usize, dst as usize);
-        if src >= n || dst >= n {
-            return Err(EngineError::Tensor(format!(
-                "block copy {src} → {dst} outside {n} blocks"
-            )));
-        }
+        let b = self.cfg.block_size;
+        let (src, dst) = self.geometry().block_copy(src, dst)?;
         self.slots.copy_within(src * b..(src + 1) * b, dst * b);
         Ok(())
     }

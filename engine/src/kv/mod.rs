@@ -279,19 +279,17 @@ impl KvCache {
         }
         let (b, evicted) = self.pool.allocate()?;
         self.reserved -= 1;
-        if let Some(key) = evicted.filter(|k| {
-            // An evicted tail leaves quietly: it was never announced.
-            let tail = self.tails.get(k).is_some_and(|t| t.block == b);
-            if tail {
-                self.tails.remove(k);
+        if let Some(key) = evicted {
+            if self.tails.get(&key).is_some_and(|t| t.block == b) {
+                // An evicted tail leaves quietly: it was never announced.
+                self.tails.remove(&key);
+            } else {
+                // Only remove the map entry if it points at this block (it always should).
+                if self.cache.get(key).is_some_and(|e| e.block == b) {
+                    self.cache.remove(key);
+                }
+                self.push_event(KvEvent::Removed { keys: vec![key] });
             }
-            !tail
-        }) {
-            // Only remove the map entry if it points at this block (it always should).
-            if self.cache.get(key).is_some_and(|e| e.block == b) {
-                self.cache.remove(key);
-            }
-            self.push_event(KvEvent::Removed { keys: vec![key] });
         }
         Some(b)
     }

@@ -1153,13 +1153,8 @@ impl Executor for DeviceExecutor {
     /// device (a block-sized temporary per tensor: `slice_set` refuses a source sharing the
     /// destination's storage).
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
-        let (bs, n) = (self.geometry.block_size, self.geometry.num_blocks);
-        let (src, dst) = (src as usize, dst as usize);
-        if src >= n || dst >= n {
-            return Err(EngineError::InvalidRequest(format!(
-                "KV block copy {src} → {dst} outside {n} blocks"
-            )));
-        }
+        let bs = self.geometry.block_size;
+        let (src, dst) = self.geometry.block_copy(src, dst)?;
         if src == dst {
             return Ok(());
         }

@@ -352,13 +352,7 @@ impl Executor for LlamaExecutor {
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), EngineError> {
         let cfg = self.weights.config();
         let n = cfg.n_kv_head * cfg.head_dim * self.geometry.block_size;
-        let (src, dst) = (src as usize, dst as usize);
-        if src >= self.geometry.num_blocks || dst >= self.geometry.num_blocks {
-            return Err(EngineError::InvalidRequest(format!(
-                "KV block copy {src} → {dst} outside {} blocks",
-                self.geometry.num_blocks
-            )));
-        }
+        let (src, dst) = self.geometry.block_copy(src, dst)?;
         for layer in &mut self.kv {
             layer.copy_block(src, dst, n);
         }
