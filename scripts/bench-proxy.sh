@@ -8,6 +8,7 @@
 # alternating within each round, ROUNDS rounds (default 2).
 #
 #   ./scripts/bench-proxy.sh [ROUNDS] [SECONDS]        e.g. ./scripts/bench-proxy.sh 2 5
+#   PROFILE=proxy-lto ./scripts/bench-proxy.sh 2 5     # kvgate and the floor built with fat LTO
 #
 # Prints one row per (request, connections, target, round) with req/s and p50/p99 latency, then a
 # summary: the median over rounds, kvgate/nginx and kvgate/smg req/s ratios, and at 1 connection
@@ -18,7 +19,8 @@
 # verifies tickets when they come (kvgate's requests carry one, signed per request; nginx's and
 # smg's carry none) and signs a receipt for every answer.
 #
-# Needs: cargo (builds target/debug/kvgate, as the README does), nginx and wrk (Debian packages:
+# Needs: cargo (builds target/debug/kvgate, as the README does; `PROFILE=proxy-lto`: the
+# workspace's release profile with fat LTO and one codegen unit, into target/proxy-lto), nginx and wrk (Debian packages:
 # `apt-get install -y nginx wrk`; installed when missing and running as root), python3 with venv
 # (installs sglang-router into .cache/smg-venv), the default model file (its prompt profile).
 set -euo pipefail
@@ -32,6 +34,8 @@ BASE_PORT=${BASE_PORT:-19300}
 MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
 MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
 GW_THREADS=${GW_THREADS:-2}
+PROFILE=${PROFILE:-dev}
+BIN_DIR=$PWD/target/$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")
 [ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
 for tool in nginx wrk; do
   if ! command -v "$tool" >/dev/null; then
@@ -47,9 +51,9 @@ NAME=bench-proxy
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
 smg_venv
-cargo build --quiet --workspace --bin kvgate --example pingora_floor
-KVGATE=$PWD/target/debug/kvgate
-FLOOR=$PWD/target/debug/examples/pingora_floor
+cargo build --quiet --profile "$PROFILE" --workspace --bin kvgate --example pingora_floor
+KVGATE=$BIN_DIR/kvgate
+FLOOR=$BIN_DIR/examples/pingora_floor
 mkdir -p "$OUT"
 work=$(mktemp -d)
 stop_all() {

@@ -1303,6 +1303,13 @@ mod tests {
             "qs alignment mod 64: {}",
             interleaved.qs.as_ptr() as usize % 64
         );
+        if vnni::available() {
+            // SAFETY: the CPU has the features (checked above).
+            let peak = (0..3)
+                .map(|_| unsafe { vnni_peak_gmacs() })
+                .fold(0f64, f64::max);
+            println!("avx512 vnni peak (independent vpdpbusd only): {peak:.1} GMAC/s");
+        }
         for m in [1usize, 4, 8, 32] {
             let xq = quantize(&rnd_vec(6, m * k), dtype == GgmlDType::Q4_1);
             let mut best = vec![f64::INFINITY; kernels.len()];
@@ -1322,6 +1329,29 @@ mod tests {
                 .collect();
             println!("m={m}: {}", line.join(", "));
         }
+    }
+
+    /// What this core's `vpdpbusd` can do at most: twelve independent accumulator chains of
+    /// register operands, nothing else (64 multiply-adds per instruction). The kernel's GMAC/s
+    /// beside it show how much of the products' time goes to everything around them.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn vnni_peak_gmacs() -> f64 {
+        use std::arch::x86_64::*;
+        const CHAINS: usize = 12;
+        let iters = 2_000_000;
+        let mut acc = [_mm512_set1_epi32(1); CHAINS];
+        // Opaque operands: nothing for the compiler to fold.
+        let (w, x) = std::hint::black_box((_mm512_set1_epi8(3), _mm512_set1_epi8(-5)));
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_dpbusd_epi32(*a, w, x);
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        std::hint::black_box(acc);
+        (iters * CHAINS * 64) as f64 / s / 1e9
     }
 
     /// The scalar loop compiled with AVX2 enabled (what AVX2 CPUs ran before [`avx2`]).
