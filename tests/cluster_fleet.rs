@@ -856,6 +856,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
             others: &[],
             added: 100,
             credit: 0,
+            lead_saving: 0,
             keys: &[],
             ttl: long,
             lead_ttl: long,
@@ -909,6 +910,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
         let lead = |replica, candidates, keys| cluster::Claim {
             others: &[("p1", 200), ("p4", 0)],
             credit: 10,
+            lead_saving: 5,
             keys,
             ..on(replica, candidates)
         };
@@ -917,15 +919,33 @@ fn claims_select_and_reserve_atomically_across_replicas() {
             "p1"
         );
         let p2_p3: &[(&str, u64)] = &[("p2", 150), ("p3", 150)];
+        // The answer names the depth credited, so that the request's reservation on p1 does not
+        // count those 16 blocks as its own prefill.
         assert_eq!(
-            claim(&store, &ids, lead("gw-b", p2_p3, &sharing)).await,
-            "p1"
+            claim_full(&store, &ids, lead("gw-b", p2_p3, &sharing)).await,
+            cluster::Claimed {
+                worker: "p1".into(),
+                lead_blocks: 16
+            }
         );
         // A prompt sharing only the first 4 blocks: p1 = 200 + 200 − 40 = 360 > 150. The
-        // leads now point at p1 for gw-b; gw-b's own leads are not followed by gw-b.
+        // leads now point at p1 for gw-b; gw-b's own leads are not followed by gw-b. Not the
+        // lead's worker: nothing credited.
         let mut short: Vec<u64> = (1..=4).collect();
         short.extend(2001..=2016);
-        assert_eq!(claim(&store, &ids, lead("gw-c", p2_p3, &short)).await, "p2");
+        assert_eq!(
+            claim_full(&store, &ids, lead("gw-c", p2_p3, &short)).await,
+            cluster::Claimed {
+                worker: "p2".into(),
+                lead_blocks: 0
+            }
+        );
+        // gw-b, following the lead 16 blocks deep, added 100 − 5·16 = 20 to p1, not 100: for
+        // gw-d p1 costs 0 + 100 (gw-a) + 20 (gw-b) = 120 < 150 (it would be 200 otherwise).
+        assert_eq!(
+            claim(&store, &ids, on("gw-d", &[("p1", 0), ("p5", 150)])).await,
+            "p1"
+        );
         assert_eq!(
             cluster::sample_chain(&chain),
             vec![(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)],
@@ -948,9 +968,18 @@ fn claims_select_and_reserve_atomically_across_replicas() {
 }
 
 /// One claim with its own id (a replica numbers its claims: each is its own member).
-async fn claim(store: &cluster::Store, ids: &AtomicU64, c: cluster::Claim<'_>) -> String {
+async fn claim_full(
+    store: &cluster::Store,
+    ids: &AtomicU64,
+    c: cluster::Claim<'_>,
+) -> cluster::Claimed {
     let id = ids.fetch_add(1, Ordering::Relaxed).to_string();
     store.claim(&cluster::Claim { id: &id, ..c }).await.unwrap()
+}
+
+/// [`claim_full`]'s chosen worker.
+async fn claim(store: &cluster::Store, ids: &AtomicU64, c: cluster::Claim<'_>) -> String {
+    claim_full(store, ids, c).await.worker
 }
 
 /// Claims through a real replica: another replica's fresh cold placements on two of three idle
@@ -980,6 +1009,7 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
                 others: &[],
                 added: 1_000_000_000,
                 credit: 0,
+                lead_saving: 0,
                 keys: &[],
                 ttl,
                 lead_ttl: ttl,
@@ -1051,6 +1081,7 @@ fn claim_round_trip_against_ping() {
                         others: &ranked[8..],
                         added: 1_300,
                         credit: 32,
+                        lead_saving: 16,
                         keys: &keys,
                         ttl: Duration::from_millis(10),
                         lead_ttl: Duration::from_millis(10),

@@ -306,6 +306,59 @@ fn a_cold_burst_stays_on_one_worker_and_is_computed_once() {
     fleet.stop();
 }
 
+/// A burst of one new prefix sent all at once (no gap between the requests): the gateway's two
+/// routing threads decide them concurrently, and each decision reads the index under the
+/// service's placement lock, after the decisions before it left their routing-time holdings —
+/// so the burst stays on one worker. (With the lookup made before the lock, two decisions that
+/// tokenized at the same time both saw no holding and put the prefix on two workers.)
+#[test]
+fn a_simultaneous_cold_burst_stays_on_one_worker() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.prefill_us_per_token = 2_000;
+    let mut fleet = Fleet::workers(FleetOptions {
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let url = fleet.url("/v1/chat/completions");
+    for round in 0..3 {
+        let system = format!(
+            "Burst {round} opens a prefix. {}",
+            "Nobody sent this one before. ".repeat(30)
+        );
+        let workers = fleet.rt.block_on(async {
+            let sends: Vec<_> = (0..8)
+                .map(|i| {
+                    let body = chat(
+                        &[("system", &system), ("user", &format!("question {i}"))],
+                        2,
+                    );
+                    tokio::spawn(fleet.http.post(&url).json(&body).send())
+                })
+                .collect();
+            let mut out = Vec::new();
+            for s in sends {
+                let r = s.await.unwrap().unwrap();
+                assert_eq!(r.status(), 200);
+                out.push(
+                    r.headers()
+                        .get("x-kvgate-worker")
+                        .unwrap()
+                        .to_str()
+                        .unwrap()
+                        .to_owned(),
+                );
+            }
+            out
+        });
+        assert!(
+            workers.iter().all(|w| w == &workers[0]),
+            "burst {round} split over workers: {workers:?}"
+        );
+    }
+    fleet.stop();
+}
+
 #[test]
 fn load_guard_spreads_a_single_hot_prefix() {
     // Slow decoding so that a burst overlaps.

@@ -214,8 +214,9 @@ impl Keys {
 /// KEYS: `P:claims:<w>` for the K candidates, then `P:lead:<key>` for the prompt's sampled chain
 /// keys, deepest first. ARGV: 1 replica, 2 ttl_ms, 3 added cost, 4 claim id, 5 credit per
 /// block, 6 K, 7 the `P:claims:` prefix, 8 the other admissible workers' costs (`"<id> <cost>\n"`
-/// each), 9 the leads' ttl_ms, then the K candidate ids, the K candidate costs, and the sampled
-/// depths (one per lead key). Returns the chosen worker id.
+/// each), 9 the leads' ttl_ms, 10 what one block of a followed lead takes off the added cost,
+/// then the K candidate ids, the K candidate costs, and the sampled depths (one per lead key). Returns the chosen worker id and the lead depth credited to it
+/// (0 when it is not the lead's worker).
 const CLAIM: &str = r"
 local me, ttl, added = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local credit, K = tonumber(ARGV[5]) or 0, tonumber(ARGV[6])
@@ -228,14 +229,14 @@ for j = 1, M do
   if v then
     local who, w = string.match(v, '^([^|]*)|(.*)$')
     if who ~= nil and who ~= me then
-      lead, lead_depth = w, tonumber(ARGV[9 + 2 * K + j]) or 0
+      lead, lead_depth = w, tonumber(ARGV[10 + 2 * K + j]) or 0
       break
     end
   end
 end
 local ids, costs, keys = {}, {}, {}
 for i = 1, K do
-  ids[i], costs[i], keys[i] = ARGV[9 + i], tonumber(ARGV[9 + K + i]) or 0, KEYS[i]
+  ids[i], costs[i], keys[i] = ARGV[10 + i], tonumber(ARGV[10 + K + i]) or 0, KEYS[i]
 end
 if lead then
   local found = false
@@ -259,14 +260,34 @@ for i = 1, #ids do
   if ids[i] == lead then cost = math.max(0, cost - credit * lead_depth) end
   if best_cost == nil or cost < best_cost then best, best_cost = i, cost end
 end
+-- Following a lead, this request computes only what the lead's request does not: its claim
+-- adds that much less.
+local credited = 0
+if ids[best] == lead then
+  credited = lead_depth
+  local left = (tonumber(added) or 0) - (tonumber(ARGV[10]) or 0) * lead_depth
+  added = string.format('%d', math.max(0, math.floor(left)))
+end
 redis.call('ZREMRANGEBYSCORE', keys[best], '-inf', now)
 redis.call('ZADD', keys[best], now + ttl, me .. '|' .. added .. '|' .. ARGV[4])
 redis.call('PEXPIRE', keys[best], ttl)
 for j = 1, M do
   redis.call('SET', KEYS[K + j], me .. '|' .. ids[best], 'PX', ARGV[9])
 end
-return ids[best]
+return {ids[best], credited}
 ";
+
+/// What a claim settled ([`Store::claim`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claimed {
+    /// The chosen worker.
+    pub worker: String,
+    /// When the chosen worker is another replica's lead for this prompt: the depth (in blocks)
+    /// of the deepest sampled chain key that replica placed there, i.e. at least this many of
+    /// the prompt's first blocks are being computed (or held) there for that replica's request.
+    /// 0 otherwise.
+    pub lead_blocks: u64,
+}
 
 /// At most this many candidates are claimed among (the close ones; a lead adds one more).
 pub const MAX_CLAIM_CANDIDATES: usize = 8;
@@ -287,6 +308,9 @@ pub struct Claim<'a> {
     pub added: u64,
     /// What one block of a prefix the worker is about to compute saves this request.
     pub credit: u64,
+    /// What one block of a followed lead takes off `added` (the prefill tokens of a block the
+    /// lead's request computes there: the block size; 0 keeps `added` whole).
+    pub lead_saving: u64,
     /// The prompt's block keys, in chain order.
     pub keys: &'a [u64],
     /// How long the claim's added cost counts (a few times the time the published decision
@@ -539,10 +563,11 @@ impl Store {
     /// from `others` when it is not a candidate, so a burst with one new prefix spread over
     /// replicas follows its first request. The least cost wins (ties: the earlier candidate);
     /// it is claimed for `ttl` with `added`, and every sampled key of this prompt leads there
-    /// for `lead_ttl`. Returns the chosen worker id. Ids with `|`, space or newline make no claim
-    /// (the first candidate is returned). Cost in Redis: O((candidates + 1) × their live claims
+    /// for `lead_ttl`. Returns the chosen worker id, with the lead's depth when it is the lead's
+    /// worker ([`Claimed`]). Ids with `|`, space or newline make no claim (the first candidate
+    /// is returned). Cost in Redis: O((candidates + 1) × their live claims
     /// + sampled depths + others).
-    pub async fn claim(&self, c: &Claim<'_>) -> Result<String> {
+    pub async fn claim(&self, c: &Claim<'_>) -> Result<Claimed> {
         let candidates = &c.candidates[..c.candidates.len().min(MAX_CLAIM_CANDIDATES)];
         let Some((first, _)) = candidates.first() else {
             return Err(ClusterError::Malformed {
@@ -554,7 +579,10 @@ impl Store {
             || !claimable_id(c.id)
             || !candidates.iter().all(|(w, _)| claimable_id(w))
         {
-            return Ok(first.to_string());
+            return Ok(Claimed {
+                worker: first.to_string(),
+                lead_blocks: 0,
+            });
         }
         let chain = sample_chain(c.keys);
         let mut inv = self.claim_script.prepare_invoke();
@@ -581,7 +609,9 @@ impl Store {
                 u64::try_from(c.lead_ttl.as_millis())
                     .unwrap_or(u64::MAX)
                     .max(1),
-            );
+            )
+            // lead_saving × depth (≤ 512) stays below 2^50 as well.
+            .arg(c.lead_saving.min(MAX_CLAIM_COST >> 10));
         for (w, _) in candidates {
             inv.arg(*w);
         }
@@ -592,7 +622,11 @@ impl Store {
             inv.arg(*d);
         }
         let mut con = self.con.clone();
-        Ok(inv.invoke_async(&mut con).await?)
+        let (worker, lead_blocks): (String, u64) = inv.invoke_async(&mut con).await?;
+        Ok(Claimed {
+            worker,
+            lead_blocks,
+        })
     }
 
     /// The stream of every replica's published holdings (its own connection; ends when it

@@ -254,6 +254,12 @@ impl Claims {
                 others: &ranked[n..],
                 added,
                 credit,
+                // One block of a followed lead is one block less of this request's prefill.
+                lead_saving: routing_rules::policy::queued_cost(
+                    rule,
+                    u64::from(prefix.profile.block_size.as_u32()),
+                    0,
+                ),
                 keys: &keys,
                 ttl: self.link.settings.claim_ttl,
                 lead_ttl: match rule.pending_ttl_ms {
@@ -267,11 +273,24 @@ impl Claims {
             .cluster_claim_seconds
             .observe(started.elapsed().as_secs_f64());
         let outcome = match claimed {
-            Ok(Ok(to)) if to == first.0 => "kept",
-            Ok(Ok(to)) => {
-                let to = prefix_index::WorkerId(to);
-                crate::route::redirect(view, &data.index, decision, reserved, service, &to);
-                "moved"
+            Ok(Ok(c)) => {
+                let to = prefix_index::WorkerId(c.worker);
+                // Following another replica's lead: that many of the prompt's first blocks are
+                // being computed there already, not by this request.
+                crate::route::credit_lead(
+                    view,
+                    decision,
+                    reserved,
+                    service,
+                    &to,
+                    usize::try_from(c.lead_blocks).unwrap_or(usize::MAX),
+                );
+                if decision.order.first() == Some(&to) {
+                    "kept"
+                } else {
+                    crate::route::redirect(view, &data.index, decision, reserved, service, &to);
+                    "moved"
+                }
             }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "cluster claim failed: the local choice stands");
