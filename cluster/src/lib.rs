@@ -215,8 +215,9 @@ impl Keys {
 /// keys, deepest first. ARGV: 1 replica, 2 ttl_ms, 3 added cost, 4 claim id, 5 credit per
 /// block, 6 K, 7 the `P:claims:` prefix, 8 the other admissible workers' costs (`"<id> <cost>\n"`
 /// each), 9 the leads' ttl_ms, 10 what one block of a followed lead takes off the added cost,
-/// then the K candidate ids, the K candidate costs, and the sampled depths (one per lead key). Returns the chosen worker id and the lead depth credited to it
-/// (0 when it is not the lead's worker).
+/// then the K candidate ids, the K candidate costs, and the sampled depths (one per lead key).
+/// Returns the chosen worker id and the lead depth credited to it (0 when it is not the lead's
+/// worker).
 const CLAIM: &str = r"
 local me, ttl, added = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local credit, K = tonumber(ARGV[5]) or 0, tonumber(ARGV[6])
