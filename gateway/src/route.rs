@@ -98,6 +98,29 @@ impl Decision {
         Some((blocks_of(&p.placed, worker) * p.block_size) as u64)
     }
 
+    /// Counts the prompt's first `blocks` blocks (at most all its full blocks) as placed on
+    /// `worker`, when placement saw fewer there ([`credit_lead`]). Returns whether that changed
+    /// what an attempt there counts ([`Decision::attempt_tokens`]). The prediction (`matched`)
+    /// is not touched.
+    pub fn credit_placed(&mut self, worker: &WorkerId, blocks: usize) -> bool {
+        let Some(p) = self.prompt.as_mut() else {
+            return false;
+        };
+        let blocks = blocks.min(p.keys.len());
+        match p.placed.iter_mut().find(|(w, _)| w == worker) {
+            Some((_, b)) if *b >= blocks => false,
+            Some((_, b)) => {
+                *b = blocks;
+                true
+            }
+            None if blocks == 0 => false,
+            None => {
+                p.placed.push((worker.clone(), blocks));
+                true
+            }
+        }
+    }
+
     /// The active tokens an attempt on `worker` counts there (prefix routing only): the
     /// prompt's tokens it must still compute (its matched prefix as placement saw it excluded:
     /// cached, or being computed there for another request) and the output asked for.
@@ -397,20 +420,8 @@ pub fn credit_lead(
     worker: &WorkerId,
     blocks: usize,
 ) {
-    let Some(p) = decision.prompt.as_mut() else {
-        return;
-    };
-    let blocks = blocks.min(p.keys.len());
-    if blocks == 0 {
-        return;
-    }
     let _placing = service.placement.lock();
-    match p.placed.iter_mut().find(|(w, _)| w == worker) {
-        Some((_, b)) if *b >= blocks => return,
-        Some((_, b)) => *b = blocks,
-        None => p.placed.push((worker.clone(), blocks)),
-    }
-    if decision.order.first() == Some(worker) {
+    if decision.credit_placed(worker, blocks) && decision.order.first() == Some(worker) {
         *reserved = decision
             .attempt_tokens(worker)
             .and_then(|(prefill, output)| {
@@ -468,4 +479,72 @@ pub fn redirect(
         let e = view.workers.get(to)?;
         Some(InFlight::start(e.runtime.clone(), prefill, output))
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::view::WorkerRuntime;
+
+    fn decision(first: &str, placed: &[(&str, usize)]) -> Decision {
+        Decision {
+            order: vec![WorkerId(first.into()), WorkerId("w9".into())],
+            reason: Reason::NoMatch,
+            extra_fallbacks: Vec::new(),
+            prompt: Some(PromptFacts {
+                prompt_tokens: 1329,
+                keys: (0..83).map(BlockKey).collect(),
+                seed: NamespaceSeed([0; 32]),
+                hash_algorithm: HashAlgorithm::Xxh3,
+                matched: Vec::new(),
+                placed: placed
+                    .iter()
+                    .map(|(w, b)| (WorkerId((*w).into()), *b))
+                    .collect(),
+                block_size: 16,
+                output_tokens: 8,
+            }),
+            pending: None,
+            ranked: Vec::new(),
+            close: 0,
+        }
+    }
+
+    /// A followed lead counts as placed: the attempt's prefill is only the prompt past it, so
+    /// the reservation taken from it counts that much on the worker; never more blocks than the
+    /// prompt has, never fewer than placement saw, never a predicted hit.
+    #[test]
+    fn a_credited_lead_leaves_only_the_rest_of_the_prompt_to_reserve() {
+        let w2 = WorkerId("w2".into());
+        let mut d = decision("w2", &[]);
+        assert_eq!(d.attempt_tokens(&w2), Some((1329, 8)));
+        assert!(d.credit_placed(&w2, 64));
+        assert_eq!(d.attempt_tokens(&w2), Some((1329 - 64 * 16, 8)));
+        assert_eq!(d.predicted_tokens(&w2), Some(0), "a lead is not a hit");
+        // Less than what is already counted changes nothing.
+        assert!(!d.credit_placed(&w2, 8));
+        assert_eq!(d.attempt_tokens(&w2), Some((305, 8)));
+        // Deeper than the prompt's full blocks: all of them, the partial last block still to
+        // compute.
+        assert!(d.credit_placed(&w2, 10_000));
+        assert_eq!(d.attempt_tokens(&w2), Some((1329 - 83 * 16, 8)));
+        assert!(!d.credit_placed(&w2, 0));
+
+        // What the worker's count sees from the reservation taken from it.
+        let r = std::sync::Arc::new(WorkerRuntime::new(w2.clone()));
+        let (prefill, output) = d.attempt_tokens(&w2).unwrap();
+        let reserved = InFlight::start(r.clone(), prefill, output);
+        assert_eq!(r.queued_tokens(std::time::Instant::now()), (1, 8));
+        drop(reserved);
+        assert_eq!(r.queued_tokens(std::time::Instant::now()), (0, 0));
+
+        // Placement saw 40 blocks held there: a 16-block lead adds nothing.
+        let mut d = decision("w2", &[("w2", 40)]);
+        assert!(!d.credit_placed(&w2, 16));
+        assert_eq!(d.attempt_tokens(&w2), Some((1329 - 640, 8)));
+        // No prompt facts (round robin): nothing to credit.
+        let mut rr = decision("w2", &[]);
+        rr.prompt = None;
+        assert!(!rr.credit_placed(&w2, 16));
+    }
 }
