@@ -394,12 +394,19 @@ pub fn decide(
         }
         decision.ranked = sel.ranked;
     }
-    let reserved = decision.order.first().and_then(|first| {
-        let (prefill, output) = decision.attempt_tokens(first)?;
-        let e = view.workers.get(first)?;
-        Some(InFlight::start(e.runtime.clone(), prefill, output))
-    });
+    let reserved = decision
+        .order
+        .first()
+        .and_then(|first| reserve(view, &decision, first));
     Ok((decision, reserved))
+}
+
+/// The load an attempt of `decision` on `worker` counts there ([`Decision::attempt_tokens`]),
+/// reserved on the worker's runtime until the returned [`InFlight`] drops.
+fn reserve(view: &View, decision: &Decision, worker: &WorkerId) -> Option<InFlight> {
+    let (prefill, output) = decision.attempt_tokens(worker)?;
+    let e = view.workers.get(worker)?;
+    Some(InFlight::start(e.runtime.clone(), prefill, output))
 }
 
 /// Counts the prompt's first `blocks` blocks as placed on `worker` (no fewer than placement saw
@@ -422,12 +429,7 @@ pub fn credit_lead(
 ) {
     let _placing = service.placement.lock();
     if decision.credit_placed(worker, blocks) && decision.order.first() == Some(worker) {
-        *reserved = decision
-            .attempt_tokens(worker)
-            .and_then(|(prefill, output)| {
-                let e = view.workers.get(worker)?;
-                Some(InFlight::start(e.runtime.clone(), prefill, output))
-            });
+        *reserved = reserve(view, decision, worker);
     }
 }
 
@@ -475,10 +477,7 @@ pub fn redirect(
             decision.pending = Some((to.clone(), ttl));
         }
     }
-    *reserved = decision.attempt_tokens(to).and_then(|(prefill, output)| {
-        let e = view.workers.get(to)?;
-        Some(InFlight::start(e.runtime.clone(), prefill, output))
-    });
+    *reserved = reserve(view, decision, to);
 }
 
 #[cfg(test)]
