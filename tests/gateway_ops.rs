@@ -187,6 +187,21 @@ fn admin_plane_applies_refuses_and_switches_live() {
     let m = fleet.admin(Method::GET, "/metrics", None).text();
     assert!(m.contains("mode=\"kv_exact\""), "{m}");
     assert!(m.contains("kvgate_gateway_route_decision_seconds"), "{m}");
+    // The decision's CPU and its tokenizing part: one observation each for the one kv_exact
+    // request, the part no larger than the whole.
+    let sample = |name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.starts_with(name) && l.contains("mode=\"kv_exact\""))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} for kv_exact in {m}"))
+    };
+    let cpu = "kvgate_gateway_route_decision_cpu_seconds";
+    let tok = "kvgate_gateway_route_tokenize_cpu_seconds";
+    assert_eq!(sample(&format!("{cpu}_count")), 1.0);
+    assert_eq!(sample(&format!("{tok}_count")), 1.0);
+    let (all, part) = (sample(&format!("{cpu}_sum")), sample(&format!("{tok}_sum")));
+    assert!(part > 0.0 && part <= all, "tokenizing {part} s of {all} s");
     let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
     for w in workers["workers"].as_array().unwrap() {
         assert_eq!(w["contract"]["state"], "ok", "{w}");

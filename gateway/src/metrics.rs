@@ -89,6 +89,8 @@ pub struct Metrics {
     /// policy), on the thread that ran it: unlike `route_decision_seconds` it leaves out the wait
     /// for a CPU and for the routing pool, so it is the decision's cost on a shared machine.
     pub route_decision_cpu_seconds: Family<ModeLabels, Histogram>,
+    /// Of which tokenizing (parse, render, tokenize, keys), `kv_exact` services only.
+    pub route_tokenize_cpu_seconds: Family<ModeLabels, Histogram>,
     /// Prompt tokens the gateway looked up in the index (`kv_exact`).
     pub lookup_tokens: Family<ServiceLabels, Counter>,
     /// Prompt tokens the chosen worker was predicted to hold (`kv_exact`).
@@ -154,6 +156,14 @@ impl Metrics {
             "route_decision_cpu_seconds",
             "CPU time of the routing computation on the thread that ran it",
             route_decision_cpu_seconds.clone(),
+        );
+        let route_tokenize_cpu_seconds = Family::<ModeLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "route_tokenize_cpu_seconds",
+            "Of the routing computation's CPU time, the part spent parsing, rendering, tokenizing and computing block keys (kv_exact)",
+            route_tokenize_cpu_seconds.clone(),
         );
         let lookup_tokens = Family::<ServiceLabels, Counter>::default();
         registry.register(
@@ -260,6 +270,7 @@ impl Metrics {
             requests,
             route_decision_seconds,
             route_decision_cpu_seconds,
+            route_tokenize_cpu_seconds,
             lookup_tokens,
             matched_tokens,
             fallbacks,
@@ -313,6 +324,8 @@ impl Default for Metrics {
 pub struct ServiceHandles {
     pub route_decision: Histogram,
     pub route_decision_cpu: Histogram,
+    /// Of which tokenizing.
+    pub route_tokenize_cpu: Histogram,
     pub ttft: Histogram,
     pub lookup_tokens: Counter,
     pub matched_tokens: Counter,
@@ -338,6 +351,7 @@ impl ServiceHandles {
         ServiceHandles {
             route_decision: m.route_decision_seconds.get_or_create(&ml).clone(),
             route_decision_cpu: m.route_decision_cpu_seconds.get_or_create(&ml).clone(),
+            route_tokenize_cpu: m.route_tokenize_cpu_seconds.get_or_create(&ml).clone(),
             ttft: m.ttft_seconds.get_or_create(&ml).clone(),
             lookup_tokens: m.lookup_tokens.get_or_create(&sl).clone(),
             matched_tokens: m.matched_tokens.get_or_create(&sl).clone(),

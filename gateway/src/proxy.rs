@@ -299,7 +299,12 @@ impl ProxyHttp for Proxy {
         let handles = service.handles(&self.data.metrics);
         handles.route_decision.observe(decision_time.as_secs_f64());
         if let Some(cpu) = decision_cpu {
-            handles.route_decision_cpu.observe(cpu.as_secs_f64());
+            handles.route_decision_cpu.observe(cpu.total.as_secs_f64());
+            if service.prefix.is_some() {
+                handles
+                    .route_tokenize_cpu
+                    .observe(cpu.tokenize.as_secs_f64());
+            }
         }
         let decision = match decided {
             Ok((d, reserved)) => {

@@ -247,8 +247,20 @@ fn load_of(runtime: &crate::view::WorkerRuntime, metric: LoadMetric, queued: (u6
     }
 }
 
+/// The CPU time a decision's thread spent on it ([`decide_timed`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecisionCpu {
+    /// The whole decision.
+    pub total: std::time::Duration,
+    /// Of which parsing, rendering, tokenizing and block keys (everything before the placement
+    /// lock): the part that depends on the prompt and on this replica's tokenizer caches, not
+    /// on the workers' load.
+    pub tokenize: std::time::Duration,
+}
+
 /// [`decide`] with the CPU time its thread spent on it (`None` where the thread clock is not
-/// available): the cost of the decision itself, without the wait for a CPU or a pool thread.
+/// available): the cost of the decision itself, without the wait for a CPU or a pool thread,
+/// and the part of it spent tokenizing.
 #[allow(clippy::type_complexity)]
 pub fn decide_timed(
     view: &View,
@@ -256,12 +268,22 @@ pub fn decide_timed(
     input: &RouteInput,
 ) -> (
     Result<(Decision, Option<InFlight>), GatewayError>,
-    Option<std::time::Duration>,
+    Option<DecisionCpu>,
 ) {
-    let before = crate::metrics::thread_cpu_time();
-    let decided = decide(view, index, input);
-    let cpu = before.zip(crate::metrics::thread_cpu_time());
-    (decided, cpu.map(|(b, a)| a.saturating_sub(b)))
+    let clock = crate::metrics::thread_cpu_time;
+    let before = clock();
+    let looked = tokenize(input);
+    let tokenized = clock();
+    let decided = looked.and_then(|l| place(view, index, input, l));
+    let after = clock();
+    let cpu = before
+        .zip(tokenized)
+        .zip(after)
+        .map(|((b, t), a)| DecisionCpu {
+            total: a.saturating_sub(b),
+            tokenize: t.saturating_sub(b),
+        });
+    (decided, cpu)
 }
 
 /// Decides where a request goes, and with prefix routing reserves the first choice's load at
@@ -274,12 +296,30 @@ pub fn decide(
     index: &PrefixIndex,
     input: &RouteInput,
 ) -> Result<(Decision, Option<InFlight>), GatewayError> {
+    place(view, index, input, tokenize(input)?)
+}
+
+/// The first half of [`decide`]: with prefix routing, the prompt's tokens and keys (the
+/// decision's main cost, which runs outside the placement lock).
+fn tokenize(input: &RouteInput) -> Result<Option<Looked>, GatewayError> {
+    input
+        .service
+        .prefix
+        .as_ref()
+        .map(|p| look_up(p, input))
+        .transpose()
+}
+
+/// The second half of [`decide`]: index lookup, policy and reservation under the service's
+/// placement lock.
+fn place(
+    view: &View,
+    index: &PrefixIndex,
+    input: &RouteInput,
+    looked: Option<Looked>,
+) -> Result<(Decision, Option<InFlight>), GatewayError> {
     let service = &input.service;
-    // Tokenizing (the decision's main cost) runs outside the lock.
-    let mut looked = match &service.prefix {
-        Some(p) => Some((p, look_up(p, input)?)),
-        None => None,
-    };
+    let mut looked = service.prefix.as_ref().zip(looked);
     // Round robin reads no load: no lock.
     let _placing = looked.as_ref().map(|_| service.placement.lock());
     // The lookup under the lock: a concurrent decision for the same new prefix that took the
