@@ -10,13 +10,13 @@
 //!    `tokenizers` library runs them on): each one splits every piece the previous produced into
 //!    its matches and the text between them (`Split(…, Isolated)`), empty pieces dropped; the last
 //!    one is GPT-2's pattern when the byte-level step applies it (`ByteLevel(use_regex = true)`).
-//!    Two patterns have a hand-written scanner for ASCII text ([`Scanner`]): GPT-2's and `\p{N}`
-//!    (SmolLM2's and StarCoder's are these two, GPT-2's family the second alone). Oniguruma was
-//!    about 60 % of an encode of new text (`perf`); the scanners take the same pieces in one pass
-//!    over the bytes, with character classes read from Oniguruma itself when the encoder is built
-//!    (so `\s`, `\p{L}` and `\p{N}` mean on ASCII exactly what the regex means), and text
-//!    with any non-ASCII byte keeps the regex. Differential tests: every string of up to 4
-//!    characters over an alphabet of each class, and random text.
+//!    Two patterns have a hand-written scanner ([`Scanner`]): GPT-2's and `\p{N}` (SmolLM2's
+//!    and StarCoder's pre-tokenizer is these two, GPT-2's family the first alone). Oniguruma was
+//!    about 60 % of an encode of new text (`perf`); a scanner takes the same pieces in one pass
+//!    over the characters, with each character's class (`\s`, `\p{L}`, `\p{N}`, other) read
+//!    from Oniguruma itself, so the classes are the regex's. Differential tests: every string
+//!    of up to 4 characters over an alphabet of each class (ASCII and beyond), random text, and
+//!    the vocabulary tests.
 //! 2. **Bytes**: a piece's initial symbols are its bytes (the GPT-2 byte-to-unicode map is a
 //!    bijection, so a vocabulary entry is looked up by the bytes it stands for); a byte whose
 //!    character is not in the vocabulary is dropped, as `tokenizers` drops it (no unknown token,
@@ -36,6 +36,7 @@
 //! every byte-level vocabulary of llama.cpp's test set (`tests/vocab.rs`) and on random text.
 
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use onig::Regex;
@@ -111,8 +112,8 @@ impl Split {
     /// where it applies, else the regex's.
     fn matches(&self, piece: &str, out: &mut Vec<(usize, usize)>) {
         match &self.scanner {
-            Some(sc) if piece.is_ascii() => sc.matches(piece.as_bytes(), out),
-            _ => out.extend(self.regex.find_iter(piece)),
+            Some(sc) => sc.matches(piece, out),
+            None => out.extend(self.regex.find_iter(piece)),
         }
     }
 }
@@ -129,72 +130,150 @@ enum ScanKind {
     EachNumber,
 }
 
-/// An ASCII byte's class in the patterns' terms.
+/// A character's class in the patterns' terms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Class {
     /// `\p{L}`
-    Letter,
+    Letter = 1,
     /// `\p{N}`
-    Number,
+    Number = 2,
     /// `\s`
-    Space,
+    Space = 3,
     /// Anything else: `[^\s\p{L}\p{N}]`.
-    Other,
+    Other = 4,
 }
 
-/// A scanner for one [`ScanKind`], with the 128 ASCII classes as Oniguruma gives them.
+/// Oniguruma's own classes, one character at a time.
+struct Classifier {
+    letter: Regex,
+    number: Regex,
+    space: Regex,
+}
+
+impl Classifier {
+    fn new() -> Option<Classifier> {
+        let is = |re: &str| Regex::new(re).ok();
+        Some(Classifier {
+            letter: is(r"\A\p{L}\z")?,
+            number: is(r"\A\p{N}\z")?,
+            space: is(r"\A\s\z")?,
+        })
+    }
+
+    /// The classes Oniguruma puts `c` in (in the patterns' order: letter, number, space).
+    fn classes(&self, c: char) -> Vec<Class> {
+        let mut buf = [0u8; 4];
+        let s: &str = c.encode_utf8(&mut buf);
+        [
+            (&self.letter, Class::Letter),
+            (&self.number, Class::Number),
+            (&self.space, Class::Space),
+        ]
+        .iter()
+        .filter(|(re, _)| re.is_match(s))
+        .map(|(_, class)| *class)
+        .collect()
+    }
+}
+
+/// A scanner for one [`ScanKind`]. Character classes are Oniguruma's: the 128 ASCII ones read
+/// when it is built, the rest of the Basic Multilingual Plane read on first sight and kept (one
+/// byte each), the planes above read each time (emoji and rarer scripts).
 struct Scanner {
     kind: ScanKind,
-    class: [Class; 128],
+    ascii: [Class; 128],
+    /// BMP code point → `Class as u8`, 0 until first seen.
+    bmp: Box<[AtomicU8]>,
+    classifier: Classifier,
 }
 
 impl Scanner {
-    /// `None` when Oniguruma puts an ASCII byte in more than one class (never expected; the
-    /// regex then does the work).
+    /// `None` when Oniguruma puts an ASCII character in more than one class (never expected;
+    /// the regex then does the work).
     fn new(kind: ScanKind) -> Option<Scanner> {
-        let is = |re: &str| Regex::new(re).ok();
-        let (l, n, sp) = (is(r"\A\p{L}\z")?, is(r"\A\p{N}\z")?, is(r"\A\s\z")?);
-        let mut class = [Class::Other; 128];
-        for (b, c) in class.iter_mut().enumerate() {
-            let ch = char::from(u8::try_from(b).ok()?).to_string();
-            let hits = [
-                (l.is_match(&ch), Class::Letter),
-                (n.is_match(&ch), Class::Number),
-                (sp.is_match(&ch), Class::Space),
-            ];
-            let mut found = hits.iter().filter(|(hit, _)| *hit).map(|(_, c)| *c);
-            *c = found.next().unwrap_or(Class::Other);
-            if found.next().is_some() {
+        let classifier = Classifier::new()?;
+        let mut ascii = [Class::Other; 128];
+        for (b, c) in ascii.iter_mut().enumerate() {
+            let found = classifier.classes(char::from(u8::try_from(b).ok()?));
+            if found.len() > 1 {
                 return None;
             }
+            *c = found.first().copied().unwrap_or(Class::Other);
         }
-        Some(Scanner { kind, class })
+        Some(Scanner {
+            kind,
+            ascii,
+            bmp: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
+            classifier,
+        })
     }
 
-    fn class(&self, b: u8) -> Class {
-        self.class.get(usize::from(b)).copied().unwrap_or(Class::Other)
-    }
-
-    /// The end of the run of `class` starting at `i`.
-    fn run(&self, t: &[u8], mut i: usize, class: Class) -> usize {
-        while i < t.len() && self.class(t[i]) == class {
-            i += 1;
+    /// The class of a character beyond ASCII: the first of Oniguruma's classes for it, in the
+    /// alternatives' order (the Unicode categories are disjoint; no character is in two).
+    fn class_of(&self, c: char) -> Class {
+        let read = || {
+            self.classifier
+                .classes(c)
+                .first()
+                .copied()
+                .unwrap_or(Class::Other)
+        };
+        let Some(slot) = u16::try_from(u32::from(c))
+            .ok()
+            .and_then(|cp| self.bmp.get(usize::from(cp)))
+        else {
+            return read();
+        };
+        match slot.load(Ordering::Relaxed) {
+            1 => Class::Letter,
+            2 => Class::Number,
+            3 => Class::Space,
+            4 => Class::Other,
+            _ => {
+                let class = read();
+                slot.store(class as u8, Ordering::Relaxed);
+                class
+            }
         }
-        i
     }
 
-    /// The pattern's matches in `t` (ASCII), as `Regex::find_iter` gives them.
-    fn matches(&self, t: &[u8], out: &mut Vec<(usize, usize)>) {
-        match self.kind {
-            ScanKind::EachNumber => out.extend(
-                (0..t.len())
-                    .filter(|&i| self.class(t[i]) == Class::Number)
-                    .map(|i| (i, i + 1)),
-            ),
-            ScanKind::Gpt2 { any_space } => {
-                let mut i = 0;
-                while i < t.len() {
-                    let (end, by_any_space) = self.gpt2_at(t, i);
+    /// The class and byte length of the character at byte `i` of `t` (a char boundary).
+    fn at(&self, t: &str, i: usize) -> Option<(Class, usize)> {
+        let b = *t.as_bytes().get(i)?;
+        if b < 0x80 {
+            return Some((self.ascii[usize::from(b)], 1));
+        }
+        let c = t.get(i..)?.chars().next()?;
+        Some((self.class_of(c), c.len_utf8()))
+    }
+
+    /// The run of `class` starting at byte `i`: its end and the start of its last character
+    /// (`i` itself when the run is empty).
+    fn run(&self, t: &str, mut i: usize, class: Class) -> (usize, usize) {
+        let mut last = i;
+        while let Some((c, len)) = self.at(t, i) {
+            if c != class {
+                break;
+            }
+            last = i;
+            i += len;
+        }
+        (i, last)
+    }
+
+    /// The pattern's matches in `t`, as `Regex::find_iter` gives them.
+    fn matches(&self, t: &str, out: &mut Vec<(usize, usize)>) {
+        let mut i = 0;
+        while let Some((class, len)) = self.at(t, i) {
+            match self.kind {
+                ScanKind::EachNumber => {
+                    if class == Class::Number {
+                        out.push((i, i + len));
+                    }
+                    i += len;
+                }
+                ScanKind::Gpt2 { any_space } => {
+                    let (end, by_any_space) = self.gpt2_at(t, i, class);
                     if any_space || !by_any_space {
                         out.push((i, end));
                     }
@@ -204,11 +283,11 @@ impl Scanner {
         }
     }
 
-    /// The end of GPT-2's match at `i` (every position of a text starts one: the last
-    /// alternative, `\s+`, takes what the others leave, which is whitespace), and whether that
-    /// last alternative is the one that matched.
-    fn gpt2_at(&self, t: &[u8], i: usize) -> (usize, bool) {
-        let rest = &t[i..];
+    /// The end of GPT-2's match at byte `i`, whose character is of `class` (every position of
+    /// a text starts one: the last alternative, `\s+`, takes what the others leave, which is
+    /// whitespace), and whether that last alternative is the one that matched.
+    fn gpt2_at(&self, t: &str, i: usize, class: Class) -> (usize, bool) {
+        let rest = &t.as_bytes()[i..];
         // 's|'t|'re|'ve|'m|'ll|'d
         if rest.first() == Some(&b'\'') {
             for c in [&b"s"[..], b"t", b"re", b"ve", b"m", b"ll", b"d"] {
@@ -220,26 +299,26 @@ impl Scanner {
         // ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`, in that order: with the space first
         // (`?` is greedy), then without.
         let after_space = if rest.first() == Some(&b' ') {
-            rest.get(1).map(|&b| self.class(b))
+            self.at(t, i + 1).map(|(c, _)| c)
         } else {
             None
         };
-        for class in [Class::Letter, Class::Number, Class::Other] {
-            if after_space == Some(class) {
-                return (self.run(t, i + 1, class), false);
+        for want in [Class::Letter, Class::Number, Class::Other] {
+            if after_space == Some(want) {
+                return (self.run(t, i + 1, want).0, false);
             }
-            if self.class(t[i]) == class {
-                return (self.run(t, i, class), false);
+            if class == want {
+                return (self.run(t, i, want).0, false);
             }
         }
         // Whitespace. `\s+(?!\S)`: the whole run when the text ends there, else the run but its
         // last character (which is left to precede what follows) when that leaves any; `\s+`
         // otherwise (a run of one).
-        let end = self.run(t, i, Class::Space);
+        let (end, last) = self.run(t, i, Class::Space);
         if end == t.len() {
             (end, false)
-        } else if end - i >= 2 {
-            (end - 1, false)
+        } else if last > i {
+            (last, false)
         } else {
             (end, true)
         }
@@ -467,8 +546,12 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// Every ASCII byte's class, as the scanners use it.
-    const ALPHABET: &[u8] = b" \t\n\r\x0b\x0c\x1caZs'trevmld1!.\x00\x7f-";
+    /// Characters of every class, the contraction letters, whitespace of each kind, ASCII and
+    /// beyond (multi-byte letters, numbers, spaces and others).
+    const ALPHABET: &[char] = &[
+        ' ', '\t', '\n', '\r', '\u{b}', '\u{1c}', 'a', 'Z', 's', '\'', 't', 'r', 'e', 'l', '1', '!',
+        '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}',
+    ];
 
     fn by_regex(split: &Split, text: &str) -> Vec<(usize, usize)> {
         split.regex.find_iter(text).collect()
@@ -480,7 +563,7 @@ mod tests {
             .scanner
             .as_ref()
             .expect("a scanner for this pattern")
-            .matches(text.as_bytes(), &mut out);
+            .matches(text, &mut out);
         out
     }
 
@@ -492,24 +575,36 @@ mod tests {
     }
 
     #[test]
-    fn ascii_classes_are_onigurumas() {
+    fn classes_are_onigurumas() {
         let sc = Scanner::new(ScanKind::Gpt2 { any_space: true }).unwrap();
-        assert_eq!(sc.class(b'a'), Class::Letter);
-        assert_eq!(sc.class(b'7'), Class::Number);
-        for b in [b' ', b'\t', b'\n', b'\r', 0x0b, 0x0c] {
-            assert_eq!(sc.class(b), Class::Space, "{b:#x}");
+        let class = |c: char| sc.at(&c.to_string(), 0).unwrap().0;
+        assert_eq!(class('a'), Class::Letter);
+        assert_eq!(class('7'), Class::Number);
+        for c in [' ', '\t', '\n', '\r', '\u{b}', '\u{c}'] {
+            assert_eq!(class(c), Class::Space, "{c:?}");
         }
-        for b in [b'\'', b'!', 0u8, 0x7f] {
-            assert_eq!(sc.class(b), Class::Other, "{b:#x}");
+        for c in ['\'', '!', '\0', '\u{7f}'] {
+            assert_eq!(class(c), Class::Other, "{c:?}");
+        }
+        // Beyond ASCII, read from Oniguruma (twice: the second from the table).
+        for _ in 0..2 {
+            assert_eq!(class('é'), Class::Letter);
+            assert_eq!(class('中'), Class::Letter);
+            assert_eq!(class('٣'), Class::Number);
+            assert_eq!(class('²'), Class::Number);
+            assert_eq!(class('\u{a0}'), Class::Space);
+            assert_eq!(class('\u{3000}'), Class::Space);
+            assert_eq!(class('\u{301}'), Class::Other);
+            assert_eq!(class('😀'), Class::Other);
+            assert_eq!(class('𝐀'), Class::Letter);
         }
     }
 
-    /// Every string of up to 4 characters over [`ALPHABET`] (each class, the contraction
-    /// letters, spaces of each kind), then 300,000 random ones of 5 to 9: the scanners split
-    /// exactly as the regexes. Each alternative looks at most one character past a run, so
+    /// Every string of up to 4 characters over [`ALPHABET`], then 300,000 random ones of 5 to
+    /// 9: the scanners split exactly as the regexes. Each alternative looks at most one character past a run, so
     /// short strings meet every pair of alternatives; the longer ones mix runs.
     #[test]
-    fn scanners_split_every_short_ascii_string_as_the_regex() {
+    fn scanners_split_every_short_string_as_the_regex() {
         let splits = patterns();
         let k = ALPHABET.len();
         let check = |text: &str| {
@@ -521,7 +616,7 @@ mod tests {
             for mut code in 0..k.pow(len) {
                 let mut text = String::new();
                 for _ in 0..len {
-                    text.push(char::from(ALPHABET[code % k]));
+                    text.push(ALPHABET[code % k]);
                     code /= k;
                 }
                 check(&text);
@@ -531,14 +626,13 @@ mod tests {
         for _ in 0..300_000 {
             let n = rng.gen_range(5..10);
             let text: String = (0..n)
-                .map(|_| char::from(ALPHABET[rng.gen_range(0..k)]))
+                .map(|_| ALPHABET[rng.gen_range(0..k)])
                 .collect();
             check(&text);
         }
     }
 
-    /// Random ASCII text, long runs included, and text with non-ASCII characters (which keeps
-    /// the regex): the pieces are the regex's.
+    /// Random text of longer parts, ASCII and not: the pieces are the regex's.
     #[test]
     fn scanners_split_random_text_as_the_regex() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
