@@ -10,8 +10,9 @@
 //!    `tokenizers` library runs them on): each one splits every piece the previous produced into
 //!    its matches and the text between them (`Split(…, Isolated)`), empty pieces dropped; the last
 //!    one is GPT-2's pattern when the byte-level step applies it (`ByteLevel(use_regex = true)`).
-//!    Two patterns have a hand-written scanner ([`Scanner`]): GPT-2's and `\p{N}` (SmolLM2's
-//!    and StarCoder's pre-tokenizer is these two, GPT-2's family the first alone). Oniguruma was
+//!    Four patterns have a hand-written scanner ([`Scanner`]): GPT-2's, `\p{N}` (SmolLM2's and
+//!    StarCoder's pre-tokenizer is these two, GPT-2's family the first alone), Llama 3's and
+//!    Qwen 2's (`crate::pretokenizer`). Oniguruma was
 //!    about 60 % of an encode of new text (`perf`); a scanner takes the same pieces in one pass
 //!    over the characters, with each character's class (`\s`, `\p{L}`, `\p{N}`, other) read
 //!    from Oniguruma itself, so the classes are the regex's. Differential tests: every string
@@ -99,6 +100,10 @@ impl Split {
             Some(ScanKind::Gpt2 { any_space: false })
         } else if pattern == r"\p{N}" {
             Some(ScanKind::EachNumber)
+        } else if pattern == crate::pretokenizer::LLAMA3 {
+            Some(ScanKind::Llama3 { max_digits: 3 })
+        } else if pattern == crate::pretokenizer::QWEN2 {
+            Some(ScanKind::Llama3 { max_digits: 1 })
         } else {
             None
         };
@@ -128,6 +133,9 @@ enum ScanKind {
     Gpt2 { any_space: bool },
     /// `\p{N}`: every number character is a piece.
     EachNumber,
+    /// Llama 3's `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+    /// (`max_digits` 3), or Qwen 2's, the same with `\p{N}` (`max_digits` 1).
+    Llama3 { max_digits: usize },
 }
 
 /// A character's class in the patterns' terms.
@@ -279,6 +287,11 @@ impl Scanner {
                     }
                     i = end;
                 }
+                ScanKind::Llama3 { max_digits } => {
+                    let end = self.llama3_at(t, i, class, len, max_digits);
+                    out.push((i, end));
+                    i = end;
+                }
             }
         }
     }
@@ -321,6 +334,71 @@ impl Scanner {
             (last, false)
         } else {
             (end, true)
+        }
+    }
+
+    /// The end of Llama 3's (or Qwen 2's) match at byte `i`, whose character is of `class` and
+    /// `len` bytes long (every position starts one: the last alternative, `\s+`, takes what the
+    /// others leave, which is whitespace).
+    fn llama3_at(&self, t: &str, i: usize, class: Class, len: usize, max_digits: usize) -> usize {
+        let b = t.as_bytes();
+        // (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
+        if b[i] == b'\'' {
+            for c in [&b"s"[..], b"t", b"re", b"ve", b"m", b"ll", b"d"] {
+                if b.len() > i + c.len() && b[i + 1..=i + c.len()].eq_ignore_ascii_case(c) {
+                    return i + 1 + c.len();
+                }
+            }
+        }
+        let next = self.at(t, i + len).map(|(c, _)| c);
+        let crlf = |k: usize| matches!(b.get(k), Some(b'\r' | b'\n'));
+        // [^\r\n\p{L}\p{N}]?\p{L}+
+        if class != Class::Letter
+            && class != Class::Number
+            && !crlf(i)
+            && next == Some(Class::Letter)
+        {
+            return self.run(t, i + len, Class::Letter).0;
+        }
+        if class == Class::Letter {
+            return self.run(t, i, Class::Letter).0;
+        }
+        // \p{N}{1,max_digits}
+        if class == Class::Number {
+            let mut end = i;
+            for _ in 0..max_digits {
+                match self.at(t, end) {
+                    Some((Class::Number, l)) => end += l,
+                    _ => break,
+                }
+            }
+            return end;
+        }
+        // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
+        let others_from = if b[i] == b' ' && next == Some(Class::Other) {
+            Some(i + 1)
+        } else if class == Class::Other {
+            Some(i)
+        } else {
+            None
+        };
+        if let Some(from) = others_from {
+            let mut end = self.run(t, from, Class::Other).0;
+            while crlf(end) {
+                end += 1;
+            }
+            return end;
+        }
+        // Whitespace. `\s*[\r\n]+`: through the run's last `\r` or `\n`, if it has one;
+        // then `\s+(?!\S)` and `\s+` as in GPT-2's pattern.
+        let (end, last) = self.run(t, i, Class::Space);
+        if let Some(k) = b[i..end].iter().rposition(|&c| c == b'\r' || c == b'\n') {
+            return i + k + 1;
+        }
+        if end == t.len() || last == i {
+            end
+        } else {
+            last
         }
     }
 }
@@ -549,8 +627,8 @@ mod tests {
     /// Characters of every class, the contraction letters, whitespace of each kind, ASCII and
     /// beyond (multi-byte letters, numbers, spaces and others).
     const ALPHABET: &[char] = &[
-        ' ', '\t', '\n', '\r', '\u{b}', '\u{1c}', 'a', 'Z', 's', '\'', 't', 'r', 'e', 'l', '1', '!',
-        '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}',
+        ' ', '\t', '\n', '\r', '\u{b}', '\u{1c}', 'a', 'Z', 's', 'S', '\'', 't', 'r', 'E', 'l',
+        '1', '!', '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}', 'v', 'M', 'd',
     ];
 
     fn by_regex(split: &Split, text: &str) -> Vec<(usize, usize)> {
@@ -568,10 +646,16 @@ mod tests {
     }
 
     fn patterns() -> Vec<Split> {
-        [BYTE_LEVEL_PATTERN, crate::pretokenizer::GPT2, r"\p{N}"]
-            .iter()
-            .map(|p| Split::new(p).unwrap())
-            .collect()
+        [
+            BYTE_LEVEL_PATTERN,
+            crate::pretokenizer::GPT2,
+            r"\p{N}",
+            crate::pretokenizer::LLAMA3,
+            crate::pretokenizer::QWEN2,
+        ]
+        .iter()
+        .map(|p| Split::new(p).unwrap())
+        .collect()
     }
 
     #[test]
@@ -625,9 +709,7 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for _ in 0..300_000 {
             let n = rng.gen_range(5..10);
-            let text: String = (0..n)
-                .map(|_| ALPHABET[rng.gen_range(0..k)])
-                .collect();
+            let text: String = (0..n).map(|_| ALPHABET[rng.gen_range(0..k)]).collect();
             check(&text);
         }
     }
@@ -637,14 +719,16 @@ mod tests {
     fn scanners_split_random_text_as_the_regex() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let words = [
-            " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", "'s", "'ll", "'re", "'x", "'", "a", "Word",
-            " the", "123", " 45", "!!", " ?", "...", "\r\n", "\x00", "café", " naïve", "😀", "\u{a0}",
-            "x'S", "don't",
+            " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", "'s", "'ll", "'re", "'x", "'", "a",
+            "Word", " the", "123", " 45", "!!", " ?", "...", "\r\n", "\x00", "café", " naïve",
+            "😀", "\u{a0}", "x'S", "don't",
         ];
         let splits = patterns();
         for _ in 0..5_000 {
             let n = rng.gen_range(1..40);
-            let text: String = (0..n).map(|_| words[rng.gen_range(0..words.len())]).collect();
+            let text: String = (0..n)
+                .map(|_| words[rng.gen_range(0..words.len())])
+                .collect();
             for split in &splits {
                 let mut got = Vec::new();
                 split.matches(&text, &mut got);

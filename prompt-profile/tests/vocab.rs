@@ -173,7 +173,9 @@ fn random_text_of(rng: &mut rand_chacha::ChaCha8Rng, ascii: bool) -> String {
         .filter(|p| !ascii || p.is_ascii())
         .collect();
     let n = rng.gen_range(0..40);
-    (0..n).map(|_| parts[rng.gen_range(0..parts.len())]).collect()
+    (0..n)
+        .map(|_| parts[rng.gen_range(0..parts.len())])
+        .collect()
 }
 
 /// The direct byte-level BPE (`prompt_profile` `bpe` module, used by `encode` with special
