@@ -1046,7 +1046,8 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
 
 /// What one claim costs against a `PING`, on a real `redis-server` over loopback: 2,000 of each,
 /// one at a time, a 64-worker pool (8 close candidates, 56 others) and a 1,300-token prompt
-/// (82 blocks: 13 sampled chain keys). `cargo test --test cluster_fleet claim_round_trip --
+/// (82 blocks: 13 sampled chain keys), once following another replica's lead and once for
+/// prompts no replica has placed. `cargo test --test cluster_fleet claim_round_trip --
 /// --ignored --nocapture`.
 #[test]
 #[ignore]
@@ -1090,7 +1091,31 @@ fn claim_round_trip_against_ping() {
                     .unwrap();
             }
             let claim = t.elapsed() / n;
-            println!("round {round}: PING {ping:?}, claim {claim:?} (mean of {n} each)");
+            // New prompts: no other replica has placed their blocks (every lead key read is
+            // empty), as in a cold wave.
+            let t = Instant::now();
+            for i in 0..n {
+                let fresh: Vec<u64> = (1..=82).map(|k| k + 1_000 * (u64::from(i) + 1)).collect();
+                store
+                    .claim(&cluster::Claim {
+                        replica: "gw-a",
+                        id: &i.to_string(),
+                        candidates: &ranked[..8],
+                        others: &ranked[8..],
+                        added: 1_300,
+                        credit: 32,
+                        lead_saving: 16,
+                        keys: &fresh,
+                        ttl: Duration::from_millis(10),
+                        lead_ttl: Duration::from_millis(10),
+                    })
+                    .await
+                    .unwrap();
+            }
+            let cold = t.elapsed() / n;
+            println!(
+                "round {round}: PING {ping:?}, claim following a lead {claim:?}, claim of a new prompt {cold:?} (mean of {n} each)"
+            );
         }
     });
 }
