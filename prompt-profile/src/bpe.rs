@@ -84,6 +84,13 @@ pub(crate) struct ByteLevelBpe {
 const BYTE_LEVEL_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
+/// Llama 3's split as its `tokenizer.json` writes it: the contractions case-insensitive as a
+/// group, which Oniguruma matches as llama.cpp's `'[sS]|…` form but for `ſ` (U+017F, which folds
+/// to `s`).
+const HF_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's split as its `tokenizer.json` writes it (Llama 3's with single numbers).
+const HF_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// One split step: its regex, and a scanner that gives the same pieces on ASCII text when the
 /// pattern is one that has one.
 struct Split {
@@ -100,10 +107,16 @@ impl Split {
             Some(ScanKind::Gpt2 { any_space: false })
         } else if pattern == r"\p{N}" {
             Some(ScanKind::EachNumber)
-        } else if pattern == crate::pretokenizer::LLAMA3 {
-            Some(ScanKind::Llama3 { max_digits: 3 })
-        } else if pattern == crate::pretokenizer::QWEN2 {
-            Some(ScanKind::Llama3 { max_digits: 1 })
+        } else if pattern == crate::pretokenizer::LLAMA3 || pattern == HF_LLAMA3 {
+            Some(ScanKind::Llama3 {
+                max_digits: 3,
+                long_s: pattern == HF_LLAMA3,
+            })
+        } else if pattern == crate::pretokenizer::QWEN2 || pattern == HF_QWEN2 {
+            Some(ScanKind::Llama3 {
+                max_digits: 1,
+                long_s: pattern == HF_QWEN2,
+            })
         } else {
             None
         };
@@ -134,8 +147,9 @@ enum ScanKind {
     /// `\p{N}`: every number character is a piece.
     EachNumber,
     /// Llama 3's `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
-    /// (`max_digits` 3), or Qwen 2's, the same with `\p{N}` (`max_digits` 1).
-    Llama3 { max_digits: usize },
+    /// (`max_digits` 3), or Qwen 2's, the same with `\p{N}` (`max_digits` 1); `long_s`: their
+    /// `tokenizer.json` form, `(?i:'s|…)`, whose `'s` also matches `'ſ`.
+    Llama3 { max_digits: usize, long_s: bool },
 }
 
 /// A character's class in the patterns' terms.
@@ -287,8 +301,8 @@ impl Scanner {
                     }
                     i = end;
                 }
-                ScanKind::Llama3 { max_digits } => {
-                    let end = self.llama3_at(t, i, class, len, max_digits);
+                ScanKind::Llama3 { max_digits, long_s } => {
+                    let end = self.llama3_at(t, i, class, len, max_digits, long_s);
                     out.push((i, end));
                     i = end;
                 }
@@ -340,7 +354,15 @@ impl Scanner {
     /// The end of Llama 3's (or Qwen 2's) match at byte `i`, whose character is of `class` and
     /// `len` bytes long (every position starts one: the last alternative, `\s+`, takes what the
     /// others leave, which is whitespace).
-    fn llama3_at(&self, t: &str, i: usize, class: Class, len: usize, max_digits: usize) -> usize {
+    fn llama3_at(
+        &self,
+        t: &str,
+        i: usize,
+        class: Class,
+        len: usize,
+        max_digits: usize,
+        long_s: bool,
+    ) -> usize {
         let b = t.as_bytes();
         // (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
         if b[i] == b'\'' {
@@ -348,6 +370,10 @@ impl Scanner {
                 if b.len() > i + c.len() && b[i + 1..=i + c.len()].eq_ignore_ascii_case(c) {
                     return i + 1 + c.len();
                 }
+            }
+            let long = "ſ".as_bytes();
+            if long_s && b[i + 1..].starts_with(long) {
+                return i + 1 + long.len();
             }
         }
         let next = self.at(t, i + len).map(|(c, _)| c);
@@ -628,7 +654,7 @@ mod tests {
     /// beyond (multi-byte letters, numbers, spaces and others).
     const ALPHABET: &[char] = &[
         ' ', '\t', '\n', '\r', '\u{b}', '\u{1c}', 'a', 'Z', 's', 'S', '\'', 't', 'r', 'E', 'l',
-        '1', '!', '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}', 'v', 'M', 'd',
+        '1', '!', '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}', 'v', 'M', 'd', 'ſ',
     ];
 
     fn by_regex(split: &Split, text: &str) -> Vec<(usize, usize)> {
@@ -652,6 +678,8 @@ mod tests {
             r"\p{N}",
             crate::pretokenizer::LLAMA3,
             crate::pretokenizer::QWEN2,
+            HF_LLAMA3,
+            HF_QWEN2,
         ]
         .iter()
         .map(|p| Split::new(p).unwrap())
@@ -719,9 +747,43 @@ mod tests {
     fn scanners_split_random_text_as_the_regex() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let words = [
-            " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", "'s", "'ll", "'re", "'x", "'", "a",
-            "Word", " the", "123", " 45", "!!", " ?", "...", "\r\n", "\x00", "café", " naïve",
-            "😀", "\u{a0}", "x'S", "don't",
+            " ",
+            "  ",
+            "   ",
+            "\n",
+            "\n\n",
+            "\t",
+            " \n ",
+            "'s",
+            "'ll",
+            "'re",
+            "'x",
+            "'",
+            "a",
+            "Word",
+            " the",
+            "123",
+            " 45",
+            "!!",
+            " ?",
+            "...",
+            "\r\n",
+            "\x00",
+            "café",
+            " naïve",
+            "😀",
+            "\u{a0}",
+            "x'S",
+            "don't",
+            "'ſ",
+            "'ﬅ",
+            "'\u{212a}",
+            "'ǉ",
+            "'LL",
+            "'rE",
+            "'Ve",
+            "I'M",
+            "'D",
         ];
         let splits = patterns();
         for _ in 0..5_000 {
