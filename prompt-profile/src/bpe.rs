@@ -38,7 +38,7 @@
 
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use onig::Regex;
 use serde_json::Value;
@@ -91,17 +91,57 @@ const HF_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|
 /// Qwen 2's split as its `tokenizer.json` writes it (Llama 3's with single numbers).
 const HF_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// One split step: its regex, and a scanner that gives the same pieces on ASCII text when the
-/// pattern is one that has one.
+/// One split step: its regex, and a scanner that gives the same pieces when the pattern is one
+/// that has one.
 struct Split {
     regex: Regex,
     scanner: Option<Scanner>,
 }
 
 impl Split {
-    fn new(pattern: &str) -> Option<Split> {
+    /// `classes`: the character classes the profile's scanners share (`None`: no scanner).
+    fn new(pattern: &str, classes: Option<&Arc<Classes>>) -> Option<Split> {
         let regex = Regex::new(pattern).ok()?;
-        let kind = if pattern == BYTE_LEVEL_PATTERN {
+        let kind = ScanKind::of(pattern);
+        Some(Split {
+            regex,
+            scanner: kind.zip(classes).map(|(kind, classes)| Scanner {
+                kind,
+                classes: classes.clone(),
+            }),
+        })
+    }
+
+    /// The matches of this step in `piece` (byte ranges, in order, non-empty): the scanner's
+    /// where it applies, else the regex's.
+    fn matches(&self, piece: &str, out: &mut Vec<(usize, usize)>) {
+        match &self.scanner {
+            Some(sc) => sc.matches(piece, out),
+            None => out.extend(self.regex.find_iter(piece)),
+        }
+    }
+}
+
+/// The patterns with a hand-written scanner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScanKind {
+    /// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
+    /// (`any_space`), or llama.cpp's copy without the last `|\s+`: it splits the same (the one
+    /// whitespace character that alternative would match stays a piece of its own between two
+    /// matches), but is not a match.
+    Gpt2 { any_space: bool },
+    /// `\p{N}`: every number character is a piece.
+    EachNumber,
+    /// Llama 3's `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+    /// (`max_digits` 3), or Qwen 2's, the same with `\p{N}` (`max_digits` 1); `long_s`: their
+    /// `tokenizer.json` form, `(?i:'s|…)`, whose `'s` also matches `'ſ`.
+    Llama3 { max_digits: usize, long_s: bool },
+}
+
+impl ScanKind {
+    /// The scanner kind of a split pattern, if it has one (the pattern strings exactly).
+    fn of(pattern: &str) -> Option<ScanKind> {
+        if pattern == BYTE_LEVEL_PATTERN {
             Some(ScanKind::Gpt2 { any_space: true })
         } else if pattern == crate::pretokenizer::GPT2 {
             Some(ScanKind::Gpt2 { any_space: false })
@@ -119,37 +159,8 @@ impl Split {
             })
         } else {
             None
-        };
-        Some(Split {
-            regex,
-            scanner: kind.and_then(Scanner::new),
-        })
-    }
-
-    /// The matches of this step in `piece` (byte ranges, in order, non-empty): the scanner's
-    /// where it applies, else the regex's.
-    fn matches(&self, piece: &str, out: &mut Vec<(usize, usize)>) {
-        match &self.scanner {
-            Some(sc) => sc.matches(piece, out),
-            None => out.extend(self.regex.find_iter(piece)),
         }
     }
-}
-
-/// The patterns with a hand-written ASCII scanner.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ScanKind {
-    /// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
-    /// (`any_space`), or llama.cpp's copy without the last `|\s+`: it splits the same (the one
-    /// whitespace character that alternative would match stays a piece of its own between two
-    /// matches), but is not a match.
-    Gpt2 { any_space: bool },
-    /// `\p{N}`: every number character is a piece.
-    EachNumber,
-    /// Llama 3's `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`
-    /// (`max_digits` 3), or Qwen 2's, the same with `\p{N}` (`max_digits` 1); `long_s`: their
-    /// `tokenizer.json` form, `(?i:'s|…)`, whose `'s` also matches `'ſ`.
-    Llama3 { max_digits: usize, long_s: bool },
 }
 
 /// A character's class in the patterns' terms.
@@ -198,21 +209,20 @@ impl Classifier {
     }
 }
 
-/// A scanner for one [`ScanKind`]. Character classes are Oniguruma's: the 128 ASCII ones read
-/// when it is built, the rest of the Basic Multilingual Plane read on first sight and kept (one
-/// byte each), the planes above read each time (emoji and rarer scripts).
-struct Scanner {
-    kind: ScanKind,
+/// Character classes as Oniguruma gives them, shared by a profile's scanners: the 128 ASCII
+/// ones read when built, the rest of the Basic Multilingual Plane read on first sight and kept
+/// (one byte each), the planes above read each time (emoji and rarer scripts).
+struct Classes {
     ascii: [Class; 128],
     /// BMP code point → `Class as u8`, 0 until first seen.
     bmp: Box<[AtomicU8]>,
     classifier: Classifier,
 }
 
-impl Scanner {
+impl Classes {
     /// `None` when Oniguruma puts an ASCII character in more than one class (never expected;
-    /// the regex then does the work).
-    fn new(kind: ScanKind) -> Option<Scanner> {
+    /// the regexes then do the work).
+    fn new() -> Option<Classes> {
         let classifier = Classifier::new()?;
         let mut ascii = [Class::Other; 128];
         for (b, c) in ascii.iter_mut().enumerate() {
@@ -222,8 +232,7 @@ impl Scanner {
             }
             *c = found.first().copied().unwrap_or(Class::Other);
         }
-        Some(Scanner {
-            kind,
+        Some(Classes {
             ascii,
             bmp: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
             classifier,
@@ -267,6 +276,19 @@ impl Scanner {
         }
         let c = t.get(i..)?.chars().next()?;
         Some((self.class_of(c), c.len_utf8()))
+    }
+}
+
+/// A scanner for one [`ScanKind`], over the shared [`Classes`].
+struct Scanner {
+    kind: ScanKind,
+    classes: Arc<Classes>,
+}
+
+impl Scanner {
+    /// The class and byte length of the character at byte `i` of `t` (a char boundary).
+    fn at(&self, t: &str, i: usize) -> Option<(Class, usize)> {
+        self.classes.at(t, i)
     }
 
     /// The run of `class` starting at byte `i`: its end and the start of its last character
@@ -526,7 +548,17 @@ impl ByteLevelBpe {
         if last.get("use_regex")?.as_bool()? {
             patterns.push(BYTE_LEVEL_PATTERN.to_string());
         }
-        patterns.iter().map(|p| Split::new(p)).collect()
+        // The classes only where some step has a scanner (a 64 KiB table and 384 regex matches).
+        let classes = patterns
+            .iter()
+            .any(|p| ScanKind::of(p).is_some())
+            .then(Classes::new)
+            .flatten()
+            .map(Arc::new);
+        patterns
+            .iter()
+            .map(|p| Split::new(p, classes.as_ref()))
+            .collect()
     }
 
     /// Append the ids of `text` (a piece with no added token in it) to `out`.
@@ -672,6 +704,7 @@ mod tests {
     }
 
     fn patterns() -> Vec<Split> {
+        let classes = Arc::new(Classes::new().unwrap());
         [
             BYTE_LEVEL_PATTERN,
             crate::pretokenizer::GPT2,
@@ -682,14 +715,14 @@ mod tests {
             HF_QWEN2,
         ]
         .iter()
-        .map(|p| Split::new(p).unwrap())
+        .map(|p| Split::new(p, Some(&classes)).unwrap())
         .collect()
     }
 
     #[test]
     fn classes_are_onigurumas() {
-        let sc = Scanner::new(ScanKind::Gpt2 { any_space: true }).unwrap();
-        let class = |c: char| sc.at(&c.to_string(), 0).unwrap().0;
+        let classes = Classes::new().unwrap();
+        let class = |c: char| classes.at(&c.to_string(), 0).unwrap().0;
         assert_eq!(class('a'), Class::Letter);
         assert_eq!(class('7'), Class::Number);
         for c in [' ', '\t', '\n', '\r', '\u{b}', '\u{c}'] {
