@@ -1065,19 +1065,14 @@ fn claim_round_trip_against_ping() {
         let ranked: Vec<(&str, u64)> = pool.iter().map(|w| (w.as_str(), 2_600)).collect();
         let keys: Vec<u64> = (1..=82).collect();
         let n = 2_000;
-        for round in 0..2 {
-            let t = Instant::now();
-            for _ in 0..n {
-                store.ping().await.unwrap();
-            }
-            let ping = t.elapsed() / n;
-            let t = Instant::now();
-            for i in 0..n {
-                let replica = if i % 2 == 0 { "gw-a" } else { "gw-b" };
+        // One claim over the 8 close candidates and 56 others, as `replica`, for `keys`.
+        let claim = |replica: &'static str, id: String, keys: Vec<u64>| {
+            let (store, ranked) = (&store, &ranked);
+            async move {
                 store
                     .claim(&cluster::Claim {
                         replica,
-                        id: &i.to_string(),
+                        id: &id,
                         candidates: &ranked[..8],
                         others: &ranked[8..],
                         added: 1_300,
@@ -1090,31 +1085,30 @@ fn claim_round_trip_against_ping() {
                     .await
                     .unwrap();
             }
-            let claim = t.elapsed() / n;
+        };
+        for round in 0..2 {
+            let t = Instant::now();
+            for _ in 0..n {
+                store.ping().await.unwrap();
+            }
+            let ping = t.elapsed() / n;
+            // Two replicas in turn over one prompt: each follows the other's lead.
+            let t = Instant::now();
+            for i in 0..n {
+                let replica = if i % 2 == 0 { "gw-a" } else { "gw-b" };
+                claim(replica, i.to_string(), keys.clone()).await;
+            }
+            let following = t.elapsed() / n;
             // New prompts: no other replica has placed their blocks (every lead key read is
             // empty), as in a cold wave.
             let t = Instant::now();
             for i in 0..n {
-                let fresh: Vec<u64> = (1..=82).map(|k| k + 1_000 * (u64::from(i) + 1)).collect();
-                store
-                    .claim(&cluster::Claim {
-                        replica: "gw-a",
-                        id: &i.to_string(),
-                        candidates: &ranked[..8],
-                        others: &ranked[8..],
-                        added: 1_300,
-                        credit: 32,
-                        lead_saving: 16,
-                        keys: &fresh,
-                        ttl: Duration::from_millis(10),
-                        lead_ttl: Duration::from_millis(10),
-                    })
-                    .await
-                    .unwrap();
+                let fresh = (1..=82).map(|k| k + 1_000 * (u64::from(i) + 1)).collect();
+                claim("gw-a", i.to_string(), fresh).await;
             }
             let cold = t.elapsed() / n;
             println!(
-                "round {round}: PING {ping:?}, claim following a lead {claim:?}, claim of a new prompt {cold:?} (mean of {n} each)"
+                "round {round}: PING {ping:?}, claim following a lead {following:?}, claim of a new prompt {cold:?} (mean of {n} each)"
             );
         }
     });
