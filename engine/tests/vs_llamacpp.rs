@@ -223,14 +223,17 @@ fn next_token_distributions_agree_with_llama_cpp() {
 /// accumulator, emulated to 5·10⁻⁷ of ggml's, was not kept (mean 0.110, two differences).
 ///
 /// Measured (AMD EPYC, AVX-512 VNNI, 2026-12-05): SmolLM2 mean 0.105, largest 0.115, all 48
-/// greedy tokens equal; Gemma mean 0.157, largest 0.060, greedy differs at three of 36
-/// positions, where llama.cpp's top two are 0.0016, 0.14 and 0.014 apart. (`Exact`: SmolLM2
-/// 0.113 / 0.117 and one greedy difference; Gemma 0.132 / 0.043 and two.) Asserted: SmolLM2
-/// mean ≤ 0.125 (llama.cpp's own 0.106 and a margin), largest ≤ 0.15 (the per-token bound of
-/// [`real_model_agrees`]), at most one greedy difference and only where our own top two are
-/// within 0.02 (the machine's summation order decides those: an AVX2-only EPYC once took the
-/// other token at `kv` 9); Gemma mean ≤ 0.18 and every greedy difference one where llama.cpp's
-/// top two are within 0.2.
+/// greedy tokens equal; Gemma mean 0.116, largest 0.041, greedy differs at one of 36
+/// positions (`count` 11), where llama.cpp's top two are 0.014 apart. (`Exact`: SmolLM2
+/// 0.113 / 0.117 and one greedy difference; Gemma 0.132 / 0.043 and two.) Until the K-quant
+/// matrices ran on the file's own blocks (they were quantized again from their values, which
+/// gives other blocks: `weights::tests::quantized_products_use_the_stored_blocks`), Gemma was
+/// at 0.157 / 0.060 and three differences, one where llama.cpp's top two are 0.14 apart.
+/// Asserted: SmolLM2 mean ≤ 0.125 (llama.cpp's own 0.106 and a margin), largest ≤ 0.15 (the
+/// per-token bound of [`real_model_agrees`]), at most one greedy difference and only where our
+/// own top two are within 0.02 (the machine's summation order decides those: an AVX2-only EPYC
+/// once took the other token at `kv` 9); Gemma mean ≤ 0.14 (llama.cpp's own 0.111 and a
+/// margin) and at most two greedy differences, each where llama.cpp's top two are within 0.05.
 #[test]
 fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
     let smol = real_model_agrees_with(&model_path(), "smollm2-q4_1.json", WeightFormat::LlamaCpp);
@@ -266,13 +269,13 @@ fn llama_cpp_numerics_give_llama_cpps_greedy_tokens() {
         smol.mean
     );
     assert!(
-        gemma.differs.iter().all(|d| d.their_gap < 0.2),
+        gemma.differs.iter().all(|d| d.their_gap < 0.05) && gemma.differs.len() <= 2,
         "greedy differs beyond llama.cpp's near ties: {:?}",
         gemma.differs
     );
     assert!(
-        gemma.mean <= 0.18,
-        "Gemma: mean log-probability difference {:.3} > 0.18",
+        gemma.mean <= 0.14,
+        "Gemma: mean log-probability difference {:.3} > 0.14",
         gemma.mean
     );
 }

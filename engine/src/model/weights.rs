@@ -214,7 +214,9 @@ pub(crate) struct Linear {
     /// The dense copy in panel layout for this crate's AVX-512 GEMM ([`super::gemm`]; CPU
     /// with AVX-512 only, replacing `dense`).
     panels: Option<DensePanels>,
-    quant: Option<QMatMul>,
+    /// candle's quantized product, one per run of stacked parts that share a stored format
+    /// (outputs concatenated in order); empty when the format does not use it.
+    quant: Vec<QMatMul>,
     dense: Option<Tensor>,
     out_features: usize,
     in_features: usize,
@@ -243,9 +245,11 @@ impl Linear {
         } else {
             None
         };
-        let stored = stored
-            .first()
-            .ok_or_else(|| EngineError::Model("weight matrix without stored tensor".into()))?;
+        if stored.is_empty() {
+            return Err(EngineError::Model(
+                "weight matrix without stored tensor".into(),
+            ));
+        }
         let want_q8 = matches!(format, WeightFormat::Q8_0 | WeightFormat::Hybrid { .. });
         let want_dense = matches!(
             format,
@@ -254,19 +258,18 @@ impl Linear {
         let quant = if format == WeightFormat::AsStored
             || (format == WeightFormat::LlamaCpp && packed.is_none())
         {
-            Some(QMatMul::from_qtensor(requantize_onto(
-                &w,
-                stored.dtype(),
-                device,
-            )?)?)
+            // The file's own blocks: quantizing the dequantized values again would not give
+            // them back for the K-quants (their scales are searched for), so the product would
+            // run on other weights.
+            stored_onto(&stored_refs, device)?
         } else if want_q8 {
-            Some(QMatMul::from_qtensor(requantize_onto(
+            vec![QMatMul::from_qtensor(requantize_onto(
                 &w,
                 GgmlDType::Q8_0,
                 device,
-            )?)?)
+            )?)?]
         } else {
-            None
+            Vec::new()
         };
         let panels = if want_dense && device.is_cpu() && DensePanels::is_fast() {
             let (n, k) = w.dims2()?;
@@ -319,7 +322,7 @@ impl Linear {
             }
         }
         if let Some(p) = &self.panels {
-            if dense || self.quant.is_none() {
+            if dense || self.quant.is_empty() {
                 return p.matmul(x, m);
             }
         }
@@ -347,15 +350,23 @@ impl Linear {
             }
         }
         if let Some(p) = &self.panels {
-            if dense || self.quant.is_none() {
+            if dense || self.quant.is_empty() {
                 return host_forward(x, p.cols(), p.rows(), |xs, m| p.matmul(xs, m));
             }
         }
-        match (&self.dense, &self.quant) {
+        match (&self.dense, self.quant.as_slice()) {
             (Some(w), _) if dense => Ok(x.matmul(&w.t()?)?),
-            (_, Some(q)) => Ok(q.forward(x)?),
-            (Some(w), None) => Ok(x.matmul(&w.t()?)?),
-            (None, None) => Err(EngineError::Model("weight matrix has no storage".into())),
+            (_, [q]) => Ok(q.forward(x)?),
+            (_, [_, ..]) => {
+                let parts = self
+                    .quant
+                    .iter()
+                    .map(|q| q.forward(x))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(Tensor::cat(&parts, 1)?)
+            }
+            (Some(w), []) => Ok(x.matmul(&w.t()?)?),
+            (None, []) => Err(EngineError::Model("weight matrix has no storage".into())),
         }
     }
 }
@@ -376,6 +387,45 @@ fn host_forward(
     }
     let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
     Ok(Tensor::from_vec(mm(&xs, m)?, (m, rows), &Device::Cpu)?)
+}
+
+/// The stored matrices `stored` (stacked by rows, each `[rows_i, cols]`) as candle quantized
+/// products on `device`, block for block as the file holds them: one product per run of
+/// consecutive parts in the same format (their blocks concatenated), so a stack of one format
+/// is one product.
+fn stored_onto(stored: &[&QTensor], device: &Device) -> Result<Vec<QMatMul>, EngineError> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < stored.len() {
+        let dtype = stored[i].dtype();
+        let run = stored[i..]
+            .iter()
+            .take_while(|q| q.dtype() == dtype)
+            .count();
+        let (mut rows, mut cols, mut bytes) = (0usize, None, Vec::new());
+        for q in &stored[i..i + run] {
+            let (r, c) = q.shape().dims2()?;
+            if *cols.get_or_insert(c) != c {
+                return Err(EngineError::Model(format!(
+                    "stacked matrices of widths {} and {c}",
+                    cols.unwrap_or(0)
+                )));
+            }
+            rows += r;
+            bytes.extend_from_slice(&q.data()?);
+        }
+        let cols = cols.unwrap_or(0);
+        out.push(QMatMul::from_qtensor(
+            candle_core::quantized::ggml_file::qtensor_from_ggml(
+                dtype,
+                &bytes,
+                vec![rows, cols],
+                device,
+            )?,
+        )?);
+        i += run;
+    }
+    Ok(out)
 }
 
 /// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
@@ -990,5 +1040,104 @@ mod tests {
         assert!(f.use_dense(32));
         assert!(!WeightFormat::Q8_0.use_dense(1000));
         assert!(WeightFormat::F32.use_dense(1));
+    }
+
+    /// `[rows, cols]` pseudo-random values in [-1, 1).
+    fn random(rows: usize, cols: usize, seed: u64) -> Tensor {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// A `[rows, cols]` matrix of pseudo-random Q4_K or Q6_K blocks (any bits, with small
+    /// finite scales), as a quantizer that searches its scales (llama.cpp's) may write them.
+    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> QTensor {
+        let n = rows * cols / dtype.block_size();
+        let size = dtype.type_size();
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut bytes: Vec<u8> = (0..n * size)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect();
+        let scales: &[usize] = match dtype {
+            GgmlDType::Q4K => &[0, 2], // d, dmin
+            GgmlDType::Q6K => &[208],  // d
+            _ => panic!("{dtype:?}"),
+        };
+        for b in bytes.chunks_mut(size) {
+            for &at in scales {
+                b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            }
+        }
+        candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            &bytes,
+            vec![rows, cols],
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    /// `LlamaCpp` (and `AsStored`) multiply K-quant matrices with candle's product on the
+    /// file's own blocks. Quantizing the dequantized values again gives other blocks (the
+    /// K-quants' scales are searched for), which is what these formats did before: Gemma 3
+    /// 270M's greedy tokens then differed from llama.cpp's at 3 of 36 fixture positions, now at 1.
+    #[test]
+    fn quantized_products_use_the_stored_blocks() {
+        let cols = 512;
+        let stored = |rows, seed, dtype| blocks(dtype, rows, cols, seed);
+        let deq = |q: &QTensor| q.dequantize(&Device::Cpu).unwrap();
+        // Why it matters: a second quantization of Q4_K's values is not the stored matrix.
+        let q4k = stored(8, 1, GgmlDType::Q4K);
+        let again = QTensor::quantize(&deq(&q4k), GgmlDType::Q4K).unwrap();
+        assert_ne!(values(&deq(&again)), values(&deq(&q4k)));
+
+        let x = random(3, cols, 4);
+        for format in [WeightFormat::LlamaCpp, WeightFormat::AsStored] {
+            // One format: one product over the stacked blocks, which are the stored ones.
+            let parts = [stored(8, 1, GgmlDType::Q4K), stored(3, 3, GgmlDType::Q4K)];
+            let w = Tensor::cat(&[deq(&parts[0]), deq(&parts[1])], 0).unwrap();
+            let lin = Linear::from_dense_cpu(w.clone(), &parts, format, &Device::Cpu).unwrap();
+            assert_eq!(lin.quant.len(), 1, "{format:?}");
+            let QMatMul::QTensor(q) = &lin.quant[0] else {
+                panic!("{format:?}: not a quantized product");
+            };
+            assert_eq!(q.dtype(), GgmlDType::Q4K);
+            let mut bytes = parts[0].data().unwrap().to_vec();
+            bytes.extend_from_slice(&parts[1].data().unwrap());
+            assert_eq!(q.data().unwrap().as_ref(), bytes.as_slice(), "{format:?}");
+
+            // Two formats: one product each on its stored blocks, outputs side by side.
+            let parts = [stored(8, 1, GgmlDType::Q4K), stored(4, 2, GgmlDType::Q6K)];
+            let w = Tensor::cat(&[deq(&parts[0]), deq(&parts[1])], 0).unwrap();
+            let lin = Linear::from_dense_cpu(w, &parts, format, &Device::Cpu).unwrap();
+            assert_eq!(lin.quant.len(), 2, "{format:?}");
+            let got = lin.forward(&x, false).unwrap();
+            let [a, b] = parts;
+            let want = Tensor::cat(
+                &[
+                    QMatMul::from_qtensor(a).unwrap().forward(&x).unwrap(),
+                    QMatMul::from_qtensor(b).unwrap().forward(&x).unwrap(),
+                ],
+                1,
+            )
+            .unwrap();
+            assert_eq!(values(&got), values(&want), "{format:?}");
+        }
     }
 }
