@@ -608,8 +608,10 @@ pub struct FleetRun<'a> {
     pub out: &'a std::path::Path,
     /// Gateway replicas (`--gateways G`): with G > 1, `kv_exact` on one gateway against
     /// `kv_exact` on G replicas in cluster mode (a `redis-server` the bench starts), requests
-    /// spread over the replicas in turn.
+    /// spread over the replicas as `vip` says.
     pub gateways: usize,
+    /// How the VIP spreads requests over the replicas (`--vip`).
+    pub vip: super::Spread,
     /// With one gateway: the policies to run (names of [`POLICIES`]); empty = all.
     pub policies: &'a [String],
     /// Cluster mode: the replicas' claim TTL (0: claims off), docs/cluster.md "Claims".
@@ -618,7 +620,7 @@ pub struct FleetRun<'a> {
     pub claim_timeout: Duration,
 }
 
-/// Runs `plans` through the fleet's gateways (requests spread over them in turn) with the
+/// Runs `plans` through the fleet's gateways (requests spread over them as `args.vip` says) with the
 /// run's concurrency and timeouts.
 async fn run_plans(
     client: &reqwest::Client,
@@ -642,6 +644,7 @@ async fn run_plans(
         WaveSpec {
             label,
             targets: &targets,
+            spread: args.vip,
             model: args.model,
             kind,
             plans,
@@ -705,7 +708,8 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     } else {
         println!(
             "fleet: {n} simulated workers; kv_exact behind 1 gateway vs {g} replicas sharing \
-             Redis (and, as a control, {g} replicas sharing nothing)"
+             Redis (and, as a control, {g} replicas sharing nothing); the VIP spreads each {}",
+            args.vip.as_str()
         );
         let kv = POLICIES[1].1;
         vec![

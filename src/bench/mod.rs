@@ -18,12 +18,35 @@ use serde_json::{json, Value};
 use client::{ChatCall, RequestRecord};
 use workload::{SessionPlan, WorkloadKind};
 
+/// How a VIP in front of several targets (gateway replicas) spreads a wave's requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Spread {
+    /// Each request to the next target in turn (an L7 balancer, or an L4 VIP in front of
+    /// clients that open a connection per request).
+    #[default]
+    Request,
+    /// Each session to the next target in turn, all its turns to that one (an L4 VIP in
+    /// front of clients that keep their connection alive, or a balancer hashing a session
+    /// key).
+    Session,
+}
+
+impl Spread {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Spread::Request => "request",
+            Spread::Session => "session",
+        }
+    }
+}
+
 /// How one wave is run.
 pub struct WaveSpec<'a> {
     pub label: &'a str,
-    /// Base URLs; requests are spread over them in turn, as a VIP spreads them over gateway
-    /// replicas (one target: all go there).
+    /// Base URLs; requests are spread over them as `spread` says, as a VIP spreads them over
+    /// gateway replicas (one target: all go there).
     pub targets: &'a [String],
+    pub spread: Spread,
     pub model: &'a str,
     pub kind: WorkloadKind,
     pub plans: Vec<SessionPlan>,
@@ -87,6 +110,7 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
         let workload = spec.kind.as_str().to_string();
         let timeout = spec.request_timeout;
         let context_limit = spec.context_limit;
+        let spread = spec.spread;
         // Sessions that start at once take their permits here, in the plan's order, so that
         // the seed fixes which sessions are in flight together and which one starts when a
         // permit frees: tasks racing for the semaphore made that the runtime's choice, and two
@@ -117,6 +141,8 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
                 messages.push(json!({"role": "system", "content": s}));
             }
             let mut out = Vec::new();
+            // Spread::Session: the target the session's first request went to.
+            let mut pinned: Option<usize> = None;
             for (turn, user) in plan.user_turns.iter().enumerate() {
                 // The user's think time (part of the workload's arrival pattern, not a wait for
                 // an event).
@@ -150,7 +176,11 @@ pub async fn run_wave(client: &reqwest::Client, spec: WaveSpec<'_>) -> Wave {
                     answer: String::new(),
                 };
                 let remaining = deadline.saturating_duration_since(Instant::now());
-                let i = next_target.fetch_add(1, Ordering::Relaxed) % targets.len().max(1);
+                let next = || next_target.fetch_add(1, Ordering::Relaxed) % targets.len().max(1);
+                let i = match spread {
+                    Spread::Request => next(),
+                    Spread::Session => *pinned.get_or_insert_with(next),
+                };
                 let target = targets.get(i).cloned().unwrap_or_default();
                 let call = ChatCall {
                     base_url: &target,
@@ -231,6 +261,7 @@ mod tests {
             WaveSpec {
                 label: "order",
                 targets: &[format!("http://{addr}")],
+                spread: Spread::Request,
                 model: "m",
                 kind: WorkloadKind::SharedPrefix,
                 plans,
@@ -252,6 +283,91 @@ mod tests {
                 r.session,
                 wave.records.iter().map(|r| &r.session).collect::<Vec<_>>()
             );
+        }
+    }
+
+    /// `--vip session` keeps every turn of a session on the target its first request went to,
+    /// the sessions taking the targets in turn; `--vip request` sends each request to the next.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn spread_by_request_or_by_session() {
+        use axum::routing::post;
+        let mut targets = Vec::new();
+        let mut servers = Vec::new();
+        for name in ["a", "b", "c"] {
+            let app = axum::Router::new().route(
+                "/v1/chat/completions",
+                post(move || async move {
+                    (
+                        [
+                            ("x-kvgate-worker-id", name),
+                            ("content-type", "text/event-stream"),
+                        ],
+                        "data: {\"choices\":[{\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\n\
+                         data: [DONE]\n\n",
+                    )
+                }),
+            );
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            targets.push(format!("http://{}", l.local_addr().unwrap()));
+            servers.push(tokio::spawn(async move { axum::serve(l, app).await }));
+        }
+        let plans = || -> Vec<SessionPlan> {
+            (0..6)
+                .map(|i| SessionPlan {
+                    id: format!("s{i}"),
+                    class: "conversation",
+                    system: None,
+                    user_turns: vec!["q".into(); 4],
+                    start_delay: Duration::ZERO,
+                    think: vec![Duration::ZERO; 4],
+                    max_tokens: 1,
+                })
+                .collect()
+        };
+        let mut by_spread = Vec::new();
+        for spread in [Spread::Session, Spread::Request] {
+            let wave = run_wave(
+                &reqwest::Client::new(),
+                WaveSpec {
+                    label: spread.as_str(),
+                    targets: &targets,
+                    spread,
+                    model: "m",
+                    kind: WorkloadKind::MultiTurn,
+                    plans: plans(),
+                    concurrency: 1,
+                    max_duration: Duration::from_secs(30),
+                    request_timeout: Duration::from_secs(5),
+                    context_limit: None,
+                },
+            )
+            .await;
+            assert_eq!(wave.records.len(), 24, "{spread:?}");
+            assert!(wave.records.iter().all(|r| r.ok()), "{spread:?}");
+            let mut per_session = std::collections::BTreeMap::<String, Vec<String>>::new();
+            for r in &wave.records {
+                per_session
+                    .entry(r.session.clone())
+                    .or_default()
+                    .push(r.worker.clone().unwrap_or_default());
+            }
+            by_spread.push(per_session);
+        }
+        for s in &servers {
+            s.abort();
+        }
+        // One session at a time: s0 → a, s1 → b, s2 → c, s3 → a, ...
+        let names = ["a", "b", "c"];
+        for (i, (session, workers)) in by_spread[0].iter().enumerate() {
+            assert_eq!(session, &format!("s{i}"));
+            assert_eq!(workers, &vec![names[i % 3].to_string(); 4], "{session}");
+        }
+        // Each request to the next target: a session's 4 turns visit all three.
+        for (session, workers) in &by_spread[1] {
+            let mut distinct = workers.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), 3, "{session}: {workers:?}");
         }
     }
 }

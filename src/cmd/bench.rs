@@ -20,9 +20,14 @@ pub struct Args {
     pub fleet: Option<String>,
     /// With --fleet: gateway replicas. G > 1 compares kv_exact behind one gateway with kv_exact
     /// behind G replicas in cluster mode (a redis-server the bench starts), requests spread
-    /// over the replicas in turn.
+    /// over the replicas as --vip says.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
+    /// With --gateways G > 1: how the VIP spreads requests over the replicas: `request` (each
+    /// request to the next replica) or `session` (each conversation or session pinned to the
+    /// replica its first request went to, as an L4 VIP does with kept-alive connections).
+    #[arg(long, value_enum, default_value_t = crate::bench::Spread::Request)]
+    pub vip: crate::bench::Spread,
     /// With --gateways G > 1: the replicas' claim TTL in ms (the atomic select-and-reserve of
     /// cold placements, docs/cluster.md "Claims"); 0 turns claims off.
     #[arg(long, default_value_t = 10)]
@@ -135,6 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 request_timeout: args.request_timeout,
                 out: &args.out,
                 gateways: args.gateways,
+                vip: args.vip,
                 policies: &args.policies,
                 claim_ttl: std::time::Duration::from_millis(args.cluster_claim_ms),
                 claim_timeout: std::time::Duration::from_millis(
@@ -179,6 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     WaveSpec {
                         label,
                         targets: std::slice::from_ref(&target),
+                        spread: crate::bench::Spread::Request,
                         model,
                         kind: *kind,
                         plans: workload::plan(*kind, &args.shape),
