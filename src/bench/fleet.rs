@@ -767,24 +767,34 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             ));
             records.extend(wave.records);
         }
-        let verdicts = if g == 1 {
-            fleet_verdicts(*kind, &summaries)
-        } else {
-            for (s, d) in summaries.iter().zip(&decisions) {
-                let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
-                println!(
-                    "  {}: mean route decision {} wall, {} CPU ({} tokenizing, {} placing); claims kept {} moved {} failed {}, mean claim {}",
-                    s.label,
-                    us(d.wall),
-                    us(d.cpu),
-                    us(d.tokenize_cpu),
-                    us(d.placement_cpu()),
+        for (s, d) in summaries.iter().zip(&decisions) {
+            let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
+            if d.wall.is_none() {
+                continue; // a policy that decides nothing to time (round_robin, oracle)
+            }
+            let claims = if g > 1 {
+                format!(
+                    "; claims kept {} moved {} failed {}, mean claim {}",
                     d.claims[0],
                     d.claims[1],
                     d.claims[2],
                     us(d.claim)
-                );
-            }
+                )
+            } else {
+                String::new()
+            };
+            println!(
+                "  {}: mean route decision {} wall, {} CPU ({} tokenizing, {} placing){claims}",
+                s.label,
+                us(d.wall),
+                us(d.cpu),
+                us(d.tokenize_cpu),
+                us(d.placement_cpu()),
+            );
+        }
+        let verdicts = if g == 1 {
+            fleet_verdicts(*kind, &summaries)
+        } else {
             replica_verdicts(
                 [&summaries[0], &summaries[1], &summaries[2]],
                 [decisions[0], decisions[1], decisions[2]],
