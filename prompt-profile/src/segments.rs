@@ -17,12 +17,11 @@
 //! in the previous generation is promoted, and when the current one fills up it becomes the
 //! previous one (an O(1) approximation of LRU).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokenizers::Tokenizer;
 
-use crate::bpe::ByteLevelBpe;
+use crate::bpe::{ByteLevelBpe, FastMap};
 use crate::error::{tk_err, Result};
 
 /// Default cache budget in bytes (segment text + 4 bytes per id), across both generations.
@@ -32,8 +31,8 @@ const MIN_CACHED_LEN: usize = 16;
 
 #[derive(Default)]
 struct Generations {
-    current: HashMap<Box<str>, Arc<[u32]>>,
-    previous: HashMap<Box<str>, Arc<[u32]>>,
+    current: FastMap<Box<str>, Arc<[u32]>>,
+    previous: FastMap<Box<str>, Arc<[u32]>>,
     current_bytes: usize,
 }
 
