@@ -44,6 +44,8 @@ use onig::Regex;
 use serde_json::Value;
 
 /// Pieces at least this long are not cached (as in `tokenizers`).
+/// Words of at most this many byte symbols merge without a heap ([`ByteLevelBpe::merge_short`]).
+const SHORT_WORD: usize = 32;
 const MAX_CACHED_PIECE: usize = 256;
 /// Cached pieces before the cache is emptied.
 const CACHE_CAPACITY: usize = 20_000;
@@ -219,8 +221,10 @@ impl Classifier {
 /// (one byte each), the planes above read each time (emoji and rarer scripts).
 struct Classes {
     ascii: [Class; 128],
-    /// BMP code point → `Class as u8`, 0 until first seen.
-    bmp: Box<[AtomicU8]>,
+    /// Code point → `Class as u8`, 0 until first seen: one table of 65,536 per Unicode plane,
+    /// made when a character of the plane is first seen (emoji are in plane 1: asking
+    /// Oniguruma again for each one took a tenth of encoding text that has them).
+    planes: [std::sync::OnceLock<Box<[AtomicU8]>>; 17],
     classifier: Classifier,
 }
 
@@ -239,7 +243,7 @@ impl Classes {
         }
         Some(Classes {
             ascii,
-            bmp: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
+            planes: std::array::from_fn(|_| std::sync::OnceLock::new()),
             classifier,
         })
     }
@@ -254,10 +258,12 @@ impl Classes {
                 .copied()
                 .unwrap_or(Class::Other)
         };
-        let Some(slot) = u16::try_from(u32::from(c))
-            .ok()
-            .and_then(|cp| self.bmp.get(usize::from(cp)))
-        else {
+        let cp = u32::from(c) as usize;
+        let Some(slot) = self.planes.get(cp >> 16).and_then(|plane| {
+            plane
+                .get_or_init(|| (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect())
+                .get(cp & 0xFFFF)
+        }) else {
             return read();
         };
         match slot.load(Ordering::Relaxed) {
@@ -624,6 +630,31 @@ impl ByteLevelBpe {
         }
     }
 
+    /// The byte strings of the vocabulary's multi-byte entries (tests).
+    #[cfg(test)]
+    fn whole_words_for_tests(&self) -> Vec<Vec<u8>> {
+        let mut by_id: Vec<Vec<u8>> = Vec::new();
+        // Rebuild every merged token's bytes from the merges: (a, b) → merged.
+        let mut bytes: std::collections::HashMap<u32, Vec<u8>> = (0..=255u8)
+            .filter_map(|b| self.byte_id[b as usize].map(|id| (id, vec![b])))
+            .collect();
+        // (rank, left, right, merged)
+        let mut merges: Vec<[u32; 4]> = self
+            .merges
+            .iter()
+            .map(|(&(a, b), &(rank, m))| [rank, a, b, m])
+            .collect();
+        merges.sort_unstable();
+        for [_, a, b, m] in merges {
+            if let (Some(x), Some(y)) = (bytes.get(&a), bytes.get(&b)) {
+                let w: Vec<u8> = x.iter().chain(y).copied().collect();
+                by_id.push(w.clone());
+                bytes.insert(m, w);
+            }
+        }
+        by_id
+    }
+
     /// Empty the word cache (benchmarks of new text).
     pub(crate) fn clear_cache(&self) {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -635,6 +666,64 @@ impl ByteLevelBpe {
             .iter()
             .filter_map(|&b| self.byte_id[b as usize])
             .collect();
+        if id.len() <= SHORT_WORD {
+            self.merge_short(&mut id);
+            id
+        } else {
+            self.merge_heap(id)
+        }
+    }
+
+    /// [`Self::merge`] for a word of at most [`SHORT_WORD`] symbols, without a heap: each
+    /// adjacent pair's (rank, merged id) in an array, the pair of lowest rank (the leftmost of
+    /// equal ones) merged and its two neighbours' entries looked up again, until no pair has a
+    /// merge. The same merges in the same order as [`Self::merge_heap`], which takes the lowest
+    /// (rank, position) too; an array scan is cheaper than a heap at these sizes and allocates
+    /// nothing.
+    fn merge_short(&self, id: &mut Vec<u32>) {
+        const NONE: (u32, u32) = (u32::MAX, 0);
+        let mut len = id.len();
+        if len < 2 {
+            return;
+        }
+        let look = |a: u32, b: u32| self.merges.get(&(a, b)).copied().unwrap_or(NONE);
+        let mut pair = [NONE; SHORT_WORD];
+        for i in 0..len - 1 {
+            pair[i] = look(id[i], id[i + 1]);
+        }
+        loop {
+            let mut best: Option<usize> = None;
+            let mut best_rank = u32::MAX;
+            for (i, &(rank, _)) in pair[..len - 1].iter().enumerate() {
+                if rank < best_rank {
+                    best_rank = rank;
+                    best = Some(i);
+                }
+            }
+            let Some(i) = best else {
+                break;
+            };
+            id[i] = pair[i].1;
+            id.remove(i + 1);
+            // Pairs right of the merged one move one place left.
+            if i + 2 < len - 1 {
+                pair.copy_within(i + 2..len - 1, i + 1);
+            }
+            len -= 1;
+            if i > 0 {
+                pair[i - 1] = look(id[i - 1], id[i]);
+            }
+            if i + 1 < len {
+                pair[i] = look(id[i], id[i + 1]);
+            }
+            if len < 2 {
+                break;
+            }
+        }
+    }
+
+    /// [`Self::merge`] with a heap of candidate merges, for longer words.
+    fn merge_heap(&self, mut id: Vec<u32>) -> Vec<u32> {
         let n = id.len();
         if n < 2 {
             return id;
@@ -693,6 +782,50 @@ mod tests {
         ' ', '\t', '\n', '\r', '\u{b}', '\u{1c}', 'a', 'Z', 's', 'S', '\'', 't', 'r', 'E', 'l',
         '1', '!', '\0', '-', 'é', '٣', '\u{a0}', '\u{3000}', '😀', '\u{301}', 'v', 'M', 'd', 'ſ',
     ];
+
+    /// The heap-free merge of short words gives what the heap merge gives, on the default
+    /// model's vocabulary: every word of up to 32 random bytes drawn from letters, digits,
+    /// spaces and bytes beyond ASCII, and words cut from the vocabulary's own entries.
+    #[test]
+    fn short_words_merge_as_the_heap_merges_them() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let model = std::env::var_os("KVGATE_MODEL_DIR")
+            .map(|d| std::path::PathBuf::from(d).join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+            .unwrap_or(model);
+        let p = crate::PromptProfile::from_gguf(&model)
+            .expect("the default model (scripts/fetch-model.sh)");
+        let json: Value = serde_json::from_str(&p.tokenizer_json().unwrap()).unwrap();
+        let bpe = ByteLevelBpe::from_serialized(&json).expect("a byte-level BPE");
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let alphabet: Vec<u8> = b"etaoinshrdlu ETAO0123456789'-.\n"
+            .iter()
+            .copied()
+            .chain([0xc3, 0xa9, 0xe2, 0x80, 0x99, 0xf0, 0x9f, 0x98, 0x80])
+            .collect();
+        let mut words: Vec<Vec<u8>> = (0..20_000)
+            .map(|_| {
+                let n = rng.gen_range(0..=SHORT_WORD);
+                (0..n)
+                    .map(|_| alphabet[rng.gen_range(0..alphabet.len())])
+                    .collect()
+            })
+            .collect();
+        // Words that merge all the way: the vocabulary's entries, and pairs of them.
+        let vocab: Vec<Vec<u8>> = bpe.whole_words_for_tests();
+        for _ in 0..20_000 {
+            let a = &vocab[rng.gen_range(0..vocab.len())];
+            let b = &vocab[rng.gen_range(0..vocab.len())];
+            let w: Vec<u8> = a.iter().chain(b).copied().take(SHORT_WORD).collect();
+            words.push(w);
+        }
+        for w in &words {
+            let mut id: Vec<u32> = w.iter().filter_map(|&b| bpe.byte_id[b as usize]).collect();
+            let heap = bpe.merge_heap(id.clone());
+            bpe.merge_short(&mut id);
+            assert_eq!(id, heap, "{:?}", String::from_utf8_lossy(w));
+        }
+    }
 
     fn by_regex(split: &Split, text: &str) -> Vec<(usize, usize)> {
         split.regex.find_iter(text).collect()
