@@ -755,7 +755,9 @@ fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
         .map(|n| {
             let (http, url) = (c.http.clone(), url2.clone());
             c.rt.spawn(async move {
-                let body = json!({"model": "rr", "stream": true, "max_tokens": 300,
+                // ~4.5 s at the workers' 3 ms per decode step: long enough for the replicas'
+                // 200 ms load syncs to show all four on a busy 2-core CI machine.
+                let body = json!({"model": "rr", "stream": true, "max_tokens": 1500,
                     "messages": [{"role": "user", "content": format!("long via 2, {n}")}]});
                 let r = http.post(url).json(&body).send().await.ok()?;
                 // A complete stream ends with `data: [DONE]`.
@@ -764,16 +766,22 @@ fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
             })
         })
         .collect();
+    let seen = std::cell::Cell::new(0u64);
     c.wait_for(
-        "replica 1 sees replica 2's streams as fleet load",
-        Duration::from_secs(5),
+        "replica 1 sees replica 2's 4 streams as fleet load",
+        Duration::from_secs(15),
         || {
             let v = c.gw(0).data.views.load();
-            v.workers
+            let sum = v
+                .workers
                 .values()
                 .map(|e| e.runtime.remote_in_flight.load(Ordering::Relaxed))
-                .sum::<u64>()
-                >= 4
+                .sum::<u64>();
+            if sum > seen.get() {
+                seen.set(sum);
+                println!("replica 1 sees {sum} of replica 2's streams");
+            }
+            sum >= 4
         },
     );
     child.kill().expect("SIGKILL replica 2");
