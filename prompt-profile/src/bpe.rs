@@ -716,9 +716,6 @@ impl ByteLevelBpe {
             if i + 1 < len {
                 pair[i] = look(id[i], id[i + 1]);
             }
-            if len < 2 {
-                break;
-            }
         }
     }
 

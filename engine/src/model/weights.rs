@@ -394,38 +394,31 @@ fn host_forward(
 /// consecutive parts in the same format (their blocks concatenated), so a stack of one format
 /// is one product.
 fn stored_onto(stored: &[&QTensor], device: &Device) -> Result<Vec<QMatMul>, EngineError> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < stored.len() {
-        let dtype = stored[i].dtype();
-        let run = stored[i..]
-            .iter()
-            .take_while(|q| q.dtype() == dtype)
-            .count();
-        let (mut rows, mut cols, mut bytes) = (0usize, None, Vec::new());
-        for q in &stored[i..i + run] {
-            let (r, c) = q.shape().dims2()?;
-            if *cols.get_or_insert(c) != c {
-                return Err(EngineError::Model(format!(
-                    "stacked matrices of widths {} and {c}",
-                    cols.unwrap_or(0)
-                )));
+    stored
+        .chunk_by(|a, b| a.dtype() == b.dtype())
+        .map(|run| {
+            let cols = run[0].shape().dims2()?.1;
+            let (mut rows, mut bytes) = (0, Vec::new());
+            for q in run {
+                let (r, c) = q.shape().dims2()?;
+                if c != cols {
+                    return Err(EngineError::Model(format!(
+                        "stacked matrices of widths {cols} and {c}"
+                    )));
+                }
+                rows += r;
+                bytes.extend_from_slice(&q.data()?);
             }
-            rows += r;
-            bytes.extend_from_slice(&q.data()?);
-        }
-        let cols = cols.unwrap_or(0);
-        out.push(QMatMul::from_qtensor(
-            candle_core::quantized::ggml_file::qtensor_from_ggml(
-                dtype,
-                &bytes,
-                vec![rows, cols],
-                device,
-            )?,
-        )?);
-        i += run;
-    }
-    Ok(out)
+            Ok(QMatMul::from_qtensor(
+                candle_core::quantized::ggml_file::qtensor_from_ggml(
+                    run[0].dtype(),
+                    &bytes,
+                    vec![rows, cols],
+                    device,
+                )?,
+            )?)
+        })
+        .collect()
 }
 
 /// Quantizes F32 `w` to `dtype` (falling back to Q8_0, then to F32, when the row length does
