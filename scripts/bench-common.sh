@@ -54,3 +54,14 @@ match = { path_prefix = "/" }
 rule = { type = "round_robin" }
 EOF
 }
+
+# CPU time (µs) used so far by process $1 and its live descendants: the sum of their threads'
+# on-CPU time from /proc/<pid>/task/<tid>/schedstat (nanoseconds; the 10 ms ticks of
+# /proc/<pid>/stat are too coarse for a run of a few hundred requests).
+tree_cpu_us() {
+  local p kids
+  kids=$(pgrep -P "$1" 2>/dev/null || true)
+  for p in $1 $kids $(for c in $kids; do pgrep -P "$c" 2>/dev/null || true; done); do
+    cat /proc/"$p"/task/*/schedstat 2>/dev/null
+  done | awk '{ ns += $1 } END { printf "%d\n", ns / 1000 }'
+}

@@ -92,10 +92,12 @@ run_one() { # router policy seed workload-args...
       --admin "127.0.0.1:$((port + 1))" --key "$dir/keys/gateway.key" --no-watch \
       --decision-log "$dir/decisions.jsonl" >"$dir/gw.log" 2>&1 &
     pids+=($!)
+    gw=$!
   else
     "$VENV/bin/smg" launch --host 127.0.0.1 --port "$port" --policy "$policy" \
       --worker-urls "${WORKER_URLS[@]}" --prometheus-port $((port + 2)) >"$dir/gw.log" 2>&1 &
     pids+=($!)
+    gw=$!
   fi
   if [ "$router" = kvgate ]; then
     # Every worker healthy, contract checked and its KV events connected.
@@ -113,7 +115,8 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
   else
     wait_http "http://127.0.0.1:$port/health" "smg $policy"
   fi
-  local pool
+  local pool cpu0 cpu1
+  cpu0=$(tree_cpu_us "$gw")
   pool=$(seq -s, 1 "$N" | sed 's/\([0-9]*\)/w\1/g')
   shift 3
   "$KVGATE" bench --target "http://127.0.0.1:$port" --label "$router-$policy" --seed "$seed" \
@@ -122,7 +125,10 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
       tail -20 "$dir/bench.log" >&2
       return 1
     }
-  grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | sed "s/^/seed $seed  /"
+  cpu1=$(tree_cpu_us "$gw")
+  # The router's own CPU (user + system, its process tree) over the bench, per request.
+  grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | awk -v c=$((cpu1 - cpu0)) \
+    -v s="$seed" '{ printf "seed %s  %s %12.3f\n", s, $0, c / 1000 / ($2 > 0 ? $2 : 1) }'
   if [ "$router" = kvgate ]; then # its route decision and TTFT histograms, for the record
     curl -fsS "http://127.0.0.1:$((port + 1))/metrics" \
       >"$OUT/n$N-seed$seed/$router-$policy/gateway-metrics.txt" 2>/dev/null || true
@@ -139,7 +145,7 @@ C=$(( N / 2 > 4 ? N / 2 : 4 ))
 CONV=$(( N > 8 ? N : 8 ))
 for workload in ${WORKLOADS:-shared-prefix multi-turn prefix-chat}; do
   echo "== $workload, $N simulated workers"
-  echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share"
+  echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share  router_cpu_ms/req"
   for seed in $SEEDS; do
     for rp in "kvgate round_robin" "kvgate kv_exact" "smg round_robin" "smg cache_aware"; do
       # shellcheck disable=SC2086

@@ -372,15 +372,15 @@ def cases(run: Run):
     # ---- bodies through the gateway ----
     @case("gw: malformed JSON -> 400")
     def _():
-        return expect(g("POST", "/v1/chat/completions", "{nope"), 400, "invalid_request_body")
+        return expect(g("POST", "/v1/chat/completions", "{nope"), 400, "invalid_json")
 
     @case("gw: empty body -> 400")
     def _():
-        return expect(g("POST", "/v1/chat/completions", b""), 400, "invalid_request_body")
+        return expect(g("POST", "/v1/chat/completions", b""), 400, "invalid_json")
 
     @case("gw: JSON array body -> 400")
     def _():
-        return expect(g("POST", "/v1/chat/completions", "[1,2]"), 400, "invalid_request_body")
+        return expect(g("POST", "/v1/chat/completions", "[1,2]"), 400, "invalid_json")
 
     @case("gw: body over every service's cap (17 MiB) -> 413 before reading it")
     def _():

@@ -111,7 +111,7 @@ fn gemma3_through_the_gateway_with_the_openai_client() {
     assert_eq!(
         decisions
             .iter()
-            .filter(|d| d.status == 400 && d.error.as_deref() == Some("prompt_render_failed"))
+            .filter(|d| d.status == 400 && d.error.as_deref() == Some("template_raised"))
             .count(),
         1,
         "{decisions:?}"

@@ -41,6 +41,12 @@ pub enum GatewayError {
         /// What is wrong, naming the field when there is one.
         reason: String,
     },
+    /// A KV-exact body the prompt contract refuses, answered with the code and param the
+    /// worker gives the same fault (`prompt_profile::BodyError`: `invalid_json`,
+    /// `invalid_type`, `missing_parameter`, `invalid_value`, `unsupported_parameter`, the
+    /// template's own codes).
+    #[error("{0}")]
+    Body(prompt_profile::BodyError),
     /// Rendered prompt + requested output + reserve exceed the context limit.
     #[error(
         "this request needs {prompt_tokens} prompt tokens + {max_tokens} output tokens + \
@@ -56,7 +62,8 @@ pub enum GatewayError {
         /// The profile's context limit.
         context_limit: usize,
     },
-    /// The prompt could not be rendered or tokenized with the service's profile.
+    /// The service's profile failed on a prompt for a reason of its own (its model files, not
+    /// the request: a request the template or tokenizer refuses is a [`GatewayError::Body`]).
     #[error("cannot render or tokenize the prompt: {reason}")]
     Prompt {
         /// The profile crate's message.
@@ -162,6 +169,7 @@ impl GatewayError {
             GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
             GatewayError::BodyTooLarge { .. } => "request_too_large",
             GatewayError::InvalidBody { .. } => "invalid_request_body",
+            GatewayError::Body(b) => b.code,
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
             GatewayError::Prompt { .. } => "prompt_render_failed",
             GatewayError::NoHealthyWorker { .. } => "no_healthy_worker",
@@ -188,8 +196,8 @@ impl GatewayError {
             GatewayError::MethodNotAllowed { .. } => 405,
             GatewayError::BodyTooLarge { .. } => 413,
             GatewayError::InvalidBody { .. }
+            | GatewayError::Body(_)
             | GatewayError::ContextLengthExceeded { .. }
-            | GatewayError::Prompt { .. }
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
             GatewayError::Unauthorized | GatewayError::InvalidApiKey { .. } => 401,
@@ -200,7 +208,9 @@ impl GatewayError {
             | GatewayError::Overloaded { .. }
             | GatewayError::ClusterUnavailable { .. } => 503,
             GatewayError::Upstream { .. } => 502,
-            GatewayError::Config { .. } | GatewayError::Internal { .. } => 500,
+            GatewayError::Config { .. }
+            | GatewayError::Prompt { .. }
+            | GatewayError::Internal { .. } => 500,
         }
     }
 
@@ -215,8 +225,9 @@ impl GatewayError {
     }
 
     /// The parameter an error is about, when there is one (OpenAI's `param`).
-    fn param(&self) -> Option<&'static str> {
+    fn param(&self) -> Option<&str> {
         match self {
+            GatewayError::Body(b) => b.param.as_deref(),
             GatewayError::ContextLengthExceeded { .. } => Some("messages"),
             GatewayError::ServiceNotFound { model: Some(_), .. } => Some("model"),
             _ => None,
@@ -242,16 +253,16 @@ impl GatewayError {
 }
 
 #[derive(Serialize)]
-struct OpenAiErrorBody {
-    error: OpenAiError,
+struct OpenAiErrorBody<'a> {
+    error: OpenAiError<'a>,
 }
 
 #[derive(Serialize)]
-struct OpenAiError {
+struct OpenAiError<'a> {
     message: String,
     #[serde(rename = "type")]
     kind: &'static str,
-    param: Option<&'static str>,
+    param: Option<&'a str>,
     code: &'static str,
 }
 

@@ -152,27 +152,27 @@ impl LoadedProfile {
             Some((b, requested)) => self.profile.tokenize_within(prompt, b, requested),
             None => self.profile.tokenize_prompt(prompt),
         };
-        res.map(|t| t.ids).map_err(|e| match e {
-            P::EmptyPrompt { .. } | P::PromptBatch { .. } | P::PromptTokenOutOfVocab { .. } => {
-                GatewayError::InvalidBody {
-                    reason: format!("`{}`: {e}", prompt.param()),
-                }
+        res.map(|t| t.ids).map_err(|e| {
+            if let Some(b) = prompt_profile::BodyError::prompt(&e, prompt.param()) {
+                return GatewayError::Body(b);
             }
-            P::ContextLengthExceeded {
-                context_limit,
-                prompt_tokens,
-                max_tokens,
-                native_reserve,
-                ..
-            } => GatewayError::ContextLengthExceeded {
-                prompt_tokens,
-                max_tokens,
-                reserve_tokens: native_reserve,
-                context_limit,
-            },
-            e => GatewayError::Prompt {
-                reason: e.to_string(),
-            },
+            match e {
+                P::ContextLengthExceeded {
+                    context_limit,
+                    prompt_tokens,
+                    max_tokens,
+                    native_reserve,
+                    ..
+                } => GatewayError::ContextLengthExceeded {
+                    prompt_tokens,
+                    max_tokens,
+                    reserve_tokens: native_reserve,
+                    context_limit,
+                },
+                e => GatewayError::Prompt {
+                    reason: e.to_string(),
+                },
+            }
         })
     }
 

@@ -5,7 +5,7 @@
 //! types only *read* what routing needs, so unknown fields are ignored here (the worker is the
 //! one that refuses unsupported parameters).
 
-use prompt_profile::{ChatMessage, ChatTemplateFields, CompletionPrompt, PromptSource};
+use prompt_profile::{BodyError, ChatMessage, ChatTemplateFields, CompletionPrompt, PromptSource};
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
@@ -58,17 +58,13 @@ pub fn allowed_method(path: &str) -> Option<&'static str> {
 /// `Ok` when `body` is one JSON object (not parsed into anything: O(body), no allocation per
 /// value); the error names what is wrong.
 pub fn check_json_object(body: &[u8]) -> Result<(), GatewayError> {
+    let json = serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map_err(|e| GatewayError::Body(BodyError::not_json(&e)));
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(
-            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                Ok(_) => invalid("the body must be a JSON object"),
-                Err(e) => invalid(format!("malformed JSON: {e}")),
-            },
-        );
+        json?;
+        return Err(GatewayError::Body(BodyError::not_an_object()));
     }
-    serde_json::from_slice::<serde::de::IgnoredAny>(body)
-        .map(|_| ())
-        .map_err(|e| invalid(format!("malformed JSON: {e}")))
+    json.map(|_| ())
 }
 
 /// Reads only `model` from a JSON body, for service matching. `None` for a body that is not a
@@ -103,22 +99,14 @@ pub fn peek_output_tokens(body: &[u8]) -> u64 {
         .unwrap_or(0)
 }
 
-fn invalid(reason: impl Into<String>) -> GatewayError {
-    GatewayError::InvalidBody {
-        reason: reason.into(),
-    }
-}
-
-/// What routing reads of a body, typed by the same types the worker uses (`ChatMessage`,
-/// `CompletionPrompt`); every other field is ignored here (the worker judges them).
+/// What routing reads of a chat body, typed by the same types the worker uses (`ChatMessage`,
+/// the template fields); every other field is ignored here (the worker judges them).
 #[derive(Deserialize)]
-struct RoutingFields {
+struct ChatFields {
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
-    messages: Option<Vec<ChatMessage>>,
-    #[serde(default)]
-    prompt: Option<CompletionPrompt>,
+    /// Required, as the worker reads it: absent is `missing_parameter`, `null` `invalid_type`.
+    messages: Vec<ChatMessage>,
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
@@ -132,6 +120,35 @@ struct RoutingFields {
     template: ChatTemplateFields,
 }
 
+/// What routing reads of a completion body (`CompletionPrompt`, as the worker reads it). Not
+/// the chat fields: a completion body carrying `messages`, `tools` or `max_completion_tokens`
+/// is the worker's to refuse (`unknown_parameter`), so the gateway does not judge them first.
+#[derive(Deserialize)]
+struct CompletionFields {
+    #[serde(default)]
+    model: Option<String>,
+    /// Required (see `ChatFields::messages`).
+    prompt: CompletionPrompt,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+/// Reads `T` from a whole body; errors as the worker classifies them.
+fn typed<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T, GatewayError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let fields = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        GatewayError::Body(BodyError::at(&path, e.into_inner()))
+    })?;
+    de.end()
+        .map_err(|e| GatewayError::Body(BodyError::not_json(&e)))?;
+    Ok(fields)
+}
+
 impl InferenceBody {
     /// Parses a chat or completion body. Errors name the field; never panics on client input.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<InferenceBody, GatewayError> {
@@ -139,55 +156,41 @@ impl InferenceBody {
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             check_json_object(body)?;
         }
-        let mut de = serde_json::Deserializer::from_slice(body);
-        let fields: RoutingFields = match serde_path_to_error::deserialize(&mut de) {
-            Ok(f) => f,
-            Err(e) => {
-                let path = e.path().to_string();
-                let inner = e.into_inner();
-                return Err(match inner.classify() {
-                    serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-                        invalid(format!("malformed JSON: {inner}"))
-                    }
-                    _ if path == "." => invalid(format!("the body must be a JSON object: {inner}")),
-                    _ => {
-                        let msg = inner.to_string();
-                        match msg
-                            .strip_prefix("missing field `")
-                            .and_then(|r| r.split('`').next())
-                        {
-                            Some(field) => invalid(format!("`{path}.{field}` is required")),
-                            None => invalid(format!("`{path}`: {msg}")),
-                        }
-                    }
-                });
-            }
-        };
-        de.end()
-            .map_err(|e| invalid(format!("malformed JSON: {e}")))?;
-        let prompt = match endpoint {
-            Endpoint::Chat => PromptSource::Chat(
-                fields
+        let body_error = GatewayError::Body;
+        Ok(match endpoint {
+            Endpoint::Chat => {
+                let f: ChatFields = typed(body)?;
+                let chat = f
                     .template
-                    .prompt(
-                        fields
-                            .messages
-                            .ok_or_else(|| invalid("`messages` is required"))?,
-                    )
-                    .map_err(|e| invalid(format!("`{}`: {}", e.param, e.reason)))?,
-            ),
-            Endpoint::Completion => fields
-                .prompt
-                .ok_or_else(|| invalid("`prompt` is required"))?
-                .into_source()
-                .map_err(|e| invalid(format!("`prompt`: {e}")))?,
-        };
-        Ok(InferenceBody {
-            model: fields.model,
-            prompt,
-            max_tokens: fields.max_completion_tokens.or(fields.max_tokens),
-            cache_salt: fields.cache_salt,
-            stream: fields.stream.unwrap_or(false),
+                    .prompt(f.messages)
+                    .map_err(|e| body_error(BodyError::field(e)))?;
+                InferenceBody {
+                    model: f.model,
+                    prompt: PromptSource::Chat(chat),
+                    max_tokens: f.max_completion_tokens.or(f.max_tokens),
+                    cache_salt: f.cache_salt,
+                    stream: f.stream.unwrap_or(false),
+                }
+            }
+            Endpoint::Completion => {
+                let f: CompletionFields = typed(body)?;
+                let prompt =
+                    f.prompt
+                        .into_source()
+                        .map_err(|e| match BodyError::prompt(&e, "prompt") {
+                            Some(b) => body_error(b),
+                            None => GatewayError::Prompt {
+                                reason: e.to_string(),
+                            },
+                        })?;
+                InferenceBody {
+                    model: f.model,
+                    prompt,
+                    max_tokens: f.max_tokens,
+                    cache_salt: f.cache_salt,
+                    stream: f.stream.unwrap_or(false),
+                }
+            }
         })
     }
 }
@@ -244,29 +247,62 @@ mod tests {
             Some(9)
         );
 
-        for (body, needle) in [
-            (&b"{not json"[..], "malformed JSON"),
-            (b"", "malformed JSON"),
-            (br#"{"messages":[]} x"#, "malformed JSON"),
-            (b"[1]", "JSON object"),
-            (br#"{"messages":"x"}"#, "`messages`"),
-            (br#"{}"#, "`messages` is required"),
-            (br#"{"messages":[{"content":"x"}]}"#, "messages[0].role"),
+        // The codes and params the worker gives the same faults (`prompt_profile::BodyError`).
+        for (body, code, param) in [
+            (&b"{not json"[..], "invalid_json", None),
+            (b"", "invalid_json", None),
+            (br#"{"messages":[]} x"#, "invalid_json", None),
+            (b"[1]", "invalid_json", None),
+            (br#"{"messages":"x"}"#, "invalid_type", Some("messages")),
+            (br#"{}"#, "missing_parameter", Some("messages")),
+            (
+                br#"{"messages":[{"content":"x"}]}"#,
+                "missing_parameter",
+                Some("messages[0].role"),
+            ),
             (
                 br#"{"messages":[{"role":"user","content":5}]}"#,
-                "messages[0].content",
+                "invalid_type",
+                Some("messages[0].content"),
             ),
             (
                 br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
-                "messages[0].content",
+                "invalid_type",
+                Some("messages[0].content"),
             ),
-            (br#"{"messages":[],"max_tokens":-1}"#, "max_tokens"),
-            (br#"{"messages":[],"cache_salt":1}"#, "cache_salt"),
-            (br#"{"messages":[],"model":1}"#, "model"),
+            (
+                br#"{"messages":[],"max_tokens":-1}"#,
+                "invalid_type",
+                Some("max_tokens"),
+            ),
+            (
+                br#"{"messages":[],"cache_salt":1}"#,
+                "invalid_type",
+                Some("cache_salt"),
+            ),
+            (
+                br#"{"messages":[],"model":1}"#,
+                "invalid_type",
+                Some("model"),
+            ),
+            (
+                br#"{"messages":[],"tool_choice":"sometimes"}"#,
+                "invalid_value",
+                Some("tool_choice"),
+            ),
         ] {
             let e = InferenceBody::parse(Endpoint::Chat, body).unwrap_err();
-            assert_eq!(e.error_type(), "invalid_request_body");
-            assert!(e.to_string().contains(needle), "{e} should name {needle}");
+            let GatewayError::Body(b) = &e else {
+                panic!("{e:?}")
+            };
+            assert_eq!(
+                (b.code, b.param.as_deref()),
+                (code, param),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(e.error_type(), code);
+            assert_eq!(e.status(), 400);
         }
     }
 
@@ -289,10 +325,23 @@ mod tests {
             p(br#"{"prompt":["x"]}"#).unwrap(),
             PromptSource::Text("x".into())
         );
-        assert!(p(br#"{"prompt":[-1]}"#).is_err());
-        assert!(p(br#"{"prompt":{}}"#).is_err());
-        assert!(p(br#"{"prompt":["a","b"]}"#).is_err());
-        assert!(p(br#"{}"#).is_err());
+        let code = |b: &[u8]| match p(b) {
+            Err(GatewayError::Body(e)) => (e.code, e.param),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            code(br#"{"prompt":[-1]}"#),
+            ("invalid_type", Some("prompt".into()))
+        );
+        assert_eq!(
+            code(br#"{"prompt":{}}"#),
+            ("invalid_type", Some("prompt".into()))
+        );
+        assert_eq!(
+            code(br#"{"prompt":["a","b"]}"#),
+            ("unsupported_parameter", Some("prompt".into()))
+        );
+        assert_eq!(code(br#"{}"#), ("missing_parameter", Some("prompt".into())));
     }
 
     #[test]

@@ -316,9 +316,9 @@ impl ProxyHttp for Proxy {
             }
             Err(err) => {
                 let label = match &err {
-                    GatewayError::InvalidBody { .. } | GatewayError::Prompt { .. } => {
-                        Some("unparsable_body")
-                    }
+                    GatewayError::InvalidBody { .. }
+                    | GatewayError::Body(_)
+                    | GatewayError::Prompt { .. } => Some("unparsable_body"),
                     GatewayError::ContextLengthExceeded { .. } => Some("budget"),
                     GatewayError::NoHealthyWorker { .. } => Some("unhealthy"),
                     _ => None,

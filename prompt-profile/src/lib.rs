@@ -12,6 +12,7 @@
 //!
 //! [`PromptProfile`] is cheap to clone (an `Arc` inside) and `Send + Sync`.
 
+pub mod body;
 mod bpe;
 pub mod error;
 pub mod gguf;
@@ -30,6 +31,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use body::BodyError;
 pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;

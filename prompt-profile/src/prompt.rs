@@ -287,7 +287,10 @@ impl PromptSource {
 /// The `prompt` of a completion request as JSON carries it: a string, token ids, or a batch of
 /// either (only a batch of one is served).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of token ids (0 to 4294967295), or an array of strings or of token-id arrays"
+)]
 pub enum CompletionPrompt {
     /// `"text"`.
     Text(String),

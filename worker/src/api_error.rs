@@ -27,6 +27,14 @@ pub struct ApiError {
     pub retry_after_s: Option<u64>,
 }
 
+impl From<prompt_profile::BodyError> for ApiError {
+    /// A body the prompt contract refuses: 400 with its code and param (the gateway answers
+    /// the same fault with the same ones).
+    fn from(b: prompt_profile::BodyError) -> Self {
+        ApiError::bad_request(b.code, b.param.as_deref(), b.message)
+    }
+}
+
 impl ApiError {
     /// A new error with no param.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {

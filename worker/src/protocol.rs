@@ -109,7 +109,7 @@ pub struct StreamOptions {
 
 /// `stop`: one string or up to four strings.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or an array of strings")]
 pub enum StopSpec {
     One(String),
     Many(Vec<String>),

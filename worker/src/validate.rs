@@ -22,7 +22,7 @@ use crate::protocol::{
     ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use engine::sampler::SamplingParams;
-use prompt_profile::{ChatTemplateFields, ProfileError, PromptSource};
+use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource};
 
 /// The most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -125,27 +125,14 @@ impl OutputSpec {
 }
 
 fn invalid_json(e: &serde_json::Error) -> ApiError {
-    ApiError::bad_request(
-        "invalid_json",
-        None,
-        format!(
-            "request body is not valid JSON: {} (line {}, column {})",
-            e, // serde_json's message already names line and column for syntax errors
-            e.line(),
-            e.column()
-        ),
-    )
+    BodyError::not_json(e).into()
 }
 
 /// Parses the body as a JSON object and checks its keys against `known`.
 fn parse_object(body: &[u8], known: &[&str]) -> Result<Value, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| invalid_json(&e))?;
     let Some(obj) = value.as_object() else {
-        return Err(ApiError::bad_request(
-            "invalid_json",
-            None,
-            "request body must be a JSON object",
-        ));
+        return Err(BodyError::not_an_object().into());
     };
     let known: HashSet<&str> = known.iter().copied().collect();
     // Report the first unknown key in document order (serde_json keeps keys sorted; fine: stable).
@@ -167,36 +154,8 @@ where
 {
     serde_path_to_error::deserialize::<_, T>(value).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        if let Some(field) = missing_field(&inner) {
-            let full = if path == "." || path.is_empty() {
-                field.to_string()
-            } else {
-                format!("{path}.{field}")
-            };
-            return ApiError::bad_request(
-                "missing_parameter",
-                Some(&full),
-                format!("missing required parameter `{full}`"),
-            );
-        }
-        let param = if path == "." || path.is_empty() {
-            None
-        } else {
-            Some(path.as_str())
-        };
-        ApiError::bad_request(
-            "invalid_type",
-            param,
-            format!("invalid value for `{}`: {inner}", param.unwrap_or("body")),
-        )
+        BodyError::at(&path, e.into_inner()).into()
     })
-}
-
-/// `missing field `x`` → `x`.
-fn missing_field(msg: &str) -> Option<&str> {
-    let rest = msg.strip_prefix("missing field `")?;
-    rest.split('`').next()
 }
 
 fn unsupported(param: &str, why: &str) -> ApiError {
@@ -616,24 +575,17 @@ fn chat_logprobs(logprobs: &Option<Value>, top: &Option<Value>) -> Result<Option
 /// A chat-template field the prompt contract refused, as the worker answers it: 400
 /// `unsupported_parameter` for a valid value not served, else `invalid_value`.
 pub fn field_error(e: prompt_profile::FieldError) -> ApiError {
-    let code = if e.unsupported {
-        "unsupported_parameter"
-    } else {
-        "invalid_value"
-    };
-    ApiError::bad_request(code, Some(&e.param), e.reason)
+    BodyError::field(e).into()
 }
 
 /// A prompt-contract error (`prompt_profile`) as the worker answers it: the request's fault
 /// is a 400 naming the field (`param`: the prompt's field, `messages` or `prompt`, when the
 /// error names none), a model-file failure a 500.
 pub fn prompt_error(e: &ProfileError, param: &str) -> ApiError {
+    if let Some(b) = BodyError::prompt(e, param) {
+        return b.into();
+    }
     match e {
-        ProfileError::PromptBatch { .. } => unsupported("prompt", &e.to_string()),
-        ProfileError::EmptyPrompt { param } => invalid_value(param, e.to_string()),
-        ProfileError::PromptTokenOutOfVocab { index, .. } => {
-            invalid_value(&format!("prompt[{index}]"), e.to_string())
-        }
         ProfileError::ContextLengthExceeded {
             context_limit,
             prompt_tokens,
@@ -649,9 +601,6 @@ pub fn prompt_error(e: &ProfileError, param: &str) -> ApiError {
         .with_detail("prompt_tokens", *prompt_tokens)
         .with_detail("max_tokens", *max_tokens)
         .with_detail("native_reserve", *native_reserve),
-        e if e.is_client_error() => {
-            ApiError::bad_request(e.error_type(), Some(param), e.to_string())
-        }
         e => ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             e.error_type(),
