@@ -151,26 +151,27 @@ mod tests {
 
     #[test]
     fn each_fault_has_its_code_and_path() {
-        let e = typed_error(r#"{"messages": [{"role": "user", "content": 5}]}"#);
-        assert_eq!(
-            (e.code, e.param.as_deref()),
-            ("invalid_type", Some("messages[0].content"))
-        );
-        let e = typed_error(r#"{"messages": [{"content": "x"}]}"#);
-        assert_eq!(
-            (e.code, e.param.as_deref()),
-            ("missing_parameter", Some("messages[0].role"))
-        );
-        let e = typed_error(r#"{"max_tokens": 1}"#);
-        assert_eq!(
-            (e.code, e.param.as_deref()),
-            ("missing_parameter", Some("messages"))
-        );
-        let e = typed_error(r#"{"messages": [], "max_tokens": "ten"}"#);
-        assert_eq!(
-            (e.code, e.param.as_deref()),
-            ("invalid_type", Some("max_tokens"))
-        );
+        for (body, code, param) in [
+            (
+                r#"{"messages": [{"role": "user", "content": 5}]}"#,
+                "invalid_type",
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages": [{"content": "x"}]}"#,
+                "missing_parameter",
+                "messages[0].role",
+            ),
+            (r#"{"max_tokens": 1}"#, "missing_parameter", "messages"),
+            (
+                r#"{"messages": [], "max_tokens": "ten"}"#,
+                "invalid_type",
+                "max_tokens",
+            ),
+        ] {
+            let e = typed_error(body);
+            assert_eq!((e.code, e.param.as_deref()), (code, Some(param)), "{body}");
+        }
         let e = typed_error(r#"{"messages": ["#);
         assert_eq!((e.code, e.param), ("invalid_json", None));
         assert!(e.message.contains("line 1"), "{}", e.message);
