@@ -1122,6 +1122,59 @@ fn claim_round_trip_against_ping() {
     });
 }
 
+/// Other replicas' load tables come from the network: a corrupt or hostile one (counts at
+/// `u64::MAX`, fields that are not numbers) is read without overflowing or failing — sums
+/// saturate, what does not parse counts 0 — so the sync loop that reads them keeps running.
+#[test]
+fn hostile_load_tables_saturate_instead_of_overflowing() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    rt.block_on(async {
+        let store = cluster::Store::connect(&redis.url(), "hostile")
+            .await
+            .unwrap();
+        let huge = cluster::Load {
+            in_flight: u64::MAX,
+            active_tokens: u64::MAX,
+        };
+        let table: std::collections::BTreeMap<String, cluster::Load> =
+            [("w1".to_string(), huge)].into();
+        for g in ["g1", "g2"] {
+            store
+                .put_load(g, &table, 1, Duration::from_secs(30))
+                .await
+                .unwrap();
+        }
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut con = client.get_multiplexed_async_connection().await.unwrap();
+        let keys = store.keys();
+        let _: () = redis::cmd("HSET")
+            .arg(keys.load("g3"))
+            .arg("w1")
+            .arg("7 x")
+            .arg("w2")
+            .arg("not numbers at all")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("SADD")
+            .arg(keys.gateways())
+            .arg(&["g1", "g2", "g3", "me"][..])
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let fleet = store.fleet_load("me").await.unwrap();
+        assert_eq!(fleet.load.get("w1").copied(), Some(huge));
+        assert_eq!(
+            fleet.load.get("w2").copied(),
+            Some(cluster::Load::default())
+        );
+    });
+}
+
 /// An engine kvgate did not build, as far as a sidecar sees one: `/health` and a fixed chat
 /// answer.
 async fn fake_engine() -> std::net::SocketAddr {

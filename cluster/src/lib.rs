@@ -854,10 +854,12 @@ impl Store {
                     }
                     continue;
                 }
+                // Another replica's table, read from the network: a field that does not parse
+                // counts 0, and sums saturate (a corrupt or hostile table cannot overflow them).
                 let mut it = v.split(' ').map(|x| x.parse::<u64>().unwrap_or(0));
                 let e = out.load.entry(w).or_default();
-                e.in_flight += it.next().unwrap_or(0);
-                e.active_tokens += it.next().unwrap_or(0);
+                e.in_flight = e.in_flight.saturating_add(it.next().unwrap_or(0));
+                e.active_tokens = e.active_tokens.saturating_add(it.next().unwrap_or(0));
             }
         }
         Ok(out)

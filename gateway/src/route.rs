@@ -239,10 +239,10 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
 /// worker's own report, whichever is larger).
 fn load_of(runtime: &crate::view::WorkerRuntime, metric: LoadMetric, queued: (u64, u64)) -> u64 {
     match metric {
-        LoadMetric::InFlight => {
-            runtime.in_flight.load(Ordering::Relaxed)
-                + runtime.remote_in_flight.load(Ordering::Relaxed)
-        }
+        LoadMetric::InFlight => runtime
+            .in_flight
+            .load(Ordering::Relaxed)
+            .saturating_add(runtime.remote_in_flight.load(Ordering::Relaxed)),
         LoadMetric::ActiveTokens => queued.0.saturating_add(queued.1),
     }
 }

@@ -320,8 +320,10 @@ impl WorkerRuntime {
     /// really saved.
     pub fn queued_tokens(&self, now: Instant) -> (u64, u64) {
         let prefill = self.prefill_tokens.load(Ordering::Relaxed);
-        let active = self.active_tokens.load(Ordering::Relaxed)
-            + self.remote_active_tokens.load(Ordering::Relaxed);
+        let active = self
+            .active_tokens
+            .load(Ordering::Relaxed)
+            .saturating_add(self.remote_active_tokens.load(Ordering::Relaxed));
         let (rp, rd) = self.remote_reserved.lock().current(now);
         let local = (
             prefill.min(active).saturating_add(rp),
