@@ -100,14 +100,15 @@ run_one() { # router policy seed workload-args...
     gw=$!
   fi
   if [ "$router" = kvgate ]; then
-    # Every worker healthy, contract checked and its KV events connected.
+    # Every worker healthy, contract checked and its KV events connected (round robin: not
+    # subscribed, nothing reads them).
     local ready=0
     for _ in $(seq 1 300); do
       if curl -fsS "http://127.0.0.1:$((port + 1))/admin/workers" 2>/dev/null | python3 -c '
 import json, sys
 ws = json.load(sys.stdin)["workers"]
 ok = all(w["healthy"] and w["contract"]["state"] in ("ok", "not_required")
-         and w["events"]["state"] == "connected" for w in ws)
+         and w["events"]["state"] in ("connected", "not_subscribed") for w in ws)
 sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
       sleep 0.1
     done

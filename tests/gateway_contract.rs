@@ -169,7 +169,8 @@ fn a_snapshot_rebuilds_the_workers_cache_in_the_gateways_index() {
             assert!(status.is_success(), "{status}");
         }
     }
-    fleet.start_gateway(RR_SERVICE, false);
+    // A KV-exact service: the gateway reads only the event streams of workers one routes to.
+    fleet.start_gateway(KV_SERVICE, false);
     for (i, w) in fleet.workers.iter().enumerate() {
         let w = w.as_ref().unwrap();
         let want = w.engine().kv_events().keys();
@@ -358,14 +359,21 @@ fn the_subscriber_survives_the_largest_seq_and_follows_a_new_epoch() {
         ),
     ];
     let (addr, seen) = fake_worker(&rt, streams);
+    // A KV-exact service over the fake worker (the gateway reads only the event streams of
+    // workers one routes to); its profile pinned from a real worker's.
+    let real = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
     let dir = tempfile::tempdir().unwrap();
     let rules = dir.path().join("rules.toml");
     std::fs::write(
         &rules,
         format!(
             "[gateway]\nhealth_interval_ms = 50\n[[workers]]\nid = \"f\"\nurl = \"http://{addr}\"\n\
-             [[pools]]\nid = \"p\"\nworkers = [\"f\"]\n{}",
-            RR_SERVICE.replace("\"all\"", "\"p\"")
+             [[pools]]\nid = \"p\"\nworkers = [\"f\"]\n{}{}",
+            real.profile_toml("smol", 16),
+            KV_SERVICE.replace("\"all\"", "\"p\"")
         ),
     )
     .unwrap();

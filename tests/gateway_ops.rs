@@ -85,6 +85,16 @@ fn admin_plane_applies_refuses_and_switches_live() {
     });
     assert_eq!(anon.status, 401);
     assert_eq!(anon.json()["error"]["code"], "unauthorized");
+    // Round robin only: no worker's KV events are read (they would feed nothing).
+    let event_states = |fleet: &Fleet| -> Vec<String> {
+        fleet.admin(Method::GET, "/admin/workers", None).json()["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["events"]["state"].as_str().unwrap_or("").to_owned())
+            .collect()
+    };
+    assert_eq!(event_states(&fleet), ["not_subscribed", "not_subscribed"]);
     let rules = fleet.admin(Method::GET, "/admin/rules", None).json();
     let v1 = rules["version"].as_u64().unwrap();
     assert_eq!(rules["rules"]["services"][0]["rule"]["type"], "round_robin");
@@ -202,10 +212,13 @@ fn admin_plane_applies_refuses_and_switches_live() {
     assert_eq!(sample(&format!("{tok}_count")), 1.0);
     let (all, part) = (sample(&format!("{cpu}_sum")), sample(&format!("{tok}_sum")));
     assert!(part > 0.0 && part <= all, "tokenizing {part} s of {all} s");
+    // A kv_exact service routes to them now: their event streams are read.
+    fleet.wait_for("event streams", Duration::from_secs(10), || {
+        event_states(&fleet) == ["connected", "connected"]
+    });
     let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
     for w in workers["workers"].as_array().unwrap() {
         assert_eq!(w["contract"]["state"], "ok", "{w}");
-        assert_eq!(w["events"]["state"], "connected", "{w}");
     }
 
     // DELETE, then the path has no service.
@@ -226,6 +239,10 @@ fn admin_plane_applies_refuses_and_switches_live() {
     });
     let r = fleet.post("/v1/chat/completions", &chat(&[("user", "x")], 2), &[]);
     assert_eq!(r.status, 200);
+    // Round robin again: the streams are closed.
+    fleet.wait_for("event streams closed", Duration::from_secs(10), || {
+        event_states(&fleet) == ["not_subscribed", "not_subscribed"]
+    });
 
     // Decision log vs receipts: every routed decision has exactly one receipt from its worker.
     let decisions = fleet.dir.path().join("decisions.jsonl");

@@ -166,6 +166,7 @@ impl Admin {
                     EventStreamState::Connecting => "connecting",
                     EventStreamState::Connected => "connected",
                     EventStreamState::Unsupported => "unsupported (approximate holdings)",
+                    EventStreamState::NotSubscribed => "not_subscribed",
                 };
                 let lag = rt
                     .events_last_heard

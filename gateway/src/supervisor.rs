@@ -84,15 +84,29 @@ impl Supervisor {
         }
     }
 
-    /// Starts tasks for workers new to `view` (or whose URL changed), stops the others.
+    /// Starts tasks for workers new to `view` (or whose URL changed, or that a KV-exact
+    /// service started or stopped routing to), stops the others. A worker's KV event stream
+    /// is read only while some KV-exact service's pool holds it: its events and load reports
+    /// feed nothing else, so a round-robin fleet pays nothing for them.
     pub fn sync(&mut self, view: &View) {
-        let wanted: BTreeMap<WorkerId, (String, String)> = view
+        let routed_by_prefix: std::collections::BTreeSet<&WorkerId> = view
+            .services
+            .iter()
+            .filter(|s| s.prefix.is_some())
+            .flat_map(|s| s.pool.iter())
+            .collect();
+        let wanted: BTreeMap<WorkerId, (String, String, bool)> = view
             .workers
             .iter()
             .map(|(id, e)| {
                 let base = e.upstream.base_url();
-                let target = format!("{base} {} {}", e.spec.kind.as_str(), e.spec.health_path());
-                (id.clone(), (base, target))
+                let events = routed_by_prefix.contains(id);
+                let target = format!(
+                    "{base} {} {} events={events}",
+                    e.spec.kind.as_str(),
+                    e.spec.health_path()
+                );
+                (id.clone(), (base, target, events))
             })
             .collect();
         let stale: Vec<WorkerId> = self
@@ -109,7 +123,7 @@ impl Supervisor {
                 data.index.remove_worker(&id);
             }
         }
-        for (id, (base_url, target)) in wanted {
+        for (id, (base_url, target, events)) in wanted {
             let Some(entry) = view.workers.get(&id) else {
                 continue;
             };
@@ -134,7 +148,11 @@ impl Supervisor {
                 health_url,
                 cancel.clone(),
             ))];
-            if entry.spec.kind.has_events() {
+            if !entry.spec.kind.has_events() {
+                // No kvgate event stream to subscribe to: holdings are approximated.
+                *entry.runtime.events.lock() = EventStreamState::Unsupported;
+            } else if events {
+                *entry.runtime.events.lock() = EventStreamState::Connecting;
                 handles.push(self.handle.spawn(event_loop(
                     self.ctx.clone(),
                     id.clone(),
@@ -142,8 +160,8 @@ impl Supervisor {
                     cancel.clone(),
                 )));
             } else {
-                // No kvgate event stream to subscribe to: holdings are approximated.
-                *entry.runtime.events.lock() = EventStreamState::Unsupported;
+                *entry.runtime.events.lock() = EventStreamState::NotSubscribed;
+                *entry.runtime.reported_load.lock() = None;
             }
             self.tasks.insert(
                 id,
@@ -236,6 +254,20 @@ enum StreamEnd {
 /// one prompt chain (context / block size keys, ~19 bytes each), far below this.
 pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
+/// Sets a worker's event stream state from its event task, unless the task was cancelled: the
+/// supervisor cancels a task before it sets the state itself (`Supervisor::sync`), and the check
+/// is made under the state's lock, so a cancelled task never overwrites what the supervisor set.
+fn set_events(
+    runtime: &crate::view::WorkerRuntime,
+    cancel: &CancellationToken,
+    state: EventStreamState,
+) {
+    let mut s = runtime.events.lock();
+    if !cancel.is_cancelled() {
+        *s = state;
+    }
+}
+
 async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: CancellationToken) {
     let mut position: Option<(u64, u64)> = None;
     let mut backoff = BACKOFF_MIN;
@@ -274,14 +306,17 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
         };
         let wait = match resp {
             Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
-                *runtime.events.lock() = EventStreamState::Unsupported;
+                set_events(&runtime, &cancel, EventStreamState::Unsupported);
                 UNSUPPORTED_RETRY
             }
             Ok(r) if r.status().is_success() => {
-                *runtime.events.lock() = EventStreamState::Connected;
+                set_events(&runtime, &cancel, EventStreamState::Connected);
                 *runtime.events_last_heard.lock() = Some(Instant::now());
                 let end = read_stream(&ctx.data, &id, &runtime, r, &mut position, &cancel).await;
-                *runtime.events.lock() = EventStreamState::Connecting;
+                if matches!(end, StreamEnd::Cancelled) {
+                    return;
+                }
+                set_events(&runtime, &cancel, EventStreamState::Connecting);
                 *runtime.reported_load.lock() = None;
                 match end {
                     StreamEnd::Cancelled => return,
@@ -304,7 +339,7 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
                 }
             }
             _ => {
-                *runtime.events.lock() = EventStreamState::Connecting;
+                set_events(&runtime, &cancel, EventStreamState::Connecting);
                 let w = backoff;
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 w

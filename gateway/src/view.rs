@@ -117,6 +117,9 @@ pub enum EventStreamState {
     Connected,
     /// The worker has no event stream (404): the gateway approximates its holdings.
     Unsupported,
+    /// Not subscribed: no KV-exact service's pool holds the worker, so its events and load
+    /// reports would feed nothing (subscribed again as soon as one does).
+    NotSubscribed,
 }
 
 /// Contract state of a worker (its `/v1/profile` against the pinned profiles of the `kv_exact`
