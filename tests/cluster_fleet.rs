@@ -334,6 +334,19 @@ models = ["smol"]
     }
 }
 
+/// A fresh `redis-server` and a store on it (keys under `prefix`), with a one-thread runtime.
+fn fresh_store(prefix: &str) -> (tokio::runtime::Runtime, Redis, cluster::Store) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    let store = rt
+        .block_on(cluster::Store::connect(&redis.url(), prefix))
+        .unwrap();
+    (rt, redis, store)
+}
+
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() as f64 - 1.0) * p).round() as usize]
@@ -1060,15 +1073,8 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
 #[test]
 #[ignore]
 fn claim_round_trip_against_ping() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    let (rt, _redis, store) = fresh_store("claims-timing");
     rt.block_on(async {
-        let store = cluster::Store::connect(&redis.url(), "claims-timing")
-            .await
-            .unwrap();
         let pool: Vec<String> = (0..64).map(|i| format!("w{i}")).collect();
         let ranked: Vec<(&str, u64)> = pool.iter().map(|w| (w.as_str(), 2_600)).collect();
         let keys: Vec<u64> = (1..=82).collect();
@@ -1127,15 +1133,8 @@ fn claim_round_trip_against_ping() {
 /// saturate, what does not parse counts 0 — so the sync loop that reads them keeps running.
 #[test]
 fn hostile_load_tables_saturate_instead_of_overflowing() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = Redis::start(free_port(), tempfile::tempdir().unwrap());
+    let (rt, redis, store) = fresh_store("hostile");
     rt.block_on(async {
-        let store = cluster::Store::connect(&redis.url(), "hostile")
-            .await
-            .unwrap();
         let huge = cluster::Load {
             in_flight: u64::MAX,
             active_tokens: u64::MAX,
