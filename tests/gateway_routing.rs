@@ -553,6 +553,8 @@ fn a_simultaneous_burst_of_new_conversations_splits_evenly() {
 fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
     let mut fleet = Fleet::workers(FleetOptions {
         workers: 1,
+        // Straight to the worker without a ticket, for the comparison below.
+        ticket_policy: worker::TicketPolicy::Optional,
         ..FleetOptions::default()
     });
     fleet.start_gateway(KV_SERVICE, false);
@@ -576,11 +578,52 @@ fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
             &serde_json::json!("messages")
         )
     );
-    // Over budget: a prompt of ~12k tokens against the model's context limit.
+    // Over budget: a prompt of ~12k tokens against the model's context limit, with and without
+    // `max_tokens`. The gateway refuses it itself, with what the worker answers the same body:
+    // code, param (`max_tokens` when the request named it) and the four numbers.
     let long = "word ".repeat(12_000);
-    let r = fleet.post("/v1/chat/completions", &chat(&[("user", &long)], 16), &[]);
-    assert_eq!(r.status, 400, "{}", r.text());
-    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let mut unnamed = chat(&[("user", &long)], 16);
+    unnamed.as_object_mut().unwrap().remove("max_tokens");
+    for (body, param) in [
+        (chat(&[("user", &long)], 16), "max_tokens"),
+        (unnamed, "messages"),
+    ] {
+        let r = fleet.post("/v1/chat/completions", &body, &[]);
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(
+            r.header("x-kvgate-worker").is_none(),
+            "refused at the gateway"
+        );
+        let direct = fleet.rt.block_on(async {
+            let r = fleet
+                .http
+                .post(format!("http://{}/v1/chat/completions", fleet.addrs[0]))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            support::Reply::read(r).await
+        });
+        assert_eq!(direct.status, 400, "{}", direct.text());
+        let (g, w) = (&r.json()["error"], &direct.json()["error"]);
+        for field in [
+            "code",
+            "param",
+            "context_limit",
+            "prompt_tokens",
+            "max_tokens",
+            "native_reserve",
+        ] {
+            assert_eq!(g[field], w[field], "{field}: gateway {g} worker {w}");
+        }
+        assert_eq!(
+            (&g["code"], &g["param"]),
+            (
+                &serde_json::json!("context_length_exceeded"),
+                &serde_json::json!(param)
+            )
+        );
+    }
     // Unknown path for this service.
     let r = fleet.post("/v1/embeddings", &serde_json::json!({"input": "x"}), &[]);
     assert_eq!(r.status, 400);

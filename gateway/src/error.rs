@@ -53,6 +53,9 @@ pub enum GatewayError {
          {reserve_tokens} reserved tokens, more than the context limit of {context_limit}"
     )]
     ContextLengthExceeded {
+        /// The field at fault, as the worker names it: `max_tokens` when the request named its
+        /// output count, else the prompt's field (`messages` or `prompt`).
+        param: &'static str,
         /// Tokens of the rendered prompt.
         prompt_tokens: usize,
         /// Requested output tokens.
@@ -228,7 +231,7 @@ impl GatewayError {
     fn param(&self) -> Option<&str> {
         match self {
             GatewayError::Body(b) => b.param.as_deref(),
-            GatewayError::ContextLengthExceeded { .. } => Some("messages"),
+            GatewayError::ContextLengthExceeded { param, .. } => Some(param),
             GatewayError::ServiceNotFound { model: Some(_), .. } => Some("model"),
             _ => None,
         }
@@ -236,12 +239,28 @@ impl GatewayError {
 
     /// The OpenAI-style error body: `{"error":{"message","type","param","code"}}`.
     pub fn to_openai_json(&self) -> Vec<u8> {
+        let budget = match self {
+            GatewayError::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens,
+                reserve_tokens,
+                context_limit,
+                ..
+            } => Some(BudgetDetails {
+                context_limit: *context_limit,
+                prompt_tokens: *prompt_tokens,
+                max_tokens: *max_tokens,
+                native_reserve: *reserve_tokens,
+            }),
+            _ => None,
+        };
         let body = OpenAiErrorBody {
             error: OpenAiError {
                 message: self.to_string(),
                 kind: self.openai_type(),
                 param: self.param(),
                 code: self.error_type(),
+                budget,
             },
         };
         // Serializing a struct of strings cannot fail; fall back to a fixed body anyway.
@@ -264,15 +283,28 @@ struct OpenAiError<'a> {
     kind: &'static str,
     param: Option<&'a str>,
     code: &'static str,
+    /// `context_length_exceeded`'s numbers, the fields the worker's answer carries.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    budget: Option<BudgetDetails>,
+}
+
+#[derive(Serialize)]
+struct BudgetDetails {
+    context_limit: usize,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    native_reserve: usize,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn openai_error_json_is_pinned() {
         let e = GatewayError::ContextLengthExceeded {
+            param: "messages",
             prompt_tokens: 10,
             max_tokens: 20,
             reserve_tokens: 4,
@@ -283,6 +315,15 @@ mod tests {
         assert_eq!(v["error"]["code"], "context_length_exceeded");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "messages");
+        assert_eq!(
+            (
+                &v["error"]["context_limit"],
+                &v["error"]["prompt_tokens"],
+                &v["error"]["max_tokens"],
+                &v["error"]["native_reserve"]
+            ),
+            (&json!(30), &json!(10), &json!(20), &json!(4))
+        );
         assert!(v["error"]["message"]
             .as_str()
             .unwrap()

@@ -162,8 +162,13 @@ impl LoadedProfile {
                     prompt_tokens,
                     max_tokens,
                     native_reserve,
-                    ..
+                    requested,
                 } => GatewayError::ContextLengthExceeded {
+                    param: if requested {
+                        "max_tokens"
+                    } else {
+                        prompt.param()
+                    },
                     prompt_tokens,
                     max_tokens,
                     reserve_tokens: native_reserve,

@@ -213,10 +213,15 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
             prompt_tokens,
             max_tokens,
             native_reserve,
-            ..
+            requested,
         }) = b.output_tokens(tok.tokens.len(), requested, usize::MAX)
         {
             return Err(GatewayError::ContextLengthExceeded {
+                param: if requested {
+                    "max_tokens"
+                } else {
+                    body.prompt.param()
+                },
                 prompt_tokens,
                 max_tokens,
                 reserve_tokens: native_reserve,
