@@ -594,16 +594,11 @@ fn kv_exact_rejects_malformed_bodies_and_over_budget_prompts() {
             r.header("x-kvgate-worker").is_none(),
             "refused at the gateway"
         );
-        let direct = fleet.rt.block_on(async {
-            let r = fleet
-                .http
-                .post(format!("http://{}/v1/chat/completions", fleet.addrs[0]))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            support::Reply::read(r).await
-        });
+        let direct = fleet.post_to_worker(
+            0,
+            "/v1/chat/completions",
+            serde_json::to_vec(&body).unwrap(),
+        );
         assert_eq!(direct.status, 400, "{}", direct.text());
         let (g, w) = (&r.json()["error"], &direct.json()["error"]);
         for field in [
@@ -788,7 +783,6 @@ fn random_bodies_get_an_answer_or_a_4xx_error_never_a_5xx() {
     let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
     let mut codes: BTreeMap<String, usize> = BTreeMap::new();
     let mut same_code = 0;
-    let direct = format!("http://{}", fleet.addrs[0]);
     for i in 0..400 {
         let chat = rng.gen_bool(0.75);
         let path = if chat {
@@ -838,17 +832,7 @@ fn random_bodies_get_an_answer_or_a_4xx_error_never_a_5xx() {
                 *codes.entry(format!("{} {code}", r.status)).or_default() += 1;
                 if r.header("x-kvgate-worker").is_none() {
                     // Refused by the gateway: what does the worker itself say?
-                    let w = fleet.rt.block_on(async {
-                        let r = fleet
-                            .http
-                            .post(format!("{direct}{path}"))
-                            .header("content-type", "application/json")
-                            .body(bytes.clone())
-                            .send()
-                            .await
-                            .unwrap();
-                        support::Reply::read(r).await
-                    });
+                    let w = fleet.post_to_worker(0, path, bytes.clone());
                     assert!(
                         (400..500).contains(&w.status),
                         "#{i} {shown}: the worker said {}: {}",

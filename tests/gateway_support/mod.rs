@@ -311,6 +311,22 @@ native_reserve_tokens = 0
         })
     }
 
+    /// POSTs `body` straight to worker `i`, past the gateway (no ticket: the fleet needs
+    /// `TicketPolicy::Optional` for an answer other than 401).
+    pub fn post_to_worker(&self, i: usize, path: &str, body: Vec<u8>) -> Reply {
+        self.rt.block_on(async {
+            let r = self
+                .http
+                .post(format!("http://{}{path}", self.addrs[i]))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            Reply::read(r).await
+        })
+    }
+
     /// Admin call with the bearer token.
     pub fn admin(
         &self,
