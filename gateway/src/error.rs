@@ -165,6 +165,37 @@ pub enum GatewayError {
 }
 
 impl GatewayError {
+    /// A prompt-contract error on the request's prompt (`prompt_param`: `messages` or
+    /// `prompt`), answered as the worker answers it: the request's fault is a
+    /// [`GatewayError::Body`], a prompt over the context limit [`GatewayError::ContextLengthExceeded`]
+    /// with the worker's param and numbers, anything else the profile's own failure.
+    pub fn from_prompt(
+        e: prompt_profile::ProfileError,
+        prompt_param: &'static str,
+    ) -> GatewayError {
+        if let Some(b) = prompt_profile::BodyError::prompt(&e, prompt_param) {
+            return GatewayError::Body(b);
+        }
+        match e {
+            prompt_profile::ProfileError::ContextLengthExceeded {
+                context_limit,
+                prompt_tokens,
+                max_tokens,
+                native_reserve,
+                requested,
+            } => GatewayError::ContextLengthExceeded {
+                param: prompt_profile::budget_param(requested, prompt_param),
+                prompt_tokens,
+                max_tokens,
+                reserve_tokens: native_reserve,
+                context_limit,
+            },
+            e => GatewayError::Prompt {
+                reason: e.to_string(),
+            },
+        }
+    }
+
     /// A stable snake_case name, used as the OpenAI error `code`, a metric label and in logs.
     pub fn error_type(&self) -> &'static str {
         match self {

@@ -147,38 +147,12 @@ impl LoadedProfile {
         prompt: &PromptSource,
         budget: Option<(TokenBudget, Option<usize>)>,
     ) -> Result<Vec<u32>, GatewayError> {
-        use prompt_profile::ProfileError as P;
         let res = match budget {
             Some((b, requested)) => self.profile.tokenize_within(prompt, b, requested),
             None => self.profile.tokenize_prompt(prompt),
         };
-        res.map(|t| t.ids).map_err(|e| {
-            if let Some(b) = prompt_profile::BodyError::prompt(&e, prompt.param()) {
-                return GatewayError::Body(b);
-            }
-            match e {
-                P::ContextLengthExceeded {
-                    context_limit,
-                    prompt_tokens,
-                    max_tokens,
-                    native_reserve,
-                    requested,
-                } => GatewayError::ContextLengthExceeded {
-                    param: if requested {
-                        "max_tokens"
-                    } else {
-                        prompt.param()
-                    },
-                    prompt_tokens,
-                    max_tokens,
-                    reserve_tokens: native_reserve,
-                    context_limit,
-                },
-                e => GatewayError::Prompt {
-                    reason: e.to_string(),
-                },
-            }
-        })
+        res.map(|t| t.ids)
+            .map_err(|e| GatewayError::from_prompt(e, prompt.param()))
     }
 
     /// Tokenizes (refusing what breaks `budget`, when given) and computes the block keys in the

@@ -156,14 +156,13 @@ impl InferenceBody {
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             check_json_object(body)?;
         }
-        let body_error = GatewayError::Body;
         Ok(match endpoint {
             Endpoint::Chat => {
                 let f: ChatFields = typed(body)?;
                 let chat = f
                     .template
                     .prompt(f.messages)
-                    .map_err(|e| body_error(BodyError::field(e)))?;
+                    .map_err(|e| GatewayError::Body(BodyError::field(e)))?;
                 InferenceBody {
                     model: f.model,
                     prompt: PromptSource::Chat(chat),
@@ -174,15 +173,10 @@ impl InferenceBody {
             }
             Endpoint::Completion => {
                 let f: CompletionFields = typed(body)?;
-                let prompt =
-                    f.prompt
-                        .into_source()
-                        .map_err(|e| match BodyError::prompt(&e, "prompt") {
-                            Some(b) => body_error(b),
-                            None => GatewayError::Prompt {
-                                reason: e.to_string(),
-                            },
-                        })?;
+                let prompt = f
+                    .prompt
+                    .into_source()
+                    .map_err(|e| GatewayError::from_prompt(e, "prompt"))?;
                 InferenceBody {
                     model: f.model,
                     prompt,

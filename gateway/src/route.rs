@@ -208,25 +208,8 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
         .profile
         .keys_within(&body.prompt, salt.as_deref(), budget)?;
     if let Some((b, requested)) = budget {
-        if let Err(prompt_profile::ProfileError::ContextLengthExceeded {
-            context_limit,
-            prompt_tokens,
-            max_tokens,
-            native_reserve,
-            requested,
-        }) = b.output_tokens(tok.tokens.len(), requested, usize::MAX)
-        {
-            return Err(GatewayError::ContextLengthExceeded {
-                param: if requested {
-                    "max_tokens"
-                } else {
-                    body.prompt.param()
-                },
-                prompt_tokens,
-                max_tokens,
-                reserve_tokens: native_reserve,
-                context_limit,
-            });
+        if let Err(e) = b.output_tokens(tok.tokens.len(), requested, usize::MAX) {
+            return Err(GatewayError::from_prompt(e, body.prompt.param()));
         }
     }
     Ok(Looked {

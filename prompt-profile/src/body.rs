@@ -118,6 +118,17 @@ impl BodyError {
     }
 }
 
+/// The field a prompt over the context limit is blamed on, as gateway and worker both answer
+/// `context_length_exceeded`: `max_tokens` when the request named its output count, else the
+/// prompt's field (`prompt_param`: `messages` or `prompt`).
+pub fn budget_param(requested: bool, prompt_param: &str) -> &str {
+    if requested {
+        "max_tokens"
+    } else {
+        prompt_param
+    }
+}
+
 impl fmt::Display for BodyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)

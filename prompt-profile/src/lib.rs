@@ -31,7 +31,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-pub use body::BodyError;
+pub use body::{budget_param, BodyError};
 pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;

@@ -594,7 +594,7 @@ pub fn prompt_error(e: &ProfileError, param: &str) -> ApiError {
             requested,
         } => ApiError::bad_request(
             e.error_type(),
-            Some(if *requested { "max_tokens" } else { param }),
+            Some(prompt_profile::budget_param(*requested, param)),
             e.to_string(),
         )
         .with_detail("context_limit", *context_limit)
