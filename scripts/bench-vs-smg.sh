@@ -4,6 +4,8 @@
 #
 #   ./scripts/bench-vs-smg.sh [N] [SEEDS]          e.g. ./scripts/bench-vs-smg.sh 4 "1 2 3"
 #   WORKLOADS="prefix-chat" ./scripts/bench-vs-smg.sh 16 1   # a subset of the workloads
+#   MAX_TOKENS=64 ./scripts/bench-vs-smg.sh 16 1                # longer answers (default 8)
+#   KVGATE_BIN=/path/to/kvgate ./scripts/bench-vs-smg.sh …      # another build (e.g. a baseline)
 #
 # For each seed and each of four routers — kvgate round_robin, kvgate kv_exact (its defaults),
 # smg round_robin, smg cache_aware (smg's defaults) — it starts N fresh simulated workers
@@ -33,8 +35,13 @@ NAME=bench-vs-smg
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
 smg_venv
-cargo build --quiet --bin kvgate
-KVGATE=$PWD/target/debug/kvgate
+if [ -n "${KVGATE_BIN:-}" ]; then
+  KVGATE=$KVGATE_BIN
+else
+  cargo build --quiet --bin kvgate
+  KVGATE=$PWD/target/debug/kvgate
+fi
+MAX_TOKENS=${MAX_TOKENS:-8}
 mkdir -p "$OUT"
 work=$(mktemp -d)
 trap 'stop_pids; rm -rf "$work"' EXIT
@@ -116,7 +123,8 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
   else
     wait_http "http://127.0.0.1:$port/health" "smg $policy"
   fi
-  local pool cpu0 cpu1
+  local pool cpu0 cpu1 loads0=0 loads1=0
+  [ "$router" = kvgate ] && loads0=$(load_reports $((port + 1)))
   cpu0=$(tree_cpu_us "$gw")
   pool=$(seq -s, 1 "$N" | sed 's/\([0-9]*\)/w\1/g')
   shift 3
@@ -127,9 +135,12 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
       return 1
     }
   cpu1=$(tree_cpu_us "$gw")
-  # The router's own CPU (user + system, its process tree) over the bench, per request.
+  [ "$router" = kvgate ] && loads1=$(load_reports $((port + 1)))
+  # The router's own CPU (user + system, its process tree) over the bench, per request; and
+  # kvgate's `event: load` messages received over the bench, per request.
   grep -E "^(label|$router-$policy) " "$dir/bench.log" | tail -n +2 | awk -v c=$((cpu1 - cpu0)) \
-    -v s="$seed" '{ printf "seed %s  %s %12.3f\n", s, $0, c / 1000 / ($2 > 0 ? $2 : 1) }'
+    -v l=$((loads1 - loads0)) -v k="$router" -v s="$seed" '{ n = ($2 > 0 ? $2 : 1)
+      printf "seed %s  %s %12.3f %10s\n", s, $0, c / 1000 / n, (k == "kvgate" ? sprintf("%.1f", l / n) : "-") }'
   if [ "$router" = kvgate ]; then # its route decision and TTFT histograms, for the record
     curl -fsS "http://127.0.0.1:$((port + 1))/metrics" \
       >"$OUT/n$N-seed$seed/$router-$policy/gateway-metrics.txt" 2>/dev/null || true
@@ -141,17 +152,23 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
   stop_pids
 }
 
+# Sum of kvgate_gateway_worker_load_reports_total over the workers (admin port $1).
+load_reports() {
+  curl -fsS "http://127.0.0.1:$1/metrics" 2>/dev/null |
+    awk '/^kvgate_gateway_worker_load_reports_total/ { s += $2 } END { printf "%d\n", s }'
+}
+
 P=$(( N / 4 > 4 ? N / 4 : 4 ))
 C=$(( N / 2 > 4 ? N / 2 : 4 ))
 CONV=$(( N > 8 ? N : 8 ))
 for workload in ${WORKLOADS:-shared-prefix multi-turn prefix-chat}; do
   echo "== $workload, $N simulated workers"
-  echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share  router_cpu_ms/req"
+  echo "seed  label           reqs  err  ttft_p50  ttft_p95   itl_p50   e2e_p50      hit wall_tok/s  max_share  router_cpu_ms/req  loads/req"
   for seed in $SEEDS; do
     for rp in "kvgate round_robin" "kvgate kv_exact" "smg round_robin" "smg cache_aware"; do
       # shellcheck disable=SC2086
       run_one $rp "$seed" --workload "$workload" --prefixes "$P" --questions 6 \
-        --conversations "$CONV" --turns 4 --long-words 1200 --max-tokens 8 --concurrency "$C" \
+        --conversations "$CONV" --turns 4 --long-words 1200 --max-tokens "$MAX_TOKENS" --concurrency "$C" \
         --model smollm2
     done
   done

@@ -220,6 +220,35 @@ fn admin_plane_applies_refuses_and_switches_live() {
     for w in workers["workers"].as_array().unwrap() {
         assert_eq!(w["contract"]["state"], "ok", "{w}");
     }
+    // Each stream's first load message arrives right after subscribing: counted per worker in
+    // /admin/workers and in the metric.
+    let reports = |fleet: &Fleet| -> Vec<u64> {
+        fleet.admin(Method::GET, "/admin/workers", None).json()["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["events"]["load_reports"].as_u64().unwrap_or(0))
+            .collect()
+    };
+    fleet.wait_for("load reports", Duration::from_secs(10), || {
+        reports(&fleet).iter().all(|&n| n > 0)
+    });
+    let m = fleet.admin(Method::GET, "/metrics", None).text();
+    for (i, n) in reports(&fleet).iter().enumerate() {
+        let line = format!(
+            "kvgate_gateway_worker_load_reports_total{{worker=\"w{}\"}} ",
+            i + 1
+        );
+        let exported: u64 = m
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {line} in {m}"));
+        assert!(
+            exported > 0 && exported <= *n,
+            "{line}{exported} against {n}"
+        );
+    }
 
     // DELETE, then the path has no service.
     let r = fleet.admin(Method::DELETE, "/admin/services/chat", None);

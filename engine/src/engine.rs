@@ -494,6 +494,7 @@ impl Engine {
             stats: stats.clone(),
             queued: queued.clone(),
             load: load_tx.clone(),
+            announced: prefix_index::WorkerLoad::default(),
             budget: StepBudget::new(
                 config.step_token_budget,
                 config.max_running.max(STEP_BUDGET_FLOOR),
@@ -630,8 +631,9 @@ impl Engine {
         s
     }
 
-    /// The engine's queued work, updated after every step when it changed (the KV event
-    /// stream's `load` messages follow it).
+    /// The engine's queued work, current after every step; a receiver is woken only when it
+    /// moved enough since the last wake-up ([`prefix_index::WorkerLoad::moved_from`]); the KV
+    /// event stream's `load` messages follow it.
     pub fn watch_load(&self) -> tokio::sync::watch::Receiver<prefix_index::WorkerLoad> {
         self.inner.load.subscribe()
     }
@@ -702,8 +704,12 @@ struct StepLoop {
     feed: KvEventFeed,
     stats: Arc<Mutex<EngineStats>>,
     queued: Arc<AtomicUsize>,
-    /// The latest queued work, for `event: load` messages (sent when it changes).
+    /// The latest queued work, for `event: load` messages: always the current value, but
+    /// subscribers are woken only when it moved enough from `announced`
+    /// ([`prefix_index::WorkerLoad::moved_from`]).
     load: tokio::sync::watch::Sender<prefix_index::WorkerLoad>,
+    /// The load subscribers were last woken for.
+    announced: prefix_index::WorkerLoad,
     /// Tokens per step: fixed, or learned from a time target.
     budget: StepBudget,
     /// Cumulative counters (copied into `stats`).
@@ -1110,10 +1116,14 @@ impl StepLoop {
         };
         *self.stats.lock() = st;
         let load = st.load();
+        let announce = load.moved_from(&self.announced);
+        if announce {
+            self.announced = load;
+        }
+        // The value is always current (a heartbeat reads it); only a move wakes subscribers.
         self.load.send_if_modified(|l| {
-            let changed = *l != load;
             *l = load;
-            changed
+            announce
         });
     }
 

@@ -200,6 +200,7 @@ impl Admin {
                         "state": events,
                         "position": rt.events_position.lock().map(|(ep, seq)| json!({"epoch": ep, "seq": seq})),
                         "applied": rt.events_applied.load(Ordering::Relaxed),
+                        "load_reports": rt.load_reports.load(Ordering::Relaxed),
                         "seconds_since_last_heard": lag,
                     },
                     "contract": contract,

@@ -203,6 +203,11 @@ impl DataPlane {
                 .worker_healthy
                 .get_or_create(&labels)
                 .set(i64::from(e.healthy));
+            // The counter only moves forward: a worker removed and added again starts a new
+            // count below the exported one, which then waits for it to pass.
+            let reports = self.metrics.worker_load_reports.get_or_create(&labels);
+            let seen = e.runtime.load_reports.load(Ordering::Relaxed);
+            reports.inc_by(seen.saturating_sub(reports.get()));
         }
     }
 

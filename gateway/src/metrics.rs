@@ -107,6 +107,9 @@ pub struct Metrics {
     pub worker_healthy: Family<WorkerLabels, Gauge>,
     /// Requests in flight from this gateway to the worker.
     pub worker_in_flight: Family<WorkerLabels, Gauge>,
+    /// `event: load` reports received from the worker (brought up to the worker's count at
+    /// each scrape).
+    pub worker_load_reports: Family<WorkerLabels, Counter>,
     /// Rules version currently served.
     pub rules_version: Gauge,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
@@ -215,6 +218,12 @@ impl Metrics {
             "Requests in flight to the worker",
             worker_in_flight.clone(),
         );
+        let worker_load_reports = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "worker_load_reports",
+            "Load reports (event: load messages) received from the worker",
+            worker_load_reports.clone(),
+        );
         let rules_version = Gauge::default();
         registry.register(
             "rules_version",
@@ -279,6 +288,7 @@ impl Metrics {
             event_lag_seconds,
             worker_healthy,
             worker_in_flight,
+            worker_load_reports,
             rules_version,
             cluster_degraded,
             cluster_claims,

@@ -235,6 +235,8 @@ pub struct WorkerRuntime {
     /// The worker's own report of its queued work (its event stream's latest `load` message)
     /// and when it arrived; cleared when the stream ends.
     pub reported_load: Mutex<Option<(prefix_index::WorkerLoad, Instant)>>,
+    /// Load reports received since start (`event: load` messages).
+    pub load_reports: AtomicU64,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
     /// When the event stream last delivered something.
@@ -264,6 +266,7 @@ impl WorkerRuntime {
             remote_active_tokens: AtomicU64::new(0),
             remote_reserved: Mutex::new(RemoteReservations::default()),
             reported_load: Mutex::new(None),
+            load_reports: AtomicU64::new(0),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),
@@ -285,6 +288,7 @@ impl WorkerRuntime {
     /// Records the worker's load report (an event stream `load` message).
     pub fn report_load(&self, load: prefix_index::WorkerLoad, at: Instant) {
         *self.reported_load.lock() = Some((load, at));
+        self.load_reports.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts another replica's reservation (its published decision) here from `now` for

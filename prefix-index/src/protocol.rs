@@ -78,9 +78,76 @@ pub struct WorkerLoad {
     pub decode_tokens: u64,
 }
 
+/// A token count moves "enough" to be announced when it changes by at least this many tokens…
+pub const LOAD_ANNOUNCE_MIN_TOKENS: u64 = 16;
+
+/// …and by at least 1/`LOAD_ANNOUNCE_FRACTION` of the larger of its old and new values.
+pub const LOAD_ANNOUNCE_FRACTION: u64 = 8;
+
+impl WorkerLoad {
+    /// Whether this load differs from `announced` (the last one a worker announced) enough to
+    /// announce it: a sequence admitted, queued or finished (`running` or `waiting` changed),
+    /// a token count that became 0 or stopped being 0, or a token count that moved by at least
+    /// [`LOAD_ANNOUNCE_MIN_TOKENS`] and 1/[`LOAD_ANNOUNCE_FRACTION`] of the larger value.
+    ///
+    /// Decode steps shrink `decode_tokens` by the running count every step, and prefill
+    /// chunks shrink `prefill_tokens`; announcing each of those is traffic and wake-ups for
+    /// every subscriber with little to learn (a gateway counts the work it routed itself). So
+    /// an announced load is at most 1/8 (or 16 tokens) away from the load it describes
+    /// between two announcements, while work arriving or leaving shows at once.
+    pub fn moved_from(&self, announced: &WorkerLoad) -> bool {
+        fn tokens_moved(now: u64, then: u64) -> bool {
+            if (now == 0) != (then == 0) {
+                return true;
+            }
+            let delta = now.abs_diff(then);
+            delta >= LOAD_ANNOUNCE_MIN_TOKENS && delta >= now.max(then) / LOAD_ANNOUNCE_FRACTION
+        }
+        self.running != announced.running
+            || self.waiting != announced.waiting
+            || tokens_moved(self.prefill_tokens, announced.prefill_tokens)
+            || tokens_moved(self.decode_tokens, announced.decode_tokens)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_moves_enough_on_work_arriving_or_leaving_and_large_token_changes() {
+        let at = |running, waiting, prefill_tokens, decode_tokens| WorkerLoad {
+            running,
+            waiting,
+            prefill_tokens,
+            decode_tokens,
+        };
+        let base = at(4, 1, 800, 400);
+        assert!(!base.moved_from(&base));
+        // A sequence admitted, queued or finished: always.
+        assert!(at(5, 0, 800, 400).moved_from(&base));
+        assert!(at(4, 2, 800, 400).moved_from(&base));
+        assert!(at(3, 1, 800, 400).moved_from(&base));
+        // Four decode steps of 4 sequences: 16 tokens, under 1/8 of 400.
+        assert!(!at(4, 1, 800, 384).moved_from(&base));
+        // 1/8 of the larger value: 50 of 400 moves, 49 does not.
+        assert!(at(4, 1, 800, 350).moved_from(&base));
+        assert!(!at(4, 1, 800, 351).moved_from(&base));
+        assert!(at(4, 1, 700, 400).moved_from(&base));
+        assert!(!at(4, 1, 701, 400).moved_from(&base));
+        // Growth counts against the new, larger value.
+        assert!(!at(4, 1, 800, 456).moved_from(&base));
+        assert!(at(4, 1, 800, 457).moved_from(&base));
+        // Small counts: at least 16 tokens, except to or from 0.
+        let small = at(1, 0, 0, 40);
+        assert!(!at(1, 0, 0, 25).moved_from(&small));
+        assert!(at(1, 0, 0, 24).moved_from(&small));
+        assert!(at(1, 0, 1, 40).moved_from(&small));
+        assert!(at(1, 0, 0, 0).moved_from(&at(1, 0, 0, 1)));
+        // Saturated values do not overflow.
+        assert!(!at(1, 0, u64::MAX, 0).moved_from(&at(1, 0, u64::MAX - 1, 0)));
+        assert!(at(1, 0, u64::MAX, 0).moved_from(&at(1, 0, 1, 0)));
+    }
 
     #[test]
     fn load_json_is_pinned() {

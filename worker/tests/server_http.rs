@@ -894,6 +894,58 @@ async fn kv_events_stream_reports_the_engine_load() {
     w.stop().await;
 }
 
+/// Load messages follow moves, not steps: a 48-token answer at 20 ms per decode step changes
+/// `decode_tokens` on each of its ~48 steps (one message per step before the rule), but only
+/// moves of at least 1/8 and 16 tokens, a sequence queued, admitted or finished, and a count
+/// reaching 0 are announced (`WorkerLoad::moved_from`, docs/kv-events.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_load_messages_follow_moves_not_steps() {
+    let w = start_sim(SimOpts {
+        max_running: 1,
+        decode_us_base: 20_000,
+        ..SimOpts::default()
+    })
+    .await;
+    let resp = client()
+        .get(w.url("/v1/kv/events?load=true"))
+        .send()
+        .await
+        .unwrap();
+    let mut sse = SseReader::new(resp);
+    let idle = json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0});
+    assert_eq!(sse.next_load().await.unwrap(), idle);
+    let body = chat_body("Count the waves.", json!({"max_tokens": 48}));
+    let request = async {
+        let r = post(&w, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status(), 200);
+        let v: Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
+    };
+    let watch = async {
+        let mut seen = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let l = sse.next_load().await.unwrap();
+            seen.push(l["decode_tokens"].as_u64().unwrap());
+            if l == idle && seen.len() > 1 {
+                return seen;
+            }
+            assert!(std::time::Instant::now() < deadline, "loads {seen:?}");
+        }
+    };
+    let ((), seen) = tokio::join!(request, watch);
+    // Queued, admitted, two or three decode moves, done; a 1 s heartbeat may add one.
+    assert!(
+        seen.len() >= 3 && seen.len() <= 12,
+        "decode_tokens per message: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|&d| d > 16),
+        "the answer's budget showed: {seen:?}"
+    );
+    w.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
     let w = start_sim(SimOpts::default()).await;
