@@ -3,12 +3,12 @@
 //! pingora's proxy threads: a few huge prompts cannot stall every other request, and the work
 //! waiting is bounded (a full queue is refused at once, `503 gateway_overloaded`).
 //!
-//! `threads` owned threads take jobs from one channel of `queue` places; [`BlockingPool::run`]
-//! hands a job over without blocking (or refuses it) and awaits its answer. A job that panics
-//! loses only its own answer; its thread lives on. Dropping the pool closes the channel and joins
-//! the threads after the jobs already queued.
+//! `threads` owned threads take jobs from one multi-consumer channel of `queue` places (each
+//! idle thread waits on the channel itself, so a job wakes exactly one thread);
+//! [`BlockingPool::run`] hands a job over without blocking (or refuses it) and awaits its
+//! answer. A job that panics loses only its own answer; its thread lives on. Dropping the pool
+//! closes the channel and joins the threads after the jobs already queued.
 
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 
@@ -27,7 +27,7 @@ pub enum PoolError {
 
 /// The pool; see the module docs.
 pub struct BlockingPool {
-    tx: Mutex<Option<SyncSender<Job>>>,
+    tx: async_channel::Sender<Job>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -40,30 +40,31 @@ impl std::fmt::Debug for BlockingPool {
 impl BlockingPool {
     /// `threads` (≥ 1) threads named `name`, a queue of `queue` (≥ 1) waiting jobs.
     pub fn new(name: &str, threads: usize, queue: usize) -> std::io::Result<BlockingPool> {
-        let (tx, rx) = sync_channel::<Job>(queue.max(1));
-        let rx = std::sync::Arc::new(Mutex::new(rx));
+        let (tx, rx) = async_channel::bounded::<Job>(queue.max(1));
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
             let rx = rx.clone();
-            handles.push(
-                std::thread::Builder::new()
-                    .name(format!("{name}-{i}"))
-                    .spawn(move || loop {
-                        let job = {
-                            let Ok(guard) = rx.lock() else { return };
-                            guard.recv()
-                        };
-                        match job {
-                            Ok(job) => {
-                                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                            }
-                            Err(_) => return,
-                        }
-                    })?,
-            );
+            let spawned = std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || {
+                    // Ends when the channel is closed and drained.
+                    while let Ok(job) = rx.recv_blocking() {
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                    }
+                });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    tx.close();
+                    for h in handles {
+                        let _ = h.join();
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(BlockingPool {
-            tx: Mutex::new(Some(tx)),
+            tx,
             threads: Mutex::new(handles),
         })
     }
@@ -77,16 +78,10 @@ impl BlockingPool {
         let job: Job = Box::new(move || {
             let _ = otx.send(f());
         });
-        {
-            let tx = self.tx.lock().map_err(|_| PoolError::Lost)?;
-            let Some(tx) = tx.as_ref() else {
-                return Err(PoolError::Lost);
-            };
-            match tx.try_send(job) {
-                Ok(()) => {}
-                Err(TrySendError::Full(_)) => return Err(PoolError::Full),
-                Err(TrySendError::Disconnected(_)) => return Err(PoolError::Lost),
-            }
+        match self.tx.try_send(job) {
+            Ok(()) => {}
+            Err(async_channel::TrySendError::Full(_)) => return Err(PoolError::Full),
+            Err(async_channel::TrySendError::Closed(_)) => return Err(PoolError::Lost),
         }
         orx.await.map_err(|_| PoolError::Lost)
     }
@@ -94,9 +89,7 @@ impl BlockingPool {
 
 impl Drop for BlockingPool {
     fn drop(&mut self) {
-        if let Ok(mut tx) = self.tx.lock() {
-            tx.take();
-        }
+        self.tx.close();
         if let Ok(mut threads) = self.threads.lock() {
             for t in threads.drain(..) {
                 if t.thread().id() != std::thread::current().id() {
