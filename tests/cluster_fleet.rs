@@ -1269,3 +1269,88 @@ fn a_registered_sidecar_serves_through_every_replica_and_leaves_when_it_stops() 
     assert!(report.discrepancies.is_empty(), "{report:?}");
     assert_eq!(report.receipted, report.routed, "{report:?}");
 }
+
+/// Redis's own count of `name`'s calls since the last `CONFIG RESETSTAT` (0 when none).
+async fn command_calls(con: &mut redis::aio::MultiplexedConnection, name: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{name}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A claim is one `EVALSHA`: the store loads the claim script when it connects, and again
+/// (`ensure_scripts`, every sync tick of a gateway) when Redis lost it — not on a claim's own
+/// time as `NOSCRIPT`, `SCRIPT LOAD`, `EVALSHA`, three round trips against a 5 ms timeout.
+#[test]
+fn a_claim_is_one_round_trip_on_a_fresh_or_flushed_redis() {
+    let (rt, redis, store) = fresh_store("scripts");
+    rt.block_on(async {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut con = client.get_multiplexed_async_connection().await.unwrap();
+        let ids = AtomicU64::new(0);
+        let idle: &[(&str, u64)] = &[("w1", 0), ("w2", 0)];
+        let c = cluster::Claim {
+            replica: "gw-a",
+            id: "",
+            candidates: idle,
+            others: &[],
+            added: 100,
+            credit: 0,
+            lead_saving: 0,
+            keys: &[1, 2, 3],
+            ttl: Duration::from_secs(5),
+            lead_ttl: Duration::from_secs(5),
+        };
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(claim(&store, &ids, c).await, "w1");
+        assert_eq!(command_calls(&mut con, "evalsha").await, 1);
+        assert_eq!(command_calls(&mut con, "script|load").await, 0);
+        assert!(!store.ensure_scripts().await.unwrap(), "already loaded");
+        // Redis lost its scripts (a restart, `SCRIPT FLUSH`): the next sync reloads them.
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(store.ensure_scripts().await.unwrap(), "reloaded");
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let b = cluster::Claim {
+            replica: "gw-b",
+            ..c
+        };
+        assert_eq!(claim(&store, &ids, b).await, "w2", "beside gw-a's claim");
+        assert_eq!(command_calls(&mut con, "evalsha").await, 1);
+        assert_eq!(command_calls(&mut con, "script|load").await, 0);
+        // Without the reload, the claim still succeeds, paying the round trips itself.
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let c3 = cluster::Claim {
+            replica: "gw-c",
+            ..c
+        };
+        assert_eq!(
+            claim(&store, &ids, c3).await,
+            "w1",
+            "equal costs: its own order"
+        );
+        assert!(command_calls(&mut con, "evalsha").await >= 2);
+    });
+}

@@ -449,12 +449,35 @@ impl Store {
         )
         .await
         .map_err(|_| ClusterError::Redis("connect timed out".into()))??;
-        Ok(Store {
+        let store = Store {
             client,
             con,
             keys: Keys::new(prefix),
             claim_script: redis::Script::new(CLAIM),
-        })
+        };
+        // Best effort: a user whose ACL denies `SCRIPT` still claims (by `EVAL` on `NOSCRIPT`);
+        // the gateway's sync tries again, and logs the error, on every tick.
+        let _ = store.ensure_scripts().await;
+        Ok(store)
+    }
+
+    /// Makes sure Redis holds the claim script in its script cache (`SCRIPT EXISTS`, then
+    /// `SCRIPT LOAD` when it does not: a new or restarted Redis starts with an empty cache), so
+    /// that a claim is one `EVALSHA` round trip rather than `EVALSHA` answered `NOSCRIPT`,
+    /// `SCRIPT LOAD` and `EVALSHA` again — three round trips that, on a busy host, outlast a
+    /// claim's few-millisecond timeout. Returns whether it had to load it.
+    pub async fn ensure_scripts(&self) -> Result<bool> {
+        let mut con = self.con.clone();
+        let exists: Vec<bool> = redis::cmd("SCRIPT")
+            .arg("EXISTS")
+            .arg(self.claim_script.get_hash())
+            .query_async(&mut con)
+            .await?;
+        if exists.first() == Some(&true) {
+            return Ok(false);
+        }
+        self.claim_script.load_async(&mut con).await?;
+        Ok(true)
     }
 
     /// The key names.

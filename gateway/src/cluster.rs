@@ -401,6 +401,11 @@ async fn sync_once(
     control: &ControlPlane,
 ) -> Result<(), cluster::ClusterError> {
     let store = link.connect().await?;
+    // A restarted Redis lost its script cache: reload the claim script before a claim pays
+    // for it (best effort; a claim still works without).
+    if let Err(e) = store.ensure_scripts().await {
+        tracing::debug!(error = %e, "the claim script could not be loaded");
+    }
     // Rules: a newer version is installed; an empty store (Redis restarted without its data)
     // is re-seeded from the rules in force, keeping their version.
     match store.rules().await? {
