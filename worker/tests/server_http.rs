@@ -825,6 +825,26 @@ async fn kv_events_stream_snapshots_and_resumes() {
     w.stop().await;
 }
 
+/// A simulated worker with one running slot and 20 ms decode steps.
+async fn start_one_slow_slot() -> TestWorker {
+    start_sim(SimOpts {
+        max_running: 1,
+        decode_us_base: 20_000,
+        ..SimOpts::default()
+    })
+    .await
+}
+
+/// `w`'s KV event stream with load messages.
+async fn load_events(w: &TestWorker) -> SseReader {
+    let resp = client()
+        .get(w.url("/v1/kv/events?load=true"))
+        .send()
+        .await
+        .unwrap();
+    SseReader::new(resp)
+}
+
 /// The event stream interleaves `event: load` messages (no id) with the cache events: the
 /// first right after subscribing, then one within 20 ms of each change — a request's prompt
 /// shows as prefill tokens while it waits, its output budget as decode tokens, and both go back
@@ -832,12 +852,7 @@ async fn kv_events_stream_snapshots_and_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_stream_reports_the_engine_load() {
     // One running slot and slow decode steps: the second request waits behind the first.
-    let w = start_sim(SimOpts {
-        max_running: 1,
-        decode_us_base: 20_000,
-        ..SimOpts::default()
-    })
-    .await;
+    let w = start_one_slow_slot().await;
     // Without `load=true` the stream carries cache events only.
     let resp = client().get(w.url("/v1/kv/events")).send().await.unwrap();
     let mut plain = SseReader::new(resp);
@@ -851,12 +866,7 @@ async fn kv_events_stream_reports_the_engine_load() {
         quiet.map(|e| e.map(|e| e.event))
     );
     drop(plain);
-    let resp = client()
-        .get(w.url("/v1/kv/events?load=true"))
-        .send()
-        .await
-        .unwrap();
-    let mut sse = SseReader::new(resp);
+    let mut sse = load_events(&w).await;
     let idle = sse.next_load().await.unwrap();
     assert_eq!(
         idle,
@@ -900,18 +910,8 @@ async fn kv_events_stream_reports_the_engine_load() {
 /// reaching 0 are announced (`WorkerLoad::moved_from`, docs/kv-events.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_load_messages_follow_moves_not_steps() {
-    let w = start_sim(SimOpts {
-        max_running: 1,
-        decode_us_base: 20_000,
-        ..SimOpts::default()
-    })
-    .await;
-    let resp = client()
-        .get(w.url("/v1/kv/events?load=true"))
-        .send()
-        .await
-        .unwrap();
-    let mut sse = SseReader::new(resp);
+    let w = start_one_slow_slot().await;
+    let mut sse = load_events(&w).await;
     let idle = json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0});
     assert_eq!(sse.next_load().await.unwrap(), idle);
     let body = chat_body("Count the waves.", json!({"max_tokens": 48}));
