@@ -33,7 +33,7 @@ wait_http() { # url, what: wait up to 30 s for a 2xx answer
 # KVGATE, MODEL, W and work.
 sim_worker_rr() {
   "$KVGATE" keygen --out "$work/keys" --name gateway >/dev/null
-  "$KVGATE" worker --engine sim --model "$MODEL" --id w1 --listen "$W" --state-dir "$work/w1" \
+  "$KVGATE" worker --engine sim --model "$MODEL" --id w1 --listen "$W" --state-dir "$work/w1" --drain-timeout-secs 0 \
     --gateway-keys "$work/keys" --sim-prefill-us-per-token 1 --sim-decode-us-base 10 \
     --sim-decode-us-per-seq 1 --max-running 64 >"$work/w1.log" 2>&1 &
   pids+=($!)

@@ -39,7 +39,7 @@ for r in $(seq 1 "$rounds"); do
     IFS=',' read -r -a flags <<<"${s#*=}"
     dir="$out/$name/r$r"
     mkdir -p "$dir"
-    "$kvgate" worker --model "$model" --listen "127.0.0.1:$port" --id w1 --state-dir "$dir/state" \
+    "$kvgate" worker --model "$model" --listen "127.0.0.1:$port" --id w1 --state-dir "$dir/state" --drain-timeout-secs 0 \
       --threads 2 --kv-budget-mb 1300 "${flags[@]}" >"$dir/worker.log" 2>&1 &
     pids+=($!)
     wait_http "http://127.0.0.1:$port/ready" "kvgate worker ($name)"

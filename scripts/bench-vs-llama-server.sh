@@ -51,7 +51,7 @@ py="$root/.venv/bin/python3"
 port=8461
 
 start_kvgate() { # dir
-  "$kvgate" worker --model "$model" --listen "127.0.0.1:$port" --id w1 --state-dir "$1/state" \
+  "$kvgate" worker --model "$model" --listen "127.0.0.1:$port" --id w1 --state-dir "$1/state" --drain-timeout-secs 0 \
     --threads "$threads" --numerics "$numerics" --kv-budget-mb 1024 >"$1/server.log" 2>&1 &
   pids+=($!)
   wait_http "http://127.0.0.1:$port/ready" "kvgate worker"

@@ -50,7 +50,7 @@ start_workers() { # dir (holding keys/gateway.pub)
   local urls=()
   for i in $(seq 1 "$N"); do
     local port=$((BASE_PORT + i))
-    "$KVGATE" worker --engine sim --model "$MODEL" --id "w$i" --listen "127.0.0.1:$port" \
+    "$KVGATE" worker --engine sim --model "$MODEL" --id "w$i" --listen "127.0.0.1:$port" --drain-timeout-secs 0 \
       --state-dir "$1/w$i" --gateway-keys "$1/keys" \
       --sim-num-blocks 4096 --sim-prefill-us-per-token 125 \
       --sim-decode-us-base 8000 --sim-decode-us-per-seq 500 --max-running 64 \

@@ -363,6 +363,85 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
     fleet.stop();
 }
 
+/// A rolling restart of one worker behind the gateway: the worker drains while requests keep
+/// coming. Its open stream finishes with `[DONE]`, the gateway stops routing to it within a
+/// health interval (its `/ready` says `draining`), and no request fails; then it stops.
+#[test]
+fn a_draining_worker_finishes_its_streams_and_loses_no_request() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 10_000; // a 60-token stream lasts ~0.6 s
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(RR_SERVICE, false);
+    // A stream on w1 (round robin: retry until one lands there).
+    let mut body = chat(&[("user", "stream please")], 60);
+    body["stream"] = json!(true);
+    let url = fleet.url("/v1/chat/completions");
+    let stream = fleet.rt.block_on(async {
+        loop {
+            let mut r = fleet.http.post(&url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            if r.headers()["x-kvgate-worker"] == "w1" {
+                let first = r.chunk().await.unwrap().unwrap();
+                assert!(first.starts_with(b"data:"));
+                return r;
+            }
+            let _ = r.bytes().await;
+        }
+    });
+    let mut w1 = fleet.workers[0].take().unwrap();
+    let short = chat(&[("user", "during the drain")], 2);
+    let (report, rest, served) = fleet.rt.block_on(async {
+        let requests = async {
+            // Requests keep coming through the drain (its grace covers the 100 ms health
+            // interval of these rules).
+            let mut served = Vec::new();
+            for _ in 0..20 {
+                let r = fleet.http.post(&url).json(&short).send().await.unwrap();
+                let worker = r.headers()["x-kvgate-worker"].to_str().unwrap().to_owned();
+                served.push((r.status().as_u16(), worker));
+                let _ = r.bytes().await;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            served
+        };
+        let rest = async {
+            let mut stream = stream;
+            let mut out = Vec::new();
+            while let Some(c) = stream.chunk().await.unwrap() {
+                out.extend_from_slice(&c);
+            }
+            String::from_utf8(out).unwrap()
+        };
+        tokio::join!(
+            w1.drain(Duration::from_millis(300), Duration::from_secs(20)),
+            rest,
+            requests
+        )
+    });
+    assert!(
+        rest.trim_end().ends_with("data: [DONE]"),
+        "stream cut: {rest}"
+    );
+    assert_eq!(report.in_flight_left, 0, "{report:?}");
+    assert!(
+        served.iter().all(|(status, _)| *status == 200),
+        "{served:?}"
+    );
+    // Once the gateway saw /ready fail, everything went to w2.
+    assert!(
+        served[served.len() - 8..].iter().all(|(_, w)| w == "w2"),
+        "{served:?}"
+    );
+    let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
+    assert_eq!(workers["workers"][0]["healthy"], false, "{workers}");
+    fleet.rt.block_on(w1.shutdown());
+    fleet.stop();
+}
+
 #[test]
 fn one_mebibyte_bodies_route_and_expect_continue_works() {
     let mut fleet = Fleet::workers(FleetOptions {

@@ -65,6 +65,18 @@ async fn hostile(body: Bytes) -> Response {
         ),
         "no_done" => sse(vec![chunk("a"), chunk("b")], false),
         "slow" => sse(vec![chunk("a")], true),
+        // One chunk now, `[DONE]` 400 ms later.
+        "paced" => {
+            let later = futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Ok::<_, Infallible>(Bytes::from("data: [DONE]\n\n"))
+            });
+            let first = futures::stream::iter([Ok::<_, Infallible>(chunk("a"))]);
+            Response::builder()
+                .header(header::CONTENT_TYPE, "text/event-stream")
+                .body(Body::from_stream(first.chain(later)))
+                .unwrap()
+        }
         _ => sse(vec![chunk("ok"), Bytes::from("data: [DONE]\n\n")], false),
     }
 }
@@ -191,4 +203,78 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
     let report = receipts::verify_log(&log, &ring).unwrap();
     assert!(report.ok(), "{report:?}");
     assert_eq!(report.valid, 7, "{report:?}");
+}
+
+/// A sidecar drains as a worker does (`worker::drain`): `/ready` turns 503 `draining`, the
+/// stream it relays finishes with `[DONE]`, and the drain returns once it has.
+#[test]
+fn a_draining_sidecar_lets_its_streams_finish() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_addr = engine.local_addr().unwrap();
+        let app = Router::new()
+            .route("/v1/chat/completions", post(hostile))
+            .route("/health", get(|| async { "ok" }));
+        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let cfg = SidecarConfig::new(
+            format!("http://{engine_addr}"),
+            "s1",
+            KeyPair::generate(),
+            dir.path().join("receipts.jsonl"),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let base = format!("http://{}", sc.addr());
+        let http = reqwest::Client::new();
+        assert_eq!(
+            http.get(format!("{base}/ready"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+        let body = serde_json::json!({"model": "paced", "stream": true,
+            "messages": [{"role": "user", "content": "hi"}]});
+        let mut r = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let first = r.chunk().await.unwrap().unwrap();
+        assert!(first.starts_with(b"data: "));
+        assert_eq!(sc.in_flight(), 1);
+        let rest = async {
+            let mut out = Vec::new();
+            while let Some(c) = r.chunk().await.unwrap() {
+                out.extend_from_slice(&c);
+            }
+            String::from_utf8(out).unwrap()
+        };
+        let ready = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            http.get(format!("{base}/ready")).send().await.unwrap()
+        };
+        let (report, rest, ready) = tokio::join!(
+            sc.drain(Duration::from_millis(20), Duration::from_secs(10)),
+            rest,
+            ready
+        );
+        assert_eq!(ready.status(), 503);
+        let v: serde_json::Value = ready.json().await.unwrap();
+        assert!(v["reason"].as_str().unwrap().starts_with("draining"), "{v}");
+        assert!(rest.contains("data: [DONE]"), "{rest}");
+        assert_eq!(report.in_flight_left, 0, "{report:?}");
+        assert!(report.waited >= Duration::from_millis(300), "{report:?}");
+        sc.shutdown().await;
+        server.abort();
+    });
 }

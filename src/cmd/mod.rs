@@ -1,5 +1,6 @@
 //! One module per subcommand; each has `Args` (clap) and `run(Args) -> anyhow::Result<ExitCode>`.
 pub mod bench;
+pub mod drain_args;
 pub mod gateway;
 pub mod keygen;
 pub mod receipts;

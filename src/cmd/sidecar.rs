@@ -82,6 +82,8 @@ pub struct Args {
     pub tls: super::tls_args::ServerTlsArgs,
     #[command(flatten)]
     pub cluster: super::register_args::RegisterArgs,
+    #[command(flatten)]
+    pub drain: super::drain_args::DrainArgs,
 }
 
 pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
@@ -152,7 +154,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             s.addr(),
             receipts_path.display()
         );
+        let mut s = s;
         super::worker::shutdown_signal().await;
+        if let Some((grace, timeout)) = args.drain.durations() {
+            let label = format!("kvgate sidecar {}", args.id);
+            let n = s.in_flight();
+            super::drain_args::drain_until_done_or_signalled(
+                &label,
+                n,
+                timeout,
+                s.drain(grace, timeout),
+            )
+            .await;
+        }
         eprintln!("kvgate sidecar {}: shutting down", args.id);
         s.shutdown().await;
         Ok::<_, anyhow::Error>(())

@@ -228,6 +228,8 @@ pub struct Args {
     pub tls: super::tls_args::ServerTlsArgs,
     #[command(flatten)]
     pub cluster: super::register_args::RegisterArgs,
+    #[command(flatten)]
+    pub drain: super::drain_args::DrainArgs,
 }
 
 /// The trusted gateway keys of `--gateway-keys DIR` (none without it); `--require-ticket` needs
@@ -472,7 +474,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Ok(()) => eprintln!("kvgate worker {}: ready", args.id),
             Err(e) => eprintln!("kvgate worker {}: NOT ready: {e}", args.id),
         }
+        let mut w = w;
         shutdown_signal().await;
+        if let Some((grace, timeout)) = args.drain.durations() {
+            let label = format!("kvgate worker {}", args.id);
+            let n = w.in_flight();
+            super::drain_args::drain_until_done_or_signalled(
+                &label,
+                n,
+                timeout,
+                w.drain(grace, timeout),
+            )
+            .await;
+        }
         eprintln!("kvgate worker {}: shutting down", args.id);
         w.shutdown().await;
         Ok::<_, anyhow::Error>(())

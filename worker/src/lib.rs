@@ -14,6 +14,7 @@
 //! model weights, but still render and tokenize with the GGUF's prompt profile).
 
 pub mod api_error;
+pub mod drain;
 pub mod error;
 pub mod generate;
 pub mod kv_events;
@@ -55,6 +56,7 @@ use engine::sim::{SimConfig, SimExecutor};
 use engine::{Engine, EngineConfig, GenerateRequest, SeqEvent};
 
 pub use api_error::ApiError;
+pub use drain::DrainReport;
 pub use error::WorkerError;
 pub use tickets::{TicketPolicy, NO_CACHE_HEADER, RECEIPT_HEADER, REQUEST_ID_HEADER};
 
@@ -250,6 +252,9 @@ pub struct AppState {
     pub(crate) started_at_ms: u64,
     /// Permits of concurrent KV-event subscriptions.
     pub(crate) subscriptions: Arc<tokio::sync::Semaphore>,
+    /// Inference requests in flight (`/v1/chat/completions`, `/v1/completions`) and whether
+    /// the worker drains ([`RunningWorker::drain`]: `/ready` answers 503).
+    pub(crate) drain: drain::Drain,
 }
 
 fn startup(what: &'static str, detail: impl std::fmt::Display) -> WorkerError {
@@ -311,8 +316,29 @@ impl RunningWorker {
         }
     }
 
+    /// Inference requests being answered now.
+    pub fn in_flight(&self) -> usize {
+        self.state.drain.in_flight()
+    }
+
+    /// Drains the worker before a stop: withdraws its registration (cluster mode), then
+    /// [`drain::Drain::run`]: `/ready` answers 503 `draining` so that gateways stop routing
+    /// here, and requests in flight — and any that still arrive — are answered until none is
+    /// in flight once `grace` has passed, or until `timeout`. Idempotent.
+    pub async fn drain(&mut self, grace: Duration, timeout: Duration) -> DrainReport {
+        if let Some(task) = self.registration.take() {
+            registration::stop(task).await;
+        }
+        tracing::info!(
+            worker = %self.state.settings.worker_id,
+            in_flight = self.in_flight(),
+            "draining: /ready answers 503, requests in flight finish"
+        );
+        self.state.drain.run(grace, timeout).await
+    }
+
     /// Graceful stop: stop accepting, end streams (their receipts are written), stop the
-    /// engine, flush the receipt log.
+    /// engine, flush the receipt log. [`RunningWorker::drain`] first lets streams finish.
     pub async fn shutdown(self) {
         if let Some(task) = self.registration {
             // Withdraw first: gateways stop routing here before the server stops.
@@ -530,7 +556,13 @@ pub async fn spawn(
     let fingerprint = format!("kvgate-{}", &profile_digest[..profile_digest.len().min(16)]);
     let ready = Arc::new(AtomicBool::new(false));
     let mut registry = Registry::default();
-    let metrics = metrics::ServerMetrics::register(&mut registry, engine.clone(), ready.clone());
+    let drain = drain::Drain::default();
+    let metrics = metrics::ServerMetrics::register(
+        &mut registry,
+        engine.clone(),
+        ready.clone(),
+        drain.clone(),
+    );
     let state = Arc::new(AppState {
         tickets,
         settings,
@@ -553,6 +585,7 @@ pub async fn spawn(
         shutdown: CancellationToken::new(),
         started_at_ms: receipts::now_ms(),
         subscriptions: Arc::new(tokio::sync::Semaphore::new(max_subscriptions)),
+        drain,
     });
 
     let app = router(state.clone());
@@ -648,9 +681,15 @@ fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             require_access,
         ));
-    Router::new()
+    let inference = Router::new()
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.drain.clone(),
+            drain::count_in_flight,
+        ));
+    Router::new()
+        .merge(inference)
         .route("/v1/models", get(ops::models))
         .route("/v1/profile", get(ops::profile))
         .merge(guarded)

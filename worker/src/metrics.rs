@@ -45,7 +45,12 @@ pub struct ServerMetrics {
 
 impl ServerMetrics {
     /// Registers the server's series and the engine collector into `registry`.
-    pub fn register(registry: &mut Registry, engine: Engine, ready: Arc<AtomicBool>) -> Self {
+    pub fn register(
+        registry: &mut Registry,
+        engine: Engine,
+        ready: Arc<AtomicBool>,
+        drain: crate::drain::Drain,
+    ) -> Self {
         let m = ServerMetrics {
             requests: Family::default(),
             rejections: Family::default(),
@@ -112,7 +117,11 @@ impl ServerMetrics {
              gateway's predicted cached tokens (kind=predicted) and the engine's (kind=cached)",
             m.routed_prefix.clone(),
         );
-        r.register_collector(Box::new(EngineCollector { engine, ready }));
+        r.register_collector(Box::new(EngineCollector {
+            engine,
+            ready,
+            drain,
+        }));
         m
     }
 
@@ -179,6 +188,7 @@ impl ServerMetrics {
 struct EngineCollector {
     engine: Engine,
     ready: Arc<AtomicBool>,
+    drain: crate::drain::Drain,
 }
 
 impl fmt::Debug for EngineCollector {
@@ -274,6 +284,18 @@ impl Collector for EngineCollector {
                 self.ready.load(Ordering::Acquire)
                     && self.engine.health() == engine::EngineHealth::Running,
             ),
+        )?;
+        gauge(
+            &mut enc,
+            "draining",
+            "1 while the worker drains before a stop (/ready answers 503, requests in flight finish)",
+            i64::from(self.drain.draining()),
+        )?;
+        gauge(
+            &mut enc,
+            "requests_in_flight",
+            "Inference requests being answered (until their answer's body is done)",
+            clamp(self.drain.in_flight()),
         )
     }
 }

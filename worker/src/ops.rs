@@ -24,7 +24,8 @@ pub async fn health() -> Response {
 }
 
 /// `GET /ready`: 200 once the start-up smoke inference produced a token and while the engine
-/// serves; 503 with the reason otherwise (not yet ready, engine failed, shutting down).
+/// serves; 503 with the reason otherwise (not yet ready, engine failed, draining, shutting
+/// down).
 pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
     let engine = match st.engine.health() {
         engine::EngineHealth::Running => None,
@@ -40,6 +41,9 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
             }),
         )
             .into_response();
+    }
+    if let Some(refusal) = st.drain.ready_refusal() {
+        return refusal;
     }
     if st.ready.load(Ordering::Acquire) {
         (

@@ -1125,6 +1125,129 @@ async fn shutdown_ends_open_streams_and_receipts_them() {
     assert_eq!(r.body.error_code.as_deref(), Some("engine_stopped"));
 }
 
+/// A drain lets streams finish: `/ready` turns 503 `draining` at once, a request that still
+/// arrives during the grace is answered, the open stream ends with `[DONE]` (not
+/// `engine_stopped`), and the drain returns once nothing is in flight after the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_lets_open_streams_finish_before_the_stop() {
+    let mut w = start_sim(SimOpts {
+        decode_us_base: 10_000,
+        ..SimOpts::default()
+    })
+    .await;
+    let resp = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&chat_body(
+            "long",
+            json!({"max_tokens": 60, "stream": true}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut sse = SseReader::new(resp);
+    let _first = sse.next_event().await.unwrap();
+    assert_eq!(w.worker.in_flight(), 1);
+    let reader = tokio::spawn(async move {
+        let mut out = Vec::new();
+        while let Some(e) = sse.next_event().await {
+            out.push(e.data);
+        }
+        out
+    });
+    let url = w.url("");
+    let during = async {
+        // (the drain has begun: the request is sent after /ready turned 503)
+        let ready = client().get(format!("{url}/ready")).send().await.unwrap();
+        let late = client()
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&chat_body("late", json!({"max_tokens": 3})))
+            .send()
+            .await
+            .unwrap();
+        (ready, late)
+    };
+    let started = std::time::Instant::now();
+    let (report, (ready, late)) = tokio::join!(
+        w.worker
+            .drain(Duration::from_millis(300), Duration::from_secs(20)),
+        async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            during.await
+        }
+    );
+    assert_eq!(ready.status(), 503);
+    let body: Value = ready.json().await.unwrap();
+    assert!(
+        body["reason"].as_str().unwrap().starts_with("draining"),
+        "{body}"
+    );
+    assert_eq!(late.status(), 200, "answered while draining");
+    assert_eq!(report.in_flight_left, 0, "{report:?}");
+    assert!(report.waited >= Duration::from_millis(300), "{report:?}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    let events = reader.await.unwrap();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(
+        !events.iter().any(|e| e.contains("engine_stopped")),
+        "{events:?}"
+    );
+    // The metrics say so too.
+    let m = client()
+        .get(w.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("kvgate_worker_draining 1"), "{m}");
+    assert!(m.contains("kvgate_worker_requests_in_flight 0"), "{m}");
+    w.stop().await;
+}
+
+/// A drain waits at most its timeout: a stream longer than that is left to the stop, which
+/// ends it with `engine_stopped` (and receipts it) as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_gives_up_at_its_timeout() {
+    let mut w = start_sim(SimOpts {
+        decode_us_base: 10_000,
+        ..SimOpts::default()
+    })
+    .await;
+    let resp = client()
+        .post(w.url("/v1/chat/completions"))
+        .json(&chat_body(
+            "long",
+            json!({"max_tokens": 5000, "stream": true}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    let mut sse = SseReader::new(resp);
+    let _first = sse.next_event().await.unwrap();
+    let report = w
+        .worker
+        .drain(Duration::from_millis(50), Duration::from_millis(400))
+        .await;
+    assert_eq!(report.in_flight_left, 1, "{report:?}");
+    assert!(report.waited >= Duration::from_millis(400), "{report:?}");
+    let reader = tokio::spawn(async move {
+        let mut last = None;
+        while let Some(e) = sse.next_event().await {
+            last = Some(e.data);
+        }
+        last
+    });
+    w.stop().await;
+    let last: Value = serde_json::from_str(&reader.await.unwrap().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "engine_stopped");
+}
+
 /// Metric families parsed from OpenMetrics text.
 #[derive(Debug, Default)]
 struct Family {

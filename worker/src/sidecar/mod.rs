@@ -159,6 +159,8 @@ pub(crate) struct SidecarState {
     pub(crate) metrics: relay::SidecarMetrics,
     registry: Registry,
     pub(crate) shutdown: CancellationToken,
+    /// Inference requests in flight and the draining flag ([`RunningSidecar::drain`]).
+    pub(crate) drain: crate::drain::Drain,
 }
 
 /// A started sidecar.
@@ -180,8 +182,24 @@ impl RunningSidecar {
         &self.state.receipts
     }
 
+    /// Inference requests being relayed now.
+    pub fn in_flight(&self) -> usize {
+        self.state.drain.in_flight()
+    }
+
+    /// Drains before a stop, as [`crate::RunningWorker::drain`] does: withdraws the
+    /// registration (cluster mode), `/ready` answers 503 `draining`, requests in flight (and
+    /// any still sent) are relayed until none is in flight after `grace`, or `timeout`.
+    pub async fn drain(&mut self, grace: Duration, timeout: Duration) -> crate::DrainReport {
+        if let Some(task) = self.registration.take() {
+            crate::registration::stop(task).await;
+        }
+        self.state.drain.run(grace, timeout).await
+    }
+
     /// Graceful stop: withdraw the registration (cluster mode), stop accepting, end streams
-    /// (their receipts are written), flush the log.
+    /// (their receipts are written), flush the log. [`RunningSidecar::drain`] first lets
+    /// streams finish.
     pub async fn shutdown(self) {
         if let Some(task) = self.registration {
             crate::registration::stop(task).await;
@@ -277,6 +295,7 @@ pub async fn spawn(
         metrics,
         registry,
         shutdown: CancellationToken::new(),
+        drain: crate::drain::Drain::default(),
     });
     let app = router(state.clone());
     let server = tokio::spawn(crate::listener::serve(
@@ -313,9 +332,15 @@ fn router(st: Arc<SidecarState>) -> Router {
             st.clone(),
             require_access,
         ));
-    Router::new()
+    let inference = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            st.drain.clone(),
+            crate::drain::count_in_flight,
+        ));
+    Router::new()
+        .merge(inference)
         .route("/v1/models", get(passthrough))
         .route("/props", get(passthrough))
         .merge(guarded)
@@ -374,8 +399,12 @@ async fn metrics(State(st): State<Arc<SidecarState>>, headers: HeaderMap) -> Res
     crate::ops::render_metrics(&st.registry, &headers)
 }
 
-/// `GET /ready` and `GET /health`: 200 while the engine's health path answers 2xx within 2 s.
+/// `GET /ready` and `GET /health`: 200 while the engine's health path answers 2xx within 2 s;
+/// 503 `draining` once a drain began.
 async fn ready(State(st): State<Arc<SidecarState>>) -> Response {
+    if let Some(refusal) = st.drain.ready_refusal() {
+        return refusal;
+    }
     let url = format!("{}{}", st.engine, st.cfg.health_path);
     let mut req = st.http.get(&url).timeout(Duration::from_secs(2));
     if let Some(k) = &st.cfg.engine_api_key {
