@@ -70,7 +70,7 @@ FLOOR_PORT=$((BASE_PORT + 40))
 W="127.0.0.1:$W_PORT"
 
 sim_worker_rr
-"$KVGATE" gateway --rules "$work/rules.toml" --listen "127.0.0.1:$GW_PORT" \
+"$KVGATE" gateway --rules "$work/rules.toml" --listen "127.0.0.1:$GW_PORT" --drain-timeout-secs 0 \
   --admin "127.0.0.1:$((GW_PORT + 1))" --key "$work/keys/gateway.key" --no-watch \
   --threads "$GW_THREADS" --decision-log "$work/decisions.jsonl" >"$work/gw.log" 2>&1 &
 pids+=($!)

@@ -95,7 +95,7 @@ run_one() { # router policy seed workload-args...
     local rule='{ type = "round_robin" }'
     [ "$policy" = kv_exact ] && rule='{ type = "kv_exact", profile = "sim", min_match_tokens = 16 }'
     kvgate_rules "$dir" "$rule"
-    "$KVGATE" gateway --rules "$dir/rules.toml" --listen "127.0.0.1:$port" \
+    "$KVGATE" gateway --rules "$dir/rules.toml" --listen "127.0.0.1:$port" --drain-timeout-secs 0 \
       --admin "127.0.0.1:$((port + 1))" --key "$dir/keys/gateway.key" --no-watch \
       --decision-log "$dir/decisions.jsonl" >"$dir/gw.log" 2>&1 &
     pids+=($!)

@@ -213,6 +213,18 @@ impl Admin {
     async fn handle(&self, session: &mut ServerSession) -> Result<Response<Vec<u8>>, GatewayError> {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
+        // For a VIP's or an orchestrator's health checks, which carry no token: the process is
+        // up (`/health`); it takes traffic (`/ready`: 503 while draining before a stop).
+        match (method.as_str(), path.as_str()) {
+            ("GET", "/health") => return Ok(json_response(200, &json!({"status": "ok"}))),
+            ("GET", "/ready") => {
+                return Ok(match self.control.data.drain.not_ready_reason() {
+                    None => json_response(200, &json!({"ready": true})),
+                    Some(reason) => json_response(503, &json!({"ready": false, "reason": reason})),
+                })
+            }
+            _ => {}
+        }
         if !self.authorized(session) {
             return Err(GatewayError::Unauthorized);
         }

@@ -94,6 +94,10 @@ pub struct DataPlane {
     /// Cluster mode: the number of this replica's last published decision (its load table
     /// names the last one it covers, so the others stop counting those as reservations).
     pub holdings_seq: std::sync::atomic::AtomicU64,
+    /// Client requests in flight on the proxy (each [`crate::request::RequestCtx`] holds one
+    /// guard, from `new_ctx` until the request is done) and whether the gateway drains
+    /// ([`crate::RunningGateway::drain`]: the admin plane's `/ready` answers 503).
+    pub drain: drain::Drain,
 }
 
 impl DataPlane {
@@ -180,6 +184,10 @@ impl DataPlane {
         self.metrics
             .index_blocks
             .set(i64::try_from(total).unwrap_or(i64::MAX));
+        self.metrics
+            .requests_in_flight
+            .set(i64::try_from(self.drain.in_flight()).unwrap_or(i64::MAX));
+        self.metrics.draining.set(i64::from(self.drain.draining()));
         let view = self.views.load();
         for (id, e) in &view.workers {
             let labels = WorkerLabels {

@@ -302,6 +302,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         shared_holdings: arc_swap::ArcSwapOption::empty(),
         claims: arc_swap::ArcSwapOption::empty(),
         holdings_seq: std::sync::atomic::AtomicU64::new(0),
+        drain: drain::Drain::default(),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),
@@ -577,6 +578,18 @@ impl RunningGateway {
             });
             rt.shutdown_timeout(Duration::from_secs(2));
         }
+    }
+
+    /// Drains before a stop: the admin plane's `GET /ready` answers 503 `draining` (so that a
+    /// VIP's health check takes this replica out), and client requests — in flight and any
+    /// still sent — are proxied until none is in flight once `grace` has passed, or until
+    /// `timeout` (`drain::Drain::run`). [`RunningGateway::shutdown`] follows.
+    pub async fn drain(&self, grace: Duration, timeout: Duration) -> drain::DrainReport {
+        tracing::info!(
+            in_flight = self.data.drain.in_flight(),
+            "draining: /ready answers 503, requests in flight finish"
+        );
+        self.data.drain.run(grace, timeout).await
     }
 
     /// Blocks until the server thread ends (the CLI: it ends on SIGINT/SIGTERM handling).

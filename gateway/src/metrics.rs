@@ -112,6 +112,10 @@ pub struct Metrics {
     pub worker_load_reports: Family<WorkerLabels, Counter>,
     /// Rules version currently served.
     pub rules_version: Gauge,
+    /// Client requests in flight on the proxy.
+    pub requests_in_flight: Gauge,
+    /// 1 while the gateway drains before a stop.
+    pub draining: Gauge,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -224,6 +228,18 @@ impl Metrics {
             "Load reports (event: load messages) received from the worker",
             worker_load_reports.clone(),
         );
+        let requests_in_flight = Gauge::default();
+        registry.register(
+            "requests_in_flight",
+            "Client requests in flight on the proxy",
+            requests_in_flight.clone(),
+        );
+        let draining = Gauge::default();
+        registry.register(
+            "draining",
+            "1 while the gateway drains before a stop (/ready answers 503, requests in flight finish)",
+            draining.clone(),
+        );
         let rules_version = Gauge::default();
         registry.register(
             "rules_version",
@@ -290,6 +306,8 @@ impl Metrics {
             worker_in_flight,
             worker_load_reports,
             rules_version,
+            requests_in_flight,
+            draining,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,

@@ -153,7 +153,10 @@ impl ProxyHttp for Proxy {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::default()
+        RequestCtx {
+            _live: Some(self.data.drain.enter()),
+            ..RequestCtx::default()
+        }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {

@@ -32,6 +32,8 @@ pub const RECEIPT_HEADER: &str = "x-kvgate-receipt";
 /// Per-request state, from `request_filter` to `logging`.
 #[derive(Default)]
 pub struct RequestCtx {
+    /// Counts the request in the gateway's drain until the context is dropped.
+    pub(crate) _live: Option<drain::InFlight>,
     pub(crate) started: Option<Instant>,
     /// The id the gateway minted (ticket, receipt, decision log, `x-request-id` answered).
     pub(crate) request_id: String,

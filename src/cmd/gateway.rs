@@ -81,6 +81,8 @@ pub struct Args {
     /// How long a decision waits for its claim before keeping its own choice, ms.
     #[arg(long, default_value_t = 5)]
     pub cluster_claim_timeout_ms: u64,
+    #[command(flatten)]
+    pub drain: super::shutdown::DrainArgs,
 }
 
 /// Runs the gateway until SIGINT/SIGTERM.
@@ -140,14 +142,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("signal runtime")?;
-    rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        anyhow::Ok(())
-    })?;
+    rt.block_on(super::shutdown::signal());
+    if let Some((grace, timeout)) = args.drain.durations() {
+        let n = running.data.drain.in_flight();
+        rt.block_on(super::shutdown::drain_until_done_or_signalled(
+            "kvgate gateway",
+            n,
+            timeout,
+            running.drain(grace, timeout),
+        ));
+    }
     eprintln!("kvgate gateway: stopping");
     running.shutdown();
     Ok(ExitCode::SUCCESS)

@@ -1,10 +1,10 @@
 //! One module per subcommand; each has `Args` (clap) and `run(Args) -> anyhow::Result<ExitCode>`.
 pub mod bench;
-pub mod drain_args;
 pub mod gateway;
 pub mod keygen;
 pub mod receipts;
 pub mod register_args;
+pub mod shutdown;
 pub mod sidecar;
 pub mod tls_args;
 pub mod tokenize;

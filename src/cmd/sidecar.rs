@@ -83,7 +83,7 @@ pub struct Args {
     #[command(flatten)]
     pub cluster: super::register_args::RegisterArgs,
     #[command(flatten)]
-    pub drain: super::drain_args::DrainArgs,
+    pub drain: super::shutdown::DrainArgs,
 }
 
 pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
@@ -155,11 +155,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             receipts_path.display()
         );
         let mut s = s;
-        super::worker::shutdown_signal().await;
+        super::shutdown::signal().await;
         if let Some((grace, timeout)) = args.drain.durations() {
             let label = format!("kvgate sidecar {}", args.id);
             let n = s.in_flight();
-            super::drain_args::drain_until_done_or_signalled(
+            super::shutdown::drain_until_done_or_signalled(
                 &label,
                 n,
                 timeout,

@@ -229,7 +229,7 @@ pub struct Args {
     #[command(flatten)]
     pub cluster: super::register_args::RegisterArgs,
     #[command(flatten)]
-    pub drain: super::drain_args::DrainArgs,
+    pub drain: super::shutdown::DrainArgs,
 }
 
 /// The trusted gateway keys of `--gateway-keys DIR` (none without it); `--require-ticket` needs
@@ -475,11 +475,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Err(e) => eprintln!("kvgate worker {}: NOT ready: {e}", args.id),
         }
         let mut w = w;
-        shutdown_signal().await;
+        super::shutdown::signal().await;
         if let Some((grace, timeout)) = args.drain.durations() {
             let label = format!("kvgate worker {}", args.id);
             let n = w.in_flight();
-            super::drain_args::drain_until_done_or_signalled(
+            super::shutdown::drain_until_done_or_signalled(
                 &label,
                 n,
                 timeout,
@@ -492,27 +492,4 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

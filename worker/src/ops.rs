@@ -42,7 +42,7 @@ pub async fn ready(State(st): State<Arc<AppState>>) -> Response {
         )
             .into_response();
     }
-    if let Some(refusal) = st.drain.ready_refusal() {
+    if let Some(refusal) = crate::drain::ready_refusal(&st.drain) {
         return refusal;
     }
     if st.ready.load(Ordering::Acquire) {

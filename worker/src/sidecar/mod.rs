@@ -402,7 +402,7 @@ async fn metrics(State(st): State<Arc<SidecarState>>, headers: HeaderMap) -> Res
 /// `GET /ready` and `GET /health`: 200 while the engine's health path answers 2xx within 2 s;
 /// 503 `draining` once a drain began.
 async fn ready(State(st): State<Arc<SidecarState>>) -> Response {
-    if let Some(refusal) = st.drain.ready_refusal() {
+    if let Some(refusal) = crate::drain::ready_refusal(&st.drain) {
         return refusal;
     }
     let url = format!("{}{}", st.engine, st.cfg.health_path);

@@ -1,6 +1,6 @@
-//! The drain on SIGTERM/Ctrl-C shared by `kvgate worker` and `kvgate sidecar`
-//! (`worker::drain`): the flags, and the sequence signal → drain (a second signal cuts it
-//! short) → stop.
+//! How `kvgate gateway`, `kvgate worker` and `kvgate sidecar` stop: the stop signal
+//! (SIGTERM or Ctrl-C), the drain flags (the `drain` crate), and the sequence signal → drain (a
+//! second signal cuts it short) → stop.
 
 use std::future::Future;
 use std::time::Duration;
@@ -8,7 +8,8 @@ use std::time::Duration;
 #[derive(clap::Args, Debug, Clone)]
 pub struct DrainArgs {
     /// On SIGTERM/Ctrl-C, keep answering for at least this long with `/ready` at 503
-    /// (`draining`) so that gateways stop routing here (their health interval, default 1 s),
+    /// (`draining`) so that whatever routes here stops (a gateway probes a worker's `/ready`
+    /// every `health_interval_ms`, default 1 s; a VIP probes a gateway's on its own schedule),
     /// then stop once no request is in flight, ms.
     #[arg(long, default_value_t = 2000)]
     pub drain_grace_ms: u64,
@@ -36,7 +37,7 @@ pub async fn drain_until_done_or_signalled(
     label: &str,
     in_flight: usize,
     timeout: Duration,
-    drain: impl Future<Output = worker::DrainReport>,
+    drain: impl Future<Output = drain::DrainReport>,
 ) {
     eprintln!(
         "{label}: draining ({in_flight} requests in flight; at most {} s, a second signal stops at once)",
@@ -48,6 +49,29 @@ pub async fn drain_until_done_or_signalled(
             report.waited.as_secs_f64(),
             report.in_flight_left
         ),
-        _ = super::worker::shutdown_signal() => eprintln!("{label}: second signal: stopping now"),
+        _ = signal() => eprintln!("{label}: second signal: stopping now"),
+    }
+}
+
+/// Ctrl-C or SIGTERM.
+pub async fn signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -1,0 +1,277 @@
+//! `kvgate worker` and `kvgate gateway` stopped by a signal, with the real binaries (a
+//! simulated engine, the default model's prompt profile): SIGTERM drains — `/ready` answers 503
+//! `draining`, an open stream finishes with `[DONE]`, the process exits 0 once nothing is in
+//! flight after the grace — and a second SIGTERM during a worker's drain stops at once, ending
+//! the stream with `engine_stopped`.
+
+#[path = "gateway_support/mod.rs"]
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `kvgate` process; killed when dropped.
+struct Worker {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Worker {
+    /// A simulated worker with 10 ms decode steps and the given drain settings.
+    fn start(grace_ms: u64, timeout_secs: u64) -> Worker {
+        Worker::start_trusting(grace_ms, timeout_secs, None)
+    }
+
+    /// [`Worker::start`], trusting the gateway keys in `keys` for route tickets.
+    fn start_trusting(grace_ms: u64, timeout_secs: u64, keys: Option<&Path>) -> Worker {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        cmd.args(["worker", "--engine", "sim", "--id", "w1"]);
+        if let Some(k) = keys {
+            cmd.arg("--gateway-keys").arg(k);
+        }
+        let child = cmd
+            .arg("--model")
+            .arg(support::model_path())
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--state-dir")
+            .arg(dir.path())
+            .args(["--sim-decode-us-base", "10000"])
+            .args(["--drain-grace-ms", &grace_ms.to_string()])
+            .args(["--drain-timeout-secs", &timeout_secs.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvgate worker");
+        Worker {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    /// A round-robin gateway in front of `worker` (health probes every 100 ms) signing with
+    /// `dir`'s `gateway.key` ([`keygen`]); its admin plane (`/ready`) on `admin`.
+    fn gateway(worker: &Worker, dir: tempfile::TempDir, admin: u16, grace_ms: u64) -> Worker {
+        let port = free_port();
+        let rules = format!(
+            "[gateway]\nhealth_interval_ms = 100\n\n[[workers]]\nid = \"w1\"\nurl = \"http://127.0.0.1:{}\"\n\n\
+             [[pools]]\nid = \"all\"\nworkers = [\"w1\"]\n\n[[services]]\nname = \"chat\"\npool = \"all\"\n\
+             rule = {{ type = \"round_robin\" }}\n",
+            worker.port
+        );
+        std::fs::write(dir.path().join("rules.toml"), rules).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .args(["gateway", "--no-watch", "--rules"])
+            .arg(dir.path().join("rules.toml"))
+            .arg("--key")
+            .arg(dir.path().join("gateway.key"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin", &format!("127.0.0.1:{admin}")])
+            .args(["--drain-grace-ms", &grace_ms.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvgate gateway");
+        Worker {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn term(&self) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -TERM");
+    }
+
+    fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let end = Instant::now() + within;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                Instant::now() < end,
+                "the worker did not exit in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A directory holding a new gateway key pair (`gateway.key`, `gateway.pub`).
+fn keygen() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let ok = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["keygen", "--name", "gateway", "--out"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kvgate keygen");
+    dir
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until `/ready` answers `status`; returns its body.
+async fn ready(http: &reqwest::Client, w: &Worker, status: u16) -> serde_json::Value {
+    ready_at(http, &w.url("/ready"), status).await
+}
+
+/// Waits until `url` answers `status`; returns its body.
+async fn ready_at(http: &reqwest::Client, url: &str, status: u16) -> serde_json::Value {
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = http.get(url).send().await {
+            if r.status().as_u16() == status {
+                return r.json().await.unwrap();
+            }
+        }
+        assert!(Instant::now() < end, "/ready never answered {status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Opens a streamed chat completion of `max_tokens` and reads its first chunk.
+async fn open_stream(http: &reqwest::Client, w: &Worker, max_tokens: u64) -> reqwest::Response {
+    let body = serde_json::json!({"model": "m", "max_tokens": max_tokens, "stream": true,
+        "messages": [{"role": "user", "content": "Tell me about lighthouses."}]});
+    let mut resp = http
+        .post(w.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.chunk().await.unwrap().is_some());
+    resp
+}
+
+async fn rest_of(mut resp: reqwest::Response) -> String {
+    let mut out = Vec::new();
+    while let Ok(Some(c)) = resp.chunk().await {
+        out.extend_from_slice(&c);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn sigterm_drains_open_streams_then_exits() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut w = Worker::start(300, 30);
+    let http = reqwest::Client::new();
+    rt.block_on(async {
+        ready(&http, &w, 200).await;
+        // ~1.5 s of decode left when the signal comes.
+        let stream = open_stream(&http, &w, 150).await;
+        w.term();
+        let body = ready(&http, &w, 503).await;
+        assert!(
+            body["reason"].as_str().unwrap().starts_with("draining"),
+            "{body}"
+        );
+        let rest = rest_of(stream).await;
+        assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+        assert!(!rest.contains("engine_stopped"), "{rest}");
+    });
+    let status = w.wait_exit(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_second_sigterm_stops_at_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut w = Worker::start(300, 60);
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    rt.block_on(async {
+        ready(&http, &w, 200).await;
+        // 20 s of decode, far longer than the test waits: only the second signal can end it.
+        let stream = open_stream(&http, &w, 2000).await;
+        w.term();
+        ready(&http, &w, 503).await;
+        w.term();
+        let rest = rest_of(stream).await;
+        assert!(rest.contains("engine_stopped"), "{rest}");
+    });
+    let status = w.wait_exit(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(40));
+}
+
+/// A gateway replica taken out of a VIP: on SIGTERM its admin `/ready` (no token needed, as a
+/// VIP's health check has none) answers 503 `draining`, the stream it proxies finishes with
+/// `[DONE]`, and it exits 0 once nothing is in flight after the grace.
+#[test]
+fn sigterm_drains_the_gateway_too() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let keys = keygen();
+    let worker = Worker::start_trusting(300, 30, Some(keys.path()));
+    let admin = free_port();
+    let mut gw = Worker::gateway(&worker, keys, admin, 300);
+    let http = reqwest::Client::new();
+    let gw_ready = format!("http://127.0.0.1:{admin}/ready");
+    rt.block_on(async {
+        ready(&http, &worker, 200).await;
+        assert_eq!(ready_at(&http, &gw_ready, 200).await["ready"], true);
+        // The gateway has seen the worker healthy once a request through it succeeds.
+        let end = Instant::now() + Duration::from_secs(30);
+        let stream = loop {
+            let body = serde_json::json!({"model": "m", "max_tokens": 150, "stream": true,
+                "messages": [{"role": "user", "content": "Tell me about lighthouses."}]});
+            let mut r = http
+                .post(gw.url("/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 200 {
+                assert!(r.chunk().await.unwrap().is_some());
+                break r;
+            }
+            assert!(
+                Instant::now() < end,
+                "no answer through the gateway: {}",
+                r.status()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        gw.term();
+        let body = ready_at(&http, &gw_ready, 503).await;
+        assert!(
+            body["reason"].as_str().unwrap().starts_with("draining"),
+            "{body}"
+        );
+        let rest = rest_of(stream).await;
+        assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+    });
+    let status = gw.wait_exit(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}");
+}
