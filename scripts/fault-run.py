@@ -7,7 +7,7 @@ KV-exact behind API keys with rate limits), then tries every fault in the table 
 malformed and oversized bodies through the gateway and directly, forged / expired / replayed /
 misdirected tickets, the workers' side doors, admin without or with bad tokens, invalid rules by
 the API, by file and by SIGHUP, 10x overload, `kill -9` of a worker mid-stream and its restart
-(replays refused across it), tenant keys, limits and cache isolation, cancellation, `promtool`
+(replays refused across it), SIGTERM of a worker mid-stream (it drains), tenant keys, limits and cache isolation, cancellation, `promtool`
 on both servers, the receipts audit, and key files read by OpenSSL.
 
     .venv/bin/python3 scripts/fault-run.py [--bin target/debug/kvgate] [--keep DIR]
@@ -673,6 +673,40 @@ def cases(run: Run):
               {"x-kvgate-ticket": Ticket.sign(dict(t1.payload), run.gw_key), "x-request-id": t1.payload["request_id"]})
         expect(r, 401, "ticket_replayed")
         return "stream cut without [DONE]; w2 took over; w1 rejoined; replay 401 after restart"
+
+    # ---- a rolling restart: SIGTERM drains ----
+    @case("SIGTERM: a worker stopped mid-stream drains; its stream completes; no request fails; it rejoins")
+    def _():
+        for _ in range(6):
+            c = http.client.HTTPConnection("127.0.0.1", run.gport, timeout=30)
+            c.request("POST", "/v1/chat/completions", json.dumps(chat("rr", "drain me", 300, stream=True)),
+                      {"content-type": "application/json"})
+            resp = c.getresponse()
+            if resp.getheader("x-kvgate-worker") == "w1":
+                break
+            resp.read()
+            c.close()
+        else:
+            raise AssertionError("no stream landed on w1")
+        resp.read1(256)
+        w1 = run.workers["w1"]
+        os.killpg(w1.p.pid, signal.SIGTERM)
+        served = [g("POST", "/v1/chat/completions", chat("rr", f"during the drain {i}", 1)) for i in range(10)]
+        assert all(r.status == 200 for r in served), [(r.status, r.body[:120]) for r in served if r.status != 200][:2]
+        rest = resp.read()
+        c.close()
+        assert rest.rstrip().endswith(b"data: [DONE]"), rest[-200:]
+        code = w1.p.wait(30)
+        assert code == 0, f"exit {code}"
+        run.start_worker("w1", run.wport["w1"])
+        end = time.time() + 20
+        while time.time() < end:
+            if "w1" in {g("POST", "/v1/chat/completions", chat("rr", "back?", 1)).h("x-kvgate-worker") for _ in range(4)}:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("w1 never got traffic again")
+        return f"stream finished with [DONE]; 10/10 served during the drain ({sorted({r.h('x-kvgate-worker') for r in served})}); exit 0; rejoined"
 
     # ---- observability and audit ----
     promtool = shutil.which("promtool") or str(ROOT / ".cache/tools/bin/promtool")
