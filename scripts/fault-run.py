@@ -633,23 +633,26 @@ def cases(run: Run):
             time.sleep(0.2)
         raise AssertionError("a sequence kept running after the client left")
 
+    def stream_on_w1(text, max_tokens):
+        """A stream through the round-robin service that landed on w1 (retried until one does),
+        its first bytes read: (connection, response)."""
+        for _ in range(6):
+            c = http.client.HTTPConnection("127.0.0.1", run.gport, timeout=30)
+            c.request("POST", "/v1/chat/completions", json.dumps(chat("rr", text, max_tokens, stream=True)),
+                      {"content-type": "application/json"})
+            resp = c.getresponse()
+            if resp.getheader("x-kvgate-worker") == "w1":
+                resp.read1(256)
+                return c, resp
+            resp.read()
+            c.close()
+        raise AssertionError("no stream landed on w1")
+
     # ---- kill -9 mid-stream, restart, replay across the restart ----
     @case("kill -9: a worker killed mid-stream; traffic moves; restart rejoins; replays stay refused")
     def _():
         t1 = Ticket(run.fresh_ticket("w1"))
-        # A long stream pinned to w1 by round robin: retry until it lands there.
-        for _ in range(6):
-            c = http.client.HTTPConnection("127.0.0.1", run.gport, timeout=30)
-            c.request("POST", "/v1/chat/completions", json.dumps(chat("rr", "long", 3000, stream=True)),
-                      {"content-type": "application/json"})
-            resp = c.getresponse()
-            if resp.getheader("x-kvgate-worker") == "w1":
-                break
-            resp.read()
-            c.close()
-        else:
-            raise AssertionError("no stream landed on w1")
-        resp.read1(256)
+        c, resp = stream_on_w1("long", 3000)
         run.workers["w1"].kill9()
         try:
             rest = resp.read()
@@ -677,18 +680,7 @@ def cases(run: Run):
     # ---- a rolling restart: SIGTERM drains ----
     @case("SIGTERM: a worker stopped mid-stream drains; its stream completes; no request fails; it rejoins")
     def _():
-        for _ in range(6):
-            c = http.client.HTTPConnection("127.0.0.1", run.gport, timeout=30)
-            c.request("POST", "/v1/chat/completions", json.dumps(chat("rr", "drain me", 300, stream=True)),
-                      {"content-type": "application/json"})
-            resp = c.getresponse()
-            if resp.getheader("x-kvgate-worker") == "w1":
-                break
-            resp.read()
-            c.close()
-        else:
-            raise AssertionError("no stream landed on w1")
-        resp.read1(256)
+        c, resp = stream_on_w1("drain me", 300)
         w1 = run.workers["w1"]
         os.killpg(w1.p.pid, signal.SIGTERM)
         served = [g("POST", "/v1/chat/completions", chat("rr", f"during the drain {i}", 1)) for i in range(10)]

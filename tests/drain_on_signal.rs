@@ -269,6 +269,23 @@ fn sigterm_drains_the_gateway_too() {
             body["reason"].as_str().unwrap().starts_with("draining"),
             "{body}"
         );
+        // A request that still arrives is answered, and its connection closed after it
+        // (`Connection: close`): the client's next one goes through the VIP again.
+        let body = serde_json::json!({"model": "m", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "still here?"}]});
+        let late = http
+            .post(gw.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(late.status(), 200);
+        assert_eq!(
+            late.headers().get("connection").map(|v| v.as_bytes()),
+            Some(&b"close"[..]),
+            "{:?}",
+            late.headers()
+        );
         let rest = rest_of(stream).await;
         assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
     });

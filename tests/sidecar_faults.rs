@@ -81,6 +81,22 @@ async fn hostile(body: Bytes) -> Response {
     }
 }
 
+/// The hostile engine on an ephemeral port: its address and its server task.
+async fn start_hostile_engine() -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    let app = Router::new()
+        .route("/v1/chat/completions", post(hostile))
+        .route("/health", get(|| async { "ok" }));
+    (
+        addr,
+        tokio::spawn(async move { axum::serve(engine, app).await }),
+    )
+}
+
 #[test]
 fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -92,12 +108,7 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
     let key = KeyPair::generate();
     let log = dir.path().join("receipts.jsonl");
     rt.block_on(async {
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let engine_addr = engine.local_addr().unwrap();
-        let app = Router::new()
-            .route("/v1/chat/completions", post(hostile))
-            .route("/health", get(|| async { "ok" }));
-        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let (engine_addr, server) = start_hostile_engine().await;
         let mut cfg = SidecarConfig::new(
             format!("http://{engine_addr}"),
             "s1",
@@ -216,12 +227,7 @@ fn a_draining_sidecar_lets_its_streams_finish() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let engine_addr = engine.local_addr().unwrap();
-        let app = Router::new()
-            .route("/v1/chat/completions", post(hostile))
-            .route("/health", get(|| async { "ok" }));
-        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let (engine_addr, server) = start_hostile_engine().await;
         let cfg = SidecarConfig::new(
             format!("http://{engine_addr}"),
             "s1",

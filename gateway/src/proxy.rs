@@ -161,6 +161,11 @@ impl ProxyHttp for Proxy {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         ctx.started = Some(Instant::now());
+        // Draining: this answer closes its connection (`Connection: close`), so that the
+        // client's next request opens a new one, which the VIP sends to another replica.
+        if self.data.drain.draining() {
+            session.set_keepalive(None);
+        }
         ctx.request_id = self.data.request_ids.mint();
         ctx.client_request_id = client_request_id(session.req_header());
         let view = self.data.views.load();

@@ -1081,35 +1081,49 @@ async fn a_restarted_worker_continues_its_receipt_chain() {
     assert_eq!(report.valid, 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_ends_open_streams_and_receipts_them() {
-    let opts = SimOpts {
+/// A simulated worker with 10 ms decode steps.
+async fn start_paced() -> TestWorker {
+    start_sim(SimOpts {
         decode_us_base: 10_000,
         ..SimOpts::default()
-    };
-    let w = start_sim(opts).await;
+    })
+    .await
+}
+
+/// A streamed chat completion of `max_tokens` (request id `id`) on `w`, running once its first
+/// event arrived; the events after it are read to the end by the returned task.
+async fn running_stream(
+    w: &TestWorker,
+    id: &str,
+    max_tokens: u64,
+) -> tokio::task::JoinHandle<Vec<String>> {
     let resp = client()
         .post(w.url("/v1/chat/completions"))
-        .header("x-request-id", "cut-by-shutdown")
+        .header("x-request-id", id)
         .json(&chat_body(
             "long",
-            json!({"max_tokens": 5000, "stream": true}),
+            json!({"max_tokens": max_tokens, "stream": true}),
         ))
         .send()
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let log = w.receipt_log.clone();
     let mut sse = SseReader::new(resp);
-    // The stream is running once its first chunk arrived.
     let _first = sse.next_event().await.unwrap();
-    let reader = tokio::spawn(async move {
+    tokio::spawn(async move {
         let mut out = Vec::new();
         while let Some(e) = sse.next_event().await {
             out.push(e.data);
         }
         out
-    });
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_open_streams_and_receipts_them() {
+    let w = start_paced().await;
+    let log = w.receipt_log.clone();
+    let reader = running_stream(&w, "cut-by-shutdown", 5000).await;
     let _dir = tokio::time::timeout(Duration::from_secs(15), w.stop())
         .await
         .unwrap();
@@ -1130,31 +1144,9 @@ async fn shutdown_ends_open_streams_and_receipts_them() {
 /// `engine_stopped`), and the drain returns once nothing is in flight after the grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_lets_open_streams_finish_before_the_stop() {
-    let mut w = start_sim(SimOpts {
-        decode_us_base: 10_000,
-        ..SimOpts::default()
-    })
-    .await;
-    let resp = client()
-        .post(w.url("/v1/chat/completions"))
-        .json(&chat_body(
-            "long",
-            json!({"max_tokens": 60, "stream": true}),
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut sse = SseReader::new(resp);
-    let _first = sse.next_event().await.unwrap();
+    let mut w = start_paced().await;
+    let reader = running_stream(&w, "drained", 60).await;
     assert_eq!(w.worker.in_flight(), 1);
-    let reader = tokio::spawn(async move {
-        let mut out = Vec::new();
-        while let Some(e) = sse.next_event().await {
-            out.push(e.data);
-        }
-        out
-    });
     let url = w.url("");
     let during = async {
         // (the drain has begun: the request is sent after /ready turned 503)
@@ -1214,37 +1206,17 @@ async fn drain_lets_open_streams_finish_before_the_stop() {
 /// ends it with `engine_stopped` (and receipts it) as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_gives_up_at_its_timeout() {
-    let mut w = start_sim(SimOpts {
-        decode_us_base: 10_000,
-        ..SimOpts::default()
-    })
-    .await;
-    let resp = client()
-        .post(w.url("/v1/chat/completions"))
-        .json(&chat_body(
-            "long",
-            json!({"max_tokens": 5000, "stream": true}),
-        ))
-        .send()
-        .await
-        .unwrap();
-    let mut sse = SseReader::new(resp);
-    let _first = sse.next_event().await.unwrap();
+    let mut w = start_paced().await;
+    let reader = running_stream(&w, "outlasts-the-drain", 5000).await;
     let report = w
         .worker
         .drain(Duration::from_millis(50), Duration::from_millis(400))
         .await;
     assert_eq!(report.in_flight_left, 1, "{report:?}");
     assert!(report.waited >= Duration::from_millis(400), "{report:?}");
-    let reader = tokio::spawn(async move {
-        let mut last = None;
-        while let Some(e) = sse.next_event().await {
-            last = Some(e.data);
-        }
-        last
-    });
     w.stop().await;
-    let last: Value = serde_json::from_str(&reader.await.unwrap().unwrap()).unwrap();
+    let events = reader.await.unwrap();
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "engine_stopped");
 }
 
