@@ -442,6 +442,75 @@ fn a_draining_worker_finishes_its_streams_and_loses_no_request() {
     fleet.stop();
 }
 
+/// A gateway that joins a fleet reports ready (admin `GET /ready`, no token) only once the KV
+/// event snapshots of the healthy workers its `kv_exact` services route to have arrived: here
+/// w2's 16 subscription slots are taken, so its stream is refused (429) until they free up.
+#[test]
+fn ready_waits_for_the_kv_event_snapshots_at_the_start() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    let w2 = fleet.addrs[1];
+    let access = fleet.worker_access(1);
+    let http = fleet.http.clone();
+    let held: Vec<reqwest::Response> = fleet.rt.block_on(async {
+        let mut held = Vec::new();
+        for _ in 0..16 {
+            let r = http
+                .get(format!("http://{w2}/v1/kv/events"))
+                .header("authorization", &access)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            held.push(r);
+        }
+        held
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let ready = || {
+        fleet.rt.block_on(async {
+            let r = http.get(fleet.admin_url("/ready")).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<serde_json::Value>().await.unwrap())
+        })
+    };
+    // w1's snapshot arrives; w2's cannot.
+    fleet.wait_for("w1's snapshot", Duration::from_secs(10), || {
+        fleet.admin(Method::GET, "/admin/workers", None).json()["workers"][0]["events"]
+            ["load_reports"]
+            .as_u64()
+            > Some(0)
+    });
+    let (status, body) = ready();
+    assert_eq!(status, 503, "{body}");
+    let reason = body["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("catching up") && reason.contains("w2") && !reason.contains("w1"),
+        "{reason}"
+    );
+    // Requests are served meanwhile (readiness is for the VIP, not a gate on the proxy).
+    assert_eq!(
+        fleet
+            .post("/v1/chat/completions", &chat(&[("user", "early")], 2), &[])
+            .status,
+        200
+    );
+    drop(held);
+    fleet.wait_for("ready", Duration::from_secs(15), || ready().0 == 200);
+    assert_eq!(ready().1, json!({"ready": true}));
+    let health = fleet.rt.block_on(async {
+        http.get(fleet.admin_url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(health, 200);
+    fleet.stop();
+}
+
 #[test]
 fn one_mebibyte_bodies_route_and_expect_continue_works() {
     let mut fleet = Fleet::workers(FleetOptions {

@@ -214,14 +214,17 @@ impl Admin {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
         // For a VIP's or an orchestrator's health checks, which carry no token: the process is
-        // up (`/health`); it takes traffic (`/ready`: 503 while draining before a stop).
+        // up (`/health`); it takes traffic (`/ready`: 503 while the index catches up at the
+        // start, and while draining before a stop).
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => return Ok(json_response(200, &json!({"status": "ok"}))),
             ("GET", "/ready") => {
-                return Ok(match self.control.data.drain.not_ready_reason() {
+                let data = &self.control.data;
+                let reason = data.drain.not_ready_reason().or_else(|| data.catching_up());
+                return Ok(match reason {
                     None => json_response(200, &json!({"ready": true})),
                     Some(reason) => json_response(503, &json!({"ready": false, "reason": reason})),
-                })
+                });
             }
             _ => {}
         }

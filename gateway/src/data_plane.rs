@@ -98,6 +98,28 @@ pub struct DataPlane {
     /// guard, from `new_ctx` until the request is done) and whether the gateway drains
     /// ([`crate::RunningGateway::drain`]: the admin plane's `/ready` answers 503).
     pub drain: drain::Drain,
+    /// Whether the index has caught up since the start ([`DataPlane::catching_up`]).
+    pub catch_up: CatchUp,
+}
+
+/// The start-up catch-up of the prefix index: latched once every healthy worker a `kv_exact`
+/// service routes to has delivered its event stream's snapshot, or once `limit` has passed.
+#[derive(Debug)]
+pub struct CatchUp {
+    started: std::time::Instant,
+    limit: std::time::Duration,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl CatchUp {
+    /// From now, for at most `limit`.
+    pub fn new(limit: std::time::Duration) -> CatchUp {
+        CatchUp {
+            started: std::time::Instant::now(),
+            limit,
+            done: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
 }
 
 impl DataPlane {
@@ -217,6 +239,56 @@ impl DataPlane {
             let seen = e.runtime.load_reports.load(Ordering::Relaxed);
             reports.inc_by(seen.saturating_sub(reports.get()));
         }
+    }
+
+    /// Why the gateway is not ready for `kv_exact` traffic yet: at the start, the workers
+    /// whose KV event snapshot has not arrived — healthy workers in a `kv_exact` service's pool
+    /// with an event stream (a worker's first `event: load` message follows its snapshot,
+    /// docs/kv-events.md), so a replica that joins a fleet does not take traffic on an empty
+    /// index. `None` once every such snapshot arrived, or after the catch-up limit; latched, so
+    /// a worker that breaks later does not take the gateway out (its own health does that).
+    pub fn catching_up(&self) -> Option<String> {
+        if self.catch_up.done.load(Ordering::Acquire) {
+            return None;
+        }
+        let view = self.views.load();
+        let routed: std::collections::BTreeSet<&WorkerId> = view
+            .services
+            .iter()
+            .filter(|s| s.prefix.is_some())
+            .flat_map(|s| s.pool.iter())
+            .filter(|w| {
+                view.workers.get(*w).is_some_and(|e| {
+                    e.healthy
+                        && matches!(
+                            *e.runtime.events.lock(),
+                            EventStreamState::Connecting | EventStreamState::Connected
+                        )
+                })
+            })
+            .collect();
+        let pending: Vec<&str> = routed
+            .iter()
+            .filter(|w| {
+                view.workers
+                    .get(**w)
+                    .is_some_and(|e| !e.runtime.events_synced.load(Ordering::Acquire))
+            })
+            .map(|w| w.0.as_str())
+            .collect();
+        if pending.is_empty() || self.catch_up.started.elapsed() >= self.catch_up.limit {
+            if !pending.is_empty() {
+                tracing::warn!(workers = ?pending, "catch-up limit passed: ready without their KV event snapshots");
+            }
+            self.catch_up.done.store(true, Ordering::Release);
+            return None;
+        }
+        Some(format!(
+            "catching up: the KV event snapshots of {} ({} of {} kv_exact workers) have not arrived",
+            pending.join(", "),
+            pending.len(),
+            routed.len()
+        ))
     }
 
     /// End-of-request bookkeeping: metrics, decision log, approximate holdings.

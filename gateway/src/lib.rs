@@ -106,7 +106,14 @@ pub struct GatewayConfig {
     /// Cluster mode: share rules, registrations, keys and load with other replicas through
     /// Redis (docs/cluster.md); `None` (the default): one gateway with its rules file.
     pub cluster: Option<cluster::ClusterSettings>,
+    /// The longest the admin plane's `GET /ready` waits, after the start, for the KV event
+    /// snapshots of the healthy workers `kv_exact` services route to
+    /// ([`data_plane::DataPlane::catching_up`]).
+    pub catch_up_limit: Duration,
 }
+
+/// Default [`GatewayConfig::catch_up_limit`].
+pub const DEFAULT_CATCH_UP_LIMIT: Duration = Duration::from_secs(30);
 
 impl GatewayConfig {
     /// A configuration with defaults: ephemeral ports on 127.0.0.1, no token, no decision log,
@@ -124,6 +131,7 @@ impl GatewayConfig {
             watch_rules: true,
             sighup: false,
             approx_ttl: DEFAULT_APPROX_TTL,
+            catch_up_limit: DEFAULT_CATCH_UP_LIMIT,
             routing_threads: 2,
             routing_queue: 64,
             nonce_pool: 0,
@@ -303,6 +311,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         claims: arc_swap::ArcSwapOption::empty(),
         holdings_seq: std::sync::atomic::AtomicU64::new(0),
         drain: drain::Drain::default(),
+        catch_up: data_plane::CatchUp::new(config.catch_up_limit),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

@@ -162,6 +162,10 @@ impl Supervisor {
             } else {
                 *entry.runtime.events.lock() = EventStreamState::NotSubscribed;
                 *entry.runtime.reported_load.lock() = None;
+                entry
+                    .runtime
+                    .events_synced
+                    .store(false, std::sync::atomic::Ordering::Release);
             }
             self.tasks.insert(
                 id,
@@ -318,6 +322,9 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
                 }
                 set_events(&runtime, &cancel, EventStreamState::Connecting);
                 *runtime.reported_load.lock() = None;
+                runtime
+                    .events_synced
+                    .store(false, std::sync::atomic::Ordering::Release);
                 match end {
                     StreamEnd::Cancelled => return,
                     StreamEnd::Gap => {

@@ -237,6 +237,9 @@ pub struct WorkerRuntime {
     pub reported_load: Mutex<Option<(prefix_index::WorkerLoad, Instant)>>,
     /// Load reports received since start (`event: load` messages).
     pub load_reports: AtomicU64,
+    /// The current event stream delivered its snapshot (its first load message arrived: the
+    /// worker sends it after the subscription's snapshot); cleared when the stream ends.
+    pub events_synced: std::sync::atomic::AtomicBool,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
     /// When the event stream last delivered something.
@@ -267,6 +270,7 @@ impl WorkerRuntime {
             remote_reserved: Mutex::new(RemoteReservations::default()),
             reported_load: Mutex::new(None),
             load_reports: AtomicU64::new(0),
+            events_synced: std::sync::atomic::AtomicBool::new(false),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),
@@ -289,6 +293,7 @@ impl WorkerRuntime {
     pub fn report_load(&self, load: prefix_index::WorkerLoad, at: Instant) {
         *self.reported_load.lock() = Some((load, at));
         self.load_reports.fetch_add(1, Ordering::Relaxed);
+        self.events_synced.store(true, Ordering::Release);
     }
 
     /// Counts another replica's reservation (its published decision) here from `now` for
