@@ -280,6 +280,16 @@ fn a_draining_sidecar_lets_its_streams_finish() {
         assert!(rest.contains("data: [DONE]"), "{rest}");
         assert_eq!(report.in_flight_left, 0, "{report:?}");
         assert!(report.waited >= Duration::from_millis(300), "{report:?}");
+        let m = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(m.contains("kvgate_sidecar_draining 1"), "{m}");
+        assert!(m.contains("kvgate_sidecar_requests_in_flight 0"), "{m}");
         sc.shutdown().await;
         server.abort();
     });

@@ -117,11 +117,8 @@ impl ServerMetrics {
              gateway's predicted cached tokens (kind=predicted) and the engine's (kind=cached)",
             m.routed_prefix.clone(),
         );
-        r.register_collector(Box::new(EngineCollector {
-            engine,
-            ready,
-            drain,
-        }));
+        r.register_collector(Box::new(EngineCollector { engine, ready }));
+        r.register_collector(Box::new(DrainCollector(drain)));
         m
     }
 
@@ -188,7 +185,6 @@ impl ServerMetrics {
 struct EngineCollector {
     engine: Engine,
     ready: Arc<AtomicBool>,
-    drain: crate::drain::Drain,
 }
 
 impl fmt::Debug for EngineCollector {
@@ -284,18 +280,33 @@ impl Collector for EngineCollector {
                 self.ready.load(Ordering::Acquire)
                     && self.engine.health() == engine::EngineHealth::Running,
             ),
-        )?;
+        )
+    }
+}
+
+/// Reads a server's [`crate::drain::Drain`] at scrape time: `draining` and
+/// `requests_in_flight`, under the registry's prefix (`kvgate_worker_`, `kvgate_sidecar_`).
+pub(crate) struct DrainCollector(pub(crate) crate::drain::Drain);
+
+impl fmt::Debug for DrainCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DrainCollector").finish_non_exhaustive()
+    }
+}
+
+impl Collector for DrainCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         gauge(
             &mut enc,
             "draining",
-            "1 while the worker drains before a stop (/ready answers 503, requests in flight finish)",
-            i64::from(self.drain.draining()),
+            "1 while the server drains before a stop (/ready answers 503, requests in flight finish)",
+            i64::from(self.0.draining()),
         )?;
         gauge(
             &mut enc,
             "requests_in_flight",
             "Inference requests being answered (until their answer's body is done)",
-            clamp(self.drain.in_flight()),
+            clamp(self.0.in_flight()),
         )
     }
 }

@@ -285,7 +285,8 @@ pub async fn spawn(
         .build()
         .map_err(|e| startup("http client", e))?;
     let mut registry = Registry::default();
-    let metrics = relay::SidecarMetrics::register(&mut registry);
+    let drain = crate::drain::Drain::default();
+    let metrics = relay::SidecarMetrics::register(&mut registry, drain.clone());
     let state = Arc::new(SidecarState {
         cfg,
         engine,
@@ -295,7 +296,7 @@ pub async fn spawn(
         metrics,
         registry,
         shutdown: CancellationToken::new(),
-        drain: crate::drain::Drain::default(),
+        drain,
     });
     let app = router(state.clone());
     let server = tokio::spawn(crate::listener::serve(

@@ -46,7 +46,7 @@ pub struct SidecarMetrics {
 }
 
 impl SidecarMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut Registry, drain: crate::drain::Drain) -> Self {
         let m = SidecarMetrics {
             requests: Family::default(),
             engine_failures: Family::default(),
@@ -74,6 +74,7 @@ impl SidecarMetrics {
             "Receipts that could not be appended",
             m.receipt_failures.clone(),
         );
+        r.register_collector(Box::new(crate::metrics::DrainCollector(drain)));
         m
     }
 
