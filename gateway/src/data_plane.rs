@@ -252,29 +252,29 @@ impl DataPlane {
             return None;
         }
         let view = self.views.load();
-        let routed: std::collections::BTreeSet<&WorkerId> = view
+        // Each such worker once, whether its snapshot arrived.
+        let routed: std::collections::BTreeMap<&str, bool> = view
             .services
             .iter()
             .filter(|s| s.prefix.is_some())
             .flat_map(|s| s.pool.iter())
-            .filter(|w| {
-                view.workers.get(*w).is_some_and(|e| {
-                    e.healthy
-                        && matches!(
-                            *e.runtime.events.lock(),
-                            EventStreamState::Connecting | EventStreamState::Connected
-                        )
-                })
+            .filter_map(|w| view.workers.get(w).map(|e| (w, e)))
+            .filter(|(_, e)| {
+                e.healthy
+                    && matches!(
+                        *e.runtime.events.lock(),
+                        EventStreamState::Connecting | EventStreamState::Connected
+                    )
+            })
+            .map(|(w, e)| {
+                let synced = e.runtime.events_synced.load(Ordering::Acquire);
+                (w.0.as_str(), synced)
             })
             .collect();
         let pending: Vec<&str> = routed
             .iter()
-            .filter(|w| {
-                view.workers
-                    .get(**w)
-                    .is_some_and(|e| !e.runtime.events_synced.load(Ordering::Acquire))
-            })
-            .map(|w| w.0.as_str())
+            .filter(|(_, synced)| !**synced)
+            .map(|(w, _)| *w)
             .collect();
         if pending.is_empty() || self.catch_up.started.elapsed() >= self.catch_up.limit {
             if !pending.is_empty() {

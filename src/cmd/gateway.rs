@@ -143,15 +143,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .build()
         .context("signal runtime")?;
     rt.block_on(super::shutdown::signal());
-    if let Some((grace, timeout)) = args.drain.durations() {
-        let n = running.data.drain.in_flight();
-        rt.block_on(super::shutdown::drain_until_done_or_signalled(
-            "kvgate gateway",
-            n,
-            timeout,
-            running.drain(grace, timeout),
-        ));
-    }
+    let n = running.data.drain.in_flight();
+    rt.block_on(super::shutdown::drain_unless_signalled(
+        "kvgate gateway",
+        &args.drain,
+        n,
+        |g, t| running.drain(g, t),
+    ));
     eprintln!("kvgate gateway: stopping");
     running.shutdown();
     Ok(ExitCode::SUCCESS)

@@ -31,20 +31,26 @@ impl DrainArgs {
     }
 }
 
-/// Runs `drain` (already holding its durations) for `label`, unless a second signal comes
-/// first; reports on stderr.
-pub async fn drain_until_done_or_signalled(
+/// After the stop signal: runs `drain(grace, timeout)` for `label` (whose server has
+/// `in_flight` requests now) when `args` asks for a drain, unless a second signal comes first;
+/// reports on stderr.
+pub async fn drain_unless_signalled<F>(
     label: &str,
+    args: &DrainArgs,
     in_flight: usize,
-    timeout: Duration,
-    drain: impl Future<Output = drain::DrainReport>,
-) {
+    drain: impl FnOnce(Duration, Duration) -> F,
+) where
+    F: Future<Output = drain::DrainReport>,
+{
+    let Some((grace, timeout)) = args.durations() else {
+        return;
+    };
     eprintln!(
         "{label}: draining ({in_flight} requests in flight; at most {} s, a second signal stops at once)",
         timeout.as_secs()
     );
     tokio::select! {
-        report = drain => eprintln!(
+        report = drain(grace, timeout) => eprintln!(
             "{label}: drained in {:.1} s, {} requests left in flight",
             report.waited.as_secs_f64(),
             report.in_flight_left

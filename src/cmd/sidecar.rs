@@ -156,17 +156,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
         let mut s = s;
         super::shutdown::signal().await;
-        if let Some((grace, timeout)) = args.drain.durations() {
-            let label = format!("kvgate sidecar {}", args.id);
-            let n = s.in_flight();
-            super::shutdown::drain_until_done_or_signalled(
-                &label,
-                n,
-                timeout,
-                s.drain(grace, timeout),
-            )
-            .await;
-        }
+        let n = s.in_flight();
+        let label = format!("kvgate sidecar {}", args.id);
+        super::shutdown::drain_unless_signalled(&label, &args.drain, n, |g, t| s.drain(g, t)).await;
         eprintln!("kvgate sidecar {}: shutting down", args.id);
         s.shutdown().await;
         Ok::<_, anyhow::Error>(())

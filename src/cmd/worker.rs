@@ -476,17 +476,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         let mut w = w;
         super::shutdown::signal().await;
-        if let Some((grace, timeout)) = args.drain.durations() {
-            let label = format!("kvgate worker {}", args.id);
-            let n = w.in_flight();
-            super::shutdown::drain_until_done_or_signalled(
-                &label,
-                n,
-                timeout,
-                w.drain(grace, timeout),
-            )
-            .await;
-        }
+        let n = w.in_flight();
+        let label = format!("kvgate worker {}", args.id);
+        super::shutdown::drain_unless_signalled(&label, &args.drain, n, |g, t| w.drain(g, t)).await;
         eprintln!("kvgate worker {}: shutting down", args.id);
         w.shutdown().await;
         Ok::<_, anyhow::Error>(())
