@@ -1,12 +1,22 @@
 //! Faults a hostile or careless client causes at the gateway, end to end over simulated
 //! workers: bodies that cannot be parsed (400 whatever the rules match on), methods the API does
-//! not have (405 before routing, and the audit knows no receipt is owed), and clients that retry
-//! with their own request id (never refused as a replay: the gateway mints ticket ids).
+//! not have (405 before routing, and the audit knows no receipt is owed), clients that retry
+//! with their own request id (never refused as a replay: the gateway mints ticket ids), and
+//! workers that refuse a request (429 / 503: offered to the next worker, `refused_retries`).
 
 #[path = "gateway_support/mod.rs"]
 mod support;
 
 use support::{chat, Fleet, FleetOptions};
+
+/// Round robin over pool `all`, handing a worker's refusal straight to the client.
+const RR_NO_REFUSAL_RETRY: &str = r#"
+[[services]]
+name = "chat"
+pool = "all"
+rule = { type = "round_robin" }
+upstream = { refused_retries = 0 }
+"#;
 
 /// Two services told apart by `model`, as in examples/rules.toml.
 const BY_MODEL: &str = r#"
@@ -129,7 +139,9 @@ fn a_dead_engine_fails_fast_and_the_gateway_stops_routing_to_it() {
         faulty: Some((0, 3)),
         ..FleetOptions::default()
     });
-    fleet.start_gateway(support::RR_SERVICE, false);
+    // Refusals are not retried here, so the worker's 503 reaches the client (with the
+    // default, `a_refused_request_goes_to_the_next_worker…` below, it would be served by w2).
+    fleet.start_gateway(RR_NO_REFUSAL_RETRY, false);
     let w1 = format!("http://{}", fleet.addrs[0]);
     // Drive requests until w1's engine has died (round robin reaches it within two).
     let mut failed = None;
@@ -179,6 +191,154 @@ fn a_dead_engine_fails_fast_and_the_gateway_stops_routing_to_it() {
         );
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.worker(), "w2");
+    }
+    fleet.stop();
+}
+
+/// A fleet where w1 runs one sequence at a time and queues one more (so it answers 429
+/// `queue_full` to a third), w2 has the default limits; sim timing slow enough (~6 ms per
+/// step) that eight concurrent requests overlap.
+fn cramped_fleet() -> Fleet {
+    Fleet::workers(FleetOptions {
+        workers: 2,
+        sim: engine::sim::SimConfig {
+            block_size: 16,
+            num_blocks: 4096,
+            ..engine::sim::SimConfig::default()
+        },
+        engine: Some((
+            0,
+            engine::EngineConfig {
+                max_running: 1,
+                max_waiting: 1,
+                ..engine::EngineConfig::default()
+            },
+        )),
+        ..FleetOptions::default()
+    })
+}
+
+/// Eight concurrent chat requests through the VIP; `big`: with bodies over 64 KiB, which take
+/// the gateway's own forwarding path. Their replies.
+fn eight_at_once(fleet: &Fleet, big: bool) -> Vec<support::Reply> {
+    fleet.rt.block_on(async {
+        let sends = (0..8).map(|i| {
+            let pad = if big {
+                " ".repeat(70 * 1024)
+            } else {
+                String::new()
+            };
+            let body = format!(
+                r#"{{"model":"smol",{pad}"messages":[{{"role":"user","content":"busy {i}"}}],"max_tokens":48}}"#
+            );
+            let req = fleet
+                .http
+                .post(fleet.url("/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(body);
+            async move { support::Reply::read(req.send().await.unwrap()).await }
+        });
+        futures::future::join_all(sends).await
+    })
+}
+
+/// A worker that refuses a request before answering it (429 `queue_full` here) does not fail
+/// the client: the gateway offers the request to the next candidate (`upstream.refused_retries`,
+/// default 2), on pingora's proxy path and on the >64 KiB forwarding path alike (one round of
+/// eight concurrent requests each). Every refused
+/// attempt leaves a `retried` decision line checked against the refusing worker's receipt.
+#[test]
+fn a_refused_request_goes_to_the_next_worker_and_the_audit_sees_each_attempt() {
+    let mut fleet = cramped_fleet();
+    fleet.start_gateway(support::RR_SERVICE, true);
+    // Pingora's proxy path, then the >64 KiB forwarding path.
+    let rounds = [eight_at_once(&fleet, false), eight_at_once(&fleet, true)];
+    for replies in &rounds {
+        let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    }
+    let metrics = fleet.rt.block_on(async {
+        fleet
+            .http
+            .get(fleet.admin_url("/metrics"))
+            .bearer_auth(&fleet.admin_token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    let refused: u64 = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvgate_gateway_fallbacks_total{") && l.contains("reason=\"refused\"")
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse().unwrap());
+    // Round robin sends four of each eight to w1, which can hold two: at least two refused.
+    assert!(
+        refused >= 4,
+        "refused retries counted: {refused}\n{metrics}"
+    );
+    fleet.stop();
+    let decisions = fleet.dir.path().join("decisions.jsonl");
+    let text = std::fs::read_to_string(&decisions).unwrap();
+    let retried: Vec<receipts::DecisionRecord> = text
+        .lines()
+        .map(|l| receipts::DecisionRecord::from_line(l.as_bytes()).unwrap())
+        .filter(|d| d.phase == Some(receipts::DecisionPhase::Retried))
+        .collect();
+    assert_eq!(retried.len() as u64, refused, "{text}");
+    for d in &retried {
+        assert_eq!(d.status, 429, "{d:?}");
+        assert_eq!(d.worker.as_ref().map(|w| w.0.as_str()), Some("w1"), "{d:?}");
+    }
+    // Both paths retried: each round has requests with a `retried` line, served by w2.
+    for (round, replies) in rounds.iter().enumerate() {
+        let ids: Vec<String> = replies
+            .iter()
+            .map(|r| r.header("x-request-id").unwrap())
+            .collect();
+        let here: Vec<_> = retried
+            .iter()
+            .filter(|d| ids.contains(&d.request_id))
+            .collect();
+        assert!(!here.is_empty(), "round {round}: nothing retried");
+        for d in here {
+            let r = &replies[ids.iter().position(|i| *i == d.request_id).unwrap()];
+            assert_eq!(r.worker(), "w2", "round {round}");
+        }
+    }
+    let report = receipts::audit(
+        &decisions,
+        &[
+            fleet.dir.path().join("receipts-w1.jsonl"),
+            fleet.dir.path().join("receipts-w2.jsonl"),
+        ],
+        &fleet.key_ring(),
+    )
+    .unwrap();
+    assert!(report.ok(), "{report}");
+    assert_eq!(report.retried_attempts, refused, "{report}");
+    assert_eq!(report.unfinished, 0, "{report}");
+    // Each refused attempt has the refusing worker's 429 receipt; each request one 200.
+    assert_eq!(report.receipted, 16 + refused, "{report}");
+}
+
+/// The control: with `refused_retries = 0` the same load hands w1's 429s to the clients.
+#[test]
+fn without_refusal_retries_the_same_load_reaches_the_client_as_429() {
+    let mut fleet = cramped_fleet();
+    fleet.start_gateway(RR_NO_REFUSAL_RETRY, false);
+    let replies = eight_at_once(&fleet, false);
+    let refused: Vec<&support::Reply> = replies.iter().filter(|r| r.status != 200).collect();
+    assert!(!refused.is_empty(), "no request was refused");
+    for r in refused {
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], "queue_full", "{}", r.text());
+        assert_eq!(r.worker(), "w1");
+        assert!(r.header("retry-after").is_some());
     }
     fleet.stop();
 }

@@ -1043,3 +1043,157 @@ fn tenant_rate_limits_answer_429_with_retry_after() {
     );
     fleet.stop();
 }
+
+/// Two services: `internal` only on the named listener `internal`, `public` on every listener.
+const LISTENER_SERVICES: &str = r#"
+[[services]]
+name = "internal"
+pool = "all"
+match = { listener = "internal", models = ["smol-internal"] }
+rule = { type = "round_robin" }
+
+[[services]]
+name = "public"
+pool = "all"
+match = { models = ["smol"] }
+rule = { type = "kv_exact", profile = "smol" }
+"#;
+
+/// A free port on 127.0.0.1 (bound and released: a later bind may race, which is fine for a
+/// test that binds it within milliseconds).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The rules' `gateway.listeners` are bound beside the VIP, each serving the services without
+/// `match.listener` and its own; the VIP serves only the former. `gateway.admin_addr` places
+/// the admin plane when the configuration names none. Both are bound once: a rules change that
+/// moves them is refused, by the file reload and by the admin API.
+#[test]
+fn named_listeners_serve_their_services_and_stay_as_bound() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    let admin_port = free_port();
+    let gateway_table = format!(
+        "[gateway]\nhealth_interval_ms = 100\nadmin_addr = \"127.0.0.1:{admin_port}\"\n\
+         listeners = [{{ name = \"internal\", addr = \"127.0.0.1:0\" }}]\n"
+    );
+    let rules = fleet.rules_toml(LISTENER_SERVICES).replacen(
+        "[gateway]\nhealth_interval_ms = 100\n",
+        &gateway_table,
+        1,
+    );
+    fleet.rules_path = fleet.dir.path().join("rules.toml");
+    std::fs::write(&fleet.rules_path, &rules).unwrap();
+    let mut cfg = gateway::GatewayConfig::new(&fleet.rules_path, fleet.gateway_key.clone());
+    cfg.admin_token = Some(fleet.admin_token.clone());
+    cfg.admin = None; // the rules' admin_addr
+    fleet.gateway = Some(gateway::spawn(cfg).unwrap());
+    let gw = fleet.gw();
+    assert_eq!(gw.admin_addr.port(), admin_port);
+    let internal = gw.listeners["internal"];
+    assert_ne!(internal, gw.listen_addr);
+    let post = |addr: std::net::SocketAddr, model: &str| {
+        let mut body = chat(&[("user", "which listener?")], 2);
+        body["model"] = model.into();
+        fleet.rt.block_on(async {
+            support::Reply::read(
+                fleet
+                    .http
+                    .post(format!("http://{addr}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    let vip = gw.listen_addr;
+    // The VIP: the public service only.
+    let r = post(vip, "smol");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_ne!(
+        r.header("x-kvgate-route-reason").as_deref(),
+        Some("round_robin")
+    );
+    let r = post(vip, "smol-internal");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "service_not_found");
+    // The named listener: its own service and the public one.
+    let r = post(internal, "smol-internal");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-kvgate-route-reason").as_deref(),
+        Some("round_robin")
+    );
+    let r = post(internal, "smol");
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // Moving the listener in the file: the reload is refused and names the field.
+    let moved = rules.replace("addr = \"127.0.0.1:0\"", "addr = \"127.0.0.1:1\"");
+    std::fs::write(&fleet.rules_path, &moved).unwrap();
+    let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rules_rejected", "{}", r.text());
+    assert!(r.text().contains("gateway.listeners"), "{}", r.text());
+    assert!(r.text().contains("needs a restart"), "{}", r.text());
+    // So is a moved admin plane; a change of services alone still applies.
+    let moved = rules.replace(
+        &format!("admin_addr = \"127.0.0.1:{admin_port}\""),
+        "admin_addr = \"127.0.0.1:1\"",
+    );
+    std::fs::write(&fleet.rules_path, &moved).unwrap();
+    let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("gateway.admin_addr"), "{}", r.text());
+    let version = fleet.gw().data.views.load().version();
+    std::fs::write(
+        &fleet.rules_path,
+        rules.replace("models = [\"smol-internal\"]", "models = [\"smol-inside\"]"),
+    )
+    .unwrap();
+    let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(fleet.gw().data.views.load().version() > version);
+    let r = post(internal, "smol-inside");
+    assert_eq!(r.status, 200, "{}", r.text());
+    fleet.stop();
+}
+
+/// Two named listeners on one address, or one on the VIP's, stop the start with a clear error.
+#[test]
+fn listeners_that_share_an_address_stop_the_start() {
+    let fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    let port = free_port();
+    let rules = fleet.rules_toml(support::RR_SERVICE).replacen(
+        "[gateway]\n",
+        &format!(
+            "[gateway]\nlisteners = [{{ name = \"a\", addr = \"127.0.0.1:{port}\" }}, \
+             {{ name = \"b\", addr = \"127.0.0.1:{port}\" }}]\n"
+        ),
+        1,
+    );
+    let path = fleet.dir.path().join("clash.toml");
+    std::fs::write(&path, rules).unwrap();
+    let err = gateway::spawn(gateway::GatewayConfig::new(
+        &path,
+        fleet.gateway_key.clone(),
+    ))
+    .err()
+    .expect("the start must fail");
+    let text = err.to_string();
+    assert!(
+        text.contains("\"b\" has the address") && text.contains("listener \"a\""),
+        "{text}"
+    );
+}

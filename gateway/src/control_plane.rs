@@ -50,6 +50,69 @@ pub struct ControlPlane {
     /// Cluster mode: this replica's place among the replicas (its policies' rotation offset);
     /// [`Stagger::SOLO`] alone or before the first sync.
     stagger: Mutex<Stagger>,
+    /// The rules' listener settings the gateway bound at its start ([`Self::bind_listeners`]);
+    /// `None` before.
+    bound: Mutex<Option<BoundListeners>>,
+}
+
+/// The rules' `gateway.listeners` and `gateway.admin_addr` as the gateway bound them at its
+/// start. Sockets are bound once: a rules change that moves them is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BoundListeners {
+    listeners: Vec<routing_rules::schema::ListenerSpec>,
+    admin_addr: Option<String>,
+}
+
+impl BoundListeners {
+    fn of(rules: &RulesFile) -> BoundListeners {
+        BoundListeners {
+            listeners: rules.gateway.listeners.clone(),
+            admin_addr: rules.gateway.admin_addr.clone(),
+        }
+    }
+
+    /// The named listeners.
+    pub fn listeners(&self) -> &[routing_rules::schema::ListenerSpec] {
+        &self.listeners
+    }
+
+    /// The rules' admin address (validated as `ip:port`), if they name one.
+    pub fn admin_addr(&self) -> Option<std::net::SocketAddr> {
+        self.admin_addr.as_deref().and_then(|a| a.parse().ok())
+    }
+
+    /// Why `rules` cannot be applied to a gateway bound like this (empty: they can).
+    pub fn problems(&self, rules: &RulesFile) -> Vec<Problem> {
+        let now = BoundListeners::of(rules);
+        let mut out = Vec::new();
+        let show = |l: &[routing_rules::schema::ListenerSpec]| {
+            let v: Vec<String> = l
+                .iter()
+                .map(|l| format!("{}={}", l.name.0, l.addr))
+                .collect();
+            format!("[{}]", v.join(", "))
+        };
+        if now.listeners != self.listeners {
+            out.push(Problem::new(
+                "gateway.listeners",
+                format!(
+                    "listeners are bound when the gateway starts ({}): changing them to {} needs a restart",
+                    show(&self.listeners),
+                    show(&now.listeners)
+                ),
+            ));
+        }
+        if now.admin_addr != self.admin_addr {
+            out.push(Problem::new(
+                "gateway.admin_addr",
+                format!(
+                    "the admin plane is bound when the gateway starts ({:?}): changing it to {:?} needs a restart",
+                    self.admin_addr, now.admin_addr
+                ),
+            ));
+        }
+        out
+    }
 }
 
 fn problems_text(problems: &[Problem]) -> String {
@@ -228,7 +291,16 @@ impl ControlPlane {
             cluster: Mutex::new(None),
             registered: Mutex::new(Vec::new()),
             stagger: Mutex::new(Stagger::SOLO),
+            bound: Mutex::new(None),
         }
+    }
+
+    /// Records the listener settings of the rules in force as bound (at the start) and
+    /// returns them; later changes of them are refused ([`BoundListeners::problems`]).
+    pub fn bind_listeners(&self) -> BoundListeners {
+        let bound = BoundListeners::of(self.store.snapshot().rules());
+        *self.bound.lock() = Some(bound.clone());
+        bound
     }
 
     /// Joins a cluster: rules changes go through the shared store from now on.
@@ -341,6 +413,15 @@ impl ControlPlane {
                 return;
             }
         };
+        if let Some(bound) = self.bound.lock().as_ref() {
+            let problems = bound.problems(&rules);
+            if !problems.is_empty() {
+                // Another replica cannot write such a change (it refuses it as this one
+                // would); a store seeded from a different file can hold it. Installed all the
+                // same, so that the replicas agree on services: the sockets stay as bound.
+                tracing::warn!(version = doc.version, problems = %problems_text(&problems), "cluster rules: listener settings differ from those bound here; they apply at the next start");
+            }
+        }
         let eff = self.effective(&rules);
         let ids = kv_exact_workers(&eff);
         let fetched = self.fetch_profiles(&eff, &ids).await;
@@ -465,7 +546,10 @@ impl ControlPlane {
         snap: &RuleSnapshot,
         fetched: &FetchedProfiles,
     ) -> Result<(), Vec<Problem>> {
-        let problems = self.problems(snap.rules(), fetched);
+        let mut problems = self.problems(snap.rules(), fetched);
+        if let Some(bound) = self.bound.lock().as_ref() {
+            problems.extend(bound.problems(snap.rules()));
+        }
         if problems.is_empty() {
             Ok(())
         } else {

@@ -336,15 +336,16 @@ impl DataPlane {
     }
 }
 
-/// The decision line of `ctx`: the final one (`phase` none), or the `routed` one written as the
-/// request is sent (`status` 0, no outcome yet). Only a routed request (one with a ticket) names
+/// The decision line of `ctx`: the final one (`phase` none), the `routed` one written as the
+/// request is sent (`status` 0, no outcome yet), or the `retried` one ending an attempt its
+/// worker refused (the worker's status). Only a routed request (one with a ticket) names
 /// service, rule, version and worker.
 pub(crate) fn decision_record(
     ctx: &RequestCtx,
     phase: Option<receipts::DecisionPhase>,
 ) -> DecisionRecord {
     let routed = ctx.ticket.is_some();
-    let finished = phase.is_none();
+    let finished = receipts::DecisionPhase::ends_attempt(phase);
     DecisionRecord {
         request_id: ctx.request_id.clone(),
         at_ms: now_ms(),

@@ -3,8 +3,9 @@
 //! above it the upstream would get the headers and no body).
 //!
 //! Same semantics as the proxy path, through the same [`crate::upstream`] steps: candidates in
-//! the decision's order; a connect failure (nothing sent) moves to the next candidate; once the
-//! request head was written to a worker the request is never sent anywhere else. The response
+//! the decision's order; a connect failure (nothing sent) moves to the next candidate, and so
+//! does a worker's refusal before answering (429 / 503, [`upstream::retry_refusal`]); otherwise,
+//! once the request head was written to a worker the request is never sent anywhere else. The response
 //! streams back chunk by chunk (SSE included). A fresh upstream connection is used for each
 //! such request and closed after it (`connection: close`), so a stale pooled connection can never turn into a
 //! spurious failure after bytes were sent.
@@ -90,6 +91,11 @@ pub(crate) async fn forward(
         };
         let mut resp: ResponseHeader = resp.clone();
         upstream::on_response(data, &mut resp, ctx)?;
+        if upstream::retry_refusal(data, ctx) {
+            // The worker refused before answering: nothing reached the client.
+            up.shutdown().await;
+            continue;
+        }
         resp.remove_header("connection");
         session.write_response_header(Box::new(resp), false).await?;
         loop {

@@ -42,7 +42,7 @@ pub mod supervisor;
 pub mod upstream;
 pub mod view;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -68,10 +68,12 @@ pub const DEFAULT_APPROX_TTL: Duration = Duration::from_secs(120);
 pub struct GatewayConfig {
     /// The rules file (TOML).
     pub rules_path: PathBuf,
-    /// The VIP. Port 0 picks a free port.
+    /// The VIP (the unnamed listener: it serves the services without `match.listener`). Port 0
+    /// picks a free port. The rules' `gateway.listeners` are bound beside it.
     pub listen: SocketAddr,
-    /// The admin plane. Port 0 picks a free port.
-    pub admin: SocketAddr,
+    /// The admin plane. Port 0 picks a free port. `None`: the rules' `gateway.admin_addr`,
+    /// else [`DEFAULT_ADMIN_ADDR`].
+    pub admin: Option<SocketAddr>,
     /// The gateway's Ed25519 key (signs route tickets).
     pub key: KeyPair,
     /// Gateway id written into tickets.
@@ -112,6 +114,10 @@ pub struct GatewayConfig {
     pub catch_up_limit: Duration,
 }
 
+/// The admin plane's address when neither the command line nor the rules name one.
+pub const DEFAULT_ADMIN_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 9000);
+
 /// Default [`GatewayConfig::catch_up_limit`].
 pub const DEFAULT_CATCH_UP_LIMIT: Duration = Duration::from_secs(30);
 
@@ -122,7 +128,7 @@ impl GatewayConfig {
         GatewayConfig {
             rules_path: rules_path.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             key,
             gateway_id: "gateway".into(),
             admin_token: None,
@@ -144,8 +150,10 @@ impl GatewayConfig {
 
 /// A gateway running in this process.
 pub struct RunningGateway {
-    /// The VIP.
+    /// The VIP (the unnamed listener).
     pub listen_addr: SocketAddr,
+    /// The named listeners of the rules' `gateway.listeners`, as bound (a `:0` port resolved).
+    pub listeners: BTreeMap<String, SocketAddr>,
     /// The admin plane.
     pub admin_addr: SocketAddr,
     /// The data plane (for tests and embedding: view, index, metrics).
@@ -217,10 +225,6 @@ fn reserve_port(addr: SocketAddr) -> Result<PortReservation, GatewayError> {
 /// both listeners accept connections.
 pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let cfg_err = |reason: String| GatewayError::Config { reason };
-    // Held until this function returns: see `PortReservation`.
-    let listen_reservation = reserve_port(config.listen)?;
-    let admin_reservation = reserve_port(config.admin)?;
-    let (listen_addr, admin_addr) = (listen_reservation.addr, admin_reservation.addr);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvgate-gw-bg")
@@ -378,6 +382,26 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         });
     }
     control.install_current(&fetched)?;
+    // The listeners: the VIP, the rules' named ones, the admin plane. Bound once: a rules
+    // change that moves them is refused (`ControlPlane::listener_problems`).
+    let bound = control.bind_listeners();
+    let named = named_listeners(bound.listeners(), config.listen)?;
+    let admin = config
+        .admin
+        .or(bound.admin_addr())
+        .unwrap_or(DEFAULT_ADMIN_ADDR);
+    // Held until this function returns: see `PortReservation`.
+    let listen_reservation = reserve_port(config.listen)?;
+    let admin_reservation = reserve_port(admin)?;
+    let named_reservations = named
+        .iter()
+        .map(|(name, addr)| Ok((name.clone(), reserve_port(*addr)?)))
+        .collect::<Result<Vec<_>, GatewayError>>()?;
+    let (listen_addr, admin_addr) = (listen_reservation.addr, admin_reservation.addr);
+    let listeners: BTreeMap<String, SocketAddr> = named_reservations
+        .iter()
+        .map(|(n, r)| (n.clone(), r.addr))
+        .collect();
     control.start_supervisor(runtime.handle().clone());
     if let Some(link) = control.cluster() {
         link.start(&control, runtime.handle());
@@ -427,36 +451,29 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
-        &server.configuration,
-        proxy::Proxy::new(data.clone(), routing),
-        "kvgate-proxy",
-    );
-    match &config.tls {
-        Some(t) => {
-            let path = |p: &std::path::Path| {
-                p.to_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| cfg_err(format!("TLS path {} is not UTF-8", p.display())))
-            };
-            let mut settings =
-                pingora::listeners::tls::TlsSettings::intermediate(&path(&t.cert)?, &path(&t.key)?)
-                    .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
-            if let Some(ca) = &t.client_ca {
-                settings.set_client_cert_verifier(
-                    tls::client_verifier(ca).map_err(|e| cfg_err(format!("VIP TLS: {e}")))?,
-                );
-            }
-            proxy.add_tls_with_settings(&listen_addr.to_string(), None, settings);
+    // One proxy service per listener (each knows its name), all on one data plane and one
+    // routing pool; every VIP listener serves TLS when the gateway has TLS material.
+    let vip_listeners = std::iter::once((None, listen_addr))
+        .chain(listeners.iter().map(|(n, a)| (Some(n.as_str()), *a)));
+    for (name, addr) in vip_listeners {
+        let app = proxy::Proxy::new(data.clone(), routing.clone());
+        let (app, service_name) = match name {
+            Some(n) => (app.for_listener(n), format!("kvgate-proxy-{n}")),
+            None => (app, "kvgate-proxy".to_owned()),
+        };
+        let mut proxy =
+            pingora::proxy::http_proxy_service_with_name(&server.configuration, app, &service_name);
+        match &config.tls {
+            Some(t) => proxy.add_tls_with_settings(&addr.to_string(), None, vip_tls(t)?),
+            None => proxy.add_tcp(&addr.to_string()),
         }
-        None => proxy.add_tcp(&listen_addr.to_string()),
+        server.add_service(proxy);
     }
     let mut admin = pingora::services::listening::Service::new(
         "kvgate-admin".to_owned(),
         admin::Admin::new(control.clone()),
     );
     admin.add_tcp(&admin_addr.to_string());
-    server.add_service(proxy);
     server.add_service(admin);
     let mut phases = server.watch_execution_phase();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
@@ -473,6 +490,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         .map_err(|e| cfg_err(format!("server thread: {e}")))?;
     let mut running = RunningGateway {
         listen_addr,
+        listeners: listeners.clone(),
         admin_addr,
         data,
         control,
@@ -500,7 +518,10 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    for addr in [listen_addr, admin_addr] {
+    for addr in [listen_addr, admin_addr]
+        .into_iter()
+        .chain(listeners.values().copied())
+    {
         while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             if Instant::now() > deadline {
                 running.shutdown();
@@ -509,8 +530,66 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    drop((listen_reservation, admin_reservation));
+    drop((listen_reservation, admin_reservation, named_reservations));
     Ok(running)
+}
+
+/// The pingora TLS settings of a VIP listener (the certificate chain and key, and the client
+/// CA when clients must show a certificate).
+fn vip_tls(t: &tls::ServerTls) -> Result<pingora::listeners::tls::TlsSettings, GatewayError> {
+    let cfg_err = |reason: String| GatewayError::Config { reason };
+    let path = |p: &std::path::Path| {
+        p.to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| cfg_err(format!("TLS path {} is not UTF-8", p.display())))
+    };
+    let mut settings =
+        pingora::listeners::tls::TlsSettings::intermediate(&path(&t.cert)?, &path(&t.key)?)
+            .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
+    if let Some(ca) = &t.client_ca {
+        settings.set_client_cert_verifier(
+            tls::client_verifier(ca).map_err(|e| cfg_err(format!("VIP TLS: {e}")))?,
+        );
+    }
+    Ok(settings)
+}
+
+/// The rules' named listeners as (name, address), refused when two would take the same port
+/// or one the VIP's (`vip`); the validation of the rules already checked names and syntax.
+fn named_listeners(
+    specs: &[routing_rules::schema::ListenerSpec],
+    vip: SocketAddr,
+) -> Result<Vec<(String, SocketAddr)>, GatewayError> {
+    let mut out: Vec<(String, SocketAddr)> = Vec::new();
+    for l in specs {
+        let addr: SocketAddr = l.addr.parse().map_err(|_| GatewayError::Config {
+            reason: format!("gateway.listeners: {:?} is not ip:port", l.addr),
+        })?;
+        // Same port, and the same IP or either one the unspecified address (which takes the
+        // port on every interface).
+        let overlaps = |a: SocketAddr, b: SocketAddr| {
+            a.port() != 0
+                && a.port() == b.port()
+                && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+        };
+        let clash = if overlaps(addr, vip) {
+            Some("the VIP (--listen)".to_owned())
+        } else {
+            out.iter()
+                .find(|(_, a)| overlaps(*a, addr))
+                .map(|(n, _)| format!("listener {n:?}"))
+        };
+        if let Some(other) = clash {
+            return Err(GatewayError::Config {
+                reason: format!(
+                    "gateway.listeners: {:?} has the address {addr} of {other}",
+                    l.name.0
+                ),
+            });
+        }
+        out.push((l.name.0.clone(), addr));
+    }
+    Ok(out)
 }
 
 /// Watches the rules file's directory and reloads when the file changes (debounced 100 ms).

@@ -37,9 +37,12 @@ use crate::upstream;
 /// pingora's retry buffer size (`BODY_BUF_LIMIT`): bodies above it take the forward path.
 pub const RETRY_BUFFER_LIMIT: usize = 64 * 1024;
 
-/// The proxy application.
+/// The proxy application of one listener.
 pub struct Proxy {
     data: Arc<DataPlane>,
+    /// The named listener (`gateway.listeners`) this proxy serves; `None`: the unnamed VIP
+    /// (`--listen`). Services with `match.listener` match only on their listener.
+    listener: Option<Arc<str>>,
     /// Prefix routing (parse, render, tokenize, keys, lookup) runs here, off the proxy threads
     /// (`None`: on the proxy thread itself — `routing_threads = 0`, for comparison only).
     routing: Option<Arc<BlockingPool>>,
@@ -48,7 +51,17 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy over the gateway's data plane, routing prefix services on `routing`.
     pub fn new(data: Arc<DataPlane>, routing: Option<Arc<BlockingPool>>) -> Proxy {
-        Proxy { data, routing }
+        Proxy {
+            data,
+            listener: None,
+            routing,
+        }
+    }
+
+    /// The same proxy serving the named listener `name`.
+    pub fn for_listener(mut self, name: &str) -> Proxy {
+        self.listener = Some(Arc::from(name));
+        self
     }
 
     /// The data plane.
@@ -191,7 +204,8 @@ impl ProxyHttp for Proxy {
             }
         }
 
-        let Some(limit) = view.body_limit_for(host.as_deref(), &path) else {
+        let listener = self.listener.as_deref();
+        let Some(limit) = view.body_limit_for(listener, host.as_deref(), &path) else {
             // The body stays unread: the connection can't be reused.
             session.set_keepalive(None);
             let err = GatewayError::ServiceNotFound {
@@ -229,7 +243,7 @@ impl ProxyHttp for Proxy {
         }
         let model = crate::protocol::peek_model(&body);
         let Some(service) = view
-            .match_service(host.as_deref(), &path, model.as_deref())
+            .match_service(listener, host.as_deref(), &path, model.as_deref())
             .cloned()
         else {
             let err = GatewayError::ServiceNotFound {
@@ -471,7 +485,54 @@ impl ProxyHttp for Proxy {
         resp: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        upstream::on_response(&self.data, resp, ctx)
+        upstream::on_response(&self.data, resp, ctx)?;
+        if upstream::retry_refusal(&self.data, ctx) {
+            // Nothing reached the client: pingora's loop asks `upstream_peer` for the next
+            // candidate and re-sends the buffered body (`error_while_proxy` keeps the retry).
+            ctx.retrying_refusal = true;
+            let mut e = Error::explain(
+                ErrorType::HTTPStatus(resp.status.as_u16()),
+                "the worker refused the request before answering: offered to the next candidate",
+            );
+            e.set_retry(true);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        if std::mem::take(&mut ctx.retrying_refusal) {
+            // A refusal (`upstream_response_filter`): the worker did not take the request.
+            e.set_retry(true);
+        } else if !session.req_header().method.is_idempotent()
+            || session.as_ref().retry_buffer_truncated()
+        {
+            // pingora's own policy: a POST that reached a worker is never sent again.
+            e.set_retry(false);
+        } else {
+            e.retry.decide_reuse(client_reused);
+        }
+        e
+    }
+
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+        e: &Error,
+        _context: pingora::proxy::ProxyWarnLogContext,
+    ) -> bool {
+        // A retried refusal is routine under load (counted, logged at debug), not a failure.
+        ctx.refusals > 0
+            && matches!(e.etype(), ErrorType::HTTPStatus(s) if upstream::is_refusal(*s))
     }
 
     fn response_body_filter(

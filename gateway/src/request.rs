@@ -55,6 +55,11 @@ pub struct RequestCtx {
     pub(crate) next: usize,
     /// The worker of the current (last) attempt.
     pub(crate) current: Option<WorkerId>,
+    /// Attempts refused by their worker (429 / 503) and offered to the next candidate
+    /// ([`crate::upstream::retry_refusal`]).
+    pub(crate) refusals: u32,
+    /// Set from a refusal being retried until pingora's `error_while_proxy` reads it.
+    pub(crate) retrying_refusal: bool,
     pub(crate) ticket: Option<Box<SignedTicket>>,
     pub(crate) in_flight: Option<InFlight>,
     pub(crate) status: Option<u16>,

@@ -1,7 +1,8 @@
 //! What both forwarding paths (pingora's proxy loop in [`crate::proxy`] and the >64 KiB path in
 //! [`crate::forward`]) do the same way: the peer of a worker, the start of an attempt (in-flight
 //! count, the ticket signed for the worker actually used), the request head sent upstream, the
-//! decoration of the worker's response head, and passive health from its status.
+//! decoration of the worker's response head, passive health from its status, and whether a
+//! worker's refusal goes to the next candidate.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -188,4 +189,46 @@ pub(crate) fn on_response(
         resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
     }
     Ok(())
+}
+
+/// Whether a worker's status refuses the request before answering it: 429 (`queue_full`,
+/// `admission_timeout`) or 503 (`engine_stopped`, `engine_failed`, `receipt_failed`; a sidecar's
+/// `engine_unavailable`; a native engine's own 503 while it loads). The client got nothing yet, so the request may go elsewhere.
+pub(crate) fn is_refusal(status: u16) -> bool {
+    matches!(status, 429 | 503)
+}
+
+/// After [`on_response`] on the current attempt: whether its refusal is offered to the
+/// decision's next candidate — the status is a refusal, the service's
+/// `upstream.refused_retries` is not used up and a candidate is left. When it is, the attempt's
+/// `retried` decision line is written (the worker's status and receipt), the refusal is counted
+/// (`fallbacks_total{reason="refused"}`) and the attempt's outcome is cleared for the next one.
+/// Both forwarding paths call this; the last refusal reaches the client unchanged.
+pub(crate) fn retry_refusal(data: &DataPlane, ctx: &mut RequestCtx) -> bool {
+    let (Some(status), Some(service), Some(d)) = (ctx.status, &ctx.service, &ctx.decision) else {
+        return false;
+    };
+    if !is_refusal(status)
+        || ctx.refusals >= service.spec().upstream.refused_retries
+        || ctx.next >= d.order.len()
+    {
+        return false;
+    }
+    ctx.refusals += 1;
+    data.metrics.fallback(service.name(), "refused");
+    tracing::debug!(
+        request_id = %ctx.request_id,
+        worker = ?ctx.current,
+        status,
+        "worker refused the request: offering it to the next candidate"
+    );
+    if let (Some(log), Some(_)) = (&data.decisions, &ctx.ticket) {
+        let line = crate::data_plane::decision_record(ctx, Some(receipts::DecisionPhase::Retried));
+        if let Err(e) = log.append(&line) {
+            tracing::warn!(error = %e, "decision log append (retried line) failed");
+        }
+    }
+    ctx.status = None;
+    ctx.receipt_named = None;
+    true
 }

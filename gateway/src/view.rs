@@ -588,15 +588,17 @@ impl View {
         })
     }
 
-    /// The service that takes a request (validation guarantees at most one).
+    /// The service that takes a request arriving on `listener` (`None`: the unnamed VIP);
+    /// validation guarantees at most one.
     pub fn match_service(
         &self,
+        listener: Option<&str>,
         host: Option<&str>,
         path: &str,
         model: Option<&str>,
     ) -> Option<&Arc<ServiceRoute>> {
         let info = RequestInfo {
-            listener: None,
+            listener,
             host,
             path,
             model,
@@ -611,14 +613,19 @@ impl View {
 
     /// The largest body limit of any service that could take this request whatever its model
     /// (the body is read before the model is known). `None` if no service could.
-    pub fn body_limit_for(&self, host: Option<&str>, path: &str) -> Option<u64> {
+    pub fn body_limit_for(
+        &self,
+        listener: Option<&str>,
+        host: Option<&str>,
+        path: &str,
+    ) -> Option<u64> {
         self.snapshot
             .services()
             .iter()
             .filter(|s| {
                 let probe = s.spec.matcher.models.first().map(String::as_str);
                 s.matches(&RequestInfo {
-                    listener: None,
+                    listener,
                     host,
                     path,
                     model: probe,

@@ -183,6 +183,9 @@ pub struct AuditReport {
     /// the request in flight). A receipt is not required; one that exists is checked as usual
     /// (except its status, which the gateway never saw).
     pub unfinished: u64,
+    /// Attempts the worker refused (429 / 503) before the gateway offered the request to the
+    /// next candidate (`retried` lines). Checked as decisions (their receipt, their status).
+    pub retried_attempts: u64,
     /// Those requests, one entry each: the requests the gateway routed but the worker never
     /// answered (connect error, reset, worker killed).
     pub failed_requests: Vec<FailedRequest>,
@@ -265,14 +268,16 @@ impl fmt::Display for AuditReport {
             f,
             "decisions {} (routed {}, unrouted {}), receipted {}, failed upstream without \
              receipt {}, refused by the worker before its ticket was accepted {}, unfinished \
-             (the gateway stopped with them in flight) {}",
+             (the gateway stopped with them in flight) {}, attempts refused and retried on \
+             another worker {}",
             self.decisions,
             self.routed,
             self.unrouted,
             self.receipted,
             self.failed_without_receipt,
             self.refused_by_worker,
-            self.unfinished
+            self.unfinished,
+            self.retried_attempts
         )?;
         for r in &self.refused_requests {
             writeln!(
@@ -502,17 +507,19 @@ pub fn audit_replicas(
             ));
         }
     }
-    // A `routed` line is superseded by the final line of the same ticket; without one the
+    // A `routed` line is superseded by the `retried` or final line of the same ticket; without one the
     // request was in flight when the gateway stopped: kept, as a failure that owes no receipt.
     let finished: std::collections::HashSet<[u8; 64]> = lines
         .iter()
-        .filter(|(_, _, d)| d.phase.is_none())
+        .filter(|(_, _, d)| crate::DecisionPhase::ends_attempt(d.phase))
         .filter_map(|(_, _, d)| d.ticket.as_ref().map(|t| *t.signature()))
         .collect();
     let lines: Vec<(String, u64, DecisionRecord)> = lines
         .into_iter()
         .filter_map(|(p, n, mut d)| {
-            if d.phase.is_some() {
+            if d.phase == Some(crate::DecisionPhase::Retried) {
+                rep.retried_attempts += 1;
+            } else if d.phase.is_some() {
                 if d.ticket
                     .as_ref()
                     .is_some_and(|t| finished.contains(t.signature()))

@@ -33,9 +33,12 @@ pub struct DecisionRecord {
     /// set, the worker may not have written a receipt and the audit does not require one.
     pub error: Option<String>,
     /// `routed` on the line written as the gateway sends the request to the worker (before any
-    /// answer: `status` 0, `at_ms` the sending time); absent on the line written when it has
-    /// finished with the request, which supersedes it. A routed line without its final line
-    /// means the gateway stopped (crashed, was killed) with the request in flight.
+    /// answer: `status` 0, `at_ms` the sending time); `retried` on the line that ends an
+    /// attempt the worker refused before answering (429 / 503: `status` is the worker's, which
+    /// the client never saw) when the request was then offered to another worker; absent on the
+    /// line written when the gateway has finished with the request. A `retried` or final line
+    /// supersedes the routed line of its ticket. A routed line without either means the gateway
+    /// stopped (crashed, was killed) with the request in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<DecisionPhase>,
     /// Whether the worker's answer named a receipt (`x-kvgate-receipt`): `false` means the
@@ -71,6 +74,16 @@ pub struct DecisionRecord {
 pub enum DecisionPhase {
     /// Written when the request is sent to the worker.
     Routed,
+    /// Ends an attempt the worker refused (429 / 503) before the request went to the next
+    /// candidate; it carries the worker's status and `receipt_named`.
+    Retried,
+}
+
+impl DecisionPhase {
+    /// Whether a line of this phase ends its ticket's attempt (a final line does too).
+    pub fn ends_attempt(phase: Option<DecisionPhase>) -> bool {
+        !matches!(phase, Some(DecisionPhase::Routed))
+    }
 }
 
 impl DecisionRecord {

@@ -242,6 +242,63 @@ fn routed_lines_are_superseded_or_count_as_unfinished() {
         .contains("unfinished (the gateway stopped with them in flight) 2"));
 }
 
+/// A refusal retried on another worker: the refused attempt's `retried` line supersedes its
+/// routed line and is checked against the refusing worker's receipt (status 429 on both); the
+/// request's final line names the second ticket.
+#[test]
+fn a_refused_attempt_retried_elsewhere_is_checked_like_a_decision() {
+    let f = fleet(2);
+    let before = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    let line = |st: &SignedTicket, status: u16, phase: Option<DecisionPhase>| DecisionRecord {
+        phase,
+        receipt_named: Some(true),
+        ..decision("busy", Some(st.clone()), status, None)
+    };
+    let first = ticket("busy", "w0", RouteMode::KvExact, T0).sign(&f.gw);
+    let second = ticket("busy", "w1", RouteMode::KvExact, T0 + 5).sign(&f.gw);
+    let (w0, k0) = &f.workers[0];
+    let (w1, k1) = &f.workers[1];
+    append_decision(&f.decisions, &line(&first, 0, Some(DecisionPhase::Routed)));
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k0, w0).unwrap();
+    let mut refused = draft("busy", Some(first.clone()), T0);
+    refused.status = 429;
+    refused.error_code = Some("queue_full".into());
+    log.append(refused).unwrap();
+    drop(log);
+    append_decision(
+        &f.decisions,
+        &line(&first, 429, Some(DecisionPhase::Retried)),
+    );
+    append_decision(&f.decisions, &line(&second, 0, Some(DecisionPhase::Routed)));
+    let log = ReceiptLog::open(&f.logs[1], FsyncPolicy::Always, k1, w1).unwrap();
+    log.append(draft("busy", Some(second.clone()), T0 + 5))
+        .unwrap();
+    drop(log);
+    append_decision(&f.decisions, &line(&second, 200, None));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(
+        (r.decisions, r.receipted, r.unfinished, r.retried_attempts),
+        (before.decisions + 2, before.receipted + 2, 0, 1),
+        "{r}"
+    );
+    assert!(r
+        .to_string()
+        .contains("attempts refused and retried on another worker 1"));
+    // The retried line's status is checked against the refusing worker's receipt.
+    let third = ticket("busy2", "w0", RouteMode::KvExact, T0).sign(&f.gw);
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k0, w0).unwrap();
+    let mut refused = draft("busy2", Some(third.clone()), T0);
+    refused.status = 503;
+    log.append(refused).unwrap();
+    drop(log);
+    let mut d = line(&third, 429, Some(DecisionPhase::Retried));
+    d.request_id = "busy2".into();
+    append_decision(&f.decisions, &d);
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert_eq!(kinds(&r), vec![DiscrepancyKind::StatusMismatch], "{r}");
+}
+
 #[test]
 fn a_worker_refusal_before_accepting_the_ticket_owes_no_receipt() {
     let f = fleet(2);

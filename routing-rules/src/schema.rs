@@ -75,6 +75,11 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 1_000;
 pub const DEFAULT_READ_TIMEOUT_MS: u64 = 300_000;
 /// Default `upstream.idle_timeout_ms`.
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Default `upstream.refused_retries`: a request a worker refused (429 / 503) is offered to up
+/// to this many other candidates.
+pub const DEFAULT_REFUSED_RETRIES: u32 = 2;
+/// Largest `upstream.refused_retries` the rules accept.
+pub const MAX_REFUSED_RETRIES: u32 = 16;
 /// Default `gateway.health_interval_ms`.
 pub const DEFAULT_HEALTH_INTERVAL_MS: u64 = 1_000;
 /// Default routing-time holding TTL of a `kv_exact` rule (ms).
@@ -821,6 +826,11 @@ pub struct UpstreamSpec {
     /// How long an idle pooled upstream connection is kept, ms. Default: 60000.
     #[serde(default = "default_idle_timeout_ms")]
     pub idle_timeout_ms: u64,
+    /// How many other candidates a request is offered to when a worker refuses it before
+    /// answering (429 or 503: queue full, admission timeout, stopping, engine failed); 0 hands
+    /// the refusal to the client. Default: 2.
+    #[serde(default = "default_refused_retries")]
+    pub refused_retries: u32,
 }
 
 impl Default for UpstreamSpec {
@@ -829,6 +839,7 @@ impl Default for UpstreamSpec {
             connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
             read_timeout_ms: DEFAULT_READ_TIMEOUT_MS,
             idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
+            refused_retries: DEFAULT_REFUSED_RETRIES,
         }
     }
 }
@@ -865,6 +876,9 @@ fn default_read_timeout_ms() -> u64 {
 }
 fn default_idle_timeout_ms() -> u64 {
     DEFAULT_IDLE_TIMEOUT_MS
+}
+fn default_refused_retries() -> u32 {
+    DEFAULT_REFUSED_RETRIES
 }
 fn default_health_interval_ms() -> u64 {
     DEFAULT_HEALTH_INTERVAL_MS

@@ -472,6 +472,12 @@ impl Validator {
                 self.push(format!("{path}.upstream.{field}"), "must be greater than 0");
             }
         }
+        if u.refused_retries > crate::schema::MAX_REFUSED_RETRIES {
+            self.push(
+                format!("{path}.upstream.refused_retries"),
+                format!("must be at most {}", crate::schema::MAX_REFUSED_RETRIES),
+            );
+        }
         if s.max_body_bytes == 0 {
             self.push(format!("{path}.max_body_bytes"), "must be greater than 0");
         }

@@ -357,7 +357,7 @@ fn service_field_checks() {
     let text = BASE.replace(
         "match = { models = [\"exact\"] }",
         "match = { models = [\"exact\", \"exact\", \"\"], path_prefix = \"v1\", host = \"http://x\", listener = \"nope\" }\n\
-         max_body_bytes = 0\nupstream = { connect_timeout_ms = 0 }",
+         max_body_bytes = 0\nupstream = { connect_timeout_ms = 0, refused_retries = 17 }",
     );
     let p = problems(&text);
     assert_problem(&p, "services.chat.match.models[1]", "listed twice");
@@ -374,6 +374,11 @@ fn service_field_checks() {
         &p,
         "services.chat.upstream.connect_timeout_ms",
         "greater than 0",
+    );
+    assert_problem(
+        &p,
+        "services.chat.upstream.refused_retries",
+        "must be at most 16",
     );
 }
 
@@ -608,7 +613,7 @@ fn service_json_is_pinned() {
     let json = serde_json::to_string(chat).unwrap();
     assert_eq!(
         json,
-        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"active_tokens","pending_ttl_ms":2000,"placement":"least_cost","uncached_weight":2.0,"decode_weight":0.25},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000},"max_body_bytes":16777216,"token_budget":"reject"}"#
+        r#"{"name":"chat","match":{"path_prefix":"/v1/","models":["exact"]},"pool":"local","rule":{"type":"kv_exact","profile":"smol","salt":{"mode":"none"},"max_load_ratio":1.5,"min_match_tokens":0,"on_no_match":"least_loaded","load_metric":"active_tokens","pending_ttl_ms":2000,"placement":"least_cost","uncached_weight":2.0,"decode_weight":0.25},"upstream":{"connect_timeout_ms":1000,"read_timeout_ms":300000,"idle_timeout_ms":60000,"refused_retries":2},"max_body_bytes":16777216,"token_budget":"reject"}"#
     );
     assert_eq!(&service_from_json(&json).unwrap(), chat);
 }

@@ -18,9 +18,10 @@ pub struct Args {
     /// Address of the VIP (OpenAI API).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// Address of the admin plane (admin API and /metrics).
-    #[arg(long, default_value = "127.0.0.1:9000")]
-    pub admin: SocketAddr,
+    /// Address of the admin plane (admin API and /metrics). Default: the rules'
+    /// `gateway.admin_addr`, else 127.0.0.1:9000.
+    #[arg(long)]
+    pub admin: Option<SocketAddr>,
     /// The gateway's Ed25519 private key (from `kvgate keygen`), signs route tickets.
     #[arg(long)]
     pub key: PathBuf,
@@ -138,6 +139,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         running.admin_addr,
         running.data.views.load().version()
     );
+    for (name, addr) in &running.listeners {
+        eprintln!("kvgate gateway: listener {name:?} on {scheme}://{addr}");
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -48,6 +48,8 @@ pub struct FleetOptions {
     /// A GGUF (e.g. a vocabulary-only one with a chat template) to use as the profile of the
     /// workers and the gateway instead of the default model's.
     pub gguf_profile: Option<PathBuf>,
+    /// Worker `i`'s engine limits instead of the defaults (e.g. a tiny queue, so it refuses).
+    pub engine: Option<(usize, engine::EngineConfig)>,
 }
 
 impl Default for FleetOptions {
@@ -61,6 +63,7 @@ impl Default for FleetOptions {
             worker_tls: None,
             hf_profile: None,
             gguf_profile: None,
+            engine: None,
         }
     }
 }
@@ -152,6 +155,11 @@ impl Fleet {
         cfg.settings.ticket_policy = self.opts.ticket_policy;
         cfg.settings.hash_algorithm = self.opts.hash_algorithm;
         cfg.tls = self.opts.worker_tls.clone();
+        if let Some((ei, engine)) = &self.opts.engine {
+            if *ei == i {
+                cfg.engine_config = engine.clone();
+            }
+        }
         self.rt.block_on(async {
             let listener = tokio::net::TcpListener::bind(
                 addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()),
