@@ -7,7 +7,8 @@ KV-exact behind API keys with rate limits), then tries every fault in the table 
 malformed and oversized bodies through the gateway and directly, forged / expired / replayed /
 misdirected tickets, the workers' side doors, admin without or with bad tokens, invalid rules by
 the API, by file and by SIGHUP, 10x overload, `kill -9` of a worker mid-stream and its restart
-(replays refused across it), SIGTERM of a worker mid-stream (it drains), tenant keys, limits and cache isolation, cancellation, `promtool`
+(replays refused across it), SIGTERM of a worker mid-stream (it drains), a full worker's 429
+retried on another worker, tenant keys, limits and cache isolation, cancellation, `promtool`
 on both servers, the receipts audit, and key files read by OpenSSL.
 
     .venv/bin/python3 scripts/fault-run.py [--bin target/debug/kvgate] [--keep DIR]
@@ -220,13 +221,13 @@ class Run:
 
         self.gw_key = serialization.load_pem_private_key((self.keys / "gateway.key").read_bytes(), None)
 
-    def start_worker(self, wid, port=None):
+    def start_worker(self, wid, port=None, running=4, waiting=4):
         port = port or free_port()
         self.wport[wid] = port
         args = [self.bin, "worker", "--engine", "sim", "--id", wid, "--listen", f"127.0.0.1:{port}",
                 "--model", str(MODEL), "--state-dir", str(self.work / wid), "--gateway-keys", str(self.gw_pub),
-                "--require-ticket", "--max-running", "4", "--max-waiting", "4", "--admission-timeout-ms", "200",
-                "--sim-decode-us-base", "3000", "--max-body-bytes", str(1 << 20)]
+                "--require-ticket", "--max-running", str(running), "--max-waiting", str(waiting),
+                "--admission-timeout-ms", "200", "--sim-decode-us-base", "3000", "--max-body-bytes", str(1 << 20)]
         p = Proc(wid, args, self.work / f"{wid}.log")
         p.start()
         self.workers[wid] = p
@@ -700,6 +701,80 @@ def cases(run: Run):
             raise AssertionError("w1 never got traffic again")
         return f"stream finished with [DONE]; 10/10 served during the drain ({sorted({r.h('x-kvgate-worker') for r in served})}); exit 0; rejoined"
 
+    # ---- refusals: a full worker's 429 goes to the next candidate ----
+    @case("refusals: a full worker (429) -> the gateway serves the request on another")
+    def _():
+        # w3 runs one sequence and queues one; services over the pool [w3, w2], with and without
+        # refusal retries.
+        run.start_worker("w3", running=1, waiting=1)
+        run.rules += f"""
+[[workers]]
+id = "w3"
+url = "http://127.0.0.1:{run.wport['w3']}"
+
+[[pools]]
+id = "cramped"
+workers = ["w3", "w2"]
+
+[[services]]
+name = "cramped"
+pool = "cramped"
+match = {{ models = ["cramped"] }}
+rule = {{ type = "round_robin" }}
+
+[[services]]
+name = "cramped0"
+pool = "cramped"
+match = {{ models = ["cramped0"] }}
+rule = {{ type = "round_robin" }}
+upstream = {{ refused_retries = 0 }}
+"""
+        run.write_rules()
+        expect(run.admin("POST", "/admin/reload"), 200)
+        end = time.time() + 20
+        while time.time() < end:
+            w = run.admin("GET", "/admin/workers").json()
+            items = w.get("workers", w) if isinstance(w, dict) else w
+            if any(i.get("id") == "w3" and i.get("healthy") for i in items):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("w3 never healthy in the gateway's view")
+
+        # Six at once, 30 tokens each (~100 ms): three reach w3, which runs one, queues one and
+        # refuses one; w2 has room for the three others and the refused one.
+        def burst(model):
+            out, lock = [], threading.Lock()
+
+            def one(i):
+                r = g("POST", "/v1/chat/completions", chat(model, f"burst {i}", 30), timeout=60)
+                with lock:
+                    out.append(r)
+
+            ts = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            return out
+
+        plain = burst("cramped0")
+        refused = [r for r in plain if r.status != 200]
+        assert refused, "w3 never refused: the burst did not overlap"
+        codes = sorted({json.loads(r.body)["error"]["code"] for r in refused})
+        for r in refused:
+            expect(r, 429)
+            assert json.loads(r.body)["error"]["code"] in ("queue_full", "admission_timeout"), r
+            assert r.h("x-kvgate-worker") == "w3" and r.h("retry-after"), r.headers
+        time.sleep(0.5)  # both workers idle again
+        retried = burst("cramped")
+        assert all(r.status == 200 for r in retried), [(r.status, r.body[:120]) for r in retried if r.status != 200]
+        time.sleep(0.3)  # batched fsync of the decision log
+        ids = {r.h("x-request-id") for r in retried}
+        lines = [json.loads(l) for l in (run.work / "decisions.jsonl").read_text().splitlines()]
+        again = [d for d in lines if d.get("phase") == "retried" and d["request_id"] in ids]
+        assert again and all(d["worker"] == "w3" and d["status"] == 429 for d in again), again[:2]
+        return (f"refused_retries 0: {len(refused)}/6 answered 429 {'/'.join(codes)} by w3; default: 6/6 served, "
+                f"{len(again)} refused attempts retried on w2")
+
     # ---- observability and audit ----
     promtool = shutil.which("promtool") or str(ROOT / ".cache/tools/bin/promtool")
     for who, port, path, hdr in [("gateway", run.aport, "/metrics", {"authorization": f"Bearer {ADMIN_TOKEN}"}),
@@ -725,10 +800,11 @@ def cases(run: Run):
         keydir = run.work / "audit-keys"
         keydir.mkdir(exist_ok=True)
         shutil.copy(run.keys / "gateway.pub", keydir)
-        for wid in ("w1", "w2"):
+        wids = sorted(run.workers)
+        for wid in wids:
             for pub in (run.work / wid).glob("*.pub"):
                 shutil.copy(pub, keydir)
-        logs = [str(run.work / wid / "receipts.jsonl") for wid in ("w1", "w2")]
+        logs = [str(run.work / wid / "receipts.jsonl") for wid in wids]
         p = subprocess.run([run.bin, "receipts", "audit", "--decisions", str(run.work / "decisions.jsonl"),
                             "--receipts", *logs, "--keys", str(keydir)], capture_output=True, text=True)
         out = (p.stdout + p.stderr).strip()
