@@ -1354,3 +1354,62 @@ fn a_claim_is_one_round_trip_on_a_fresh_or_flushed_redis() {
         assert!(command_calls(&mut con, "evalsha").await >= 2);
     });
 }
+
+/// Sends one inline command to the Redis on `port` and returns its first reply line.
+fn redis_command(port: u16, command: &str) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(format!("{command}\r\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    line.trim_end().to_owned()
+}
+
+/// A replica that starts while Redis answers no command (it accepts connections; every call
+/// times out, as through a partition) serves its file's rules, degraded, but its `/ready`
+/// answers 503 until it has read the shared rules and registrations and the registered
+/// workers' KV event snapshots have arrived. Then the registered worker takes traffic.
+#[test]
+fn a_replica_started_while_redis_does_not_answer_is_ready_once_it_read_the_cluster() {
+    let mut c = Cluster::new(1, 4);
+    let w4 = c.start_worker(3, true);
+    c.workers.push(Some(w4));
+    let pause_ms = 8_000;
+    assert_eq!(
+        redis_command(c.redis.port, &format!("CLIENT PAUSE {pause_ms} ALL")),
+        "+OK"
+    );
+    let paused = Instant::now();
+    c.start_gateway(0);
+    let ready = |c: &Cluster| {
+        let url = format!("http://{}/ready", c.gw(0).admin_addr);
+        c.rt.block_on(async { Reply::read(c.http.get(url).send().await.unwrap()).await })
+    };
+    let r = ready(&c);
+    assert!(
+        paused.elapsed() < Duration::from_millis(pause_ms),
+        "the start outlasted the pause"
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(
+        r.text().contains("the cluster store has not been read yet"),
+        "{}",
+        r.text()
+    );
+    assert!(!c.routable(0, "w4"), "w4 is known before Redis answered");
+    // Degraded, it serves the file's rules meanwhile.
+    let r = c.chat(0, "rr", "while Redis is away", 2);
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.wait_for("ready", Duration::from_secs(30), || ready(&c).status == 200);
+    assert!(
+        paused.elapsed() >= Duration::from_millis(pause_ms),
+        "ready before Redis answered"
+    );
+    assert!(c.routable(0, "w4"), "ready without the registered worker");
+    let served: Vec<String> = (0..8)
+        .map(|i| c.chat(0, "rr", &format!("after {i}"), 2).worker())
+        .collect();
+    assert!(served.iter().any(|w| w == "w4"), "{served:?}");
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}

@@ -219,9 +219,7 @@ impl Admin {
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => return Ok(json_response(200, &json!({"status": "ok"}))),
             ("GET", "/ready") => {
-                let data = &self.control.data;
-                let reason = data.drain.not_ready_reason().or_else(|| data.catching_up());
-                return Ok(match reason {
+                return Ok(match self.control.not_ready_reason() {
                     None => json_response(200, &json!({"ready": true})),
                     Some(reason) => json_response(503, &json!({"ready": false, "reason": reason})),
                 });

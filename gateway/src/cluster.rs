@@ -80,6 +80,9 @@ pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_millis(5);
 #[derive(Debug, Default)]
 pub struct ClusterStatus {
     pub degraded: AtomicBool,
+    /// Whether the shared rules and registrations were read at least once (at the start, or
+    /// by a sync after a start without Redis): until then `/ready` answers 503.
+    pub loaded: AtomicBool,
     pub last_error: Mutex<Option<String>>,
     /// The replicas whose key records were live at the last sync.
     pub replicas: Mutex<Vec<String>>,
@@ -148,7 +151,13 @@ impl ClusterLink {
         control.data.metrics.cluster_degraded.set(1);
     }
 
+    /// Records a successful read of the shared state (at the start or by a sync).
+    pub fn loaded(&self) {
+        self.status.loaded.store(true, Ordering::Release);
+    }
+
     fn healthy(&self, control: &ControlPlane) {
+        self.loaded();
         if self.status.degraded.swap(false, Ordering::Relaxed) {
             tracing::info!("cluster store reachable again: resynced");
         }

@@ -313,6 +313,33 @@ impl ControlPlane {
         self.cluster.lock().clone()
     }
 
+    /// Why the gateway is not ready to take traffic (`GET /ready`), in order: draining; in
+    /// cluster mode, the shared rules and registrations not read yet (a replica that started
+    /// while Redis was unreachable serves its file's rules, but the registered workers are not
+    /// in its pools and their KV event snapshots not in its index); the KV event snapshots at
+    /// the start ([`DataPlane::catching_up`], asked only once the cluster was read, so that it
+    /// waits for the registered workers too). Both catch-ups end at the catch-up limit.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        let data = &self.data;
+        data.drain.not_ready_reason().or_else(|| {
+            let unread = self.cluster().filter(|l| {
+                !l.status.loaded.load(std::sync::atomic::Ordering::Acquire)
+                    && !data.catch_up.expired()
+            });
+            match unread {
+                Some(l) => Some(format!(
+                    "catching up: the cluster store has not been read yet ({})",
+                    l.status
+                        .last_error
+                        .lock()
+                        .clone()
+                        .unwrap_or_else(|| "connecting".into())
+                )),
+                None => data.catching_up(),
+            }
+        })
+    }
+
     /// `rules` with the registered workers added (those whose id a static worker already
     /// has are skipped): what views are compiled from.
     pub fn effective(&self, rules: &RulesFile) -> RulesFile {

@@ -120,6 +120,11 @@ impl CatchUp {
             done: std::sync::atomic::AtomicBool::new(false),
         }
     }
+
+    /// Whether the catch-up limit has passed since the start.
+    pub fn expired(&self) -> bool {
+        self.started.elapsed() >= self.limit
+    }
 }
 
 impl DataPlane {
@@ -276,7 +281,7 @@ impl DataPlane {
             .filter(|(_, synced)| !**synced)
             .map(|(w, _)| *w)
             .collect();
-        if pending.is_empty() || self.catch_up.started.elapsed() >= self.catch_up.limit {
+        if pending.is_empty() || self.catch_up.expired() {
             if !pending.is_empty() {
                 tracing::warn!(workers = ?pending, "catch-up limit passed: ready without their KV event snapshots");
             }

@@ -362,6 +362,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
                     .replace_versioned(rules, routing_rules::RuleVersion(doc.version), &|_| Ok(()))
                     .map_err(|e| cfg_err(format!("the cluster's rules: {e}")))?;
                 runtime.block_on(control.set_registered(workers));
+                link.loaded();
             }
             Err(e) => link.failed(&control, &e),
         }
