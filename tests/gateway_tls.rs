@@ -248,4 +248,78 @@ fn bad_tls_material_stops_the_start_with_the_file_named() {
     };
     let e = gateway::spawn(cfg).err().expect("the gateway started");
     assert!(e.to_string().contains("upstream TLS"), "{e}");
+    // The admin plane's material is checked the same way, and named as its own.
+    let mut cfg = gateway::GatewayConfig::new(&rules, receipts::KeyPair::generate());
+    cfg.admin_tls = Some(tls::ServerTls {
+        cert: pki.leaf("admin", false).0,
+        key: missing,
+        client_ca: None,
+    });
+    let e = gateway::spawn(cfg).err().expect("the gateway started");
+    assert!(
+        e.to_string().contains("admin TLS") && e.to_string().contains("missing.key"),
+        "{e}"
+    );
+}
+
+/// The admin plane over HTTPS with client certificates required (`--admin-tls-cert`,
+/// `--admin-tls-key`, `--admin-tls-client-ca`): an operator's certificate of the fleet's CA
+/// gets `/ready` and, with the token, the admin API; no certificate, another CA's, or plain
+/// HTTP get nowhere. The VIP stays plain HTTP and keeps serving.
+#[test]
+fn the_admin_plane_serves_https_with_client_certificates() {
+    let pki = Pki::new("kvgate");
+    let rogue = Pki::new("rogue");
+    let admin_cert = pki.leaf("admin", false);
+    let operator = pki.leaf("operator", true);
+    let intruder = rogue.leaf("intruder", true);
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    let (cert, ca) = (admin_cert.clone(), pki.ca_path());
+    fleet.start_gateway_with(support::RR_SERVICE, false, move |cfg| {
+        cfg.admin_tls = Some(tls::ServerTls {
+            cert: cert.0,
+            key: cert.1,
+            client_ca: Some(ca),
+        });
+    });
+    let port = fleet.gw().admin_addr.port();
+    let get = |c: &reqwest::Client, path: &str, token: bool| {
+        let url = format!("https://127.0.0.1:{port}{path}");
+        fleet.rt.block_on(async {
+            let mut r = c.get(url);
+            if token {
+                r = r.bearer_auth(&fleet.admin_token);
+            }
+            r.send().await.map(|r| r.status().as_u16())
+        })
+    };
+    let ok = client(&pki.ca_path(), Some(&operator));
+    assert_eq!(get(&ok, "/ready", false).unwrap(), 200);
+    assert_eq!(get(&ok, "/admin/workers", true).unwrap(), 200);
+    assert_eq!(get(&ok, "/admin/workers", false).unwrap(), 401);
+    assert!(
+        get(&client(&pki.ca_path(), None), "/ready", false).is_err(),
+        "a client without a certificate reached the admin plane"
+    );
+    assert!(
+        get(&client(&pki.ca_path(), Some(&intruder)), "/ready", false).is_err(),
+        "a certificate of another CA reached the admin plane"
+    );
+    let plain = fleet.rt.block_on(async {
+        reqwest::Client::new()
+            .get(format!("http://127.0.0.1:{port}/ready"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+    });
+    assert!(
+        plain.map_or(true, |r| !r.status().is_success()),
+        "plain HTTP was served by the TLS admin plane"
+    );
+    let r = fleet.post("/v1/chat/completions", &chat(&[("user", "hi")], 2), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    fleet.stop();
 }

@@ -100,8 +100,11 @@ pub struct GatewayConfig {
     /// 0 (the default): no thread, deterministic RFC 8032 signing.
     pub nonce_pool: usize,
     /// Serve the VIP over TLS with this material (requiring client certificates when it names
-    /// a client CA); `None`: plain HTTP. The admin plane stays plain HTTP.
+    /// a client CA); `None`: plain HTTP. The admin plane has its own, [`Self::admin_tls`].
     pub tls: Option<tls::ServerTls>,
+    /// Serve the admin plane over TLS with this material (requiring client certificates when
+    /// it names a client CA); `None`: plain HTTP.
+    pub admin_tls: Option<tls::ServerTls>,
     /// How the gateway trusts `https://` workers (a CA file, else the platform's roots) and the
     /// client certificate it shows them (mTLS).
     pub upstream_tls: tls::ClientTls,
@@ -142,6 +145,7 @@ impl GatewayConfig {
             routing_queue: 64,
             nonce_pool: 0,
             tls: None,
+            admin_tls: None,
             upstream_tls: tls::ClientTls::default(),
             cluster: None,
         }
@@ -254,6 +258,10 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     if let Some(t) = &config.tls {
         t.server_config()
             .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
+    }
+    if let Some(t) = &config.admin_tls {
+        t.server_config()
+            .map_err(|e| cfg_err(format!("admin TLS: {e}")))?;
     }
     let upstream_client = config
         .upstream_tls
@@ -465,7 +473,9 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         let mut proxy =
             pingora::proxy::http_proxy_service_with_name(&server.configuration, app, &service_name);
         match &config.tls {
-            Some(t) => proxy.add_tls_with_settings(&addr.to_string(), None, vip_tls(t)?),
+            Some(t) => {
+                proxy.add_tls_with_settings(&addr.to_string(), None, listener_tls(t, "VIP")?)
+            }
             None => proxy.add_tcp(&addr.to_string()),
         }
         server.add_service(proxy);
@@ -474,7 +484,12 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         "kvgate-admin".to_owned(),
         admin::Admin::new(control.clone()),
     );
-    admin.add_tcp(&admin_addr.to_string());
+    match &config.admin_tls {
+        Some(t) => {
+            admin.add_tls_with_settings(&admin_addr.to_string(), None, listener_tls(t, "admin")?)
+        }
+        None => admin.add_tcp(&admin_addr.to_string()),
+    }
     server.add_service(admin);
     let mut phases = server.watch_execution_phase();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
@@ -535,9 +550,12 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     Ok(running)
 }
 
-/// The pingora TLS settings of a VIP listener (the certificate chain and key, and the client
-/// CA when clients must show a certificate).
-fn vip_tls(t: &tls::ServerTls) -> Result<pingora::listeners::tls::TlsSettings, GatewayError> {
+/// The pingora TLS settings of a listener (the certificate chain and key, and the client CA
+/// when clients must show a certificate); `what` names it in errors.
+fn listener_tls(
+    t: &tls::ServerTls,
+    what: &str,
+) -> Result<pingora::listeners::tls::TlsSettings, GatewayError> {
     let cfg_err = |reason: String| GatewayError::Config { reason };
     let path = |p: &std::path::Path| {
         p.to_str()
@@ -546,10 +564,10 @@ fn vip_tls(t: &tls::ServerTls) -> Result<pingora::listeners::tls::TlsSettings, G
     };
     let mut settings =
         pingora::listeners::tls::TlsSettings::intermediate(&path(&t.cert)?, &path(&t.key)?)
-            .map_err(|e| cfg_err(format!("VIP TLS: {e}")))?;
+            .map_err(|e| cfg_err(format!("{what} TLS: {e}")))?;
     if let Some(ca) = &t.client_ca {
         settings.set_client_cert_verifier(
-            tls::client_verifier(ca).map_err(|e| cfg_err(format!("VIP TLS: {e}")))?,
+            tls::client_verifier(ca).map_err(|e| cfg_err(format!("{what} TLS: {e}")))?,
         );
     }
     Ok(settings)

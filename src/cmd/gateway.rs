@@ -54,6 +54,17 @@ pub struct Args {
     pub no_watch: bool,
     #[command(flatten)]
     pub tls: super::tls_args::ServerTlsArgs,
+    /// Serve the admin plane over HTTPS with this certificate chain (PEM, leaf first); needs
+    /// --admin-tls-key. Default: plain HTTP (bind it to localhost or a management network).
+    #[arg(long, requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+    /// The private key of --admin-tls-cert (PEM).
+    #[arg(long, requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
+    /// Require every admin client (health checks included) to show a certificate signed by
+    /// this CA (PEM): mTLS on the admin plane.
+    #[arg(long, requires = "admin_tls_cert")]
+    pub admin_tls_client_ca: Option<PathBuf>,
     /// Trust only this CA (PEM) for `https://` workers (default: the platform's roots).
     #[arg(long)]
     pub upstream_ca: Option<PathBuf>,
@@ -109,6 +120,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();
+    config.admin_tls = match (&args.admin_tls_cert, &args.admin_tls_key) {
+        (Some(cert), Some(key)) => Some(tls::ServerTls {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: args.admin_tls_client_ca.clone(),
+        }),
+        _ => None,
+    };
     if let Some(url) = &args.cluster {
         let mut c = gateway::cluster::ClusterSettings::new(url.clone());
         c.prefix = args.cluster_prefix.clone();
@@ -132,9 +151,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         "http"
     };
+    let admin_scheme = if config.admin_tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let mut running = gateway::spawn(config)?;
     eprintln!(
-        "kvgate gateway: VIP on {scheme}://{}, admin on http://{} (rules version {})",
+        "kvgate gateway: VIP on {scheme}://{}, admin on {admin_scheme}://{} (rules version {})",
         running.listen_addr,
         running.admin_addr,
         running.data.views.load().version()
