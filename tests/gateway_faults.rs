@@ -281,6 +281,27 @@ fn a_refused_request_goes_to_the_next_worker_and_the_audit_sees_each_attempt() {
         refused >= 4,
         "refused retries counted: {refused}\n{metrics}"
     );
+    // Per worker: every refusal was w1's.
+    let w1_refusals = metrics
+        .lines()
+        .find(|l| l.starts_with("kvgate_gateway_worker_refusals_total{worker=\"w1\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse::<u64>().unwrap());
+    assert_eq!(w1_refusals, refused, "{metrics}");
+    let workers = fleet
+        .admin(reqwest::Method::GET, "/admin/workers", None)
+        .json();
+    let by_id = |id: &str| {
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["id"] == id)
+            .unwrap()["refusals"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!((by_id("w1"), by_id("w2")), (refused, 0), "{workers}");
     fleet.stop();
     let decisions = fleet.dir.path().join("decisions.jsonl");
     let text = std::fs::read_to_string(&decisions).unwrap();
@@ -334,11 +355,22 @@ fn without_refusal_retries_the_same_load_reaches_the_client_as_429() {
     let replies = eight_at_once(&fleet, false);
     let refused: Vec<&support::Reply> = replies.iter().filter(|r| r.status != 200).collect();
     assert!(!refused.is_empty(), "no request was refused");
-    for r in refused {
+    for r in &refused {
         assert_eq!(r.status, 429, "{}", r.text());
         assert_eq!(r.json()["error"]["code"], "queue_full", "{}", r.text());
         assert_eq!(r.worker(), "w1");
         assert!(r.header("retry-after").is_some());
     }
+    // Refusals handed to the client count against the worker too.
+    let workers = fleet
+        .admin(reqwest::Method::GET, "/admin/workers", None)
+        .json();
+    let w1 = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["id"] == "w1")
+        .unwrap();
+    assert_eq!(w1["refusals"].as_u64(), Some(refused.len() as u64), "{w1}");
     fleet.stop();
 }

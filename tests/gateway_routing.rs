@@ -9,7 +9,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use support::{chat, Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
+use support::{chat, free_port, Fleet, FleetOptions, KV_SERVICE, RR_SERVICE};
 
 #[test]
 fn round_robin_balances_three_workers() {
@@ -1058,16 +1058,6 @@ pool = "all"
 match = { models = ["smol"] }
 rule = { type = "kv_exact", profile = "smol" }
 "#;
-
-/// A free port on 127.0.0.1 (bound and released: a later bind may race, which is fine for a
-/// test that binds it within milliseconds).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The rules' `gateway.listeners` are bound beside the VIP, each serving the services without
 /// `match.listener` and its own; the VIP serves only the former. `gateway.admin_addr` places

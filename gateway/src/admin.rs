@@ -194,6 +194,7 @@ impl Admin {
                         "decode_tokens": l.decode_tokens,
                         "seconds_since_reported": at.elapsed().as_secs_f64(),
                     })),
+                    "refusals": rt.refusals.load(Ordering::Relaxed),
                     "indexed_blocks": stats.get(&e.spec.id).map_or(0, |s| s.precise_blocks),
                     "approximate_blocks": stats.get(&e.spec.id).map_or(0, |s| s.approximate_blocks),
                     "events": {

@@ -243,6 +243,9 @@ impl DataPlane {
             let reports = self.metrics.worker_load_reports.get_or_create(&labels);
             let seen = e.runtime.load_reports.load(Ordering::Relaxed);
             reports.inc_by(seen.saturating_sub(reports.get()));
+            let refusals = self.metrics.worker_refusals.get_or_create(&labels);
+            let seen = e.runtime.refusals.load(Ordering::Relaxed);
+            refusals.inc_by(seen.saturating_sub(refusals.get()));
         }
     }
 

@@ -110,6 +110,7 @@ pub struct Metrics {
     /// `event: load` reports received from the worker (brought up to the worker's count at
     /// each scrape).
     pub worker_load_reports: Family<WorkerLabels, Counter>,
+    pub worker_refusals: Family<WorkerLabels, Counter>,
     /// Rules version currently served.
     pub rules_version: Gauge,
     /// Client requests in flight on the proxy.
@@ -228,6 +229,12 @@ impl Metrics {
             "Load reports (event: load messages) received from the worker",
             worker_load_reports.clone(),
         );
+        let worker_refusals = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "worker_refusals",
+            "Requests the worker refused before answering (429 / 503), retried elsewhere or not",
+            worker_refusals.clone(),
+        );
         let requests_in_flight = Gauge::default();
         registry.register(
             "requests_in_flight",
@@ -305,6 +312,7 @@ impl Metrics {
             worker_healthy,
             worker_in_flight,
             worker_load_reports,
+            worker_refusals,
             rules_version,
             requests_in_flight,
             draining,

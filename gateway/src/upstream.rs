@@ -4,6 +4,7 @@
 //! decoration of the worker's response head, passive health from its status, and whether a
 //! worker's refusal goes to the next candidate.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -171,6 +172,11 @@ pub(crate) fn on_response(
     ctx.status = Some(status);
     ctx.receipt_named = Some(resp.headers.contains_key(RECEIPT_HEADER));
     if let Some(w) = &ctx.current {
+        if is_refusal(status) {
+            if let Some(e) = ctx.view.as_ref().and_then(|v| v.workers.get(w)) {
+                e.runtime.refusals.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         if status >= 500 {
             data.mark_failure(w, false);
         } else {

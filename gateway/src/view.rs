@@ -237,6 +237,9 @@ pub struct WorkerRuntime {
     pub reported_load: Mutex<Option<(prefix_index::WorkerLoad, Instant)>>,
     /// Load reports received since start (`event: load` messages).
     pub load_reports: AtomicU64,
+    /// Requests the worker refused before answering (429 / 503) since start, whether the
+    /// gateway then offered them to another worker or handed the refusal to the client.
+    pub refusals: AtomicU64,
     /// The current event stream delivered its snapshot (its first load message arrived: the
     /// worker sends it after the subscription's snapshot); cleared when the stream ends.
     pub events_synced: std::sync::atomic::AtomicBool,
@@ -270,6 +273,7 @@ impl WorkerRuntime {
             remote_reserved: Mutex::new(RemoteReservations::default()),
             reported_load: Mutex::new(None),
             load_reports: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
             events_synced: std::sync::atomic::AtomicBool::new(false),
             events: Mutex::new(EventStreamState::Connecting),
             events_last_heard: Mutex::new(None),

@@ -15,6 +15,15 @@ use prompt_profile::PromptProfile;
 use receipts::{KeyPair, KeyRing};
 use worker::{EngineChoice, RunningWorker, TicketPolicy, WorkerConfig};
 
+/// A free port on 127.0.0.1 (bound, then released: whoever binds it next must do so soon).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// The default model file (its prompt profile; sim workers never load weights).
 pub fn model_path() -> PathBuf {
     let dir = std::env::var_os("KVGATE_MODEL_DIR")
