@@ -228,8 +228,10 @@ fn eight_at_once(fleet: &Fleet, big: bool) -> Vec<support::Reply> {
             } else {
                 String::new()
             };
+            // Every other request streams: a refusal comes before any event.
+            let stream = i % 2 == 1;
             let body = format!(
-                r#"{{"model":"smol",{pad}"messages":[{{"role":"user","content":"busy {i}"}}],"max_tokens":48}}"#
+                r#"{{"model":"smol",{pad}"messages":[{{"role":"user","content":"busy {i}"}}],"max_tokens":48,"stream":{stream}}}"#
             );
             let req = fleet
                 .http
@@ -256,6 +258,13 @@ fn a_refused_request_goes_to_the_next_worker_and_the_audit_sees_each_attempt() {
     for replies in &rounds {
         let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
         assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+        for r in replies.iter().skip(1).step_by(2) {
+            assert!(
+                r.text().trim_end().ends_with("data: [DONE]"),
+                "{}",
+                r.text()
+            );
+        }
     }
     let metrics = fleet.rt.block_on(async {
         fleet

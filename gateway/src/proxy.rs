@@ -411,6 +411,8 @@ impl ProxyHttp for Proxy {
             ));
         };
         ctx.next += 1;
+        // A new attempt: a refusal's retry flag never outlives the attempt it was set for.
+        ctx.retrying_refusal = false;
         let entry = view
             .workers
             .get(&worker)
