@@ -1044,6 +1044,96 @@ fn tenant_rate_limits_answer_429_with_retry_after() {
     fleet.stop();
 }
 
+/// A tenant's `max_concurrent_requests`: with 2 allowed, 4 concurrent requests get 2 answers
+/// and 2 × 429 `rate_limit_exceeded` (limit `concurrency`, `Retry-After: 1`), without touching
+/// another tenant; slots free as answers end (streams included), and the gauge says so.
+#[test]
+fn a_tenant_over_its_concurrency_limit_gets_429_and_its_slots_free_when_answers_end() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        // ~6 ms per decode step: a 40-token answer stays in flight for about 0.3 s.
+        sim: engine::sim::SimConfig {
+            block_size: 16,
+            num_blocks: 4096,
+            ..engine::sim::SimConfig::default()
+        },
+        ..FleetOptions::default()
+    });
+    let services = format!(
+        r#"
+[[tenants]]
+id = "narrow"
+api_keys_sha256 = ["{}"]
+max_concurrent_requests = 2
+
+[[tenants]]
+id = "wide"
+api_keys_sha256 = ["{}"]
+
+[[services]]
+name = "chat"
+pool = "all"
+auth = "api_key"
+rule = {{ type = "round_robin" }}
+"#,
+        sha256_hex("narrow-key"),
+        sha256_hex("wide-key"),
+    );
+    fleet.start_gateway(&services, false);
+    let send_all = |key: &str, n: usize| {
+        fleet.rt.block_on(async {
+            let sends = (0..n).map(|i| {
+                let mut body = chat(&[("user", &format!("concurrent {i}"))], 40);
+                body["stream"] = serde_json::json!(i % 2 == 0);
+                let req = fleet
+                    .http
+                    .post(fleet.url("/v1/chat/completions"))
+                    .bearer_auth(key)
+                    .json(&body);
+                async move { support::Reply::read(req.send().await.unwrap()).await }
+            });
+            futures::future::join_all(sends).await
+        })
+    };
+    let replies = send_all("narrow-key", 4);
+    let ok = replies.iter().filter(|r| r.status == 200).count();
+    let refused: Vec<_> = replies.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(
+        (ok, refused.len()),
+        (2, 2),
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    for r in &refused {
+        assert_eq!(
+            r.json()["error"]["code"],
+            "rate_limit_exceeded",
+            "{}",
+            r.text()
+        );
+        assert!(r.text().contains("(concurrency)"), "{}", r.text());
+        assert_eq!(r.header("retry-after").as_deref(), Some("1"));
+    }
+    // Another tenant is not limited by it: 4 at once, all served.
+    let wide = send_all("wide-key", 4);
+    assert!(wide.iter().all(|r| r.status == 200));
+    // The answers ended: the slots are free again.
+    let again = send_all("narrow-key", 2);
+    assert!(again.iter().all(|r| r.status == 200), "{}", again[0].text());
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains(
+            "kvgate_gateway_rate_limited_total{tenant=\"narrow\",limit=\"concurrency\"} 2"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_gateway_tenant_requests_in_flight{tenant=\"narrow\"} 0"),
+        "{metrics}"
+    );
+    fleet.stop();
+}
+
 /// Two services: `internal` only on the named listener `internal`, `public` on every listener.
 const LISTENER_SERVICES: &str = r#"
 [[services]]

@@ -216,6 +216,14 @@ impl DataPlane {
             .set(i64::try_from(self.drain.in_flight()).unwrap_or(i64::MAX));
         self.metrics.draining.set(i64::from(self.drain.draining()));
         let view = self.views.load();
+        for t in view.tenants.values() {
+            self.metrics
+                .tenant_in_flight
+                .get_or_create(&crate::metrics::TenantLabels {
+                    tenant: t.id.0.clone(),
+                })
+                .set(i64::from(self.limits.in_flight(&t.id)));
+        }
         for (id, e) in &view.workers {
             let labels = WorkerLabels {
                 worker: id.0.clone(),

@@ -1,10 +1,13 @@
-//! Per-tenant rate limits: two token buckets per tenant (requests, tokens), refilled
-//! continuously at the tenant's rate up to its burst. The buckets live in the data plane and
-//! survive rules reloads (keyed by tenant id; a reload that changes a tenant's rates applies the
-//! new rates from the next request); a tenant removed from the rules loses its buckets at the next
-//! sweep. O(1) per request under one short lock.
+//! Per-tenant limits: two token buckets per tenant (requests, tokens), refilled continuously
+//! at the tenant's rate up to its burst, and a count of the tenant's requests in flight against
+//! its `max_concurrent_requests` ([`RateLimits::enter`]: a slot held until the request ends).
+//! The buckets live in the data plane and survive rules reloads (keyed by tenant id; a reload
+//! that changes a tenant's rates applies the new rates from the next request); a tenant removed
+//! from the rules loses its buckets at the next sweep, and its count once nothing of it is in
+//! flight. O(1) per request under one short lock.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -49,17 +52,39 @@ struct TenantBuckets {
 /// A refusal: which limit, and when to retry.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limited {
-    /// `requests` or `tokens`.
+    /// `requests`, `tokens` or `concurrency`.
     pub what: &'static str,
     /// Seconds until the request would pass.
     pub retry_after_s: f64,
 }
 
-/// The buckets of every tenant.
+/// The buckets of every tenant, and their requests in flight.
 #[derive(Default)]
 pub struct RateLimits {
     buckets: Mutex<HashMap<TenantId, TenantBuckets>>,
+    in_flight: Arc<Mutex<HashMap<TenantId, u32>>>,
 }
+
+/// One request of a tenant in flight ([`RateLimits::enter`]); the count drops when it drops.
+pub struct TenantSlot {
+    counts: Arc<Mutex<HashMap<TenantId, u32>>>,
+    id: TenantId,
+}
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock();
+        if let Some(n) = counts.get_mut(&self.id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// `Retry-After` of a concurrency refusal: a request in flight usually ends within seconds.
+const CONCURRENCY_RETRY_AFTER_S: f64 = 1.0;
 
 fn limits(rate: Option<f64>, burst: Option<u64>) -> Option<(f64, f64)> {
     let rate = rate.filter(|r| r.is_finite() && *r > 0.0)?;
@@ -102,7 +127,32 @@ impl RateLimits {
             })
     }
 
-    /// Drops the buckets of tenants not in `keep` (after a rules change).
+    /// Admits one request of `t` while fewer than its `max_concurrent_requests` are in flight
+    /// (every request counts, so the count is right when a limit is added by a reload); the
+    /// slot counts it until dropped.
+    pub fn enter(&self, t: &TenantSpec) -> Result<TenantSlot, Limited> {
+        let mut counts = self.in_flight.lock();
+        let n = counts.entry(t.id.clone()).or_insert(0);
+        if t.max_concurrent_requests.is_some_and(|max| *n >= max) {
+            return Err(Limited {
+                what: "concurrency",
+                retry_after_s: CONCURRENCY_RETRY_AFTER_S,
+            });
+        }
+        *n += 1;
+        Ok(TenantSlot {
+            counts: self.in_flight.clone(),
+            id: t.id.clone(),
+        })
+    }
+
+    /// Requests of tenant `id` in flight now.
+    pub fn in_flight(&self, id: &TenantId) -> u32 {
+        self.in_flight.lock().get(id).copied().unwrap_or(0)
+    }
+
+    /// Drops the buckets of tenants not in `keep` (after a rules change). Counts in flight
+    /// stay until their requests end.
     pub fn retain(&self, keep: impl Fn(&TenantId) -> bool) {
         self.buckets.lock().retain(|id, _| keep(id));
     }
@@ -121,7 +171,30 @@ mod tests {
             request_burst: burst,
             tokens_per_second: tps,
             token_burst: None,
+            max_concurrent_requests: None,
         }
+    }
+
+    #[test]
+    fn concurrency_slots_admit_up_to_the_limit_and_free_on_drop() {
+        let l = RateLimits::default();
+        let mut t = tenant(None, None, None);
+        t.max_concurrent_requests = Some(2);
+        let a = l.enter(&t).unwrap();
+        let b = l.enter(&t).unwrap();
+        let e = l.enter(&t).err().unwrap();
+        assert_eq!(e.what, "concurrency");
+        assert_eq!(l.in_flight(&t.id), 2);
+        drop(a);
+        let c = l.enter(&t).unwrap();
+        drop((b, c));
+        assert_eq!(l.in_flight(&t.id), 0);
+        // Without a limit every request is admitted (and still counted).
+        t.max_concurrent_requests = None;
+        let slots: Vec<_> = (0..10).map(|_| l.enter(&t).unwrap()).collect();
+        assert_eq!(l.in_flight(&t.id), 10);
+        drop(slots);
+        assert_eq!(l.in_flight(&t.id), 0);
     }
 
     #[test]

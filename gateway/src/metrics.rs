@@ -50,8 +50,15 @@ pub struct FallbackLabels {
 pub struct TenantLimitLabels {
     /// The tenant.
     pub tenant: String,
-    /// `requests` or `tokens`.
+    /// `requests`, `tokens` or `concurrency`.
     pub limit: String,
+}
+
+/// Labels of a per-tenant gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    /// The tenant.
+    pub tenant: String,
 }
 
 /// Labels of a per-mode histogram.
@@ -130,6 +137,7 @@ pub struct Metrics {
     pub rules_rejected: Counter,
     /// Requests refused by a tenant's rate limit.
     pub rate_limited: Family<TenantLimitLabels, Counter>,
+    pub tenant_in_flight: Family<TenantLabels, Gauge>,
     /// Requests refused for a missing or unknown API key.
     pub invalid_api_keys: Counter,
 }
@@ -289,6 +297,12 @@ impl Metrics {
             "Requests refused by a tenant's rate limit (429)",
             rate_limited.clone(),
         );
+        let tenant_in_flight = Family::<TenantLabels, Gauge>::default();
+        registry.register(
+            "tenant_requests_in_flight",
+            "Requests of the tenant in flight (against its max_concurrent_requests)",
+            tenant_in_flight.clone(),
+        );
         let invalid_api_keys = Counter::default();
         registry.register(
             "invalid_api_keys",
@@ -298,6 +312,7 @@ impl Metrics {
         Metrics {
             registry: Mutex::new(registry),
             rate_limited,
+            tenant_in_flight,
             invalid_api_keys,
             requests,
             route_decision_seconds,

@@ -264,9 +264,17 @@ impl ProxyHttp for Proxy {
                 Err(err) => return respond_error(session, ctx, &err).await,
             }
         }
-        if let Some(t) = &ctx.tenant {
-            if let Err(l) = self.data.limits.take_request(t, Instant::now()) {
-                let err = self.limited(t, l);
+        if let Some(t) = ctx.tenant.clone() {
+            // The concurrency limit first: a request it refuses spends nothing of the buckets.
+            match self.data.limits.enter(&t) {
+                Ok(slot) => ctx._tenant_slot = Some(slot),
+                Err(l) => {
+                    let err = self.limited(&t, l);
+                    return respond_error(session, ctx, &err).await;
+                }
+            }
+            if let Err(l) = self.data.limits.take_request(&t, Instant::now()) {
+                let err = self.limited(&t, l);
                 return respond_error(session, ctx, &err).await;
             }
         }

@@ -49,6 +49,8 @@ pub struct RequestCtx {
     pub(crate) service: Option<Arc<ServiceRoute>>,
     /// The tenant the request authenticated as (services with `auth = "api_key"`).
     pub(crate) tenant: Option<Arc<TenantSpec>>,
+    /// Counts the request against its tenant's `max_concurrent_requests` until dropped.
+    pub(crate) _tenant_slot: Option<crate::limits::TenantSlot>,
     /// The routing decision, only when one was taken.
     pub(crate) decision: Option<Box<Decision>>,
     /// Index into `decision.order` of the next worker to try.

@@ -141,6 +141,10 @@ pub struct TenantSpec {
     /// Tokens the bucket holds. Default: `max(1, ⌈tokens_per_second⌉)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_burst: Option<u64>,
+    /// Requests of the tenant in flight at once through one gateway (from admission to the
+    /// answer's end, streams included); more get 429. Default: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_requests: Option<u32>,
 }
 
 /// Who may call a service.

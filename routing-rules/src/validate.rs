@@ -633,6 +633,12 @@ impl Validator {
             if t.token_burst == Some(0) {
                 self.push(format!("{path}.token_burst"), "must be at least 1");
             }
+            if t.max_concurrent_requests == Some(0) {
+                self.push(
+                    format!("{path}.max_concurrent_requests"),
+                    "must be at least 1",
+                );
+            }
             if t.request_burst.is_some() && t.requests_per_second.is_none() {
                 self.push(format!("{path}.request_burst"), "needs requests_per_second");
             }

@@ -423,7 +423,7 @@ fn tenants_and_api_key_auth() {
     assert_problem(&problems(&no_auth), "services.chat.rule.salt", "needs auth");
     // Tenant field checks.
     let bad = format!(
-        "{BASE}{}\n[[tenants]]\nid = \"beta\"\napi_keys_sha256 = [\"AAAA\", \"{}\"]\nrequest_burst = 0\ntoken_burst = 3\ntokens_per_second = -1.0\n\n[[tenants]]\nid = \"gamma\"\napi_keys_sha256 = []\n",
+        "{BASE}{}\n[[tenants]]\nid = \"beta\"\napi_keys_sha256 = [\"AAAA\", \"{}\"]\nrequest_burst = 0\ntoken_burst = 3\ntokens_per_second = -1.0\nmax_concurrent_requests = 0\n\n[[tenants]]\nid = \"gamma\"\napi_keys_sha256 = []\n",
         TENANTS,
         "a".repeat(64)
     );
@@ -441,6 +441,7 @@ fn tenants_and_api_key_auth() {
         "needs requests_per_second",
     );
     assert_problem(&p, "tenants.beta.tokens_per_second", "finite number > 0");
+    assert_problem(&p, "tenants.beta.max_concurrent_requests", "at least 1");
     assert_problem(&p, "tenants.gamma.api_keys_sha256", "at least one");
 }
 
