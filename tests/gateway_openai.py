@@ -63,6 +63,19 @@ def main() -> int:
     assert usage is not None and usage.completion_tokens > 0, usage
     print(f"streaming ok: {chunks} chunks, {usage.completion_tokens} completion tokens")
 
+    # The models the gateway's services name (`match.models`), listed by the gateway itself.
+    models = sorted(m.id for m in client.models.list())
+    assert models == ["smol", "smol-rr"], models
+    assert client.models.retrieve("smol-rr").id == "smol-rr"
+    try:
+        client.models.retrieve("no-such-model")
+    except openai.NotFoundError as e:
+        code = e.body.get("code") if isinstance(e.body, dict) else None
+        assert code == "model_not_found", e.body
+    else:
+        raise AssertionError("an unknown model was found")
+    print(f"models ok: {models}")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

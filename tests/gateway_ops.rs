@@ -573,7 +573,13 @@ fn openai_python_client_through_the_gateway() {
         workers: 2,
         ..FleetOptions::default()
     });
-    fleet.start_gateway(KV_SERVICE, false);
+    // Two services told apart by `model`: the gateway lists both (`client.models.list()`).
+    let services = format!(
+        "{}match = {{ models = [\"smol\"] }}\n\n[[services]]\nname = \"rr\"\npool = \"all\"\n\
+         match = {{ models = [\"smol-rr\"] }}\nrule = {{ type = \"round_robin\" }}\n",
+        KV_SERVICE
+    );
+    fleet.start_gateway(&services, false);
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway_openai.py");
     let out = std::process::Command::new(python_support::python())
         .arg(&script)
@@ -587,7 +593,9 @@ fn openai_python_client_through_the_gateway() {
         "gateway_openai.py failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(
-        stdout.contains("non-streaming ok") && stdout.contains("streaming ok"),
+        stdout.contains("non-streaming ok")
+            && stdout.contains("streaming ok")
+            && stdout.contains("models ok"),
         "{stdout}"
     );
     fleet.stop();

@@ -1134,6 +1134,91 @@ rule = {{ type = "round_robin" }}
     fleet.stop();
 }
 
+/// `GET /v1/models` with services told apart by `model`: the gateway answers from their
+/// `match.models`; a service behind API keys lists its models only to a valid key, and with no
+/// other service an invalid key is 401; `GET /v1/models/{id}` finds one or is 404
+/// `model_not_found`. A service that takes any model leaves the listing to its workers.
+#[test]
+fn the_gateway_lists_the_models_its_services_name() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    let services = format!(
+        r#"
+[[tenants]]
+id = "acme"
+api_keys_sha256 = ["{}"]
+
+[[services]]
+name = "private"
+pool = "all"
+auth = "api_key"
+match = {{ models = ["smol-private", "org/smol-private"] }}
+rule = {{ type = "round_robin" }}
+
+[[services]]
+name = "open"
+pool = "all"
+match = {{ models = ["smol"] }}
+rule = {{ type = "kv_exact", profile = "smol" }}
+"#,
+        sha256_hex("acme-key")
+    );
+    fleet.start_gateway(&services, false);
+    let get = |path: &str, key: Option<&str>| {
+        fleet.rt.block_on(async {
+            let mut r = fleet.http.get(fleet.url(path));
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            support::Reply::read(r.send().await.unwrap()).await
+        })
+    };
+    let ids = |r: &support::Reply| -> Vec<String> {
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let r = get("/v1/models", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["object"], "list");
+    assert_eq!(ids(&r), ["smol"]);
+    let r = get("/v1/models", Some("acme-key"));
+    assert_eq!(ids(&r), ["org/smol-private", "smol", "smol-private"]);
+    let r = get("/v1/models/org/smol-private", Some("acme-key"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["id"], "org/smol-private");
+    assert_eq!(r.json()["object"], "model");
+    let r = get("/v1/models/smol-private", None);
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    assert_eq!(r.json()["error"]["param"], "model");
+    // Only the service behind keys left: a bad key is told so.
+    let only_private = services
+        .split("[[services]]\nname = \"open\"")
+        .next()
+        .unwrap()
+        .to_owned();
+    std::fs::write(&fleet.rules_path, fleet.rules_toml(&only_private)).unwrap();
+    let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = get("/v1/models", Some("wrong-key"));
+    assert_eq!(r.status, 401, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    // A service that takes any model: its worker answers (the model it serves).
+    std::fs::write(&fleet.rules_path, fleet.rules_toml(RR_SERVICE)).unwrap();
+    let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = get("/v1/models", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-worker").as_deref(), Some("w1"));
+    fleet.stop();
+}
+
 /// Two services: `internal` only on the named listener `internal`, `public` on every listener.
 const LISTENER_SERVICES: &str = r#"
 [[services]]

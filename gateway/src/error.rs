@@ -19,6 +19,12 @@ pub enum GatewayError {
         /// The body's `model`, when it had one.
         model: Option<String>,
     },
+    /// `GET /v1/models/{model}` names a model no service here lists.
+    #[error("no service here serves the model {model:?}")]
+    ModelNotFound {
+        /// The model asked for.
+        model: String,
+    },
     /// The OpenAI API does not serve this method on this path.
     #[error("{method} is not allowed on {path} (allowed: {allowed})")]
     MethodNotAllowed {
@@ -200,6 +206,7 @@ impl GatewayError {
     pub fn error_type(&self) -> &'static str {
         match self {
             GatewayError::ServiceNotFound { .. } => "service_not_found",
+            GatewayError::ModelNotFound { .. } => "model_not_found",
             GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
             GatewayError::BodyTooLarge { .. } => "request_too_large",
             GatewayError::InvalidBody { .. } => "invalid_request_body",
@@ -226,7 +233,9 @@ impl GatewayError {
     /// The HTTP status a client gets for this error.
     pub fn status(&self) -> u16 {
         match self {
-            GatewayError::ServiceNotFound { .. } | GatewayError::NotFound { .. } => 404,
+            GatewayError::ServiceNotFound { .. }
+            | GatewayError::ModelNotFound { .. }
+            | GatewayError::NotFound { .. } => 404,
             GatewayError::MethodNotAllowed { .. } => 405,
             GatewayError::BodyTooLarge { .. } => 413,
             GatewayError::InvalidBody { .. }
@@ -263,7 +272,8 @@ impl GatewayError {
         match self {
             GatewayError::Body(b) => b.param.as_deref(),
             GatewayError::ContextLengthExceeded { param, .. } => Some(param),
-            GatewayError::ServiceNotFound { model: Some(_), .. } => Some("model"),
+            GatewayError::ServiceNotFound { model: Some(_), .. }
+            | GatewayError::ModelNotFound { .. } => Some("model"),
             _ => None,
         }
     }

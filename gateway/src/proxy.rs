@@ -33,6 +33,7 @@ use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
 use crate::route::{self, RouteInput};
 use crate::upstream;
+use crate::view::ServiceRoute;
 
 /// pingora's retry buffer size (`BODY_BUF_LIMIT`): bodies above it take the forward path.
 pub const RETRY_BUFFER_LIMIT: usize = 64 * 1024;
@@ -85,6 +86,18 @@ fn declared_length(req: &RequestHeader) -> Option<usize> {
         .and_then(|v| v.parse::<usize>().ok())
 }
 
+/// `Some(None)` for `/v1/models`, `Some(Some(id))` for `/v1/models/{id}` (the id may hold
+/// `/`, as `org/name` ids do), `None` for other paths.
+fn models_path(path: &str) -> Option<Option<String>> {
+    let path = path.trim_end_matches('/');
+    if path == "/v1/models" {
+        return Some(None);
+    }
+    path.strip_prefix("/v1/models/")
+        .filter(|id| !id.is_empty())
+        .map(|id| Some(id.to_owned()))
+}
+
 /// The client's own `x-request-id`, when it is 1..=128 visible ASCII characters (else ignored).
 fn client_request_id(req: &RequestHeader) -> Option<String> {
     header_str(req, "x-request-id")
@@ -121,6 +134,54 @@ impl Proxy {
         view.tenant_of(key)
             .cloned()
             .ok_or_else(|| refuse("invalid API key"))
+    }
+
+    /// `GET /v1/models` (`one`: `None`) or `GET /v1/models/{one}` from the `match.models` of
+    /// `services`: a service behind API keys lists its models only to a valid key (401 when
+    /// such services are all there is and the key is not valid); an unknown `one` is 404
+    /// `model_not_found`.
+    async fn answer_models(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        view: &crate::view::View,
+        services: &[Arc<ServiceRoute>],
+        one: Option<String>,
+    ) -> Result<bool> {
+        let mut auth: Option<std::result::Result<Arc<TenantSpec>, GatewayError>> = None;
+        let mut models = std::collections::BTreeSet::new();
+        for s in services {
+            if s.spec().auth == AuthPolicy::ApiKey {
+                let ok = auth
+                    .get_or_insert_with(|| self.authenticate(view, session.req_header()))
+                    .is_ok();
+                if !ok {
+                    continue;
+                }
+            }
+            models.extend(s.spec().matcher.models.iter().cloned());
+        }
+        if models.is_empty() {
+            if let Some(Err(e)) = auth {
+                return respond_error(session, ctx, &e).await;
+            }
+        }
+        if let Some(Ok(t)) = auth {
+            ctx.tenant = Some(t);
+        }
+        let card = |id: &str| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvgate"});
+        let body = match one {
+            None => serde_json::json!({
+                "object": "list",
+                "data": models.iter().map(|m| card(m)).collect::<Vec<_>>(),
+            }),
+            Some(id) if models.contains(&id) => card(&id),
+            Some(id) => {
+                return respond_error(session, ctx, &GatewayError::ModelNotFound { model: id })
+                    .await
+            }
+        };
+        crate::request::respond_json(session, ctx, &body).await
     }
 
     /// The 429 for a tenant over its limit (counted).
@@ -205,6 +266,18 @@ impl ProxyHttp for Proxy {
         }
 
         let listener = self.listener.as_deref();
+        // `GET /v1/models[/{id}]`: answered here when every service that could take it names
+        // its models (with models told apart by `match.models`, no one worker knows them all).
+        if method == "GET" {
+            if let Some(one) = models_path(&path) {
+                if let Some(services) = view.listing_services(listener, host.as_deref(), &path) {
+                    let services: Vec<Arc<ServiceRoute>> = services.into_iter().cloned().collect();
+                    return self
+                        .answer_models(session, ctx, &view, &services, one)
+                        .await;
+                }
+            }
+        }
         let Some(limit) = view.body_limit_for(listener, host.as_deref(), &path) else {
             // The body stays unread: the connection can't be reused.
             session.set_keepalive(None);

@@ -96,6 +96,32 @@ impl RequestCtx {
     }
 }
 
+/// Writes a JSON answer of the gateway's own (status 200: `GET /v1/models`) and records it in
+/// the ctx.
+pub(crate) async fn respond_json(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    body: &serde_json::Value,
+) -> Result<bool> {
+    let body = serde_json::to_vec(body).unwrap_or_default();
+    let mut resp = ResponseHeader::build(200, Some(4))?;
+    resp.insert_header("content-type", "application/json")?;
+    resp.insert_header("content-length", body.len().to_string())?;
+    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    if let Some(c) = &ctx.client_request_id {
+        resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
+    }
+    if let Some(v) = &ctx.view {
+        resp.insert_header(VERSION_HEADER, v.version().to_string())?;
+    }
+    ctx.status = Some(200);
+    session.write_response_header(Box::new(resp), false).await?;
+    session
+        .write_response_body(Some(Bytes::from(body)), true)
+        .await?;
+    Ok(true)
+}
+
 /// Writes an OpenAI-style error response and records it in the ctx.
 pub(crate) async fn respond_error(
     session: &mut Session,

@@ -615,6 +615,37 @@ impl View {
         self.services.get(idx)
     }
 
+    /// `GET /v1/models` as the gateway answers it: the services that could take a request on
+    /// `listener` to `host` and `path` whatever its model, when every one of them names its
+    /// models (`match.models`). `None` when none could, or when one takes any model: then the
+    /// request is routed like any other and a worker of that service answers.
+    pub fn listing_services(
+        &self,
+        listener: Option<&str>,
+        host: Option<&str>,
+        path: &str,
+    ) -> Option<Vec<&Arc<ServiceRoute>>> {
+        let mut out = Vec::new();
+        for (entry, route) in self.snapshot.services().iter().zip(&self.services) {
+            let models = &entry.spec.matcher.models;
+            let probe = models.first().map(String::as_str);
+            let info = RequestInfo {
+                listener,
+                host,
+                path,
+                model: probe,
+            };
+            if !entry.matches(&info) {
+                continue;
+            }
+            if models.is_empty() {
+                return None;
+            }
+            out.push(route);
+        }
+        (!out.is_empty()).then_some(out)
+    }
+
     /// The largest body limit of any service that could take this request whatever its model
     /// (the body is read before the model is known). `None` if no service could.
     pub fn body_limit_for(
