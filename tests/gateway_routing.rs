@@ -1187,6 +1187,12 @@ rule = {{ type = "kv_exact", profile = "smol" }}
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["object"], "list");
     assert_eq!(ids(&r), ["smol"]);
+    // Listing without a key is not an invalid key.
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains("kvgate_gateway_invalid_api_keys_total 0"),
+        "{metrics}"
+    );
     let r = get("/v1/models", Some("acme-key"));
     assert_eq!(ids(&r), ["org/smol-private", "smol", "smol-private"]);
     let r = get("/v1/models/org/smol-private", Some("acme-key"));
@@ -1206,9 +1212,11 @@ rule = {{ type = "kv_exact", profile = "smol" }}
     std::fs::write(&fleet.rules_path, fleet.rules_toml(&only_private)).unwrap();
     let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
     assert_eq!(r.status, 200, "{}", r.text());
-    let r = get("/v1/models", Some("wrong-key"));
-    assert_eq!(r.status, 401, "{}", r.text());
-    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    for key in [Some("wrong-key"), None] {
+        let r = get("/v1/models", key);
+        assert_eq!(r.status, 401, "{key:?}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    }
     // A service that takes any model: its worker answers (the model it serves).
     std::fs::write(&fleet.rules_path, fleet.rules_toml(RR_SERVICE)).unwrap();
     let r = fleet.admin(reqwest::Method::POST, "/admin/reload", None);

@@ -148,23 +148,36 @@ impl Proxy {
         services: &[Arc<ServiceRoute>],
         one: Option<String>,
     ) -> Result<bool> {
+        // A key is checked only when one is sent: listing the open services' models without
+        // one is not an invalid key.
+        let keyed = session.req_header().headers.contains_key("authorization");
         let mut auth: Option<std::result::Result<Arc<TenantSpec>, GatewayError>> = None;
+        let mut hidden = false;
         let mut models = std::collections::BTreeSet::new();
         for s in services {
             if s.spec().auth == AuthPolicy::ApiKey {
-                let ok = auth
-                    .get_or_insert_with(|| self.authenticate(view, session.req_header()))
-                    .is_ok();
+                let ok = keyed
+                    && auth
+                        .get_or_insert_with(|| self.authenticate(view, session.req_header()))
+                        .is_ok();
                 if !ok {
+                    hidden = true;
                     continue;
                 }
             }
             models.extend(s.spec().matcher.models.iter().cloned());
         }
-        if models.is_empty() {
-            if let Some(Err(e)) = auth {
-                return respond_error(session, ctx, &e).await;
-            }
+        if models.is_empty() && hidden {
+            let err = match auth.take() {
+                Some(Err(e)) => e,
+                _ => match self.authenticate(view, session.req_header()) {
+                    Err(e) => e,
+                    Ok(_) => GatewayError::Internal {
+                        reason: "listing models: no key, yet authenticated".into(),
+                    },
+                },
+            };
+            return respond_error(session, ctx, &err).await;
         }
         if let Some(Ok(t)) = auth {
             ctx.tenant = Some(t);
