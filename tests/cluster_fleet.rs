@@ -1413,3 +1413,62 @@ fn a_replica_started_while_redis_does_not_answer_is_ready_once_it_read_the_clust
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }
+
+/// A tenant's limits are the fleet's: with 2 live replicas each enforces half of them. A cap
+/// of 2 concurrent requests admits 1 per replica: 2 long requests through one replica get one
+/// answer and one 429 (concurrency); 1 through each replica, both are served.
+#[test]
+fn replicas_share_a_tenants_limits() {
+    use sha2::Digest;
+    let mut c = Cluster::new(2, 3);
+    let key_hash = hex::encode(sha2::Sha256::digest(b"tenant-key"));
+    let rules = format!(
+        "{}\n[[tenants]]\nid = \"t\"\napi_keys_sha256 = [\"{key_hash}\"]\nmax_concurrent_requests = 2\n\n\
+         [[services]]\nname = \"keyed\"\npool = \"all\"\nauth = \"api_key\"\nrule = {{ type = \"round_robin\" }}\n\
+         [services.match]\nmodels = [\"keyed\"]\n",
+        c.rules()
+    );
+    std::fs::write(c.dir.path().join("rules.toml"), rules).unwrap();
+    c.start_gateway(0);
+    c.start_gateway(1);
+    for g in 0..2 {
+        c.wait_for("both replicas live", Duration::from_secs(10), || {
+            c.gw(g).data.limits.replicas() == 2
+        });
+    }
+    // ~3 ms per token: 300 tokens keep a request in flight for about a second.
+    let send = |c: &Cluster, gs: &[usize]| -> Vec<Reply> {
+        c.rt.block_on(async {
+            let sends = gs.iter().enumerate().map(|(i, g)| {
+                let url = format!("http://{}/v1/chat/completions", c.gw(*g).listen_addr);
+                let body = json!({"model": "keyed", "messages": [{"role": "user", "content": format!("long {i}")}], "max_tokens": 300});
+                let req = c.http.post(url).bearer_auth("tenant-key").json(&body);
+                async move { Reply::read(req.send().await.unwrap()).await }
+            });
+            futures::future::join_all(sends).await
+        })
+    };
+    let one_replica = send(&c, &[0, 0]);
+    let mut statuses: Vec<u16> = one_replica.iter().map(|r| r.status).collect();
+    statuses.sort_unstable();
+    assert_eq!(
+        statuses,
+        [200, 429],
+        "{:?}",
+        one_replica.iter().map(Reply::text).collect::<Vec<_>>()
+    );
+    let refused = one_replica.iter().find(|r| r.status == 429).unwrap();
+    assert!(
+        refused.text().contains("(concurrency)"),
+        "{}",
+        refused.text()
+    );
+    let both = send(&c, &[0, 1]);
+    assert!(
+        both.iter().all(|r| r.status == 200),
+        "{:?}",
+        both.iter().map(Reply::text).collect::<Vec<_>>()
+    );
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}

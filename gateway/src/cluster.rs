@@ -445,10 +445,13 @@ async fn sync_once(
     replicas.dedup();
     // This replica's place among the live ones staggers its rotations (it announced itself
     // above; if its record is not listed yet it counts itself in).
-    let stagger = match replicas.binary_search_by(|r| r.as_str().cmp(link.replica_id())) {
-        Ok(i) => routing_rules::Stagger::new(i, replicas.len()),
-        Err(i) => routing_rules::Stagger::new(i, replicas.len() + 1),
+    let (place, live) = match replicas.binary_search_by(|r| r.as_str().cmp(link.replica_id())) {
+        Ok(i) => (i, replicas.len()),
+        Err(i) => (i, replicas.len() + 1),
     };
+    let stagger = routing_rules::Stagger::new(place, live);
+    // The tenants' limits are the fleet's: each live replica enforces its share.
+    control.data.limits.set_replicas(live);
     *link.status.replicas.lock() = replicas;
     control.set_stagger(stagger).await;
     let registered = store.workers().await?;

@@ -63,6 +63,9 @@ pub struct Limited {
 pub struct RateLimits {
     buckets: Mutex<HashMap<TenantId, TenantBuckets>>,
     in_flight: Arc<Mutex<HashMap<TenantId, u32>>>,
+    /// The live gateway replicas a tenant's limits are shared by (cluster mode; 0 or 1: this
+    /// gateway alone): each enforces its even share ([`RateLimits::set_replicas`]).
+    replicas: std::sync::atomic::AtomicU32,
 }
 
 /// One request of a tenant in flight ([`RateLimits::enter`]); the count drops when it drops.
@@ -86,22 +89,43 @@ impl Drop for TenantSlot {
 /// `Retry-After` of a concurrency refusal: a request in flight usually ends within seconds.
 const CONCURRENCY_RETRY_AFTER_S: f64 = 1.0;
 
-fn limits(rate: Option<f64>, burst: Option<u64>) -> Option<(f64, f64)> {
+/// A bucket's (rate, burst) as configured, divided among `replicas` (the burst at least 1).
+fn limits(rate: Option<f64>, burst: Option<u64>, replicas: u32) -> Option<(f64, f64)> {
     let rate = rate.filter(|r| r.is_finite() && *r > 0.0)?;
     let burst = burst.map_or(rate.ceil().max(1.0), |b| (b as f64).max(1.0));
-    Some((rate, burst))
+    let n = f64::from(replicas.max(1));
+    Some((rate / n, (burst / n).max(1.0)))
 }
 
 impl RateLimits {
+    /// Cluster mode: the tenants' limits are shared by `n` live replicas (this one included),
+    /// each enforcing `1/n` of every rate and burst and `⌈max / n⌉` concurrent requests, so
+    /// that a VIP spreading a tenant's requests evenly meets the configured limits fleet-wide.
+    pub fn set_replicas(&self, n: usize) {
+        let n = u32::try_from(n).unwrap_or(u32::MAX).max(1);
+        self.replicas.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The replicas the limits are shared by (1 alone).
+    pub fn replicas(&self) -> u32 {
+        self.replicas
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(1)
+    }
+
     /// Counts one request of `t`.
     pub fn take_request(&self, t: &TenantSpec, now: Instant) -> Result<(), Limited> {
-        let limit = limits(t.requests_per_second, t.request_burst.map(u64::from));
+        let limit = limits(
+            t.requests_per_second,
+            t.request_burst.map(u64::from),
+            self.replicas(),
+        );
         self.take(t, "requests", |b| &mut b.requests, limit, 1.0, now)
     }
 
     /// Charges `tokens` to `t`.
     pub fn take_tokens(&self, t: &TenantSpec, tokens: u64, now: Instant) -> Result<(), Limited> {
-        let limit = limits(t.tokens_per_second, t.token_burst);
+        let limit = limits(t.tokens_per_second, t.token_burst, self.replicas());
         self.take(t, "tokens", |b| &mut b.tokens, limit, tokens as f64, now)
     }
 
@@ -131,9 +155,12 @@ impl RateLimits {
     /// (every request counts, so the count is right when a limit is added by a reload); the
     /// slot counts it until dropped.
     pub fn enter(&self, t: &TenantSpec) -> Result<TenantSlot, Limited> {
+        let replicas = self.replicas();
         let mut counts = self.in_flight.lock();
         let n = counts.entry(t.id.clone()).or_insert(0);
-        if t.max_concurrent_requests.is_some_and(|max| *n >= max) {
+        if t.max_concurrent_requests
+            .is_some_and(|max| *n >= max.div_ceil(replicas))
+        {
             return Err(Limited {
                 what: "concurrency",
                 retry_after_s: CONCURRENCY_RETRY_AFTER_S,
@@ -173,6 +200,35 @@ mod tests {
             token_burst: None,
             max_concurrent_requests: None,
         }
+    }
+
+    #[test]
+    fn replicas_share_every_limit_evenly() {
+        let l = RateLimits::default();
+        l.set_replicas(2);
+        let now = Instant::now();
+        // 4/s with a burst of 4, over 2 replicas: 2 here.
+        let mut t = tenant(Some(4.0), Some(4), None);
+        assert!(l.take_request(&t, now).is_ok());
+        assert!(l.take_request(&t, now).is_ok());
+        let e = l.take_request(&t, now).unwrap_err();
+        // Refilled at 2/s: one more after half a second.
+        assert!((e.retry_after_s - 0.5).abs() < 1e-9, "{e:?}");
+        // 3 concurrent over 2 replicas: ⌈1.5⌉ = 2 here.
+        t.max_concurrent_requests = Some(3);
+        let a = l.enter(&t).unwrap();
+        let b = l.enter(&t).unwrap();
+        assert!(l.enter(&t).is_err());
+        drop((a, b));
+        // A burst or a cap below the replica count still admits one here.
+        l.set_replicas(8);
+        let mut u = tenant(Some(1.0), Some(2), None);
+        u.id = "u".into();
+        assert!(l.take_request(&u, now).is_ok());
+        assert!(l.take_request(&u, now).is_err());
+        assert_eq!(l.replicas(), 8);
+        l.set_replicas(0);
+        assert_eq!(l.replicas(), 1);
     }
 
     #[test]
