@@ -266,18 +266,7 @@ fn a_refused_request_goes_to_the_next_worker_and_the_audit_sees_each_attempt() {
             );
         }
     }
-    let metrics = fleet.rt.block_on(async {
-        fleet
-            .http
-            .get(fleet.admin_url("/metrics"))
-            .bearer_auth(&fleet.admin_token)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    });
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
     let refused: u64 = metrics
         .lines()
         .find(|l| {

@@ -104,22 +104,7 @@ pub(crate) async fn respond_json(
     body: &serde_json::Value,
 ) -> Result<bool> {
     let body = serde_json::to_vec(body).unwrap_or_default();
-    let mut resp = ResponseHeader::build(200, Some(4))?;
-    resp.insert_header("content-type", "application/json")?;
-    resp.insert_header("content-length", body.len().to_string())?;
-    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
-    if let Some(c) = &ctx.client_request_id {
-        resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
-    }
-    if let Some(v) = &ctx.view {
-        resp.insert_header(VERSION_HEADER, v.version().to_string())?;
-    }
-    ctx.status = Some(200);
-    session.write_response_header(Box::new(resp), false).await?;
-    session
-        .write_response_body(Some(Bytes::from(body)), true)
-        .await?;
-    Ok(true)
+    respond(session, ctx, 200, body, |_| Ok(())).await
 }
 
 /// Writes an OpenAI-style error response and records it in the ctx.
@@ -129,26 +114,45 @@ pub(crate) async fn respond_error(
     err: &GatewayError,
 ) -> Result<bool> {
     let body = err.to_openai_json();
-    let mut resp = ResponseHeader::build(err.status(), Some(4))?;
+    ctx.error = Some(err.error_type().to_owned());
+    respond(session, ctx, err.status(), body, |resp| {
+        match err {
+            GatewayError::Overloaded { .. } => resp.insert_header("retry-after", "1")?,
+            GatewayError::RateLimited { retry_after_s, .. } => {
+                resp.insert_header("retry-after", retry_after_s.to_string())?
+            }
+            GatewayError::InvalidApiKey { .. } => {
+                resp.insert_header("www-authenticate", "Bearer")?
+            }
+            _ => {}
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// A whole JSON answer of the gateway's own: status, `content-type`, `content-length`, the
+/// request ids and rules version, whatever `decorate` adds, then the body; the status is
+/// recorded in the ctx.
+async fn respond(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    status: u16,
+    body: Vec<u8>,
+    decorate: impl FnOnce(&mut ResponseHeader) -> Result<()>,
+) -> Result<bool> {
+    let mut resp = ResponseHeader::build(status, Some(4))?;
     resp.insert_header("content-type", "application/json")?;
     resp.insert_header("content-length", body.len().to_string())?;
     resp.insert_header("x-request-id", ctx.request_id.as_str())?;
     if let Some(c) = &ctx.client_request_id {
         resp.insert_header(CLIENT_REQUEST_ID_HEADER, c.as_str())?;
     }
-    match err {
-        GatewayError::Overloaded { .. } => resp.insert_header("retry-after", "1")?,
-        GatewayError::RateLimited { retry_after_s, .. } => {
-            resp.insert_header("retry-after", retry_after_s.to_string())?
-        }
-        GatewayError::InvalidApiKey { .. } => resp.insert_header("www-authenticate", "Bearer")?,
-        _ => {}
-    }
+    decorate(&mut resp)?;
     if let Some(v) = &ctx.view {
         resp.insert_header(VERSION_HEADER, v.version().to_string())?;
     }
-    ctx.status = Some(err.status());
-    ctx.error = Some(err.error_type().to_owned());
+    ctx.status = Some(status);
     session.write_response_header(Box::new(resp), false).await?;
     session
         .write_response_body(Some(Bytes::from(body)), true)

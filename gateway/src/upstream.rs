@@ -199,7 +199,8 @@ pub(crate) fn on_response(
 
 /// Whether a worker's status refuses the request before answering it: 429 (`queue_full`,
 /// `admission_timeout`) or 503 (`engine_stopped`, `engine_failed`, `receipt_failed`; a sidecar's
-/// `engine_unavailable`; a native engine's own 503 while it loads). The client got nothing yet, so the request may go elsewhere.
+/// `engine_unavailable`; a native engine's own 503 while it loads). The client got nothing yet,
+/// so the request may go elsewhere.
 pub(crate) fn is_refusal(status: u16) -> bool {
     matches!(status, 429 | 503)
 }
