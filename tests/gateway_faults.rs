@@ -372,3 +372,158 @@ fn without_refusal_retries_the_same_load_reaches_the_client_as_429() {
     assert_eq!(w1["refusals"].as_u64(), Some(refused.len() as u64), "{w1}");
     fleet.stop();
 }
+
+/// A retry skips a candidate that turned unhealthy after the decision. Round robin over w1, w2,
+/// w3: w1 runs one sequence and queues one, and refuses a queued request after 1.5 s
+/// (`admission_timeout`). A long request occupies w1; two short ones move the rotation on; the
+/// fourth is decided [w1, w2, w3] and waits in w1's queue. While it waits, w2 stops and the
+/// health probe marks it down. The refusal's retry then goes to w3 without trying w2: no
+/// connect failure is counted, the skip is (`fallbacks_total{reason="unhealthy"}`). `big`: the
+/// request that is refused has a body over 64 KiB (the gateway's own forwarding path).
+fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 3,
+        sim: engine::sim::SimConfig {
+            block_size: 16,
+            num_blocks: 4096,
+            ..engine::sim::SimConfig::default()
+        },
+        engine: Some((
+            0,
+            engine::EngineConfig {
+                max_running: 1,
+                max_waiting: 1,
+                default_admission_timeout: std::time::Duration::from_millis(1500),
+                ..engine::EngineConfig::default()
+            },
+        )),
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(support::RR_SERVICE, true);
+    let body = |text: &str, max_tokens: u64, pad: usize| {
+        format!(
+            r#"{{"model":"smol",{}"messages":[{{"role":"user","content":"{text}"}}],"max_tokens":{max_tokens}}}"#,
+            " ".repeat(pad)
+        )
+    };
+    let send = |b: String| {
+        let req = fleet
+            .http
+            .post(fleet.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(b);
+        async move { support::Reply::read(req.send().await.unwrap()).await }
+    };
+    // Inside the runtime: the admin API through the async client.
+    let in_flight = |id: &'static str| {
+        let req = fleet
+            .http
+            .get(fleet.admin_url("/admin/workers"))
+            .bearer_auth(&fleet.admin_token);
+        async move {
+            let w: serde_json::Value = req.send().await.unwrap().json().await.unwrap();
+            w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["id"] == id)
+                .unwrap()["in_flight"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    let w2 = prefix_index::WorkerId("w2".into());
+    let (long, short, refused) = fleet.rt.block_on(async {
+        // The long one: w1's running slot for ~4 s (6 ms steps).
+        let long = tokio::spawn(send(body("long", 600, 0)));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while in_flight("w1").await < 1 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the long request never reached w1"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let short = [send(body("b", 2, 0)).await, send(body("c", 2, 0)).await];
+        // Decided [w1, w2, w3]: waits in w1's queue.
+        let pad = if big { 70 * 1024 } else { 0 };
+        let refused = tokio::spawn(send(body("d", 2, pad)));
+        while in_flight("w1").await < 2 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the fourth request never reached w1"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        (long, short, refused)
+    });
+    // w2 goes away while the fourth request waits; the probe (every 100 ms) marks it.
+    fleet.stop_worker(1);
+    fleet.wait_for(
+        "w2 marked unhealthy",
+        std::time::Duration::from_secs(1),
+        || !fleet.gw().data.views.load().workers[&w2].healthy,
+    );
+    let (long, refused) = fleet
+        .rt
+        .block_on(async { (long.await.unwrap(), refused.await.unwrap()) });
+    assert_eq!(long.status, 200, "{}", long.text());
+    assert_eq!(long.worker(), "w1");
+    let workers: Vec<String> = short.iter().map(|r| r.worker()).collect();
+    assert_eq!(workers, ["w2", "w3"], "the rotation");
+    assert_eq!(refused.status, 200, "{}", refused.text());
+    assert_eq!(refused.worker(), "w3", "the retry skipped w2");
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    let fallbacks = |reason: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("kvgate_gateway_fallbacks_total{")
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .map_or(0, |v| v.parse().unwrap())
+    };
+    assert_eq!(fallbacks("refused"), 1, "{metrics}");
+    assert_eq!(fallbacks("unhealthy"), 1, "{metrics}");
+    assert_eq!(fallbacks("connect"), 0, "{metrics}");
+    let id = refused.header("x-request-id").unwrap();
+    fleet.stop();
+    // The decision log: w1's 429 retried, then w3's answer; the audit is clean.
+    let decisions = fleet.dir.path().join("decisions.jsonl");
+    let lines: Vec<receipts::DecisionRecord> = std::fs::read_to_string(&decisions)
+        .unwrap()
+        .lines()
+        .map(|l| receipts::DecisionRecord::from_line(l.as_bytes()).unwrap())
+        .filter(|d| d.request_id == id && d.phase != Some(receipts::DecisionPhase::Routed))
+        .collect();
+    let attempts: Vec<(Option<&str>, u16)> = lines
+        .iter()
+        .map(|d| (d.worker.as_ref().map(|w| w.0.as_str()), d.status))
+        .collect();
+    assert_eq!(
+        attempts,
+        [(Some("w1"), 429), (Some("w3"), 200)],
+        "{lines:?}"
+    );
+    let report = receipts::audit(
+        &decisions,
+        &(1..=3)
+            .map(|i| fleet.dir.path().join(format!("receipts-w{i}.jsonl")))
+            .collect::<Vec<_>>(),
+        &fleet.key_ring(),
+    )
+    .unwrap();
+    assert!(report.ok(), "{report}");
+    assert_eq!(report.retried_attempts, 1, "{report}");
+}
+
+#[test]
+fn a_refusals_retry_skips_a_candidate_that_turned_unhealthy() {
+    a_retry_skips_a_candidate_that_turned_unhealthy(false);
+}
+
+#[test]
+fn a_refusals_retry_skips_a_candidate_that_turned_unhealthy_on_the_forwarding_path() {
+    a_retry_skips_a_candidate_that_turned_unhealthy(true);
+}

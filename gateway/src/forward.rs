@@ -29,11 +29,9 @@ pub(crate) async fn forward(
     session: &mut Session,
     ctx: &mut RequestCtx,
 ) -> Result<()> {
-    let (Some(view), Some(service), Some(order)) = (
-        ctx.view.clone(),
-        ctx.service.clone(),
-        ctx.decision.as_ref().map(|d| d.order.clone()),
-    ) else {
+    let (Some(view), Some(service), Some(_)) =
+        (ctx.view.clone(), ctx.service.clone(), ctx.decision.as_ref())
+    else {
         let err = GatewayError::Internal {
             reason: "forward without a decision".into(),
         };
@@ -42,8 +40,8 @@ pub(crate) async fn forward(
     };
     let connector = &data.connector;
     let mut last_err = String::from("no candidate");
-    for worker in &order {
-        ctx.next += 1;
+    while let Some(worker) = upstream::next_candidate(data, ctx) {
+        let worker = &worker;
         let Some(entry) = view.workers.get(worker) else {
             continue;
         };

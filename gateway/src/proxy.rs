@@ -494,17 +494,15 @@ impl ProxyHttp for Proxy {
             .view
             .clone()
             .ok_or_else(|| Error::explain(ErrorType::InternalError, "no view"))?;
-        let decision = ctx
-            .decision
-            .as_ref()
-            .ok_or_else(|| Error::explain(ErrorType::InternalError, "no decision"))?;
-        let Some(worker) = decision.order.get(ctx.next).cloned() else {
+        if ctx.decision.is_none() {
+            return Err(Error::explain(ErrorType::InternalError, "no decision"));
+        }
+        let Some(worker) = upstream::next_candidate(&self.data, ctx) else {
             return Err(Error::explain(
                 ErrorType::ConnectNoRoute,
                 "no candidate left",
             ));
         };
-        ctx.next += 1;
         // A new attempt: a refusal's retry flag never outlives the attempt it was set for.
         ctx.retrying_refusal = false;
         let entry = view
@@ -535,11 +533,7 @@ impl ProxyHttp for Proxy {
             }
         }
         // Nothing was sent yet: try the next candidate if there is one.
-        let left = ctx
-            .decision
-            .as_ref()
-            .is_some_and(|d| ctx.next < d.order.len());
-        e.set_retry(left);
+        e.set_retry(upstream::candidate_left(&self.data, ctx));
         e
     }
 

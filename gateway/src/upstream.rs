@@ -197,6 +197,50 @@ pub(crate) fn on_response(
     Ok(())
 }
 
+/// Whether the live view (health as of now, not as of the request's view) marks `worker`
+/// unhealthy. A worker the live view no longer lists (a reload removed it) is not: the request
+/// keeps the view it started with.
+fn turned_unhealthy(data: &DataPlane, worker: &WorkerId) -> bool {
+    data.views
+        .load()
+        .workers
+        .get(worker)
+        .is_some_and(|e| !e.healthy)
+}
+
+/// The decision's next candidate, advancing `ctx.next` past it. The first attempt takes the
+/// decision's first choice as decided; a retry (after a connect failure or a refusal) skips
+/// the candidates that turned unhealthy since the decision — a health probe or another
+/// request's connect failure marked them — and counts each skip as
+/// `fallbacks_total{reason="unhealthy"}`. `None` when no candidate is left.
+pub(crate) fn next_candidate(data: &DataPlane, ctx: &mut RequestCtx) -> Option<WorkerId> {
+    let order = &ctx.decision.as_ref()?.order;
+    while let Some(worker) = order.get(ctx.next) {
+        ctx.next += 1;
+        if ctx.next > 1 && turned_unhealthy(data, worker) {
+            if let Some(s) = &ctx.service {
+                data.metrics.fallback(s.name(), "unhealthy");
+            }
+            tracing::debug!(request_id = %ctx.request_id, worker = %worker.0,
+                "skipping a candidate that turned unhealthy since the decision");
+            continue;
+        }
+        return Some(worker.clone());
+    }
+    None
+}
+
+/// Whether a retry has a candidate left: one after `ctx.next` the live view does not mark
+/// unhealthy (what [`next_candidate`] would return, without taking it).
+pub(crate) fn candidate_left(data: &DataPlane, ctx: &RequestCtx) -> bool {
+    ctx.decision.as_ref().is_some_and(|d| {
+        d.order
+            .iter()
+            .skip(ctx.next)
+            .any(|w| !turned_unhealthy(data, w))
+    })
+}
+
 /// Whether a worker's status refuses the request before answering it: 429 (`queue_full`,
 /// `admission_timeout`) or 503 (`engine_stopped`, `engine_failed`, `receipt_failed`; a sidecar's
 /// `engine_unavailable`; a native engine's own 503 while it loads). The client got nothing yet,
@@ -212,12 +256,12 @@ pub(crate) fn is_refusal(status: u16) -> bool {
 /// (`fallbacks_total{reason="refused"}`) and the attempt's outcome is cleared for the next one.
 /// Both forwarding paths call this; the last refusal reaches the client unchanged.
 pub(crate) fn retry_refusal(data: &DataPlane, ctx: &mut RequestCtx) -> bool {
-    let (Some(status), Some(service), Some(d)) = (ctx.status, &ctx.service, &ctx.decision) else {
+    let (Some(status), Some(service)) = (ctx.status, &ctx.service) else {
         return false;
     };
     if !is_refusal(status)
         || ctx.refusals >= service.spec().upstream.refused_retries
-        || ctx.next >= d.order.len()
+        || !candidate_left(data, ctx)
     {
         return false;
     }
