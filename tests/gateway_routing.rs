@@ -999,6 +999,49 @@ fn api_keys_authenticate_tenants_and_tenants_never_share_a_cache() {
         "{metrics}"
     );
     fleet.stop();
+    // The audit's usage per tenant: requests from the decision log, tokens from the workers'
+    // signed receipts, equal to what the answers' `usage` told the clients.
+    let report = receipts::audit(
+        &fleet.dir.path().join("decisions.jsonl"),
+        &[
+            fleet.dir.path().join("receipts-w1.jsonl"),
+            fleet.dir.path().join("receipts-w2.jsonl"),
+        ],
+        &fleet.key_ring(),
+    )
+    .unwrap();
+    assert!(report.ok(), "{report}");
+    let usage = |replies: &[&support::Reply]| receipts::TenantUsage {
+        requests: replies.len() as u64,
+        unrouted: 0,
+        answered: replies.len() as u64,
+        disconnected: 0,
+        prompt_tokens: replies
+            .iter()
+            .map(|r| r.json()["usage"]["prompt_tokens"].as_u64().unwrap())
+            .sum(),
+        cached_tokens: replies.iter().map(|r| r.cached_tokens()).sum(),
+        completion_tokens: replies
+            .iter()
+            .map(|r| r.json()["usage"]["completion_tokens"].as_u64().unwrap())
+            .sum(),
+    };
+    // acme's third request (the refused cache_salt) was answered by the gateway: unrouted.
+    let mut acme = usage(&[&a1, &a2]);
+    acme.requests += 1;
+    acme.unrouted += 1;
+    assert!(
+        acme.completion_tokens > 0 && acme.cached_tokens > 0,
+        "{acme:?}"
+    );
+    assert_eq!(report.per_tenant.get("acme"), Some(&acme), "{report}");
+    assert_eq!(
+        report.per_tenant.get("beta"),
+        Some(&usage(&[&b])),
+        "{report}"
+    );
+    assert_eq!(report.per_tenant.len(), 2, "{report}");
+    assert!(report.to_string().contains("per tenant"), "{report}");
 }
 
 #[test]

@@ -126,6 +126,31 @@ pub struct RouteCounts {
     pub cached_tokens: u64,
     /// Sum of prompt tokens the workers observed, over receipted decisions.
     pub prompt_tokens: u64,
+    /// Sum of the tokens the workers generated, over receipted decisions.
+    pub completion_tokens: u64,
+}
+
+/// What one tenant used, by the decision lines that name it (`tenant`: services with
+/// `auth = "api_key"`) and the worker-signed receipts their tickets match. Tokens count the
+/// receipts of work done for the tenant: a 2xx status, or 499 (`client_disconnected`: what was
+/// generated before the client went away). A refused attempt (429 / 503) or an error counts
+/// none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TenantUsage {
+    /// The tenant's requests: its decision lines other than `retried` attempts.
+    pub requests: u64,
+    /// Of which the gateway answered itself, routing nothing (a rate limit, a refused body).
+    pub unrouted: u64,
+    /// Receipts with a 2xx status matched to the tenant's decisions.
+    pub answered: u64,
+    /// Receipts with status 499: the client disconnected while the worker generated.
+    pub disconnected: u64,
+    /// Prompt tokens of the answered and disconnected receipts, as the workers tokenized them.
+    pub prompt_tokens: u64,
+    /// Of which reused from the workers' prefix caches.
+    pub cached_tokens: u64,
+    /// Tokens those receipts say were generated.
+    pub completion_tokens: u64,
 }
 
 /// Counts for one worker.
@@ -207,6 +232,8 @@ pub struct AuditReport {
     pub per_mode: BTreeMap<&'static str, u64>,
     /// Per worker.
     pub per_worker: BTreeMap<String, WorkerCounts>,
+    /// Per tenant (decision lines that name one).
+    pub per_tenant: BTreeMap<String, TenantUsage>,
     /// Prefix parity.
     pub parity: ParityCounts,
     /// The verification report of each receipt log.
@@ -325,8 +352,13 @@ impl fmt::Display for AuditReport {
             writeln!(
                 f,
                 "  {svc} / {rule} / v{ver}: decisions {}, receipted {}, predicted tokens {}, \
-                 cached tokens {}, prompt tokens {}",
-                c.decisions, c.receipted, c.predicted_tokens, c.cached_tokens, c.prompt_tokens
+                 cached tokens {}, prompt tokens {}, completion tokens {}",
+                c.decisions,
+                c.receipted,
+                c.predicted_tokens,
+                c.cached_tokens,
+                c.prompt_tokens,
+                c.completion_tokens
             )?;
         }
         let modes: Vec<String> = self
@@ -342,6 +374,23 @@ impl fmt::Display for AuditReport {
                 "  {w}: decisions {}, ticketed receipts {}, direct receipts {}",
                 c.decisions, c.ticketed_receipts, c.direct_receipts
             )?;
+        }
+        if !self.per_tenant.is_empty() {
+            writeln!(f, "per tenant (tokens of 2xx and 499 receipts):")?;
+            for (t, u) in &self.per_tenant {
+                writeln!(
+                    f,
+                    "  {t}: requests {} (unrouted {}), answered {}, disconnected {}, prompt \
+                     tokens {} (cached {}), completion tokens {}",
+                    u.requests,
+                    u.unrouted,
+                    u.answered,
+                    u.disconnected,
+                    u.prompt_tokens,
+                    u.cached_tokens,
+                    u.completion_tokens
+                )?;
+            }
         }
         writeln!(
             f,
@@ -541,6 +590,18 @@ pub fn audit_replicas(
         rep.decisions += 1;
         let loc = format!("{dpath}:{n}");
         let rid = Some(d.request_id.as_str());
+        if let Some(u) = d
+            .tenant
+            .as_ref()
+            .map(|t| rep.per_tenant.entry(t.clone()).or_default())
+        {
+            if d.phase != Some(crate::DecisionPhase::Retried) {
+                u.requests += 1;
+            }
+            if d.ticket.is_none() {
+                u.unrouted += 1;
+            }
+        }
         let Some(st) = &d.ticket else {
             rep.unrouted += 1;
             continue;
@@ -644,6 +705,18 @@ pub fn audit_replicas(
                 route.receipted += 1;
                 route.cached_tokens += u64::from(r.body.cached_tokens);
                 route.prompt_tokens += u64::from(r.body.prompt_tokens);
+                route.completion_tokens += u64::from(r.body.completion_tokens);
+                if let (Some(t), 200..=299 | 499) = (&d.tenant, r.body.status) {
+                    let u = rep.per_tenant.entry(t.clone()).or_default();
+                    if r.body.status == 499 {
+                        u.disconnected += 1;
+                    } else {
+                        u.answered += 1;
+                    }
+                    u.prompt_tokens += u64::from(r.body.prompt_tokens);
+                    u.cached_tokens += u64::from(r.body.cached_tokens);
+                    u.completion_tokens += u64::from(r.body.completion_tokens);
+                }
                 if d.error.is_none() && d.status != r.body.status {
                     discrepancies.push(disc(
                         D::StatusMismatch,

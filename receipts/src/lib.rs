@@ -26,7 +26,7 @@ pub mod verify;
 pub use access::{AccessToken, ACCESS_DOMAIN, DEFAULT_ACCESS_TTL_MS};
 pub use audit::{
     audit, audit_replicas, audit_with, AuditOptions, AuditReport, Discrepancy, DiscrepancyKind,
-    FailedRequest,
+    FailedRequest, TenantUsage,
 };
 pub use decision::{DecisionLog, DecisionPhase, DecisionRecord};
 pub use error::{ReceiptsError, Result};

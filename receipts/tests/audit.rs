@@ -299,6 +299,97 @@ fn a_refused_attempt_retried_elsewhere_is_checked_like_a_decision() {
     assert_eq!(kinds(&r), vec![DiscrepancyKind::StatusMismatch], "{r}");
 }
 
+/// Usage per tenant: requests from the decision lines naming the tenant (retried attempts not
+/// counted again), tokens from the matched receipts of work done (2xx and 499), none from a
+/// refusal or an error answer.
+#[test]
+fn usage_per_tenant_counts_the_receipts_of_work_done() {
+    let f = fleet(2);
+    let (w0, k0) = &f.workers[0];
+    let (w1, k1) = &f.workers[1];
+    let line = |rid: &str, st: Option<&SignedTicket>, status: u16, tenant: &str| DecisionRecord {
+        tenant: Some(tenant.into()),
+        receipt_named: st.map(|_| true),
+        ..decision(rid, st.cloned(), status, None)
+    };
+    let append = |i: usize, d: ReceiptDraft| {
+        let (w, k) = if i == 0 { (w0, k0) } else { (w1, k1) };
+        ReceiptLog::open(&f.logs[i], FsyncPolicy::Always, k, w)
+            .unwrap()
+            .append(d)
+            .unwrap();
+    };
+    // acme 1: refused by w0 (429, retried), answered by w1 (48 prompt, 32 cached, 3 generated).
+    let refused = ticket("a1", "w0", RouteMode::KvExact, T0).sign(&f.gw);
+    let served = ticket("a1", "w1", RouteMode::KvExact, T0 + 5).sign(&f.gw);
+    let mut r = draft("a1", Some(refused.clone()), T0);
+    (r.status, r.completion_tokens) = (429, 0);
+    append(0, r);
+    append_decision(
+        &f.decisions,
+        &DecisionRecord {
+            phase: Some(DecisionPhase::Retried),
+            ..line("a1", Some(&refused), 429, "acme")
+        },
+    );
+    append(1, draft("a1", Some(served.clone()), T0 + 5));
+    append_decision(&f.decisions, &line("a1", Some(&served), 200, "acme"));
+    // acme 2: the client went away after 2 tokens (499 receipt; the gateway records an error).
+    let cut = ticket("a2", "w0", RouteMode::RoundRobin, T0).sign(&f.gw);
+    let mut r = draft("a2", Some(cut.clone()), T0);
+    (r.status, r.completion_tokens) = (499, 2);
+    append(0, r);
+    append_decision(
+        &f.decisions,
+        &DecisionRecord {
+            error: Some("client disconnected".into()),
+            ..line("a2", Some(&cut), 200, "acme")
+        },
+    );
+    // acme 3: rate-limited by the gateway (no ticket).
+    append_decision(&f.decisions, &line("a3", None, 429, "acme"));
+    // beta: a 400 from the worker: a request, no tokens.
+    let bad = ticket("b1", "w1", RouteMode::KvExact, T0).sign(&f.gw);
+    let mut r = draft("b1", Some(bad.clone()), T0);
+    (r.status, r.completion_tokens) = (400, 0);
+    append(1, r);
+    append_decision(&f.decisions, &line("b1", Some(&bad), 400, "beta"));
+    let r = audit(&f.decisions, &f.logs, &f.keys).unwrap();
+    assert!(r.ok(), "{r}");
+    // 48 prompt tokens per receipt unless the ticket names a count (common::draft).
+    let prompt = |st: &SignedTicket| u64::from(st.ticket_unverified().prompt_tokens.unwrap_or(48));
+    assert_eq!(
+        r.per_tenant["acme"],
+        TenantUsage {
+            requests: 3,
+            unrouted: 1,
+            answered: 1,
+            disconnected: 1,
+            prompt_tokens: prompt(&served) + prompt(&cut),
+            cached_tokens: 64,
+            completion_tokens: 5,
+        },
+        "{r}"
+    );
+    assert_eq!(
+        r.per_tenant["beta"],
+        TenantUsage {
+            requests: 1,
+            ..TenantUsage::default()
+        },
+        "{r}"
+    );
+    // Decisions without a tenant are in no tenant's usage.
+    assert_eq!(r.per_tenant.len(), 2, "{r}");
+    let text = r.to_string();
+    assert!(
+        text.contains("acme: requests 3 (unrouted 1), answered 1, disconnected 1"),
+        "{text}"
+    );
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["per_tenant"]["acme"]["completion_tokens"], 5, "{json}");
+}
+
 #[test]
 fn a_worker_refusal_before_accepting_the_ticket_owes_no_receipt() {
     let f = fleet(2);
