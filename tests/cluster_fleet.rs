@@ -543,6 +543,29 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
         }
         assert!(served, "replica {g} never routed to the registered worker");
     }
+    // A cordon through one replica's admin API is a rules change: every replica takes the
+    // registered worker out of new routing, and back when another replica lifts it.
+    let cordoned =
+        |g: usize| c.gw(g).data.views.load().workers[&prefix_index::WorkerId("w4".into())].cordoned;
+    let t = Instant::now();
+    let r = c.admin(1, reqwest::Method::POST, "/admin/workers/w4/cordon", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.wait_for("w4 cordoned everywhere", Duration::from_secs(1), || {
+        (0..3).all(cordoned)
+    });
+    println!("cordon seen by all 3 replicas after {:?}", t.elapsed());
+    for g in 0..3 {
+        for n in 0..6 {
+            let r = c.chat(g, "rr", &format!("not to w4 via {g}, {n}"), 2);
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_ne!(r.worker(), "w4", "replica {g} routed to a cordoned worker");
+        }
+    }
+    let r = c.admin(2, reqwest::Method::POST, "/admin/workers/w4/uncordon", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.wait_for("w4 uncordoned everywhere", Duration::from_secs(1), || {
+        !(0..3).any(cordoned)
+    });
 
     // Fleet-wide load: long streams through replica 0 show up in replica 2's view of the fleet.
     let url0 = format!("http://{}/v1/chat/completions", c.gw(0).listen_addr);

@@ -633,3 +633,155 @@ fn a_declared_body_over_the_cap_is_refused_before_100_continue() {
     );
     fleet.stop();
 }
+
+/// An operator cordons a worker through the admin plane: a stream in flight on it finishes, new
+/// requests — its cached prefix included — go elsewhere, the cordon is a rules change (version,
+/// written back to the file, `/admin/workers`, `worker_cordoned`), and lifting it brings the
+/// worker back with its cache (the KV events kept it indexed). Cordoning every worker answers
+/// 503; an unknown worker is 404; the audit stays clean.
+#[test]
+fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 10_000; // 10 ms per token: a 60-token stream lasts ~0.6 s
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let system = format!("Cordon test. {}", "Keep it short. ".repeat(24));
+    let body = chat(&[("system", &system), ("user", "hello")], 2);
+    let path = "/v1/chat/completions";
+    let first = fleet.post(path, &body, &[]);
+    assert_eq!(first.status, 200, "{}", first.text());
+    let holder = first.worker();
+    let other = if holder == "w1" { "w2" } else { "w1" };
+    fleet.wait_for("the prompt indexed", Duration::from_secs(10), || {
+        fleet
+            .post(path, &body, &[])
+            .header("x-kvgate-route-reason")
+            .as_deref()
+            == Some("hit")
+    });
+    // A stream on the holder (same prefix: a hit), in flight while the cordon lands.
+    let mut long = chat(&[("system", &system), ("user", "hello")], 60);
+    long["stream"] = json!(true);
+    let url = fleet.url(path);
+    let http = fleet.http.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let stream = fleet.rt.spawn(async move {
+        use futures::StreamExt;
+        let r = http.post(url).json(&long).send().await.unwrap();
+        let worker = r.headers()["x-kvgate-worker"].to_str().unwrap().to_owned();
+        let mut s = r.bytes_stream();
+        let mut text = String::new();
+        while let Some(chunk) = s.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if text.contains("data:") {
+                let _ = tx.send(());
+            }
+        }
+        (worker, text)
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("stream started");
+    let v_before = fleet.gw().data.views.load().version();
+    let r = fleet.admin(
+        Method::POST,
+        &format!("/admin/workers/{holder}/cordon"),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (r.json()["applied"].clone(), r.json()["cordoned"].clone()),
+        (json!(true), json!(true)),
+        "{}",
+        r.text()
+    );
+    assert_eq!(r.json()["version"], json!(v_before + 1), "{}", r.text());
+    // Again: nothing changes.
+    let again = fleet.admin(
+        Method::POST,
+        &format!("/admin/workers/{holder}/cordon"),
+        None,
+    );
+    assert_eq!(again.json()["applied"], json!(false), "{}", again.text());
+    // The stream on the cordoned worker finishes.
+    let (worker, text) = fleet.rt.block_on(stream).unwrap();
+    assert_eq!(worker, holder);
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "stream cut: {text}"
+    );
+    // New requests, the cached prefix included, go to the other worker.
+    for _ in 0..3 {
+        let r = fleet.post(path, &body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.worker(), other);
+    }
+    // Visible: the admin API, the metric, the rules written back.
+    let workers = fleet.admin(Method::GET, "/admin/workers", None).json();
+    let cordoned: Vec<(String, bool)> = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["id"].as_str().unwrap().to_owned(), w["cordoned"] == true))
+        .collect();
+    assert!(cordoned.contains(&(holder.clone(), true)), "{workers}");
+    assert!(cordoned.contains(&(other.to_owned(), false)), "{workers}");
+    let metrics = fleet.admin(Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains(&format!(
+            "kvgate_gateway_worker_cordoned{{worker=\"{holder}\"}} 1"
+        )),
+        "{metrics}"
+    );
+    let file = std::fs::read_to_string(&fleet.rules_path).unwrap();
+    assert!(
+        file.contains(&format!("cordoned = [\"{holder}\"]")),
+        "{file}"
+    );
+    // Every worker cordoned: nothing to route to.
+    let r = fleet.admin(
+        Method::POST,
+        &format!("/admin/workers/{other}/cordon"),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let none = fleet.post(path, &body, &[]);
+    assert_eq!(none.status, 503, "{}", none.text());
+    assert_eq!(
+        none.json()["error"]["code"],
+        "no_healthy_worker",
+        "{}",
+        none.text()
+    );
+    // An unknown worker is a 404.
+    let unknown = fleet.admin(Method::POST, "/admin/workers/w9/cordon", None);
+    assert_eq!(unknown.status, 404, "{}", unknown.text());
+    // Lifted: the holder is back, with its cache.
+    for w in [&holder, &other.to_owned()] {
+        let r = fleet.admin(Method::POST, &format!("/admin/workers/{w}/uncordon"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["cordoned"], json!(false));
+    }
+    let back = fleet.post(path, &body, &[]);
+    assert_eq!(back.status, 200, "{}", back.text());
+    assert_eq!(back.worker(), holder);
+    assert_eq!(back.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    assert!(back.cached_tokens() > 0);
+    assert!(!std::fs::read_to_string(&fleet.rules_path)
+        .unwrap()
+        .contains("cordoned"));
+    fleet.stop();
+    let report = receipts::audit(
+        &fleet.dir.path().join("decisions.jsonl"),
+        &[
+            fleet.dir.path().join("receipts-w1.jsonl"),
+            fleet.dir.path().join("receipts-w2.jsonl"),
+        ],
+        &fleet.key_ring(),
+    )
+    .unwrap();
+    assert!(report.ok(), "{report}");
+}

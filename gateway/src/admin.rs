@@ -8,7 +8,8 @@
 //! | DELETE | `/admin/services/{name}` | delete |
 //! | GET | `/admin/rules` | version, content hash and the whole rules set |
 //! | POST | `/admin/reload` | re-read the rules file |
-//! | GET | `/admin/workers` | health, load, indexed blocks, event stream, contract state |
+//! | GET | `/admin/workers` | health, cordon, load, indexed blocks, event stream, contract state |
+//! | POST | `/admin/workers/{id}/cordon`, `/admin/workers/{id}/uncordon` | take a worker out of new routing, or back (a rules change) |
 //! | GET | `/admin/cluster` | standalone, or cluster mode's store, state (`ok` / `degraded`), replicas, registrations |
 //! | GET | `/metrics` | Prometheus text: OpenMetrics or classic 0.0.4, by `Accept` |
 //!
@@ -184,6 +185,7 @@ impl Admin {
                     "url": e.spec.url,
                     "kind": e.spec.kind.as_str(),
                     "healthy": e.healthy,
+                    "cordoned": e.cordoned,
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
                     "active_tokens": rt.active_tokens.load(Ordering::Relaxed),
                     "remote_reserved": {"prefill_tokens": reserved.0, "decode_tokens": reserved.1},
@@ -262,6 +264,24 @@ impl Admin {
                 Ok(json_response(200, &outcome_json(&o)))
             }
             ("GET", ["admin", "workers"]) => Ok(json_response(200, &self.workers_json())),
+            ("POST", ["admin", "workers", id, action @ ("cordon" | "uncordon")]) => {
+                let id = prefix_index::WorkerId((*id).to_owned());
+                let cordon = *action == "cordon";
+                // A worker of the live view (declared or registered), or one the rules
+                // cordon (it may have left since): anything else is a typo.
+                let known = self.control.data.views.load().workers.contains_key(&id)
+                    || self.control.store.snapshot().rules().is_cordoned(&id);
+                if !known {
+                    return Err(GatewayError::NotFound {
+                        what: format!("worker {:?}", id.0),
+                    });
+                }
+                let o = self.control.set_cordoned(&id, cordon).await?;
+                let mut answer = outcome_json(&o);
+                answer["worker"] = json!(id.0);
+                answer["cordoned"] = json!(cordon);
+                Ok(json_response(200, &answer))
+            }
             ("GET", ["admin", "cluster"]) => Ok(json_response(200, &self.cluster_json())),
             ("GET", ["admin", "services"]) => Ok(json_response(
                 200,

@@ -758,6 +758,21 @@ impl ControlPlane {
             .await
     }
 
+    /// Admin: cordon worker `id` (no new requests) or lift its cordon; a rules change like any
+    /// other (validated, versioned, written back; in cluster mode shared with every replica).
+    pub async fn set_cordoned(
+        &self,
+        id: &WorkerId,
+        cordoned: bool,
+    ) -> Result<ApplyOutcome, GatewayError> {
+        let mut candidate = self.store.snapshot().rules().clone();
+        candidate.set_cordoned(id, cordoned);
+        self.change(candidate, |check| {
+            self.store.set_cordoned_with(id, cordoned, check)
+        })
+        .await
+    }
+
     /// Admin: delete one service.
     pub async fn delete_service(&self, name: &str) -> Result<ApplyOutcome, GatewayError> {
         let mut candidate = self.store.snapshot().rules().clone();

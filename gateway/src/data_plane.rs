@@ -246,6 +246,10 @@ impl DataPlane {
                 .worker_healthy
                 .get_or_create(&labels)
                 .set(i64::from(e.healthy));
+            self.metrics
+                .worker_cordoned
+                .get_or_create(&labels)
+                .set(i64::from(e.cordoned));
             // The counter only moves forward: a worker removed and added again starts a new
             // count below the exported one, which then waits for it to pass.
             let reports = self.metrics.worker_load_reports.get_or_create(&labels);

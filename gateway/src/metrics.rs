@@ -112,6 +112,8 @@ pub struct Metrics {
     pub event_lag_seconds: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     /// 1 when the worker is healthy.
     pub worker_healthy: Family<WorkerLabels, Gauge>,
+    /// 1 when the rules cordon the worker (no new requests).
+    pub worker_cordoned: Family<WorkerLabels, Gauge>,
     /// Requests in flight from this gateway to the worker.
     pub worker_in_flight: Family<WorkerLabels, Gauge>,
     /// `event: load` reports received from the worker (brought up to the worker's count at
@@ -225,6 +227,12 @@ impl Metrics {
             "1 when the worker is healthy",
             worker_healthy.clone(),
         );
+        let worker_cordoned = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_cordoned",
+            "1 when the rules cordon the worker: it takes no new requests",
+            worker_cordoned.clone(),
+        );
         let worker_in_flight = Family::<WorkerLabels, Gauge>::default();
         registry.register(
             "worker_in_flight",
@@ -325,6 +333,7 @@ impl Metrics {
             index_blocks,
             event_lag_seconds,
             worker_healthy,
+            worker_cordoned,
             worker_in_flight,
             worker_load_reports,
             worker_refusals,

@@ -360,7 +360,7 @@ fn place(
         };
         candidates.push(Candidate {
             worker: w.clone(),
-            healthy: e.healthy && contract_ok,
+            healthy: e.routable() && contract_ok,
             load: load_of(&e.runtime, metric, queued),
             matched_blocks,
             weight: e.spec.weight,

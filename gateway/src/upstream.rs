@@ -197,21 +197,21 @@ pub(crate) fn on_response(
     Ok(())
 }
 
-/// Whether the live view (health as of now, not as of the request's view) marks `worker`
-/// unhealthy. A worker the live view no longer lists (a reload removed it) is not: the request
-/// keeps the view it started with.
+/// Whether the live view (health and cordons as of now, not as of the request's view) takes
+/// `worker` out: unhealthy or cordoned. A worker the live view no longer lists (a reload
+/// removed it) is not: the request keeps the view it started with.
 fn turned_unhealthy(data: &DataPlane, worker: &WorkerId) -> bool {
     data.views
         .load()
         .workers
         .get(worker)
-        .is_some_and(|e| !e.healthy)
+        .is_some_and(|e| !e.routable())
 }
 
 /// The decision's next candidate, advancing `ctx.next` past it. The first attempt takes the
 /// decision's first choice as decided; a retry (after a connect failure or a refusal) skips
 /// the candidates that turned unhealthy since the decision — a health probe or another
-/// request's connect failure marked them — and counts each skip as
+/// request's connect failure marked them, or an operator cordoned them — and counts each skip as
 /// `fallbacks_total{reason="unhealthy"}`. `None` when no candidate is left.
 pub(crate) fn next_candidate(data: &DataPlane, ctx: &mut RequestCtx) -> Option<WorkerId> {
     let order = &ctx.decision.as_ref()?.order;

@@ -374,8 +374,17 @@ pub struct WorkerEntry {
     pub upstream: Upstream,
     /// Health at the time the view was built.
     pub healthy: bool,
+    /// Cordoned by the rules (`cordoned`): takes no new requests.
+    pub cordoned: bool,
     /// Live state.
     pub runtime: Arc<WorkerRuntime>,
+}
+
+impl WorkerEntry {
+    /// Whether new requests may go here: healthy and not cordoned.
+    pub fn routable(&self) -> bool {
+        self.healthy && !self.cordoned
+    }
 }
 
 /// What a service routing by cached prefix (`kv_exact`) needs per request.
@@ -516,6 +525,7 @@ impl View {
                     spec: w.clone(),
                     upstream,
                     healthy,
+                    cordoned: snapshot.rules().is_cordoned(&w.id),
                     runtime,
                 },
             );

@@ -13,8 +13,8 @@ use serde_json::{Map, Value};
 use crate::error::{Problem, RulesError};
 use crate::schema::{GatewaySpec, RulesFile, ServiceSpec};
 
-const TOP_LEVEL: [&str; 6] = [
-    "gateway", "workers", "pools", "profiles", "services", "tenants",
+const TOP_LEVEL: [&str; 7] = [
+    "gateway", "workers", "pools", "profiles", "services", "tenants", "cordoned",
 ];
 
 /// Parse a TOML rules file. Does not validate (see [`crate::validate::validate`]).
@@ -81,6 +81,7 @@ pub fn rules_from_value(value: Value) -> Result<RulesFile, Vec<Problem>> {
     let profiles = list_at(&mut root, "profiles", &mut problems);
     let services = list_at(&mut root, "services", &mut problems);
     let tenants = list_at(&mut root, "tenants", &mut problems);
+    let cordoned = list_at(&mut root, "cordoned", &mut problems);
     if problems.is_empty() {
         Ok(RulesFile {
             gateway,
@@ -89,6 +90,7 @@ pub fn rules_from_value(value: Value) -> Result<RulesFile, Vec<Problem>> {
             profiles,
             services,
             tenants,
+            cordoned,
         })
     } else {
         Err(problems)

@@ -116,6 +116,11 @@ pub struct RulesFile {
     /// Tenants that services with `auth = "api_key"` authenticate. Default: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantSpec>,
+    /// Cordoned workers: ids (declared under `workers` or registered in cluster mode) that take
+    /// no new requests; what is in flight on them finishes, they stay probed and their KV
+    /// events indexed. An id no worker has cordons nothing (yet). Default: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cordoned: Vec<WorkerId>,
 }
 
 /// One tenant (`[[tenants]]`): the API keys it authenticates with (their SHA-256, never the keys)
@@ -913,6 +918,26 @@ impl RulesFile {
     pub fn remove_service(&mut self, name: &str) -> Option<ServiceSpec> {
         let pos = self.services.iter().position(|s| s.name.0 == name)?;
         Some(self.services.remove(pos))
+    }
+
+    /// Whether worker `id` is cordoned.
+    pub fn is_cordoned(&self, id: &WorkerId) -> bool {
+        self.cordoned.contains(id)
+    }
+
+    /// Cordons worker `id` (appended) or lifts its cordon; returns whether anything changed.
+    pub fn set_cordoned(&mut self, id: &WorkerId, cordoned: bool) -> bool {
+        match (self.is_cordoned(id), cordoned) {
+            (false, true) => {
+                self.cordoned.push(id.clone());
+                true
+            }
+            (true, false) => {
+                self.cordoned.retain(|w| w != id);
+                true
+            }
+            _ => false,
+        }
     }
 }
 

@@ -28,6 +28,7 @@ use crate::error::{Problem, RulesError};
 use crate::parse::{rules_from_toml, rules_to_toml};
 use crate::schema::{RulesFile, ServiceSpec};
 use crate::snapshot::{ContentHash, RuleSnapshot, RuleVersion};
+use prefix_index::WorkerId;
 
 /// What an accepted change did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,6 +179,20 @@ impl RuleStore {
                 name: name.to_owned(),
             });
         }
+        self.install(rules, check, true)
+    }
+
+    /// Cordons worker `id` or lifts its cordon (`RulesFile::set_cordoned`), validated as part
+    /// of the whole rule set and written back to the file; `Unchanged` when it already was so.
+    pub fn set_cordoned_with(
+        &self,
+        id: &WorkerId,
+        cordoned: bool,
+        check: PreApplyCheck<'_>,
+    ) -> Result<ApplyOutcome, RulesError> {
+        let _guard = self.writer.lock();
+        let mut rules = self.current.load().rules().clone();
+        rules.set_cordoned(id, cordoned);
         self.install(rules, check, true)
     }
 

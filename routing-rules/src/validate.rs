@@ -132,6 +132,11 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
         v.auth(s, path, !rules.tenants.is_empty());
     }
     v.tenants(&rules.tenants);
+    v.ids(
+        "cordoned",
+        rules.cordoned.iter().map(|w| w.0.as_str()),
+        "cordoned worker",
+    );
     for (j, b) in rules.services.iter().enumerate() {
         for a in &rules.services[..j] {
             if let Some(why) = overlap(&a.matcher, &b.matcher) {

@@ -341,3 +341,39 @@ fn written_file_is_canonical_toml_with_a_header() {
     let reparsed = rules_from_toml(&text).unwrap();
     assert_eq!(&reparsed, store.snapshot().rules());
 }
+
+/// Cordons are part of the rule set: a change bumps the version and is written back to the file
+/// (a restart keeps it), a repeat is `Unchanged`, lifting it restores the original content hash
+/// (an empty list is not written), and an invalid id is refused.
+#[test]
+fn cordons_are_versioned_written_back_and_validated() {
+    let (_d, path, store) = setup(BASE);
+    let before = store.snapshot();
+    let w = prefix_index::WorkerId("w1".into());
+    let accept = |_: &routing_rules::RuleSnapshot| Ok(());
+    let o = store.set_cordoned_with(&w, true, &accept).unwrap();
+    assert!(matches!(o, ApplyOutcome::Applied { .. }), "{o:?}");
+    assert!(store.snapshot().rules().is_cordoned(&w));
+    let text = fs::read_to_string(&path).unwrap();
+    assert!(text.contains("cordoned = [\"w1\"]"), "{text}");
+    let reopened = RuleStore::open(&path).unwrap();
+    assert!(reopened.snapshot().rules().is_cordoned(&w));
+    assert!(matches!(
+        store.set_cordoned_with(&w, true, &accept).unwrap(),
+        ApplyOutcome::Unchanged { .. }
+    ));
+    store.set_cordoned_with(&w, false, &accept).unwrap();
+    assert_eq!(store.snapshot().content_hash(), before.content_hash());
+    assert!(!fs::read_to_string(&path).unwrap().contains("cordoned"));
+    // Ids are checked like every other id: valid and unique.
+    let bad = prefix_index::WorkerId("no spaces".into());
+    let err = store.set_cordoned_with(&bad, true, &accept).unwrap_err();
+    assert!(err.to_string().contains("cordoned[0]"), "{err}");
+    let mut rules = rules_from_toml(BASE).unwrap();
+    rules.cordoned = vec![w.clone(), w.clone()];
+    let problems = routing_rules::validate(&rules);
+    assert!(
+        problems.iter().any(|p| p.path == "cordoned[1].id"),
+        "{problems:?}"
+    );
+}
