@@ -1413,3 +1413,106 @@ fn listeners_that_share_an_address_stop_the_start() {
         "{text}"
     );
 }
+
+/// A tenant's `services` list: requests to a service outside it get exactly the answer a
+/// service that does not exist gets (404 `service_not_found`, nothing routed), are counted per
+/// tenant and service, and its model listing names only the models it may call; a tenant
+/// without the list calls every keyed service.
+#[test]
+fn a_tenant_calls_only_the_services_it_is_given() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 1,
+        ..FleetOptions::default()
+    });
+    let services = format!(
+        r#"
+[[tenants]]
+id = "acme"
+api_keys_sha256 = ["{}"]
+
+[[tenants]]
+id = "beta"
+api_keys_sha256 = ["{}"]
+services = ["code"]
+
+[[services]]
+name = "chat"
+pool = "all"
+auth = "api_key"
+match = {{ models = ["smol-chat"] }}
+rule = {{ type = "round_robin" }}
+
+[[services]]
+name = "code"
+pool = "all"
+auth = "api_key"
+match = {{ models = ["smol-code"] }}
+rule = {{ type = "round_robin" }}
+"#,
+        sha256_hex("acme-key"),
+        sha256_hex("beta-key"),
+    );
+    fleet.start_gateway(&services, true);
+    let path = "/v1/chat/completions";
+    let ask = |model: &str, key: &str| {
+        let mut body = chat(&[("user", "hello")], 2);
+        body["model"] = model.into();
+        fleet.post(path, &body, &[("authorization", &format!("Bearer {key}"))])
+    };
+    for model in ["smol-chat", "smol-code"] {
+        let r = ask(model, "acme-key");
+        assert_eq!(r.status, 200, "acme {model}: {}", r.text());
+    }
+    assert_eq!(ask("smol-code", "beta-key").status, 200);
+    let denied = ask("smol-chat", "beta-key");
+    let missing = ask("smol-none", "beta-key");
+    assert_eq!(denied.status, 404, "{}", denied.text());
+    assert!(denied.header("x-kvgate-worker").is_none());
+    // Word for word what a model that does not exist gets, but for the model's name.
+    assert_eq!(
+        denied.text().replace("smol-chat", "M"),
+        missing.text().replace("smol-none", "M")
+    );
+    assert_eq!(denied.json()["error"]["code"], "service_not_found");
+    let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains("kvgate_gateway_tenant_denied_total{tenant=\"beta\",service=\"chat\"} 1"),
+        "{metrics}"
+    );
+    // The listing follows the same list.
+    let models = |key: &str| -> Vec<String> {
+        let r = fleet.rt.block_on(async {
+            support::Reply::read(
+                fleet
+                    .http
+                    .get(fleet.url("/v1/models"))
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        });
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(models("acme-key"), ["smol-chat", "smol-code"]);
+    assert_eq!(models("beta-key"), ["smol-code"]);
+    fleet.stop();
+    // The denied request is in the decision log under its tenant, unrouted (the unknown
+    // model matched no service, so no key was checked: no tenant).
+    let log = std::fs::read_to_string(fleet.dir.path().join("decisions.jsonl")).unwrap();
+    let refused: Vec<receipts::DecisionRecord> = log
+        .lines()
+        .map(|l| receipts::DecisionRecord::from_line(l.as_bytes()).unwrap())
+        .filter(|d| d.status == 404)
+        .collect();
+    let tenants: Vec<Option<&str>> = refused.iter().map(|d| d.tenant.as_deref()).collect();
+    assert_eq!(tenants, [Some("beta"), None], "{log}");
+    assert!(refused.iter().all(|d| d.ticket.is_none()), "{log}");
+}

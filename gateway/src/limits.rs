@@ -192,6 +192,7 @@ mod tests {
 
     fn tenant(rps: Option<f64>, burst: Option<u32>, tps: Option<f64>) -> TenantSpec {
         TenantSpec {
+            services: Vec::new(),
             id: "t".into(),
             api_keys_sha256: vec!["0".repeat(64)],
             requests_per_second: rps,

@@ -54,6 +54,15 @@ pub struct TenantLimitLabels {
     pub limit: String,
 }
 
+/// Labels of `kvgate_gateway_tenant_denied_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantServiceLabels {
+    /// The tenant.
+    pub tenant: String,
+    /// The service it may not call.
+    pub service: String,
+}
+
 /// Labels of a per-tenant gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantLabels {
@@ -142,6 +151,8 @@ pub struct Metrics {
     pub tenant_in_flight: Family<TenantLabels, Gauge>,
     /// Requests refused for a missing or unknown API key.
     pub invalid_api_keys: Counter,
+    /// Requests of a tenant to a service outside its `services` (answered 404).
+    pub tenant_denied: Family<TenantServiceLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -317,11 +328,18 @@ impl Metrics {
             "Requests refused for a missing or unknown API key (401)",
             invalid_api_keys.clone(),
         );
+        let tenant_denied = Family::<TenantServiceLabels, Counter>::default();
+        registry.register(
+            "tenant_denied",
+            "Requests of a tenant to a service outside its `services` (answered 404 service_not_found)",
+            tenant_denied.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             rate_limited,
             tenant_in_flight,
             invalid_api_keys,
+            tenant_denied,
             requests,
             route_decision_seconds,
             route_decision_cpu_seconds,

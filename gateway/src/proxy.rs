@@ -156,13 +156,19 @@ impl Proxy {
         let mut models = std::collections::BTreeSet::new();
         for s in services {
             if s.spec().auth == AuthPolicy::ApiKey {
-                let ok = keyed
-                    && auth
-                        .get_or_insert_with(|| self.authenticate(view, session.req_header()))
-                        .is_ok();
-                if !ok {
-                    hidden = true;
-                    continue;
+                let tenant = keyed
+                    .then(|| {
+                        auth.get_or_insert_with(|| self.authenticate(view, session.req_header()))
+                    })
+                    .and_then(|a| a.as_ref().ok());
+                match tenant {
+                    None => {
+                        hidden = true;
+                        continue;
+                    }
+                    // A valid key: only the services its tenant may call.
+                    Some(t) if !t.may_use(s.name()) => continue,
+                    Some(_) => {}
                 }
             }
             models.extend(s.spec().matcher.models.iter().cloned());
@@ -346,6 +352,25 @@ impl ProxyHttp for Proxy {
         ctx.service = Some(service.clone());
         if service.spec().auth == AuthPolicy::ApiKey {
             match self.authenticate(&view, session.req_header()) {
+                Ok(t) if !t.may_use(service.name()) => {
+                    // Answered as a service that does not exist: a tenant learns nothing of
+                    // the services it may not call.
+                    self.data
+                        .metrics
+                        .tenant_denied
+                        .get_or_create(&crate::metrics::TenantServiceLabels {
+                            tenant: t.id.0.clone(),
+                            service: service.name().to_owned(),
+                        })
+                        .inc();
+                    ctx.tenant = Some(t);
+                    let err = GatewayError::ServiceNotFound {
+                        method,
+                        path,
+                        model,
+                    };
+                    return respond_error(session, ctx, &err).await;
+                }
                 Ok(t) => ctx.tenant = Some(t),
                 Err(err) => return respond_error(session, ctx, &err).await,
             }

@@ -150,6 +150,19 @@ pub struct TenantSpec {
     /// answer's end, streams included); more get 429. Default: unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_concurrent_requests: Option<u32>,
+    /// The services (with `auth = "api_key"`) this tenant may call; its requests to another
+    /// get the answer a service that does not exist gets (404 `service_not_found`), and
+    /// `GET /v1/models` lists only these services' models to it. Default (empty): every
+    /// service with `auth = "api_key"`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<ServiceName>,
+}
+
+impl TenantSpec {
+    /// Whether the tenant may call service `name` (its `services`, or every one when empty).
+    pub fn may_use(&self, name: &str) -> bool {
+        self.services.is_empty() || self.services.iter().any(|s| s.0 == name)
+    }
 }
 
 /// Who may call a service.

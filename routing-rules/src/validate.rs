@@ -131,7 +131,7 @@ pub fn validate(rules: &RulesFile) -> Vec<Problem> {
         v.service(s, path, &pools, &profiles, &listeners);
         v.auth(s, path, !rules.tenants.is_empty());
     }
-    v.tenants(&rules.tenants);
+    v.tenants(&rules.tenants, &rules.services);
     v.ids(
         "cordoned",
         rules.cordoned.iter().map(|w| w.0.as_str()),
@@ -596,7 +596,7 @@ impl Validator {
         }
     }
 
-    fn tenants(&mut self, tenants: &[TenantSpec]) {
+    fn tenants(&mut self, tenants: &[TenantSpec], services: &[ServiceSpec]) {
         let paths = self.ids("tenants", tenants.iter().map(|t| t.id.0.as_str()), "tenant");
         let mut owner: HashMap<&str, &str> = HashMap::new();
         for (t, path) in tenants.iter().zip(&paths) {
@@ -649,6 +649,23 @@ impl Validator {
             }
             if t.token_burst.is_some() && t.tokens_per_second.is_none() {
                 self.push(format!("{path}.token_burst"), "needs tokens_per_second");
+            }
+            for (i, name) in t.services.iter().enumerate() {
+                let at = format!("{path}.services[{i}]");
+                match services.iter().find(|s| s.name == *name) {
+                    None => self.push(at, format!("no service is named {:?}", name.0)),
+                    Some(s) if s.auth != AuthPolicy::ApiKey => self.push(
+                        at,
+                        format!(
+                            "service {:?} does not authenticate tenants (auth = \"api_key\")",
+                            name.0
+                        ),
+                    ),
+                    Some(_) if t.services[..i].contains(name) => {
+                        self.push(at, format!("{:?} is listed twice", name.0))
+                    }
+                    Some(_) => {}
+                }
             }
         }
     }

@@ -443,6 +443,30 @@ fn tenants_and_api_key_auth() {
     assert_problem(&p, "tenants.beta.tokens_per_second", "finite number > 0");
     assert_problem(&p, "tenants.beta.max_concurrent_requests", "at least 1");
     assert_problem(&p, "tenants.gamma.api_keys_sha256", "at least one");
+    // A tenant's services: keyed services that exist, each once.
+    let keyed = BASE.replace(
+        "rule = { type = \"kv_exact\", profile = \"smol\" }",
+        "auth = \"api_key\"\nrule = { type = \"kv_exact\", profile = \"smol\", salt = { mode = \"tenant\" } }",
+    );
+    let ok = format!("{keyed}{TENANTS}services = [\"chat\"]\n");
+    assert_eq!(validate(&parse(&ok)), vec![]);
+    assert_eq!(parse(&rules_to_toml(&parse(&ok)).unwrap()), parse(&ok));
+    assert!(parse(&ok).tenants[0].may_use("chat"));
+    assert!(!parse(&ok).tenants[0].may_use("chat-rr"));
+    assert!(parse(&format!("{keyed}{TENANTS}")).tenants[0].may_use("chat-rr"));
+    let bad = format!("{keyed}{TENANTS}services = [\"chat\", \"nope\", \"chat-rr\", \"chat\"]\n");
+    let p = problems(&bad);
+    assert_problem(
+        &p,
+        "tenants.acme.services[1]",
+        "no service is named \"nope\"",
+    );
+    assert_problem(
+        &p,
+        "tenants.acme.services[2]",
+        "does not authenticate tenants",
+    );
+    assert_problem(&p, "tenants.acme.services[3]", "listed twice");
 }
 
 #[test]
