@@ -785,3 +785,106 @@ fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
     .unwrap();
     assert!(report.ok(), "{report}");
 }
+
+/// `--access-log`: one JSON line per client request as it ends — routed, streamed, refused
+/// before routing — with the ids, where it went, why, and its timings and sizes.
+#[test]
+fn the_access_log_has_a_line_per_request_with_where_it_went_and_how_long_it_took() {
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    let log = fleet.dir.path().join("access.jsonl");
+    let target = gateway::access_log::AccessLogTarget::File(log.clone());
+    fleet.start_gateway_with(KV_SERVICE, false, |c| c.access_log = Some(target));
+    let path = "/v1/chat/completions";
+    let system = format!("Access log test. {}", "Answer briefly. ".repeat(20));
+    let body = chat(&[("system", &system), ("user", "hello")], 2);
+    let first = fleet.post(path, &body, &[("x-request-id", "client-1")]);
+    assert_eq!(first.status, 200, "{}", first.text());
+    let mut hit = None;
+    fleet.wait_for("a hit", Duration::from_secs(10), || {
+        let r = fleet.post(path, &body, &[]);
+        let is_hit = r.header("x-kvgate-route-reason").as_deref() == Some("hit");
+        hit = Some(r);
+        is_hit
+    });
+    let hit = hit.unwrap();
+    let mut streamed = chat(&[("user", "stream this")], 8);
+    streamed["stream"] = json!(true);
+    let stream = fleet.post(path, &streamed, &[]);
+    assert!(stream.text().trim_end().ends_with("data: [DONE]"));
+    let missing = fleet.post("/v2/nothing", &body, &[]);
+    assert_eq!(missing.status, 404);
+    let read = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let mut lines = Vec::new();
+    fleet.wait_for("every line written", Duration::from_secs(5), || {
+        lines = read();
+        lines
+            .iter()
+            .any(|l| l["request_id"] == missing.header("x-request-id").unwrap().as_str())
+    });
+    let line_of = |r: &support::Reply| -> serde_json::Value {
+        let id = r.header("x-request-id").unwrap();
+        let found: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter(|l| l["request_id"] == id.as_str())
+            .collect();
+        assert_eq!(found.len(), 1, "one line for {id}: {lines:?}");
+        found[0].clone()
+    };
+    let l = line_of(&first);
+    assert_eq!(l["client_request_id"], "client-1");
+    assert_eq!(l["method"], "POST");
+    assert_eq!(l["path"], path);
+    assert_eq!(l["model"], "smol");
+    assert_eq!(l["service"], "chat");
+    assert_eq!(l["status"], 200);
+    assert_eq!(l["worker"], first.worker().as_str());
+    assert_eq!(l["attempts"], 1);
+    assert_eq!(l["refused_retries"], 0);
+    assert_eq!(l["route_reason"], "no_match");
+    assert!(
+        l["client"].as_str().unwrap().starts_with("127.0.0.1:"),
+        "{l}"
+    );
+    assert!(l["prompt_tokens"].as_u64().unwrap() > 0, "{l}");
+    assert_eq!(l["request_bytes"], serde_json::to_vec(&body).unwrap().len());
+    assert_eq!(l["response_bytes"], first.body.len());
+    let (d, dec, ttft) = (
+        l["duration_ms"].as_f64().unwrap(),
+        l["decision_ms"].as_f64().unwrap(),
+        l["ttft_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 < dec && dec <= ttft && ttft <= d, "{l}");
+    let l = line_of(&hit);
+    assert_eq!(l["route_reason"], "hit");
+    // The prediction counts whole cached blocks; the worker recomputes a fully cached
+    // prompt's last token, so it reports up to one fewer.
+    let predicted = l["predicted_matched_tokens"].as_u64().unwrap();
+    assert!(
+        hit.cached_tokens() > 0 && (predicted - hit.cached_tokens()) <= 1,
+        "{l} vs {}",
+        hit.cached_tokens()
+    );
+    let l = line_of(&stream);
+    assert_eq!(l["status"], 200);
+    assert_eq!(l["response_bytes"], stream.body.len());
+    assert!(l["ttft_ms"].as_f64().unwrap() <= l["duration_ms"].as_f64().unwrap());
+    let l = line_of(&missing);
+    assert_eq!(l["status"], 404);
+    assert_eq!(l["service"], serde_json::Value::Null);
+    assert_eq!(l["worker"], serde_json::Value::Null);
+    assert_eq!(l["attempts"], 0);
+    assert!(l["error"].is_string(), "{l}");
+    // One line per request, nothing dropped.
+    let metrics = fleet.admin(Method::GET, "/metrics", None).text();
+    assert!(
+        metrics.contains("kvgate_gateway_access_log_dropped_total 0"),
+        "{metrics}"
+    );
+    fleet.stop();
+}

@@ -78,6 +78,8 @@ pub struct DataPlane {
     pub gateway_id: String,
     /// The decision log, when configured.
     pub decisions: Option<DecisionLog>,
+    /// The access log, when configured.
+    pub access: Option<crate::access_log::AccessLog>,
     /// Request ids minted for tickets.
     pub request_ids: RequestIds,
     /// Per-tenant rate-limit buckets (kept across rules changes).

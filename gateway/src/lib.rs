@@ -23,6 +23,7 @@
 //!
 //! Start one in-process with [`spawn`]; stop it with [`RunningGateway::shutdown`].
 
+pub mod access_log;
 pub mod admin;
 pub mod cluster;
 pub mod control_plane;
@@ -82,6 +83,8 @@ pub struct GatewayConfig {
     pub admin_token: Option<String>,
     /// Where to append the decision log (one JSON line per request); `None`: no log.
     pub decision_log: Option<PathBuf>,
+    /// Where to write the access log (one JSON line per client request); `None`: none.
+    pub access_log: Option<access_log::AccessLogTarget>,
     /// pingora worker threads of the proxy.
     pub threads: usize,
     /// Reload when the rules file changes on disk.
@@ -136,6 +139,7 @@ impl GatewayConfig {
             gateway_id: "gateway".into(),
             admin_token: None,
             decision_log: None,
+            access_log: None,
             threads: 2,
             watch_rules: true,
             sighup: false,
@@ -297,6 +301,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     let empty =
         routing_rules::RuleSnapshot::build(Default::default(), routing_rules::RuleVersion(0))
             .map_err(|e| cfg_err(e.to_string()))?;
+    let metrics = metrics::Metrics::new();
     let data = Arc::new(DataPlane {
         // Replaced by the real view (profiles loaded, contract checked) below.
         views: view::ViewCell::new(view::View::compile(
@@ -310,7 +315,14 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
             ..IndexConfig::default()
         })
         .map_err(|e| cfg_err(format!("prefix index: {e}")))?,
-        metrics: metrics::Metrics::new(),
+        access: match &config.access_log {
+            Some(target) => Some(
+                access_log::AccessLog::open(target, metrics.access_log_dropped.clone())
+                    .map_err(|e| cfg_err(format!("access log {target:?}: {e}")))?,
+            ),
+            None => None,
+        },
+        metrics,
         signer: receipts::PrecomputedSigner::new(config.key.clone(), config.nonce_pool)
             .map_err(|e| cfg_err(format!("ticket signer thread: {e}")))?,
         gateway_id: config.gateway_id.clone(),

@@ -153,6 +153,8 @@ pub struct Metrics {
     pub invalid_api_keys: Counter,
     /// Requests of a tenant to a service outside its `services` (answered 404).
     pub tenant_denied: Family<TenantServiceLabels, Counter>,
+    /// Access-log lines dropped because the log's queue was full.
+    pub access_log_dropped: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -334,8 +336,15 @@ impl Metrics {
             "Requests of a tenant to a service outside its `services` (answered 404 service_not_found)",
             tenant_denied.clone(),
         );
+        let access_log_dropped = Counter::default();
+        registry.register(
+            "access_log_dropped",
+            "Access-log lines dropped because the log's queue was full (the writer fell behind)",
+            access_log_dropped.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
+            access_log_dropped,
             rate_limited,
             tenant_in_flight,
             invalid_api_keys,

@@ -68,6 +68,10 @@ pub struct RequestCtx {
     pub(crate) error: Option<String>,
     pub(crate) first_byte: Option<Instant>,
     pub(crate) decision_done: Option<Instant>,
+    /// The body's `model`, when it named one (for the access log).
+    pub(crate) model: Option<String>,
+    /// Attempts sent to workers ([`crate::upstream::begin_attempt`]).
+    pub(crate) attempts: u32,
 }
 
 impl RequestCtx {

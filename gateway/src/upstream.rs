@@ -45,6 +45,7 @@ pub fn peer_for(
 /// Starts an attempt on `worker`: records it as the current one, counts it in flight and signs
 /// the ticket for it (kept in the ctx for the decision log).
 pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &WorkerId) {
+    ctx.attempts += 1;
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
     // The decision reserved the first choice's load (`route::decide`): an attempt there keeps
     // it; any other attempt counts its own. Without prefix routing the prompt is not

@@ -31,6 +31,10 @@ pub struct Args {
     /// Append one JSON line per request (ticket + outcome) here: the input of `kvgate receipts audit`.
     #[arg(long)]
     pub decision_log: Option<PathBuf>,
+    /// Write one JSON line per client request here (`-`: standard output): status, service,
+    /// worker, timings, bytes (docs/gateway.md, "Access log").
+    #[arg(long)]
+    pub access_log: Option<String>,
     /// Gateway id written into route tickets.
     #[arg(long, default_value = "gateway")]
     pub gateway_id: String,
@@ -99,7 +103,9 @@ pub struct Args {
 
 /// Runs the gateway until SIGINT/SIGTERM.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // Logs go to standard error: standard output may carry the access log (`--access-log -`).
     let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -112,6 +118,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.admin = args.admin;
     config.admin_token = args.admin_token;
     config.decision_log = args.decision_log;
+    config.access_log = args
+        .access_log
+        .as_deref()
+        .map(gateway::access_log::AccessLogTarget::parse);
     config.gateway_id = args.gateway_id;
     config.threads = args.threads;
     config.routing_threads = args.routing_threads;
