@@ -7,6 +7,7 @@ Run by the Rust test `gateway_ops::openai_python_client_through_the_gateway`, wh
 simulated workers and a gateway in-process and passes the gateway's URL. Exits non-zero with a
 clear message when the `openai` package is missing (`python3 -m pip install openai`).
 """
+import json
 import sys
 
 
@@ -75,6 +76,21 @@ def main() -> int:
     else:
         raise AssertionError("an unknown model was found")
     print(f"models ok: {models}")
+
+    # JSON mode, as the client sends it: the (simulated) answer is a JSON object, or a prefix
+    # of one when max_tokens cuts it.
+    j = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=24,
+        logit_bias={"5": -100},
+    )
+    text = j.choices[0].message.content
+    assert text.lstrip().startswith("{"), text
+    if j.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+    print(f"json mode ok: {j.choices[0].finish_reason}")
 
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)

@@ -595,7 +595,8 @@ fn openai_python_client_through_the_gateway() {
     assert!(
         stdout.contains("non-streaming ok")
             && stdout.contains("streaming ok")
-            && stdout.contains("models ok"),
+            && stdout.contains("models ok")
+            && stdout.contains("json mode ok"),
         "{stdout}"
     );
     fleet.stop();

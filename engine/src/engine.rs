@@ -128,6 +128,9 @@ pub struct GenerateRequest {
     pub cache_insert: bool,
     /// Admission deadline (None = config default).
     pub deadline: Option<Instant>,
+    /// What the output must be (JSON mode), enforced by masking the logits before sampling;
+    /// `None`: anything.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 /// How a sequence's output is shaped (the vLLM/SGLang extensions `min_tokens`,
@@ -694,6 +697,8 @@ struct SeqPayload {
     logprobs: Option<usize>,
     stop: StopChecker,
     detok: DecodeStream,
+    /// The constraint's state (JSON mode), when the request has one.
+    constraint: Option<crate::constraint::ConstraintState>,
 }
 
 struct StepLoop {
@@ -875,6 +880,7 @@ impl StepLoop {
             logprobs: req.output.logprobs,
             stop: StopChecker::new(&req.stop_strings).keeping_stop(req.output.include_stop_str),
             detok: DecodeStream::new(self.decoder.clone(), req.output.skip_special_tokens),
+            constraint: req.constraint.as_ref().map(|c| c.start()),
         };
         self.sched.enqueue(
             id,
@@ -945,6 +951,7 @@ impl StepLoop {
                         let p = s.payload();
                         p.sampler.is_plain_argmax()
                             && p.logprobs.is_none()
+                            && p.constraint.is_none()
                             && (s.generated().len() >= p.min_tokens || p.stop_ids.is_empty())
                     })
             })
@@ -1030,6 +1037,15 @@ impl StepLoop {
                         }
                     }
                 }
+                if let Some(c) = &p.constraint {
+                    // While `min_tokens` holds the stop ids back, they stay masked.
+                    let stops: &[u32] = if early { &[] } else { &p.stop_ids };
+                    if !c.mask(&mut logits, stops) {
+                        return Err(EngineError::InvalidRequest(
+                            "constrained decoding: no token can continue the output".into(),
+                        ));
+                    }
+                }
                 (p.sampler.sample(&mut logits), raw)
             }
             // Asked for in `step` only when the sampler is the plain argmax, without log
@@ -1037,6 +1053,9 @@ impl StepLoop {
             Sampled::Token(t) => (t, None),
         };
         p.sampler.record(token);
+        if let Some(c) = p.constraint.as_mut() {
+            c.advance(token);
+        }
         self.totals.generation_tokens += 1;
         let completion = generated.len() + 1;
         // Stop strings are matched from the `min_tokens`-th token on.

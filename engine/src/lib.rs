@@ -9,12 +9,14 @@
 //! - [`kv`] — block pool, prefix cache (keyed by `prefix-index` block keys) and the KV-event feed;
 //! - [`scheduler`] — continuous batching with chunked prefill and KV reservations;
 //! - [`sampler`] — sampling, penalties and stop strings;
+//! - [`constraint`] — constrained decoding (JSON mode): the token mask applied before sampling;
 //! - [`engine`] — the step loop on its own thread and the [`Engine`] handle.
 //!
 //! Does not own: tokenization and templates (`prompt-profile`; the engine only turns generated
 //! ids into text with [`prompt_profile::DecodeStream`]), HTTP, tickets, receipts, metrics
 //! registries (`worker`), routing (`gateway`).
 
+pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod executor;
@@ -25,6 +27,7 @@ pub mod scheduler;
 pub mod sim;
 pub mod step_budget;
 
+pub use constraint::{Constraint, TokenTable};
 pub use engine::{
     Engine, EngineConfig, EngineHealth, EngineStats, FinishReason, GenerateRequest, OutputParams,
     SeqEvent, SequenceHandle, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,

@@ -41,7 +41,13 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Seed of the sequence's RNG; `None` = fresh entropy.
     pub seed: Option<u64>,
+    /// Added to the logits of these token ids before the penalties and filters (OpenAI's
+    /// `logit_bias`: −100 in effect bans a token, 100 all but forces it); empty = off.
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// The most entries a `logit_bias` may have.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 impl SamplingParams {
     /// Greedy decoding, all filters off.
@@ -55,6 +61,7 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 
@@ -80,6 +87,21 @@ impl SamplingParams {
         }
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return Err("presence_penalty and frequency_penalty must be finite".into());
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(format!(
+                "logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {}",
+                self.logit_bias.len()
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return Err(format!(
+                "logit_bias of token {t} must be in [-100, 100], got {b}"
+            ));
         }
         Ok(())
     }
@@ -143,6 +165,7 @@ impl Sampler {
     pub fn is_plain_argmax(&self) -> bool {
         let p = &self.params;
         p.is_greedy()
+            && p.logit_bias.is_empty()
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
@@ -168,6 +191,11 @@ impl Sampler {
 
     fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let rp = p.repetition_penalty;
             let penalize = |l: &mut f32| {
@@ -454,10 +482,43 @@ mod tests {
                 presence_penalty: f32::NAN,
                 ..SamplingParams::greedy()
             },
+            SamplingParams {
+                logit_bias: vec![(3, 100.5)],
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                logit_bias: vec![(3, f32::NAN)],
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                logit_bias: (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect(),
+                ..SamplingParams::greedy()
+            },
         ];
         for p in bad {
             assert!(p.validate().is_err(), "{p:?}");
         }
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_ignores_unknown_ids() {
+        let biased = SamplingParams {
+            logit_bias: vec![(2, 5.0), (0, -100.0), (99, 100.0)],
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(biased.clone(), &[]);
+        assert!(!s.is_plain_argmax());
+        assert_eq!(s.sample(&mut logits(&[4.0, 3.0, 0.0])), 2);
+        // −100 keeps a token out even at temperature 1.
+        let hot = SamplingParams {
+            temperature: 1.0,
+            seed: Some(1),
+            logit_bias: vec![(0, -100.0)],
+            ..SamplingParams::greedy()
+        };
+        assert!(sampled(&hot, &[10.0, 0.0, 0.0], 200)
+            .iter()
+            .all(|&t| t != 0));
     }
 
     #[test]

@@ -43,6 +43,7 @@ pub fn req(
         output: engine::OutputParams::default(),
         cache_insert: true,
         deadline: None,
+        constraint: None,
     }
 }
 

@@ -51,7 +51,7 @@ const MAX_CACHED_PIECE: usize = 256;
 const CACHE_CAPACITY: usize = 20_000;
 
 /// GPT-2's `bytes_to_unicode`: the character each byte is written as in the vocabulary.
-fn byte_char(b: u8) -> char {
+pub(crate) fn byte_char(b: u8) -> char {
     let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
     if printable(b) {
         return char::from(b);

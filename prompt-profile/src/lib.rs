@@ -165,6 +165,11 @@ impl Vocabulary {
         self.tokenizer.vocab_size
     }
 
+    /// [`PromptProfile::token_bytes`]: the same code.
+    pub fn token_bytes(&self) -> Vec<Option<Vec<u8>>> {
+        self.tokenizer.token_bytes()
+    }
+
     /// SHA-256 of the tokenizer's canonical serialization (a profile's `tokenizer_sha256`).
     pub fn sha256(&self) -> &str {
         &self.tokenizer.sha256
@@ -554,6 +559,12 @@ impl PromptProfile {
     /// Number of token ids (one past the largest id).
     pub fn vocab_size(&self) -> usize {
         self.inner.tokenizer.vocab_size
+    }
+
+    /// The bytes each token id stands for in generated text, by id (`None`: a special token).
+    /// What constrained decoding checks tokens against (`engine::constraint`). O(vocabulary).
+    pub fn token_bytes(&self) -> Vec<Option<Vec<u8>>> {
+        self.inner.tokenizer.token_bytes()
     }
 
     /// Token ids that end generation.

@@ -105,7 +105,67 @@ fn max_token_bytes(tok: &Tokenizer) -> Option<usize> {
         .filter(|&n| n > 0)
 }
 
+/// Whether the decoder of `tok` is (or contains) a byte-level one: vocabulary strings then
+/// spell bytes in GPT-2's byte-to-character map.
+fn byte_level_decoder(tok: &Tokenizer) -> bool {
+    fn find(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Object(o) => {
+                o.get("type").and_then(|t| t.as_str()) == Some("ByteLevel") || o.values().any(find)
+            }
+            serde_json::Value::Array(a) => a.iter().any(find),
+            _ => false,
+        }
+    }
+    tok.get_decoder()
+        .and_then(|d| serde_json::to_value(d).ok())
+        .is_some_and(|v| find(&v))
+}
+
 impl BuiltTokenizer {
+    /// The bytes each token id stands for in generated text (`None`: a special token, which
+    /// stands for no text). Byte-level vocabularies map each character back to its byte;
+    /// others (SentencePiece) read `<0xNN>` byte tokens as that byte and `▁` as a space; an
+    /// added token that is not special stands for its content.
+    pub(crate) fn token_bytes(&self) -> Vec<Option<Vec<u8>>> {
+        let tok = &self.plain;
+        let byte_level = byte_level_decoder(tok);
+        let char_byte: std::collections::HashMap<char, u8> =
+            (0..=255u8).map(|b| (crate::bpe::byte_char(b), b)).collect();
+        let added: std::collections::HashMap<u32, String> = tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        let mut out = vec![None; self.vocab_size];
+        for (s, id) in tok.get_vocab(true) {
+            let Some(slot) = out.get_mut(id as usize) else {
+                continue;
+            };
+            if self.special.get(id as usize).copied().unwrap_or(false) {
+                continue;
+            }
+            *slot = Some(if let Some(content) = added.get(&id) {
+                content.as_bytes().to_vec()
+            } else if byte_level {
+                match s.chars().map(|c| char_byte.get(&c).copied()).collect() {
+                    Some(b) => b,
+                    None => s.as_bytes().to_vec(),
+                }
+            } else if let Some(b) = s
+                .strip_prefix("<0x")
+                .and_then(|h| h.strip_suffix('>'))
+                .filter(|h| h.len() == 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                vec![b]
+            } else {
+                s.replace('\u{2581}', " ").into_bytes()
+            });
+        }
+        out
+    }
+
     pub(crate) fn from_tokenizer(tok: Tokenizer) -> Result<Self> {
         let vocab = tok.get_vocab(true);
         let vocab_size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);

@@ -147,6 +147,62 @@ fn bos_policy_follows_the_family_and_the_file() {
     }
 }
 
+/// The bytes of a text's tokens, joined, are the text (what constrained decoding relies on):
+/// on the families where decoding inverts encoding, for a fixed text and seeded random text
+/// (a SentencePiece vocabulary may add one leading space, which its decoder strips).
+#[test]
+fn token_bytes_spell_the_text_back() {
+    use rand::SeedableRng;
+    let dir = vocab_dir();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(fixture_dir::test_seed(0x7B));
+    let texts: Vec<String> =
+        std::iter::once("Hello world: 3.14 — naïve café, 你好! {\"a\": [1]}".to_owned())
+            .chain((0..200).map(|_| random_text(&mut rng)))
+            .collect();
+    for n in [
+        "llama-bpe",
+        "qwen2",
+        "llama-spm",
+        "gemma-4",
+        "deepseek-coder",
+        "gpt-2",
+        "phi-3",
+    ] {
+        let v = Vocabulary::from_gguf(dir.join(format!("ggml-vocab-{n}.gguf"))).unwrap();
+        let table = v.token_bytes();
+        assert_eq!(table.len(), v.vocab_size(), "{n}");
+        let mut checked = 0;
+        for text in &texts {
+            let ids = v.encode(text, false).unwrap();
+            if v.decode(&ids, false).unwrap() != *text {
+                continue;
+            }
+            let joined: Vec<u8> = ids
+                .iter()
+                .flat_map(|&id| {
+                    table[id as usize]
+                        .clone()
+                        .unwrap_or_else(|| panic!("{n}: token {id} has no bytes"))
+                })
+                .collect();
+            let spelled = match joined.strip_prefix(b" ") {
+                Some(rest) if joined != text.as_bytes() => rest,
+                _ => &joined[..],
+            };
+            assert_eq!(
+                String::from_utf8_lossy(spelled),
+                text.as_str(),
+                "{n}: {ids:?}"
+            );
+            checked += 1;
+        }
+        assert!(
+            checked >= 100,
+            "{n}: only {checked} texts decode to themselves"
+        );
+    }
+}
+
 /// Random text over the character classes the split patterns tell apart: letters of several
 /// scripts and cases, marks, digits, apostrophe contractions, punctuation, every kind of
 /// whitespace, emoji and CJK.

@@ -385,6 +385,12 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Ok(o) => o,
         Err(e) => return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await,
     };
+    if let Err(e) = plan.check_logit_bias(st.profile.vocab_size()) {
+        return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+    }
+    let constraint = plan
+        .json_object
+        .then(|| engine::Constraint::JsonObject(st.token_table()));
     let req = GenerateRequest {
         request_id: ctx.admission.request_id.clone(),
         prompt,
@@ -396,6 +402,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         output,
         cache_insert: plan.cache_insert,
         deadline: None,
+        constraint,
     };
     let handle = match st.engine.submit(req) {
         Ok(h) => h,

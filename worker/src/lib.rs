@@ -255,6 +255,17 @@ pub struct AppState {
     /// Inference requests in flight (`/v1/chat/completions`, `/v1/completions`) and whether
     /// the worker drains ([`RunningWorker::drain`]: `/ready` answers 503).
     pub(crate) drain: drain::Drain,
+    /// Each token's bytes, for JSON mode (built at the first request that asks for it).
+    pub(crate) token_table: std::sync::OnceLock<Arc<engine::TokenTable>>,
+}
+
+impl AppState {
+    /// The vocabulary's token bytes (`engine::constraint`), built once.
+    pub(crate) fn token_table(&self) -> Arc<engine::TokenTable> {
+        self.token_table
+            .get_or_init(|| Arc::new(engine::TokenTable::new(self.profile.token_bytes())))
+            .clone()
+    }
 }
 
 fn startup(what: &'static str, detail: impl std::fmt::Display) -> WorkerError {
@@ -586,6 +597,7 @@ pub async fn spawn(
         started_at_ms: receipts::now_ms(),
         subscriptions: Arc::new(tokio::sync::Semaphore::new(max_subscriptions)),
         drain,
+        token_table: std::sync::OnceLock::new(),
     });
 
     let app = router(state.clone());
@@ -656,6 +668,7 @@ async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
             output: engine::OutputParams::default(),
             cache_insert: false,
             deadline: None,
+            constraint: None,
         })
         .map_err(|e| e.to_string())?;
     loop {

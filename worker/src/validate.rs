@@ -7,7 +7,7 @@
 //! 3. types (`invalid_type`, param = the JSON path, e.g. `messages[0].content`) and required
 //!    fields (`missing_parameter`);
 //! 4. unsupported parameters with a non-neutral value (`unsupported_parameter`): `n > 1`,
-//!    `tool_choice: "required"`, non-text `response_format`, `logit_bias`, `return_hidden_states`, ...
+//!    `tool_choice: "required"`, `response_format` `json_schema`, `return_hidden_states`, ...
 //! 5. ranges (`invalid_value`): temperature, top_p, penalties, max_tokens ≥ 1, ≤ 4 stop strings.
 //!
 //! The token budget (needs the rendered prompt) is checked later by [`budget`].
@@ -44,6 +44,9 @@ pub struct GenerationPlan {
     pub output: OutputSpec,
     /// How the answer text is parsed (chat only).
     pub answer: AnswerSpec,
+    /// `response_format: {"type": "json_object"}`: the answer is constrained to one JSON
+    /// object (chat only; `engine::constraint`).
+    pub json_object: bool,
 }
 
 /// What a chat request asks of the answer parser (`output_parser`).
@@ -211,6 +214,65 @@ struct Checked {
     output: OutputSpec,
 }
 
+/// `logit_bias`: an object from token ids (decimal strings) to numbers in [-100, 100], at most
+/// [`engine::sampler::MAX_LOGIT_BIAS`] entries (whether each id is in the vocabulary is checked
+/// once the model is known: `GenerationPlan::check_logit_bias`).
+fn logit_bias(v: &Option<Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("logit_bias"),
+                "`logit_bias` must be an object from token ids to biases",
+            ))
+        }
+    };
+    if map.len() > engine::sampler::MAX_LOGIT_BIAS {
+        return Err(invalid_value(
+            "logit_bias",
+            format!(
+                "at most {} tokens may be biased, got {}",
+                engine::sampler::MAX_LOGIT_BIAS,
+                map.len()
+            ),
+        ));
+    }
+    map.iter()
+        .map(|(k, v)| {
+            let id = k
+                .parse::<u32>()
+                .map_err(|_| invalid_value("logit_bias", format!("{k:?} is not a token id")))?;
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(invalid_value(
+                    "logit_bias",
+                    format!("the bias of token {id} must be a number in [-100, 100], got {v}"),
+                )),
+            }
+        })
+        .collect()
+}
+
+impl GenerationPlan {
+    /// Every `logit_bias` id is a token of a vocabulary of `vocab_size` ids.
+    pub fn check_logit_bias(&self, vocab_size: usize) -> Result<(), ApiError> {
+        match self
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= vocab_size)
+        {
+            Some((t, _)) => Err(invalid_value(
+                "logit_bias",
+                format!("token {t} is not in the model's vocabulary ({vocab_size} ids)"),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Checks and converts the parameters common to both endpoints.
 fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked, ApiError> {
     if let Some(n) = c.n {
@@ -218,9 +280,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
             return Err(unsupported("n", "only n = 1 is served"));
         }
     }
-    if !is_neutral(&c.logit_bias) {
-        return Err(unsupported("logit_bias", "logit bias is not implemented"));
-    }
+    let logit_bias = logit_bias(&c.logit_bias)?;
     let stream = c.stream.unwrap_or(false);
     let include_usage = match &c.stream_options {
         Some(o) if !stream => {
@@ -308,6 +368,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
         // i64 → u64 bit pattern: negative seeds are valid and distinct.
         seed: c.seed.map(|s| s as u64),
+        logit_bias,
     };
     let cache_insert = c.kvgate.and_then(|k| k.cache).unwrap_or(true);
     if c.return_hidden_states == Some(true) {
@@ -396,16 +457,32 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
             ))
         }
     }
-    match &r.response_format {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+    let json_object = match &r.response_format {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => false,
+            Some("json_object") => true,
+            Some("json_schema") => {
+                return Err(unsupported(
+                    "response_format",
+                    "`json_schema` is not supported; `{\"type\": \"json_object\"}` is (any JSON object)",
+                ))
+            }
+            _ => {
+                return Err(invalid_value(
+                    "response_format",
+                    "`response_format.type` must be `text`, `json_object` or `json_schema`",
+                ))
+            }
+        },
         Some(_) => {
-            return Err(unsupported(
-                "response_format",
-                "only {\"type\": \"text\"} is supported (no JSON mode or json_schema)",
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("response_format"),
+                "`response_format` must be an object",
             ))
         }
-    }
+    };
     reject_unless_neutral("store", &r.store, "stored completions are not supported")?;
     match &r.metadata {
         None | Some(Value::Null) | Some(Value::Object(_)) => {}
@@ -467,6 +544,12 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         separate_reasoning: r.separate_reasoning.unwrap_or(true),
         stream_reasoning: r.stream_reasoning.unwrap_or(true),
     };
+    if json_object && answer.tool_calls {
+        return Err(unsupported(
+            "response_format",
+            "JSON mode cannot be combined with tools (a tool call is not a JSON object answer); send `tool_choice: \"none\"` or no tools",
+        ));
+    }
     let chat = fields.prompt(r.messages).map_err(field_error)?;
     Ok(GenerationPlan {
         model: r.model,
@@ -479,6 +562,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         cache_insert,
         output,
         answer,
+        json_object,
     })
 }
 
@@ -523,6 +607,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         cache_insert,
         output,
         answer: AnswerSpec::default(),
+        json_object: false,
     })
 }
 
@@ -689,7 +774,6 @@ mod tests {
                 "response_format",
                 r#"{"type":"json_schema","json_schema":{}}"#,
             ),
-            ("logit_bias", r#"{"5":1}"#),
             ("tool_choice", r#""required""#),
             (
                 "tool_choice",

@@ -240,7 +240,6 @@ async fn every_request_error_has_its_status_code_and_param() {
         ("n", json!(2)),
         ("tool_choice", json!("required")),
         ("return_hidden_states", json!(true)),
-        ("logit_bias", json!({"5": 1})),
         (
             "response_format",
             json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),

@@ -1,0 +1,87 @@
+//! What JSON mode costs per generated token: the mask (`engine::constraint`) over the default
+//! model's 49,152-token vocabulary in four states of a JSON text, beside the model's own
+//! single-stream decode step, measured in the same run (the ratio is the figure to read).
+//!
+//! ```text
+//! cargo bench -p engine --bench json_mode                # release profile
+//! cargo test -p engine --bench json_mode -- --bench      # the (optimized) dev profile
+//! ```
+//! Environment: `KVGATE_MODEL_DIR` (default `models/`), `KVGATE_BENCH_THREADS` (default 2).
+//! Without `--bench` (as `cargo test --all-targets` runs it) it only says how to run.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine::model::{bench, EngineBenchConfig};
+use engine::{Constraint, TokenTable};
+
+fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("json_mode bench: run with `cargo bench -p engine --bench json_mode`");
+        return;
+    }
+    let dir = std::env::var_os("KVGATE_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.is_file() {
+        eprintln!(
+            "model file {} is missing (./scripts/fetch-model.sh)",
+            path.display()
+        );
+        std::process::exit(2);
+    }
+    let profile = prompt_profile::PromptProfile::from_gguf(&path).expect("profile");
+    let built = Instant::now();
+    let table = Arc::new(TokenTable::new(profile.token_bytes()));
+    println!(
+        "token table: {} tokens, built in {:.1} ms",
+        table.len(),
+        built.elapsed().as_secs_f64() * 1e3
+    );
+    let stop = profile.end_of_generation_ids().to_vec();
+    let mut logits = vec![0.0f32; table.len()];
+    let mut mask_us = Vec::new();
+    for (state, text) in [
+        ("before the object", ""),
+        ("after a key's colon", "{\"name\": "),
+        ("inside a string", "{\"name\": \"Par"),
+        ("after a value", "{\"name\": \"Paris\""),
+    ] {
+        let mut c = Constraint::JsonObject(table.clone()).start();
+        for id in profile.encode(text, false).expect("encode") {
+            c.advance(id);
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let n: u32 = 200;
+            let t = Instant::now();
+            for i in 0..n {
+                logits
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(j, l)| *l = ((i as usize + j) % 97) as f32);
+                assert!(c.mask(&mut logits, &stop));
+            }
+            best = best.min(t.elapsed().as_secs_f64() / f64::from(n) * 1e6);
+        }
+        let allowed = logits.iter().filter(|l| l.is_finite()).count();
+        println!("mask {state:<20} {best:>8.1} µs per token ({allowed} tokens allowed)");
+        mask_us.push(best);
+    }
+    let threads = std::env::var("KVGATE_BENCH_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let mut cfg = EngineBenchConfig::new(path, threads);
+    cfg.concurrency = vec![1];
+    cfg.prefill_tokens = 64;
+    let report = bench::run(&cfg).expect("engine bench");
+    let step_us = 1e6 / report.decode_tok_s;
+    let worst = mask_us.iter().copied().fold(0.0, f64::max);
+    println!(
+        "decode step (1 stream, {threads} threads): {step_us:.0} µs; the costliest mask is {:.1} % of it",
+        worst / step_us * 100.0
+    );
+}
