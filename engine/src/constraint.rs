@@ -31,6 +31,9 @@ pub const MAX_WS_RUN: u8 = 48;
 pub struct TokenTable {
     bytes: Vec<Option<Box<[u8]>>>,
     by_first: Vec<Vec<u32>>,
+    /// Tokens that may follow any plain string content and leave it plain: whole UTF-8
+    /// characters, none of them `"`, `\\` or a control character.
+    string_safe: Vec<bool>,
 }
 
 impl TokenTable {
@@ -46,7 +49,20 @@ impl TokenTable {
                 by_first[b[0] as usize].push(id as u32);
             }
         }
-        TokenTable { bytes, by_first }
+        let string_safe = bytes
+            .iter()
+            .map(|b| {
+                b.as_deref().is_some_and(|b| {
+                    std::str::from_utf8(b).is_ok()
+                        && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\')
+                })
+            })
+            .collect();
+        TokenTable {
+            bytes,
+            by_first,
+            string_safe,
+        }
     }
 
     /// Tokens in the table.
@@ -98,24 +114,43 @@ impl ConstraintState {
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
         let mut allowed: Vec<(u32, f32)> = Vec::new();
         let done = self.json.is_complete();
-        for first in 0..=255u8 {
-            if done && !stop_ids.is_empty() {
-                break;
-            }
-            if !self.json.accepts(&[first]) {
-                continue;
-            }
-            for &id in &self.table.by_first[first as usize] {
-                let Some(l) = logits.get(id as usize) else {
-                    continue;
-                };
-                let ok = match self.table.bytes(id) {
-                    Some(b) if b.len() == 1 => true,
-                    Some(b) => self.json.accepts(b),
-                    None => false,
-                };
+        let table = &self.table;
+        if done && !stop_ids.is_empty() {
+            // Only the stop ids, below.
+        } else if self.json.in_plain_string() {
+            // Most of the vocabulary: whole characters of string content need no simulation.
+            for (id, l) in logits.iter().enumerate().take(table.len()) {
+                let ok = table.string_safe[id]
+                    || table.bytes(id as u32).is_some_and(|b| self.json.accepts(b));
                 if ok {
-                    allowed.push((id, *l));
+                    allowed.push((id as u32, *l));
+                }
+            }
+        } else {
+            // Between JSON tokens few bytes may come: filter by the first two bytes, then
+            // simulate what is left.
+            for first in 0..=255u8 {
+                if !self.json.accepts(&[first]) {
+                    continue;
+                }
+                let mut second = [false; 256];
+                for (s, ok) in second.iter_mut().enumerate() {
+                    *ok = self.json.accepts(&[first, s as u8]);
+                }
+                for &id in &table.by_first[first as usize] {
+                    let Some(l) = logits.get(id as usize) else {
+                        continue;
+                    };
+                    let ok = match table.bytes(id) {
+                        Some(b) if b.len() == 1 => true,
+                        Some(b) if !second[b[1] as usize] => false,
+                        Some(b) if b.len() == 2 => true,
+                        Some(b) => self.json.accepts(b),
+                        None => false,
+                    };
+                    if ok {
+                        allowed.push((id, *l));
+                    }
                 }
             }
         }
@@ -329,6 +364,12 @@ impl Json {
     /// Whether the top-level object is complete (only whitespace may follow).
     pub(crate) fn is_complete(&self) -> bool {
         self.mode == Mode::Done
+    }
+
+    /// Whether the text is inside a string, between characters (no escape or UTF-8 sequence
+    /// open): any whole characters but `"`, `\\` and controls may follow.
+    fn in_plain_string(&self) -> bool {
+        matches!(self.mode, Mode::InStr { at: Str::Plain, .. })
     }
 
     /// Whether `bytes` may come next (the state does not change).
