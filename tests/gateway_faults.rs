@@ -87,15 +87,7 @@ fn methods_the_api_lacks_are_405_and_owe_no_receipt() {
     assert_eq!(ok.status, 200);
     fleet.stop();
     // The audit of the decision log against the receipts is clean.
-    let report = receipts::audit(
-        &fleet.dir.path().join("decisions.jsonl"),
-        &[
-            fleet.dir.path().join("receipts-w1.jsonl"),
-            fleet.dir.path().join("receipts-w2.jsonl"),
-        ],
-        &fleet.key_ring(),
-    )
-    .unwrap();
+    let report = fleet.audit();
     assert!(report.ok(), "{report}");
     assert_eq!(report.receipted, 1, "{report}");
 }
@@ -199,8 +191,14 @@ fn a_dead_engine_fails_fast_and_the_gateway_stops_routing_to_it() {
 /// `queue_full` to a third), w2 has the default limits; sim timing slow enough (~6 ms per
 /// step) that eight concurrent requests overlap.
 fn cramped_fleet() -> Fleet {
+    cramped_fleet_of(2, engine::EngineConfig::default().default_admission_timeout)
+}
+
+/// [`cramped_fleet`] with `workers` workers, w1 refusing a request it queued for `admission`
+/// (429 `admission_timeout`).
+fn cramped_fleet_of(workers: usize, admission: std::time::Duration) -> Fleet {
     Fleet::workers(FleetOptions {
-        workers: 2,
+        workers,
         sim: engine::sim::SimConfig {
             block_size: 16,
             num_blocks: 4096,
@@ -211,6 +209,7 @@ fn cramped_fleet() -> Fleet {
             engine::EngineConfig {
                 max_running: 1,
                 max_waiting: 1,
+                default_admission_timeout: admission,
                 ..engine::EngineConfig::default()
             },
         )),
@@ -381,24 +380,7 @@ fn without_refusal_retries_the_same_load_reaches_the_client_as_429() {
 /// connect failure is counted, the skip is (`fallbacks_total{reason="unhealthy"}`). `big`: the
 /// request that is refused has a body over 64 KiB (the gateway's own forwarding path).
 fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
-    let mut fleet = Fleet::workers(FleetOptions {
-        workers: 3,
-        sim: engine::sim::SimConfig {
-            block_size: 16,
-            num_blocks: 4096,
-            ..engine::sim::SimConfig::default()
-        },
-        engine: Some((
-            0,
-            engine::EngineConfig {
-                max_running: 1,
-                max_waiting: 1,
-                default_admission_timeout: std::time::Duration::from_millis(1500),
-                ..engine::EngineConfig::default()
-            },
-        )),
-        ..FleetOptions::default()
-    });
+    let mut fleet = cramped_fleet_of(3, std::time::Duration::from_millis(1500));
     fleet.start_gateway(support::RR_SERVICE, true);
     let body = |text: &str, max_tokens: u64, pad: usize| {
         format!(
@@ -506,14 +488,7 @@ fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
         [(Some("w1"), 429), (Some("w3"), 200)],
         "{lines:?}"
     );
-    let report = receipts::audit(
-        &decisions,
-        &(1..=3)
-            .map(|i| fleet.dir.path().join(format!("receipts-w{i}.jsonl")))
-            .collect::<Vec<_>>(),
-        &fleet.key_ring(),
-    )
-    .unwrap();
+    let report = fleet.audit();
     assert!(report.ok(), "{report}");
     assert_eq!(report.retried_attempts, 1, "{report}");
 }

@@ -307,6 +307,34 @@ fn admin_plane_applies_refuses_and_switches_live() {
     drop(dir);
 }
 
+/// Sends `body` (a streaming chat) through the VIP in the background and returns once its first
+/// event arrived; the task gives the answer's headers and whole text when it ends.
+fn spawn_stream(
+    fleet: &Fleet,
+    body: serde_json::Value,
+) -> tokio::task::JoinHandle<(reqwest::header::HeaderMap, String)> {
+    let url = fleet.url("/v1/chat/completions");
+    let http = fleet.http.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let stream = fleet.rt.spawn(async move {
+        use futures::StreamExt;
+        let r = http.post(url).json(&body).send().await.unwrap();
+        let headers = r.headers().clone();
+        let mut s = r.bytes_stream();
+        let mut text = String::new();
+        while let Some(chunk) = s.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if text.contains("data:") {
+                let _ = tx.send(());
+            }
+        }
+        (headers, text)
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("stream started");
+    stream
+}
+
 #[test]
 fn rules_change_during_a_long_stream_does_not_break_it() {
     let mut sim = engine::sim::SimConfig::instant(16, 4096);
@@ -320,39 +348,16 @@ fn rules_change_during_a_long_stream_does_not_break_it() {
     let v_before = fleet.gw().data.views.load().version();
     let mut body = chat(&[("user", "stream please")], 60);
     body["stream"] = json!(true);
-    let url = fleet.url("/v1/chat/completions");
-    let http = fleet.http.clone();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let stream = fleet.rt.spawn(async move {
-        use futures::StreamExt;
-        let r = http.post(url).json(&body).send().await.unwrap();
-        let version = r
-            .headers()
-            .get("x-kvgate-rules-version")
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .to_owned();
-        let mut s = r.bytes_stream();
-        let mut text = String::new();
-        let mut signalled = false;
-        while let Some(chunk) = s.next().await {
-            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-            if !signalled && text.contains("data:") {
-                let _ = tx.send(());
-                signalled = true;
-            }
-        }
-        (version, text)
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("stream started");
+    let stream = spawn_stream(&fleet, body);
     let kv =
         json!({"name": "chat", "pool": "all", "rule": {"type": "kv_exact", "profile": "smol"}});
     let r = fleet.admin(Method::PUT, "/admin/services/chat", Some(kv));
     assert_eq!(r.status, 200, "{}", r.text());
-    let (version, text) = fleet.rt.block_on(stream).unwrap();
-    assert_eq!(version, v_before.to_string());
+    let (headers, text) = fleet.rt.block_on(stream).unwrap();
+    assert_eq!(
+        headers["x-kvgate-rules-version"],
+        v_before.to_string().as_str()
+    );
     assert!(
         text.trim_end().ends_with("data: [DONE]"),
         "stream cut: {text}"
@@ -667,25 +672,7 @@ fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
     // A stream on the holder (same prefix: a hit), in flight while the cordon lands.
     let mut long = chat(&[("system", &system), ("user", "hello")], 60);
     long["stream"] = json!(true);
-    let url = fleet.url(path);
-    let http = fleet.http.clone();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let stream = fleet.rt.spawn(async move {
-        use futures::StreamExt;
-        let r = http.post(url).json(&long).send().await.unwrap();
-        let worker = r.headers()["x-kvgate-worker"].to_str().unwrap().to_owned();
-        let mut s = r.bytes_stream();
-        let mut text = String::new();
-        while let Some(chunk) = s.next().await {
-            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-            if text.contains("data:") {
-                let _ = tx.send(());
-            }
-        }
-        (worker, text)
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("stream started");
+    let stream = spawn_stream(&fleet, long);
     let v_before = fleet.gw().data.views.load().version();
     let r = fleet.admin(
         Method::POST,
@@ -708,8 +695,8 @@ fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
     );
     assert_eq!(again.json()["applied"], json!(false), "{}", again.text());
     // The stream on the cordoned worker finishes.
-    let (worker, text) = fleet.rt.block_on(stream).unwrap();
-    assert_eq!(worker, holder);
+    let (headers, text) = fleet.rt.block_on(stream).unwrap();
+    assert_eq!(headers["x-kvgate-worker"], holder.as_str());
     assert!(
         text.trim_end().ends_with("data: [DONE]"),
         "stream cut: {text}"
@@ -775,15 +762,7 @@ fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
         .unwrap()
         .contains("cordoned"));
     fleet.stop();
-    let report = receipts::audit(
-        &fleet.dir.path().join("decisions.jsonl"),
-        &[
-            fleet.dir.path().join("receipts-w1.jsonl"),
-            fleet.dir.path().join("receipts-w2.jsonl"),
-        ],
-        &fleet.key_ring(),
-    )
-    .unwrap();
+    let report = fleet.audit();
     assert!(report.ok(), "{report}");
 }
 

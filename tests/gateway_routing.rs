@@ -1001,15 +1001,7 @@ fn api_keys_authenticate_tenants_and_tenants_never_share_a_cache() {
     fleet.stop();
     // The audit's usage per tenant: requests from the decision log, tokens from the workers'
     // signed receipts, equal to what the answers' `usage` told the clients.
-    let report = receipts::audit(
-        &fleet.dir.path().join("decisions.jsonl"),
-        &[
-            fleet.dir.path().join("receipts-w1.jsonl"),
-            fleet.dir.path().join("receipts-w2.jsonl"),
-        ],
-        &fleet.key_ring(),
-    )
-    .unwrap();
+    let report = fleet.audit();
     assert!(report.ok(), "{report}");
     let usage = |replies: &[&support::Reply]| receipts::TenantUsage {
         requests: replies.len() as u64,
@@ -1209,23 +1201,8 @@ rule = {{ type = "kv_exact", profile = "smol" }}
         sha256_hex("acme-key")
     );
     fleet.start_gateway(&services, false);
-    let get = |path: &str, key: Option<&str>| {
-        fleet.rt.block_on(async {
-            let mut r = fleet.http.get(fleet.url(path));
-            if let Some(k) = key {
-                r = r.bearer_auth(k);
-            }
-            support::Reply::read(r.send().await.unwrap()).await
-        })
-    };
-    let ids = |r: &support::Reply| -> Vec<String> {
-        r.json()["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m["id"].as_str().unwrap().to_owned())
-            .collect()
-    };
+    let get = |path: &str, key: Option<&str>| fleet.get(path, key);
+    let ids = |r: &support::Reply| r.model_ids();
     let r = get("/v1/models", None);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["object"], "list");
@@ -1481,25 +1458,9 @@ rule = {{ type = "round_robin" }}
     );
     // The listing follows the same list.
     let models = |key: &str| -> Vec<String> {
-        let r = fleet.rt.block_on(async {
-            support::Reply::read(
-                fleet
-                    .http
-                    .get(fleet.url("/v1/models"))
-                    .bearer_auth(key)
-                    .send()
-                    .await
-                    .unwrap(),
-            )
-            .await
-        });
+        let r = fleet.get("/v1/models", Some(key));
         assert_eq!(r.status, 200, "{}", r.text());
-        r.json()["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m["id"].as_str().unwrap().to_owned())
-            .collect()
+        r.model_ids()
     };
     assert_eq!(models("acme-key"), ["smol-chat", "smol-code"]);
     assert_eq!(models("beta-key"), ["smol-code"]);

@@ -585,6 +585,11 @@ fn value_start(mode: &mut Mode, frames: &mut Frames<'_>, c: u8) -> bool {
     true
 }
 
+/// Inside a UTF-8 sequence: `left` continuation bytes to come, the next one in `lo..=hi`.
+const fn utf8(left: u8, lo: u8, hi: u8) -> Str {
+    Str::Utf8 { left, lo, hi }
+}
+
 /// One byte inside a string: `Some(None)` = the closing quote, `Some(Some(s))` = still inside,
 /// `None` = not allowed.
 fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
@@ -596,41 +601,13 @@ fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
             0x20..=0x7f => Str::Plain,
             // UTF-8 lead bytes, with the range of the byte after them (no overlongs, no
             // surrogates, nothing above U+10FFFF).
-            0xc2..=0xdf => Str::Utf8 {
-                left: 1,
-                lo: 0x80,
-                hi: 0xbf,
-            },
-            0xe0 => Str::Utf8 {
-                left: 2,
-                lo: 0xa0,
-                hi: 0xbf,
-            },
-            0xed => Str::Utf8 {
-                left: 2,
-                lo: 0x80,
-                hi: 0x9f,
-            },
-            0xe1..=0xef => Str::Utf8 {
-                left: 2,
-                lo: 0x80,
-                hi: 0xbf,
-            },
-            0xf0 => Str::Utf8 {
-                left: 3,
-                lo: 0x90,
-                hi: 0xbf,
-            },
-            0xf1..=0xf3 => Str::Utf8 {
-                left: 3,
-                lo: 0x80,
-                hi: 0xbf,
-            },
-            0xf4 => Str::Utf8 {
-                left: 3,
-                lo: 0x80,
-                hi: 0x8f,
-            },
+            0xc2..=0xdf => utf8(1, 0x80, 0xbf),
+            0xe0 => utf8(2, 0xa0, 0xbf),
+            0xed => utf8(2, 0x80, 0x9f),
+            0xe1..=0xef => utf8(2, 0x80, 0xbf),
+            0xf0 => utf8(3, 0x90, 0xbf),
+            0xf1..=0xf3 => utf8(3, 0x80, 0xbf),
+            0xf4 => utf8(3, 0x80, 0x8f),
             _ => return None,
         },
         Str::Escape => match c {
@@ -655,11 +632,7 @@ fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
             if left == 1 {
                 Str::Plain
             } else {
-                Str::Utf8 {
-                    left: left - 1,
-                    lo: 0x80,
-                    hi: 0xbf,
-                }
+                utf8(left - 1, 0x80, 0xbf)
             }
         }
     }))

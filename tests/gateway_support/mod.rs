@@ -308,6 +308,17 @@ native_reserve_tokens = 0
         format!("http://{}{path}", self.gw().admin_addr)
     }
 
+    /// GETs `path` from the VIP, with `Authorization: Bearer <bearer>` when given.
+    pub fn get(&self, path: &str, bearer: Option<&str>) -> Reply {
+        self.rt.block_on(async {
+            let mut r = self.http.get(self.url(path));
+            if let Some(k) = bearer {
+                r = r.bearer_auth(k);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    }
+
     /// POSTs JSON to the VIP; returns (status, headers, body).
     pub fn post(&self, path: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Reply {
         self.post_raw(path, serde_json::to_vec(body).unwrap(), headers)
@@ -390,6 +401,24 @@ native_reserve_tokens = 0
     }
 
     /// A key ring with the gateway's and every worker's public key (for the audit).
+    /// The audit of the gateway's decision log (`decisions.jsonl`) against every worker's
+    /// receipt log.
+    pub fn audit(&self) -> receipts::AuditReport {
+        let logs: Vec<PathBuf> = (0..self.addrs.len())
+            .map(|i| {
+                self.dir
+                    .path()
+                    .join(format!("receipts-{}.jsonl", worker_id(i)))
+            })
+            .collect();
+        receipts::audit(
+            &self.dir.path().join("decisions.jsonl"),
+            &logs,
+            &self.key_ring(),
+        )
+        .unwrap()
+    }
+
     pub fn key_ring(&self) -> KeyRing {
         let mut ring = KeyRing::new();
         ring.insert("gateway", self.gateway_key.public().clone());
@@ -467,6 +496,16 @@ impl Reply {
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The ids of a `GET /v1/models` list.
+    pub fn model_ids(&self) -> Vec<String> {
+        self.json()["data"]
+            .as_array()
+            .unwrap_or_else(|| panic!("not a model list: {}", self.text()))
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect()
     }
 
     pub fn header(&self, name: &str) -> Option<String> {
