@@ -1,5 +1,6 @@
-//! What JSON mode costs per generated token: the mask (`engine::constraint`) over the default
-//! model's 49,152-token vocabulary in four states of a JSON text, beside the model's own
+//! What JSON mode and structured outputs cost per generated token: the mask
+//! (`engine::constraint`, `engine::json_schema`) over the default model's 49,152-token
+//! vocabulary in seven states of a JSON text, beside the model's own
 //! single-stream decode step, measured in the same run (the ratio is the figure to read).
 //!
 //! ```text
@@ -43,13 +44,33 @@ fn main() {
     let stop = profile.end_of_generation_ids().to_vec();
     let mut logits = vec![0.0f32; table.len()];
     let mut mask_us = Vec::new();
-    for (state, text) in [
-        ("before the object", ""),
-        ("after a key's colon", "{\"name\": "),
-        ("inside a string", "{\"name\": \"Par"),
-        ("after a value", "{\"name\": \"Paris\""),
+    let schema = Arc::new(
+        engine::json_schema::CompiledSchema::compile(&serde_json::json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "population": {"type": ["integer", "null"]},
+                "tags": {"type": "array", "items": {"enum": ["big", "old", "coastal"]}}
+            }
+        }))
+        .expect("schema"),
+    );
+    let object = Constraint::JsonObject(table.clone());
+    let structured = Constraint::JsonSchema(table.clone(), schema);
+    for (state, constraint, text) in [
+        ("before the object", &object, ""),
+        ("after a key's colon", &object, "{\"name\": "),
+        ("inside a string", &object, "{\"name\": \"Par"),
+        ("after a value", &object, "{\"name\": \"Paris\""),
+        ("schema: before a key", &structured, "{\"name\": \"Paris\","),
+        ("schema: in a string", &structured, "{\"name\": \"Par"),
+        (
+            "schema: in an enum",
+            &structured,
+            "{\"name\": \"P\", \"population\": null, \"tags\": [\"co",
+        ),
     ] {
-        let mut c = Constraint::JsonObject(table.clone()).start();
+        let mut c = constraint.start();
         for id in profile.encode(text, false).expect("encode") {
             c.advance(id);
         }
@@ -67,7 +88,7 @@ fn main() {
             best = best.min(t.elapsed().as_secs_f64() / f64::from(n) * 1e6);
         }
         let allowed = logits.iter().filter(|l| l.is_finite()).count();
-        println!("mask {state:<20} {best:>8.1} µs per token ({allowed} tokens allowed)");
+        println!("mask {state:<24} {best:>8.1} µs per token ({allowed} tokens allowed)");
         mask_us.push(best);
     }
     let threads = std::env::var("KVGATE_BENCH_THREADS")

@@ -86,6 +86,8 @@ impl TokenTable {
 pub enum Constraint {
     /// A JSON object, over this vocabulary.
     JsonObject(Arc<TokenTable>),
+    /// A JSON object of this schema (`crate::json_schema`), over this vocabulary.
+    JsonSchema(Arc<TokenTable>, Arc<crate::json_schema::CompiledSchema>),
 }
 
 impl Constraint {
@@ -94,8 +96,59 @@ impl Constraint {
         match self {
             Constraint::JsonObject(t) => ConstraintState {
                 table: t.clone(),
-                json: Json::default(),
+                machine: Machine::Object(Json::default()),
             },
+            Constraint::JsonSchema(t, s) => ConstraintState {
+                table: t.clone(),
+                machine: Machine::Schema(s.clone(), crate::json_schema::SchemaJson::new(s)),
+            },
+        }
+    }
+}
+
+/// The automaton a constraint runs.
+enum Machine {
+    Object(Json),
+    Schema(
+        Arc<crate::json_schema::CompiledSchema>,
+        crate::json_schema::SchemaJson,
+    ),
+}
+
+impl Machine {
+    fn accepts(&self, bytes: &[u8]) -> bool {
+        match self {
+            Machine::Object(j) => j.accepts(bytes),
+            Machine::Schema(s, j) => j.accepts(s, bytes),
+        }
+    }
+
+    fn step(&mut self, c: u8) -> bool {
+        match self {
+            Machine::Object(j) => j.step(c),
+            Machine::Schema(s, j) => {
+                // A refused byte leaves the schema automaton unspecified: step a copy.
+                let mut next = j.clone();
+                let ok = next.step(s, c);
+                if ok {
+                    *j = next;
+                }
+                ok
+            }
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        match self {
+            Machine::Object(j) => j.is_complete(),
+            Machine::Schema(_, j) => j.is_complete(),
+        }
+    }
+
+    fn in_plain_string(&self) -> bool {
+        match self {
+            Machine::Object(j) => j.in_plain_string(),
+            Machine::Schema(_, j) => j.in_plain_string(),
         }
     }
 }
@@ -103,7 +156,7 @@ impl Constraint {
 /// A constraint's state in one sequence.
 pub struct ConstraintState {
     table: Arc<TokenTable>,
-    json: Json,
+    machine: Machine,
 }
 
 impl ConstraintState {
@@ -113,15 +166,17 @@ impl ConstraintState {
     /// token is still allowed.
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
         let mut allowed: Vec<(u32, f32)> = Vec::new();
-        let done = self.json.is_complete();
+        let done = self.machine.is_complete();
         let table = &self.table;
         if done && !stop_ids.is_empty() {
             // Only the stop ids, below.
-        } else if self.json.in_plain_string() {
+        } else if self.machine.in_plain_string() {
             // Most of the vocabulary: whole characters of string content need no simulation.
             for (id, l) in logits.iter().enumerate().take(table.len()) {
                 let ok = table.string_safe[id]
-                    || table.bytes(id as u32).is_some_and(|b| self.json.accepts(b));
+                    || table
+                        .bytes(id as u32)
+                        .is_some_and(|b| self.machine.accepts(b));
                 if ok {
                     allowed.push((id as u32, *l));
                 }
@@ -130,12 +185,12 @@ impl ConstraintState {
             // Between JSON tokens few bytes may come: filter by the first two bytes, then
             // simulate what is left.
             for first in 0..=255u8 {
-                if !self.json.accepts(&[first]) {
+                if !self.machine.accepts(&[first]) {
                     continue;
                 }
                 let mut second = [false; 256];
                 for (s, ok) in second.iter_mut().enumerate() {
-                    *ok = self.json.accepts(&[first, s as u8]);
+                    *ok = self.machine.accepts(&[first, s as u8]);
                 }
                 for &id in &table.by_first[first as usize] {
                     let Some(l) = logits.get(id as usize) else {
@@ -145,7 +200,7 @@ impl ConstraintState {
                         Some(b) if b.len() == 1 => true,
                         Some(b) if !second[b[1] as usize] => false,
                         Some(b) if b.len() == 2 => true,
-                        Some(b) => self.json.accepts(b),
+                        Some(b) => self.machine.accepts(b),
                         None => false,
                     };
                     if ok {
@@ -174,7 +229,7 @@ impl ConstraintState {
     pub fn advance(&mut self, token: u32) {
         if let Some(b) = self.table.bytes(token) {
             for &c in b {
-                if !self.json.step(c) {
+                if !self.machine.step(c) {
                     // The mask never lets such a token through; stay put rather than panic.
                     return;
                 }
@@ -204,7 +259,7 @@ enum Frame {
 
 /// Where in a number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Num {
+pub(crate) enum Num {
     /// After `-`: a digit must follow.
     Minus,
     /// After a leading `0`.
@@ -228,14 +283,14 @@ enum Num {
 
 impl Num {
     /// Whether the number may end here.
-    fn complete(self) -> bool {
+    pub(crate) fn complete(self) -> bool {
         matches!(
             self,
             Num::Zero | Num::Int | Num::Frac | Num::ExpDigit | Num::ExpDigits
         )
     }
 
-    fn step(self, c: u8) -> Option<Num> {
+    pub(crate) fn step(self, c: u8) -> Option<Num> {
         Some(match (self, c) {
             (Num::Minus, b'0') => Num::Zero,
             (Num::Minus, b'1'..=b'9') => Num::Int,
@@ -253,7 +308,7 @@ impl Num {
 
 /// Where in a string.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Str {
+pub(crate) enum Str {
     /// Plain content.
     Plain,
     /// After `\`.
@@ -293,7 +348,7 @@ enum Mode {
 }
 
 /// Longest number, in bytes.
-const MAX_NUMBER_LEN: u8 = 64;
+pub(crate) const MAX_NUMBER_LEN: u8 = 64;
 
 /// A JSON-object recognizer fed one byte at a time.
 #[derive(Clone, Debug)]
@@ -356,7 +411,7 @@ impl Frames<'_> {
     }
 }
 
-fn is_ws(c: u8) -> bool {
+pub(crate) fn is_ws(c: u8) -> bool {
     matches!(c, b' ' | b'\t' | b'\n' | b'\r')
 }
 
@@ -592,7 +647,7 @@ const fn utf8(left: u8, lo: u8, hi: u8) -> Str {
 
 /// One byte inside a string: `Some(None)` = the closing quote, `Some(Some(s))` = still inside,
 /// `None` = not allowed.
-fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
+pub(crate) fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
     Some(Some(match at {
         Str::Plain => match c {
             b'"' => return Some(None),
@@ -817,7 +872,7 @@ mod tests {
                 state.advance(t);
                 assert!(feed(&out).is_some(), "{}", String::from_utf8_lossy(&out));
             }
-            if state.json.is_complete() {
+            if state.machine.is_complete() {
                 let v: serde_json::Value = serde_json::from_slice(&out)
                     .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
                 assert!(v.is_object());

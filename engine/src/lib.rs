@@ -10,6 +10,7 @@
 //! - [`scheduler`] — continuous batching with chunked prefill and KV reservations;
 //! - [`sampler`] — sampling, penalties and stop strings;
 //! - [`constraint`] — constrained decoding (JSON mode): the token mask applied before sampling;
+//!   [`json_schema`] — structured outputs: a JSON Schema compiled to the mask's automaton;
 //! - [`engine`] — the step loop on its own thread and the [`Engine`] handle.
 //!
 //! Does not own: tokenization and templates (`prompt-profile`; the engine only turns generated
@@ -20,6 +21,7 @@ pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod executor;
+pub mod json_schema;
 pub mod kv;
 pub mod model;
 pub mod sampler;

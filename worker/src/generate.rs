@@ -388,9 +388,15 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     if let Err(e) = plan.check_logit_bias(st.profile.vocab_size()) {
         return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
     }
-    let constraint = plan
-        .json_object
-        .then(|| engine::Constraint::JsonObject(st.token_table()));
+    let constraint = match &plan.format {
+        validate::AnswerFormat::Text => None,
+        validate::AnswerFormat::JsonObject => {
+            Some(engine::Constraint::JsonObject(st.token_table()))
+        }
+        validate::AnswerFormat::JsonSchema(s) => {
+            Some(engine::Constraint::JsonSchema(st.token_table(), s.clone()))
+        }
+    };
     let req = GenerateRequest {
         request_id: ctx.admission.request_id.clone(),
         prompt,

@@ -44,9 +44,20 @@ pub struct GenerationPlan {
     pub output: OutputSpec,
     /// How the answer text is parsed (chat only).
     pub answer: AnswerSpec,
-    /// `response_format: {"type": "json_object"}`: the answer is constrained to one JSON
-    /// object (chat only; `engine::constraint`).
-    pub json_object: bool,
+    /// What the answer must be (`response_format`, chat only; `engine::constraint`).
+    pub format: AnswerFormat,
+}
+
+/// `response_format`.
+#[derive(Clone, Debug, Default)]
+pub enum AnswerFormat {
+    /// Any text (`{"type": "text"}` or none).
+    #[default]
+    Text,
+    /// One JSON object (`{"type": "json_object"}`).
+    JsonObject,
+    /// A JSON object of this schema (`{"type": "json_schema", "json_schema": {"schema": …}}`).
+    JsonSchema(std::sync::Arc<engine::json_schema::CompiledSchema>),
 }
 
 /// What a chat request asks of the answer parser (`output_parser`).
@@ -457,16 +468,24 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
             ))
         }
     }
-    let json_object = match &r.response_format {
-        None | Some(Value::Null) => false,
+    let format = match &r.response_format {
+        None | Some(Value::Null) => AnswerFormat::Text,
         Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
-            Some("text") => false,
-            Some("json_object") => true,
+            Some("text") => AnswerFormat::Text,
+            Some("json_object") => AnswerFormat::JsonObject,
             Some("json_schema") => {
-                return Err(unsupported(
-                    "response_format",
-                    "`json_schema` is not supported; `{\"type\": \"json_object\"}` is (any JSON object)",
-                ))
+                let schema = o
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        invalid_value(
+                            "response_format",
+                            "`json_schema` needs `{\"json_schema\": {\"name\": …, \"schema\": {…}}}`",
+                        )
+                    })?;
+                let compiled = engine::json_schema::CompiledSchema::compile(schema)
+                    .map_err(|e| unsupported("response_format", &format!("json_schema: {e}")))?;
+                AnswerFormat::JsonSchema(std::sync::Arc::new(compiled))
             }
             _ => {
                 return Err(invalid_value(
@@ -544,7 +563,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         separate_reasoning: r.separate_reasoning.unwrap_or(true),
         stream_reasoning: r.stream_reasoning.unwrap_or(true),
     };
-    if json_object && answer.tool_calls {
+    if !matches!(format, AnswerFormat::Text) && answer.tool_calls {
         return Err(unsupported(
             "response_format",
             "JSON mode cannot be combined with tools (a tool call is not a JSON object answer); send `tool_choice: \"none\"` or no tools",
@@ -562,7 +581,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         cache_insert,
         output,
         answer,
-        json_object,
+        format,
     })
 }
 
@@ -607,7 +626,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         cache_insert,
         output,
         answer: AnswerSpec::default(),
-        json_object: false,
+        format: AnswerFormat::Text,
     })
 }
 

@@ -77,6 +77,30 @@ async fn json_mode_turns_a_real_answer_into_a_json_object() {
         })
         .collect();
     assert_eq!(streamed, text);
+    // Structured outputs: the schema's properties, in its order, of its types.
+    let schema = json!({"type": "object", "additionalProperties": false,
+    "required": ["city", "country", "population_millions", "capital"],
+    "properties": {
+        "city": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": ["number", "null"]},
+        "capital": {"type": "boolean"}
+    }});
+    let structured = json!({"response_format": {"type": "json_schema",
+        "json_schema": {"name": "city", "strict": true, "schema": schema}}});
+    let (text, finish) = answer(&w, &ask(structured, 120)).await;
+    assert_eq!(finish, "stop", "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        ["city", "country", "population_millions", "capital"],
+        "{text}"
+    );
+    assert!(v["city"].is_string() && v["country"].is_string(), "{text}");
+    assert!(v["population_millions"].is_number() || v["population_millions"].is_null());
+    assert!(v["capital"].is_boolean(), "{text}");
+    println!("structured answer: {text}");
     // logit_bias bans the token the greedy answer started with; the answer changes.
     let first = profile().encode(&prose, false).unwrap()[0];
     let mut banned = ask(json!({}), 40);
@@ -117,6 +141,33 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
         }
     }
     println!("{complete} of 12 simulated answers completed their object");
+    // A schema holds the simulated engine too: its keys, in order, when it completes.
+    let schema = json!({"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}});
+    let mut schema_complete = 0;
+    for seed in 0..12 {
+        let mut body = ask(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                   "temperature": 1.0, "seed": seed}),
+            48,
+        );
+        body["max_tokens"] = json!(48);
+        let (text, finish) = answer(&w, &body).await;
+        if finish == "stop" {
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["ok", "n", "tag"], "{text}");
+            assert!(v["ok"].is_boolean() && v["n"].as_f64().is_some_and(|n| n.fract() == 0.0));
+            assert!(["a", "b"].contains(&v["tag"].as_str().unwrap()), "{text}");
+            schema_complete += 1;
+        } else {
+            assert!(
+                engine::constraint::json_object_prefix(text.as_bytes()).is_some(),
+                "{text}"
+            );
+        }
+    }
+    println!("{schema_complete} of 12 simulated schema answers completed");
     w.stop().await;
 }
 
@@ -126,8 +177,19 @@ async fn json_mode_and_logit_bias_are_checked() {
     let vocab = profile().vocab_size();
     for (extra, code, param) in [
         (
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}}),
             "unsupported_parameter",
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}}),
+            "unsupported_parameter",
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "invalid_value",
             "response_format",
         ),
         (

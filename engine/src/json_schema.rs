@@ -1,0 +1,939 @@
+//! Structured outputs (`response_format: {"type": "json_schema", …}`): a JSON Schema compiled to
+//! a byte automaton that [`crate::constraint`] masks tokens with, as JSON mode does with any
+//! object.
+//!
+//! The subset is OpenAI's strict mode: every object lists its `properties`, and the answer
+//! writes **every** property, in the schema's order (`required` may list them all or be
+//! absent; `additionalProperties` may only be `false`); `type` `object`, `array` (`items`),
+//! `string`, `number`, `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of
+//! strings, booleans and null; `anyOf` / `oneOf` whose alternatives begin with different
+//! characters (an object, an array, a string, a number, `true`/`false`, `null`); local `$ref`s
+//! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
+//! characters, so it fits an i64. Annotations (`title`, `description`,
+//! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
+//! would constrain the text in a way the automaton does not enforce (`pattern`, `format`,
+//! `minLength`, `minimum`, `minItems`, `patternProperties`, `allOf`, `not`, number enums, …)
+//! is refused when the schema is compiled, naming the keyword and where it is, rather than
+//! silently not enforced.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::constraint::{is_ws, string_step, Num, Str, MAX_DEPTH, MAX_NUMBER_LEN, MAX_WS_RUN};
+
+/// Longest `integer`, sign included: every one fits an i64.
+const MAX_INTEGER_LEN: u8 = 18;
+
+/// Most nodes a compiled schema may have.
+const MAX_NODES: usize = 4096;
+
+/// One node of a compiled schema.
+#[derive(Clone, Debug, PartialEq)]
+enum Node {
+    /// Any string.
+    String,
+    /// Any number (`integer`: no fraction or exponent).
+    Number { integer: bool },
+    /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
+    /// `true` / `false`, `null` is `null`).
+    Const(Vec<Vec<u8>>),
+    /// An array of `items`.
+    Array { items: usize },
+    /// An object with these properties (`"key"` as JSON text, value node), all written, in
+    /// this order.
+    Object { props: Vec<(Vec<u8>, usize)> },
+    /// One of several nodes, told apart by their first byte.
+    Either(Vec<usize>),
+    /// A `$ref` not resolved yet (compilation only).
+    Pending,
+}
+
+/// A compiled schema: its nodes and the root's index.
+#[derive(Debug, PartialEq)]
+pub struct CompiledSchema {
+    nodes: Vec<Node>,
+    root: usize,
+}
+
+/// Why a schema cannot be compiled: the JSON pointer of the place, and the reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchemaError {
+    /// Where in the schema (a JSON pointer, `""` for the root).
+    pub at: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl std::fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = if self.at.is_empty() { "/" } else { &self.at };
+        write!(f, "schema at {at}: {}", self.reason)
+    }
+}
+
+/// Keywords that describe but do not constrain.
+const ANNOTATIONS: &[&str] = &[
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$comment",
+    "$schema",
+    "$id",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+];
+
+struct Compiler<'a> {
+    root: &'a Value,
+    nodes: Vec<Node>,
+    refs: HashMap<String, usize>,
+}
+
+impl CompiledSchema {
+    /// Compiles `schema` (the `schema` member of OpenAI's `json_schema`).
+    pub fn compile(schema: &Value) -> Result<CompiledSchema, SchemaError> {
+        let mut c = Compiler {
+            root: schema,
+            nodes: Vec::new(),
+            refs: HashMap::new(),
+        };
+        let root = c.node(schema, "")?;
+        let mut firsts = [false; 256];
+        first_bytes(&c.nodes, root, &mut firsts, 0);
+        if firsts
+            .iter()
+            .enumerate()
+            .any(|(b, &f)| f && b != usize::from(b'{'))
+        {
+            return Err(err(
+                "",
+                "the root must be an object (`\"type\": \"object\"`), as OpenAI's structured outputs require",
+            ));
+        }
+        Ok(CompiledSchema {
+            nodes: c.nodes,
+            root,
+        })
+    }
+}
+
+fn err(at: &str, reason: impl Into<String>) -> SchemaError {
+    SchemaError {
+        at: at.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+impl Compiler<'_> {
+    fn push(&mut self, n: Node, at: &str) -> Result<usize, SchemaError> {
+        if self.nodes.len() >= MAX_NODES {
+            return Err(err(at, format!("more than {MAX_NODES} schema nodes")));
+        }
+        self.nodes.push(n);
+        Ok(self.nodes.len() - 1)
+    }
+
+    fn node(&mut self, s: &Value, at: &str) -> Result<usize, SchemaError> {
+        let Some(o) = s.as_object() else {
+            return Err(err(at, "a schema must be an object"));
+        };
+        if let Some(r) = o.get("$ref") {
+            let r = r
+                .as_str()
+                .ok_or_else(|| err(at, "`$ref` must be a string"))?;
+            return self.reference(r, at);
+        }
+        for (k, _) in o {
+            let known = ANNOTATIONS.contains(&k.as_str())
+                || matches!(
+                    k.as_str(),
+                    "type"
+                        | "properties"
+                        | "required"
+                        | "additionalProperties"
+                        | "items"
+                        | "enum"
+                        | "const"
+                        | "anyOf"
+                        | "oneOf"
+                        | "$defs"
+                        | "definitions"
+                );
+            if !known {
+                return Err(err(
+                    at,
+                    format!("`{k}` is not supported (the output could not be held to it)"),
+                ));
+            }
+        }
+        if let Some(alts) = o.get("anyOf").or_else(|| o.get("oneOf")) {
+            let alts = alts
+                .as_array()
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| err(at, "`anyOf` / `oneOf` must be a non-empty array"))?;
+            let mut ids = Vec::new();
+            for (i, a) in alts.iter().enumerate() {
+                ids.push(self.node(a, &format!("{at}/anyOf/{i}"))?);
+            }
+            return self.either(ids, at);
+        }
+        if let Some(v) = o.get("const") {
+            return self.constants(std::slice::from_ref(v), at);
+        }
+        if let Some(v) = o.get("enum") {
+            let vs = v
+                .as_array()
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| err(at, "`enum` must be a non-empty array"))?;
+            return self.constants(vs, at);
+        }
+        let types: Vec<&str> = match o.get("type") {
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) => ts
+                .iter()
+                .map(|t| t.as_str().ok_or_else(|| err(at, "`type` entries must be strings")))
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(err(at, "`type` must be a string or an array of strings")),
+            None => {
+                return Err(err(
+                    at,
+                    "a `type` (or `enum`, `const`, `anyOf`, `$ref`) is required: an untyped value cannot be held to the schema",
+                ))
+            }
+        };
+        let mut ids = Vec::new();
+        for t in types {
+            let n = match t {
+                "string" => self.push(Node::String, at)?,
+                "number" => self.push(Node::Number { integer: false }, at)?,
+                "integer" => self.push(Node::Number { integer: true }, at)?,
+                "boolean" => {
+                    self.push(Node::Const(vec![b"true".to_vec(), b"false".to_vec()]), at)?
+                }
+                "null" => self.push(Node::Const(vec![b"null".to_vec()]), at)?,
+                "array" => {
+                    let items = o
+                        .get("items")
+                        .ok_or_else(|| err(at, "an `array` needs `items`"))?;
+                    let slot = self.push(Node::Pending, at)?;
+                    let items = self.node(items, &format!("{at}/items"))?;
+                    self.nodes[slot] = Node::Array { items };
+                    slot
+                }
+                "object" => self.object(o, at)?,
+                other => return Err(err(at, format!("unknown type `{other}`"))),
+            };
+            ids.push(n);
+        }
+        if ids.len() == 1 {
+            Ok(ids[0])
+        } else {
+            self.either(ids, at)
+        }
+    }
+
+    fn object(
+        &mut self,
+        o: &serde_json::Map<String, Value>,
+        at: &str,
+    ) -> Result<usize, SchemaError> {
+        match o.get("additionalProperties") {
+            None | Some(Value::Bool(false)) => {}
+            Some(_) => {
+                return Err(err(
+                    at,
+                    "`additionalProperties` may only be false: the answer writes exactly the listed properties",
+                ))
+            }
+        }
+        let props = match o.get("properties") {
+            None => serde_json::Map::new(),
+            Some(Value::Object(p)) => p.clone(),
+            Some(_) => return Err(err(at, "`properties` must be an object")),
+        };
+        if let Some(req) = o.get("required") {
+            let req = req
+                .as_array()
+                .ok_or_else(|| err(at, "`required` must be an array"))?;
+            for r in req {
+                let name = r
+                    .as_str()
+                    .ok_or_else(|| err(at, "`required` entries must be strings"))?;
+                if !props.contains_key(name) {
+                    return Err(err(
+                        at,
+                        format!("required property {name:?} is not in `properties`"),
+                    ));
+                }
+            }
+        }
+        let slot = self.push(Node::Pending, at)?;
+        let mut list = Vec::new();
+        for (name, s) in &props {
+            let key = serde_json::to_vec(&Value::String(name.clone()))
+                .map_err(|e| err(at, e.to_string()))?;
+            let child = self.node(s, &format!("{at}/properties/{name}"))?;
+            list.push((key, child));
+        }
+        self.nodes[slot] = Node::Object { props: list };
+        Ok(slot)
+    }
+
+    fn constants(&mut self, vs: &[Value], at: &str) -> Result<usize, SchemaError> {
+        let mut texts = Vec::new();
+        for v in vs {
+            match v {
+                Value::String(_) | Value::Bool(_) | Value::Null => {
+                    let t = serde_json::to_vec(v).map_err(|e| err(at, e.to_string()))?;
+                    if !texts.contains(&t) {
+                        texts.push(t);
+                    }
+                }
+                _ => {
+                    return Err(err(
+                        at,
+                        "`enum` / `const` values must be strings, booleans or null",
+                    ))
+                }
+            }
+        }
+        self.push(Node::Const(texts), at)
+    }
+
+    /// Alternatives, which must begin with different bytes.
+    fn either(&mut self, alts: Vec<usize>, at: &str) -> Result<usize, SchemaError> {
+        let mut seen = [false; 256];
+        for &a in &alts {
+            let mut firsts = [false; 256];
+            first_bytes(&self.nodes, a, &mut firsts, 0);
+            for (b, f) in firsts.iter().enumerate() {
+                if *f && std::mem::replace(&mut seen[b], true) {
+                    return Err(err(
+                        at,
+                        format!(
+                            "alternatives that can begin with the same character {:?} cannot be told apart",
+                            b as u8 as char
+                        ),
+                    ));
+                }
+            }
+        }
+        self.push(Node::Either(alts), at)
+    }
+
+    fn reference(&mut self, r: &str, at: &str) -> Result<usize, SchemaError> {
+        if let Some(&n) = self.refs.get(r) {
+            return Ok(n);
+        }
+        let target = r
+            .strip_prefix('#')
+            .and_then(|p| self.root.pointer(p))
+            .filter(|_| r.starts_with("#/"))
+            .ok_or_else(|| {
+                err(
+                    at,
+                    format!("`$ref` {r:?} is not a local reference this schema has"),
+                )
+            })?;
+        // Reserve the node first so that a recursive reference points at it.
+        let slot = self.push(Node::Pending, at)?;
+        self.refs.insert(r.to_owned(), slot);
+        let n = self.node(target, &r[1..])?;
+        self.nodes[slot] = Node::Either(vec![n]);
+        Ok(slot)
+    }
+}
+
+/// The bytes a value of node `n` may begin with.
+fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
+    if depth > 64 {
+        return;
+    }
+    match &nodes[n] {
+        Node::String => out[b'"' as usize] = true,
+        Node::Number { .. } => {
+            out[b'-' as usize] = true;
+            for d in b'0'..=b'9' {
+                out[d as usize] = true;
+            }
+        }
+        Node::Const(ts) => {
+            for t in ts {
+                out[t[0] as usize] = true;
+            }
+        }
+        Node::Array { .. } => out[b'[' as usize] = true,
+        Node::Object { .. } => out[b'{' as usize] = true,
+        Node::Either(alts) => {
+            for &a in alts {
+                first_bytes(nodes, a, out, depth + 1);
+            }
+        }
+        Node::Pending => {}
+    }
+}
+
+/// An open container of the text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Frame {
+    /// An object of node `node` whose property `next` comes next.
+    Object { node: usize, next: usize },
+    /// An array of node `node`.
+    Array { node: usize },
+}
+
+/// Where the automaton is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// A value of `node` (whitespace first).
+    Value { node: usize },
+    /// After `[`: `]` or the first item.
+    ArrayOpen,
+    /// After an array item: `,` or `]`.
+    AfterItem,
+    /// In an object, before the next property's key (or `}` when all were written).
+    BeforeKey { first: bool },
+    /// Reading the key text of the innermost object's next property.
+    Key { read: usize },
+    /// After a key: `:`.
+    Colon,
+    /// In a string value.
+    InStr { at: Str },
+    /// In a number.
+    InNum { at: Num, len: u8, integer: bool },
+    /// In one of the texts of a `Const` node: which are still possible (a bit mask over its
+    /// first 64 texts) and how many bytes were read.
+    InConst {
+        node: usize,
+        alive: u64,
+        read: usize,
+    },
+    /// The value of the innermost container (or the root) is complete.
+    After,
+    /// The root value is complete.
+    Done,
+}
+
+/// A schema's automaton over the bytes of the answer.
+#[derive(Clone, Debug)]
+pub(crate) struct SchemaJson {
+    stack: Vec<Frame>,
+    mode: Mode,
+    ws: u8,
+}
+
+impl SchemaJson {
+    pub(crate) fn new(s: &CompiledSchema) -> SchemaJson {
+        SchemaJson {
+            stack: Vec::new(),
+            mode: Mode::Value { node: s.root },
+            ws: 0,
+        }
+    }
+
+    pub(crate) fn is_complete(&self) -> bool {
+        self.mode == Mode::Done
+    }
+
+    pub(crate) fn in_plain_string(&self) -> bool {
+        matches!(self.mode, Mode::InStr { at: Str::Plain })
+    }
+
+    /// Whether `bytes` may come next (no change).
+    pub(crate) fn accepts(&self, s: &CompiledSchema, bytes: &[u8]) -> bool {
+        let mut copy = self.clone();
+        bytes.iter().all(|&c| copy.step(s, c))
+    }
+
+    /// Reads one byte; `false` (the state then is unspecified: call on a copy) when it may not
+    /// come next.
+    pub(crate) fn step(&mut self, s: &CompiledSchema, c: u8) -> bool {
+        let between = matches!(
+            self.mode,
+            Mode::Value { .. }
+                | Mode::ArrayOpen
+                | Mode::AfterItem
+                | Mode::BeforeKey { .. }
+                | Mode::Colon
+                | Mode::After
+                | Mode::Done
+        );
+        if between && is_ws(c) {
+            if self.mode == Mode::Done {
+                return true;
+            }
+            if self.ws >= MAX_WS_RUN {
+                return false;
+            }
+            self.ws += 1;
+            return true;
+        }
+        if let Mode::InNum { at, len, integer } = self.mode {
+            let next = at
+                .step(c)
+                .filter(|n| !integer || matches!(n, Num::Zero | Num::Int));
+            if let Some(next) = next {
+                // An integer's at most 18 characters always fit an i64.
+                let max = if integer {
+                    MAX_INTEGER_LEN
+                } else {
+                    MAX_NUMBER_LEN
+                };
+                if len >= max {
+                    return false;
+                }
+                self.mode = Mode::InNum {
+                    at: next,
+                    len: len + 1,
+                    integer,
+                };
+                return true;
+            }
+            if !at.complete() {
+                return false;
+            }
+            self.mode = Mode::After;
+            return self.step(s, c);
+        }
+        self.ws = 0;
+        match self.mode {
+            Mode::Value { node } => self.value(s, node, c),
+            Mode::ArrayOpen => {
+                if c == b']' {
+                    return self.close();
+                }
+                match self.stack.last() {
+                    Some(&Frame::Array { node }) => match &s.nodes[node] {
+                        Node::Array { items } => self.value(s, *items, c),
+                        _ => false,
+                    },
+                    _ => false,
+                }
+            }
+            Mode::AfterItem => match (c, self.stack.last()) {
+                (b',', Some(&Frame::Array { node })) => match &s.nodes[node] {
+                    Node::Array { items } => {
+                        self.mode = Mode::Value { node: *items };
+                        true
+                    }
+                    _ => false,
+                },
+                (b']', Some(Frame::Array { .. })) => self.close(),
+                _ => false,
+            },
+            Mode::BeforeKey { first } => {
+                let Some(&Frame::Object { node, next }) = self.stack.last() else {
+                    return false;
+                };
+                let Node::Object { props } = &s.nodes[node] else {
+                    return false;
+                };
+                if next == props.len() {
+                    return c == b'}' && self.close();
+                }
+                if !first {
+                    // The separator before every key but the first.
+                    if c == b',' {
+                        self.mode = Mode::BeforeKey { first: true };
+                        return true;
+                    }
+                    return false;
+                }
+                self.mode = Mode::Key { read: 0 };
+                self.step(s, c)
+            }
+            Mode::Key { read } => {
+                let Some(&Frame::Object { node, next }) = self.stack.last() else {
+                    return false;
+                };
+                let Node::Object { props } = &s.nodes[node] else {
+                    return false;
+                };
+                let key = &props[next].0;
+                if key.get(read) != Some(&c) {
+                    return false;
+                }
+                self.mode = if read + 1 == key.len() {
+                    Mode::Colon
+                } else {
+                    Mode::Key { read: read + 1 }
+                };
+                true
+            }
+            Mode::Colon => {
+                if c != b':' {
+                    return false;
+                }
+                let Some(Frame::Object { node, next }) = self.stack.last_mut() else {
+                    return false;
+                };
+                let Node::Object { props } = &s.nodes[*node] else {
+                    return false;
+                };
+                let child = props[*next].1;
+                *next += 1;
+                self.mode = Mode::Value { node: child };
+                true
+            }
+            Mode::InStr { at } => match string_step(at, c) {
+                Some(None) => {
+                    self.mode = Mode::After;
+                    true
+                }
+                Some(Some(next)) => {
+                    self.mode = Mode::InStr { at: next };
+                    true
+                }
+                None => false,
+            },
+            Mode::InConst { node, alive, read } => {
+                let Node::Const(texts) = &s.nodes[node] else {
+                    return false;
+                };
+                let mut still = 0u64;
+                let mut ended = false;
+                for (i, t) in texts.iter().enumerate().take(64) {
+                    if alive & (1 << i) != 0 && t.get(read) == Some(&c) {
+                        still |= 1 << i;
+                        ended |= t.len() == read + 1;
+                    }
+                }
+                if still == 0 {
+                    return false;
+                }
+                // No text is a proper prefix of another (strings end with their quote; the
+                // words differ), so a text read to its end is the value.
+                self.mode = if ended {
+                    Mode::After
+                } else {
+                    Mode::InConst {
+                        node,
+                        alive: still,
+                        read: read + 1,
+                    }
+                };
+                true
+            }
+            Mode::After => match self.stack.last() {
+                None => false,
+                Some(Frame::Array { .. }) => {
+                    self.mode = Mode::AfterItem;
+                    self.step(s, c)
+                }
+                Some(Frame::Object { .. }) => {
+                    self.mode = Mode::BeforeKey { first: false };
+                    self.step(s, c)
+                }
+            },
+            Mode::InNum { .. } | Mode::Done => false,
+        }
+    }
+
+    /// The first byte `c` of a value of `node`.
+    fn value(&mut self, s: &CompiledSchema, node: usize, c: u8) -> bool {
+        match &s.nodes[node] {
+            Node::Either(alts) => {
+                for &a in alts {
+                    let mut firsts = [false; 256];
+                    first_bytes(&s.nodes, a, &mut firsts, 0);
+                    if firsts[c as usize] {
+                        return self.value(s, a, c);
+                    }
+                }
+                false
+            }
+            Node::String => {
+                self.mode = Mode::InStr { at: Str::Plain };
+                c == b'"'
+            }
+            Node::Number { integer } => {
+                let at = match c {
+                    b'-' => Num::Minus,
+                    b'0' => Num::Zero,
+                    b'1'..=b'9' => Num::Int,
+                    _ => return false,
+                };
+                self.mode = Mode::InNum {
+                    at,
+                    len: 1,
+                    integer: *integer,
+                };
+                true
+            }
+            Node::Const(texts) => {
+                let mut alive = 0u64;
+                for (i, t) in texts.iter().enumerate().take(64) {
+                    if t[0] == c {
+                        alive |= 1 << i;
+                    }
+                }
+                if alive == 0 {
+                    return false;
+                }
+                let ended = texts
+                    .iter()
+                    .enumerate()
+                    .take(64)
+                    .any(|(i, t)| alive & (1 << i) != 0 && t.len() == 1);
+                self.mode = if ended {
+                    Mode::After
+                } else {
+                    Mode::InConst {
+                        node,
+                        alive,
+                        read: 1,
+                    }
+                };
+                true
+            }
+            Node::Array { .. } => {
+                if c != b'[' || self.stack.len() >= MAX_DEPTH {
+                    return false;
+                }
+                self.stack.push(Frame::Array { node });
+                self.mode = Mode::ArrayOpen;
+                true
+            }
+            Node::Object { .. } => {
+                if c != b'{' || self.stack.len() >= MAX_DEPTH {
+                    return false;
+                }
+                self.stack.push(Frame::Object { node, next: 0 });
+                self.mode = Mode::BeforeKey { first: true };
+                true
+            }
+            Node::Pending => false,
+        }
+    }
+
+    /// Closes the innermost container.
+    fn close(&mut self) -> bool {
+        self.stack.pop();
+        self.mode = if self.stack.is_empty() {
+            Mode::Done
+        } else {
+            Mode::After
+        };
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+
+    /// A schema as pydantic writes one: `$defs`, a nullable field (`anyOf` with null), an
+    /// enum, an integer, an array of nested objects, a boolean.
+    fn person() -> Value {
+        json!({
+            "title": "Person",
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "description": "full name"},
+                "age": {"type": "integer"},
+                "score": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                "role": {"enum": ["admin", "user", "guest"]},
+                "pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}},
+                "active": {"type": "boolean"}
+            },
+            "required": ["name", "age", "score", "role", "pets", "active"],
+            "additionalProperties": false,
+            "$defs": {
+                "Pet": {
+                    "type": "object",
+                    "properties": {"kind": {"type": "string"}, "legs": {"type": ["integer", "null"]}},
+                    "required": ["kind", "legs"],
+                    "additionalProperties": false
+                }
+            }
+        })
+    }
+
+    fn run_bytes(s: &CompiledSchema, text: &[u8]) -> Option<bool> {
+        let mut j = SchemaJson::new(s);
+        for &c in text {
+            if !j.step(s, c) {
+                return None;
+            }
+        }
+        Some(j.is_complete())
+    }
+
+    fn run(s: &CompiledSchema, text: &str) -> Option<bool> {
+        let mut j = SchemaJson::new(s);
+        for &c in text.as_bytes() {
+            if !j.step(s, c) {
+                return None;
+            }
+        }
+        Some(j.is_complete())
+    }
+
+    #[test]
+    fn accepts_what_the_schema_describes_and_nothing_else() {
+        let s = CompiledSchema::compile(&person()).unwrap();
+        let ok = json!({"name": "Ann \"A\" Lee", "age": -3, "score": null, "role": "guest",
+            "pets": [{"kind": "cat", "legs": 4}, {"kind": "fish", "legs": null}], "active": true});
+        for text in [
+            serde_json::to_string(&ok).unwrap(),
+            serde_json::to_string_pretty(&ok).unwrap(),
+        ] {
+            assert_eq!(run(&s, &text), Some(true), "{text}");
+        }
+        assert_eq!(
+            run(
+                &s,
+                r#"{"name":"x","age":1,"score":2.5e3,"role":"admin","pets":[],"active":false}"#
+            ),
+            Some(true)
+        );
+        assert_eq!(run(&s, r#"{"name":"x","age":1"#), Some(false), "a prefix");
+        for bad in [
+            // another order, a missing property, an extra one
+            r#"{"age":1,"name":"x""#,
+            r#"{"name":"x","score":null"#,
+            r#"{"name":"x","age":1,"score":null,"role":"user","pets":[],"active":true,"x":1}"#,
+            // wrong types: a float for an integer, a string for a number, an unknown enum value
+            r#"{"name":"x","age":1.5"#,
+            r#"{"name":"x","age":1,"score":"2""#,
+            r#"{"name":"x","age":1,"score":null,"role":"root""#,
+            r#"{"name":"x","age":1,"score":null,"role":"user","pets":[{"kind":"cat","legs":"4"}"#,
+            r#"{"name":"x","age":1,"score":null,"role":"user","pets":{}"#,
+            r#"[]"#,
+            r#""x""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn schemas_the_automaton_cannot_hold_are_refused_with_the_place() {
+        for (schema, at, says) in [
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}),
+                "/properties/a",
+                "`pattern`",
+            ),
+            (
+                json!({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}),
+                "/properties/d",
+                "`format`",
+            ),
+            (
+                json!({"type": "object", "additionalProperties": true}),
+                "",
+                "additionalProperties",
+            ),
+            (json!({"type": "string"}), "", "root must be an object"),
+            (
+                json!({"type": "object", "properties": {"a": {}}}),
+                "/properties/a",
+                "`type`",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}}),
+                "/properties/a",
+                "strings, booleans or null",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}),
+                "/properties/a",
+                "cannot be told apart",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}),
+                "/properties/a",
+                "local reference",
+            ),
+            (
+                json!({"type": "object", "required": ["b"], "properties": {}}),
+                "",
+                "not in `properties`",
+            ),
+        ] {
+            let e = CompiledSchema::compile(&schema).unwrap_err();
+            assert_eq!(e.at, at, "{schema}: {e}");
+            assert!(e.reason.contains(says), "{schema}: {e}");
+        }
+    }
+
+    #[test]
+    fn recursive_references_nest() {
+        let tree = json!({
+            "$ref": "#/$defs/Node",
+            "$defs": {"Node": {"type": "object", "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}
+            }}}
+        });
+        let s = CompiledSchema::compile(&tree).unwrap();
+        let text = r#"{"v":1,"kids":[{"v":2,"kids":[]},{"v":3,"kids":[{"v":4,"kids":[]}]}]}"#;
+        assert_eq!(run(&s, text), Some(true));
+        assert_eq!(run(&s, r#"{"v":1,"kids":[{"v":2}]}"#), None);
+    }
+
+    /// Random-logit decoding under the schema's mask over a toy vocabulary: every finished
+    /// answer parses and has exactly the schema's keys, in order, with values of its types.
+    #[test]
+    fn masked_decoding_writes_only_what_the_schema_allows() {
+        use crate::constraint::{Constraint, TokenTable};
+        use std::sync::Arc;
+        let schema = Arc::new(CompiledSchema::compile(&person()).unwrap());
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        for piece in [
+            "{\"", "\":", "\": ", ", \"", "\"}", "name", "age", "score", "role", "pets", "active",
+            "kind", "legs", "null", "true", "false", "admin", "user", "guest", "[{", "}]", "12",
+            ".5", "e3", "\"ab", "cat", "\n  ", "é",
+        ] {
+            vocab.push(Some(piece.as_bytes().to_vec()));
+        }
+        let stop = vocab.len() as u32;
+        vocab.push(None);
+        let table = Arc::new(TokenTable::new(vocab));
+        let mut finished = 0;
+        for _ in 0..150 {
+            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
+            let mut out = Vec::new();
+            for _ in 0..400 {
+                let mut logits: Vec<f32> =
+                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
+                assert!(state.mask(&mut logits, &[stop]));
+                let t = crate::sampler::argmax(&logits);
+                if t == stop {
+                    finished += 1;
+                    let v: Value = serde_json::from_slice(&out)
+                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
+                    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+                    assert_eq!(keys, ["name", "age", "score", "role", "pets", "active"]);
+                    // An integer: serde_json reads `-0` as the float −0.0.
+                    let int = |x: &Value| x.as_f64().is_some_and(|f| f.fract() == 0.0);
+                    assert!(v["name"].is_string() && int(&v["age"]) && v["active"].is_boolean());
+                    assert!(v["score"].is_number() || v["score"].is_null());
+                    assert!(["admin", "user", "guest"].contains(&v["role"].as_str().unwrap()));
+                    for p in v["pets"].as_array().unwrap() {
+                        assert!(
+                            p["kind"].is_string() && (int(&p["legs"]) || p["legs"].is_null()),
+                            "{v}"
+                        );
+                    }
+                    break;
+                }
+                out.extend_from_slice(table.bytes(t).unwrap());
+                state.advance(t);
+                assert!(
+                    run_bytes(&schema, &out).is_some(),
+                    "token {:?} made {}",
+                    String::from_utf8_lossy(table.bytes(t).unwrap()),
+                    String::from_utf8_lossy(&out)
+                );
+            }
+        }
+        assert!(finished > 20, "only {finished} of 150 runs finished");
+    }
+}
