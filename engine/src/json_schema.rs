@@ -90,7 +90,12 @@ struct Compiler<'a> {
     root: &'a Value,
     nodes: Vec<Node>,
     refs: HashMap<String, usize>,
+    /// Schemas being compiled inside one another (nesting and `$ref` chains).
+    depth: usize,
 }
+
+/// Deepest nesting of schemas (and chain of `$ref`s) compiled.
+const MAX_SCHEMA_DEPTH: usize = 64;
 
 impl CompiledSchema {
     /// Compiles `schema` (the `schema` member of OpenAI's `json_schema`).
@@ -99,8 +104,20 @@ impl CompiledSchema {
             root: schema,
             nodes: Vec::new(),
             refs: HashMap::new(),
+            depth: 0,
         };
         let root = c.node(schema, "")?;
+        // Every value must be writable: a `$ref` cycle with no type in it never is.
+        for n in 0..c.nodes.len() {
+            let mut firsts = [false; 256];
+            first_bytes(&c.nodes, n, &mut firsts, 0);
+            if !firsts.contains(&true) {
+                return Err(err(
+                    "",
+                    "a `$ref` cycle with no type in it describes no value",
+                ));
+            }
+        }
         let mut firsts = [false; 256];
         first_bytes(&c.nodes, root, &mut firsts, 0);
         if firsts
@@ -137,6 +154,19 @@ impl Compiler<'_> {
     }
 
     fn node(&mut self, s: &Value, at: &str) -> Result<usize, SchemaError> {
+        if self.depth >= MAX_SCHEMA_DEPTH {
+            return Err(err(
+                at,
+                format!("schemas nested (or `$ref`s chained) more than {MAX_SCHEMA_DEPTH} deep"),
+            ));
+        }
+        self.depth += 1;
+        let r = self.node_inner(s, at);
+        self.depth -= 1;
+        r
+    }
+
+    fn node_inner(&mut self, s: &Value, at: &str) -> Result<usize, SchemaError> {
         let Some(o) = s.as_object() else {
             return Err(err(at, "a schema must be an object"));
         };
@@ -855,11 +885,39 @@ mod tests {
                 "",
                 "not in `properties`",
             ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+                    "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}}),
+                "",
+                "cycle",
+            ),
         ] {
             let e = CompiledSchema::compile(&schema).unwrap_err();
             assert_eq!(e.at, at, "{schema}: {e}");
             assert!(e.reason.contains(says), "{schema}: {e}");
         }
+    }
+
+    /// Deep schemas and long `$ref` chains are refused, not a stack overflow.
+    #[test]
+    fn depth_is_bounded() {
+        let mut deep = json!({"type": "string"});
+        for _ in 0..100 {
+            deep = json!({"type": "object", "properties": {"a": deep}});
+        }
+        let e = CompiledSchema::compile(&deep).unwrap_err();
+        assert!(e.reason.contains("nested"), "{e}");
+        let mut defs = serde_json::Map::new();
+        for i in 0..5000 {
+            defs.insert(
+                format!("d{i}"),
+                json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+            );
+        }
+        defs.insert("d5000".into(), json!({"type": "object"}));
+        let chain = json!({"$ref": "#/$defs/d0", "$defs": defs});
+        let e = CompiledSchema::compile(&chain).unwrap_err();
+        assert!(e.reason.contains("chained"), "{e}");
     }
 
     #[test]
