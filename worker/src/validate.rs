@@ -791,7 +791,7 @@ mod tests {
         for (k, v) in [
             (
                 "response_format",
-                r#"{"type":"json_schema","json_schema":{}}"#,
+                r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"string","pattern":"x"}}}}}"#,
             ),
             ("tool_choice", r#""required""#),
             (
