@@ -437,6 +437,58 @@ def cases(run: Run):
         assert r.h("x-kvgate-receipt"), r.headers
         return f"200 via {r.h('x-kvgate-worker')}"
 
+    @case("gw: JSON mode -> a JSON object, or a prefix of one when max_tokens cuts it")
+    def _():
+        r = g("POST", "/v1/chat/completions", chat("smol", "json please", max_tokens=24,
+                                                   response_format={"type": "json_object"}))
+        expect(r, 200)
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"]
+        assert text.lstrip().startswith("{"), text
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(text), dict), text
+        return f"200 {choice['finish_reason']}"
+
+    @case("gw: json_schema with a keyword it cannot enforce (pattern) -> 400 unsupported_parameter")
+    def _():
+        schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}
+        body = chat("smol", "hi", response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "s", "schema": schema}})
+        return expect(g("POST", "/v1/chat/completions", body), 400, "unsupported_parameter")
+
+    @case("gw: hostile json_schema ($ref chain of 5000, nesting of 5000) -> 400, nothing crashes")
+    def _():
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
+        defs["d5000"] = {"type": "object"}
+        chain = {"$ref": "#/$defs/d0", "$defs": defs}
+        r1 = g("POST", "/v1/chat/completions", chat("smol", "hi", response_format={
+            "type": "json_schema", "json_schema": {"name": "c", "schema": chain}}))
+        expect(r1, 400, "unsupported_parameter")
+        nested = '{"type":"object","properties":{"a":' * 5000 + '{"type":"string"}' + "}}" * 5000
+        raw = ('{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":4,'
+               '"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":'
+               + nested + "}}}")
+        r2 = g("POST", "/v1/chat/completions", raw.encode(),
+               headers={"content-type": "application/json"})
+        expect(r2, 400)
+        ok = g("POST", "/v1/chat/completions", chat("smol", "still there?"))
+        expect(ok, 200)
+        return f"{r1.status} {r1.code()}, {r2.status} {r2.code()}, then 200"
+
+    @case("admin: cordon w1 -> new requests avoid it; uncordon -> it serves again")
+    def _():
+        r = run.admin("POST", "/admin/workers/w1/cordon")
+        assert r.status == 200 and r.json()["cordoned"] is True, r
+        seen = {g("POST", "/v1/chat/completions", chat("rr", f"c{i}")).h("x-kvgate-worker")
+                for i in range(6)}
+        assert "w1" not in seen, seen
+        r = run.admin("POST", "/admin/workers/w1/uncordon")
+        assert r.status == 200 and r.json()["cordoned"] is False, r
+        back = {g("POST", "/v1/chat/completions", chat("rr", f"u{i}")).h("x-kvgate-worker")
+                for i in range(6)}
+        assert "w1" in back, back
+        return f"cordoned: {sorted(seen)}; lifted: {sorted(back)}"
+
     # ---- directly to a worker ----
     w = run.worker
 
