@@ -391,9 +391,11 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     let constraint = match &plan.format {
         validate::AnswerFormat::Text => None,
         validate::AnswerFormat::JsonObject => {
+            st.metrics.constrained("json_object");
             Some(engine::Constraint::JsonObject(st.token_table()))
         }
         validate::AnswerFormat::JsonSchema(s) => {
+            st.metrics.constrained("json_schema");
             Some(engine::Constraint::JsonSchema(st.token_table(), s.clone()))
         }
     };

@@ -41,6 +41,7 @@ pub struct ServerMetrics {
     receipt_failures: Counter,
     cancelled: Counter,
     routed_prefix: Family<Labels, Counter>,
+    constrained: Family<Labels, Counter>,
 }
 
 impl ServerMetrics {
@@ -64,6 +65,7 @@ impl ServerMetrics {
             receipt_failures: Counter::default(),
             cancelled: Counter::default(),
             routed_prefix: Family::default(),
+            constrained: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvgate_worker");
         r.register(
@@ -116,6 +118,12 @@ impl ServerMetrics {
             "Prompt tokens of answered kv_exact requests by the ticket's service and rule: the \
              gateway's predicted cached tokens (kind=predicted) and the engine's (kind=cached)",
             m.routed_prefix.clone(),
+        );
+        r.register(
+            "constrained_requests",
+            "Generation requests whose answer a response_format constrains, by format \
+             (json_object, json_schema)",
+            m.constrained.clone(),
         );
         r.register_collector(Box::new(EngineCollector { engine, ready }));
         r.register_collector(Box::new(DrainCollector(drain)));
@@ -178,6 +186,13 @@ impl ServerMetrics {
 
     pub fn cancelled(&self) {
         self.cancelled.inc();
+    }
+
+    /// Counts a request submitted with a `response_format` constraint.
+    pub fn constrained(&self, format: &'static str) {
+        self.constrained
+            .get_or_create(&vec![("format", format.to_owned())])
+            .inc();
     }
 }
 

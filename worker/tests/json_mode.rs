@@ -168,6 +168,14 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
         }
     }
     println!("{schema_complete} of 12 simulated schema answers completed");
+    // Counted by format.
+    let metrics = metrics_text(&w).await;
+    for line in [
+        "kvgate_worker_constrained_requests_total{format=\"json_object\"} 12",
+        "kvgate_worker_constrained_requests_total{format=\"json_schema\"} 12",
+    ] {
+        assert!(metrics.contains(line), "{line}\n{metrics}");
+    }
     w.stop().await;
 }
 
