@@ -373,14 +373,16 @@ fn without_refusal_retries_the_same_load_reaches_the_client_as_429() {
 }
 
 /// A retry skips a candidate that turned unhealthy after the decision. Round robin over w1, w2,
-/// w3: w1 runs one sequence and queues one, and refuses a queued request after 1.5 s
+/// w3: w1 runs one sequence and queues one, and refuses a queued request after 4 s
 /// (`admission_timeout`). A long request occupies w1; two short ones move the rotation on; the
 /// fourth is decided [w1, w2, w3] and waits in w1's queue. While it waits, w2 stops and the
 /// health probe marks it down. The refusal's retry then goes to w3 without trying w2: no
 /// connect failure is counted, the skip is (`fallbacks_total{reason="unhealthy"}`). `big`: the
 /// request that is refused has a body over 64 KiB (the gateway's own forwarding path).
 fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
-    let mut fleet = cramped_fleet_of(3, std::time::Duration::from_millis(1500));
+    // Deadlines with room for a loaded machine: w2's stop and its probe must both fall
+    // inside w1's 4 s admission deadline, itself inside the long request's ~9 s.
+    let mut fleet = cramped_fleet_of(3, std::time::Duration::from_secs(4));
     fleet.start_gateway(support::RR_SERVICE, true);
     let body = |text: &str, max_tokens: u64, pad: usize| {
         format!(
@@ -416,8 +418,8 @@ fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
     };
     let w2 = prefix_index::WorkerId("w2".into());
     let (long, short, refused) = fleet.rt.block_on(async {
-        // The long one: w1's running slot for ~4 s (6 ms steps).
-        let long = tokio::spawn(send(body("long", 600, 0)));
+        // The long one: w1's running slot for ~9 s (6 ms steps).
+        let long = tokio::spawn(send(body("long", 1500, 0)));
         let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while in_flight("w1").await < 1 {
             assert!(
@@ -443,7 +445,7 @@ fn a_retry_skips_a_candidate_that_turned_unhealthy(big: bool) {
     fleet.stop_worker(1);
     fleet.wait_for(
         "w2 marked unhealthy",
-        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(3),
         || !fleet.gw().data.views.load().workers[&w2].healthy,
     );
     let (long, refused) = fleet

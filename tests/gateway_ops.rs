@@ -307,6 +307,17 @@ fn admin_plane_applies_refuses_and_switches_live() {
     drop(dir);
 }
 
+/// Two simulated workers at 10 ms per token: a 60-token stream lasts ~0.6 s.
+fn slow_stream_fleet() -> Fleet {
+    let mut sim = engine::sim::SimConfig::instant(16, 4096);
+    sim.decode_us_base = 10_000;
+    Fleet::workers(FleetOptions {
+        workers: 2,
+        sim,
+        ..FleetOptions::default()
+    })
+}
+
 /// Sends `body` (a streaming chat) through the VIP in the background and returns once its first
 /// event arrived; the task gives the answer's headers and whole text when it ends.
 fn spawn_stream(
@@ -337,13 +348,7 @@ fn spawn_stream(
 
 #[test]
 fn rules_change_during_a_long_stream_does_not_break_it() {
-    let mut sim = engine::sim::SimConfig::instant(16, 4096);
-    sim.decode_us_base = 10_000; // 10 ms per token: a 60-token stream lasts ~0.6 s
-    let mut fleet = Fleet::workers(FleetOptions {
-        workers: 2,
-        sim,
-        ..FleetOptions::default()
-    });
+    let mut fleet = slow_stream_fleet();
     fleet.start_gateway(RR_SERVICE, false);
     let v_before = fleet.gw().data.views.load().version();
     let mut body = chat(&[("user", "stream please")], 60);
@@ -647,13 +652,7 @@ fn a_declared_body_over_the_cap_is_refused_before_100_continue() {
 /// 503; an unknown worker is 404; the audit stays clean.
 #[test]
 fn a_cordoned_worker_finishes_what_it_has_and_takes_nothing_new() {
-    let mut sim = engine::sim::SimConfig::instant(16, 4096);
-    sim.decode_us_base = 10_000; // 10 ms per token: a 60-token stream lasts ~0.6 s
-    let mut fleet = Fleet::workers(FleetOptions {
-        workers: 2,
-        sim,
-        ..FleetOptions::default()
-    });
+    let mut fleet = slow_stream_fleet();
     fleet.start_gateway(KV_SERVICE, true);
     let system = format!("Cordon test. {}", "Keep it short. ".repeat(24));
     let body = chat(&[("system", &system), ("user", "hello")], 2);

@@ -165,23 +165,28 @@ impl ConstraintState {
     /// or whitespace while there are none (`ignore_eos`, `min_tokens`). Returns whether any
     /// token is still allowed.
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
-        let mut allowed: Vec<(u32, f32)> = Vec::new();
-        let done = self.machine.is_complete();
         let table = &self.table;
-        if done && !stop_ids.is_empty() {
-            // Only the stop ids, below.
-        } else if self.machine.in_plain_string() {
-            // Most of the vocabulary: whole characters of string content need no simulation.
-            for (id, l) in logits.iter().enumerate().take(table.len()) {
-                let ok = table.string_safe[id]
+        if self.machine.in_plain_string() {
+            // Most of the vocabulary is allowed: masked in place, and whole characters of
+            // string content need no simulation.
+            let mut any = false;
+            for (id, l) in logits.iter_mut().enumerate() {
+                let ok = table.string_safe.get(id).copied().unwrap_or(false)
                     || table
                         .bytes(id as u32)
                         .is_some_and(|b| self.machine.accepts(b));
                 if ok {
-                    allowed.push((id as u32, *l));
+                    any |= !l.is_nan() && *l > f32::NEG_INFINITY;
+                } else {
+                    *l = f32::NEG_INFINITY;
                 }
             }
-        } else {
+            return any;
+        }
+        // Few tokens are allowed: collected, then everything else masked.
+        let mut allowed: Vec<(u32, f32)> = Vec::new();
+        let done = self.machine.is_complete();
+        if !done || stop_ids.is_empty() {
             // Between JSON tokens few bytes may come: filter by the first two bytes, then
             // simulate what is left.
             for first in 0..=255u8 {
@@ -427,14 +432,19 @@ impl Json {
         matches!(self.mode, Mode::InStr { at: Str::Plain, .. })
     }
 
-    /// Whether `bytes` may come next (the state does not change).
-    pub(crate) fn accepts(&self, bytes: &[u8]) -> bool {
-        let mut frames = Frames {
+    /// The container stack as a step sees it, nothing closed or opened yet.
+    fn frames(&self) -> Frames<'_> {
+        Frames {
             base: &self.stack,
             popped: 0,
             pushed: [Frame::Object; 16],
             pushed_len: 0,
-        };
+        }
+    }
+
+    /// Whether `bytes` may come next (the state does not change).
+    pub(crate) fn accepts(&self, bytes: &[u8]) -> bool {
+        let mut frames = self.frames();
         let mut mode = self.mode;
         let mut ws = self.ws_run;
         bytes
@@ -444,12 +454,7 @@ impl Json {
 
     /// Reads one byte; `false` (and no change) when it may not come next.
     pub(crate) fn step(&mut self, c: u8) -> bool {
-        let mut frames = Frames {
-            base: &self.stack,
-            popped: 0,
-            pushed: [Frame::Object; 16],
-            pushed_len: 0,
-        };
+        let mut frames = self.frames();
         let mut mode = self.mode;
         let mut ws = self.ws_run;
         if !transition(&mut mode, &mut ws, &mut frames, c) {

@@ -198,15 +198,11 @@ pub(crate) fn on_response(
     Ok(())
 }
 
-/// Whether the live view (health and cordons as of now, not as of the request's view) takes
-/// `worker` out: unhealthy or cordoned. A worker the live view no longer lists (a reload
-/// removed it) is not: the request keeps the view it started with.
-fn turned_unhealthy(data: &DataPlane, worker: &WorkerId) -> bool {
-    data.views
-        .load()
-        .workers
-        .get(worker)
-        .is_some_and(|e| !e.routable())
+/// Whether `live` (the data plane's view: health and cordons as of now, not as of the
+/// request's view) takes `worker` out: unhealthy or cordoned. A worker the live view no longer
+/// lists (a reload removed it) is not: the request keeps the view it started with.
+fn taken_out(live: &crate::view::View, worker: &WorkerId) -> bool {
+    live.workers.get(worker).is_some_and(|e| !e.routable())
 }
 
 /// The decision's next candidate, advancing `ctx.next` past it. The first attempt takes the
@@ -216,9 +212,10 @@ fn turned_unhealthy(data: &DataPlane, worker: &WorkerId) -> bool {
 /// `fallbacks_total{reason="unhealthy"}`. `None` when no candidate is left.
 pub(crate) fn next_candidate(data: &DataPlane, ctx: &mut RequestCtx) -> Option<WorkerId> {
     let order = &ctx.decision.as_ref()?.order;
+    let live = data.views.load();
     while let Some(worker) = order.get(ctx.next) {
         ctx.next += 1;
-        if ctx.next > 1 && turned_unhealthy(data, worker) {
+        if ctx.next > 1 && taken_out(&live, worker) {
             if let Some(s) = &ctx.service {
                 data.metrics.fallback(s.name(), "unhealthy");
             }
@@ -234,12 +231,10 @@ pub(crate) fn next_candidate(data: &DataPlane, ctx: &mut RequestCtx) -> Option<W
 /// Whether a retry has a candidate left: one after `ctx.next` the live view does not mark
 /// unhealthy (what [`next_candidate`] would return, without taking it).
 pub(crate) fn candidate_left(data: &DataPlane, ctx: &RequestCtx) -> bool {
-    ctx.decision.as_ref().is_some_and(|d| {
-        d.order
-            .iter()
-            .skip(ctx.next)
-            .any(|w| !turned_unhealthy(data, w))
-    })
+    let live = data.views.load();
+    ctx.decision
+        .as_ref()
+        .is_some_and(|d| d.order.iter().skip(ctx.next).any(|w| !taken_out(&live, w)))
 }
 
 /// Whether a worker's status refuses the request before answering it: 429 (`queue_full`,

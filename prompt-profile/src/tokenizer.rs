@@ -75,19 +75,7 @@ fn max_token_bytes(tok: &Tokenizer) -> Option<usize> {
     if tok.get_normalizer().is_some() {
         return None;
     }
-    let byte_level = |v: &serde_json::Value| -> bool {
-        fn find(v: &serde_json::Value) -> bool {
-            match v {
-                serde_json::Value::Object(o) => {
-                    o.get("type").and_then(|t| t.as_str()) == Some("ByteLevel")
-                        || o.values().any(find)
-                }
-                serde_json::Value::Array(a) => a.iter().any(find),
-                _ => false,
-            }
-        }
-        find(v)
-    };
+    let byte_level = has_byte_level;
     let pre = serde_json::to_value(tok.get_pre_tokenizer()?).ok()?;
     let dec = serde_json::to_value(tok.get_decoder()?).ok()?;
     if !byte_level(&pre) || !byte_level(&dec) {
@@ -105,21 +93,24 @@ fn max_token_bytes(tok: &Tokenizer) -> Option<usize> {
         .filter(|&n| n > 0)
 }
 
+/// Whether a serialized pipeline step is (or contains) a `ByteLevel` one.
+fn has_byte_level(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Object(o) => {
+            o.get("type").and_then(|t| t.as_str()) == Some("ByteLevel")
+                || o.values().any(has_byte_level)
+        }
+        serde_json::Value::Array(a) => a.iter().any(has_byte_level),
+        _ => false,
+    }
+}
+
 /// Whether the decoder of `tok` is (or contains) a byte-level one: vocabulary strings then
 /// spell bytes in GPT-2's byte-to-character map.
 fn byte_level_decoder(tok: &Tokenizer) -> bool {
-    fn find(v: &serde_json::Value) -> bool {
-        match v {
-            serde_json::Value::Object(o) => {
-                o.get("type").and_then(|t| t.as_str()) == Some("ByteLevel") || o.values().any(find)
-            }
-            serde_json::Value::Array(a) => a.iter().any(find),
-            _ => false,
-        }
-    }
     tok.get_decoder()
         .and_then(|d| serde_json::to_value(d).ok())
-        .is_some_and(|v| find(&v))
+        .is_some_and(|v| has_byte_level(&v))
 }
 
 impl BuiltTokenizer {

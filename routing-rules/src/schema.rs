@@ -938,18 +938,12 @@ impl RulesFile {
         self.cordoned.contains(id)
     }
 
-    /// Cordons worker `id` (appended) or lifts its cordon; returns whether anything changed.
-    pub fn set_cordoned(&mut self, id: &WorkerId, cordoned: bool) -> bool {
-        match (self.is_cordoned(id), cordoned) {
-            (false, true) => {
-                self.cordoned.push(id.clone());
-                true
-            }
-            (true, false) => {
-                self.cordoned.retain(|w| w != id);
-                true
-            }
-            _ => false,
+    /// Cordons worker `id` (appended, once) or lifts its cordon.
+    pub fn set_cordoned(&mut self, id: &WorkerId, cordoned: bool) {
+        if !cordoned {
+            self.cordoned.retain(|w| w != id);
+        } else if !self.is_cordoned(id) {
+            self.cordoned.push(id.clone());
         }
     }
 }

@@ -155,10 +155,13 @@ impl RuleStore {
         spec: ServiceSpec,
         check: PreApplyCheck<'_>,
     ) -> Result<ApplyOutcome, RulesError> {
-        let _guard = self.writer.lock();
-        let mut rules = self.current.load().rules().clone();
-        rules.upsert_service(spec);
-        self.install(rules, check, true)
+        self.edit_with(
+            |rules| {
+                rules.upsert_service(spec);
+                Ok(())
+            },
+            check,
+        )
     }
 
     /// Delete one service; [`RulesError::ServiceNotFound`] when there is none of that name.
@@ -172,14 +175,15 @@ impl RuleStore {
         name: &str,
         check: PreApplyCheck<'_>,
     ) -> Result<ApplyOutcome, RulesError> {
-        let _guard = self.writer.lock();
-        let mut rules = self.current.load().rules().clone();
-        if rules.remove_service(name).is_none() {
-            return Err(RulesError::ServiceNotFound {
-                name: name.to_owned(),
-            });
-        }
-        self.install(rules, check, true)
+        self.edit_with(
+            |rules| match rules.remove_service(name) {
+                Some(_) => Ok(()),
+                None => Err(RulesError::ServiceNotFound {
+                    name: name.to_owned(),
+                }),
+            },
+            check,
+        )
     }
 
     /// Cordons worker `id` or lifts its cordon (`RulesFile::set_cordoned`), validated as part
@@ -190,9 +194,25 @@ impl RuleStore {
         cordoned: bool,
         check: PreApplyCheck<'_>,
     ) -> Result<ApplyOutcome, RulesError> {
+        self.edit_with(
+            |rules| {
+                rules.set_cordoned(id, cordoned);
+                Ok(())
+            },
+            check,
+        )
+    }
+
+    /// Applies `edit` to a copy of the rules in force, under the writer lock, then installs the
+    /// result (validated, `check`ed, written back): the one path of every API edit.
+    fn edit_with(
+        &self,
+        edit: impl FnOnce(&mut RulesFile) -> Result<(), RulesError>,
+        check: PreApplyCheck<'_>,
+    ) -> Result<ApplyOutcome, RulesError> {
         let _guard = self.writer.lock();
         let mut rules = self.current.load().rules().clone();
-        rules.set_cordoned(id, cordoned);
+        edit(&mut rules)?;
         self.install(rules, check, true)
     }
 
