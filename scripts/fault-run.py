@@ -475,6 +475,18 @@ def cases(run: Run):
         expect(ok, 200)
         return f"{r1.status} {r1.code()}, {r2.status} {r2.code()}, then 200"
 
+    @case("gw: n=3 -> three choices, one receipt; n=17 and n=0 -> 400 invalid_value")
+    def _():
+        r = g("POST", "/v1/chat/completions", chat("smol", "three please", max_tokens=5, n=3,
+                                                  temperature=1.0, seed=1))
+        expect(r, 200)
+        v = r.json()
+        assert [c["index"] for c in v["choices"]] == [0, 1, 2], v
+        assert v["usage"]["completion_tokens"] == 15, v["usage"]
+        for bad in (17, 0):
+            expect(g("POST", "/v1/chat/completions", chat("smol", "x", n=bad)), 400, "invalid_value")
+        return f"{len(v['choices'])} choices, {v['usage']['completion_tokens']} tokens; 400 for 17 and 0"
+
     @case("admin: cordon w1 -> new requests avoid it; uncordon -> it serves again")
     def _():
         r = run.admin("POST", "/admin/workers/w1/cordon")

@@ -92,6 +92,17 @@ def main() -> int:
         assert isinstance(json.loads(text), dict), text
     print(f"json mode ok: {j.choices[0].finish_reason}")
 
+    # Several choices (`n`), streamed through the gateway: each choice's text under its index.
+    parts = {}
+    for chunk in client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Two answers, please."}],
+        n=2, max_tokens=6, temperature=1.0, seed=3, stream=True,
+    ):
+        for ch in chunk.choices:
+            parts.setdefault(ch.index, []).append(ch.delta.content or "")
+    assert sorted(parts) == [0, 1] and all("".join(p) for p in parts.values()), parts
+    print("n=2 ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

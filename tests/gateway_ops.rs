@@ -606,7 +606,8 @@ fn openai_python_client_through_the_gateway() {
         stdout.contains("non-streaming ok")
             && stdout.contains("streaming ok")
             && stdout.contains("models ok")
-            && stdout.contains("json mode ok"),
+            && stdout.contains("json mode ok")
+            && stdout.contains("n=2 ok"),
         "{stdout}"
     );
     fleet.stop();

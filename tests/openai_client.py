@@ -4,8 +4,8 @@ Usage: python3 tests/openai_client.py BASE_URL   (e.g. http://127.0.0.1:8101/v1)
 
 Checks: a non-streaming chat completion (text, finish reason, usage with cached tokens), the
 same request streamed (same greedy text, usage chunk), a legacy completion, the model list,
-and that an unsupported parameter raises BadRequestError naming it. Exits non-zero on any
-failure; prints one line per check.
+`n` choices streamed and not, and that an out-of-range `n` raises BadRequestError naming it.
+Exits non-zero on any failure; prints one line per check.
 """
 import sys
 
@@ -73,16 +73,35 @@ def main() -> None:
     assert c.choices[0].text is not None and c.usage.completion_tokens > 0, c
     print("completion:", repr(c.choices[0].text))
 
+    r = client.chat.completions.create(
+        model="smollm2", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=5
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2], r
+    assert all(c.message.content is not None for c in r.choices), r
+    assert r.usage.completion_tokens <= 3 * 8 and r.usage.completion_tokens >= 3, r.usage
+    print("n=3:", [c.message.content for c in r.choices], r.usage)
+
+    parts = {}
+    for chunk in client.chat.completions.create(
+        model="smollm2", messages=messages, n=2, max_tokens=8, temperature=1.0, seed=5,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            parts.setdefault(c.index, []).append(c.delta.content or "")
+    streamed = ["".join(parts[i]) for i in sorted(parts)]
+    assert streamed == [c.message.content for c in r.choices[:2]], (streamed, r.choices)
+    print("n=2 streamed: the first two choices of n=3 (same seeds)")
+
     try:
-        client.chat.completions.create(model="smollm2", messages=messages, n=2, max_tokens=2)
+        client.chat.completions.create(model="smollm2", messages=messages, n=17, max_tokens=2)
     except openai.BadRequestError as e:
         body = e.body if isinstance(e.body, dict) else {}
         err = body.get("error", body)
         assert err.get("param") == "n", e.body
-        assert err.get("code") == "unsupported_parameter", e.body
-        print("n=2 refused:", err.get("message"))
+        assert err.get("code") == "invalid_value", e.body
+        print("n=17 refused:", err.get("message"))
     else:
-        raise AssertionError("n=2 was accepted")
+        raise AssertionError("n=17 was accepted")
 
     print("openai client: all checks passed")
 

@@ -32,7 +32,10 @@ pub use decision::{DecisionLog, DecisionPhase, DecisionRecord};
 pub use error::{ReceiptsError, Result};
 pub use keys::{KeyId, KeyPair, KeyRing, PublicKey};
 pub use logfile::{FsyncPolicy, TornTail};
-pub use receipt::{sha256_hex, Receipt, ReceiptDraft, GENESIS_HASH, RECEIPT_DOMAIN};
+pub use receipt::{
+    finish_reason_of, response_sha256, sha256_hex, Receipt, ReceiptDraft, GENESIS_HASH,
+    RECEIPT_DOMAIN,
+};
 pub use receipt_log::{rotated_files, OpenReport, ReceiptLog, Rotation};
 pub use signer::{PrecomputedSigner, Signer, SignerStats};
 pub use ticket::{

@@ -180,3 +180,27 @@ impl Receipt {
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
+
+/// `finish_reason` of an answer from its choices' finish reasons in index order: `stop` when
+/// every choice stopped, else the first other reason; `None` when no choice finished.
+pub fn finish_reason_of<'a>(reasons: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    let mut first = None;
+    for r in reasons {
+        if r != "stop" {
+            return Some(r.to_string());
+        }
+        first.get_or_insert(r);
+    }
+    first.map(str::to_string)
+}
+
+/// `response_sha256` of an answer from its choices' text SHA-256s in index order: the one
+/// choice's hash, or for several choices (`n > 1`) the SHA-256 of their concatenation
+/// (32 raw bytes each). No choice: the SHA-256 of nothing.
+pub fn response_sha256(choice_hashes: &[[u8; 32]]) -> String {
+    match choice_hashes {
+        [] => sha256_hex(b""),
+        [one] => hex::encode(one),
+        many => sha256_hex(&many.concat()),
+    }
+}

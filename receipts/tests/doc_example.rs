@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use common::*;
 use receipts::*;
+use sha2::Digest;
 
 fn example_ticket() -> RouteTicket {
     RouteTicket {
@@ -90,6 +91,16 @@ fn computed() -> BTreeMap<&'static str, String> {
     m.insert("receipt-signature-hex", receipt.signature.clone());
     m.insert("receipt-line", String::from_utf8(line.clone()).unwrap());
     m.insert("receipt-line-sha256", Receipt::line_hash(&line));
+    let choice = |t: &str| -> [u8; 32] { sha2::Sha256::digest(t).into() };
+    m.insert(
+        "response-sha256-two-choices",
+        response_sha256(&[choice("Paris."), choice("It is Paris.")]),
+    );
+    assert_eq!(
+        response_sha256(&[choice("Paris.")]),
+        sha256_hex(b"Paris."),
+        "one choice: its own hash"
+    );
     // The receipt line verifies as a one-line log.
     let mut bytes = line;
     bytes.push(b'\n');

@@ -369,12 +369,17 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
             .decode(tail, false)
             .is_ok_and(|t| output_parser::prompt_opens_reasoning(&t))
     };
-    let parser = output_parser::AnswerParser::new(
-        reasoning_format,
-        tool_format,
-        starts_in_reasoning,
-        &ctx.admission.request_id,
-    );
+    // One parser per choice; each choice's tool-call ids derive from its own id.
+    let parsers: Vec<output_parser::AnswerParser> = (0..plan.n)
+        .map(|i| {
+            output_parser::AnswerParser::new(
+                reasoning_format,
+                tool_format,
+                starts_in_reasoning,
+                &choice_id(&ctx.admission.request_id, i),
+            )
+        })
+        .collect();
     let default_skip_special = !tool_format.is_some_and(|f| f.needs_special_tokens());
     let (stop_token_ids, output) = match plan.output.resolve(
         st.profile.end_of_generation_ids(),
@@ -412,13 +417,25 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         deadline: None,
         constraint,
     };
-    let handle = match st.engine.submit(req) {
-        Ok(h) => h,
-        Err(e) => {
-            let e = ApiError::from_engine(&e, st.settings.retry_after_s);
-            return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+    // `n` choices are `n` sequences of the same prompt, submitted in order: the scheduler admits
+    // choices 1.. once choice 0 has computed the prompt's blocks, so they reuse its prefill
+    // (engine::scheduler, "Prefix reuse"). A seed gives choice i the seed + i.
+    let mut handles = Vec::with_capacity(plan.n);
+    for i in 0..plan.n {
+        let mut r = req.clone();
+        if i > 0 {
+            r.request_id = choice_id(&req.request_id, i);
+            r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
         }
-    };
+        match st.engine.submit(r) {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                drop(handles);
+                let e = ApiError::from_engine(&e, st.settings.retry_after_s);
+                return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+            }
+        }
+    }
 
     let (head_tx, head_rx) = oneshot::channel();
     let (tx, rx) = mpsc::channel::<Msg>(64);
@@ -430,7 +447,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         prompt_tokens,
         received,
     };
-    tokio::spawn(driver.run(handle, head_tx, tx));
+    tokio::spawn(driver.run(handles, head_tx, tx));
 
     match head_rx.await {
         Ok(Ok(())) => {}
@@ -461,32 +478,42 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     };
     if plan.stream {
         st.metrics.request(endpoint.label(), 200);
-        let events = sse_events(
-            endpoint,
-            meta,
-            plan.include_usage,
-            AnswerStream::new(parser, plan.answer.stream_reasoning),
-            rx,
-        );
+        let answers = parsers
+            .into_iter()
+            .map(|p| AnswerStream::new(p, plan.answer.stream_reasoning))
+            .collect();
+        let events = sse_events(endpoint, meta, plan.include_usage, answers, rx);
         let resp = Sse::new(events)
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response();
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
         let logprobs = plan.output.logprobs.is_some();
-        let (resp, written) = collect(endpoint, meta, parser, logprobs, rx).await;
+        let (resp, written) = collect(endpoint, meta, parsers, logprobs, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);
         with_ids(resp, &ctx.admission.request_id, written)
     }
 }
 
+/// The id of choice `i` of a request: the request's id for choice 0, `{id}#{i}` after it (the
+/// engine's sequence id, and the seed of the choice's tool-call ids).
+fn choice_id(request_id: &str, i: usize) -> String {
+    match i {
+        0 => request_id.to_string(),
+        _ => format!("{request_id}#{i}"),
+    }
+}
+
 /// From the driver to the HTTP side. The last message says whether the receipt was written.
 enum Msg {
-    /// Generated text (may be empty when only log probabilities came).
-    Text(String, Option<LogprobItem>),
+    /// Generated text of choice `.0` (may be empty when only log probabilities came).
+    Text(usize, String, Option<LogprobItem>),
+    /// Choice `.0` finished, others are still generating.
+    Finish(usize, String),
+    /// The last choice to finish, `last` = (its index, its finish reason), and the usage of all.
     End {
-        finish: String,
+        last: (usize, String),
         usage: UsageBody,
         receipted: bool,
     },
@@ -509,36 +536,92 @@ struct Driver {
     received: Instant,
 }
 
+/// What the driver knows of one choice.
+#[derive(Default)]
+struct ChoiceState {
+    hasher: Sha256,
+    last_token: Option<Instant>,
+    completion_tokens: u32,
+    finish: Option<String>,
+}
+
+/// A sequence's events tagged with its choice index; `None` once when the engine stopped. The
+/// handle is dropped (the sequence freed) as soon as it finished or failed.
+fn choice_events(
+    i: usize,
+    handle: engine::SequenceHandle,
+) -> impl Stream<Item = (usize, Option<SeqEvent>)> {
+    stream::unfold(Some(handle), move |h| async move {
+        let mut h = h?;
+        match h.next().await {
+            Some(ev) => {
+                let last = matches!(ev, SeqEvent::Finished { .. } | SeqEvent::Failed { .. });
+                Some(((i, Some(ev)), (!last).then_some(h)))
+            }
+            None => Some(((i, None), None)),
+        }
+    })
+}
+
+/// The receipt's `response_sha256` of these choices (`receipts::response_sha256`).
+fn response_hash(choices: Vec<ChoiceState>) -> String {
+    let hashes: Vec<[u8; 32]> = choices
+        .into_iter()
+        .map(|c| c.hasher.finalize().into())
+        .collect();
+    receipts::response_sha256(&hashes)
+}
+
 impl Driver {
-    /// Owns the sequence until it ends, the client goes away or the server shuts down.
+    /// Owns the choices' sequences until they end, the client goes away or the server shuts
+    /// down.
     async fn run(
         self,
-        mut handle: engine::SequenceHandle,
+        handles: Vec<engine::SequenceHandle>,
         head_tx: oneshot::Sender<Result<(), (ApiError, bool)>>,
         tx: mpsc::Sender<Msg>,
     ) {
         let st = self.st.clone();
+        let n = handles.len();
         let mut head_tx = Some(head_tx);
-        let mut hasher = Sha256::new();
+        let mut choices: Vec<ChoiceState> = (0..n).map(|_| ChoiceState::default()).collect();
         let mut o = receipts::ReceiptDraft {
             prompt_tokens: to_u32(self.prompt_tokens),
             ..self.ctx.draft.clone()
         };
-        let mut last_token: Option<Instant> = None;
+        // The head (the response status) goes once a choice is admitted: the others may wait
+        // for it to finish (a worker running one sequence at a time), so their admission
+        // failures travel like a failure mid-answer.
+        let mut started = false;
+        let mut running = n;
+        let mut first_token = false;
         let retry = st.settings.retry_after_s;
+        let mut events = stream::select_all(
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(i, h)| choice_events(i, h).boxed()),
+        );
         enum End {
             Done(Msg),
             HeadFailed(ApiError),
             Cancelled,
         }
         let end = loop {
+            if started {
+                if let Some(h) = head_tx.take() {
+                    if h.send(Ok(())).is_err() {
+                        break End::Cancelled;
+                    }
+                }
+            }
             let ev = tokio::select! {
                 biased;
                 _ = st.shutdown.cancelled() => None,
                 _ = tx.closed() => break End::Cancelled,
-                ev = handle.next() => ev,
+                ev = events.next() => ev.and_then(|(i, ev)| ev.map(|ev| (i, ev))),
             };
-            let Some(ev) = ev else {
+            let Some((i, ev)) = ev else {
                 let e = ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "engine_stopped",
@@ -555,31 +638,32 @@ impl Driver {
                     queue_time,
                 } => {
                     st.metrics.observe_queue_time(queue_time.as_secs_f64());
-                    o.cached_tokens = to_u32(cached_tokens);
-                    if let Some(h) = head_tx.take() {
-                        if h.send(Ok(())).is_err() {
-                            break End::Cancelled;
-                        }
+                    if i == 0 {
+                        o.cached_tokens = to_u32(cached_tokens);
                     }
+                    started = true;
                 }
                 SeqEvent::Token { id, text, logprobs } => {
                     let now = Instant::now();
-                    match last_token {
-                        None => {
+                    let c = &mut choices[i];
+                    match c.last_token {
+                        None if !first_token => {
+                            first_token = true;
                             st.metrics
                                 .observe_ttft(now.duration_since(self.received).as_secs_f64());
                             o.first_token_at_ms = Some(receipts::now_ms());
                         }
+                        None => {}
                         Some(prev) => st
                             .metrics
                             .observe_itl(now.duration_since(prev).as_secs_f64()),
                     }
-                    last_token = Some(now);
-                    o.completion_tokens += 1;
+                    c.last_token = Some(now);
+                    c.completion_tokens += 1;
                     let item = logprobs.map(|lp| LogprobItem::new(&st.profile, id, lp));
                     if !text.is_empty() || item.is_some() {
-                        hasher.update(text.as_bytes());
-                        if tx.send(Msg::Text(text, item)).await.is_err() {
+                        c.hasher.update(text.as_bytes());
+                        if tx.send(Msg::Text(i, text, item)).await.is_err() {
                             break End::Cancelled;
                         }
                     }
@@ -589,17 +673,34 @@ impl Driver {
                     usage,
                     last_block_key,
                 } => {
-                    o.prompt_tokens = to_u32(usage.prompt_tokens);
-                    o.cached_tokens = to_u32(usage.cached_tokens);
-                    o.completion_tokens = to_u32(usage.completion_tokens);
-                    o.finish_reason = Some(reason.as_str().to_string());
-                    o.last_block_key = last_block_key;
+                    if i == 0 {
+                        o.prompt_tokens = to_u32(usage.prompt_tokens);
+                        o.cached_tokens = to_u32(usage.cached_tokens);
+                        o.last_block_key = last_block_key;
+                    }
+                    let c = &mut choices[i];
+                    c.completion_tokens = to_u32(usage.completion_tokens);
+                    c.finish = Some(reason.as_str().to_string());
+                    // Finished without Started: it was started all the same.
+                    started = true;
+                    running -= 1;
+                    if running > 0 {
+                        if tx
+                            .send(Msg::Finish(i, reason.as_str().to_string()))
+                            .await
+                            .is_err()
+                        {
+                            break End::Cancelled;
+                        }
+                        continue;
+                    }
+                    let completion: u32 = choices.iter().map(|c| c.completion_tokens).sum();
                     let msg = Msg::End {
-                        finish: reason.as_str().to_string(),
+                        last: (i, reason.as_str().to_string()),
                         usage: UsageBody::new(
-                            usage.prompt_tokens,
-                            usage.cached_tokens,
-                            usage.completion_tokens,
+                            o.prompt_tokens as usize,
+                            o.cached_tokens as usize,
+                            completion as usize,
                         ),
                         receipted: false,
                     };
@@ -618,9 +719,12 @@ impl Driver {
                 }
             }
         };
-        // Free the sequence (and its blocks) before anything slow.
-        drop(handle);
-        o.response_sha256 = hex::encode(hasher.finalize());
+        // Free the sequences (and their blocks) before anything slow.
+        drop(events);
+        o.completion_tokens = choices.iter().map(|c| c.completion_tokens).sum();
+        o.finish_reason =
+            receipts::finish_reason_of(choices.iter().filter_map(|c| c.finish.as_deref()));
+        o.response_sha256 = response_hash(choices);
         match end {
             End::Cancelled => {
                 st.metrics.cancelled();
@@ -651,8 +755,8 @@ impl Driver {
                     _ if !written && st.settings.require_receipts => {
                         Msg::Fail(unreceipted(&st), false)
                     }
-                    Msg::End { finish, usage, .. } => Msg::End {
-                        finish,
+                    Msg::End { last, usage, .. } => Msg::End {
+                        last,
                         usage,
                         receipted: written,
                     },
@@ -668,92 +772,124 @@ impl Driver {
     }
 }
 
-/// Non-streaming: gathers the driver's messages into one JSON answer.
+/// One choice of a non-streamed answer, as it is gathered.
+struct Gathered {
+    parser: output_parser::AnswerParser,
+    text: String,
+    items: Vec<LogprobItem>,
+    finish: String,
+}
+
+impl Gathered {
+    fn chat(mut self, index: usize, logprobs: bool) -> ChatChoice {
+        let mut pieces = self.parser.feed(&self.text);
+        pieces.extend(self.parser.finish());
+        let mut content = String::new();
+        let mut reasoning: Option<String> = None;
+        let mut tool_calls = Vec::new();
+        for piece in pieces {
+            match piece {
+                output_parser::Piece::Content(c) => content.push_str(&c),
+                output_parser::Piece::Reasoning(r) => {
+                    reasoning.get_or_insert_with(String::new).push_str(&r)
+                }
+                output_parser::Piece::ToolCall(t) => tool_calls.push(ToolCallBody {
+                    id: t.id,
+                    kind: "function".into(),
+                    function: FunctionCallBody {
+                        name: t.name,
+                        arguments: t.arguments,
+                    },
+                }),
+            }
+        }
+        let finish = finish_with_tools(self.finish, !tool_calls.is_empty());
+        let content = if content.is_empty() && !tool_calls.is_empty() {
+            None
+        } else {
+            Some(content)
+        };
+        ChatChoice {
+            index,
+            message: AssistantMessage {
+                role: "assistant".into(),
+                content,
+                reasoning_content: reasoning,
+                tool_calls,
+            },
+            logprobs: logprobs.then(|| LogprobItem::chat_json(&self.items)),
+            finish_reason: finish,
+        }
+    }
+
+    fn completion(self, index: usize, logprobs: bool) -> CompletionChoice {
+        CompletionChoice {
+            index,
+            logprobs: logprobs.then(|| LogprobItem::completion_json(&self.items)),
+            text: self.text,
+            finish_reason: Some(self.finish),
+        }
+    }
+}
+
+/// Non-streaming: gathers the driver's messages into one JSON answer, a choice per parser.
 /// With whether the answer's receipt was written.
 async fn collect(
     endpoint: Endpoint,
     meta: ResponseMeta,
-    mut parser: output_parser::AnswerParser,
+    parsers: Vec<output_parser::AnswerParser>,
     logprobs: bool,
     mut rx: mpsc::Receiver<Msg>,
 ) -> (Response, bool) {
-    let mut text = String::new();
-    let mut items = Vec::new();
+    let mut choices: Vec<Gathered> = parsers
+        .into_iter()
+        .map(|parser| Gathered {
+            parser,
+            text: String::new(),
+            items: Vec::new(),
+            finish: String::new(),
+        })
+        .collect();
     while let Some(m) = rx.recv().await {
         match m {
-            Msg::Text(t, item) => {
-                text.push_str(&t);
-                items.extend(item);
+            Msg::Text(i, t, item) => {
+                if let Some(c) = choices.get_mut(i) {
+                    c.text.push_str(&t);
+                    c.items.extend(item);
+                }
+            }
+            Msg::Finish(i, finish) => {
+                if let Some(c) = choices.get_mut(i) {
+                    c.finish = finish;
+                }
             }
             Msg::Fail(e, receipted) => return (e.into_response(), receipted),
             Msg::End {
-                finish,
+                last: (i, finish),
                 usage,
                 receipted,
             } => {
+                if let Some(c) = choices.get_mut(i) {
+                    c.finish = finish;
+                }
+                let all = choices.into_iter().enumerate();
                 let body = match endpoint {
-                    Endpoint::Chat => {
-                        let mut pieces = parser.feed(&text);
-                        pieces.extend(parser.finish());
-                        let mut content = String::new();
-                        let mut reasoning: Option<String> = None;
-                        let mut tool_calls = Vec::new();
-                        for piece in pieces {
-                            match piece {
-                                output_parser::Piece::Content(c) => content.push_str(&c),
-                                output_parser::Piece::Reasoning(r) => {
-                                    reasoning.get_or_insert_with(String::new).push_str(&r)
-                                }
-                                output_parser::Piece::ToolCall(t) => {
-                                    tool_calls.push(ToolCallBody {
-                                        id: t.id,
-                                        kind: "function".into(),
-                                        function: FunctionCallBody {
-                                            name: t.name,
-                                            arguments: t.arguments,
-                                        },
-                                    })
-                                }
-                            }
-                        }
-                        let finish = finish_with_tools(finish, !tool_calls.is_empty());
-                        let content = if content.is_empty() && !tool_calls.is_empty() {
-                            None
-                        } else {
-                            Some(content)
-                        };
-                        serde_json::to_vec(&ChatCompletionResponse {
-                            id: meta.id,
-                            object: "chat.completion".into(),
-                            created: meta.created,
-                            model: meta.model,
-                            system_fingerprint: meta.fingerprint,
-                            choices: vec![ChatChoice {
-                                index: 0,
-                                message: AssistantMessage {
-                                    role: "assistant".into(),
-                                    content,
-                                    reasoning_content: reasoning,
-                                    tool_calls,
-                                },
-                                logprobs: logprobs.then(|| LogprobItem::chat_json(&items)),
-                                finish_reason: finish,
-                            }],
-                            usage,
-                        })
-                    }
+                    Endpoint::Chat => serde_json::to_vec(&ChatCompletionResponse {
+                        id: meta.id,
+                        object: "chat.completion".into(),
+                        created: meta.created,
+                        model: meta.model,
+                        system_fingerprint: meta.fingerprint,
+                        choices: all.map(|(i, c)| c.chat(i, logprobs)).collect(),
+                        usage,
+                    }),
                     Endpoint::Completion => serde_json::to_vec(&CompletionResponse {
                         id: meta.id,
                         object: "text_completion".into(),
                         created: meta.created,
                         model: meta.model,
                         system_fingerprint: meta.fingerprint,
-                        choices: vec![CompletionChoice {
-                            index: 0,
-                            text,
-                            logprobs: logprobs.then(|| LogprobItem::completion_json(&items)),
-                            finish_reason: Some(finish),
-                        }],
+                        choices: all.map(|(i, c)| c.completion(i, logprobs)).collect(),
                         usage: Some(Some(usage)),
                     }),
                 };
@@ -790,19 +926,25 @@ fn json_event<T: serde::Serialize>(v: &T) -> Event {
     Event::default().data(serde_json::to_string(v).unwrap_or_default())
 }
 
-/// Streaming: the driver's messages as OpenAI SSE chunks, ending with `data: [DONE]`.
+/// Streaming: the driver's messages as OpenAI SSE chunks, ending with `data: [DONE]`. Each
+/// chunk carries one choice's piece, tagged with its `index`; a chat choice's first chunk is its
+/// role chunk, sent with its first piece.
 fn sse_events(
     endpoint: Endpoint,
     meta: ResponseMeta,
     include_usage: bool,
-    answer: AnswerStream,
+    answers: Vec<AnswerStream>,
     rx: mpsc::Receiver<Msg>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let meta = Arc::new(meta);
     let usage_slot = if include_usage { Some(None) } else { None };
     let chunk = {
         let meta = meta.clone();
-        move |delta: ChatDelta, finish: Option<String>, logprobs: Option<Value>| -> Event {
+        move |index: usize,
+              delta: ChatDelta,
+              finish: Option<String>,
+              logprobs: Option<Value>|
+              -> Event {
             match endpoint {
                 Endpoint::Chat => json_event(&ChatCompletionChunk {
                     id: meta.id.clone(),
@@ -811,7 +953,7 @@ fn sse_events(
                     model: meta.model.clone(),
                     system_fingerprint: meta.fingerprint.clone(),
                     choices: vec![ChatChunkChoice {
-                        index: 0,
+                        index,
                         delta,
                         logprobs,
                         finish_reason: finish,
@@ -825,7 +967,7 @@ fn sse_events(
                     model: meta.model.clone(),
                     system_fingerprint: meta.fingerprint.clone(),
                     choices: vec![CompletionChoice {
-                        index: 0,
+                        index,
                         text: delta.content.unwrap_or_default(),
                         logprobs,
                         finish_reason: finish,
@@ -860,54 +1002,107 @@ fn sse_events(
             }
         }
     };
-    let first = match endpoint {
-        Endpoint::Chat => vec![chunk(
-            ChatDelta {
-                role: Some("assistant".into()),
-                content: Some(String::new()),
-                ..ChatDelta::default()
-            },
-            None,
-            None,
-        )],
-        Endpoint::Completion => vec![],
+    // The role chunk of a choice goes out with its first generated piece (not at admission),
+    // so that the first body byte a proxy sees marks the first token: the gateway counts a
+    // request's prefill as done then (its `active_tokens` load) and measures TTFT from it.
+    let role = match endpoint {
+        Endpoint::Chat => Some(ChatDelta {
+            role: Some("assistant".into()),
+            content: Some(String::new()),
+            ..ChatDelta::default()
+        }),
+        Endpoint::Completion => None,
     };
-    let body = stream::unfold(Some((rx, answer)), move |state| {
+    struct Choice {
+        answer: AnswerStream,
+        role_sent: bool,
+    }
+    let choices: Vec<Choice> = answers
+        .into_iter()
+        .map(|answer| Choice {
+            answer,
+            role_sent: role.is_none(),
+        })
+        .collect();
+    // A choice's events: its role chunk first if it has not gone yet, then `pieces`.
+    let opened = {
+        let chunk = chunk.clone();
+        move |c: &mut Choice, index: usize, mut pieces: Vec<Event>| -> Vec<Event> {
+            match (&role, std::mem::replace(&mut c.role_sent, true)) {
+                (Some(r), false) => {
+                    pieces.insert(0, chunk(index, r.clone(), None, None));
+                    pieces
+                }
+                _ => pieces,
+            }
+        }
+    };
+    // A choice's last events: what its parser held back, then its finish reason.
+    let finished = {
+        let chunk = chunk.clone();
+        let opened = opened.clone();
+        move |c: &mut Choice, index: usize, finish: String| -> Vec<Event> {
+            let mut v: Vec<Event> = c
+                .answer
+                .finish()
+                .into_iter()
+                .map(|d| chunk(index, d, None, None))
+                .collect();
+            let finish = finish_with_tools(finish, c.answer.made_tool_calls());
+            v.push(chunk(index, ChatDelta::default(), Some(finish), None));
+            opened(c, index, v)
+        }
+    };
+    stream::unfold(Some((rx, choices)), move |state| {
         let chunk = chunk.clone();
         let usage_chunk = usage_chunk.clone();
+        let opened = opened.clone();
+        let finished = finished.clone();
         async move {
-            let (mut rx, mut answer) = state?;
+            let (mut rx, mut choices) = state?;
             let events = match rx.recv().await {
                 None => return None,
-                Some(Msg::Text(t, item)) => match endpoint {
-                    Endpoint::Chat => {
-                        let mut lp = item.map(|i| LogprobItem::chat_json(&[i]));
-                        let mut deltas = answer.feed(&t);
-                        if deltas.is_empty() && lp.is_some() {
-                            deltas.push(ChatDelta::default());
+                Some(Msg::Text(i, t, item)) => {
+                    let Some(c) = choices.get_mut(i) else {
+                        return Some((Vec::new(), Some((rx, choices))));
+                    };
+                    let pieces = match endpoint {
+                        Endpoint::Chat => {
+                            let mut lp = item.map(|i| LogprobItem::chat_json(&[i]));
+                            let mut deltas = c.answer.feed(&t);
+                            if deltas.is_empty() && lp.is_some() {
+                                deltas.push(ChatDelta::default());
+                            }
+                            deltas
+                                .into_iter()
+                                .map(|d| chunk(i, d, None, lp.take()))
+                                .collect()
                         }
-                        deltas
-                            .into_iter()
-                            .map(|d| chunk(d, None, lp.take()))
-                            .collect()
-                    }
-                    Endpoint::Completion => vec![chunk(
-                        ChatDelta {
-                            content: Some(t),
-                            ..ChatDelta::default()
-                        },
-                        None,
-                        item.map(|i| LogprobItem::completion_json(&[i])),
-                    )],
+                        Endpoint::Completion => vec![chunk(
+                            i,
+                            ChatDelta {
+                                content: Some(t),
+                                ..ChatDelta::default()
+                            },
+                            None,
+                            item.map(|i| LogprobItem::completion_json(&[i])),
+                        )],
+                    };
+                    opened(c, i, pieces)
+                }
+                Some(Msg::Finish(i, finish)) => match choices.get_mut(i) {
+                    Some(c) => finished(c, i, finish),
+                    None => Vec::new(),
                 },
-                Some(Msg::End { finish, usage, .. }) => {
-                    let mut v: Vec<Event> = answer
-                        .finish()
-                        .into_iter()
-                        .map(|d| chunk(d, None, None))
-                        .collect();
-                    let finish = finish_with_tools(finish, answer.made_tool_calls());
-                    v.push(chunk(ChatDelta::default(), Some(finish), None));
+                Some(Msg::End {
+                    last: (i, finish),
+                    usage,
+                    ..
+                }) => {
+                    let mut v = match choices.get_mut(i) {
+                        Some(c) => finished(c, i, finish),
+                        None => Vec::new(),
+                    };
                     if include_usage {
                         v.push(usage_chunk(usage));
                     }
@@ -915,22 +1110,20 @@ fn sse_events(
                     return Some((v, None));
                 }
                 Some(Msg::Fail(e, _)) => {
-                    return Some((vec![json_event(&e.body())], None));
+                    let error = vec![json_event(&e.body())];
+                    // Nothing sent yet: the role chunk of the first choice comes first.
+                    let v = match choices.iter().all(|c| !c.role_sent) {
+                        true => match choices.get_mut(0) {
+                            Some(c) => opened(c, 0, error),
+                            None => error,
+                        },
+                        false => error,
+                    };
+                    return Some((v, None));
                 }
             };
-            Some((events, Some((rx, answer))))
+            Some((events, Some((rx, choices))))
         }
-    });
-    // The role chunk goes out with the first generated piece (not at admission), so that the
-    // first body byte a proxy sees marks the first token: the gateway counts a request's
-    // prefill as done then (its `active_tokens` load) and measures TTFT from it.
-    let mut first = Some(first);
-    body.map(move |mut events| {
-        if let Some(mut head) = first.take() {
-            head.append(&mut events);
-            events = head;
-        }
-        events
     })
     .flat_map(stream::iter)
     .map(Ok)

@@ -347,7 +347,7 @@ pub struct FunctionDelta {
 /// One choice of a non-streaming chat response.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ChatChoice {
-    pub index: u32,
+    pub index: usize,
     pub message: AssistantMessage,
     pub logprobs: Option<Value>,
     pub finish_reason: String,
@@ -381,7 +381,7 @@ pub struct ChatDelta {
 /// One choice of a streamed chat chunk.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ChatChunkChoice {
-    pub index: u32,
+    pub index: usize,
     pub delta: ChatDelta,
     pub logprobs: Option<Value>,
     pub finish_reason: Option<String>,
@@ -404,7 +404,7 @@ pub struct ChatCompletionChunk {
 /// One choice of a completion response or chunk.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CompletionChoice {
-    pub index: u32,
+    pub index: usize,
     pub text: String,
     pub logprobs: Option<Value>,
     pub finish_reason: Option<String>,

@@ -6,7 +6,7 @@
 //! 2. every top-level key is known (`unknown_parameter`, param = the key);
 //! 3. types (`invalid_type`, param = the JSON path, e.g. `messages[0].content`) and required
 //!    fields (`missing_parameter`);
-//! 4. unsupported parameters with a non-neutral value (`unsupported_parameter`): `n > 1`,
+//! 4. unsupported parameters with a non-neutral value (`unsupported_parameter`): `best_of ≠ n`,
 //!    `tool_choice: "required"`, `response_format` `json_schema`, `return_hidden_states`, ...
 //! 5. ranges (`invalid_value`): temperature, top_p, penalties, max_tokens ≥ 1, ≤ 4 stop strings.
 //!
@@ -27,6 +27,10 @@ use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource};
 /// The most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
 
+/// The most choices (`n`) one request may ask for: each is a sequence of its own in the engine
+/// (sharing the prompt's prefill), so this bounds one request's work at `n × max_tokens`.
+pub const MAX_CHOICES: usize = 16;
+
 /// A validated generation request, before tokenization.
 #[derive(Clone, Debug)]
 pub struct GenerationPlan {
@@ -34,6 +38,8 @@ pub struct GenerationPlan {
     pub prompt: PromptSource,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate (`n`), 1..=[`MAX_CHOICES`].
+    pub n: usize,
     /// Requested output tokens (`max_completion_tokens` or `max_tokens`); `None` = default.
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
@@ -218,6 +224,7 @@ fn check_range(param: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiE
 struct Checked {
     stream: bool,
     include_usage: bool,
+    n: usize,
     max_tokens: Option<usize>,
     stop: Vec<String>,
     sampling: SamplingParams,
@@ -286,11 +293,16 @@ impl GenerationPlan {
 
 /// Checks and converts the parameters common to both endpoints.
 fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(unsupported("n", "only n = 1 is served"));
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(invalid_value(
+                "n",
+                format!("`n` must be between 1 and {MAX_CHOICES} (got {n})"),
+            ))
         }
-    }
+    };
     let logit_bias = logit_bias(&c.logit_bias)?;
     let stream = c.stream.unwrap_or(false);
     let include_usage = match &c.stream_options {
@@ -427,6 +439,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
     Ok(Checked {
         stream,
         include_usage,
+        n,
         max_tokens,
         stop,
         sampling,
@@ -541,6 +554,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let Checked {
         stream,
         include_usage,
+        n,
         max_tokens,
         stop,
         sampling,
@@ -575,6 +589,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         prompt: PromptSource::Chat(chat),
         stream,
         include_usage,
+        n,
         max_tokens,
         stop,
         sampling,
@@ -596,11 +611,6 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     };
     reject_unless_neutral("echo", &r.echo, "echo is not supported")?;
     reject_unless_neutral("suffix", &r.suffix, "suffix (insertion) is not supported")?;
-    match &r.best_of {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_u64() == Some(1) => {}
-        Some(_) => return Err(unsupported("best_of", "only best_of = 1 is served")),
-    }
     let prompt = r
         .prompt
         .into_source()
@@ -608,18 +618,26 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
     let Checked {
         stream,
         include_usage,
+        n,
         max_tokens,
         stop,
         sampling,
         cache_insert,
         mut output,
     } = common(r.common, None)?;
+    // `best_of` > `n` would generate more and return the likeliest `n`: not served.
+    match &r.best_of {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(n as u64) => {}
+        Some(_) => return Err(unsupported("best_of", "only best_of = n is served")),
+    }
     output.logprobs = logprobs;
     Ok(GenerationPlan {
         model: r.model,
         prompt,
         stream,
         include_usage,
+        n,
         max_tokens,
         stop,
         sampling,
@@ -755,10 +773,23 @@ mod tests {
             (e.code, e.param.as_deref()),
             ("missing_parameter", Some("messages"))
         );
-        let e = chat_err(&format!(r#"{{{MSG},"n":2}}"#));
+        assert_eq!(
+            chat(format!(r#"{{{MSG},"n":16}}"#).as_bytes()).unwrap().n,
+            16
+        );
+        assert_eq!(chat(format!("{{{MSG}}}").as_bytes()).unwrap().n, 1);
+        for bad in ["0", "17", "100000000000"] {
+            let e = chat_err(&format!(r#"{{{MSG},"n":{bad}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), ("invalid_value", Some("n")));
+        }
+        let e = chat_err(&format!(r#"{{{MSG},"n":-1}}"#));
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_type", Some("n")));
+        let p = completion(br#"{"model":"m","prompt":"x","n":3,"best_of":3}"#).unwrap();
+        assert_eq!(p.n, 3);
+        let e = completion(br#"{"model":"m","prompt":"x","n":2,"best_of":3}"#).unwrap_err();
         assert_eq!(
             (e.code, e.param.as_deref()),
-            ("unsupported_parameter", Some("n"))
+            ("unsupported_parameter", Some("best_of"))
         );
         // Tools reach the template; choices that need constrained decoding are refused.
         let p = chat(

@@ -332,8 +332,8 @@ fn fill(draft: &mut receipts::ReceiptDraft, usage: &Usage) {
     draft.prompt_tokens = usage.prompt_tokens.unwrap_or(0);
     draft.cached_tokens = usage.cached_tokens.unwrap_or(0);
     draft.completion_tokens = usage.completion_tokens.unwrap_or(0);
-    draft.finish_reason = usage.finish_reason.clone();
-    draft.response_sha256 = to_hex_sha256(usage.text.as_bytes());
+    draft.finish_reason = usage.finish_reason();
+    draft.response_sha256 = usage.response_sha256();
 }
 
 /// An OpenAI error as one SSE event.

@@ -10,12 +10,19 @@
 //! `stream_options.include_usage`. An engine that reports neither leaves them 0 (the receipt
 //! then says 0, never a guess).
 //!
-//! The generated text is the concatenation, in arrival order, of every choice's
-//! `message.content` / `delta.content` (chat) or `text` (completions); reasoning and tool-call
-//! deltas are not part of it. O(answer bytes); the text kept is bounded by the answer's size,
-//! which the relay bounds.
+//! The generated text of each choice (by its `index`, 0 when absent) is the concatenation, in
+//! arrival order, of its `message.content` / `delta.content` (chat) or `text` (completions);
+//! reasoning and tool-call deltas are not part of it. The receipt's `response_sha256` and
+//! `finish_reason` come from the choices as on the embedded worker
+//! ([`receipts::response_sha256`], [`receipts::finish_reason_of`]). O(answer bytes); the text
+//! kept is bounded by the answer's size, which the relay bounds, and indexes by
+//! [`MAX_CHOICES`] (a higher index counts as the last).
 
 use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// The most choices told apart (OpenAI's largest `n`); a choice index beyond counts as the last.
+pub const MAX_CHOICES: usize = 128;
 
 /// Accounting of one answer, fed piece by piece.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -23,11 +30,10 @@ pub struct Usage {
     pub prompt_tokens: Option<u32>,
     pub cached_tokens: Option<u32>,
     pub completion_tokens: Option<u32>,
-    pub finish_reason: Option<String>,
     /// The model the engine says it ran.
     pub model: Option<String>,
-    /// The generated text seen so far.
-    pub text: String,
+    /// The generated text and finish reason of each choice seen so far, by index.
+    pub choices: Vec<(String, Option<String>)>,
     /// Whether any generated text (or a finish) has been seen: the first token's mark.
     pub produced: bool,
     /// `usage` was present (it wins over `timings`).
@@ -49,6 +55,14 @@ impl Usage {
         }
         if let Some(choices) = v.get("choices").and_then(Value::as_array) {
             for c in choices {
+                let index = c
+                    .get("index")
+                    .and_then(Value::as_u64)
+                    .map_or(0, |i| i.min(MAX_CHOICES as u64 - 1) as usize);
+                if self.choices.len() <= index {
+                    self.choices.resize(index + 1, (String::new(), None));
+                }
+                let (text, finish) = &mut self.choices[index];
                 let piece = c
                     .get("delta")
                     .or_else(|| c.get("message"))
@@ -57,12 +71,12 @@ impl Usage {
                     .or_else(|| c.get("text").and_then(Value::as_str));
                 if let Some(p) = piece {
                     if !p.is_empty() {
-                        self.text.push_str(p);
+                        text.push_str(p);
                         self.produced = true;
                     }
                 }
                 if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
-                    self.finish_reason = Some(f.to_string());
+                    *finish = Some(f.to_string());
                     self.produced = true;
                 }
             }
@@ -91,6 +105,26 @@ impl Usage {
                 self.completion_tokens = as_u32(t.get("predicted_n")).or(self.completion_tokens);
             }
         }
+    }
+
+    /// The receipt's `response_sha256` of the choices seen.
+    pub fn response_sha256(&self) -> String {
+        let hashes: Vec<[u8; 32]> = self
+            .choices
+            .iter()
+            .map(|(t, _)| Sha256::digest(t).into())
+            .collect();
+        receipts::response_sha256(&hashes)
+    }
+
+    /// The receipt's `finish_reason` of the choices seen.
+    pub fn finish_reason(&self) -> Option<String> {
+        receipts::finish_reason_of(self.choices.iter().filter_map(|(_, f)| f.as_deref()))
+    }
+
+    /// The generated text of choice 0.
+    pub fn text(&self) -> &str {
+        self.choices.first().map_or("", |(t, _)| t)
     }
 
     /// The `error.code` (else `error.type`) of an error answer, as a receipt's `error_code`.
@@ -236,8 +270,9 @@ mod tests {
             "usage": {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}},
             "timings": {"cache_n": 7, "prompt_n": 5, "predicted_n": 3}
         }));
-        assert_eq!(u.text, "Hi there");
-        assert_eq!(u.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(u.text(), "Hi there");
+        assert_eq!(u.finish_reason().as_deref(), Some("stop"));
+        assert_eq!(u.response_sha256(), receipts::sha256_hex(b"Hi there"));
         assert_eq!(
             (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
             (Some(12), Some(8), Some(3))
@@ -257,19 +292,38 @@ mod tests {
             &json!({"choices": [{"delta": {}, "finish_reason": "length"}],
             "timings": {"cache_n": 16, "prompt_n": 4, "predicted_n": 2}}),
         );
-        assert_eq!(u.text, "ab");
+        assert_eq!(u.text(), "ab");
         assert_eq!(
             (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
             (Some(20), Some(16), Some(2))
         );
-        assert_eq!(u.finish_reason.as_deref(), Some("length"));
+        assert_eq!(u.finish_reason().as_deref(), Some("length"));
+    }
+
+    #[test]
+    fn several_choices_are_told_apart_by_index() {
+        let mut u = Usage::default();
+        for (i, t) in [(1, "It is"), (0, "Par"), (1, " Paris."), (0, "is.")] {
+            u.feed(&json!({"choices": [{"index": i, "delta": {"content": t}}]}));
+        }
+        u.feed(&json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}));
+        u.feed(&json!({"choices": [{"index": 1, "delta": {}, "finish_reason": "length"}]}));
+        let one = |t: &str| -> [u8; 32] { Sha256::digest(t).into() };
+        assert_eq!(
+            u.response_sha256(),
+            receipts::response_sha256(&[one("Paris."), one("It is Paris.")])
+        );
+        assert_eq!(u.finish_reason().as_deref(), Some("length"));
+        // An index past the bound counts as the last choice: no unbounded growth.
+        u.feed(&json!({"choices": [{"index": u64::MAX, "text": "x"}]}));
+        assert_eq!(u.choices.len(), MAX_CHOICES);
     }
 
     #[test]
     fn completions_text_and_errors() {
         let mut u = Usage::default();
         u.feed(&json!({"choices": [{"text": "xyz", "finish_reason": "stop"}]}));
-        assert_eq!(u.text, "xyz");
+        assert_eq!(u.text(), "xyz");
         assert_eq!(
             Usage::error_code(&json!({"error": {"code": 400, "type": "invalid_request_error"}})),
             Some("invalid_request_error".into())
