@@ -1057,16 +1057,21 @@ fn tenant_rate_limits_answer_429_with_retry_after() {
     // Other tenants are not affected.
     let r = fleet.post(path, &small, &[("authorization", "Bearer acme-key-1")]);
     assert_eq!(r.status, 200, "{}", r.text());
-    // After the wait one more request fits, but one asking for more tokens than the token
-    // bucket holds is refused by the token limit.
-    std::thread::sleep(std::time::Duration::from_millis(2100));
-    let big = chat(&[("user", "hello")], 1000);
-    let r = fleet.post(path, &big, &key);
+    // After the wait two more requests fit, but one asking for more tokens than the token
+    // bucket holds (400) is refused by the token limit: 16 choices of 100 tokens count 1600.
+    std::thread::sleep(std::time::Duration::from_millis(4100));
+    let mut many = chat(&[("user", "hello")], 100);
+    many["n"] = serde_json::json!(16);
+    let r = fleet.post(path, &many, &key);
     assert_eq!(r.status, 429, "{}", r.text());
     assert!(r.json()["error"]["message"]
         .as_str()
         .unwrap()
         .contains("(tokens)"));
+    // One choice of 100 tokens fits.
+    let one = chat(&[("user", "hello")], 100);
+    let r = fleet.post(path, &one, &key);
+    assert_eq!(r.status, 200, "{}", r.text());
     let metrics = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
     assert!(
         metrics.contains("kvgate_gateway_rate_limited_total{tenant=\"slow\",limit=\"requests\"} 1"),

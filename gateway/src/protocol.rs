@@ -39,6 +39,8 @@ pub struct InferenceBody {
     pub prompt: PromptSource,
     /// `max_completion_tokens`, else `max_tokens`.
     pub max_tokens: Option<u64>,
+    /// The choices `n` asks for (`prompt_profile::choices`: 1 unless an integer in 1..=16).
+    pub choices: usize,
     /// The per-request `cache_salt`.
     pub cache_salt: Option<String>,
     /// `stream`.
@@ -82,20 +84,25 @@ pub fn peek_model(body: &[u8]) -> Option<String> {
         .and_then(|m| m.model)
 }
 
-/// The output tokens a body asks for (`max_completion_tokens`, else `max_tokens`; 0 when it
-/// names neither or the body is not JSON), for a tenant's token rate limit.
+/// The output tokens a body asks for: `max_completion_tokens`, else `max_tokens`, times its
+/// choices (`n`, `prompt_profile::choices`); 0 when it names neither or the body is not JSON.
+/// For a tenant's token rate limit and a worker's decode load.
 pub fn peek_output_tokens(body: &[u8]) -> u64 {
     #[derive(Deserialize)]
     struct OutputOnly {
         max_tokens: Option<u64>,
         max_completion_tokens: Option<u64>,
+        n: Option<serde_json::Value>,
     }
     if body.is_empty() {
         return 0;
     }
     serde_json::from_slice::<OutputOnly>(body)
         .ok()
-        .and_then(|o| o.max_completion_tokens.or(o.max_tokens))
+        .and_then(|o| {
+            let each = o.max_completion_tokens.or(o.max_tokens)?;
+            Some(each.saturating_mul(prompt_profile::choices(o.n.as_ref()) as u64))
+        })
         .unwrap_or(0)
 }
 
@@ -111,6 +118,9 @@ struct ChatFields {
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    /// Read leniently (`prompt_profile::choices`): the worker judges it.
+    #[serde(default)]
+    n: Option<serde_json::Value>,
     #[serde(default)]
     cache_salt: Option<String>,
     #[serde(default)]
@@ -131,6 +141,9 @@ struct CompletionFields {
     prompt: CompletionPrompt,
     #[serde(default)]
     max_tokens: Option<u64>,
+    /// Read leniently (`prompt_profile::choices`): the worker judges it.
+    #[serde(default)]
+    n: Option<serde_json::Value>,
     #[serde(default)]
     cache_salt: Option<String>,
     #[serde(default)]
@@ -167,6 +180,7 @@ impl InferenceBody {
                     model: f.model,
                     prompt: PromptSource::Chat(chat),
                     max_tokens: f.max_completion_tokens.or(f.max_tokens),
+                    choices: prompt_profile::choices(f.n.as_ref()),
                     cache_salt: f.cache_salt,
                     stream: f.stream.unwrap_or(false),
                 }
@@ -181,6 +195,7 @@ impl InferenceBody {
                     model: f.model,
                     prompt,
                     max_tokens: f.max_tokens,
+                    choices: prompt_profile::choices(f.n.as_ref()),
                     cache_salt: f.cache_salt,
                     stream: f.stream.unwrap_or(false),
                 }
@@ -240,6 +255,34 @@ mod tests {
             InferenceBody::parse(Endpoint::Chat, b).unwrap().max_tokens,
             Some(9)
         );
+
+        // `n` choices: counted, leniently (the worker judges the value).
+        for (n, choices) in [
+            ("3", 3),
+            ("16", 16),
+            ("17", 1),
+            ("0", 1),
+            ("\"x\"", 1),
+            ("null", 1),
+        ] {
+            let b = format!(r#"{{"messages":[],"max_tokens":5,"n":{n}}}"#);
+            let p = InferenceBody::parse(Endpoint::Chat, b.as_bytes()).unwrap();
+            assert_eq!(p.choices, choices, "n = {n}");
+            assert_eq!(
+                peek_output_tokens(b.as_bytes()),
+                5 * choices as u64,
+                "n = {n}"
+            );
+        }
+        let b = br#"{"prompt":"x","max_tokens":4,"n":2}"#;
+        assert_eq!(
+            InferenceBody::parse(Endpoint::Completion, b)
+                .unwrap()
+                .choices,
+            2
+        );
+        assert_eq!(peek_output_tokens(b), 8);
+        assert_eq!(peek_output_tokens(br#"{"n":4}"#), 0);
 
         // The codes and params the worker gives the same faults (`prompt_profile::BodyError`).
         for (body, code, param) in [

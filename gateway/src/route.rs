@@ -51,7 +51,8 @@ pub struct PromptFacts {
     /// Tokens per block.
     pub block_size: usize,
     /// Output tokens the request asks for (`max_completion_tokens`/`max_tokens`, else
-    /// [`DEFAULT_OUTPUT_TOKENS`]): its decode share of the worker's active tokens.
+    /// [`DEFAULT_OUTPUT_TOKENS`], times its choices `n`): its decode share of the worker's
+    /// active tokens.
     pub output_tokens: usize,
 }
 
@@ -214,7 +215,9 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
     }
     Ok(Looked {
         prompt_tokens: tok.tokens.len(),
-        output_tokens: requested.unwrap_or(DEFAULT_OUTPUT_TOKENS),
+        output_tokens: requested
+            .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+            .saturating_mul(body.choices),
         keys: tok.keys,
         seed: tok.seed,
         matches: Vec::new(),

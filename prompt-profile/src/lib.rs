@@ -36,6 +36,7 @@ pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;
 pub use message::{ChatMessage, ContentPart, MessageContent};
+pub use prompt::{choices, MAX_CHOICES};
 pub use prompt::{
     ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
     PromptTokens, TokenBudget,

@@ -431,6 +431,19 @@ impl PromptProfile {
     }
 }
 
+/// The most choices (`n`) one request may ask for. The worker refuses more (`400
+/// invalid_value`); the gateway counts a request's output as `choices × max_tokens`
+/// ([`choices`]), as the worker generates it: one sequence per choice.
+pub const MAX_CHOICES: usize = 16;
+
+/// The choices a body's `n` asks for, as the gateway counts them: `n` when it is an integer in
+/// 1..=[`MAX_CHOICES`], else 1 (absent, or a value the worker refuses anyway).
+pub fn choices(n: Option<&serde_json::Value>) -> usize {
+    n.and_then(serde_json::Value::as_u64)
+        .filter(|n| (1..=MAX_CHOICES as u64).contains(n))
+        .map_or(1, |n| n as usize)
+}
+
 /// The token budget of a served model: `prompt + output + native_reserve <= context_limit`,
 /// else the request is refused (never silently truncated).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,8 +28,9 @@ use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource};
 pub const MAX_STOP_STRINGS: usize = 4;
 
 /// The most choices (`n`) one request may ask for: each is a sequence of its own in the engine
-/// (sharing the prompt's prefill), so this bounds one request's work at `n × max_tokens`.
-pub const MAX_CHOICES: usize = 16;
+/// (sharing the prompt's prefill), so this bounds one request's work at `n × max_tokens`. The
+/// gateway counts output by the same bound (`prompt_profile::choices`).
+pub use prompt_profile::MAX_CHOICES;
 
 /// A validated generation request, before tokenization.
 #[derive(Clone, Debug)]
