@@ -7,7 +7,11 @@
 //! absent; `additionalProperties` may only be `false`); `type` `object`, `array` (`items`),
 //! `string`, `number`, `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of
 //! strings, booleans and null; `anyOf` / `oneOf` whose alternatives begin with different
-//! characters (an object, an array, a string, a number, `true`/`false`, `null`); local `$ref`s
+//! characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
+//! object alternatives may be several when they form a *tagged union*: every one has a
+//! property of the same name whose value is a string `const` (or one-value `enum`) of its own
+//! (`discriminator.propertyName` names it, else the first such property), and the answer
+//! writes that property first, then the chosen alternative's others in its order; local `$ref`s
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
@@ -45,6 +49,12 @@ enum Node {
     Object { props: Vec<(Vec<u8>, usize)> },
     /// One of several nodes, told apart by their first byte.
     Either(Vec<usize>),
+    /// Objects told apart by their first property (`head`: its key and a `Const` node whose
+    /// text `i` selects `alts[i]`, an object with that property first).
+    Tagged {
+        head: Vec<(Vec<u8>, usize)>,
+        alts: Vec<usize>,
+    },
     /// A `$ref` not resolved yet (compilation only).
     Pending,
 }
@@ -137,6 +147,18 @@ impl CompiledSchema {
     }
 }
 
+impl CompiledSchema {
+    /// The properties an object frame of `node` reads (a tagged union: its tag only, until
+    /// the tag picks the alternative).
+    fn props(&self, node: usize) -> Option<&[(Vec<u8>, usize)]> {
+        match &self.nodes[node] {
+            Node::Object { props } => Some(props),
+            Node::Tagged { head, .. } => Some(head),
+            _ => None,
+        }
+    }
+}
+
 fn err(at: &str, reason: impl Into<String>) -> SchemaError {
     SchemaError {
         at: at.to_owned(),
@@ -189,6 +211,7 @@ impl Compiler<'_> {
                         | "const"
                         | "anyOf"
                         | "oneOf"
+                        | "discriminator"
                         | "$defs"
                         | "definitions"
                 );
@@ -208,7 +231,19 @@ impl Compiler<'_> {
             for (i, a) in alts.iter().enumerate() {
                 ids.push(self.node(a, &format!("{at}/anyOf/{i}"))?);
             }
+            let tag = match o.get("discriminator") {
+                None => None,
+                Some(d) => Some(
+                    d.get("propertyName")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| err(at, "`discriminator` needs a string `propertyName`"))?,
+                ),
+            };
+            let ids = self.tag_objects(ids, tag, at)?;
             return self.either(ids, at);
+        }
+        if o.contains_key("discriminator") {
+            return Err(err(at, "`discriminator` goes with `anyOf` / `oneOf`"));
         }
         if let Some(v) = o.get("const") {
             return self.constants(std::slice::from_ref(v), at);
@@ -333,6 +368,104 @@ impl Compiler<'_> {
         self.push(Node::Const(texts), at)
     }
 
+    /// Replaces the object alternatives of `alts` by one [`Node::Tagged`] when there are
+    /// several and they form a tagged union on `tag` (else on their first property that can
+    /// tag them); leaves them as they are when they cannot be tagged, unless `tag` was named.
+    fn tag_objects(
+        &mut self,
+        alts: Vec<usize>,
+        tag: Option<&str>,
+        at: &str,
+    ) -> Result<Vec<usize>, SchemaError> {
+        // A `$ref` is a one-alternative `Either` in front of its target.
+        let resolve = |mut n: usize| {
+            for _ in 0..MAX_SCHEMA_DEPTH {
+                match &self.nodes[n] {
+                    Node::Either(one) if one.len() == 1 => n = one[0],
+                    _ => break,
+                }
+            }
+            n
+        };
+        let objects: Vec<usize> = alts
+            .iter()
+            .copied()
+            .filter(|&a| matches!(self.nodes[resolve(a)], Node::Object { .. }))
+            .collect();
+        let props = |n: usize| match &self.nodes[resolve(n)] {
+            Node::Object { props } => props.as_slice(),
+            _ => &[],
+        };
+        // The text of property `key` of object `n` when it is one string constant.
+        let tag_text = |n: usize, key: &[u8]| -> Option<Vec<u8>> {
+            let &(_, v) = props(n).iter().find(|(k, _)| k == key)?;
+            match &self.nodes[resolve(v)] {
+                Node::Const(t) if t.len() == 1 && t[0].first() == Some(&b'"') => Some(t[0].clone()),
+                _ => None,
+            }
+        };
+        let keys: Vec<Vec<u8>> = match (tag, objects.first()) {
+            (Some(t), _) => vec![serde_json::to_vec(t).map_err(|e| err(at, e.to_string()))?],
+            (None, Some(&first)) => props(first).iter().map(|(k, _)| k.clone()).collect(),
+            (None, None) => Vec::new(),
+        };
+        let mut found = None;
+        if objects.len() >= 2 && objects.len() <= 64 {
+            for key in keys {
+                let texts: Option<Vec<Vec<u8>>> =
+                    objects.iter().map(|&o| tag_text(o, &key)).collect();
+                if let Some(texts) = texts {
+                    let distinct = texts
+                        .iter()
+                        .enumerate()
+                        .all(|(i, t)| !texts[..i].contains(t));
+                    if distinct {
+                        found = Some((key, texts));
+                        break;
+                    }
+                }
+            }
+        }
+        let Some((key, texts)) = found else {
+            return match tag {
+                Some(t) => Err(err(
+                    at,
+                    format!(
+                        "discriminator {t:?}: the alternatives must be 2 to 64 objects, each with a string `const` {t:?} of its own"
+                    ),
+                )),
+                None => Ok(alts),
+            };
+        };
+        // Each alternative again, its tag property first.
+        let lists: Vec<Vec<(Vec<u8>, usize)>> = objects
+            .iter()
+            .map(|&o| {
+                let mut list = props(o).to_vec();
+                if let Some(i) = list.iter().position(|(k, _)| *k == key) {
+                    let p = list.remove(i);
+                    list.insert(0, p);
+                }
+                list
+            })
+            .collect();
+        let mut tagged = Vec::new();
+        for list in lists {
+            tagged.push(self.push(Node::Object { props: list }, at)?);
+        }
+        let tag_node = self.push(Node::Const(texts), at)?;
+        let union = self.push(
+            Node::Tagged {
+                head: vec![(key, tag_node)],
+                alts: tagged,
+            },
+            at,
+        )?;
+        let mut out = vec![union];
+        out.extend(alts.into_iter().filter(|a| !objects.contains(a)));
+        Ok(out)
+    }
+
     /// Alternatives, which must begin with different bytes.
     fn either(&mut self, alts: Vec<usize>, at: &str) -> Result<usize, SchemaError> {
         let mut seen = [false; 256];
@@ -396,7 +529,7 @@ fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
             }
         }
         Node::Array { .. } => out[b'[' as usize] = true,
-        Node::Object { .. } => out[b'{' as usize] = true,
+        Node::Object { .. } | Node::Tagged { .. } => out[b'{' as usize] = true,
         Node::Either(alts) => {
             for &a in alts {
                 first_bytes(nodes, a, out, depth + 1);
@@ -558,7 +691,7 @@ impl SchemaJson {
                 let Some(&Frame::Object { node, next }) = self.stack.last() else {
                     return false;
                 };
-                let Node::Object { props } = &s.nodes[node] else {
+                let Some(props) = s.props(node) else {
                     return false;
                 };
                 if next == props.len() {
@@ -579,7 +712,7 @@ impl SchemaJson {
                 let Some(&Frame::Object { node, next }) = self.stack.last() else {
                     return false;
                 };
-                let Node::Object { props } = &s.nodes[node] else {
+                let Some(props) = s.props(node) else {
                     return false;
                 };
                 let key = &props[next].0;
@@ -600,7 +733,7 @@ impl SchemaJson {
                 let Some(Frame::Object { node, next }) = self.stack.last_mut() else {
                     return false;
                 };
-                let Node::Object { props } = &s.nodes[*node] else {
+                let Some(props) = s.props(*node) else {
                     return false;
                 };
                 let child = props[*next].1;
@@ -624,16 +757,29 @@ impl SchemaJson {
                     return false;
                 };
                 let mut still = 0u64;
-                let mut ended = false;
+                let mut ended = None;
                 for (i, t) in texts.iter().enumerate().take(64) {
                     if alive & (1 << i) != 0 && t.get(read) == Some(&c) {
                         still |= 1 << i;
-                        ended |= t.len() == read + 1;
+                        if t.len() == read + 1 {
+                            ended = Some(i);
+                        }
                     }
                 }
                 if still == 0 {
                     return false;
                 }
+                // The tag of a tagged union: the rest of the object is the chosen alternative.
+                if let (Some(i), Some(Frame::Object { node: f, next: 1 })) =
+                    (ended, self.stack.last_mut())
+                {
+                    if let Node::Tagged { head, alts } = &s.nodes[*f] {
+                        if head[0].1 == node {
+                            *f = alts[i];
+                        }
+                    }
+                }
+                let ended = ended.is_some();
                 // No text is a proper prefix of another (strings end with their quote; the
                 // words differ), so a text read to its end is the value.
                 self.mode = if ended {
@@ -727,7 +873,7 @@ impl SchemaJson {
                 self.mode = Mode::ArrayOpen;
                 true
             }
-            Node::Object { .. } => {
+            Node::Object { .. } | Node::Tagged { .. } => {
                 if c != b'{' || self.stack.len() >= MAX_DEPTH {
                     return false;
                 }
@@ -993,5 +1139,150 @@ mod tests {
             }
         }
         assert!(finished > 20, "only {finished} of 150 runs finished");
+    }
+
+    /// A pydantic discriminated union (`Field(discriminator="pet_type")`), nullable, with the
+    /// tag not first in one alternative.
+    fn pets() -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "pet": {
+                    "anyOf": [
+                        {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                         "discriminator": {"propertyName": "pet_type",
+                                           "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}}},
+                        {"type": "null"}
+                    ]
+                }
+            },
+            "$defs": {
+                "Cat": {"type": "object", "properties": {
+                    "pet_type": {"const": "cat", "type": "string"}, "meows": {"type": "integer"}}},
+                "Dog": {"type": "object", "properties": {
+                    "barks": {"type": "number"}, "pet_type": {"enum": ["dog"]}}}
+            }
+        })
+    }
+
+    #[test]
+    fn tagged_unions_are_told_apart_by_their_tag() {
+        let s = CompiledSchema::compile(&pets()).unwrap();
+        for ok in [
+            r#"{"pet":{"pet_type":"cat","meows":3}}"#,
+            r#"{"pet":{"pet_type":"dog","barks":1.5}}"#,
+            r#"{ "pet" : { "pet_type" : "dog" , "barks" : -2 } }"#,
+            r#"{"pet":null}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"pet":{"meows":3"#,                    // the tag comes first
+            r#"{"pet":{"barks":1"#,                    // also for Dog, whose schema lists it last
+            r#"{"pet":{"pet_type":"cat","barks""#,     // Cat's properties after Cat's tag
+            r#"{"pet":{"pet_type":"dog","meows""#,     // and Dog's after Dog's
+            r#"{"pet":{"pet_type":"bird""#,            // no such alternative
+            r#"{"pet":{"pet_type":"cat","meows":1.5"#, // Cat's types
+            r#"{"pet":{"pet_type":"cat","meows":3,"x""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // Without a `discriminator`, the first property that tags them does.
+        let plain = json!({"type": "object", "properties": {"call": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": "a"}, "arguments": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+            {"type": "object", "properties": {"name": {"const": "b"}, "arguments": {"type": "object", "properties": {}}}}
+        ]}}});
+        let s = CompiledSchema::compile(&plain).unwrap();
+        assert_eq!(
+            run(&s, r#"{"call":{"name":"a","arguments":{"x":1}}}"#),
+            Some(true)
+        );
+        assert_eq!(
+            run(&s, r#"{"call":{"name":"b","arguments":{}}}"#),
+            Some(true)
+        );
+        assert_eq!(run(&s, r#"{"call":{"name":"b","arguments":{"x""#), None);
+        // A discriminator that does not tag the alternatives, or objects that no property tags.
+        for (schema, says) in [
+            (
+                json!({"type": "object", "properties": {"p": {"oneOf": [
+                    {"type": "object", "properties": {"k": {"const": "a"}}},
+                    {"type": "object", "properties": {"k": {"const": "a"}}}],
+                    "discriminator": {"propertyName": "k"}}}}),
+                "discriminator \"k\"",
+            ),
+            (
+                json!({"type": "object", "properties": {"p": {"oneOf": [
+                    {"type": "object", "properties": {"k": {"type": "string"}}},
+                    {"type": "object", "properties": {"j": {"const": "a"}}}]}}}),
+                "cannot be told apart",
+            ),
+            (
+                json!({"type": "object", "properties": {"p": {"type": "object", "discriminator": {"propertyName": "k"}}}}),
+                "goes with `anyOf`",
+            ),
+        ] {
+            let e = CompiledSchema::compile(&schema).unwrap_err();
+            assert!(e.to_string().contains(says), "{e} / {says}");
+            assert_eq!(e.at, "/properties/p", "{e}");
+        }
+    }
+
+    #[test]
+    fn masked_decoding_of_a_tagged_union_writes_one_alternative() {
+        use crate::constraint::{Constraint, TokenTable};
+        use std::sync::Arc;
+        let schema = Arc::new(CompiledSchema::compile(&pets()).unwrap());
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        for piece in [
+            "{\"", "\":", "\"}", "pet", "pet_type", "cat", "dog", "meows", "barks", "null", "12",
+            ".5", "}}",
+        ] {
+            vocab.push(Some(piece.as_bytes().to_vec()));
+        }
+        let stop = vocab.len() as u32;
+        vocab.push(None);
+        let table = Arc::new(TokenTable::new(vocab));
+        let mut kinds = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
+            let mut out = Vec::new();
+            for _ in 0..200 {
+                let mut logits: Vec<f32> =
+                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
+                assert!(state.mask(&mut logits, &[stop]));
+                let t = crate::sampler::argmax(&logits);
+                if t == stop {
+                    let v: Value = serde_json::from_slice(&out)
+                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
+                    let pet = &v["pet"];
+                    let kind = match pet["pet_type"].as_str() {
+                        None => {
+                            assert!(pet.is_null(), "{v}");
+                            "null"
+                        }
+                        Some("cat") => {
+                            let keys: Vec<&String> = pet.as_object().unwrap().keys().collect();
+                            assert_eq!(keys, ["pet_type", "meows"], "{v}");
+                            assert!(pet["meows"].as_f64().is_some_and(|f| f.fract() == 0.0));
+                            "cat"
+                        }
+                        Some("dog") => {
+                            let keys: Vec<&String> = pet.as_object().unwrap().keys().collect();
+                            assert_eq!(keys, ["pet_type", "barks"], "{v}");
+                            assert!(pet["barks"].is_number());
+                            "dog"
+                        }
+                        Some(other) => panic!("{other}: {v}"),
+                    };
+                    kinds.insert(kind);
+                    break;
+                }
+                out.extend_from_slice(table.bytes(t).unwrap());
+                state.advance(t);
+            }
+        }
+        assert_eq!(kinds.len(), 3, "{kinds:?}");
     }
 }
