@@ -475,6 +475,27 @@ def cases(run: Run):
         expect(ok, 200)
         return f"{r1.status} {r1.code()}, {r2.status} {r2.code()}, then 200"
 
+    @case("gw: forced tool call (named, required) -> tool_calls; bad tool_choice / parameters -> 400")
+    def _():
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+                     "type": "object", "properties": {"x": {"type": "integer"}}}}},
+                 {"type": "function", "function": {"name": "g"}}]
+        named = g("POST", "/v1/chat/completions", chat(
+            "smol", "call f", max_tokens=40, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "f"}}))
+        expect(named, 200)
+        call = named.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "f", named.json()
+        expect(g("POST", "/v1/chat/completions", chat("smol", "x", tools=tools, tool_choice={
+            "type": "function", "function": {"name": "nope"}})), 400, "invalid_value")
+        expect(g("POST", "/v1/chat/completions", chat("smol", "x", tool_choice="required")),
+               400, "invalid_value")
+        bad = [{"type": "function", "function": {"name": "h", "parameters": {
+            "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}]
+        r = g("POST", "/v1/chat/completions", chat("smol", "x", tools=bad, tool_choice="required"))
+        expect(r, 400, "unsupported_parameter")
+        return f"f({call['arguments'][:40]}); 400 unknown name, 400 no tools, 400 {r.json()['error']['param']}"
+
     @case("gw: n=3 -> three choices, one receipt; n=17 and n=0 -> 400 invalid_value")
     def _():
         r = g("POST", "/v1/chat/completions", chat("smol", "three please", max_tokens=5, n=3,

@@ -590,10 +590,11 @@ fn openai_tool_calling_flow_through_the_gateway() {
         "openai_tools.py through the gateway failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(stdout.contains("tool flow ok"), "{stdout}");
-    // The script sends four chat requests; each was routed, answered and receipted, and the
+    assert!(stdout.contains("forced calls ok"), "{stdout}");
+    // The script sends six chat requests; each was routed, answered and receipted, and the
     // gateway's prompt (tools and tool-call history rendered) is the worker's.
-    let decisions = fleet.wait_decisions(4);
-    assert_eq!(decisions.len(), 4, "{decisions:?}");
+    let decisions = fleet.wait_decisions(6);
+    assert_eq!(decisions.len(), 6, "{decisions:?}");
     let rep = receipts::audit(
         &fleet.decision_log,
         &fleet.receipt_logs(),
@@ -601,10 +602,10 @@ fn openai_tool_calling_flow_through_the_gateway() {
     )
     .expect("audit");
     assert!(rep.ok(), "audit failed:\n{rep}");
-    assert_eq!(rep.receipted, 4, "{rep}");
+    assert_eq!(rep.receipted, 6, "{rep}");
     assert_eq!(
         (rep.parity.compared, rep.parity.mismatched),
-        (4, 0),
+        (6, 0),
         "{rep}"
     );
     fleet.stop();

@@ -6,7 +6,8 @@ The worker must run SmolLM2-135M-Instruct with `--tool-call-parser hermes`. The 
 carries two worked examples of the Hermes `<tool_call>` format, after which the model (greedy)
 answers the third question with a call (measured: `get_weather {"city": "Paris"}`). Checks:
 tools → `tool_calls` (finish reason `tool_calls`, content null), the same streamed (the deltas
-accumulate to the same call), then the tool result sent back → a final answer. Exits non-zero
+accumulate to the same call), then the tool result sent back → a final answer; then forced
+calls (`tool_choice` naming the function, and `required`) without the worked examples. Exits non-zero
 on any failure; prints one line per check.
 """
 import json
@@ -127,6 +128,24 @@ def main() -> None:
     assert final.usage.prompt_tokens > r.usage.prompt_tokens, (final.usage, r.usage)
     print("after the tool result:", fc.finish_reason, repr(fc.message.content), fc.message.tool_calls)
     print("tool flow ok")
+
+    # Forced calls (no worked examples): a named function, then `required`. The answer is held
+    # to the call's JSON whatever the model would write.
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        f = client.chat.completions.create(
+            model=model, messages=ask, tools=TOOLS, tool_choice=choice, max_tokens=40,
+            temperature=0,
+        )
+        fc = f.choices[0]
+        assert fc.finish_reason == "tool_calls" and fc.message.content is None, f
+        assert len(fc.message.tool_calls) == 1, f
+        forced = fc.message.tool_calls[0]
+        args = json.loads(forced.function.arguments)
+        assert forced.function.name == "get_weather", forced
+        assert list(args) == ["city"] and isinstance(args["city"], str), forced
+        print("forced", json.dumps(choice), "->", forced.function.name, forced.function.arguments)
+    print("forced calls ok")
 
 
 if __name__ == "__main__":

@@ -367,10 +367,10 @@ fn a_body_with_tools_and_template_kwargs() {
     );
 
     let mut bad = body.clone();
-    bad["tool_choice"] = serde_json::json!("required");
+    bad["tool_choice"] = serde_json::json!({"type": "function", "function": {"name": "nope"}});
     let file = write(dir.path(), "bad.json", bad.to_string().as_bytes());
     let mut args = args;
     args[5] = file.to_str().unwrap();
     let e = one_line_error(&args, None);
-    assert!(e.contains("tool_choice"), "{e}");
+    assert!(e.contains("tool_choice.function.name"), "{e}");
 }

@@ -117,6 +117,67 @@ impl CompiledSchema {
             depth: 0,
         };
         let root = c.node(schema, "")?;
+        c.finish(root)
+    }
+
+    /// The schema of one call of one of `tools` (name, `parameters` schema; `tool_choice:
+    /// "required"`): `{"name": <its name>, "arguments": <its parameters>}`, a tagged union on
+    /// `name` when there are several. Each `parameters` is a schema of its own (its `$ref`s are
+    /// its own) and must describe an object. The error names the tool (its index) and the
+    /// place in its `parameters`.
+    pub fn compile_calls(tools: &[(&str, &Value)]) -> Result<CompiledSchema, (usize, SchemaError)> {
+        let Some(&(_, first)) = tools.first() else {
+            return Err((0, err("", "no tools")));
+        };
+        let mut c = Compiler {
+            root: first,
+            nodes: Vec::new(),
+            refs: HashMap::new(),
+            depth: 0,
+        };
+        let mut calls = Vec::new();
+        for (i, &(name, params)) in tools.iter().enumerate() {
+            c.root = params;
+            c.refs.clear();
+            let args = c.node(params, "").map_err(|e| (i, e))?;
+            let mut firsts = [false; 256];
+            first_bytes(&c.nodes, args, &mut firsts, 0);
+            if firsts
+                .iter()
+                .enumerate()
+                .any(|(b, &f)| f && b != usize::from(b'{'))
+            {
+                return Err((i, err("", "`parameters` must describe an object")));
+            }
+            let name = serde_json::to_vec(name).map_err(|e| (i, err("", e.to_string())))?;
+            let name = c.push(Node::Const(vec![name]), "").map_err(|e| (i, e))?;
+            let call = c.push(
+                Node::Object {
+                    props: vec![
+                        (b"\"name\"".to_vec(), name),
+                        (b"\"arguments\"".to_vec(), args),
+                    ],
+                },
+                "",
+            );
+            calls.push(call.map_err(|e| (i, e))?);
+        }
+        let root = match calls.as_slice() {
+            [one] => *one,
+            _ => {
+                let tagged = c.tag_objects(calls, Some("name"), "").map_err(|e| (0, e))?;
+                c.either(tagged, "").map_err(|e| (0, e))?
+            }
+        };
+        c.finish(root).map_err(|e| (0, e))
+    }
+}
+
+impl Compiler<'_> {
+    /// The compiled schema of root `root`, once every value is writable and the root is an
+    /// object.
+    fn finish(self, root: usize) -> Result<CompiledSchema, SchemaError> {
+        let c = self;
         // Every value must be writable: a `$ref` cycle with no type in it never is.
         for n in 0..c.nodes.len() {
             let mut firsts = [false; 256];
@@ -1284,5 +1345,46 @@ mod tests {
             }
         }
         assert_eq!(kinds.len(), 3, "{kinds:?}");
+    }
+
+    #[test]
+    fn a_call_of_one_of_the_tools() {
+        let weather = json!({"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+            "$defs": {"City": {"type": "string"}}});
+        let time = json!({"type": "object", "properties": {"tz": {"$ref": "#/$defs/Tz"}},
+            "$defs": {"Tz": {"enum": ["UTC", "CET"]}}});
+        let s = CompiledSchema::compile_calls(&[("get_weather", &weather), ("get_time", &time)])
+            .unwrap();
+        for ok in [
+            r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#,
+            r#"{"name": "get_time", "arguments": {"tz": "CET"}}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"name":"get_weather","arguments":{"tz""#,
+            r#"{"name":"get_time","arguments":{"tz":"PST""#,
+            r#"{"name":"get_date""#,
+            r#"{"arguments""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        let one = CompiledSchema::compile_calls(&[("get_time", &time)]).unwrap();
+        assert_eq!(
+            run(&one, r#"{"name":"get_time","arguments":{"tz":"UTC"}}"#),
+            Some(true)
+        );
+        assert_eq!(run(&one, r#"{"name":"get_weather""#), None);
+        // A tool whose parameters the automaton cannot hold, or that are not an object: its index.
+        let e = CompiledSchema::compile_calls(&[
+            ("a", &weather),
+            ("b", &json!({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}})),
+        ])
+        .unwrap_err();
+        assert_eq!((e.0, e.1.at.as_str()), (1, "/properties/d"));
+        let e = CompiledSchema::compile_calls(&[("a", &json!({"type": "string"}))]).unwrap_err();
+        assert!(e.1.reason.contains("object"), "{:?}", e);
+        // Two tools of one name cannot be told apart.
+        assert!(CompiledSchema::compile_calls(&[("a", &weather), ("a", &time)]).is_err());
     }
 }

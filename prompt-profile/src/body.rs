@@ -9,7 +9,7 @@
 //! | a required field missing | `missing_parameter` | its path, `messages[0].role` |
 //! | a field of the wrong type | `invalid_type` | its path, `messages[1].content` |
 //! | a value the contract refuses (empty prompt, token id out of the vocabulary, a malformed tool) | `invalid_value` | the field |
-//! | a valid value not served (a batch of prompts, `tool_choice: "required"`) | `unsupported_parameter` | the field |
+//! | a valid value not served (a batch of prompts, a tool that is not a `function`) | `unsupported_parameter` | the field |
 //! | the chat template refuses the conversation | the [`ProfileError::error_type`]: `template_raised`, `template_render_failed`, `invalid_message`, `unknown_token_id` | `messages` or `prompt` |
 //!
 //! A prompt over the context limit is not here: both answer it with its numbers

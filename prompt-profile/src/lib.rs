@@ -39,7 +39,7 @@ pub use message::{ChatMessage, ContentPart, MessageContent};
 pub use prompt::{choices, MAX_CHOICES};
 pub use prompt::{
     ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
-    PromptTokens, TokenBudget,
+    PromptTokens, TokenBudget, ToolChoice,
 };
 pub use stream::{DecodeStream, TokenDecoder};
 pub use template::{ChatTemplate, TemplateInputs, TemplateTokens};

@@ -154,12 +154,76 @@ pub struct FieldError {
     pub param: String,
     /// Why.
     pub reason: String,
-    /// A valid value this server does not serve (e.g. `tool_choice: "required"`), not a
+    /// A valid value this server does not serve (e.g. a tool of another type than `function`), not a
     /// malformed one.
     pub unsupported: bool,
 }
 
+/// What `tool_choice` asks of the answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// `none`: no tool call (the tools still reach the template).
+    None,
+    /// `auto` (the default): the model may call tools, in its own format.
+    Auto,
+    /// `required`: the answer is one call of one of the tools.
+    Required,
+    /// `{"type": "function", "function": {"name": …}}`: the answer is one call of that tool
+    /// (its index in `tools`).
+    Function(usize),
+}
+
 impl ChatTemplateFields {
+    /// The request's `tool_choice`, checked against its `tools`; the error is (param, reason).
+    /// `required` and a named function need tools (the function one of them).
+    pub fn tool_choice(&self) -> std::result::Result<ToolChoice, (String, String)> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let name_of = |t: &serde_json::Value| {
+            t.get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(|n| n.as_str())
+                .map(str::to_string)
+        };
+        let bad = |reason: &str| Err(("tool_choice".to_string(), reason.to_string()));
+        match &self.tool_choice {
+            None | Some(serde_json::Value::Null) => Ok(ToolChoice::Auto),
+            Some(serde_json::Value::String(s)) if s == "none" => Ok(ToolChoice::None),
+            Some(serde_json::Value::String(s)) if s == "auto" => Ok(ToolChoice::Auto),
+            Some(serde_json::Value::String(s)) if s == "required" => {
+                if tools.is_empty() {
+                    return bad("`required` needs `tools`");
+                }
+                Ok(ToolChoice::Required)
+            }
+            Some(serde_json::Value::Object(o)) => {
+                if o.get("type").and_then(|t| t.as_str()) != Some("function") {
+                    return Err(("tool_choice.type".into(), "must be `function`".into()));
+                }
+                let Some(name) = o
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(|n| n.as_str())
+                else {
+                    return Err((
+                        "tool_choice.function.name".into(),
+                        "a named tool choice needs `function.name`".into(),
+                    ));
+                };
+                match tools
+                    .iter()
+                    .position(|t| name_of(t).as_deref() == Some(name))
+                {
+                    Some(i) => Ok(ToolChoice::Function(i)),
+                    None => Err((
+                        "tool_choice.function.name".into(),
+                        format!("{name:?} is not one of the request's `tools`"),
+                    )),
+                }
+            }
+            Some(_) => bad("must be `none`, `auto`, `required` or a function"),
+        }
+    }
+
     /// The chat prompt of `messages` under these fields, or the field that is wrong.
     pub fn prompt(self, messages: Vec<ChatMessage>) -> std::result::Result<ChatPrompt, FieldError> {
         let err = |param: String, reason: String| FieldError {
@@ -193,30 +257,8 @@ impl ChatTemplateFields {
                 }
             }
         }
-        match &self.tool_choice {
-            None | Some(serde_json::Value::Null) => {}
-            Some(serde_json::Value::String(s)) if s == "none" || s == "auto" => {}
-            Some(serde_json::Value::String(s)) if s == "required" => {
-                return Err(unsupported(
-                    "tool_choice".into(),
-                    "`required` needs constrained decoding, which this server does not do; use `auto`"
-                        .into(),
-                ))
-            }
-            Some(serde_json::Value::Object(_)) => {
-                return Err(unsupported(
-                    "tool_choice".into(),
-                    "naming a function needs constrained decoding, which this server does not do; use `auto`"
-                        .into(),
-                ))
-            }
-            Some(_) => {
-                return Err(err(
-                    "tool_choice".into(),
-                    "must be `none`, `auto`, `required` or a function".into(),
-                ))
-            }
-        }
+        self.tool_choice()
+            .map_err(|(param, reason)| err(param, reason))?;
         if let Some(docs) = &self.documents {
             if let Some(i) = docs.iter().position(|d| !d.is_object()) {
                 return Err(err(
@@ -551,6 +593,69 @@ impl KeySpace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_choice_is_checked_against_the_tools() {
+        let fields = |tools: serde_json::Value, choice: serde_json::Value| ChatTemplateFields {
+            tools: serde_json::from_value(tools).unwrap(),
+            tool_choice: Some(choice),
+            ..ChatTemplateFields::default()
+        };
+        let two = serde_json::json!([
+            {"type": "function", "function": {"name": "a"}},
+            {"type": "function", "function": {"name": "b"}}
+        ]);
+        let named = |n: &str| serde_json::json!({"type": "function", "function": {"name": n}});
+        for (tools, choice, want) in [
+            (two.clone(), serde_json::json!("none"), Ok(ToolChoice::None)),
+            (two.clone(), serde_json::json!("auto"), Ok(ToolChoice::Auto)),
+            (two.clone(), serde_json::Value::Null, Ok(ToolChoice::Auto)),
+            (
+                two.clone(),
+                serde_json::json!("required"),
+                Ok(ToolChoice::Required),
+            ),
+            (two.clone(), named("b"), Ok(ToolChoice::Function(1))),
+            (two.clone(), named("c"), Err("tool_choice.function.name")),
+            (
+                two.clone(),
+                serde_json::json!({"type": "function"}),
+                Err("tool_choice.function.name"),
+            ),
+            (
+                two.clone(),
+                serde_json::json!({"type": "tool", "function": {"name": "a"}}),
+                Err("tool_choice.type"),
+            ),
+            (
+                two.clone(),
+                serde_json::json!("sometimes"),
+                Err("tool_choice"),
+            ),
+            (
+                serde_json::Value::Null,
+                serde_json::json!("required"),
+                Err("tool_choice"),
+            ),
+            (
+                serde_json::json!([]),
+                named("a"),
+                Err("tool_choice.function.name"),
+            ),
+        ] {
+            let f = fields(tools, choice.clone());
+            assert_eq!(
+                f.tool_choice().map_err(|(p, _)| p),
+                want.clone().map_err(str::to_string),
+                "{choice}"
+            );
+            // The prompt contract refuses what `tool_choice` refuses, naming the same field.
+            if let Err(p) = want {
+                let e = f.prompt(Vec::new()).unwrap_err();
+                assert_eq!((e.param.as_str(), e.unsupported), (p, false), "{choice}");
+            }
+        }
+    }
 
     #[test]
     fn budget_reports_the_numbers_and_ignores_the_cap_for_the_verdict() {

@@ -353,11 +353,12 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         }
     };
     // The answer parser of this request (chat only): tool calls when the request offers tools
-    // and the worker knows the model's format, reasoning unless `separate_reasoning: false`.
+    // and the worker knows the model's format, reasoning unless `separate_reasoning: false`; a
+    // forced call (`tool_choice`) is JSON whatever the model's format.
     let tool_format = st
         .settings
         .tool_call_parser
-        .filter(|_| plan.answer.tool_calls);
+        .filter(|_| plan.answer.tool_calls && plan.answer.forced.is_none());
     let reasoning_format = st
         .settings
         .reasoning_parser
@@ -372,12 +373,16 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     // One parser per choice; each choice's tool-call ids derive from its own id.
     let parsers: Vec<output_parser::AnswerParser> = (0..plan.n)
         .map(|i| {
-            output_parser::AnswerParser::new(
-                reasoning_format,
-                tool_format,
-                starts_in_reasoning,
-                &choice_id(&ctx.admission.request_id, i),
-            )
+            let id = choice_id(&ctx.admission.request_id, i);
+            match &plan.answer.forced {
+                Some(call) => output_parser::AnswerParser::forced(call.clone(), &id),
+                None => output_parser::AnswerParser::new(
+                    reasoning_format,
+                    tool_format,
+                    starts_in_reasoning,
+                    &id,
+                ),
+            }
         })
         .collect();
     let default_skip_special = !tool_format.is_some_and(|f| f.needs_special_tokens());
@@ -401,6 +406,10 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         }
         validate::AnswerFormat::JsonSchema(s) => {
             st.metrics.constrained("json_schema");
+            Some(engine::Constraint::JsonSchema(st.token_table(), s.clone()))
+        }
+        validate::AnswerFormat::ToolCall(s) => {
+            st.metrics.constrained("tool_call");
             Some(engine::Constraint::JsonSchema(st.token_table(), s.clone()))
         }
     };

@@ -121,8 +121,8 @@ impl ServerMetrics {
         );
         r.register(
             "constrained_requests",
-            "Generation requests whose answer a response_format constrains, by format \
-             (json_object, json_schema)",
+            "Generation requests whose answer a response_format or a forced tool call \
+             constrains, by format (json_object, json_schema, tool_call)",
             m.constrained.clone(),
         );
         r.register_collector(Box::new(EngineCollector { engine, ready }));
@@ -188,7 +188,8 @@ impl ServerMetrics {
         self.cancelled.inc();
     }
 
-    /// Counts a request submitted with a `response_format` constraint.
+    /// Counts a request submitted with a constraint (`response_format`, or `tool_call` for a
+    /// forced tool call).
     pub fn constrained(&self, format: &'static str) {
         self.constrained
             .get_or_create(&vec![("format", format.to_owned())])

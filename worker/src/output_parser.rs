@@ -62,6 +62,18 @@ impl ToolCallFormat {
     }
 }
 
+/// A tool call the request forces (`tool_choice`), written as JSON under constrained decoding
+/// (whatever the model's own tool-call format), so it is read as JSON, not as the model's
+/// format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ForcedCall {
+    /// `{"type": "function", "function": {"name": …}}`: the answer is the arguments object of
+    /// that function.
+    Named(String),
+    /// `required`: the answer is `{"name": …, "arguments": {…}}`.
+    Required,
+}
+
 /// How the model writes its reasoning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReasoningFormat {
@@ -143,6 +155,8 @@ pub struct AnswerParser {
     strip_leading: bool,
     calls: usize,
     request_id: String,
+    /// The answer is one forced call (held to the end, then given out as the call).
+    forced: Option<ForcedCall>,
 }
 
 impl AnswerParser {
@@ -168,12 +182,21 @@ impl AnswerParser {
             strip_leading: false,
             calls: 0,
             request_id: request_id.to_string(),
+            forced: None,
+        }
+    }
+
+    /// A parser for an answer that is one forced call (no reasoning, no model format).
+    pub fn forced(call: ForcedCall, request_id: &str) -> Self {
+        AnswerParser {
+            forced: Some(call),
+            ..AnswerParser::new(None, None, false, request_id)
         }
     }
 
     /// Whether this parser changes anything (some format is set).
     pub fn is_active(&self) -> bool {
-        self.reasoning.is_some() || self.tools.is_some()
+        self.reasoning.is_some() || self.tools.is_some() || self.forced.is_some()
     }
 
     /// Tool calls given out so far.
@@ -197,6 +220,24 @@ impl AnswerParser {
     }
 
     fn run(&mut self, out: &mut Vec<Piece>, end: bool) {
+        if let Some(call) = &self.forced {
+            if !end {
+                return;
+            }
+            let text = std::mem::take(&mut self.buf);
+            let parsed = match call {
+                // The arguments as written (cut short by `max_tokens`, a prefix of them, as
+                // OpenAI gives them with finish reason `length`).
+                ForcedCall::Named(name) => Some((name.clone(), text.trim().to_string())),
+                ForcedCall::Required => parse_call(&text),
+            };
+            match parsed {
+                Some((name, args)) => out.push(self.call(name, args)),
+                // A `required` call cut short: no name to give it; the text is content.
+                None => self.push_content(out, text),
+            }
+            return;
+        }
         loop {
             match self.phase {
                 Phase::Start => {

@@ -18,11 +18,12 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::api_error::ApiError;
+use crate::output_parser::ForcedCall;
 use crate::protocol::{
     ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use engine::sampler::SamplingParams;
-use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource};
+use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource, ToolChoice};
 
 /// The most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -65,13 +66,18 @@ pub enum AnswerFormat {
     JsonObject,
     /// A JSON object of this schema (`{"type": "json_schema", "json_schema": {"schema": …}}`).
     JsonSchema(std::sync::Arc<engine::json_schema::CompiledSchema>),
+    /// A forced tool call (`tool_choice` `required` or a function): its JSON, of this schema
+    /// (the function's `parameters`, or `{"name", "arguments"}` of one of the tools).
+    ToolCall(std::sync::Arc<engine::json_schema::CompiledSchema>),
 }
 
 /// What a chat request asks of the answer parser (`output_parser`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AnswerSpec {
     /// `tools` given (non-empty) and `tool_choice` not `none`: tool calls are parsed.
     pub tool_calls: bool,
+    /// `tool_choice` `required` or a function: the answer is that call, as JSON.
+    pub forced: Option<crate::output_parser::ForcedCall>,
     /// SGLang `separate_reasoning` (default true): reasoning goes to `reasoning_content`.
     pub separate_reasoning: bool,
     /// SGLang `stream_reasoning` (default true): reasoning streams as it forms; false = sent in
@@ -572,9 +578,12 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         add_generation_prompt: r.add_generation_prompt,
         continue_final_message: r.continue_final_message,
     };
-    let answer = AnswerSpec {
+    // An invalid `tool_choice` is refused by the prompt contract below, naming the field.
+    let choice = fields.tool_choice().ok();
+    let mut answer = AnswerSpec {
         tool_calls: fields.tools.as_ref().is_some_and(|t| !t.is_empty())
-            && fields.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
+            && choice != Some(ToolChoice::None),
+        forced: None,
         separate_reasoning: r.separate_reasoning.unwrap_or(true),
         stream_reasoning: r.stream_reasoning.unwrap_or(true),
     };
@@ -583,6 +592,11 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
             "response_format",
             "JSON mode cannot be combined with tools (a tool call is not a JSON object answer); send `tool_choice: \"none\"` or no tools",
         ));
+    }
+    let mut format = format;
+    if let Some(forced) = forced_call(fields.tools.as_deref().unwrap_or_default(), choice)? {
+        answer.forced = Some(forced.0);
+        format = AnswerFormat::ToolCall(std::sync::Arc::new(forced.1));
     }
     let chat = fields.prompt(r.messages).map_err(field_error)?;
     Ok(GenerationPlan {
@@ -599,6 +613,54 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         answer,
         format,
     })
+}
+
+/// The call `tool_choice` forces, with the schema of its JSON: `required` → one call of one of
+/// the tools (`{"name", "arguments"}`), a named function → its arguments. A function's
+/// `parameters` (absent: no arguments, `{}`) must be a schema the automaton holds
+/// (`engine::json_schema`), else `400 unsupported_parameter` naming the tool.
+fn forced_call(
+    tools: &[Value],
+    choice: Option<ToolChoice>,
+) -> Result<Option<(ForcedCall, engine::json_schema::CompiledSchema)>, ApiError> {
+    let empty = serde_json::json!({"type": "object", "properties": {}});
+    let name_params = |t: &Value| {
+        let f = t.get("function");
+        let name = f
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let params = f
+            .and_then(|f| f.get("parameters"))
+            .filter(|p| !p.is_null())
+            .cloned()
+            .unwrap_or_else(|| empty.clone());
+        (name, params)
+    };
+    let refused = |i: usize, e: engine::json_schema::SchemaError| {
+        ApiError::bad_request(
+            "unsupported_parameter",
+            Some(&format!("tools[{i}].function.parameters")),
+            format!("a forced tool call holds the answer to the tool's parameters, and {e}"),
+        )
+    };
+    match choice {
+        Some(ToolChoice::Function(i)) => {
+            let (name, params) = tools.get(i).map(name_params).unwrap_or_default();
+            let schema =
+                engine::json_schema::CompiledSchema::compile(&params).map_err(|e| refused(i, e))?;
+            Ok(Some((ForcedCall::Named(name), schema)))
+        }
+        Some(ToolChoice::Required) => {
+            let all: Vec<(String, Value)> = tools.iter().map(name_params).collect();
+            let refs: Vec<(&str, &Value)> = all.iter().map(|(n, p)| (n.as_str(), p)).collect();
+            let schema = engine::json_schema::CompiledSchema::compile_calls(&refs)
+                .map_err(|(i, e)| refused(i, e))?;
+            Ok(Some((ForcedCall::Required, schema)))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Validates a `/v1/completions` body.
@@ -820,24 +882,56 @@ mod tests {
                 "{v}"
             );
         }
-        for (k, v) in [
+        let schema = r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"string","pattern":"x"}}}}}"#;
+        let e = chat_err(&format!(r#"{{{MSG},"response_format":{schema}}}"#));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("unsupported_parameter", Some("response_format"))
+        );
+        // Forced tool calls: `required` and a named function need tools (the function one of
+        // them) whose parameters the automaton holds; the answer is then held to the call.
+        let tools = r#""tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"x":{"type":"integer"}}}}},{"type":"function","function":{"name":"g"}}]"#;
+        for (choice, param, code) in [
+            (r#""required""#, "tool_choice", "invalid_value"),
             (
-                "response_format",
-                r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"string","pattern":"x"}}}}}"#,
-            ),
-            ("tool_choice", r#""required""#),
-            (
-                "tool_choice",
                 r#"{"type":"function","function":{"name":"f"}}"#,
+                "tool_choice.function.name",
+                "invalid_value",
             ),
         ] {
-            let e = chat_err(&format!(r#"{{{MSG},"{k}":{v}}}"#));
+            let e = chat_err(&format!(r#"{{{MSG},"tool_choice":{choice}}}"#));
             assert_eq!(
                 (e.code, e.param.as_deref()),
-                ("unsupported_parameter", Some(k)),
-                "{k}"
+                (code, Some(param)),
+                "{choice}"
             );
         }
+        for (choice, forced) in [
+            (r#""required""#, ForcedCall::Required),
+            (
+                r#"{"type":"function","function":{"name":"g"}}"#,
+                ForcedCall::Named("g".into()),
+            ),
+        ] {
+            let p =
+                chat(format!(r#"{{{MSG},{tools},"tool_choice":{choice}}}"#).as_bytes()).unwrap();
+            assert_eq!(p.answer.forced, Some(forced), "{choice}");
+            assert!(matches!(p.format, AnswerFormat::ToolCall(_)), "{choice}");
+        }
+        let p = chat(format!(r#"{{{MSG},{tools},"tool_choice":"auto"}}"#).as_bytes()).unwrap();
+        assert!(p.answer.forced.is_none() && matches!(p.format, AnswerFormat::Text));
+        let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"date"}}}}}]"#;
+        let e = chat_err(&format!(r#"{{{MSG},{hostile},"tool_choice":"required"}}"#));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (
+                "unsupported_parameter",
+                Some("tools[1].function.parameters")
+            )
+        );
+        assert!(e.message.contains("/properties/d"), "{}", e.message);
+        // Under `auto` the same tool is only offered: nothing to hold the answer to.
+        assert!(chat(format!(r#"{{{MSG},{hostile}}}"#).as_bytes()).is_ok());
         for (k, v) in [
             ("temperature", "3"),
             ("top_p", "0"),

@@ -237,7 +237,6 @@ async fn every_request_error_has_its_status_code_and_param() {
     );
     // Unsupported parameters, never silently ignored.
     for (k, v) in [
-        ("tool_choice", json!("required")),
         ("return_hidden_states", json!(true)),
         (
             "response_format",
@@ -961,7 +960,7 @@ async fn metrics_text_is_valid_openmetrics_with_the_expected_series() {
         post(
             &w,
             "/v1/chat/completions",
-            &chat_body("x", json!({"tool_choice": "required"})),
+            &chat_body("x", json!({"return_hidden_states": true})),
         )
         .await,
     )

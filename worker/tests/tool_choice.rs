@@ -1,0 +1,173 @@
+//! Forced tool calls (`tool_choice: "required"` or a named function) through the worker's HTTP
+//! API, on the real SmolLM2 model (which has no tool-call format of its own): the answer is
+//! held to the call's JSON by constrained decoding and given out as `tool_calls`, streamed the
+//! same, for every choice; `auto` leaves the model's prose alone.
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::*;
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}},
+        {"type": "function", "function": {
+            "name": "get_time",
+            "description": "The time in a time zone.",
+            "parameters": {"type": "object",
+                           "properties": {"zone": {"$ref": "#/$defs/Zone"}},
+                           "$defs": {"Zone": {"enum": ["UTC", "CET", "PST"]}}}}}
+    ])
+}
+
+fn ask(choice: Value, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "smollm2",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant with tools."},
+            {"role": "user", "content": "What is the weather like in Paris today?"}
+        ],
+        "tools": tools(),
+        "tool_choice": choice,
+        "max_tokens": 60,
+        "temperature": 0
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// Checks one choice's call against the tools' parameters; returns (name, arguments).
+fn call_of(choice: &Value) -> (String, Value) {
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    let m = &choice["message"];
+    assert!(m["content"].is_null(), "{choice}");
+    let calls = m["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{choice}"));
+    assert_eq!(calls.len(), 1, "{choice}");
+    let c = &calls[0];
+    assert_eq!(c["type"], "function");
+    assert!(c["id"].as_str().unwrap().starts_with("call_"), "{c}");
+    let name = c["function"]["name"].as_str().unwrap().to_string();
+    let args: Value = serde_json::from_str(c["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{e}: {c}"));
+    match name.as_str() {
+        "get_weather" => assert!(
+            args["city"].is_string() && args.as_object().unwrap().len() == 1,
+            "{args}"
+        ),
+        "get_time" => assert!(
+            ["UTC", "CET", "PST"].contains(&args["zone"].as_str().unwrap_or_default()),
+            "{args}"
+        ),
+        other => panic!("{other}"),
+    }
+    (name, args)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_tool_calls_are_held_to_the_tools_schemas() {
+    let w = start_sim(SimOpts {
+        real_model: true,
+        ..SimOpts::default()
+    })
+    .await;
+    // `auto`: SmolLM2 has no tool-call format; it answers in prose, no calls.
+    let r = post_json(&w, "/v1/chat/completions", &ask(json!("auto"), json!({}))).await;
+    assert!(r["choices"][0]["message"]["tool_calls"].is_null(), "{r}");
+    assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
+
+    // A named function: its arguments.
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    let r = post_json(&w, "/v1/chat/completions", &ask(named.clone(), json!({}))).await;
+    let (name, args) = call_of(&r["choices"][0]);
+    assert_eq!(name, "get_time");
+    println!("named: get_time {args}");
+
+    // `required`: a call of one of them, the model choosing which (greedy: the weather).
+    let r = post_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(json!("required"), json!({})),
+    )
+    .await;
+    let (name, args) = call_of(&r["choices"][0]);
+    println!("required: {name} {args}");
+
+    // Streamed: the call arrives as tool_calls deltas (id, name, then the arguments) that
+    // accumulate to the same call; the last choice chunk's finish reason is `tool_calls`.
+    let chunks = post_sse_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(json!("required"), json!({"stream": true})),
+    )
+    .await;
+    let (mut s_name, mut s_args, mut finish) = (String::new(), String::new(), String::new());
+    for c in &chunks {
+        let Some(ch) = c["choices"].as_array().and_then(|a| a.first()) else {
+            continue;
+        };
+        for d in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            s_name.push_str(d["function"]["name"].as_str().unwrap_or_default());
+            s_args.push_str(d["function"]["arguments"].as_str().unwrap_or_default());
+        }
+        if let Some(f) = ch["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    assert_eq!(
+        (s_name.as_str(), finish.as_str()),
+        (name.as_str(), "tool_calls")
+    );
+    assert_eq!(serde_json::from_str::<Value>(&s_args).unwrap(), args);
+
+    // Every choice is a call (sampled, so they may differ), with ids of their own.
+    let r = post_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(
+            json!("required"),
+            json!({"n": 3, "temperature": 0.7, "seed": 4, "max_tokens": 200}),
+        ),
+    )
+    .await;
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut ids = std::collections::BTreeSet::new();
+    for c in choices {
+        call_of(c);
+        ids.insert(
+            c["message"]["tool_calls"][0]["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_eq!(ids.len(), 3, "{r}");
+
+    // Cut by max_tokens: the named call's arguments so far, finish reason `length`.
+    let r = post_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(named, json!({"max_tokens": 3})),
+    )
+    .await;
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "length", "{r}");
+    assert_eq!(
+        c["message"]["tool_calls"][0]["function"]["name"],
+        "get_time"
+    );
+    let m = metrics_text(&w).await;
+    assert!(
+        m.contains("kvgate_worker_constrained_requests_total{format=\"tool_call\"} 5"),
+        "{m}"
+    );
+    w.stop().await;
+}
