@@ -2,10 +2,11 @@
 //! a byte automaton that [`crate::constraint`] masks tokens with, as JSON mode does with any
 //! object.
 //!
-//! The subset is OpenAI's strict mode: every object lists its `properties`, and the answer
-//! writes **every** property, in the schema's order (`required` may list them all or be
-//! absent; `additionalProperties` may only be `false`); `type` `object`, `array` (`items`),
-//! `string`, `number`, `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of
+//! Objects list their `properties`; the answer writes them in the schema's order, every
+//! `required` one and, as the model chooses, the others (JSON Schema: a property not in
+//! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
+//! row); `additionalProperties` may only be `false` (absent = false: no other key is
+//! written); `type` `object`, `array` (`items`), `string`, `number`, `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of
 //! strings, booleans and null; `anyOf` / `oneOf` whose alternatives begin with different
 //! characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
 //! object alternatives may be several when they form a *tagged union*: every one has a
@@ -32,6 +33,21 @@ const MAX_INTEGER_LEN: u8 = 18;
 /// Most nodes a compiled schema may have.
 const MAX_NODES: usize = 4096;
 
+/// Most optional properties in a row (the candidates for the next key are a 64-bit mask: the
+/// optional ones and the required one after them).
+const MAX_OPTIONAL_RUN: usize = 63;
+
+/// A property of an object node.
+#[derive(Clone, Debug, PartialEq)]
+struct Prop {
+    /// The key as JSON text (`"name"`).
+    key: Vec<u8>,
+    /// The value's node.
+    node: usize,
+    /// Must be written (else it may be left out).
+    required: bool,
+}
+
 /// One node of a compiled schema.
 #[derive(Clone, Debug, PartialEq)]
 enum Node {
@@ -44,17 +60,14 @@ enum Node {
     Const(Vec<Vec<u8>>),
     /// An array of `items`.
     Array { items: usize },
-    /// An object with these properties (`"key"` as JSON text, value node), all written, in
-    /// this order.
-    Object { props: Vec<(Vec<u8>, usize)> },
+    /// An object with these properties, written in this order (the optional ones as the
+    /// model chooses).
+    Object { props: Vec<Prop> },
     /// One of several nodes, told apart by their first byte.
     Either(Vec<usize>),
     /// Objects told apart by their first property (`head`: its key and a `Const` node whose
     /// text `i` selects `alts[i]`, an object with that property first).
-    Tagged {
-        head: Vec<(Vec<u8>, usize)>,
-        alts: Vec<usize>,
-    },
+    Tagged { head: Vec<Prop>, alts: Vec<usize> },
     /// A `$ref` not resolved yet (compilation only).
     Pending,
 }
@@ -151,12 +164,14 @@ impl CompiledSchema {
             }
             let name = serde_json::to_vec(name).map_err(|e| (i, err("", e.to_string())))?;
             let name = c.push(Node::Const(vec![name]), "").map_err(|e| (i, e))?;
+            let prop = |key: &[u8], node| Prop {
+                key: key.to_vec(),
+                node,
+                required: true,
+            };
             let call = c.push(
                 Node::Object {
-                    props: vec![
-                        (b"\"name\"".to_vec(), name),
-                        (b"\"arguments\"".to_vec(), args),
-                    ],
+                    props: vec![prop(b"\"name\"", name), prop(b"\"arguments\"", args)],
                 },
                 "",
             );
@@ -211,7 +226,7 @@ impl Compiler<'_> {
 impl CompiledSchema {
     /// The properties an object frame of `node` reads (a tagged union: its tag only, until
     /// the tag picks the alternative).
-    fn props(&self, node: usize) -> Option<&[(Vec<u8>, usize)]> {
+    fn props(&self, node: usize) -> Option<&[Prop]> {
         match &self.nodes[node] {
             Node::Object { props } => Some(props),
             Node::Tagged { head, .. } => Some(head),
@@ -380,6 +395,7 @@ impl Compiler<'_> {
             Some(Value::Object(p)) => p.clone(),
             Some(_) => return Err(err(at, "`properties` must be an object")),
         };
+        let mut required = Vec::new();
         if let Some(req) = o.get("required") {
             let req = req
                 .as_array()
@@ -394,15 +410,31 @@ impl Compiler<'_> {
                         format!("required property {name:?} is not in `properties`"),
                     ));
                 }
+                required.push(name.to_string());
             }
         }
         let slot = self.push(Node::Pending, at)?;
         let mut list = Vec::new();
+        let mut optional_run = 0;
         for (name, s) in &props {
             let key = serde_json::to_vec(&Value::String(name.clone()))
                 .map_err(|e| err(at, e.to_string()))?;
             let child = self.node(s, &format!("{at}/properties/{name}"))?;
-            list.push((key, child));
+            let required = required.contains(name);
+            optional_run = if required { 0 } else { optional_run + 1 };
+            if optional_run > MAX_OPTIONAL_RUN {
+                return Err(err(
+                    at,
+                    format!(
+                        "more than {MAX_OPTIONAL_RUN} optional properties in a row (list some in `required`)"
+                    ),
+                ));
+            }
+            list.push(Prop {
+                key,
+                node: child,
+                required,
+            });
         }
         self.nodes[slot] = Node::Object { props: list };
         Ok(slot)
@@ -459,7 +491,7 @@ impl Compiler<'_> {
         };
         // The text of property `key` of object `n` when it is one string constant.
         let tag_text = |n: usize, key: &[u8]| -> Option<Vec<u8>> {
-            let &(_, v) = props(n).iter().find(|(k, _)| k == key)?;
+            let v = props(n).iter().find(|p| p.key == key)?.node;
             match &self.nodes[resolve(v)] {
                 Node::Const(t) if t.len() == 1 && t[0].first() == Some(&b'"') => Some(t[0].clone()),
                 _ => None,
@@ -467,7 +499,7 @@ impl Compiler<'_> {
         };
         let keys: Vec<Vec<u8>> = match (tag, objects.first()) {
             (Some(t), _) => vec![serde_json::to_vec(t).map_err(|e| err(at, e.to_string()))?],
-            (None, Some(&first)) => props(first).iter().map(|(k, _)| k.clone()).collect(),
+            (None, Some(&first)) => props(first).iter().map(|p| p.key.clone()).collect(),
             (None, None) => Vec::new(),
         };
         let mut found = None;
@@ -499,12 +531,14 @@ impl Compiler<'_> {
             };
         };
         // Each alternative again, its tag property first.
-        let lists: Vec<Vec<(Vec<u8>, usize)>> = objects
+        let lists: Vec<Vec<Prop>> = objects
             .iter()
             .map(|&o| {
                 let mut list = props(o).to_vec();
-                if let Some(i) = list.iter().position(|(k, _)| *k == key) {
-                    let p = list.remove(i);
+                if let Some(i) = list.iter().position(|p| p.key == key) {
+                    let mut p = list.remove(i);
+                    // Written first, always: it says which alternative follows.
+                    p.required = true;
                     list.insert(0, p);
                 }
                 list
@@ -517,7 +551,11 @@ impl Compiler<'_> {
         let tag_node = self.push(Node::Const(texts), at)?;
         let union = self.push(
             Node::Tagged {
-                head: vec![(key, tag_node)],
+                head: vec![Prop {
+                    key,
+                    node: tag_node,
+                    required: true,
+                }],
                 alts: tagged,
             },
             at,
@@ -571,6 +609,20 @@ impl Compiler<'_> {
     }
 }
 
+/// The candidates for the next key among `rest` (the properties not written yet): the optional
+/// ones up to and including the first required one, as a mask over `rest` (at most 64:
+/// the compiler bounds runs of optional properties).
+fn candidates(rest: &[Prop]) -> u64 {
+    let mut mask = 0u64;
+    for (k, p) in rest.iter().enumerate().take(64) {
+        mask |= 1 << k;
+        if p.required {
+            break;
+        }
+    }
+    mask
+}
+
 /// The bytes a value of node `n` may begin with.
 fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
     if depth > 64 {
@@ -618,10 +670,15 @@ enum Mode {
     ArrayOpen,
     /// After an array item: `,` or `]`.
     AfterItem,
-    /// In an object, before the next property's key (or `}` when all were written).
+    /// In an object, after `{` (`first`) or after a property: the next key (after `,` unless
+    /// `first`), or `}` when no required property is left.
     BeforeKey { first: bool },
-    /// Reading the key text of the innermost object's next property.
-    Key { read: usize },
+    /// After `,` in an object: a key must come.
+    AfterComma,
+    /// Reading the key of the innermost object's next property: of the candidates (bit `k`:
+    /// property `next + k`, the optional ones that may be skipped and the required one after
+    /// them), those still possible, and how many bytes were read.
+    Key { read: usize, alive: u64 },
     /// After a key: `:`.
     Colon,
     /// In a string value.
@@ -681,6 +738,7 @@ impl SchemaJson {
                 | Mode::ArrayOpen
                 | Mode::AfterItem
                 | Mode::BeforeKey { .. }
+                | Mode::AfterComma
                 | Mode::Colon
                 | Mode::After
                 | Mode::Done
@@ -755,35 +813,69 @@ impl SchemaJson {
                 let Some(props) = s.props(node) else {
                     return false;
                 };
+                if c == b'}' {
+                    return props[next..].iter().all(|p| !p.required) && self.close();
+                }
                 if next == props.len() {
-                    return c == b'}' && self.close();
+                    return false;
                 }
                 if !first {
                     // The separator before every key but the first.
                     if c == b',' {
-                        self.mode = Mode::BeforeKey { first: true };
+                        self.mode = Mode::AfterComma;
                         return true;
                     }
                     return false;
                 }
-                self.mode = Mode::Key { read: 0 };
+                self.mode = Mode::Key {
+                    read: 0,
+                    alive: candidates(&props[next..]),
+                };
                 self.step(s, c)
             }
-            Mode::Key { read } => {
+            Mode::AfterComma => {
                 let Some(&Frame::Object { node, next }) = self.stack.last() else {
                     return false;
                 };
                 let Some(props) = s.props(node) else {
                     return false;
                 };
-                let key = &props[next].0;
-                if key.get(read) != Some(&c) {
+                self.mode = Mode::Key {
+                    read: 0,
+                    alive: candidates(&props[next..]),
+                };
+                self.step(s, c)
+            }
+            Mode::Key { read, alive } => {
+                let Some(Frame::Object { node, next }) = self.stack.last_mut() else {
+                    return false;
+                };
+                let Some(props) = s.props(*node) else {
+                    return false;
+                };
+                let mut still = 0u64;
+                let mut ended = None;
+                for (k, p) in props[*next..].iter().enumerate().take(64) {
+                    if alive & (1 << k) != 0 && p.key.get(read) == Some(&c) {
+                        still |= 1 << k;
+                        if p.key.len() == read + 1 {
+                            ended = Some(k);
+                        }
+                    }
+                }
+                if still == 0 {
                     return false;
                 }
-                self.mode = if read + 1 == key.len() {
-                    Mode::Colon
-                } else {
-                    Mode::Key { read: read + 1 }
+                // No key is a proper prefix of another (each ends with its quote).
+                self.mode = match ended {
+                    Some(k) => {
+                        *next += k;
+                        Mode::Colon
+                    }
+                    None => Mode::Key {
+                        read: read + 1,
+                        alive: still,
+                    },
                 };
                 true
             }
@@ -797,7 +889,7 @@ impl SchemaJson {
                 let Some(props) = s.props(*node) else {
                     return false;
                 };
-                let child = props[*next].1;
+                let child = props[*next].node;
                 *next += 1;
                 self.mode = Mode::Value { node: child };
                 true
@@ -835,7 +927,7 @@ impl SchemaJson {
                     (ended, self.stack.last_mut())
                 {
                     if let Node::Tagged { head, alts } = &s.nodes[*f] {
-                        if head[0].1 == node {
+                        if head[0].node == node {
                             *f = alts[i];
                         }
                     }
@@ -1134,7 +1226,7 @@ mod tests {
             "$defs": {"Node": {"type": "object", "properties": {
                 "v": {"type": "integer"},
                 "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}
-            }}}
+            }, "required": ["v", "kids"]}}
         });
         let s = CompiledSchema::compile(&tree).unwrap();
         let text = r#"{"v":1,"kids":[{"v":2,"kids":[]},{"v":3,"kids":[{"v":4,"kids":[]}]}]}"#;
@@ -1217,11 +1309,14 @@ mod tests {
                     ]
                 }
             },
+            "required": ["pet"],
             "$defs": {
                 "Cat": {"type": "object", "properties": {
-                    "pet_type": {"const": "cat", "type": "string"}, "meows": {"type": "integer"}}},
+                    "pet_type": {"const": "cat", "type": "string"}, "meows": {"type": "integer"}},
+                    "required": ["pet_type", "meows"]},
                 "Dog": {"type": "object", "properties": {
-                    "barks": {"type": "number"}, "pet_type": {"enum": ["dog"]}}}
+                    "barks": {"type": "number"}, "pet_type": {"enum": ["dog"]}},
+                    "required": ["barks", "pet_type"]}
             }
         })
     }
@@ -1386,5 +1481,119 @@ mod tests {
         assert!(e.1.reason.contains("object"), "{:?}", e);
         // Two tools of one name cannot be told apart.
         assert!(CompiledSchema::compile_calls(&[("a", &weather), ("a", &time)]).is_err());
+    }
+
+    #[test]
+    fn optional_properties_may_be_left_out_in_order() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "string"},
+            "d": {"type": "integer"}}, "required": ["a", "d"]}))
+        .unwrap();
+        for ok in [
+            r#"{"a":1,"d":2}"#,
+            r#"{"a":1,"b":2,"d":3}"#,
+            r#"{"a":1,"c":"x","d":3}"#,
+            r#"{ "a" : 1 , "b" : 2 , "c" : "x" , "d" : 3 }"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{}"#,                 // a is required
+            r#"{"b":1"#,             // so it comes first
+            r#"{"a":1}"#,            // d is required
+            r#"{"a":1,"c":"x","b""#, // the schema's order
+            r#"{"a":1,}"#,           // no trailing comma
+            r#"{"a":1,"d":2,"b""#,   // nothing after the last
+            r#"{"a":1,"e""#,         // no other key
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // No `required`: every property may be left out, `{}` included.
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "x": {"type": "string"}, "y": {"type": "boolean"}}}))
+        .unwrap();
+        for ok in [
+            r#"{}"#,
+            r#"{"y":true}"#,
+            r#"{"x":"a"}"#,
+            r#"{"x":"a","y":false}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        assert_eq!(run(&s, r#"{"y":true,"x""#), None);
+        // Keys that share a prefix are told apart to their last byte.
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "ab": {"type": "integer"}, "abc": {"type": "integer"}, "a": {"type": "integer"}}}))
+        .unwrap();
+        for ok in [r#"{"abc":1}"#, r#"{"ab":1,"a":2}"#, r#"{"a":2}"#] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        // Runs of optional properties are bounded.
+        let many: serde_json::Map<String, Value> = (0..64)
+            .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+            .collect();
+        let e =
+            CompiledSchema::compile(&json!({"type": "object", "properties": many})).unwrap_err();
+        assert!(e.reason.contains("optional properties in a row"), "{e}");
+    }
+
+    #[test]
+    fn masked_decoding_leaves_out_optional_properties_or_writes_them() {
+        use crate::constraint::{Constraint, TokenTable};
+        use std::sync::Arc;
+        let schema = Arc::new(
+            CompiledSchema::compile(&json!({"type": "object", "properties": {
+                "id": {"type": "integer"}, "note": {"type": "string"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "ok": {"type": "boolean"}}, "required": ["id", "ok"]}))
+            .unwrap(),
+        );
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        for piece in [
+            "{\"", "\":", "\",\"", "id", "note", "tags", "ok", "true", "[\"", "\"]", "12",
+        ] {
+            vocab.push(Some(piece.as_bytes().to_vec()));
+        }
+        let stop = vocab.len() as u32;
+        vocab.push(None);
+        let table = Arc::new(TokenTable::new(vocab));
+        let mut shapes = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
+            let mut out = Vec::new();
+            for _ in 0..200 {
+                let mut logits: Vec<f32> =
+                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
+                assert!(state.mask(&mut logits, &[stop]));
+                let t = crate::sampler::argmax(&logits);
+                if t == stop {
+                    let v: Value = serde_json::from_slice(&out)
+                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
+                    let keys: Vec<&str> =
+                        v.as_object().unwrap().keys().map(String::as_str).collect();
+                    let order = ["id", "note", "tags", "ok"];
+                    let mut at = 0;
+                    for k in &keys {
+                        let i = order.iter().position(|o| o == k).unwrap();
+                        assert!(i >= at, "{v}");
+                        at = i + 1;
+                    }
+                    assert!(keys.contains(&"id") && keys.contains(&"ok"), "{v}");
+                    shapes.insert(keys.join(","));
+                    break;
+                }
+                out.extend_from_slice(table.bytes(t).unwrap());
+                state.advance(t);
+            }
+        }
+        // Both kinds of answer occur: optional properties left out and written.
+        assert!(shapes.contains("id,ok"), "{shapes:?}");
+        assert!(
+            shapes
+                .iter()
+                .any(|s| s.contains("note") || s.contains("tags")),
+            "{shapes:?}"
+        );
     }
 }

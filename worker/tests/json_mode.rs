@@ -143,7 +143,8 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
     println!("{complete} of 12 simulated answers completed their object");
     // A schema holds the simulated engine too: its keys, in order, when it completes.
     let schema = json!({"type": "object", "properties": {
-        "ok": {"type": "boolean"}, "n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}});
+        "ok": {"type": "boolean"}, "n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+        "required": ["ok", "n", "tag"]});
     let mut schema_complete = 0;
     for seed in 0..12 {
         let mut body = ask(

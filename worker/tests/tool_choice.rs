@@ -13,13 +13,16 @@ fn tools() -> Value {
         {"type": "function", "function": {
             "name": "get_weather",
             "description": "The current weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+            "parameters": {"type": "object",
+                           "properties": {"city": {"type": "string"},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
                            "required": ["city"]}}},
         {"type": "function", "function": {
             "name": "get_time",
             "description": "The time in a time zone.",
             "parameters": {"type": "object",
                            "properties": {"zone": {"$ref": "#/$defs/Zone"}},
+                           "required": ["zone"],
                            "$defs": {"Zone": {"enum": ["UTC", "CET", "PST"]}}}}}
     ])
 }
@@ -58,10 +61,17 @@ fn call_of(choice: &Value) -> (String, Value) {
     let args: Value = serde_json::from_str(c["function"]["arguments"].as_str().unwrap())
         .unwrap_or_else(|e| panic!("{e}: {c}"));
     match name.as_str() {
-        "get_weather" => assert!(
-            args["city"].is_string() && args.as_object().unwrap().len() == 1,
-            "{args}"
-        ),
+        "get_weather" => {
+            // `unit` is optional: left out, or one of its values.
+            let keys: Vec<&String> = args.as_object().unwrap().keys().collect();
+            assert!(keys == ["city"] || keys == ["city", "unit"], "{args}");
+            assert!(args["city"].is_string(), "{args}");
+            assert!(
+                args.get("unit")
+                    .is_none_or(|u| u == "celsius" || u == "fahrenheit"),
+                "{args}"
+            );
+        }
         "get_time" => assert!(
             ["UTC", "CET", "PST"].contains(&args["zone"].as_str().unwrap_or_default()),
             "{args}"
