@@ -6,8 +6,9 @@
 //! `required` one and, as the model chooses, the others (JSON Schema: a property not in
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
 //! row); `additionalProperties` may only be `false` (absent = false: no other key is
-//! written); `type` `object`, `array` (`items`), `string`, `number`, `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of
-//! strings, booleans and null; `anyOf` / `oneOf` whose alternatives begin with different
+//! written); `type` `object`, `array` (`items`), `string`, `number`, `integer`, `boolean`,
+//! `null`, or a list of them; `enum` / `const` of strings, numbers (written as serde_json writes
+//! them), booleans and null, at most 64 values; `anyOf` / `oneOf` whose alternatives begin with different
 //! characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
 //! object alternatives may be several when they form a *tagged union*: every one has a
 //! property of the same name whose value is a string `const` (or one-value `enum`) of its own
@@ -17,7 +18,7 @@
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
 //! would constrain the text in a way the automaton does not enforce (`pattern`, `format`,
-//! `minLength`, `minimum`, `minItems`, `patternProperties`, `allOf`, `not`, number enums, …)
+//! `minLength`, `minimum`, `minItems`, `patternProperties`, `allOf`, `not`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -444,7 +445,8 @@ impl Compiler<'_> {
         let mut texts = Vec::new();
         for v in vs {
             match v {
-                Value::String(_) | Value::Bool(_) | Value::Null => {
+                // A number is written as serde_json writes it (`1`, `-2`, `2.5`).
+                Value::String(_) | Value::Bool(_) | Value::Null | Value::Number(_) => {
                     let t = serde_json::to_vec(v).map_err(|e| err(at, e.to_string()))?;
                     if !texts.contains(&t) {
                         texts.push(t);
@@ -453,10 +455,13 @@ impl Compiler<'_> {
                 _ => {
                     return Err(err(
                         at,
-                        "`enum` / `const` values must be strings, booleans or null",
+                        "`enum` / `const` values must be strings, numbers, booleans or null",
                     ))
                 }
             }
+        }
+        if texts.len() > 64 {
+            return Err(err(at, "an `enum` of more than 64 values"));
         }
         self.push(Node::Const(texts), at)
     }
@@ -609,6 +614,26 @@ impl Compiler<'_> {
     }
 }
 
+/// Where a `Const` node's value stands once `read` bytes matched the texts `alive`, one of
+/// which ended there when `ended`: the value is complete unless a longer text is still alive
+/// (strings end with their quote and words differ, so only numbers are prefixes of others).
+fn const_mode(texts: &[Vec<u8>], node: usize, alive: u64, read: usize, ended: bool) -> Mode {
+    let longer = texts
+        .iter()
+        .enumerate()
+        .take(64)
+        .any(|(i, t)| alive & (1 << i) != 0 && t.len() > read);
+    match (ended, longer) {
+        (true, false) => Mode::After,
+        (complete, _) => Mode::InConst {
+            node,
+            alive,
+            read,
+            complete,
+        },
+    }
+}
+
 /// The candidates for the next key among `rest` (the properties not written yet): the optional
 /// ones up to and including the first required one, as a mask over `rest` (at most 64:
 /// the compiler bounds runs of optional properties).
@@ -686,11 +711,14 @@ enum Mode {
     /// In a number.
     InNum { at: Num, len: u8, integer: bool },
     /// In one of the texts of a `Const` node: which are still possible (a bit mask over its
-    /// first 64 texts) and how many bytes were read.
+    /// texts, at most 64) and how many bytes were read; `complete`: one of them was read to its
+    /// end and a longer one is still possible (numbers: `1` and `12`), so a byte that continues
+    /// none of them ends the value.
     InConst {
         node: usize,
         alive: u64,
         read: usize,
+        complete: bool,
     },
     /// The value of the innermost container (or the root) is complete.
     After,
@@ -905,7 +933,12 @@ impl SchemaJson {
                 }
                 None => false,
             },
-            Mode::InConst { node, alive, read } => {
+            Mode::InConst {
+                node,
+                alive,
+                read,
+                complete,
+            } => {
                 let Node::Const(texts) = &s.nodes[node] else {
                     return false;
                 };
@@ -920,6 +953,11 @@ impl SchemaJson {
                     }
                 }
                 if still == 0 {
+                    // A number read to its end, and this byte is what follows it.
+                    if complete {
+                        self.mode = Mode::After;
+                        return self.step(s, c);
+                    }
                     return false;
                 }
                 // The tag of a tagged union: the rest of the object is the chosen alternative.
@@ -932,18 +970,7 @@ impl SchemaJson {
                         }
                     }
                 }
-                let ended = ended.is_some();
-                // No text is a proper prefix of another (strings end with their quote; the
-                // words differ), so a text read to its end is the value.
-                self.mode = if ended {
-                    Mode::After
-                } else {
-                    Mode::InConst {
-                        node,
-                        alive: still,
-                        read: read + 1,
-                    }
-                };
+                self.mode = const_mode(texts, node, still, read + 1, ended.is_some());
                 true
             }
             Mode::After => match self.stack.last() {
@@ -1007,15 +1034,7 @@ impl SchemaJson {
                     .enumerate()
                     .take(64)
                     .any(|(i, t)| alive & (1 << i) != 0 && t.len() == 1);
-                self.mode = if ended {
-                    Mode::After
-                } else {
-                    Mode::InConst {
-                        node,
-                        alive,
-                        read: 1,
-                    }
-                };
+                self.mode = const_mode(texts, node, alive, 1, ended);
                 true
             }
             Node::Array { .. } => {
@@ -1165,9 +1184,9 @@ mod tests {
                 "`type`",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}}),
+                json!({"type": "object", "properties": {"a": {"enum": [{"x": 1}]}}}),
                 "/properties/a",
-                "strings, booleans or null",
+                "strings, numbers, booleans or null",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}),
@@ -1595,5 +1614,37 @@ mod tests {
                 .any(|s| s.contains("note") || s.contains("tags")),
             "{shapes:?}"
         );
+    }
+
+    #[test]
+    fn number_enums_are_written_as_listed() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "p": {"enum": [1, 12, -3, 2.5]}, "q": {"const": 7}, "r": {"type": "array", "items": {"enum": [1, 10]}}},
+            "required": ["p", "q", "r"]}))
+        .unwrap();
+        for ok in [
+            r#"{"p":1,"q":7,"r":[]}"#,
+            r#"{"p":12,"q":7,"r":[10,1,10]}"#,
+            r#"{"p":-3 ,"q":7,"r":[1 ]}"#,
+            r#"{"p":2.5,"q":7,"r":[1]}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"p":2,"#,  // not listed
+            r#"{"p":123"#, // longer than any
+            r#"{"p":1.0"#, // written as listed: 1, not 1.0
+            r#"{"p":1,"q":70"#,
+            r#"{"p":1,"q":7,"r":[100"#,
+            r#"{"p":"1""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        let many: Vec<Value> = (0..65).map(|i| json!(i)).collect();
+        let e = CompiledSchema::compile(
+            &json!({"type": "object", "properties": {"a": {"enum": many}}}),
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("more than 64"), "{e}");
     }
 }
