@@ -6,10 +6,10 @@
 //! `required` one and, as the model chooses, the others (JSON Schema: a property not in
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
 //! row); `additionalProperties` may only be `false` (absent = false: no other key is
-//! written); `type` `object`, `array` (`items`), `string`, `number`, `integer`, `boolean`,
-//! `null`, or a list of them; `enum` / `const` of strings, numbers (written as serde_json writes
-//! them), booleans and null, at most 64 values; `anyOf` / `oneOf` whose alternatives begin with different
-//! characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
+//! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`, `number`,
+//! `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
+//! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
+//! `oneOf` whose alternatives begin with different characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
 //! object alternatives may be several when they form a *tagged union*: every one has a
 //! property of the same name whose value is a string `const` (or one-value `enum`) of its own
 //! (`discriminator.propertyName` names it, else the first such property), and the answer
@@ -18,7 +18,7 @@
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
 //! would constrain the text in a way the automaton does not enforce (`pattern`, `format`,
-//! `minLength`, `minimum`, `minItems`, `patternProperties`, `allOf`, `not`, …)
+//! `minLength`, `minimum`, `uniqueItems`, `patternProperties`, `allOf`, `not`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -60,7 +60,8 @@ enum Node {
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
     /// An array of `items`.
-    Array { items: usize },
+    /// An array of `items`, with `min..=max` of them.
+    Array { items: usize, min: u32, max: u32 },
     /// An object with these properties, written in this order (the optional ones as the
     /// model chooses).
     Object { props: Vec<Prop> },
@@ -284,6 +285,8 @@ impl Compiler<'_> {
                         | "required"
                         | "additionalProperties"
                         | "items"
+                        | "minItems"
+                        | "maxItems"
                         | "enum"
                         | "const"
                         | "anyOf"
@@ -360,9 +363,20 @@ impl Compiler<'_> {
                     let items = o
                         .get("items")
                         .ok_or_else(|| err(at, "an `array` needs `items`"))?;
+                    let bound = |k: &str, default: u32| match o.get(k) {
+                        None => Ok(default),
+                        Some(v) => v
+                            .as_u64()
+                            .and_then(|n| u32::try_from(n).ok())
+                            .ok_or_else(|| err(at, format!("`{k}` must be an integer in 0..2^32"))),
+                    };
+                    let (min, max) = (bound("minItems", 0)?, bound("maxItems", u32::MAX)?);
+                    if min > max {
+                        return Err(err(at, "`minItems` is more than `maxItems`"));
+                    }
                     let slot = self.push(Node::Pending, at)?;
                     let items = self.node(items, &format!("{at}/items"))?;
-                    self.nodes[slot] = Node::Array { items };
+                    self.nodes[slot] = Node::Array { items, min, max };
                     slot
                 }
                 "object" => self.object(o, at)?,
@@ -682,8 +696,8 @@ fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
 enum Frame {
     /// An object of node `node` whose property `next` comes next.
     Object { node: usize, next: usize },
-    /// An array of node `node`.
-    Array { node: usize },
+    /// An array of node `node`, `count` items begun.
+    Array { node: usize, count: u32 },
 }
 
 /// Where the automaton is.
@@ -811,29 +825,29 @@ impl SchemaJson {
         self.ws = 0;
         match self.mode {
             Mode::Value { node } => self.value(s, node, c),
-            Mode::ArrayOpen => {
-                if c == b']' {
-                    return self.close();
-                }
-                match self.stack.last() {
-                    Some(&Frame::Array { node }) => match &s.nodes[node] {
-                        Node::Array { items } => self.value(s, *items, c),
-                        _ => false,
-                    },
-                    _ => false,
-                }
-            }
-            Mode::AfterItem => match (c, self.stack.last()) {
-                (b',', Some(&Frame::Array { node })) => match &s.nodes[node] {
-                    Node::Array { items } => {
-                        self.mode = Mode::Value { node: *items };
+            Mode::ArrayOpen | Mode::AfterItem => {
+                let open = self.mode == Mode::ArrayOpen;
+                let Some(Frame::Array { node, count }) = self.stack.last_mut() else {
+                    return false;
+                };
+                let Node::Array { items, min, max } = s.nodes[*node] else {
+                    return false;
+                };
+                match c {
+                    b']' => *count >= min && self.close(),
+                    // The first item, or `,` and the next one, while fewer than `max`.
+                    _ if open && max > 0 => {
+                        *count = 1;
+                        self.value(s, items, c)
+                    }
+                    b',' if !open && *count < max => {
+                        *count += 1;
+                        self.mode = Mode::Value { node: items };
                         true
                     }
                     _ => false,
-                },
-                (b']', Some(Frame::Array { .. })) => self.close(),
-                _ => false,
-            },
+                }
+            }
             Mode::BeforeKey { first } => {
                 let Some(&Frame::Object { node, next }) = self.stack.last() else {
                     return false;
@@ -1041,7 +1055,7 @@ impl SchemaJson {
                 if c != b'[' || self.stack.len() >= MAX_DEPTH {
                     return false;
                 }
-                self.stack.push(Frame::Array { node });
+                self.stack.push(Frame::Array { node, count: 0 });
                 self.mode = Mode::ArrayOpen;
                 true
             }
@@ -1646,5 +1660,105 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.reason.contains("more than 64"), "{e}");
+    }
+
+    #[test]
+    fn arrays_hold_their_item_bounds() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "three": {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 3},
+            "some": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "none": {"type": "array", "items": {"type": "string"}, "maxItems": 0}},
+            "required": ["three", "some", "none"]}))
+        .unwrap();
+        for ok in [
+            r#"{"three":[1,2,3],"some":["a"],"none":[]}"#,
+            r#"{"three":[ 1 , 2 , 3 ],"some":["a","b","c","d"],"none":[ ]}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"three":[1,2]"#,
+            r#"{"three":[1,2,3,"#,
+            r#"{"three":[]"#,
+            r#"{"three":[1,2,3],"some":[]"#,
+            r#"{"three":[1,2,3],"some":["a"],"none":["a"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        for (schema, says) in [
+            (
+                json!({"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 1}),
+                "more than",
+            ),
+            (
+                json!({"type": "array", "items": {"type": "string"}, "minItems": -1}),
+                "`minItems`",
+            ),
+            (
+                json!({"type": "array", "items": {"type": "string"}, "maxItems": 1.5}),
+                "`maxItems`",
+            ),
+        ] {
+            let e =
+                CompiledSchema::compile(&json!({"type": "object", "properties": {"a": schema}}))
+                    .unwrap_err();
+            assert!(e.reason.contains(says) && e.at == "/properties/a", "{e}");
+        }
+    }
+
+    /// The finished answers of `runs` random-logit decodings under `schema`'s mask, over the
+    /// byte tokens and `pieces`.
+    fn masked_answers(schema: &Value, pieces: &[&str], seed: u64, runs: usize) -> Vec<Value> {
+        use crate::constraint::{Constraint, TokenTable};
+        use std::sync::Arc;
+        let schema = Arc::new(CompiledSchema::compile(schema).unwrap());
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        vocab.extend(pieces.iter().map(|p| Some(p.as_bytes().to_vec())));
+        let stop = vocab.len() as u32;
+        vocab.push(None);
+        let table = Arc::new(TokenTable::new(vocab));
+        let mut out = Vec::new();
+        for _ in 0..runs {
+            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
+            let mut text = Vec::new();
+            for _ in 0..300 {
+                let mut logits: Vec<f32> =
+                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
+                assert!(state.mask(&mut logits, &[stop]));
+                let t = crate::sampler::argmax(&logits);
+                if t == stop {
+                    out.push(
+                        serde_json::from_slice(&text)
+                            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&text))),
+                    );
+                    break;
+                }
+                text.extend_from_slice(table.bytes(t).unwrap());
+                state.advance(t);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn masked_decoding_writes_bounded_arrays_and_number_enums() {
+        let schema = json!({"type": "object", "properties": {
+            "three": {"type": "array", "items": {"enum": [1, 12, 2.5]}, "minItems": 3, "maxItems": 3},
+            "few": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+            "required": ["three", "few"]});
+        let answers = masked_answers(&schema, &["{\"", "\":", "12", "2.5", "true", "[1,"], 8, 150);
+        assert!(answers.len() > 20, "only {} finished", answers.len());
+        for v in &answers {
+            let three = v["three"].as_array().unwrap();
+            assert_eq!(three.len(), 3, "{v}");
+            assert!(
+                three
+                    .iter()
+                    .all(|x| [1.0, 12.0, 2.5].contains(&x.as_f64().unwrap())),
+                "{v}"
+            );
+            assert!(v["few"].as_array().unwrap().len() <= 2, "{v}");
+        }
     }
 }
