@@ -34,6 +34,8 @@ pub struct TokenTable {
     /// Tokens that may follow any plain string content and leave it plain: whole UTF-8
     /// characters, none of them `"`, `\\` or a control character.
     string_safe: Vec<bool>,
+    /// The most characters a string-safe token has.
+    max_safe_chars: usize,
 }
 
 impl TokenTable {
@@ -58,10 +60,19 @@ impl TokenTable {
                 })
             })
             .collect();
+        let max_safe_chars = bytes
+            .iter()
+            .zip(&string_safe)
+            .filter(|(_, &safe)| safe)
+            .filter_map(|(b, _)| std::str::from_utf8(b.as_deref()?).ok())
+            .map(|s| s.chars().count())
+            .max()
+            .unwrap_or(0);
         TokenTable {
             bytes,
             by_first,
             string_safe,
+            max_safe_chars,
         }
     }
 
@@ -145,10 +156,11 @@ impl Machine {
         }
     }
 
-    fn in_plain_string(&self) -> bool {
+    /// Inside a string between characters: how many more characters it may take.
+    fn plain_string_room(&self) -> Option<u32> {
         match self {
-            Machine::Object(j) => j.in_plain_string(),
-            Machine::Schema(_, j) => j.in_plain_string(),
+            Machine::Object(j) => j.in_plain_string().then_some(u32::MAX),
+            Machine::Schema(_, j) => j.plain_string_room(),
         }
     }
 }
@@ -166,7 +178,13 @@ impl ConstraintState {
     /// token is still allowed.
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
         let table = &self.table;
-        if self.machine.in_plain_string() {
+        // (A string that may take fewer characters than the longest string-safe token has goes
+        // the general way: every token is simulated.)
+        if self
+            .machine
+            .plain_string_room()
+            .is_some_and(|room| room as usize >= table.max_safe_chars)
+        {
             // Most of the vocabulary is allowed: masked in place, and whole characters of
             // string content need no simulation.
             let mut any = false;

@@ -6,7 +6,8 @@
 //! `required` one and, as the model chooses, the others (JSON Schema: a property not in
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
 //! row); `additionalProperties` may only be `false` (absent = false: no other key is
-//! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`, `number`,
+//! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`
+//! (`minLength`, `maxLength`: characters, a `\u` escape counting as one), `number`,
 //! `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
 //! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
 //! `oneOf` whose alternatives begin with different characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
@@ -18,7 +19,7 @@
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
 //! would constrain the text in a way the automaton does not enforce (`pattern`, `format`,
-//! `minLength`, `minimum`, `uniqueItems`, `patternProperties`, `allOf`, `not`, …)
+//! `minimum`, `uniqueItems`, `patternProperties`, `allOf`, `not`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -52,8 +53,8 @@ struct Prop {
 /// One node of a compiled schema.
 #[derive(Clone, Debug, PartialEq)]
 enum Node {
-    /// Any string.
-    String,
+    /// A string of `min..=max` characters (code points; a `\u` escape counts as one).
+    String { min: u32, max: u32 },
     /// Any number (`integer`: no fraction or exponent).
     Number { integer: bool },
     /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
@@ -237,6 +238,23 @@ impl CompiledSchema {
     }
 }
 
+/// A count keyword of `o` (`minItems`, `maxLength`, …): an integer in 0..2^32, else `default`
+/// when absent.
+fn bound(
+    o: &serde_json::Map<String, Value>,
+    k: &str,
+    default: u32,
+    at: &str,
+) -> Result<u32, SchemaError> {
+    match o.get(k) {
+        None => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| err(at, format!("`{k}` must be an integer in 0..2^32"))),
+    }
+}
+
 fn err(at: &str, reason: impl Into<String>) -> SchemaError {
     SchemaError {
         at: at.to_owned(),
@@ -287,6 +305,8 @@ impl Compiler<'_> {
                         | "items"
                         | "minItems"
                         | "maxItems"
+                        | "minLength"
+                        | "maxLength"
                         | "enum"
                         | "const"
                         | "anyOf"
@@ -352,7 +372,16 @@ impl Compiler<'_> {
         let mut ids = Vec::new();
         for t in types {
             let n = match t {
-                "string" => self.push(Node::String, at)?,
+                "string" => {
+                    let (min, max) = (
+                        bound(o, "minLength", 0, at)?,
+                        bound(o, "maxLength", u32::MAX, at)?,
+                    );
+                    if min > max {
+                        return Err(err(at, "`minLength` is more than `maxLength`"));
+                    }
+                    self.push(Node::String { min, max }, at)?
+                }
                 "number" => self.push(Node::Number { integer: false }, at)?,
                 "integer" => self.push(Node::Number { integer: true }, at)?,
                 "boolean" => {
@@ -363,14 +392,10 @@ impl Compiler<'_> {
                     let items = o
                         .get("items")
                         .ok_or_else(|| err(at, "an `array` needs `items`"))?;
-                    let bound = |k: &str, default: u32| match o.get(k) {
-                        None => Ok(default),
-                        Some(v) => v
-                            .as_u64()
-                            .and_then(|n| u32::try_from(n).ok())
-                            .ok_or_else(|| err(at, format!("`{k}` must be an integer in 0..2^32"))),
-                    };
-                    let (min, max) = (bound("minItems", 0)?, bound("maxItems", u32::MAX)?);
+                    let (min, max) = (
+                        bound(o, "minItems", 0, at)?,
+                        bound(o, "maxItems", u32::MAX, at)?,
+                    );
                     if min > max {
                         return Err(err(at, "`minItems` is more than `maxItems`"));
                     }
@@ -668,7 +693,7 @@ fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
         return;
     }
     match &nodes[n] {
-        Node::String => out[b'"' as usize] = true,
+        Node::String { .. } => out[b'"' as usize] = true,
         Node::Number { .. } => {
             out[b'-' as usize] = true;
             for d in b'0'..=b'9' {
@@ -721,7 +746,13 @@ enum Mode {
     /// After a key: `:`.
     Colon,
     /// In a string value.
-    InStr { at: Str },
+    /// In a string value: `len` characters written, `min..=max` allowed.
+    InStr {
+        at: Str,
+        len: u32,
+        min: u32,
+        max: u32,
+    },
     /// In a number.
     InNum { at: Num, len: u8, integer: bool },
     /// In one of the texts of a `Const` node: which are still possible (a bit mask over its
@@ -761,8 +792,17 @@ impl SchemaJson {
         self.mode == Mode::Done
     }
 
-    pub(crate) fn in_plain_string(&self) -> bool {
-        matches!(self.mode, Mode::InStr { at: Str::Plain })
+    /// Inside a string between characters: how many more it may take (`None` elsewhere).
+    pub(crate) fn plain_string_room(&self) -> Option<u32> {
+        match self.mode {
+            Mode::InStr {
+                at: Str::Plain,
+                len,
+                max,
+                ..
+            } => Some(max - len),
+            _ => None,
+        }
     }
 
     /// Whether `bytes` may come next (no change).
@@ -936,13 +976,24 @@ impl SchemaJson {
                 self.mode = Mode::Value { node: child };
                 true
             }
-            Mode::InStr { at } => match string_step(at, c) {
+            Mode::InStr { at, len, min, max } => match string_step(at, c) {
                 Some(None) => {
                     self.mode = Mode::After;
-                    true
+                    len >= min
                 }
                 Some(Some(next)) => {
-                    self.mode = Mode::InStr { at: next };
+                    // A character begins with a byte read between characters.
+                    let len = match at {
+                        Str::Plain if len >= max => return false,
+                        Str::Plain => len + 1,
+                        _ => len,
+                    };
+                    self.mode = Mode::InStr {
+                        at: next,
+                        len,
+                        min,
+                        max,
+                    };
                     true
                 }
                 None => false,
@@ -1015,8 +1066,13 @@ impl SchemaJson {
                 }
                 false
             }
-            Node::String => {
-                self.mode = Mode::InStr { at: Str::Plain };
+            Node::String { min, max } => {
+                self.mode = Mode::InStr {
+                    at: Str::Plain,
+                    len: 0,
+                    min: *min,
+                    max: *max,
+                };
                 c == b'"'
             }
             Node::Number { integer } => {
@@ -1759,6 +1815,68 @@ mod tests {
                 "{v}"
             );
             assert!(v["few"].as_array().unwrap().len() <= 2, "{v}");
+        }
+    }
+
+    #[test]
+    fn strings_hold_their_length_bounds() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "code": {"type": "string", "minLength": 2, "maxLength": 3}},
+            "required": ["code"]}))
+        .unwrap();
+        for ok in [
+            r#"{"code":"ab"}"#,
+            r#"{"code":"abc"}"#,
+            r#"{"code":"é€"}"#,        // characters, not bytes (2 + 3 bytes)
+            r#"{"code":"a\n\u00e9"}"#, // an escape is one character
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"code":"a"}"#,
+            r#"{"code":"abcd"#,
+            r#"{"code":"ab\"x"#,
+            r#"{"code":"""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        let e = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "a": {"type": "string", "minLength": 3, "maxLength": 2}}}))
+        .unwrap_err();
+        assert!(
+            e.reason.contains("more than") && e.at == "/properties/a",
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn masked_decoding_writes_strings_within_their_bounds() {
+        // Long string-safe tokens (up to 12 characters) against a maximum of 10: near the
+        // maximum every token is simulated, so none overflows it.
+        let schema = json!({"type": "object", "properties": {
+            "s": {"type": "string", "minLength": 4, "maxLength": 10},
+            "t": {"type": "string", "maxLength": 200}},
+            "required": ["s", "t"]});
+        let answers = masked_answers(
+            &schema,
+            &[
+                "{\"",
+                "\":\"",
+                "\",\"",
+                "abcdefghijkl",
+                "xyz",
+                "é",
+                "\"}",
+                "\\n",
+            ],
+            13,
+            150,
+        );
+        assert!(answers.len() > 20, "only {} finished", answers.len());
+        for v in &answers {
+            let n = v["s"].as_str().unwrap().chars().count();
+            assert!((4..=10).contains(&n), "{v}");
+            assert!(v["t"].as_str().unwrap().chars().count() <= 200, "{v}");
         }
     }
 }
