@@ -336,8 +336,18 @@ pub(crate) enum Str {
     Plain,
     /// After `\`.
     Escape,
-    /// In `\uXXXX`: this many hex digits still to come.
-    Hex(u8),
+    /// At the first hex digit of `\uXXXX` (`low`: the second escape of a surrogate pair,
+    /// which must be a low surrogate, `DC00`–`DFFF`).
+    HexFirst { low: bool },
+    /// At the second hex digit of a `\uD…` escape: it says whether it is a surrogate.
+    HexSecond { low: bool },
+    /// In `\uXXXX`: this many hex digits still to come; `pair`: the escape is a high
+    /// surrogate, so a low one (`\uDC00`–`\uDFFF`) must follow.
+    Hex { left: u8, pair: bool },
+    /// After a high surrogate's escape: `\` of the low one.
+    PairSlash,
+    /// After that `\`: `u`.
+    PairU,
     /// In a UTF-8 sequence: continuation bytes still to come, and the range the next one
     /// must fall in.
     Utf8 { left: u8, lo: u8, hi: u8 },
@@ -690,19 +700,51 @@ pub(crate) fn string_step(at: Str, c: u8) -> Option<Option<Str>> {
         },
         Str::Escape => match c {
             b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Str::Plain,
-            b'u' => Str::Hex(4),
+            b'u' => Str::HexFirst { low: false },
             _ => return None,
         },
-        Str::Hex(n) => {
+        // Surrogates come in pairs (a high one, `D800`–`DBFF`, then a low one, `DC00`–`DFFF`),
+        // so that every string is text (RFC 8259 §8.2; serde_json refuses lone ones).
+        Str::HexFirst { low } => match c {
+            b'd' | b'D' => Str::HexSecond { low },
+            _ if low || !c.is_ascii_hexdigit() => return None,
+            _ => Str::Hex {
+                left: 3,
+                pair: false,
+            },
+        },
+        Str::HexSecond { low } => match (low, c) {
+            (false, b'8'..=b'9' | b'a'..=b'b' | b'A'..=b'B') => Str::Hex {
+                left: 2,
+                pair: true,
+            },
+            (false, b'0'..=b'7') | (true, b'c'..=b'f' | b'C'..=b'F') => Str::Hex {
+                left: 2,
+                pair: false,
+            },
+            _ => return None,
+        },
+        Str::Hex { left, pair } => {
             if !c.is_ascii_hexdigit() {
                 return None;
             }
-            if n == 1 {
-                Str::Plain
-            } else {
-                Str::Hex(n - 1)
+            match (left, pair) {
+                (1, false) => Str::Plain,
+                (1, true) => Str::PairSlash,
+                _ => Str::Hex {
+                    left: left - 1,
+                    pair,
+                },
             }
         }
+        Str::PairSlash => match c {
+            b'\\' => Str::PairU,
+            _ => return None,
+        },
+        Str::PairU => match c {
+            b'u' => Str::HexFirst { low: true },
+            _ => return None,
+        },
         Str::Utf8 { left, lo, hi } => {
             if !(lo..=hi).contains(&c) {
                 return None;
@@ -810,6 +852,31 @@ mod tests {
     }
 
     /// Random serde values, serialized compact and pretty: every one is accepted and complete.
+    #[test]
+    fn surrogate_escapes_come_in_pairs() {
+        for ok in [
+            r#"{"a":"\ud83d\ude00"}"#,
+            r#"{"a":"\uD83D\uDE00x"}"#,
+            r#"{"a":"\u00e9\ud7ff\ue000\uffff"}"#,
+        ] {
+            assert!(complete(ok), "{ok}");
+            let v: serde_json::Value = serde_json::from_str(ok).unwrap();
+            assert!(v["a"].is_string());
+        }
+        for bad in [
+            r#"{"a":"\ud83d""#,       // a high surrogate alone
+            r#"{"a":"\ud83dx"#,       // followed by something else
+            r#"{"a":"\ud83d\n"#,     // or another escape
+            r#"{"a":"\ud83d\u0041"#, // or a character that is not a low surrogate
+            r#"{"a":"\ude00"#,        // a low surrogate alone
+        ] {
+            assert!(feed(bad.as_bytes()).is_none(), "{bad}");
+            // serde_json refuses each once the string ends, as the automaton does at once.
+            let closed = format!("{}\"}}", bad.trim_end_matches('"'));
+            assert!(serde_json::from_str::<serde_json::Value>(&closed).is_err(), "{closed}");
+        }
+    }
+
     #[test]
     fn every_serialized_object_is_accepted() {
         fn value(rng: &mut rand_chacha::ChaCha8Rng, depth: usize) -> serde_json::Value {
