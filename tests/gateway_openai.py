@@ -103,6 +103,15 @@ def main() -> int:
     assert sorted(parts) == [0, 1] and all("".join(p) for p in parts.values()), parts
     print("n=2 ok")
 
+    # The Responses API through the gateway (KV-exact: the gateway reads it as the worker does).
+    rr = client.responses.create(model="smol", input="Say hello.", max_output_tokens=6)
+    assert rr.object == "response" and rr.output and rr.usage.output_tokens > 0, rr
+    kinds = [e.type for e in client.responses.create(
+        model="smol", input="Say hello.", max_output_tokens=6, stream=True)]
+    assert kinds[0] == "response.created" and kinds[-1] in (
+        "response.completed", "response.incomplete"), kinds
+    print("responses ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

@@ -589,7 +589,7 @@ fn openai_python_client_through_the_gateway() {
          match = {{ models = [\"smol-rr\"] }}\nrule = {{ type = \"round_robin\" }}\n",
         KV_SERVICE
     );
-    fleet.start_gateway(&services, false);
+    fleet.start_gateway(&services, true);
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gateway_openai.py");
     let out = std::process::Command::new(python_support::python())
         .arg(&script)
@@ -607,9 +607,16 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("streaming ok")
             && stdout.contains("models ok")
             && stdout.contains("json mode ok")
-            && stdout.contains("n=2 ok"),
+            && stdout.contains("n=2 ok")
+            && stdout.contains("responses ok"),
         "{stdout}"
     );
+    // Every request the client sent was receipted, and on the KV-exact service the gateway's
+    // prompt (chat, completions, Responses API) is the worker's, token for token.
+    let rep = fleet.audit();
+    assert!(rep.ok(), "{rep}");
+    assert!(rep.parity.compared >= 7, "{rep}");
+    assert_eq!(rep.parity.mismatched, 0, "{rep}");
     fleet.stop();
 }
 

@@ -92,6 +92,25 @@ def main() -> None:
     assert streamed == [c.message.content for c in r.choices[:2]], (streamed, r.choices)
     print("n=2 streamed: the first two choices of n=3 (same seeds)")
 
+    # The Responses API: the same conversation, the same greedy answer as chat gave.
+    rr = client.responses.create(
+        model="smollm2", instructions=messages[0]["content"], input=messages[1]["content"],
+        max_output_tokens=12, temperature=0,
+    )
+    assert rr.object == "response" and rr.output_text == text, (rr, text)
+    assert rr.usage.input_tokens == r.usage.prompt_tokens, (rr.usage, r.usage)
+    events = [
+        e for e in client.responses.create(
+            model="smollm2", instructions=messages[0]["content"], input=messages[1]["content"],
+            max_output_tokens=12, temperature=0, stream=True,
+        )
+    ]
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == text, (streamed, text)
+    assert events[-1].type in ("response.completed", "response.incomplete"), events[-1]
+    assert events[-1].response.output_text == text, events[-1]
+    print("responses:", repr(rr.output_text), [e.type for e in events][:3], "...")
+
     try:
         client.chat.completions.create(model="smollm2", messages=messages, n=17, max_tokens=2)
     except openai.BadRequestError as e:

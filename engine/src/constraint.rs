@@ -864,16 +864,19 @@ mod tests {
             assert!(v["a"].is_string());
         }
         for bad in [
-            r#"{"a":"\ud83d""#,       // a high surrogate alone
-            r#"{"a":"\ud83dx"#,       // followed by something else
+            r#"{"a":"\ud83d""#,      // a high surrogate alone
+            r#"{"a":"\ud83dx"#,      // followed by something else
             r#"{"a":"\ud83d\n"#,     // or another escape
             r#"{"a":"\ud83d\u0041"#, // or a character that is not a low surrogate
-            r#"{"a":"\ude00"#,        // a low surrogate alone
+            r#"{"a":"\ude00"#,       // a low surrogate alone
         ] {
             assert!(feed(bad.as_bytes()).is_none(), "{bad}");
             // serde_json refuses each once the string ends, as the automaton does at once.
             let closed = format!("{}\"}}", bad.trim_end_matches('"'));
-            assert!(serde_json::from_str::<serde_json::Value>(&closed).is_err(), "{closed}");
+            assert!(
+                serde_json::from_str::<serde_json::Value>(&closed).is_err(),
+                "{closed}"
+            );
         }
     }
 

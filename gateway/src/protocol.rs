@@ -17,6 +17,9 @@ pub enum Endpoint {
     Chat,
     /// `POST /v1/completions`.
     Completion,
+    /// `POST /v1/responses`: read as the chat request it asks for
+    /// (`prompt_profile::responses_to_chat`, the worker's own reading).
+    Responses,
 }
 
 impl Endpoint {
@@ -25,6 +28,7 @@ impl Endpoint {
         match path.trim_end_matches('/') {
             "/v1/chat/completions" => Some(Endpoint::Chat),
             "/v1/completions" => Some(Endpoint::Completion),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -51,7 +55,9 @@ pub struct InferenceBody {
 /// paths (a round-robin service may forward anything there).
 pub fn allowed_method(path: &str) -> Option<&'static str> {
     match path.trim_end_matches('/') {
-        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some("POST"),
+        "/v1/chat/completions" | "/v1/completions" | "/v1/responses" | "/v1/embeddings" => {
+            Some("POST")
+        }
         "/v1/models" => Some("GET"),
         _ => None,
     }
@@ -92,6 +98,8 @@ pub fn peek_output_tokens(body: &[u8]) -> u64 {
     struct OutputOnly {
         max_tokens: Option<u64>,
         max_completion_tokens: Option<u64>,
+        /// The Responses API's.
+        max_output_tokens: Option<u64>,
         n: Option<serde_json::Value>,
     }
     if body.is_empty() {
@@ -100,7 +108,10 @@ pub fn peek_output_tokens(body: &[u8]) -> u64 {
     serde_json::from_slice::<OutputOnly>(body)
         .ok()
         .and_then(|o| {
-            let each = o.max_completion_tokens.or(o.max_tokens)?;
+            let each = o
+                .max_completion_tokens
+                .or(o.max_tokens)
+                .or(o.max_output_tokens)?;
             Some(each.saturating_mul(prompt_profile::choices(o.n.as_ref()) as u64))
         })
         .unwrap_or(0)
@@ -170,6 +181,10 @@ impl InferenceBody {
             check_json_object(body)?;
         }
         Ok(match endpoint {
+            Endpoint::Responses => {
+                let chat = prompt_profile::responses_to_chat(body).map_err(GatewayError::Body)?;
+                return InferenceBody::parse(Endpoint::Chat, &chat);
+            }
             Endpoint::Chat => {
                 let f: ChatFields = typed(body)?;
                 let chat = f

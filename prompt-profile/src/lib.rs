@@ -20,6 +20,7 @@ pub mod identity;
 pub mod message;
 mod pretokenizer;
 pub mod prompt;
+pub mod responses;
 mod segments;
 pub mod stream;
 pub mod template;
@@ -41,6 +42,7 @@ pub use prompt::{
     ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
     PromptTokens, TokenBudget, ToolChoice,
 };
+pub use responses::responses_to_chat;
 pub use stream::{DecodeStream, TokenDecoder};
 pub use template::{ChatTemplate, TemplateInputs, TemplateTokens};
 

@@ -50,6 +50,8 @@ use prompt_profile::{PromptSource, TokenBudget};
 pub enum Endpoint {
     Chat,
     Completion,
+    /// `POST /v1/responses`: a chat request in the Responses API's shape (`crate::responses`).
+    Responses,
 }
 
 impl Endpoint {
@@ -57,6 +59,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat_completions",
             Endpoint::Completion => "completions",
+            Endpoint::Responses => "responses",
         }
     }
 }
@@ -263,6 +266,15 @@ pub async fn chat_completions(
     handle(st, Endpoint::Chat, headers, body).await
 }
 
+/// `POST /v1/responses` (`crate::responses`).
+pub async fn responses(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(st, Endpoint::Responses, headers, body).await
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     axum::extract::State(st): axum::extract::State<Arc<AppState>>,
@@ -302,6 +314,18 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     let plan = match endpoint {
         Endpoint::Chat => validate::chat(&bytes),
         Endpoint::Completion => validate::completion(&bytes),
+        // The Responses API has no `n`: one answer.
+        Endpoint::Responses => prompt_profile::responses_to_chat(&bytes)
+            .map_err(ApiError::from)
+            .and_then(|chat| validate::chat(&chat))
+            .and_then(|p| match p.n {
+                1 => Ok(p),
+                _ => Err(ApiError::bad_request(
+                    "unknown_parameter",
+                    Some("n"),
+                    "the Responses API has no `n`",
+                )),
+            }),
     };
     let mut plan = match plan {
         Ok(p) => p,
@@ -362,7 +386,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     let reasoning_format = st
         .settings
         .reasoning_parser
-        .filter(|_| endpoint == Endpoint::Chat && plan.answer.separate_reasoning);
+        .filter(|_| endpoint != Endpoint::Completion && plan.answer.separate_reasoning);
     let starts_in_reasoning = reasoning_format.is_some() && {
         // Does the rendered prompt end inside an open `<think>`? Its last tokens tell.
         let tail = &prompt[prompt.len().saturating_sub(16)..];
@@ -480,6 +504,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         id: match endpoint {
             Endpoint::Chat => format!("chatcmpl-{}", ctx.admission.request_id),
             Endpoint::Completion => format!("cmpl-{}", ctx.admission.request_id),
+            Endpoint::Responses => format!("resp_{}", ctx.admission.request_id),
         },
         created: received_at_ms / 1000,
         model: plan.model.clone(),
@@ -487,18 +512,29 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     };
     if plan.stream {
         st.metrics.request(endpoint.label(), 200);
-        let answers = parsers
+        let mut answers: Vec<AnswerStream> = parsers
             .into_iter()
             .map(|p| AnswerStream::new(p, plan.answer.stream_reasoning))
             .collect();
-        let events = sse_events(endpoint, meta, plan.include_usage, answers, rx);
-        let resp = Sse::new(events)
-            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-            .into_response();
+        let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
+        let resp = match (endpoint, answers.pop()) {
+            (Endpoint::Responses, Some(answer)) if answers.is_empty() => {
+                let echo = crate::responses::Echo::of(&bytes);
+                Sse::new(crate::responses::events(meta, echo, answer, rx))
+                    .keep_alive(keep_alive)
+                    .into_response()
+            }
+            (_, last) => {
+                answers.extend(last);
+                let events = sse_events(endpoint, meta, plan.include_usage, answers, rx);
+                Sse::new(events).keep_alive(keep_alive).into_response()
+            }
+        };
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
         let logprobs = plan.output.logprobs.is_some();
-        let (resp, written) = collect(endpoint, meta, parsers, logprobs, rx).await;
+        let echo = (endpoint == Endpoint::Responses).then(|| crate::responses::Echo::of(&bytes));
+        let (resp, written) = collect(endpoint, meta, echo, parsers, logprobs, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);
         with_ids(resp, &ctx.admission.request_id, written)
@@ -515,7 +551,7 @@ fn choice_id(request_id: &str, i: usize) -> String {
 }
 
 /// From the driver to the HTTP side. The last message says whether the receipt was written.
-enum Msg {
+pub(crate) enum Msg {
     /// Generated text of choice `.0` (may be empty when only log probabilities came).
     Text(usize, String, Option<LogprobItem>),
     /// Choice `.0` finished, others are still generating.
@@ -529,11 +565,11 @@ enum Msg {
     Fail(ApiError, bool),
 }
 
-struct ResponseMeta {
-    id: String,
-    created: u64,
-    model: String,
-    fingerprint: String,
+pub(crate) struct ResponseMeta {
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) fingerprint: String,
 }
 
 struct Driver {
@@ -846,6 +882,7 @@ impl Gathered {
 async fn collect(
     endpoint: Endpoint,
     meta: ResponseMeta,
+    echo: Option<crate::responses::Echo>,
     parsers: Vec<output_parser::AnswerParser>,
     logprobs: bool,
     mut rx: mpsc::Receiver<Msg>,
@@ -881,18 +918,25 @@ async fn collect(
                 if let Some(c) = choices.get_mut(i) {
                     c.finish = finish;
                 }
-                let all = choices.into_iter().enumerate();
-                let body = match endpoint {
-                    Endpoint::Chat => serde_json::to_vec(&ChatCompletionResponse {
-                        id: meta.id,
-                        object: "chat.completion".into(),
-                        created: meta.created,
-                        model: meta.model,
-                        system_fingerprint: meta.fingerprint,
-                        choices: all.map(|(i, c)| c.chat(i, logprobs)).collect(),
-                        usage,
-                    }),
-                    Endpoint::Completion => serde_json::to_vec(&CompletionResponse {
+                let mut all = choices.into_iter().enumerate();
+                let body = match (endpoint, &echo) {
+                    (Endpoint::Responses, Some(echo)) => {
+                        let choice = all.next().map(|(i, c)| c.chat(i, false));
+                        let body = choice.map(|c| crate::responses::body(&meta, echo, &c, &usage));
+                        serde_json::to_vec(&body)
+                    }
+                    (Endpoint::Chat | Endpoint::Responses, _) => {
+                        serde_json::to_vec(&ChatCompletionResponse {
+                            id: meta.id,
+                            object: "chat.completion".into(),
+                            created: meta.created,
+                            model: meta.model,
+                            system_fingerprint: meta.fingerprint,
+                            choices: all.map(|(i, c)| c.chat(i, logprobs)).collect(),
+                            usage,
+                        })
+                    }
+                    (Endpoint::Completion, _) => serde_json::to_vec(&CompletionResponse {
                         id: meta.id,
                         object: "text_completion".into(),
                         created: meta.created,
@@ -955,7 +999,7 @@ fn sse_events(
               logprobs: Option<Value>|
               -> Event {
             match endpoint {
-                Endpoint::Chat => json_event(&ChatCompletionChunk {
+                Endpoint::Chat | Endpoint::Responses => json_event(&ChatCompletionChunk {
                     id: meta.id.clone(),
                     object: "chat.completion.chunk".into(),
                     created: meta.created,
@@ -990,7 +1034,7 @@ fn sse_events(
         let meta = meta.clone();
         move |usage: UsageBody| -> Event {
             match endpoint {
-                Endpoint::Chat => json_event(&ChatCompletionChunk {
+                Endpoint::Chat | Endpoint::Responses => json_event(&ChatCompletionChunk {
                     id: meta.id.clone(),
                     object: "chat.completion.chunk".into(),
                     created: meta.created,
@@ -1015,7 +1059,7 @@ fn sse_events(
     // so that the first body byte a proxy sees marks the first token: the gateway counts a
     // request's prefill as done then (its `active_tokens` load) and measures TTFT from it.
     let role = match endpoint {
-        Endpoint::Chat => Some(ChatDelta {
+        Endpoint::Chat | Endpoint::Responses => Some(ChatDelta {
             role: Some("assistant".into()),
             content: Some(String::new()),
             ..ChatDelta::default()
@@ -1076,7 +1120,7 @@ fn sse_events(
                         return Some((Vec::new(), Some((rx, choices))));
                     };
                     let pieces = match endpoint {
-                        Endpoint::Chat => {
+                        Endpoint::Chat | Endpoint::Responses => {
                             let mut lp = item.map(|i| LogprobItem::chat_json(&[i]));
                             let mut deltas = c.answer.feed(&t);
                             if deltas.is_empty() && lp.is_some() {
@@ -1148,7 +1192,7 @@ fn finish_with_tools(finish: String, made_calls: bool) -> String {
 }
 
 /// A streamed chat answer's parser: the pieces of each generated text as OpenAI deltas.
-struct AnswerStream {
+pub(crate) struct AnswerStream {
     parser: output_parser::AnswerParser,
     /// SGLang `stream_reasoning`: false = reasoning held and sent in one delta when it ends.
     stream_reasoning: bool,
@@ -1168,7 +1212,7 @@ impl AnswerStream {
         self.parser.tool_calls() > 0
     }
 
-    fn feed(&mut self, text: &str) -> Vec<ChatDelta> {
+    pub(crate) fn feed(&mut self, text: &str) -> Vec<ChatDelta> {
         if !self.parser.is_active() {
             return vec![ChatDelta {
                 content: Some(text.to_string()),
@@ -1179,7 +1223,7 @@ impl AnswerStream {
         self.deltas(pieces, false)
     }
 
-    fn finish(&mut self) -> Vec<ChatDelta> {
+    pub(crate) fn finish(&mut self) -> Vec<ChatDelta> {
         let pieces = self.parser.finish();
         self.deltas(pieces, true)
     }
@@ -1247,7 +1291,7 @@ impl AnswerStream {
 }
 
 /// One generated token's log probabilities with its text and its alternatives' texts.
-struct LogprobItem {
+pub(crate) struct LogprobItem {
     token: String,
     logprob: f32,
     top: Vec<(String, f32)>,

@@ -24,6 +24,7 @@ pub mod ops;
 pub mod output_parser;
 pub mod protocol;
 pub mod registration;
+pub mod responses;
 pub mod sidecar;
 pub mod tickets;
 pub mod validate;
@@ -697,6 +698,7 @@ fn router(state: Arc<AppState>) -> Router {
     let inference = Router::new()
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
+        .route("/v1/responses", post(generate::responses))
         .route_layer(axum::middleware::from_fn_with_state(
             state.drain.clone(),
             drain::count_in_flight,
