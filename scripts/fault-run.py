@@ -496,6 +496,25 @@ def cases(run: Run):
         expect(r, 400, "unsupported_parameter")
         return f"f({call['arguments'][:40]}); 400 unknown name, 400 no tools, 400 {r.json()['error']['param']}"
 
+    @case("gw: /v1/responses -> a response object; previous_response_id, images -> 400 by name")
+    def _():
+        r = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": "hello",
+                                                   "max_output_tokens": 4}).encode(),
+              headers={"content-type": "application/json"})
+        expect(r, 200)
+        assert r.json()["object"] == "response" and r.json()["output"], r.json()
+        r2 = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": "x",
+                                                    "previous_response_id": "resp_1"}).encode(),
+               headers={"content-type": "application/json"})
+        expect(r2, 400, "unsupported_parameter")
+        r3 = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": [{"role": "user",
+               "content": [{"type": "input_image", "image_url": "x"}]}]}).encode(),
+               headers={"content-type": "application/json"})
+        expect(r3, 400, "unsupported_parameter")
+        g_ = g("GET", "/v1/responses")
+        expect(g_, 405)
+        return f"{r.json()['status']}; 400 {r2.json()['error']['param']}, 400 {r3.json()['error']['param']}; GET 405"
+
     @case("gw: n=3 -> three choices, one receipt; n=17 and n=0 -> 400 invalid_value")
     def _():
         r = g("POST", "/v1/chat/completions", chat("smol", "three please", max_tokens=5, n=3,
