@@ -1475,58 +1475,33 @@ mod tests {
 
     #[test]
     fn masked_decoding_of_a_tagged_union_writes_one_alternative() {
-        use crate::constraint::{Constraint, TokenTable};
-        use std::sync::Arc;
-        let schema = Arc::new(CompiledSchema::compile(&pets()).unwrap());
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
-        for piece in [
+        let pieces = [
             "{\"", "\":", "\"}", "pet", "pet_type", "cat", "dog", "meows", "barks", "null", "12",
             ".5", "}}",
-        ] {
-            vocab.push(Some(piece.as_bytes().to_vec()));
-        }
-        let stop = vocab.len() as u32;
-        vocab.push(None);
-        let table = Arc::new(TokenTable::new(vocab));
+        ];
         let mut kinds = std::collections::BTreeSet::new();
-        for _ in 0..200 {
-            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
-            let mut out = Vec::new();
-            for _ in 0..200 {
-                let mut logits: Vec<f32> =
-                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
-                assert!(state.mask(&mut logits, &[stop]));
-                let t = crate::sampler::argmax(&logits);
-                if t == stop {
-                    let v: Value = serde_json::from_slice(&out)
-                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
-                    let pet = &v["pet"];
-                    let kind = match pet["pet_type"].as_str() {
-                        None => {
-                            assert!(pet.is_null(), "{v}");
-                            "null"
-                        }
-                        Some("cat") => {
-                            let keys: Vec<&String> = pet.as_object().unwrap().keys().collect();
-                            assert_eq!(keys, ["pet_type", "meows"], "{v}");
-                            assert!(pet["meows"].as_f64().is_some_and(|f| f.fract() == 0.0));
-                            "cat"
-                        }
-                        Some("dog") => {
-                            let keys: Vec<&String> = pet.as_object().unwrap().keys().collect();
-                            assert_eq!(keys, ["pet_type", "barks"], "{v}");
-                            assert!(pet["barks"].is_number());
-                            "dog"
-                        }
-                        Some(other) => panic!("{other}: {v}"),
-                    };
-                    kinds.insert(kind);
-                    break;
+        for v in masked_answers(&pets(), &pieces, 9, 200) {
+            let pet = &v["pet"];
+            let keys =
+                |p: &Value| -> Vec<String> { p.as_object().unwrap().keys().cloned().collect() };
+            let kind = match pet["pet_type"].as_str() {
+                None => {
+                    assert!(pet.is_null(), "{v}");
+                    "null"
                 }
-                out.extend_from_slice(table.bytes(t).unwrap());
-                state.advance(t);
-            }
+                Some("cat") => {
+                    assert_eq!(keys(pet), ["pet_type", "meows"], "{v}");
+                    assert!(pet["meows"].as_f64().is_some_and(|f| f.fract() == 0.0));
+                    "cat"
+                }
+                Some("dog") => {
+                    assert_eq!(keys(pet), ["pet_type", "barks"], "{v}");
+                    assert!(pet["barks"].is_number());
+                    "dog"
+                }
+                Some(other) => panic!("{other}: {v}"),
+            };
+            kinds.insert(kind);
         }
         assert_eq!(kinds.len(), 3, "{kinds:?}");
     }
@@ -1628,53 +1603,25 @@ mod tests {
 
     #[test]
     fn masked_decoding_leaves_out_optional_properties_or_writes_them() {
-        use crate::constraint::{Constraint, TokenTable};
-        use std::sync::Arc;
-        let schema = Arc::new(
-            CompiledSchema::compile(&json!({"type": "object", "properties": {
-                "id": {"type": "integer"}, "note": {"type": "string"},
-                "tags": {"type": "array", "items": {"type": "string"}},
-                "ok": {"type": "boolean"}}, "required": ["id", "ok"]}))
-            .unwrap(),
-        );
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
-        for piece in [
+        let schema = json!({"type": "object", "properties": {
+            "id": {"type": "integer"}, "note": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "ok": {"type": "boolean"}}, "required": ["id", "ok"]});
+        let pieces = [
             "{\"", "\":", "\",\"", "id", "note", "tags", "ok", "true", "[\"", "\"]", "12",
-        ] {
-            vocab.push(Some(piece.as_bytes().to_vec()));
-        }
-        let stop = vocab.len() as u32;
-        vocab.push(None);
-        let table = Arc::new(TokenTable::new(vocab));
+        ];
         let mut shapes = std::collections::BTreeSet::new();
-        for _ in 0..200 {
-            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
-            let mut out = Vec::new();
-            for _ in 0..200 {
-                let mut logits: Vec<f32> =
-                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
-                assert!(state.mask(&mut logits, &[stop]));
-                let t = crate::sampler::argmax(&logits);
-                if t == stop {
-                    let v: Value = serde_json::from_slice(&out)
-                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
-                    let keys: Vec<&str> =
-                        v.as_object().unwrap().keys().map(String::as_str).collect();
-                    let order = ["id", "note", "tags", "ok"];
-                    let mut at = 0;
-                    for k in &keys {
-                        let i = order.iter().position(|o| o == k).unwrap();
-                        assert!(i >= at, "{v}");
-                        at = i + 1;
-                    }
-                    assert!(keys.contains(&"id") && keys.contains(&"ok"), "{v}");
-                    shapes.insert(keys.join(","));
-                    break;
-                }
-                out.extend_from_slice(table.bytes(t).unwrap());
-                state.advance(t);
+        for v in masked_answers(&schema, &pieces, 3, 200) {
+            let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+            let order = ["id", "note", "tags", "ok"];
+            let mut at = 0;
+            for k in &keys {
+                let i = order.iter().position(|o| o == k).unwrap();
+                assert!(i >= at, "{v}");
+                at = i + 1;
             }
+            assert!(keys.contains(&"id") && keys.contains(&"ok"), "{v}");
+            shapes.insert(keys.join(","));
         }
         // Both kinds of answer occur: optional properties left out and written.
         assert!(shapes.contains("id,ok"), "{shapes:?}");

@@ -148,22 +148,19 @@ pub(crate) fn body(meta: &ResponseMeta, echo: &Echo, choice: &ChatChoice, u: &Us
     response(meta, echo, output, Some(finish), Some(u))
 }
 
-/// An open output item of a streamed response.
-enum Open {
-    Message {
-        id: String,
-        text: String,
-    },
-    Reasoning {
-        id: String,
-        text: String,
-    },
-    Call {
-        id: String,
-        call_id: String,
-        name: String,
-        arguments: String,
-    },
+/// What an open output item of a streamed response is.
+#[derive(Clone, PartialEq)]
+enum Kind {
+    Reasoning,
+    Message,
+    Call { call_id: String, name: String },
+}
+
+/// An open output item: its kind, id and the text (or arguments) streamed so far.
+struct Open {
+    kind: Kind,
+    id: String,
+    text: String,
 }
 
 /// The state of a streamed response: the items given out, the one open, the event count.
@@ -191,34 +188,32 @@ impl Events {
 
     /// Closes the open item, if any: its `done` events.
     fn close(&mut self, out: &mut Vec<Event>) {
+        let Some(Open { kind, id, text }) = self.open.take() else {
+            return;
+        };
         let i = self.index();
-        let item = match self.open.take() {
-            None => return,
-            Some(Open::Message { id, text }) => {
+        let item = match kind {
+            Kind::Message => {
                 let part =
                     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-                let e = self.event("response.output_text.done", json!({"item_id": id, "output_index": i, "content_index": 0, "text": text, "logprobs": []}));
-                out.push(e);
-                let e = self.event(
-                    "response.content_part.done",
-                    json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
-                );
-                out.push(e);
+                let ids = json!({"item_id": id, "output_index": i, "content_index": 0});
+                let mut done = ids.clone();
+                done["text"] = json!(text);
+                done["logprobs"] = json!([]);
+                out.push(self.event("response.output_text.done", done));
+                let mut part_done = ids;
+                part_done["part"] = part;
+                out.push(self.event("response.content_part.done", part_done));
                 message_item(&id, &text, true)
             }
-            Some(Open::Reasoning { id, text }) => reasoning_item(&id, &text),
-            Some(Open::Call {
-                id,
-                call_id,
-                name,
-                arguments,
-            }) => {
+            Kind::Reasoning => reasoning_item(&id, &text),
+            Kind::Call { call_id, name } => {
                 let e = self.event(
                     "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": i, "arguments": arguments}),
+                    json!({"item_id": id, "output_index": i, "arguments": text}),
                 );
                 out.push(e);
-                call_item(&id, &call_id, &name, &arguments, true)
+                call_item(&id, &call_id, &name, &text, true)
             }
         };
         let e = self.event(
@@ -229,85 +224,94 @@ impl Events {
         self.done.push(item);
     }
 
+    /// Adds `piece` to the open item of `kind` — opening one (closing the one before) unless
+    /// `kind` is open and `new` is false — with its `added` and delta events.
+    fn piece(&mut self, kind: Kind, new: bool, piece: &str, out: &mut Vec<Event>) {
+        if new || self.open.as_ref().map(|o| &o.kind) != Some(&kind) {
+            self.close(out);
+            let i = self.index();
+            let (prefix, item) = match &kind {
+                Kind::Reasoning => ("rs", None),
+                Kind::Message => ("msg", None),
+                Kind::Call { call_id, name } => ("fc", Some((call_id.clone(), name.clone()))),
+            };
+            let id = item_id(&self.meta, prefix, i);
+            let item = match (&kind, item) {
+                (Kind::Reasoning, _) => json!({"type": "reasoning", "id": id, "summary": [],
+                                               "content": [], "status": "in_progress"}),
+                (_, Some((call_id, name))) => call_item(&id, &call_id, &name, "", false),
+                _ => message_item(&id, "", false),
+            };
+            let e = self.event(
+                "response.output_item.added",
+                json!({"output_index": i, "item": item}),
+            );
+            out.push(e);
+            if kind == Kind::Message {
+                let part =
+                    json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+                let e = self.event(
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
+                );
+                out.push(e);
+            }
+            self.open = Some(Open {
+                kind: kind.clone(),
+                id,
+                text: String::new(),
+            });
+        }
+        if piece.is_empty() {
+            return;
+        }
+        let i = self.index();
+        let Some(open) = self.open.as_mut() else {
+            return;
+        };
+        open.text.push_str(piece);
+        let mut data = json!({"item_id": open.id, "output_index": i, "delta": piece});
+        let kind = match kind {
+            Kind::Reasoning => "response.reasoning_text.delta",
+            Kind::Message => "response.output_text.delta",
+            Kind::Call { .. } => "response.function_call_arguments.delta",
+        };
+        if kind != "response.function_call_arguments.delta" {
+            data["content_index"] = json!(0);
+        }
+        if kind == "response.output_text.delta" {
+            data["logprobs"] = json!([]);
+        }
+        out.push(self.event(kind, data));
+    }
+
     /// One chat delta as events.
     fn delta(&mut self, d: ChatDelta, out: &mut Vec<Event>) {
         if let Some(r) = d.reasoning_content.filter(|r| !r.is_empty()) {
-            if !matches!(self.open, Some(Open::Reasoning { .. })) {
-                self.close(out);
-                let id = item_id(&self.meta, "rs", self.index());
-                let item = json!({"type": "reasoning", "id": id, "summary": [], "content": [], "status": "in_progress"});
-                let e = self.event(
-                    "response.output_item.added",
-                    json!({"output_index": self.index(), "item": item}),
-                );
-                out.push(e);
-                self.open = Some(Open::Reasoning {
-                    id,
-                    text: String::new(),
-                });
-            }
-            let i = self.index();
-            if let Some(Open::Reasoning { id, text }) = &mut self.open {
-                text.push_str(&r);
-                let id = id.clone();
-                let e = self.event(
-                    "response.reasoning_text.delta",
-                    json!({"item_id": id, "output_index": i, "content_index": 0, "delta": r}),
-                );
-                out.push(e);
-            }
+            self.piece(Kind::Reasoning, false, &r, out);
         }
         if let Some(c) = d.content.filter(|c| !c.is_empty()) {
-            if !matches!(self.open, Some(Open::Message { .. })) {
-                self.close(out);
-                let id = item_id(&self.meta, "msg", self.index());
-                let e = self.event(
-                    "response.output_item.added",
-                    json!({"output_index": self.index(), "item": message_item(&id, "", false)}),
-                );
-                out.push(e);
-                let e = self.event("response.content_part.added", json!({"item_id": id, "output_index": self.index(), "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}));
-                out.push(e);
-                self.open = Some(Open::Message {
-                    id,
-                    text: String::new(),
-                });
-            }
-            let i = self.index();
-            if let Some(Open::Message { id, text }) = &mut self.open {
-                text.push_str(&c);
-                let id = id.clone();
-                let e = self.event("response.output_text.delta", json!({"item_id": id, "output_index": i, "content_index": 0, "delta": c, "logprobs": []}));
-                out.push(e);
-            }
+            self.piece(Kind::Message, false, &c, out);
         }
         for t in d.tool_calls.into_iter().flatten() {
-            // A call's first delta names it; the next carries its arguments.
-            if let Some(call_id) = t.id {
-                self.close(out);
-                let id = item_id(&self.meta, "fc", self.index());
-                let name = t.function.name.unwrap_or_default();
-                let e = self.event("response.output_item.added", json!({"output_index": self.index(), "item": call_item(&id, &call_id, &name, "", false)}));
-                out.push(e);
-                self.open = Some(Open::Call {
-                    id,
-                    call_id,
-                    name,
-                    arguments: String::new(),
-                });
-            }
-            let i = self.index();
-            if let (Some(a), Some(Open::Call { id, arguments, .. })) = (
-                t.function.arguments.filter(|a| !a.is_empty()),
-                &mut self.open,
-            ) {
-                arguments.push_str(&a);
-                let id = id.clone();
-                let e = self.event(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": i, "delta": a}),
-                );
-                out.push(e);
+            let arguments = t.function.arguments.unwrap_or_default();
+            match (t.id, &self.open) {
+                // A call's first delta names it (a new item); the next carries its arguments.
+                (Some(call_id), _) => {
+                    let name = t.function.name.unwrap_or_default();
+                    self.piece(Kind::Call { call_id, name }, true, &arguments, out);
+                }
+                (
+                    None,
+                    Some(Open {
+                        kind: k @ Kind::Call { .. },
+                        ..
+                    }),
+                ) => {
+                    let k = k.clone();
+                    self.piece(k, false, &arguments, out);
+                }
+                (None, _) => {}
             }
         }
     }

@@ -134,6 +134,33 @@ async fn responses_answer_as_chat_does_streamed_or_not() {
     assert!(args["city"].is_string(), "{r}");
     assert_eq!(r["status"], "completed");
 
+    // Streamed: the call's item added, its arguments as deltas, the item done with them.
+    let chunks = post_sse_json(
+        &w,
+        "/v1/responses",
+        &json!({"model": "smollm2", "input": "Weather in Paris?", "tools": tools, "stream": true,
+                "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 40,
+                "temperature": 0}),
+    )
+    .await;
+    let mut args_streamed = String::new();
+    let mut item_done = Value::Null;
+    for v in &chunks {
+        match v["type"].as_str().unwrap() {
+            "response.function_call_arguments.delta" => {
+                args_streamed.push_str(v["delta"].as_str().unwrap())
+            }
+            "response.output_item.done" => item_done = v["item"].clone(),
+            _ => {}
+        }
+    }
+    assert_eq!(args_streamed, call["arguments"].as_str().unwrap());
+    assert_eq!(item_done["type"], "function_call");
+    assert_eq!(item_done["arguments"], call["arguments"]);
+    // (Call ids derive from the request id: another request, another id.)
+    assert!(item_done["call_id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(chunks.last().unwrap()["type"], "response.completed");
+
     // The tool's result sent back as items: an answer.
     let r2 = post_json(
         &w,
