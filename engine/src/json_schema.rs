@@ -1327,60 +1327,32 @@ mod tests {
     /// answer parses and has exactly the schema's keys, in order, with values of its types.
     #[test]
     fn masked_decoding_writes_only_what_the_schema_allows() {
-        use crate::constraint::{Constraint, TokenTable};
-        use std::sync::Arc;
-        let schema = Arc::new(CompiledSchema::compile(&person()).unwrap());
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
-        for piece in [
+        let pieces = [
             "{\"", "\":", "\": ", ", \"", "\"}", "name", "age", "score", "role", "pets", "active",
             "kind", "legs", "null", "true", "false", "admin", "user", "guest", "[{", "}]", "12",
             ".5", "e3", "\"ab", "cat", "\n  ", "é",
-        ] {
-            vocab.push(Some(piece.as_bytes().to_vec()));
-        }
-        let stop = vocab.len() as u32;
-        vocab.push(None);
-        let table = Arc::new(TokenTable::new(vocab));
-        let mut finished = 0;
-        for _ in 0..150 {
-            let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
-            let mut out = Vec::new();
-            for _ in 0..400 {
-                let mut logits: Vec<f32> =
-                    (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
-                assert!(state.mask(&mut logits, &[stop]));
-                let t = crate::sampler::argmax(&logits);
-                if t == stop {
-                    finished += 1;
-                    let v: Value = serde_json::from_slice(&out)
-                        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out)));
-                    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-                    assert_eq!(keys, ["name", "age", "score", "role", "pets", "active"]);
-                    // An integer: serde_json reads `-0` as the float −0.0.
-                    let int = |x: &Value| x.as_f64().is_some_and(|f| f.fract() == 0.0);
-                    assert!(v["name"].is_string() && int(&v["age"]) && v["active"].is_boolean());
-                    assert!(v["score"].is_number() || v["score"].is_null());
-                    assert!(["admin", "user", "guest"].contains(&v["role"].as_str().unwrap()));
-                    for p in v["pets"].as_array().unwrap() {
-                        assert!(
-                            p["kind"].is_string() && (int(&p["legs"]) || p["legs"].is_null()),
-                            "{v}"
-                        );
-                    }
-                    break;
-                }
-                out.extend_from_slice(table.bytes(t).unwrap());
-                state.advance(t);
+        ];
+        let answers = masked_answers(&person(), &pieces, 5, 150);
+        for v in &answers {
+            let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["name", "age", "score", "role", "pets", "active"]);
+            // An integer: serde_json reads `-0` as the float −0.0.
+            let int = |x: &Value| x.as_f64().is_some_and(|f| f.fract() == 0.0);
+            assert!(v["name"].is_string() && int(&v["age"]) && v["active"].is_boolean());
+            assert!(v["score"].is_number() || v["score"].is_null());
+            assert!(["admin", "user", "guest"].contains(&v["role"].as_str().unwrap()));
+            for p in v["pets"].as_array().unwrap() {
                 assert!(
-                    run_bytes(&schema, &out).is_some(),
-                    "token {:?} made {}",
-                    String::from_utf8_lossy(table.bytes(t).unwrap()),
-                    String::from_utf8_lossy(&out)
+                    p["kind"].is_string() && (int(&p["legs"]) || p["legs"].is_null()),
+                    "{v}"
                 );
             }
         }
-        assert!(finished > 20, "only {finished} of 150 runs finished");
+        assert!(
+            answers.len() > 20,
+            "only {} of 150 runs finished",
+            answers.len()
+        );
     }
 
     /// A pydantic discriminated union (`Field(discriminator="pet_type")`), nullable, with the
@@ -1709,8 +1681,9 @@ mod tests {
         }
     }
 
-    /// The finished answers of `runs` random-logit decodings under `schema`'s mask, over the
-    /// byte tokens and `pieces`.
+    /// The finished answers of `runs` random-logit decodings (at most 400 tokens each) under
+    /// `schema`'s mask, over the byte tokens and `pieces`; after every token the text so far is
+    /// a valid prefix.
     fn masked_answers(schema: &Value, pieces: &[&str], seed: u64, runs: usize) -> Vec<Value> {
         use crate::constraint::{Constraint, TokenTable};
         use std::sync::Arc;
@@ -1725,7 +1698,7 @@ mod tests {
         for _ in 0..runs {
             let mut state = Constraint::JsonSchema(table.clone(), schema.clone()).start();
             let mut text = Vec::new();
-            for _ in 0..300 {
+            for _ in 0..400 {
                 let mut logits: Vec<f32> =
                     (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
                 assert!(state.mask(&mut logits, &[stop]));
@@ -1739,6 +1712,12 @@ mod tests {
                 }
                 text.extend_from_slice(table.bytes(t).unwrap());
                 state.advance(t);
+                assert!(
+                    run_bytes(&schema, &text).is_some(),
+                    "token {:?} made {}",
+                    String::from_utf8_lossy(table.bytes(t).unwrap()),
+                    String::from_utf8_lossy(&text)
+                );
             }
         }
         out

@@ -122,8 +122,9 @@ impl Usage {
         receipts::finish_reason_of(self.choices.iter().filter_map(|(_, f)| f.as_deref()))
     }
 
-    /// The generated text of choice 0.
-    pub fn text(&self) -> &str {
+    /// The generated text of choice 0 (what the tests read).
+    #[cfg(test)]
+    fn text(&self) -> &str {
         self.choices.first().map_or("", |(t, _)| t)
     }
 
