@@ -255,7 +255,11 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     // N1: a non-streaming KV-exact turn of conversation A (a hit on the victim).
     hist_a.push(msg("assistant", &a2.text));
     hist_a.push(msg("user", "Now count from 1 to 100, separated by commas."));
-    let n1 = Chat::new(KV_MODEL, "e2e-kill-n1", &hist_a, LONG_TOKENS, false);
+    let mut n1 = Chat::new(KV_MODEL, "e2e-kill-n1", &hist_a, LONG_TOKENS, false);
+    // It must still be generating at the kill: the model's own answer may end (eos) after
+    // ~130 tokens, before a loaded machine got S1 going (seen once in CI), so it runs to
+    // LONG_TOKENS.
+    n1.min_tokens = Some(LONG_TOKENS);
     sent.push(n1.request_id.clone());
     let n1_task = {
         let (http, base) = (fleet.http.clone(), fleet.base_url());

@@ -585,6 +585,8 @@ pub struct Chat {
     pub max_tokens: u32,
     pub stream: bool,
     pub request_id: String,
+    /// `min_tokens` (the answer cannot end before; `None`: not sent).
+    pub min_tokens: Option<u32>,
 }
 
 impl Chat {
@@ -601,6 +603,7 @@ impl Chat {
             max_tokens,
             stream,
             request_id: request_id.to_owned(),
+            min_tokens: None,
         }
     }
 
@@ -620,6 +623,9 @@ impl Chat {
         });
         if self.stream {
             b["stream_options"] = json!({"include_usage": true});
+        }
+        if let Some(m) = self.min_tokens {
+            b["min_tokens"] = json!(m);
         }
         b
     }
