@@ -145,6 +145,7 @@ fn cold(
             start_pos: 0,
             block_table: table,
             want_logits: true,
+            all_logits: false,
         }])?
         .into_iter()
         .next()
@@ -482,6 +483,7 @@ fn main() -> ExitCode {
                     start_pos: 0,
                     block_table: &table,
                     want_logits: true,
+                    all_logits: false,
                 }])?;
                 best = best.min(t.elapsed().as_secs_f64());
             }
@@ -509,6 +511,7 @@ fn main() -> ExitCode {
                             start_pos: 0,
                             block_table: &tables[s],
                             want_logits: true,
+                            all_logits: false,
                         }])?;
                     }
                     let argmax = vec![mode == 2; n];
@@ -522,6 +525,7 @@ fn main() -> ExitCode {
                                 start_pos: 64 + step,
                                 block_table: &tables[s],
                                 want_logits: mode != 1 || s == 0,
+                                all_logits: false,
                             })
                             .collect();
                         e.forward_sampled(&chunks, &argmax)?;

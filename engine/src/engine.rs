@@ -115,7 +115,9 @@ pub struct GenerateRequest {
     pub namespace: NamespaceSeed,
     /// Sampling parameters.
     pub sampling: SamplingParams,
-    /// Most tokens to generate (≥ 1).
+    /// Most tokens to generate. 0: the prompt only — computed (its blocks enter the prefix
+    /// cache; its log probabilities come with [`OutputParams::prompt_logprobs`]), then the
+    /// sequence finishes (`Length`) without sampling.
     pub max_tokens: usize,
     /// Token ids that end the sequence (not emitted), e.g. eos.
     pub stop_token_ids: Vec<u32>,
@@ -148,6 +150,12 @@ pub struct OutputParams {
     /// (≤ [`MAX_TOP_LOGPROBS`]); `None` = off. Log probabilities are of the model's raw
     /// distribution (log-softmax of the logits, before penalties, temperature and filters).
     pub logprobs: Option<usize>,
+    /// Report the log probability of every prompt token after the first, given the tokens
+    /// before it, with this many alternatives (≤ [`MAX_TOP_LOGPROBS`]; the raw distribution, as
+    /// `logprobs`), in one [`SeqEvent::PromptLogprobs`]; `None` = off. Such a sequence computes
+    /// its whole prompt (no prefix reuse: a reused position has no logits;
+    /// [`crate::scheduler::SeqSpec::prompt_logits`]).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The most alternatives [`OutputParams::logprobs`] may ask for (OpenAI's limit).
@@ -212,6 +220,7 @@ impl Default for OutputParams {
             skip_special_tokens: true,
             include_stop_str: false,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -259,6 +268,10 @@ pub enum SeqEvent {
         /// Submission → admission.
         queue_time: Duration,
     },
+    /// With [`OutputParams::prompt_logprobs`], once, after the prompt was computed and before
+    /// the first `Token`: entry `i` is prompt token `i + 1`'s (the first prompt token has none),
+    /// `prompt − 1` entries.
+    PromptLogprobs(Vec<TokenLogprobs>),
     /// One generated token. Exception: when a stop token id ends the sequence while text
     /// was held back (a possible stop-string prefix, or incomplete UTF-8), that text comes
     /// in one last `Token` that repeats the previous token's id; count tokens with `Usage`.
@@ -559,11 +572,6 @@ impl Engine {
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("empty prompt".into()));
         }
-        if req.max_tokens == 0 {
-            return Err(EngineError::InvalidRequest(
-                "max_tokens must be >= 1".into(),
-            ));
-        }
         if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= inner.vocab_size) {
             return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} outside the vocabulary ({})",
@@ -573,7 +581,12 @@ impl Engine {
         req.sampling
             .validate()
             .map_err(EngineError::InvalidRequest)?;
-        if req.output.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        if req.output.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS)
+            || req
+                .output
+                .prompt_logprobs
+                .is_some_and(|k| k > MAX_TOP_LOGPROBS)
+        {
             return Err(EngineError::InvalidRequest(format!(
                 "at most {MAX_TOP_LOGPROBS} top log probabilities"
             )));
@@ -695,6 +708,10 @@ struct SeqPayload {
     min_tokens: usize,
     /// Report log probabilities with this many alternatives.
     logprobs: Option<usize>,
+    /// Report the prompt's log probabilities with this many alternatives.
+    prompt_logprobs: Option<usize>,
+    /// The prompt's log probabilities computed so far (sent when the prompt is done).
+    prompt_lps: Vec<TokenLogprobs>,
     stop: StopChecker,
     detok: DecodeStream,
     /// The constraint's state (JSON mode), when the request has one.
@@ -878,6 +895,8 @@ impl StepLoop {
             stop_ids: req.stop_token_ids,
             min_tokens: req.output.min_tokens,
             logprobs: req.output.logprobs,
+            prompt_logprobs: req.output.prompt_logprobs,
+            prompt_lps: Vec::new(),
             stop: StopChecker::new(&req.stop_strings).keeping_stop(req.output.include_stop_str),
             detok: DecodeStream::new(self.decoder.clone(), req.output.skip_special_tokens),
             constraint: req.constraint.as_ref().map(|c| c.start()),
@@ -891,6 +910,7 @@ impl StepLoop {
                 cache_insert: req.cache_insert,
                 submitted_at,
                 deadline,
+                prompt_logits: req.output.prompt_logprobs.is_some(),
             },
             payload,
         );
@@ -947,6 +967,7 @@ impl StepLoop {
             .iter()
             .map(|c| {
                 c.want_logits
+                    && !c.all_logits
                     && self.sched.get(c.id).is_some_and(|s| {
                         let p = s.payload();
                         p.sampler.is_plain_argmax()
@@ -990,7 +1011,27 @@ impl StepLoop {
         // `Finished` can count on the gateway's index receiving its blocks first.
         self.feed.publish(self.sched.take_events());
         for (c, out) in plan.iter().zip(outs) {
+            let out = match (c.all_logits, out) {
+                (true, Some(Sampled::Logits(all))) => match self.prompt_logprobs(c, &all) {
+                    Ok(last) => last,
+                    Err(e) => {
+                        self.fail(c.id, &e);
+                        continue;
+                    }
+                },
+                (true, _) => {
+                    let e = EngineError::Tensor("executor returned no prompt logits".into());
+                    self.fail(c.id, &e);
+                    continue;
+                }
+                (false, out) => out,
+            };
             if !c.want_logits {
+                continue;
+            }
+            // `max_tokens = 0`: the prompt was all.
+            if self.sched.get(c.id).is_some_and(|s| s.max_tokens() == 0) {
+                self.finish(c.id, FinishReason::Length, 0);
                 continue;
             }
             match out {
@@ -1001,6 +1042,45 @@ impl StepLoop {
                 ),
             }
         }
+    }
+
+    /// The log probabilities of the prompt tokens after chunk `c` (every row of `all`: the
+    /// distribution after each of its tokens), kept in the sequence's payload; after its last
+    /// prompt chunk, sends them all and gives back the last row (the first answer token's
+    /// logits). O(chunk × vocab × log k).
+    fn prompt_logprobs(
+        &mut self,
+        c: &Scheduled,
+        all: &[f32],
+    ) -> Result<Option<Sampled>, EngineError> {
+        let vocab = self.executor.vocab_size();
+        if vocab == 0 || all.len() != c.len * vocab {
+            return Err(EngineError::Tensor(format!(
+                "executor returned {} prompt logits for {} tokens of a {vocab}-token vocabulary",
+                all.len(),
+                c.len
+            )));
+        }
+        let Some(s) = self.sched.get_mut(c.id) else {
+            return Ok(None);
+        };
+        let prompt_len = s.prompt_len();
+        let (p, tokens) = s.payload_and_tokens();
+        let k = p.prompt_logprobs.unwrap_or(0);
+        for (r, row) in all.chunks_exact(vocab).enumerate() {
+            if let Some(&next) = tokens[..prompt_len].get(c.start + r + 1) {
+                p.prompt_lps.push(TokenLogprobs::of(row, next, k));
+            }
+        }
+        if !c.want_logits {
+            return Ok(None);
+        }
+        let entries = std::mem::take(&mut p.prompt_lps);
+        let _ = p.tx.send(SeqEvent::PromptLogprobs(entries));
+        Ok(all
+            .chunks_exact(vocab)
+            .last()
+            .map(|l| Sampled::Logits(l.to_vec())))
     }
 
     fn on_output(&mut self, id: SeqId, next: Sampled) {

@@ -44,6 +44,12 @@ pub struct SeqChunk<'a> {
     pub block_table: &'a [BlockId],
     /// Return the logits of this chunk's last token.
     pub want_logits: bool,
+    /// Return the logits of *every* token of this chunk, `tokens.len() × vocab` values in
+    /// position order (row `i`: the distribution of the token after `tokens[i]`), whether or
+    /// not `want_logits` is set — a prompt's log probabilities
+    /// ([`crate::OutputParams::prompt_logprobs`]). Never asked with an argmax flag
+    /// ([`Executor::forward_sampled`]).
+    pub all_logits: bool,
 }
 
 /// What a step gives back for a chunk that wants its next token
@@ -64,7 +70,8 @@ pub trait Executor: Send {
     /// Length of the logits vectors returned.
     fn vocab_size(&self) -> usize;
     /// Run one step: write the K/V of every chunk's tokens into its blocks and return, per
-    /// chunk in order, `Some(logits of its last token)` when `want_logits`, else `None`.
+    /// chunk in order, `Some(logits of its last token)` when `want_logits`, `Some(logits of
+    /// each of its tokens)` when `all_logits`, else `None`.
     fn forward(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError>;
 
     /// Whether [`Executor::copy_block`] works here (the scheduler only asks executors that

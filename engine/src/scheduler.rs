@@ -22,6 +22,8 @@
 //!    key at the same position, not yet registered) is not admitted yet: it waits for that
 //!    block to land in the prefix cache (within the other's prefill) rather than compute it a
 //!    second time, and is admitted once its next block is nobody's work in progress.
+//!    A sequence that wants its prompt's log probabilities ([`SeqSpec::prompt_logits`]) reuses
+//!    nothing and waits for nobody: a reused position has no logits.
 //! 3. **Decodes first**: every running sequence that has a sampled token gets a one-token
 //!    chunk.
 //! 4. **Chunked prefill** with the rest of the token budget: first the sequences whose
@@ -117,7 +119,17 @@ pub struct SeqSpec {
     pub submitted_at: Instant,
     /// Admission deadline.
     pub deadline: Instant,
+    /// Every prompt position's logits are wanted (a prompt's log probabilities): the sequence
+    /// computes its whole prompt — no prefix reuse of any kind, since a reused position has no
+    /// logits — in chunks of at most [`PROMPT_LOGITS_CHUNK`] tokens. Its blocks still enter the
+    /// prefix cache (unless `cache_insert` is false).
+    pub prompt_logits: bool,
 }
+
+/// The longest prompt chunk of a sequence that wants every position's logits: bounds the
+/// logits one step returns for it (`PROMPT_LOGITS_CHUNK × vocab` values: 6 MiB of F32 for a
+/// 49,152-token vocabulary, 32 MiB for 262,144).
+pub const PROMPT_LOGITS_CHUNK: usize = 32;
 
 /// One sequence: tokens, block table, key chain, progress.
 #[derive(Debug)]
@@ -141,6 +153,7 @@ pub struct Sequence<P> {
     cached_tokens: usize,
     chain: KeyChain,
     cache_insert: bool,
+    prompt_logits: bool,
     submitted_at: Instant,
     admitted_at: Option<Instant>,
     deadline: Instant,
@@ -162,6 +175,10 @@ impl<P> Sequence<P> {
     /// The payload.
     pub fn payload(&self) -> &P {
         &self.payload
+    }
+    /// The payload (mutable) and every token (prompt, then generated), borrowed together.
+    pub fn payload_and_tokens(&mut self) -> (&mut P, &[u32]) {
+        (&mut self.payload, &self.tokens)
     }
     /// The payload (mutable) and the generated tokens, borrowed together.
     pub fn payload_and_generated(&mut self) -> (&mut P, &[u32]) {
@@ -227,6 +244,9 @@ pub struct Scheduled {
     pub len: usize,
     /// Logits wanted (last prompt chunk or a decode).
     pub want_logits: bool,
+    /// Every token's logits wanted: a prompt chunk of a sequence that reports its prompt's
+    /// log probabilities ([`SeqSpec::prompt_logits`]).
+    pub all_logits: bool,
 }
 
 /// Waiting queue, running set and KV bookkeeping.
@@ -308,7 +328,10 @@ impl<P> Scheduler<P> {
             let reusable = s
                 .links
                 .iter()
-                .take(s.prompt_len.saturating_sub(1) / b)
+                .take(match s.prompt_logits {
+                    true => 0,
+                    false => s.prompt_len.saturating_sub(1) / b,
+                })
                 .take_while(|l| {
                     let k = l.key();
                     in_progress.contains(&k) || self.kv.cache().get(k).is_some()
@@ -381,6 +404,7 @@ impl<P> Scheduler<P> {
             cached_tokens: 0,
             chain: spec.chain,
             cache_insert: spec.cache_insert,
+            prompt_logits: spec.prompt_logits,
             submitted_at: spec.submitted_at,
             admitted_at: None,
             deadline: spec.deadline,
@@ -453,7 +477,11 @@ impl<P> Scheduler<P> {
         while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
             let s = &self.waiting[i];
             let b = self.block_size();
-            let max_hit = (s.prompt_len - 1) / b;
+            // A sequence that wants every prompt position's logits reuses nothing.
+            let max_hit = match s.prompt_logits {
+                true => 0,
+                false => (s.prompt_len - 1) / b,
+            };
             let hits = self.kv.lookup(
                 &s.links.iter().map(|l| l.key()).collect::<Vec<_>>(),
                 &s.tokens,
@@ -484,10 +512,15 @@ impl<P> Scheduler<P> {
                 None => BlockParent::Root(s.chain.root().key()),
             };
             let next = s.tokens.get(h * b..s.prompt_len).unwrap_or_default();
-            let max_len = (s.prompt_len - 1).saturating_sub(h * b);
-            let mut tail = self.kv.find_tail(parent, next, max_len);
+            let max_len = match s.prompt_logits {
+                true => 0,
+                false => (s.prompt_len - 1).saturating_sub(h * b),
+            };
+            let mut tail = (max_len > 0)
+                .then(|| self.kv.find_tail(parent, next, max_len))
+                .flatten();
             // Or the first tokens of a cached block, copied (when more than a tail gives).
-            let mut partial = if self.cfg.copy_partial_blocks {
+            let mut partial = if self.cfg.copy_partial_blocks && max_len > 0 {
                 self.kv
                     .find_partial(parent, next, max_len)
                     .filter(|&(_, n)| n > tail.map_or(0, |t| t.1))
@@ -591,6 +624,15 @@ impl<P> Scheduler<P> {
         }
     }
 
+    /// The longest prefill chunk of a sequence ([`PROMPT_LOGITS_CHUNK`] at most for one that
+    /// wants every prompt position's logits).
+    fn prefill_chunk_of(&self, prompt_logits: bool) -> usize {
+        match prompt_logits {
+            true => self.cfg.prefill_chunk.min(PROMPT_LOGITS_CHUNK),
+            false => self.cfg.prefill_chunk,
+        }
+    }
+
     /// Plans the next step within the configured `step_token_budget`; see
     /// [`Scheduler::schedule_within`].
     pub fn schedule(&mut self) -> (Vec<Scheduled>, Vec<SeqId>) {
@@ -620,22 +662,26 @@ impl<P> Scheduler<P> {
                 start: s.num_computed,
                 len: 1,
                 want_logits: true,
+                all_logits: false,
             });
             budget -= 1;
         }
         // 2. Prefill: finishers (remaining ≤ chunk), smallest first, ≤ half the budget.
         let mut served: Vec<SeqId> = Vec::new();
-        let mut finishers: Vec<(usize, SeqId, usize)> = self
+        let mut finishers: Vec<(usize, SeqId, usize, bool)> = self
             .running
             .iter()
             .filter(|s| s.is_prefilling())
-            .map(|s| (s.prompt_len - s.num_computed, s.id, s.num_computed))
-            .filter(|(rem, _, _)| *rem <= self.cfg.prefill_chunk)
+            .map(|s| {
+                let rem = s.prompt_len - s.num_computed;
+                (rem, s.id, s.num_computed, s.prompt_logits)
+            })
+            .filter(|&(rem, _, _, all)| rem <= self.prefill_chunk_of(all))
             .collect();
         finishers.sort();
         let finisher_cap = budget / 2;
         let mut finisher_used = 0;
-        for (rem, id, start) in finishers {
+        for (rem, id, start, all_logits) in finishers {
             if finisher_used + rem > finisher_cap || rem > budget {
                 break;
             }
@@ -644,6 +690,7 @@ impl<P> Scheduler<P> {
                 start,
                 len: rem,
                 want_logits: true,
+                all_logits,
             });
             served.push(id);
             finisher_used += rem;
@@ -667,12 +714,13 @@ impl<P> Scheduler<P> {
             }
             let s = order[(start_at + k) % n];
             let rem = s.prompt_len - s.num_computed;
-            let len = rem.min(self.cfg.prefill_chunk).min(budget);
+            let len = rem.min(self.prefill_chunk_of(s.prompt_logits)).min(budget);
             plan.push(Scheduled {
                 id: s.id,
                 start: s.num_computed,
                 len,
                 want_logits: len == rem,
+                all_logits: s.prompt_logits,
             });
             self.rr_last = Some(s.id);
             budget -= len;
@@ -712,6 +760,7 @@ impl<P> Scheduler<P> {
                     start_pos: c.start,
                     block_table: &s.block_table,
                     want_logits: c.want_logits,
+                    all_logits: c.all_logits,
                 })
             })
             .collect()

@@ -238,19 +238,22 @@ impl Executor for SimExecutor {
             }
         }
         for c in chunks {
-            if !c.want_logits || c.tokens.is_empty() {
+            if c.tokens.is_empty() || !(c.want_logits || c.all_logits) {
                 out.push(None);
                 continue;
             }
-            let last = c.start_pos + c.tokens.len() - 1;
-            let (tok, h) = self.next_token(c.block_table, last)?;
+            let end = c.start_pos + c.tokens.len();
+            let first = if c.all_logits { c.start_pos } else { end - 1 };
             let v = self.cfg.vocab_size;
-            let mut logits = vec![0.0f32; v];
-            let r1 = ((h >> 20) % v as u64) as usize;
-            let r2 = ((h >> 40) % v as u64) as usize;
-            logits[r2] = 4.0;
-            logits[r1] = 6.0;
-            logits[tok as usize] = 8.0;
+            let mut logits = vec![0.0f32; v * (end - first)];
+            for (pos, row) in (first..end).zip(logits.chunks_exact_mut(v)) {
+                let (tok, h) = self.next_token(c.block_table, pos)?;
+                let r1 = ((h >> 20) % v as u64) as usize;
+                let r2 = ((h >> 40) % v as u64) as usize;
+                row[r2] = 4.0;
+                row[r1] = 6.0;
+                row[tok as usize] = 8.0;
+            }
             out.push(Some(logits));
         }
         let want = std::time::Duration::from_micros(us);
@@ -306,6 +309,7 @@ mod tests {
                 start_pos: 0,
                 block_table: &t1,
                 want_logits: true,
+                all_logits: false,
             }])
             .unwrap();
         // Three odd chunks in scattered blocks.
@@ -317,6 +321,7 @@ mod tests {
                 start_pos: s,
                 block_table: &t2,
                 want_logits: false,
+                all_logits: false,
             }])
             .unwrap();
         }
@@ -326,6 +331,7 @@ mod tests {
                 start_pos: 18,
                 block_table: &t2,
                 want_logits: true,
+                all_logits: false,
             }])
             .unwrap();
         let ta = argmax(la[0].as_ref().unwrap());
@@ -341,6 +347,7 @@ mod tests {
                 start_pos: 0,
                 block_table: &t1,
                 want_logits: true,
+                all_logits: false,
             }])
             .unwrap();
         assert_ne!(ta, argmax(lc[0].as_ref().unwrap()));
@@ -354,6 +361,7 @@ mod tests {
             start_pos: 2,
             block_table: &[0],
             want_logits: true,
+            all_logits: false,
         }]);
         assert!(r.is_err(), "positions 0..2 never written");
         let r = e.forward(&[SeqChunk {
@@ -361,6 +369,7 @@ mod tests {
             start_pos: 0,
             block_table: &[0],
             want_logits: false,
+            all_logits: false,
         }]);
         assert!(r.is_err(), "position 4 has no block");
     }
@@ -377,6 +386,7 @@ mod tests {
                 start_pos: 0,
                 block_table: &[0],
                 want_logits: true,
+                all_logits: false,
             }])
             .unwrap();
         assert_eq!(argmax(l[0].as_ref().unwrap()), 2);
@@ -391,6 +401,7 @@ mod tests {
                     start_pos: p,
                     block_table: &table,
                     want_logits: true,
+                    all_logits: false,
                 }])
                 .unwrap();
             let t = argmax(l[0].as_ref().unwrap());
@@ -411,6 +422,7 @@ mod tests {
             start_pos: 0,
             block_table: &[0],
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap();
         assert!(t.elapsed() >= std::time::Duration::from_micros(6_000));

@@ -84,6 +84,7 @@ fn cold(
             start_pos: 0,
             block_table: table,
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap()
         .remove(0)
@@ -267,6 +268,7 @@ fn device_executor_refuses_what_it_cannot_run() {
             start_pos: 0,
             block_table: &[8],
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap_err();
     assert!(
@@ -279,6 +281,7 @@ fn device_executor_refuses_what_it_cannot_run() {
             start_pos: 0,
             block_table: &[0],
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap_err();
     assert!(
@@ -291,10 +294,90 @@ fn device_executor_refuses_what_it_cannot_run() {
             start_pos: 0,
             block_table: &[0],
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap_err();
     assert!(
         matches!(short_table, EngineError::InvalidRequest(_)),
         "{short_table}"
     );
+}
+
+/// `all_logits` on the device executor: every row equals the tuned executor's row for the same
+/// prompt (a chunk that wants every row is never given back as an argmax, even when flagged),
+/// and a batched chunk flagged for its argmax still gets the tuned executor's greedy token.
+#[test]
+fn every_rows_logits_on_the_device_executor_equal_the_tuned_executors() {
+    let tuned = Arc::new(
+        LlamaWeights::load(model_path(), &Device::Cpu, WeightFormat::CPU_DEFAULT).unwrap(),
+    );
+    let dense = Arc::new(
+        LlamaWeights::load(model_path(), &Device::Cpu, WeightFormat::Device(DType::F32)).unwrap(),
+    );
+    let (bs, nb) = (8, 16);
+    let a_table: Vec<BlockId> = vec![9, 3, 12, 0, 5];
+    let b_table: Vec<BlockId> = vec![1, 2, 4];
+    let chunks = [
+        SeqChunk {
+            tokens: &CHAT_PROMPT,
+            start_pos: 0,
+            block_table: &a_table,
+            want_logits: true,
+            all_logits: true,
+        },
+        SeqChunk {
+            tokens: &COLORS_PROMPT,
+            start_pos: 0,
+            block_table: &b_table,
+            want_logits: true,
+            all_logits: false,
+        },
+    ];
+    let mut reference = LlamaExecutor::new(
+        Arc::clone(&tuned),
+        KvGeometry {
+            block_size: bs,
+            num_blocks: nb,
+        },
+    )
+    .unwrap();
+    let want = reference.forward(&chunks).unwrap();
+    let want_rows = want[0].clone().unwrap();
+    let want_b = engine::sampler::argmax(want[1].as_ref().unwrap());
+    let mut exec = device_exec(&dense, bs, nb);
+    let got = exec.forward_sampled(&chunks, &[true, true]).unwrap();
+    let vocab = exec.vocab_size();
+    match (&got[0], &got[1]) {
+        (
+            Some(engine::executor::Sampled::Logits(rows)),
+            Some(engine::executor::Sampled::Token(b)),
+        ) => {
+            assert_eq!(rows.len(), CHAT_PROMPT.len() * vocab, "one row per token");
+            let diff = max_abs_diff(rows, &want_rows);
+            println!("every row: logits max |diff| {diff}");
+            assert!(diff < SMOLLM2_LOGIT_TOL, "rows differ by {diff}");
+            for (i, (g, w)) in rows
+                .chunks_exact(vocab)
+                .zip(want_rows.chunks_exact(vocab))
+                .enumerate()
+            {
+                // Where the tuned executor's top two are further apart than the tolerance
+                // (a nearer tie may flip within it).
+                let mut sorted = w.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] > 2.0 * SMOLLM2_LOGIT_TOL {
+                    assert_eq!(
+                        engine::sampler::argmax(g),
+                        engine::sampler::argmax(w),
+                        "row {i}'s greedy token"
+                    );
+                }
+            }
+            assert_eq!(*b, want_b, "the argmax chunk's token");
+        }
+        other => panic!(
+            "expected every row's logits and an argmax, got {:?}",
+            other.0.is_some()
+        ),
+    }
 }

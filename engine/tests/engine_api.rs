@@ -192,7 +192,9 @@ async fn immediate_rejections() {
         .submit(req("oov", vec![100_000], 4, ns(1)))
         .unwrap_err();
     assert_eq!(e.error_type(), "invalid_request");
-    let e = engine.submit(req("zero", vec![1], 0, ns(1))).unwrap_err();
+    let mut many = req("top21", vec![1], 1, ns(1));
+    many.output.prompt_logprobs = Some(21);
+    let e = engine.submit(many).unwrap_err();
     assert_eq!(e.error_type(), "invalid_request");
     let mut bad = req("t", vec![1], 1, ns(1));
     bad.sampling.top_p = 0.0;
@@ -735,4 +737,96 @@ async fn without_a_step_time_target_the_budget_is_fixed() {
         st.steps
     );
     engine.shutdown();
+}
+
+/// The log probabilities a plain one-chunk forward of the whole `prompt` gives each prompt
+/// token after the first, on a fresh simulator (contiguous blocks).
+fn reference_prompt_logprobs(
+    sim: &SimConfig,
+    prompt: &[u32],
+    k: usize,
+) -> Vec<engine::TokenLogprobs> {
+    use engine::executor::{Executor, SeqChunk};
+    let mut cfg = sim.clone();
+    cfg.num_blocks = prompt.len().div_ceil(cfg.block_size);
+    let mut e = engine::sim::SimExecutor::new(cfg.clone()).expect("sim");
+    let table: Vec<u32> = (0..cfg.num_blocks as u32).collect();
+    let rows = e
+        .forward(&[SeqChunk {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &table,
+            want_logits: true,
+            all_logits: true,
+        }])
+        .expect("forward")
+        .remove(0)
+        .expect("rows");
+    rows.chunks_exact(cfg.vocab_size)
+        .zip(&prompt[1..])
+        .map(|(row, &next)| engine::TokenLogprobs::of(row, next, k))
+        .collect()
+}
+
+/// `prompt_logprobs`: every prompt token after the first gets its log probability given the
+/// tokens before it — what one plain forward of the whole prompt gives, whatever the chunking
+/// (chunks of 16, and of 32 where the engine's chunk is 64: `PROMPT_LOGITS_CHUNK`) — in one
+/// event before the first token. Such a request reuses no cached prefix (a reused position has
+/// no logits) yet enters its blocks in the cache, and answers what a plain run answers.
+/// `max_tokens = 0` computes the prompt only.
+#[tokio::test]
+async fn prompt_logprobs_cover_the_whole_prompt_and_reuse_nothing() {
+    let sim = SimConfig::instant(4, 256);
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 13 + 5) % 400).collect();
+    let want = reference_greedy(&sim, &prompt, 6);
+    let want_lps = reference_prompt_logprobs(&sim, &prompt, 3);
+    assert_eq!(want_lps.len(), 69);
+    for chunk in [16, 64] {
+        let engine = sim_engine(
+            sim.clone(),
+            EngineConfig {
+                prefill_chunk: chunk,
+                step_token_budget: 128,
+                ..small_cfg()
+            },
+        );
+        // A plain run first: the prompt's blocks are cached.
+        let a = collect(engine.submit(req("a", prompt.clone(), 6, ns(1))).unwrap()).await;
+        assert_eq!(a.tokens, want);
+        let mut r = req("b", prompt.clone(), 6, ns(1));
+        r.output.prompt_logprobs = Some(3);
+        let b = collect(engine.submit(r).unwrap()).await;
+        assert_eq!(b.cached_tokens, Some(0), "chunk {chunk}: nothing reused");
+        let (lps, tokens_before) = b.prompt_logprobs.expect("prompt log probabilities");
+        assert_eq!(tokens_before, 0, "before the first token");
+        assert_eq!(lps, want_lps, "chunk {chunk}");
+        assert_eq!(b.tokens, want, "chunk {chunk}: the answer of a plain run");
+        assert_eq!(b.finish.unwrap().1.cached_tokens, 0);
+
+        // The prompt only, under another namespace: no token, its blocks cached all the same.
+        let mut r = req("c", prompt.clone(), 0, ns(2));
+        r.output.prompt_logprobs = Some(0);
+        let c = collect(engine.submit(r).unwrap()).await;
+        assert!(c.tokens.is_empty());
+        let (reason, usage, _) = c.finish.expect("finished");
+        assert_eq!((reason, usage.completion_tokens), (FinishReason::Length, 0));
+        let (lps, _) = c.prompt_logprobs.expect("prompt log probabilities");
+        assert_eq!(lps.len(), 69);
+        assert!(lps.iter().all(|l| l.top.is_empty()));
+        let d = collect(engine.submit(req("d", prompt.clone(), 2, ns(2))).unwrap()).await;
+        assert_eq!(
+            d.cached_tokens,
+            Some(69),
+            "the prompt-only run's blocks were cached"
+        );
+        assert_eq!(d.tokens, want[..2]);
+        // `max_tokens = 0` without log probabilities: reuses the cache, samples nothing.
+        let e = collect(engine.submit(req("e", prompt.clone(), 0, ns(2))).unwrap()).await;
+        assert_eq!(e.cached_tokens, Some(69));
+        assert!(e.tokens.is_empty() && e.prompt_logprobs.is_none());
+        assert_eq!(e.finish.unwrap().0, FinishReason::Length);
+        let st = wait_stats(&engine, |s| s.running == 0).await;
+        assert_eq!(st.blocks_used, 0);
+        engine.shutdown();
+    }
 }

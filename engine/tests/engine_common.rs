@@ -55,6 +55,8 @@ pub struct Outcome {
     pub text: String,
     pub finish: Option<(FinishReason, Usage, Option<prefix_index::BlockKey>)>,
     pub failed: Option<&'static str>,
+    /// `SeqEvent::PromptLogprobs`, and the number of `Token`s delivered before it.
+    pub prompt_logprobs: Option<(Vec<engine::TokenLogprobs>, usize)>,
 }
 
 /// Reads a handle to its end (10 s limit).
@@ -77,6 +79,7 @@ pub async fn collect(mut h: SequenceHandle) -> Outcome {
                 last_block_key,
             }) => o.finish = Some((reason, usage, last_block_key)),
             Some(SeqEvent::Failed { code, .. }) => o.failed = Some(code),
+            Some(SeqEvent::PromptLogprobs(lps)) => o.prompt_logprobs = Some((lps, o.tokens.len())),
         }
     }
 }
@@ -103,6 +106,7 @@ pub fn reference_greedy(sim: &SimConfig, prompt: &[u32], max_tokens: usize) -> V
                 start_pos: start,
                 block_table: &table,
                 want_logits: true,
+                all_logits: false,
             }])
             .expect("forward");
         let t = argmax(l[0].as_ref().expect("logits"));

@@ -33,6 +33,7 @@ fn spec(prompt: Vec<u32>, max_tokens: usize, seed: NamespaceSeed, bs: usize) -> 
         cache_insert: true,
         submitted_at: now,
         deadline: now + Duration::from_secs(3600),
+        prompt_logits: false,
     }
 }
 

@@ -100,6 +100,7 @@ fn prefix_reuse_matches_reference() {
         start_pos: 0,
         block_table: &a_table,
         want_logits: true,
+        all_logits: false,
     }])
     .unwrap();
     // B shares A's first 32 tokens (4 full blocks), then a second user turn.
@@ -112,6 +113,7 @@ fn prefix_reuse_matches_reference() {
             start_pos: 32,
             block_table: &b_table,
             want_logits: true,
+            all_logits: false,
         }])
         .unwrap();
     let got = out[0].clone().unwrap();
@@ -200,4 +202,68 @@ fn golden_smollm2_first_16_greedy_tokens() {
     let got = run_batched(&mut exec, &mut seqs, 16).unwrap().remove(0);
     println!("{got:?}");
     assert_eq!(got, GOLDEN);
+}
+
+/// `all_logits` (a prompt's log probabilities): every row a chunk gives back equals the last
+/// logits of the prompt up to that row's token, computed by the plain reference forward — for
+/// a prompt computed in two chunks, batched beside another sequence's ordinary chunk, whose own
+/// logits stay what they were. F32 weights, so the reference's tolerance (1e-3) holds.
+#[test]
+fn every_rows_logits_equal_the_reference_at_that_prefix() {
+    let w = weights(WeightFormat::F32);
+    let block_size = 8;
+    let mut exec = LlamaExecutor::new(
+        Arc::clone(&w),
+        KvGeometry {
+            block_size,
+            num_blocks: 16,
+        },
+    )
+    .unwrap();
+    let a_table: Vec<BlockId> = vec![9, 3, 12, 0, 5];
+    let b_table: Vec<BlockId> = vec![1, 2, 4, 6, 7, 8];
+    let split = 20;
+    let mut rows: Vec<f32> = Vec::new();
+    for (start, end) in [(0, split), (split, CHAT_PROMPT.len())] {
+        let mut chunks = vec![SeqChunk {
+            tokens: &CHAT_PROMPT[start..end],
+            start_pos: start,
+            block_table: &a_table,
+            want_logits: end == CHAT_PROMPT.len(),
+            all_logits: true,
+        }];
+        // The first step also carries another sequence's whole prompt.
+        if start == 0 {
+            chunks.push(SeqChunk {
+                tokens: &COLORS_PROMPT,
+                start_pos: 0,
+                block_table: &b_table,
+                want_logits: true,
+                all_logits: false,
+            });
+        }
+        let out = exec.forward(&chunks).unwrap();
+        let vocab = exec.vocab_size();
+        let a = out[0].clone().expect("every row's logits");
+        assert_eq!(a.len(), (end - start) * vocab, "one row per token");
+        rows.extend_from_slice(&a);
+        if start == 0 {
+            let b = out[1].clone().expect("the other chunk's last logits");
+            let want = reference::last_logits(&w, &COLORS_PROMPT).unwrap();
+            let diff = max_abs_diff(&b, &want);
+            assert!(
+                diff < 1e-3,
+                "the batched ordinary chunk's logits differ by {diff}"
+            );
+        }
+    }
+    let vocab = exec.vocab_size();
+    for i in [0, 1, 7, split - 1, split, 30, CHAT_PROMPT.len() - 1] {
+        let got = &rows[i * vocab..(i + 1) * vocab];
+        let want = reference::last_logits(&w, &CHAT_PROMPT[..=i]).unwrap();
+        let diff = max_abs_diff(got, &want);
+        println!("row {i}: logits max |diff| {diff}");
+        assert!(diff < 1e-3, "row {i}: logits differ by {diff}");
+        assert_eq!(reference::argmax(got), reference::argmax(&want), "row {i}");
+    }
 }

@@ -138,6 +138,7 @@ fn real_model_agrees_with(
                 start_pos: done,
                 block_table: &table,
                 want_logits: true,
+                all_logits: false,
             }];
             let logits = exec.forward(&chunk).unwrap().remove(0).unwrap();
             done = tokens.len();
@@ -367,6 +368,7 @@ fn tiny_arch_agrees_as(arch: &str, tol: f64, format: WeightFormat) -> f64 {
                 start_pos: done,
                 block_table: &table,
                 want_logits: true,
+                all_logits: false,
             }];
             let logits = exec.forward(&chunk).unwrap().remove(0).unwrap();
             done = tokens.len();
@@ -510,6 +512,7 @@ fn cached_and_chunked_runs_equal_cold_runs_for_every_architecture_and_format() {
                     start_pos: done,
                     block_table: table,
                     want_logits: end >= prompt.len(),
+                    all_logits: false,
                 }];
                 let logits = exec.forward(&c).unwrap().remove(0);
                 done = end;

@@ -249,6 +249,7 @@ pub fn measure(
             start_pos: 0,
             block_table: &table,
             want_logits: true,
+            all_logits: false,
         }])?;
         best = best.min(t.elapsed().as_secs_f64());
     }
@@ -274,6 +275,7 @@ pub fn measure(
                     start_pos: 0,
                     block_table: &table,
                     want_logits: true,
+                    all_logits: false,
                 }])?;
                 let next = logits
                     .first()
@@ -293,6 +295,7 @@ pub fn measure(
                         start_pos: s.1,
                         block_table: &s.0,
                         want_logits: true,
+                        all_logits: false,
                     })
                     .collect();
                 // Greedy: the executor may take the argmax where the logits are.
@@ -328,6 +331,7 @@ pub fn measure(
             start_pos: 0,
             block_table: &table,
             want_logits: true,
+            all_logits: false,
         }])?;
         best_uncached = best_uncached.min(t.elapsed().as_secs_f64());
         // The prefix's K/V are now in `table`'s blocks; recompute only the suffix.
@@ -337,6 +341,7 @@ pub fn measure(
             start_pos: cfg.cached_prefix,
             block_table: &table,
             want_logits: true,
+            all_logits: false,
         }])?;
         best_cached = best_cached.min(t.elapsed().as_secs_f64());
     }

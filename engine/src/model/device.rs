@@ -39,7 +39,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::attention::{rope_cos_sin_scaled, ChunkSlots};
-use super::executor::chunk_slots;
+use super::executor::{chunk_slots, logit_rows};
 use super::weights::{Architecture, Linear, LlamaWeights, WeightFormat};
 use crate::executor::{BlockId, Executor, KvGeometry, Sampled, SeqChunk};
 use crate::EngineError;
@@ -718,8 +718,8 @@ impl DeviceExecutor {
         let rows: Vec<u32> = chunks
             .iter()
             .zip(&layouts)
-            .filter(|(c, _)| c.want_logits)
-            .map(|(_, l)| (l.token_offset + l.len - 1) as u32)
+            .flat_map(|(c, l)| logit_rows(c, l.token_offset))
+            .map(|r| r as u32)
             .collect();
         let mut out = vec![None; chunks.len()];
         if rows.is_empty() {
@@ -736,12 +736,15 @@ impl DeviceExecutor {
         };
         // `[n_rows, vocab]` F32 on the device, soft-capping not applied yet.
         let logits = w.lm_head_device(&normed)?;
-        // Which logit rows go back whole and which only as their argmax.
+        // Which logit rows go back whole and which only as their argmax (a chunk that wants
+        // every row's logits never goes back as an argmax).
         let wanted: Vec<bool> = chunks
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.want_logits)
-            .map(|(i, _)| argmax.get(i).copied().unwrap_or(false))
+            .flat_map(|(i, c)| {
+                let id_only = !c.all_logits && argmax.get(i).copied().unwrap_or(false);
+                logit_rows(c, 0).map(move |_| id_only)
+            })
             .collect();
         let pick = |flag: bool| -> Vec<u32> {
             (0..n_rows as u32)
@@ -774,14 +777,20 @@ impl DeviceExecutor {
         let mut ids_out = ids.into_iter();
         let mut row = 0;
         for (slot, c) in out.iter_mut().zip(chunks) {
-            if c.want_logits {
-                *slot = if wanted[row] {
-                    ids_out.next().map(Sampled::Token)
-                } else {
-                    full_rows_out.next().map(|l| Sampled::Logits(l.to_vec()))
-                };
-                row += 1;
+            let n = logit_rows(c, 0).len();
+            if n == 0 {
+                continue;
             }
+            *slot = if wanted[row] {
+                ids_out.next().map(Sampled::Token)
+            } else {
+                let mut all = Vec::with_capacity(n * vocab);
+                for l in full_rows_out.by_ref().take(n) {
+                    all.extend_from_slice(l);
+                }
+                (all.len() == n * vocab).then_some(Sampled::Logits(all))
+            };
+            row += n;
         }
         Ok(out)
     }

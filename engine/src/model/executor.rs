@@ -237,8 +237,7 @@ impl LlamaExecutor {
         let rows: Vec<usize> = chunks
             .iter()
             .zip(&layouts)
-            .filter(|(c, _)| c.want_logits)
-            .map(|(_, l)| l.token_offset + l.len - 1)
+            .flat_map(|(c, l)| logit_rows(c, l.token_offset))
             .collect();
         let mut out = vec![None; chunks.len()];
         if rows.is_empty() {
@@ -256,13 +255,27 @@ impl LlamaExecutor {
             logits.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
         }
         let vocab = logits.len() / n_rows;
-        let mut rows_out = logits.chunks_exact(vocab.max(1));
+        let mut at = 0;
         for (slot, c) in out.iter_mut().zip(chunks) {
-            if c.want_logits {
-                *slot = rows_out.next().map(<[f32]>::to_vec);
+            let n = logit_rows(c, 0).len() * vocab;
+            if n > 0 {
+                *slot = logits.get(at..at + n).map(<[f32]>::to_vec);
+                at += n;
             }
         }
         Ok(out)
+    }
+}
+
+/// The rows of a step's hidden states whose logits a chunk wants, the chunk's first token at row
+/// `token_offset`: every token's with `all_logits`, else the last one's with `want_logits`,
+/// else none (shared by [`LlamaExecutor`] and [`super::device::DeviceExecutor`]).
+pub(crate) fn logit_rows(c: &SeqChunk<'_>, token_offset: usize) -> std::ops::Range<usize> {
+    let end = token_offset + c.tokens.len();
+    match (c.all_logits, c.want_logits) {
+        (true, _) => token_offset..end,
+        (false, true) => end.saturating_sub(1)..end,
+        (false, false) => end..end,
     }
 }
 

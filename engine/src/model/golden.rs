@@ -85,6 +85,7 @@ pub fn run_batched(
                 start_pos: start,
                 block_table: &seqs[i].table,
                 want_logits: end >= seqs[i].prompt_len,
+                all_logits: false,
             })
             .collect();
         let out = if chunks.is_empty() {
@@ -185,6 +186,7 @@ fn greedy_steps(
             start_pos: done,
             block_table: table,
             want_logits: true,
+            all_logits: false,
         })?;
         done = tokens.len();
         tokens.push(token);
