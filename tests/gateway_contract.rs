@@ -112,6 +112,60 @@ fn special_token_text_gives_the_gateways_keys_on_the_worker() {
     fleet.stop();
 }
 
+/// A completion that asks its prompt's log probabilities (`echo` with `logprobs`) reuses no
+/// cached prefix on the worker; the gateway, reading the same rule
+/// (`prompt_profile::scores_prompt`), predicts none for it even where its index holds the
+/// prompt — while the same prompt without them is predicted and served from the cache. The two
+/// sides' prompt counts and last block keys agree for both.
+#[test]
+fn a_scored_prompt_is_predicted_uncached_as_the_worker_serves_it() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, false);
+    let prompt = special_token_prompt();
+    let plain = serde_json::json!({"model": "smol", "prompt": prompt, "max_tokens": 2});
+    let mut predicted = false;
+    for _ in 0..50 {
+        let r = fleet.post("/v1/completions", &plain, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (_, receipt, ticket) = fleet.routed(&r);
+        if ticket.predicted_matched_tokens.unwrap() > 0 {
+            assert!(
+                receipt.body.cached_tokens > 0,
+                "predicted a hit the engine did not see"
+            );
+            predicted = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(predicted, "the gateway never predicted the prompt's blocks");
+    for stream in [false, true] {
+        let scored = serde_json::json!({"model": "smol", "prompt": prompt, "max_tokens": 0,
+                                        "echo": true, "logprobs": 1, "stream": stream});
+        let r = fleet.post("/v1/completions", &scored, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (_, receipt, ticket) = fleet.routed(&r);
+        assert_eq!(ticket.predicted_matched_tokens, Some(0), "stream {stream}");
+        assert_eq!(receipt.body.cached_tokens, 0, "stream {stream}");
+        assert_eq!(receipt.body.completion_tokens, 0);
+        assert_eq!(ticket.prompt_tokens, Some(receipt.body.prompt_tokens));
+        assert_eq!(ticket.last_block_key, receipt.body.last_block_key);
+        if !stream {
+            let v: serde_json::Value = serde_json::from_str(&r.text()).unwrap();
+            assert_eq!(v["choices"][0]["text"], prompt.as_str());
+            let lps = v["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap();
+            assert_eq!(lps.len() as u32, receipt.body.prompt_tokens);
+            assert!(lps[0].is_null() && lps[1..].iter().all(|l| l.as_f64().is_some()));
+        }
+    }
+    fleet.stop();
+}
+
 #[test]
 fn a_sha256_worker_behind_round_robin_answers() {
     let mut fleet = Fleet::workers(FleetOptions {

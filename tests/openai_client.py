@@ -73,6 +73,28 @@ def main() -> None:
     assert c.choices[0].text is not None and c.usage.completion_tokens > 0, c
     print("completion:", repr(c.choices[0].text))
 
+    # Scoring a prompt, as evaluation harnesses do: `echo` with `logprobs`, nothing generated
+    # (`max_tokens=0`), or with one token generated after the prompt.
+    s = client.completions.create(
+        model="smollm2", prompt="The sky is blue", max_tokens=0, echo=True, logprobs=2,
+    )
+    lp = s.choices[0].logprobs
+    assert s.choices[0].text == "The sky is blue", s
+    assert s.usage.completion_tokens == 0 and s.usage.prompt_tokens == len(lp.tokens), s.usage
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:]), lp
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:]), lp
+    assert "".join(lp.tokens) == s.choices[0].text, lp.tokens
+    one = client.completions.create(
+        model="smollm2", prompt="The sky is blue", max_tokens=1, echo=True, logprobs=2,
+        temperature=0,
+    )
+    lp1 = one.choices[0].logprobs
+    assert one.choices[0].text.startswith("The sky is blue"), one
+    assert lp1.token_logprobs[: len(lp.tokens)] == lp.token_logprobs, (lp1, lp)
+    assert len(lp1.tokens) == len(lp.tokens) + 1 and one.usage.completion_tokens == 1, one
+    print("echo:", lp.tokens, [round(x, 3) for x in lp.token_logprobs[1:]])
+
     r = client.chat.completions.create(
         model="smollm2", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=5
     )

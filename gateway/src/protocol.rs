@@ -49,6 +49,9 @@ pub struct InferenceBody {
     pub cache_salt: Option<String>,
     /// `stream`.
     pub stream: bool,
+    /// A completion asking its prompt's log probabilities (`prompt_profile::scores_prompt`):
+    /// the worker reuses no cached prefix for it, so none is predicted.
+    pub scores_prompt: bool,
 }
 
 /// The one method the OpenAI API serves on `path`, for the paths it defines; `None` for other
@@ -159,6 +162,11 @@ struct CompletionFields {
     cache_salt: Option<String>,
     #[serde(default)]
     stream: Option<bool>,
+    /// Read leniently (`prompt_profile::scores_prompt`): the worker judges them.
+    #[serde(default)]
+    echo: Option<serde_json::Value>,
+    #[serde(default)]
+    logprobs: Option<serde_json::Value>,
 }
 
 /// Reads `T` from a whole body; errors as the worker classifies them.
@@ -198,6 +206,7 @@ impl InferenceBody {
                     choices: prompt_profile::choices(f.n.as_ref()),
                     cache_salt: f.cache_salt,
                     stream: f.stream.unwrap_or(false),
+                    scores_prompt: false,
                 }
             }
             Endpoint::Completion => {
@@ -213,6 +222,10 @@ impl InferenceBody {
                     choices: prompt_profile::choices(f.n.as_ref()),
                     cache_salt: f.cache_salt,
                     stream: f.stream.unwrap_or(false),
+                    scores_prompt: prompt_profile::scores_prompt(
+                        f.echo.as_ref(),
+                        f.logprobs.as_ref(),
+                    ),
                 }
             }
         })

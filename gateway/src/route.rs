@@ -174,6 +174,10 @@ struct Looked {
     output_tokens: usize,
     seed: NamespaceSeed,
     matches: Vec<prefix_index::WorkerMatch>,
+    /// False for a request that reuses no cached prefix on any worker (a completion asking its
+    /// prompt's log probabilities, `prompt_profile::scores_prompt`): no match is looked up, so
+    /// none is predicted or weighed; its blocks still become the chosen worker's holding.
+    reads_cache: bool,
 }
 
 /// Parse, salt, tokenize, keys, budget. The index lookup is not here: [`decide`] makes it under
@@ -221,6 +225,7 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
         keys: tok.keys,
         seed: tok.seed,
         matches: Vec::new(),
+        reads_cache: !body.scores_prompt,
     })
 }
 
@@ -317,7 +322,7 @@ fn place(
     // lock first has left its routing-time holding in the index by now, so this one follows it
     // instead of placing the prefix a second time (measured: two requests of one new prefix
     // 0.5 ms apart on one gateway went to two workers when the lookup ran before the lock).
-    if let Some((_, l)) = looked.as_mut() {
+    if let Some((_, l)) = looked.as_mut().filter(|(_, l)| l.reads_cache) {
         l.matches = index.longest_matches(&l.keys);
     }
     let mut extra = Vec::new();

@@ -37,7 +37,7 @@ pub use error::{ProfileError, Result};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use identity::ProfileIdentity;
 pub use message::{ChatMessage, ContentPart, MessageContent};
-pub use prompt::{choices, MAX_CHOICES};
+pub use prompt::{choices, scores_prompt, MAX_CHOICES};
 pub use prompt::{
     ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
     PromptTokens, TokenBudget, ToolChoice,

@@ -486,6 +486,19 @@ pub fn choices(n: Option<&serde_json::Value>) -> usize {
         .map_or(1, |n| n as usize)
 }
 
+/// Whether a `/v1/completions` body asks for its prompt's log probabilities: `echo: true` with
+/// `logprobs` (an integer). The worker then computes every prompt position — it reuses no
+/// cached prefix, a reused position having no logits — and the gateway predicts no cached
+/// tokens for it. Read leniently, as [`choices`] is: values the worker refuses count as not
+/// asking.
+pub fn scores_prompt(
+    echo: Option<&serde_json::Value>,
+    logprobs: Option<&serde_json::Value>,
+) -> bool {
+    echo.and_then(serde_json::Value::as_bool) == Some(true)
+        && logprobs.and_then(serde_json::Value::as_u64).is_some()
+}
+
 /// The token budget of a served model: `prompt + output + native_reserve <= context_limit`,
 /// else the request is refused (never silently truncated).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -593,6 +606,27 @@ impl KeySpace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prompt_is_scored_only_with_echo_and_logprobs() {
+        use serde_json::json;
+        for (echo, logprobs, want) in [
+            (Some(json!(true)), Some(json!(0)), true),
+            (Some(json!(true)), Some(json!(5)), true),
+            (Some(json!(true)), None, false),
+            (Some(json!(true)), Some(json!(null)), false),
+            (Some(json!(false)), Some(json!(5)), false),
+            (None, Some(json!(5)), false),
+            (Some(json!("yes")), Some(json!(5)), false),
+            (Some(json!(true)), Some(json!(-1)), false),
+        ] {
+            assert_eq!(
+                scores_prompt(echo.as_ref(), logprobs.as_ref()),
+                want,
+                "echo {echo:?}, logprobs {logprobs:?}"
+            );
+        }
+    }
 
     #[test]
     fn tool_choice_is_checked_against_the_tools() {

@@ -356,6 +356,11 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
     }
     let source = std::mem::replace(&mut plan.prompt, PromptSource::Tokens(Vec::new()));
     let param = source.param();
+    // `echo`: a text prompt comes back as it was sent, token ids as their text.
+    let echo_text = match (&source, plan.echo) {
+        (PromptSource::Text(t), true) => Some(t.clone()),
+        _ => None,
+    };
     let budget = TokenBudget {
         context_limit: st.context_limit,
         native_reserve: st.settings.native_reserve,
@@ -365,6 +370,21 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         Err(e) => return receipted_error(&st, endpoint, &ctx, e, 0).await,
     };
     let prompt_tokens = prompt.len();
+    let echo = match (plan.echo, echo_text) {
+        (false, _) => None,
+        (true, Some(text)) => Some(Echo::new(text, &prompt)),
+        (true, None) => match st.profile.decode(&prompt, false) {
+            Ok(text) => Some(Echo::new(text, &prompt)),
+            Err(e) => {
+                let e = ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    format!("the prompt's text for echo: {e}"),
+                );
+                return receipted_error(&st, endpoint, &ctx, e, prompt_tokens).await;
+            }
+        },
+    };
     let max_tokens = match budget.output_tokens(
         prompt_tokens,
         plan.max_tokens,
@@ -479,6 +499,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         ctx: ctx.clone(),
         prompt_tokens,
         received,
+        echo,
     };
     tokio::spawn(driver.run(handles, head_tx, tx));
 
@@ -554,6 +575,9 @@ fn choice_id(request_id: &str, i: usize) -> String {
 pub(crate) enum Msg {
     /// Generated text of choice `.0` (may be empty when only log probabilities came).
     Text(usize, String, Option<LogprobItem>),
+    /// Choice `.0`'s echoed prompt (a completion's `echo`), with its tokens' log probabilities
+    /// when asked (the first token's none); before any of its generated text.
+    Echo(usize, String, Vec<LogprobItem>),
     /// Choice `.0` finished, others are still generating.
     Finish(usize, String),
     /// The last choice to finish, `last` = (its index, its finish reason), and the usage of all.
@@ -579,6 +603,50 @@ struct Driver {
     ctx: ReceiptCtx,
     prompt_tokens: usize,
     received: Instant,
+    /// A completion's `echo`.
+    echo: Option<Echo>,
+}
+
+/// A completion's `echo`: the prompt's text and token ids, sent as each choice's first text.
+struct Echo {
+    text: String,
+    prompt: Vec<u32>,
+}
+
+impl Echo {
+    fn new(text: String, prompt: &[u32]) -> Echo {
+        Echo {
+            text,
+            prompt: prompt.to_vec(),
+        }
+    }
+
+    /// The echoed prompt of a choice: its text, and with the prompt's log probabilities
+    /// (`lps`: of prompt tokens 1..) an item per prompt token, the first without any.
+    fn msg(
+        &self,
+        i: usize,
+        profile: &prompt_profile::PromptProfile,
+        lps: Option<Vec<engine::TokenLogprobs>>,
+    ) -> Msg {
+        let items = match lps {
+            None => Vec::new(),
+            Some(lps) => {
+                let first = self
+                    .prompt
+                    .first()
+                    .map(|&id| LogprobItem::unscored(profile, id));
+                let rest = self
+                    .prompt
+                    .iter()
+                    .skip(1)
+                    .zip(lps)
+                    .map(|(&id, lp)| LogprobItem::new(profile, id, lp));
+                first.into_iter().chain(rest).collect()
+            }
+        };
+        Msg::Echo(i, self.text.clone(), items)
+    }
 }
 
 /// What the driver knows of one choice.
@@ -588,6 +656,8 @@ struct ChoiceState {
     last_token: Option<Instant>,
     completion_tokens: u32,
     finish: Option<String>,
+    /// Its echoed prompt went out (a completion's `echo`).
+    echoed: bool,
 }
 
 /// A sequence's events tagged with its choice index; `None` once when the engine stopped. The
@@ -677,7 +747,33 @@ impl Driver {
                 }
                 break End::Done(Msg::Fail(e, false));
             };
+            // A completion's `echo`: the prompt goes first, once it is computed — with its log
+            // probabilities when they were asked, else before the choice's first token or end.
+            let ev = match ev {
+                SeqEvent::PromptLogprobs(lps) => {
+                    if let Some(echo) = self.echo.as_ref().filter(|_| !choices[i].echoed) {
+                        choices[i].echoed = true;
+                        choices[i].hasher.update(echo.text.as_bytes());
+                        if tx.send(echo.msg(i, &st.profile, Some(lps))).await.is_err() {
+                            break End::Cancelled;
+                        }
+                    }
+                    continue;
+                }
+                ev @ (SeqEvent::Token { .. } | SeqEvent::Finished { .. }) => {
+                    if let Some(echo) = self.echo.as_ref().filter(|_| !choices[i].echoed) {
+                        choices[i].echoed = true;
+                        choices[i].hasher.update(echo.text.as_bytes());
+                        if tx.send(echo.msg(i, &st.profile, None)).await.is_err() {
+                            break End::Cancelled;
+                        }
+                    }
+                    ev
+                }
+                ev => ev,
+            };
             match ev {
+                SeqEvent::PromptLogprobs(_) => {}
                 SeqEvent::Started {
                     cached_tokens,
                     queue_time,
@@ -902,6 +998,12 @@ async fn collect(
                 if let Some(c) = choices.get_mut(i) {
                     c.text.push_str(&t);
                     c.items.extend(item);
+                }
+            }
+            Msg::Echo(i, t, items) => {
+                if let Some(c) = choices.get_mut(i) {
+                    c.text.push_str(&t);
+                    c.items.extend(items);
                 }
             }
             Msg::Finish(i, finish) => {
@@ -1143,6 +1245,18 @@ fn sse_events(
                     };
                     opened(c, i, pieces)
                 }
+                Some(Msg::Echo(i, t, items)) => {
+                    let Some(c) = choices.get_mut(i) else {
+                        return Some((Vec::new(), Some((rx, choices))));
+                    };
+                    let lp = (!items.is_empty()).then(|| LogprobItem::completion_json(&items));
+                    let delta = ChatDelta {
+                        content: Some(t),
+                        ..ChatDelta::default()
+                    };
+                    let pieces = vec![chunk(i, delta, None, lp)];
+                    opened(c, i, pieces)
+                }
                 Some(Msg::Finish(i, finish)) => match choices.get_mut(i) {
                     Some(c) => finished(c, i, finish),
                     None => Vec::new(),
@@ -1293,8 +1407,9 @@ impl AnswerStream {
 /// One generated token's log probabilities with its text and its alternatives' texts.
 pub(crate) struct LogprobItem {
     token: String,
-    logprob: f32,
-    top: Vec<(String, f32)>,
+    /// `None`: the first token of an echoed prompt (nothing before it to condition on).
+    logprob: Option<f32>,
+    top: Option<Vec<(String, f32)>>,
 }
 
 /// OpenAI writes −∞ as −9999.
@@ -1311,8 +1426,17 @@ impl LogprobItem {
         let text = |id: u32| profile.decode(&[id], false).unwrap_or_default();
         LogprobItem {
             token: text(id),
-            logprob: lp.logprob,
-            top: lp.top.into_iter().map(|(id, l)| (text(id), l)).collect(),
+            logprob: Some(lp.logprob),
+            top: Some(lp.top.into_iter().map(|(id, l)| (text(id), l)).collect()),
+        }
+    }
+
+    /// The first token of an echoed prompt: a text, no log probability (OpenAI's `null`).
+    fn unscored(profile: &prompt_profile::PromptProfile, id: u32) -> Self {
+        LogprobItem {
+            token: profile.decode(&[id], false).unwrap_or_default(),
+            logprob: None,
+            top: None,
         }
     }
 
@@ -1322,8 +1446,9 @@ impl LogprobItem {
         let content: Vec<Value> = items
             .iter()
             .map(|i| {
-                let mut e = entry(&i.token, i.logprob);
-                e["top_logprobs"] = Value::Array(i.top.iter().map(|(t, l)| entry(t, *l)).collect());
+                let mut e = entry(&i.token, i.logprob.unwrap_or(f32::NEG_INFINITY));
+                let top = i.top.iter().flatten();
+                e["top_logprobs"] = Value::Array(top.map(|(t, l)| entry(t, *l)).collect());
                 e
             })
             .collect();
@@ -1341,16 +1466,20 @@ impl LogprobItem {
         }
         serde_json::json!({
             "tokens": items.iter().map(|i| i.token.clone()).collect::<Vec<_>>(),
-            "token_logprobs": items.iter().map(|i| finite(i.logprob)).collect::<Vec<_>>(),
+            "token_logprobs": items
+                .iter()
+                .map(|i| i.logprob.map(finite))
+                .collect::<Vec<_>>(),
             "top_logprobs": items
                 .iter()
                 .map(|i| {
-                    let m: serde_json::Map<String, Value> = i
-                        .top
-                        .iter()
-                        .map(|(t, l)| (t.clone(), Value::from(finite(*l))))
-                        .collect();
-                    Value::Object(m)
+                    i.top.as_ref().map(|top| {
+                        let m: serde_json::Map<String, Value> = top
+                            .iter()
+                            .map(|(t, l)| (t.clone(), Value::from(finite(*l))))
+                            .collect();
+                        Value::Object(m)
+                    })
                 })
                 .collect::<Vec<_>>(),
             "text_offset": offsets,

@@ -678,7 +678,7 @@ async fn smoke_once(st: &Arc<AppState>) -> Result<(), String> {
             Some(SeqEvent::Finished { usage, .. }) if usage.completion_tokens > 0 => return Ok(()),
             Some(SeqEvent::Finished { .. }) => return Err("finished without a token".into()),
             Some(SeqEvent::Failed { error, code }) => return Err(format!("{code}: {error}")),
-            Some(SeqEvent::Started { .. }) => {}
+            Some(SeqEvent::Started { .. } | SeqEvent::PromptLogprobs(_)) => {}
             None => return Err("engine stopped".into()),
         }
     }

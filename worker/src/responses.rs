@@ -351,7 +351,8 @@ pub(crate) fn events(
                     ev.delta(d, &mut out);
                 }
             }
-            Some(Msg::Finish(..)) => {}
+            // Completions only.
+            Some(Msg::Finish(..)) | Some(Msg::Echo(..)) => {}
             Some(Msg::End {
                 last: (_, finish),
                 usage: u,

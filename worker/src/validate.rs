@@ -54,6 +54,9 @@ pub struct GenerationPlan {
     pub answer: AnswerSpec,
     /// What the answer must be (`response_format`, chat only; `engine::constraint`).
     pub format: AnswerFormat,
+    /// A completion's `echo`: the answer's text starts with the prompt (and its log
+    /// probabilities with the prompt's, `OutputSpec::prompt_logprobs`).
+    pub echo: bool,
 }
 
 /// `response_format`.
@@ -105,6 +108,9 @@ pub struct OutputSpec {
     pub include_stop_str: bool,
     /// Chat `logprobs: true` with `top_logprobs` alternatives; completion `logprobs: N`.
     pub logprobs: Option<usize>,
+    /// A completion's `logprobs: N` with `echo: true`: the prompt's too
+    /// ([`prompt_profile::scores_prompt`]).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl OutputSpec {
@@ -146,6 +152,7 @@ impl OutputSpec {
                 skip_special_tokens: self.skip_special_tokens.unwrap_or(default_skip_special),
                 include_stop_str: self.include_stop_str,
                 logprobs: self.logprobs,
+                prompt_logprobs: self.prompt_logprobs,
             },
         ))
     }
@@ -299,7 +306,12 @@ impl GenerationPlan {
 }
 
 /// Checks and converts the parameters common to both endpoints.
-fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked, ApiError> {
+/// `zero_output`: `max_tokens = 0` is accepted (a completion with `echo`: the prompt alone).
+fn common(
+    c: CommonParams,
+    max_completion_tokens: Option<u64>,
+    zero_output: bool,
+) -> Result<Checked, ApiError> {
     let n = match c.n {
         None => 1,
         Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
@@ -333,13 +345,20 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         (a, b) => b.or(a),
     };
     let max_tokens = match max_tokens {
-        Some(0) => {
+        Some(0) if !zero_output => {
             let p = if max_completion_tokens.is_some() {
                 "max_completion_tokens"
             } else {
                 "max_tokens"
             };
-            return Err(invalid_value(p, format!("`{p}` must be at least 1")));
+            let only_echo = match max_completion_tokens {
+                None if c.max_tokens.is_some() => " (0 only in a completion with `echo: true`)",
+                _ => "",
+            };
+            return Err(invalid_value(
+                p,
+                format!("`{p}` must be at least 1{only_echo}"),
+            ));
         }
         Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         None => None,
@@ -442,6 +461,7 @@ fn common(c: CommonParams, max_completion_tokens: Option<u64>) -> Result<Checked
         skip_special_tokens: c.skip_special_tokens,
         include_stop_str,
         logprobs: None,
+        prompt_logprobs: None,
     };
     Ok(Checked {
         stream,
@@ -567,7 +587,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         sampling,
         cache_insert,
         mut output,
-    } = common(r.common, r.max_completion_tokens)?;
+    } = common(r.common, r.max_completion_tokens, false)?;
     output.logprobs = logprobs;
     // The prompt-shaping fields, read by the prompt contract (the gateway reads them the same).
     let fields = ChatTemplateFields {
@@ -612,6 +632,7 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         output,
         answer,
         format,
+        echo: false,
     })
 }
 
@@ -672,7 +693,17 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         None | Some(Value::Null) => None,
         Some(v) => Some(top_count("logprobs", v)?),
     };
-    reject_unless_neutral("echo", &r.echo, "echo is not supported")?;
+    let echo = match &r.echo {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("echo"),
+                "`echo` must be a boolean",
+            ))
+        }
+    };
     reject_unless_neutral("suffix", &r.suffix, "suffix (insertion) is not supported")?;
     let prompt = r
         .prompt
@@ -687,7 +718,7 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         sampling,
         cache_insert,
         mut output,
-    } = common(r.common, None)?;
+    } = common(r.common, None, echo)?;
     // `best_of` > `n` would generate more and return the likeliest `n`: not served.
     match &r.best_of {
         None | Some(Value::Null) => {}
@@ -695,7 +726,12 @@ pub fn completion(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         Some(_) => return Err(unsupported("best_of", "only best_of = n is served")),
     }
     output.logprobs = logprobs;
+    // The rule the gateway reads too (it predicts no cached tokens for such a request).
+    if prompt_profile::scores_prompt(r.echo.as_ref(), r.logprobs.as_ref()) {
+        output.prompt_logprobs = logprobs;
+    }
     Ok(GenerationPlan {
+        echo,
         model: r.model,
         prompt,
         stream,
@@ -977,6 +1013,7 @@ mod tests {
                 skip_special_tokens: Some(false),
                 include_stop_str: true,
                 logprobs: None,
+                prompt_logprobs: None,
             }
         );
         for (v, want) in [
@@ -1096,8 +1133,46 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("prompt"));
         let e = completion(br#"{"model":"m","prompt":""}"#).unwrap_err();
         assert_eq!(e.code, "invalid_value");
-        let e = completion(br#"{"model":"m","prompt":"x","echo":true}"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("echo"));
+    }
+
+    /// `echo`: a boolean; with `logprobs` the prompt's log probabilities are asked too (the
+    /// rule the gateway reads, `prompt_profile::scores_prompt`); `max_tokens = 0` only with it.
+    #[test]
+    fn completion_echo() {
+        let p = completion(br#"{"model":"m","prompt":"x","echo":true}"#).unwrap();
+        assert!(p.echo);
+        assert_eq!(p.output.prompt_logprobs, None);
+        let p =
+            completion(br#"{"model":"m","prompt":"x","echo":true,"logprobs":2,"max_tokens":0}"#)
+                .unwrap();
+        assert!(p.echo);
+        assert_eq!(
+            (p.output.logprobs, p.output.prompt_logprobs),
+            (Some(2), Some(2))
+        );
+        assert_eq!(p.max_tokens, Some(0));
+        let p = completion(br#"{"model":"m","prompt":"x","logprobs":2}"#).unwrap();
+        assert!(!p.echo);
+        assert_eq!(
+            (p.output.logprobs, p.output.prompt_logprobs),
+            (Some(2), None)
+        );
+        let p = completion(br#"{"model":"m","prompt":"x","echo":false}"#).unwrap();
+        assert!(!p.echo);
+        let e = completion(br#"{"model":"m","prompt":"x","echo":"yes"}"#).unwrap_err();
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_type", Some("echo")));
+        let e = completion(br#"{"model":"m","prompt":"x","max_tokens":0}"#).unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("invalid_value", Some("max_tokens"))
+        );
+        assert!(e.message.contains("echo"), "{}", e.message);
+        let e = chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#)
+            .unwrap_err();
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            ("invalid_value", Some("max_tokens"))
+        );
     }
 
     #[test]
