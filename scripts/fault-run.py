@@ -515,6 +515,28 @@ def cases(run: Run):
         expect(g_, 405)
         return f"{r.json()['status']}; 400 {r2.json()['error']['param']}, 400 {r3.json()['error']['param']}; GET 405"
 
+    @case("gw: completion echo + logprobs, max_tokens 0 -> the prompt scored; echo 'yes', max_tokens 0 alone -> 400")
+    def _():
+        body = {"model": "smol", "prompt": "The capital of France is Paris", "max_tokens": 0,
+                "echo": True, "logprobs": 2}
+        r = g("POST", "/v1/completions", json.dumps(body).encode(),
+              headers={"content-type": "application/json"})
+        expect(r, 200)
+        v = r.json()
+        lp = v["choices"][0]["logprobs"]
+        assert v["choices"][0]["text"] == body["prompt"], v
+        assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == v["usage"]["prompt_tokens"], v
+        assert v["usage"]["completion_tokens"] == 0, v["usage"]
+        bad = g("POST", "/v1/completions", json.dumps({**body, "echo": "yes"}).encode(),
+                headers={"content-type": "application/json"})
+        expect(bad, 400, "invalid_type")
+        zero = g("POST", "/v1/completions", json.dumps({"model": "smol", "prompt": "x",
+                                                          "max_tokens": 0}).encode(),
+                 headers={"content-type": "application/json"})
+        expect(zero, 400, "invalid_value")
+        return (f"{len(lp['tokens'])} prompt tokens scored, "
+                f"ln p(' Paris') = {lp['token_logprobs'][-1]:.2f}; 400 echo, 400 max_tokens")
+
     @case("gw: n=3 -> three choices, one receipt; n=17 and n=0 -> 400 invalid_value")
     def _():
         r = g("POST", "/v1/chat/completions", chat("smol", "three please", max_tokens=5, n=3,

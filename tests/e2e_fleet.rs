@@ -38,6 +38,10 @@ use e2e_support::{open, send, Chat, ChatReply, Fleet, Opened, KV_MODEL, RR_MODEL
 const MAX_TOKENS: u32 = 8;
 /// `max_tokens` of the requests that are in flight when a worker is killed.
 const LONG_TOKENS: u32 = 200;
+/// The output of the request killed with its worker (N1): long enough that it is still
+/// generating when the kill comes on a loaded machine (at 200 tokens, one CI run saw it finish
+/// between the check that it runs and the kill). 108 + 600 tokens fit the KV budget beside S1.
+const KILLED_TOKENS: u32 = 600;
 
 fn msg(role: &str, content: &str) -> (String, String) {
     (role.to_owned(), content.to_owned())
@@ -255,11 +259,11 @@ fn gateway_two_real_workers_receipts_and_a_killed_worker() {
     // N1: a non-streaming KV-exact turn of conversation A (a hit on the victim).
     hist_a.push(msg("assistant", &a2.text));
     hist_a.push(msg("user", "Now count from 1 to 100, separated by commas."));
-    let mut n1 = Chat::new(KV_MODEL, "e2e-kill-n1", &hist_a, LONG_TOKENS, false);
+    let mut n1 = Chat::new(KV_MODEL, "e2e-kill-n1", &hist_a, KILLED_TOKENS, false);
     // It must still be generating at the kill: the model's own answer may end (eos) after
     // ~130 tokens, before a loaded machine got S1 going (seen once in CI), so it runs to
-    // LONG_TOKENS.
-    n1.min_tokens = Some(LONG_TOKENS);
+    // KILLED_TOKENS.
+    n1.min_tokens = Some(KILLED_TOKENS);
     sent.push(n1.request_id.clone());
     let n1_task = {
         let (http, base) = (fleet.http.clone(), fleet.base_url());

@@ -132,6 +132,16 @@ def main() -> None:
     assert events[-1].type in ("response.completed", "response.incomplete"), events[-1]
     assert events[-1].response.output_text == text, events[-1]
     print("responses:", repr(rr.output_text), [e.type for e in events][:3], "...")
+    rl = client.responses.create(
+        model="smollm2", instructions=messages[0]["content"], input=messages[1]["content"],
+        max_output_tokens=12, temperature=0, include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    lps = rl.output[0].content[0].logprobs
+    assert rl.output_text == text and lps, rl
+    assert "".join(lp.token for lp in lps) == text, [lp.token for lp in lps]
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in lps), lps
+    print("responses logprobs:", [(lp.token, round(lp.logprob, 3)) for lp in lps][:4], "...")
 
     try:
         client.chat.completions.create(model="smollm2", messages=messages, n=17, max_tokens=2)

@@ -15,12 +15,14 @@
 //! | `text.format` `text` / `json_object` / `json_schema` (`name`, `schema`, `strict`) | `response_format` |
 //! | `max_output_tokens` | `max_completion_tokens` |
 //! | `stream` | `stream` with `stream_options.include_usage` |
+//! | `include: ["message.output_text.logprobs"]`, `top_logprobs` (0–20) | `logprobs: true` (either asks for it: `top_logprobs` > 0 alone too), `top_logprobs` |
 //! | `temperature`, `top_p`, `user`, `metadata`, `parallel_tool_calls`, `service_tier` and any other key | as they are (the chat validation judges them: an unknown key is `unknown_parameter`) |
 //!
 //! Refused (`unsupported_parameter`, naming the field): `previous_response_id` and
-//! `conversation` (responses are not stored), `background: true`, a non-empty `include`,
-//! `truncation: "auto"`, a non-empty `reasoning`, `top_logprobs` > 0, items and content parts of
-//! other types (images, files, built-in tools). `store` is accepted and nothing is stored.
+//! `conversation` (responses are not stored), `background: true`, `include` entries other than
+//! `message.output_text.logprobs`, `truncation: "auto"`, a non-empty `reasoning`, items and
+//! content parts of other types (images, files, built-in tools). `store` is accepted and nothing
+//! is stored.
 
 use serde_json::{json, Map, Value};
 
@@ -187,7 +189,6 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
             "conversations are not stored: send the whole conversation in `input`",
         ),
         ("background", "background responses are not supported"),
-        ("include", "no extra output can be included"),
         ("reasoning", "reasoning options are not supported"),
         ("prompt", "stored prompts are not supported"),
     ] {
@@ -206,15 +207,31 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
             ))
         }
     }
-    match o.remove("top_logprobs") {
+    // Log probabilities: `include` asks for them, `top_logprobs` for their alternatives (the
+    // chat validation judges the count).
+    const LOGPROBS: &str = "message.output_text.logprobs";
+    let mut logprobs = false;
+    match o.remove("include") {
         None | Some(Value::Null) => {}
-        Some(v) if v.as_u64() == Some(0) => {}
-        Some(_) => {
-            return Err(unsupported(
-                "top_logprobs",
-                "log probabilities are not served here (use chat completions)",
-            ))
+        Some(Value::Array(a)) => {
+            for (i, x) in a.iter().enumerate() {
+                match x.as_str() {
+                    Some(LOGPROBS) => logprobs = true,
+                    Some(other) => {
+                        return Err(unsupported(
+                            format!("include[{i}]"),
+                            &format!("`{other}` cannot be included (only `{LOGPROBS}`)"),
+                        ))
+                    }
+                    None => return Err(invalid(format!("include[{i}]"), "must be a string")),
+                }
+            }
         }
+        Some(_) => return Err(invalid("include", "`include` must be an array of strings")),
+    }
+    let top = o.remove("top_logprobs").filter(|v| !v.is_null());
+    if top.as_ref().is_some_and(|v| v.as_u64() != Some(0)) {
+        logprobs = true;
     }
     o.remove("store");
     let input = o
@@ -226,6 +243,12 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
     chat.insert("messages".into(), Value::Array(msgs));
     if let Some(m) = o.remove("max_output_tokens") {
         chat.insert("max_completion_tokens".into(), m);
+    }
+    if logprobs {
+        chat.insert("logprobs".into(), Value::Bool(true));
+    }
+    if let Some(t) = top {
+        chat.insert("top_logprobs".into(), t);
     }
     if let Some(tools) = o.remove("tools") {
         let Value::Array(tools) = tools else {
@@ -384,8 +407,44 @@ mod tests {
     }
 
     #[test]
+    fn log_probabilities_are_asked_by_include_or_top_logprobs() {
+        let with = |extra: Value| {
+            let mut b = json!({"model": "m", "input": "x"});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            let c = chat(b);
+            (c.get("logprobs").cloned(), c.get("top_logprobs").cloned())
+        };
+        let lp = json!(["message.output_text.logprobs"]);
+        assert_eq!(with(json!({})), (None, None));
+        assert_eq!(with(json!({"include": []})), (None, None));
+        assert_eq!(with(json!({"include": lp})), (Some(json!(true)), None));
+        assert_eq!(
+            with(json!({"include": lp, "top_logprobs": 3})),
+            (Some(json!(true)), Some(json!(3)))
+        );
+        assert_eq!(
+            with(json!({"top_logprobs": 2})),
+            (Some(json!(true)), Some(json!(2)))
+        );
+        assert_eq!(with(json!({"top_logprobs": 0})), (None, Some(json!(0))));
+        assert_eq!(with(json!({"top_logprobs": null})), (None, None));
+    }
+
+    #[test]
     fn what_cannot_be_served_is_refused_by_name() {
         for (body, code, param) in [
+            (
+                json!({"model": "m", "input": "x", "include": ["reasoning.encrypted_content"]}),
+                "unsupported_parameter",
+                "include[0]",
+            ),
+            (
+                json!({"model": "m", "input": "x", "include": "message.output_text.logprobs"}),
+                "invalid_value",
+                "include",
+            ),
             (json!({"model": "m"}), "invalid_value", "input"),
             (
                 json!({"model": "m", "input": "x", "previous_response_id": "resp_1"}),

@@ -1023,7 +1023,7 @@ async fn collect(
                 let mut all = choices.into_iter().enumerate();
                 let body = match (endpoint, &echo) {
                     (Endpoint::Responses, Some(echo)) => {
-                        let choice = all.next().map(|(i, c)| c.chat(i, false));
+                        let choice = all.next().map(|(i, c)| c.chat(i, logprobs));
                         let body = choice.map(|c| crate::responses::body(&meta, echo, &c, &usage));
                         serde_json::to_vec(&body)
                     }
@@ -1440,18 +1440,19 @@ impl LogprobItem {
         }
     }
 
+    /// One token as chat's `logprobs.content` and the Responses API's `output_text.logprobs`
+    /// write it: `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
+    pub(crate) fn chat_entry(&self) -> Value {
+        let entry = |t: &str, l: f32| serde_json::json!({"token": t, "logprob": finite(l), "bytes": t.as_bytes()});
+        let mut e = entry(&self.token, self.logprob.unwrap_or(f32::NEG_INFINITY));
+        let top = self.top.iter().flatten();
+        e["top_logprobs"] = Value::Array(top.map(|(t, l)| entry(t, *l)).collect());
+        e
+    }
+
     /// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
     fn chat_json(items: &[LogprobItem]) -> Value {
-        let entry = |t: &str, l: f32| serde_json::json!({"token": t, "logprob": finite(l), "bytes": t.as_bytes()});
-        let content: Vec<Value> = items
-            .iter()
-            .map(|i| {
-                let mut e = entry(&i.token, i.logprob.unwrap_or(f32::NEG_INFINITY));
-                let top = i.top.iter().flatten();
-                e["top_logprobs"] = Value::Array(top.map(|(t, l)| entry(t, *l)).collect());
-                e
-            })
-            .collect();
+        let content: Vec<Value> = items.iter().map(LogprobItem::chat_entry).collect();
         serde_json::json!({ "content": content })
     }
 

@@ -97,10 +97,11 @@ fn item_id(meta: &ResponseMeta, kind: &str, n: usize) -> String {
     format!("{kind}_{base}_{n}")
 }
 
-fn message_item(id: &str, text: &str, done: bool) -> Value {
+/// A message item; `logprobs`: its `output_text`'s (`[]` unless asked).
+fn message_item(id: &str, text: &str, done: bool, logprobs: &[Value]) -> Value {
     let status = if done { "completed" } else { "in_progress" };
     let content = if done {
-        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}])
     } else {
         json!([])
     };
@@ -129,7 +130,14 @@ pub(crate) fn body(meta: &ResponseMeta, echo: &Echo, choice: &ChatChoice, u: &Us
         .as_deref()
         .filter(|c| !c.is_empty() || m.tool_calls.is_empty())
     {
-        output.push(message_item(&item_id(meta, "msg", output.len()), c, true));
+        // Asked for (`include`, `top_logprobs`): every generated token's, as chat gives them.
+        let logprobs = choice
+            .logprobs
+            .as_ref()
+            .and_then(|l| l["content"].as_array().cloned())
+            .unwrap_or_default();
+        let id = item_id(meta, "msg", output.len());
+        output.push(message_item(&id, c, true, &logprobs));
     }
     for t in &m.tool_calls {
         let id = item_id(meta, "fc", output.len());
@@ -156,11 +164,13 @@ enum Kind {
     Call { call_id: String, name: String },
 }
 
-/// An open output item: its kind, id and the text (or arguments) streamed so far.
+/// An open output item: its kind, id and the text (or arguments) streamed so far, with the
+/// log probabilities its deltas carried (a message's).
 struct Open {
     kind: Kind,
     id: String,
     text: String,
+    logprobs: Vec<Value>,
 }
 
 /// The state of a streamed response: the items given out, the one open, the event count.
@@ -170,6 +180,9 @@ struct Events {
     done: Vec<Value>,
     open: Option<Open>,
     seq: u64,
+    /// Log probabilities of tokens generated since the last `output_text` delta (asked for:
+    /// `include`, `top_logprobs`): the next message delta carries them.
+    pending: Vec<Value>,
 }
 
 impl Events {
@@ -188,23 +201,29 @@ impl Events {
 
     /// Closes the open item, if any: its `done` events.
     fn close(&mut self, out: &mut Vec<Event>) {
-        let Some(Open { kind, id, text }) = self.open.take() else {
+        let Some(Open {
+            kind,
+            id,
+            text,
+            logprobs,
+        }) = self.open.take()
+        else {
             return;
         };
         let i = self.index();
         let item = match kind {
             Kind::Message => {
-                let part =
-                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                let part = json!({"type": "output_text", "text": text, "annotations": [],
+                                  "logprobs": logprobs});
                 let ids = json!({"item_id": id, "output_index": i, "content_index": 0});
                 let mut done = ids.clone();
                 done["text"] = json!(text);
-                done["logprobs"] = json!([]);
+                done["logprobs"] = json!(logprobs);
                 out.push(self.event("response.output_text.done", done));
                 let mut part_done = ids;
                 part_done["part"] = part;
                 out.push(self.event("response.content_part.done", part_done));
-                message_item(&id, &text, true)
+                message_item(&id, &text, true, &logprobs)
             }
             Kind::Reasoning => reasoning_item(&id, &text),
             Kind::Call { call_id, name } => {
@@ -240,7 +259,7 @@ impl Events {
                 (Kind::Reasoning, _) => json!({"type": "reasoning", "id": id, "summary": [],
                                                "content": [], "status": "in_progress"}),
                 (_, Some((call_id, name))) => call_item(&id, &call_id, &name, "", false),
-                _ => message_item(&id, "", false),
+                _ => message_item(&id, "", false, &[]),
             };
             let e = self.event(
                 "response.output_item.added",
@@ -260,6 +279,7 @@ impl Events {
                 kind: kind.clone(),
                 id,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         if piece.is_empty() {
@@ -280,7 +300,9 @@ impl Events {
             data["content_index"] = json!(0);
         }
         if kind == "response.output_text.delta" {
-            data["logprobs"] = json!([]);
+            let lps = std::mem::take(&mut self.pending);
+            open.logprobs.extend(lps.iter().cloned());
+            data["logprobs"] = Value::Array(lps);
         }
         out.push(self.event(kind, data));
     }
@@ -334,6 +356,7 @@ pub(crate) fn events(
         done: Vec::new(),
         open: None,
         seq: 0,
+        pending: Vec::new(),
     };
     let created = {
         let r = response(&meta, &ev.echo, Vec::new(), None, None);
@@ -346,7 +369,8 @@ pub(crate) fn events(
         let mut out = Vec::new();
         match rx.recv().await {
             None => return None,
-            Some(Msg::Text(_, t, _)) => {
+            Some(Msg::Text(_, t, item)) => {
+                ev.pending.extend(item.map(|i| i.chat_entry()));
                 for d in answer.feed(&t) {
                     ev.delta(d, &mut out);
                 }

@@ -112,6 +112,48 @@ async fn responses_answer_as_chat_does_streamed_or_not() {
     assert_eq!(done["output"][0]["content"][0]["text"], text);
     assert_eq!(done["usage"]["output_tokens"], r["usage"]["output_tokens"]);
 
+    // Log probabilities (`include` + `top_logprobs`): chat's for the same greedy answer, on the
+    // message's `output_text`; streamed, spread over the text deltas, all of them on the
+    // `output_text.done` event and on the completed response.
+    let chat_lp = post_json(
+        &w,
+        "/v1/chat/completions",
+        &json!({"model": "smollm2", "max_tokens": 12, "temperature": 0, "logprobs": true,
+                "top_logprobs": 2, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]}),
+    )
+    .await;
+    let want = chat_lp["choices"][0]["logprobs"]["content"].clone();
+    assert!(want.as_array().is_some_and(|a| !a.is_empty()), "{chat_lp}");
+    assert!(want[0]["top_logprobs"]
+        .as_array()
+        .is_some_and(|a| a.len() == 2));
+    let mut lp_ask = ask.clone();
+    lp_ask["include"] = json!(["message.output_text.logprobs"]);
+    lp_ask["top_logprobs"] = json!(2);
+    let r = post_json(&w, "/v1/responses", &lp_ask).await;
+    assert_eq!(r["output"][0]["content"][0]["logprobs"], want, "{r}");
+    let mut streamed_lp = lp_ask.clone();
+    streamed_lp["stream"] = json!(true);
+    let events = post_sse_json(&w, "/v1/responses", &streamed_lp).await;
+    let mut from_deltas = Vec::new();
+    for e in &events {
+        if e["type"] == "response.output_text.delta" {
+            from_deltas.extend(e["logprobs"].as_array().unwrap().iter().cloned());
+        }
+        if e["type"] == "response.output_text.done" {
+            assert_eq!(e["logprobs"], want);
+        }
+    }
+    assert_eq!(Value::Array(from_deltas), want);
+    let last = events.last().unwrap();
+    assert_eq!(
+        last["response"]["output"][0]["content"][0]["logprobs"],
+        want
+    );
+    // Without them: empty lists, as before.
+    assert_eq!(done["output"][0]["content"][0]["logprobs"], json!([]));
+
     // A forced tool call: a function_call item.
     let tools = json!([{"type": "function", "name": "get_weather", "description": "Weather.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]);

@@ -1,7 +1,9 @@
 //! The engine benchmark: drives an executor directly (no scheduler; greedy decode through
 //! [`Executor::forward_sampled`], as the engine does for greedy requests) and measures
 //! single-stream prefill and decode, aggregate batched decode at several concurrencies, and
-//! the prefill of a prompt whose prefix is already in the KV cache versus fully uncached.
+//! the prefill of a prompt whose prefix is already in the KV cache versus fully uncached, and
+//! the cost of scoring a prompt (every position's log probabilities, a completion's `echo` with
+//! `logprobs`) against computing it in the same chunks.
 //!
 //! Prompts are deterministic pseudo-random token ids (ids 100..20000): the cost of a forward
 //! does not depend on which tokens it sees. Each figure is the best of `repeats` runs.
@@ -88,6 +90,13 @@ pub struct EngineBenchReport {
     pub ttft_uncached_ms: f64,
     /// Milliseconds to prefill only the suffix with the prefix in the KV cache.
     pub ttft_cached_ms: f64,
+    /// Milliseconds to prefill the `prefill_tokens` prompt in chunks of
+    /// [`crate::scheduler::PROMPT_LOGITS_CHUNK`], the last chunk's last logits only.
+    pub chunked_ms: f64,
+    /// The same chunks scored, as the engine scores a prompt: every row's logits
+    /// (`SeqChunk::all_logits`) and each next token's log probability with 5 alternatives
+    /// (`TokenLogprobs::of`).
+    pub scored_ms: f64,
 }
 
 impl std::fmt::Display for EngineBenchReport {
@@ -124,6 +133,18 @@ impl std::fmt::Display for EngineBenchReport {
             "| prefill {s} tokens after {p} cached | {:.1} ms ({:.1}% of uncached) |",
             self.ttft_cached_ms,
             100.0 * self.ttft_cached_ms / self.ttft_uncached_ms.max(f64::MIN_POSITIVE)
+        )?;
+        let chunk = crate::scheduler::PROMPT_LOGITS_CHUNK;
+        writeln!(
+            f,
+            "| prefill {} tokens in chunks of {chunk} | {:.1} ms |",
+            self.prefill_tokens, self.chunked_ms
+        )?;
+        writeln!(
+            f,
+            "| the same, scored (every row's logits, log probabilities, top 5) | {:.1} ms ({:.2}× the chunks) |",
+            self.scored_ms,
+            self.scored_ms / self.chunked_ms.max(f64::MIN_POSITIVE)
         )
     }
 }
@@ -346,7 +367,47 @@ pub fn measure(
         best_cached = best_cached.min(t.elapsed().as_secs_f64());
     }
 
+    // Scoring a prompt against computing it in the same chunks.
+    let chunk = crate::scheduler::PROMPT_LOGITS_CHUNK;
+    let vocab = exec.vocab_size();
+    let (mut best_chunked, mut best_scored) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..repeats {
+        for scored in [false, true] {
+            let table = fresh().take(p.len())?;
+            let t = Instant::now();
+            let mut kept = 0usize;
+            for start in (0..p.len()).step_by(chunk) {
+                let end = (start + chunk).min(p.len());
+                let out = exec.forward(&[SeqChunk {
+                    tokens: &p[start..end],
+                    start_pos: start,
+                    block_table: &table,
+                    want_logits: end == p.len(),
+                    all_logits: scored,
+                }])?;
+                if let (true, Some(Some(rows))) = (scored, out.first()) {
+                    for (r, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
+                        if let Some(&next) = p.get(start + r + 1) {
+                            kept += crate::engine::TokenLogprobs::of(row, next, 5).top.len();
+                        }
+                    }
+                }
+            }
+            let s = t.elapsed().as_secs_f64();
+            if scored {
+                if kept == 0 {
+                    return Err(EngineError::Tensor("scoring kept no alternatives".into()));
+                }
+                best_scored = best_scored.min(s);
+            } else {
+                best_chunked = best_chunked.min(s);
+            }
+        }
+    }
+
     Ok(EngineBenchReport {
+        chunked_ms: best_chunked * 1e3,
+        scored_ms: best_scored * 1e3,
         architecture,
         threads,
         format,
