@@ -67,6 +67,9 @@ pub struct SchedulerConfig {
     /// Reuse the first tokens of a cached block by copying it ([`BlockCopy`]; only for an
     /// executor that copies blocks, [`crate::executor::Executor::copies_blocks`]).
     pub copy_partial_blocks: bool,
+    /// Largest prompt chunk of a sequence that wants every position's logits
+    /// ([`SeqSpec::prompt_logits`]; ≥ 1): [`prompt_logits_chunk`] of the vocabulary.
+    pub prompt_logits_chunk: usize,
 }
 
 /// A copy the caller runs after [`Scheduler::admit`] and before the next step
@@ -121,15 +124,21 @@ pub struct SeqSpec {
     pub deadline: Instant,
     /// Every prompt position's logits are wanted (a prompt's log probabilities): the sequence
     /// computes its whole prompt — no prefix reuse of any kind, since a reused position has no
-    /// logits — in chunks of at most [`PROMPT_LOGITS_CHUNK`] tokens. Its blocks still enter the
+    /// logits — in chunks of at most [`SchedulerConfig::prompt_logits_chunk`] tokens. Its blocks still enter the
     /// prefix cache (unless `cache_insert` is false).
     pub prompt_logits: bool,
 }
 
-/// The longest prompt chunk of a sequence that wants every position's logits: bounds the
-/// logits one step returns for it (`PROMPT_LOGITS_CHUNK × vocab` values: 6 MiB of F32 for a
-/// 49,152-token vocabulary, 32 MiB for 262,144).
-pub const PROMPT_LOGITS_CHUNK: usize = 32;
+/// The logits one step may return for a sequence that wants every position's: its prompt chunks
+/// are cut to fit ([`prompt_logits_chunk`]).
+pub const PROMPT_LOGITS_BYTES: usize = 32 << 20;
+
+/// The longest prompt chunk of a sequence that wants every position's logits, for a vocabulary
+/// of `vocab` ids: as many rows of F32 logits as [`PROMPT_LOGITS_BYTES`] holds, at least 1 —
+/// 170 tokens for a 49,152-token vocabulary, 32 for 262,144.
+pub fn prompt_logits_chunk(vocab: usize) -> usize {
+    (PROMPT_LOGITS_BYTES / (vocab.max(1) * std::mem::size_of::<f32>())).max(1)
+}
 
 /// One sequence: tokens, block table, key chain, progress.
 #[derive(Debug)]
@@ -624,11 +633,14 @@ impl<P> Scheduler<P> {
         }
     }
 
-    /// The longest prefill chunk of a sequence ([`PROMPT_LOGITS_CHUNK`] at most for one that
+    /// The longest prefill chunk of a sequence (`prompt_logits_chunk` at most for one that
     /// wants every prompt position's logits).
     fn prefill_chunk_of(&self, prompt_logits: bool) -> usize {
         match prompt_logits {
-            true => self.cfg.prefill_chunk.min(PROMPT_LOGITS_CHUNK),
+            true => self
+                .cfg
+                .prefill_chunk
+                .min(self.cfg.prompt_logits_chunk.max(1)),
             false => self.cfg.prefill_chunk,
         }
     }

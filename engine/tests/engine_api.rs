@@ -770,7 +770,7 @@ fn reference_prompt_logprobs(
 
 /// `prompt_logprobs`: every prompt token after the first gets its log probability given the
 /// tokens before it — what one plain forward of the whole prompt gives, whatever the chunking
-/// (chunks of 16, and of 32 where the engine's chunk is 64: `PROMPT_LOGITS_CHUNK`) — in one
+/// (chunks of 16 and of 64; the scheduler's cap is `engine_scheduler.rs`'s) — in one
 /// event before the first token. Such a request reuses no cached prefix (a reused position has
 /// no logits) yet enters its blocks in the cache, and answers what a plain run answers.
 /// `max_tokens = 0` computes the prompt only.

@@ -43,6 +43,7 @@ fn sched_cfg(max_running: usize, budget: usize, chunk: usize) -> SchedulerConfig
         step_token_budget: budget,
         prefill_chunk: chunk,
         copy_partial_blocks: true,
+        prompt_logits_chunk: 32,
     }
 }
 
@@ -591,4 +592,68 @@ fn admission_waits_for_blocks_and_bypass_is_bounded() {
     let expired = s.expire(Instant::now() + Duration::from_secs(7200));
     assert_eq!(expired.len(), 1);
     s.check_invariants().unwrap();
+}
+
+/// A sequence that wants every prompt position's logits reuses nothing — not the cached
+/// prefix, not a tail, not a copy — and is cut into chunks of at most `prompt_logits_chunk`
+/// tokens, each asking for every row (the executor gives back one row per token); a plain
+/// sequence of the same prompt beside it reuses the cache and keeps the ordinary chunks.
+#[test]
+fn a_scored_prompt_reuses_nothing_and_takes_bounded_chunks() {
+    let bs = 4;
+    let sim = SimConfig::instant(bs, 256);
+    let vocab = sim.vocab_size;
+    let mut exec = SimExecutor::new(sim.clone()).unwrap();
+    let mut cfg = sched_cfg(4, 256, 64);
+    cfg.prompt_logits_chunk = 24;
+    let mut s: Scheduler<usize> = Scheduler::new(cfg, exec.geometry());
+    let p: Vec<u32> = (0..100).map(|t| (t * 7 % 500) as u32).collect();
+    // The prompt's blocks (and a tail) in the cache.
+    s.enqueue(SeqId(0), spec(p.clone(), 1, ns(1), bs), 0);
+    let mut warmed = false;
+    for _ in 0..20 {
+        if step(&mut s, &mut exec, sim.eos_token_id)
+            .iter()
+            .any(|d| d.0 == SeqId(0))
+        {
+            warmed = true;
+            break;
+        }
+    }
+    assert!(warmed, "the first run did not finish");
+
+    let mut scored = spec(p.clone(), 1, ns(1), bs);
+    scored.prompt_logits = true;
+    s.enqueue(SeqId(1), scored, 1);
+    s.enqueue(SeqId(2), spec(p.clone(), 1, ns(1), bs), 2);
+    assert_eq!(s.admit(Instant::now()), vec![SeqId(1), SeqId(2)]);
+    assert_eq!(
+        s.get(SeqId(1)).unwrap().cached_tokens(),
+        0,
+        "nothing reused"
+    );
+    assert_eq!(
+        s.get(SeqId(2)).unwrap().cached_tokens(),
+        99,
+        "the plain one reuses"
+    );
+    let mut starts = Vec::new();
+    while s.get(SeqId(1)).unwrap().is_prefilling() {
+        let (plan, broken) = s.schedule();
+        assert!(broken.is_empty());
+        let outs = exec.forward(&s.chunks(&plan)).expect("forward");
+        for (c, out) in plan.iter().zip(&outs) {
+            if c.id == SeqId(1) {
+                assert!(c.all_logits && c.len <= 24, "{c:?}");
+                assert_eq!(c.want_logits, c.start + c.len == p.len(), "{c:?}");
+                let rows = out.as_ref().expect("every row's logits").len() / vocab;
+                assert_eq!(rows, c.len);
+                starts.push(c.start);
+            } else {
+                assert!(!c.all_logits, "{c:?}");
+            }
+        }
+        s.complete(&plan);
+    }
+    assert_eq!(starts, vec![0, 24, 48, 72, 96]);
 }
