@@ -4,7 +4,9 @@ Usage: python3 tests/openai_client.py BASE_URL   (e.g. http://127.0.0.1:8101/v1)
 
 Checks: a non-streaming chat completion (text, finish reason, usage with cached tokens), the
 same request streamed (same greedy text, usage chunk), a legacy completion, the model list,
-`n` choices streamed and not, and that an out-of-range `n` raises BadRequestError naming it.
+`n` choices streamed and not, structured outputs from a pydantic model (pattern, date, date-time,
+UUID, bounded integer) parsed by the client, and that an out-of-range `n` raises BadRequestError
+naming it.
 Exits non-zero on any failure; prints one line per check.
 """
 import sys
@@ -142,6 +144,32 @@ def main() -> None:
     assert "".join(lp.token for lp in lps) == text, [lp.token for lp in lps]
     assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in lps), lps
     print("responses logprobs:", [(lp.token, round(lp.logprob, 3)) for lp in lps][:4], "...")
+
+    # Structured outputs from a pydantic model, parsed and validated by the client: a pattern,
+    # dates and times, a UUID and a bounded integer (`format`, `pattern`, `minimum`/`maximum`).
+    import datetime
+    import uuid
+
+    from pydantic import BaseModel, Field
+
+    class Booking(BaseModel):
+        code: str = Field(pattern=r"^[A-Z]{3}-\d{4}$")
+        day: datetime.date
+        starts: datetime.datetime
+        guests: int = Field(ge=1, le=12)
+        ref: uuid.UUID
+
+    completions = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    booked = completions(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Book a table for 4 people on 14 March 2025 at 19:30 UTC. Answer in JSON."}],
+        response_format=Booking,
+        max_tokens=160,
+        temperature=0,
+    )
+    b = booked.choices[0].message.parsed
+    assert isinstance(b, Booking) and 1 <= b.guests <= 12, booked
+    print("structured (pydantic, parsed):", b.model_dump_json())
 
     try:
         client.chat.completions.create(model="smollm2", messages=messages, n=17, max_tokens=2)

@@ -156,6 +156,14 @@ impl Machine {
         }
     }
 
+    /// Inside a string held to a pattern, between characters: the pattern and its state.
+    fn plain_pattern(&self) -> Option<(&crate::text_pattern::TextPattern, u16)> {
+        match self {
+            Machine::Object(_) => None,
+            Machine::Schema(s, j) => j.plain_pattern(s),
+        }
+    }
+
     /// Inside a string between characters: how many more characters it may take.
     fn plain_string_room(&self) -> Option<u32> {
         match self {
@@ -178,6 +186,37 @@ impl ConstraintState {
     /// token is still allowed.
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
         let table = &self.table;
+        // In a string held to a pattern (which bounds its length too): a string-safe token is
+        // allowed when the pattern's automaton takes its bytes, with no copy of the JSON
+        // automaton; the others (quotes, escapes, partial characters) are simulated.
+        if let Some((pattern, state)) = self.machine.plain_pattern() {
+            let mut allowed: Vec<(u32, f32)> = Vec::new();
+            for first in 0..=255u8 {
+                if !self.machine.accepts(&[first]) {
+                    continue;
+                }
+                for &id in &table.by_first[first as usize] {
+                    let (Some(b), Some(&l)) = (table.bytes(id), logits.get(id as usize)) else {
+                        continue;
+                    };
+                    let ok = if table.string_safe.get(id as usize).copied().unwrap_or(false) {
+                        pattern.allows(state, b)
+                    } else {
+                        b.len() == 1 || self.machine.accepts(b)
+                    };
+                    if ok {
+                        allowed.push((id, l));
+                    }
+                }
+            }
+            logits.fill(f32::NEG_INFINITY);
+            let mut any = false;
+            for (id, l) in allowed {
+                logits[id as usize] = l;
+                any |= !l.is_nan() && l > f32::NEG_INFINITY;
+            }
+            return any;
+        }
         // (A string that may take fewer characters than the longest string-safe token has goes
         // the general way: every token is simulated.)
         if self

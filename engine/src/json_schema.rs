@@ -7,8 +7,11 @@
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
 //! row); `additionalProperties` may only be `false` (absent = false: no other key is
 //! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`
-//! (`minLength`, `maxLength`: characters, a `\u` escape counting as one), `number`,
-//! `integer`, `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
+//! (`minLength`, `maxLength`: characters, a `\u` escape counting as one; `pattern`, ECMA-262
+//! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
+//! `hostname`, `ipv4`, `ipv6`, `uuid` — [`crate::text_pattern`]; such a string is written
+//! without `\u` escapes), `number`, `integer` (`minimum`, `maximum`, `exclusiveMinimum`,
+//! `exclusiveMaximum`), `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
 //! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
 //! `oneOf` whose alternatives begin with different characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
 //! object alternatives may be several when they form a *tagged union*: every one has a
@@ -18,8 +21,8 @@
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
-//! would constrain the text in a way the automaton does not enforce (`pattern`, `format`,
-//! `minimum`, `uniqueItems`, `patternProperties`, `allOf`, `not`, …)
+//! would constrain the text in a way the automaton does not enforce (`minimum` on a `number`,
+//! `multipleOf`, `uniqueItems`, `patternProperties`, `allOf`, `not`, an unknown `format`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -28,6 +31,13 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use crate::constraint::{is_ws, string_step, Num, Str, MAX_DEPTH, MAX_NUMBER_LEN, MAX_WS_RUN};
+use crate::text_pattern::{TextPattern, MAX_PATTERN_STATES};
+
+/// No pattern on a string (`Mode::InStr::pat`).
+const NO_PATTERN: u16 = u16::MAX;
+
+/// The characters a JSON escape other than `\u` stands for.
+const ESCAPED: [u8; 8] = [b'"', b'\\', b'/', 0x08, 0x0c, b'\n', b'\r', b'\t'];
 
 /// Longest `integer`, sign included: every one fits an i64.
 const MAX_INTEGER_LEN: u8 = 18;
@@ -53,10 +63,11 @@ struct Prop {
 /// One node of a compiled schema.
 #[derive(Clone, Debug, PartialEq)]
 enum Node {
-    /// A string of `min..=max` characters (code points; a `\u` escape counts as one).
-    String { min: u32, max: u32 },
-    /// Any number (`integer`: no fraction or exponent).
-    Number { integer: bool },
+    /// A string of `min..=max` characters (code points; a `\u` escape counts as one), held to
+    /// `CompiledSchema::patterns[pattern]` when one is set ([`NO_PATTERN`] else).
+    String { min: u32, max: u32, pattern: u16 },
+    /// Any number (`integer`: no fraction or exponent), an integer within `range` when set.
+    Number { integer: bool, range: Option<(i64, i64)> },
     /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
@@ -80,6 +91,8 @@ enum Node {
 pub struct CompiledSchema {
     nodes: Vec<Node>,
     root: usize,
+    /// The strings' patterns (`pattern`, `format`).
+    patterns: Vec<TextPattern>,
 }
 
 /// Why a schema cannot be compiled: the JSON pointer of the place, and the reason.
@@ -118,6 +131,7 @@ struct Compiler<'a> {
     refs: HashMap<String, usize>,
     /// Schemas being compiled inside one another (nesting and `$ref` chains).
     depth: usize,
+    patterns: Vec<TextPattern>,
 }
 
 /// Deepest nesting of schemas (and chain of `$ref`s) compiled.
@@ -131,6 +145,7 @@ impl CompiledSchema {
             nodes: Vec::new(),
             refs: HashMap::new(),
             depth: 0,
+            patterns: Vec::new(),
         };
         let root = c.node(schema, "")?;
         c.finish(root)
@@ -150,6 +165,7 @@ impl CompiledSchema {
             nodes: Vec::new(),
             refs: HashMap::new(),
             depth: 0,
+            patterns: Vec::new(),
         };
         let mut calls = Vec::new();
         for (i, &(name, params)) in tools.iter().enumerate() {
@@ -222,6 +238,7 @@ impl Compiler<'_> {
         Ok(CompiledSchema {
             nodes: c.nodes,
             root,
+            patterns: c.patterns,
         })
     }
 }
@@ -253,6 +270,74 @@ fn bound(
             .and_then(|n| u32::try_from(n).ok())
             .ok_or_else(|| err(at, format!("`{k}` must be an integer in 0..2^32"))),
     }
+}
+
+/// The integers an `integer` schema allows (`minimum`, `maximum`, `exclusiveMinimum`,
+/// `exclusiveMaximum`; fractional bounds rounded inwards), when it sets any: within what 18
+/// characters can write.
+fn int_range(
+    o: &serde_json::Map<String, Value>,
+    at: &str,
+) -> Result<Option<(i64, i64)>, SchemaError> {
+    let (mut lo, mut hi) = (INT_MIN, INT_MAX);
+    let mut any = false;
+    for k in ["minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"] {
+        let Some(v) = o.get(k) else { continue };
+        any = true;
+        let exact = v.as_i64();
+        let x = v
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| err(at, format!("`{k}` must be a number")))?;
+        // `as` saturates: a bound past i64 is as good as none.
+        match k {
+            "minimum" => lo = lo.max(exact.unwrap_or(x.ceil() as i64)),
+            "exclusiveMinimum" => {
+                lo = lo.max(exact.map_or(x.floor() as i64, |i| i).saturating_add(1))
+            }
+            "maximum" => hi = hi.min(exact.unwrap_or(x.floor() as i64)),
+            _ => hi = hi.min(exact.map_or(x.ceil() as i64, |i| i).saturating_sub(1)),
+        }
+    }
+    if lo > hi {
+        return Err(err(
+            at,
+            "no integer is within the bounds (and 18 characters)",
+        ));
+    }
+    Ok(any.then_some((lo, hi)))
+}
+
+/// The integers 18 characters can write.
+const INT_MIN: i64 = -99_999_999_999_999_999;
+const INT_MAX: i64 = 999_999_999_999_999_999;
+
+/// Whether an integer begun with `neg` and `digits` digits of value `value` can still end
+/// within `lo..=hi` (and 18 characters); `-0` never does.
+fn int_feasible(neg: bool, value: u64, digits: u8, lo: i64, hi: i64) -> bool {
+    let room = MAX_INTEGER_LEN - u8::from(neg);
+    let (lo, hi) = (i128::from(lo), i128::from(hi));
+    let meets = |a: i128, b: i128| {
+        let (a, b) = if neg { (-b, -a) } else { (a, b) };
+        a <= hi && b >= lo
+    };
+    // `-` begins a negative integer (`-0` is not written).
+    if digits == 0 {
+        return meets(1, 10i128.pow(u32::from(room)) - 1);
+    }
+    if value == 0 {
+        return !neg && meets(0, 0);
+    }
+    // Written with `l` digits in all, it lies in value·10^(l−digits) + [0, 10^(l−digits)).
+    let mut scale = 1i128;
+    for _ in digits..=room {
+        let a = i128::from(value) * scale;
+        if meets(a, a + scale - 1) {
+            return true;
+        }
+        scale *= 10;
+    }
+    false
 }
 
 fn err(at: &str, reason: impl Into<String>) -> SchemaError {
@@ -307,6 +392,12 @@ impl Compiler<'_> {
                         | "maxItems"
                         | "minLength"
                         | "maxLength"
+                        | "pattern"
+                        | "format"
+                        | "minimum"
+                        | "maximum"
+                        | "exclusiveMinimum"
+                        | "exclusiveMaximum"
                         | "enum"
                         | "const"
                         | "anyOf"
@@ -319,6 +410,19 @@ impl Compiler<'_> {
                 return Err(err(
                     at,
                     format!("`{k}` is not supported (the output could not be held to it)"),
+                ));
+            }
+        }
+        // These hold a typed value; beside `enum`, `const` or `anyOf` they would go unenforced.
+        let held = ["pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+        if let Some(k) = held.iter().find(|k| o.contains_key(**k)) {
+            if let Some(with) = ["enum", "const", "anyOf", "oneOf"]
+                .iter()
+                .find(|w| o.contains_key(**w))
+            {
+                return Err(err(
+                    at,
+                    format!("`{k}` beside `{with}` is not supported (put it in a typed schema)"),
                 ));
             }
         }
@@ -369,6 +473,19 @@ impl Compiler<'_> {
                 ))
             }
         };
+        for (keys, ty) in [
+            (&held[..2], "string"),
+            (&held[2..], "integer"),
+        ] {
+            if let Some(k) = keys.iter().find(|k| o.contains_key(**k)) {
+                if !types.contains(&ty) {
+                    return Err(err(
+                        at,
+                        format!("`{k}` is held only on `{ty}` values here"),
+                    ));
+                }
+            }
+        }
         let mut ids = Vec::new();
         for t in types {
             let n = match t {
@@ -380,10 +497,26 @@ impl Compiler<'_> {
                     if min > max {
                         return Err(err(at, "`minLength` is more than `maxLength`"));
                     }
-                    self.push(Node::String { min, max }, at)?
+                    let pattern = self.pattern(o, min, max, at)?;
+                    self.push(Node::String { min, max, pattern }, at)?
                 }
-                "number" => self.push(Node::Number { integer: false }, at)?,
-                "integer" => self.push(Node::Number { integer: true }, at)?,
+                "number" => self.push(
+                    Node::Number {
+                        integer: false,
+                        range: None,
+                    },
+                    at,
+                )?,
+                "integer" => {
+                    let range = int_range(o, at)?;
+                    self.push(
+                        Node::Number {
+                            integer: true,
+                            range,
+                        },
+                        at,
+                    )?
+                }
                 "boolean" => {
                     self.push(Node::Const(vec![b"true".to_vec(), b"false".to_vec()]), at)?
                 }
@@ -414,6 +547,44 @@ impl Compiler<'_> {
         } else {
             self.either(ids, at)
         }
+    }
+
+    /// The pattern of a string of `min..=max` characters (`pattern` or `format`), as an index
+    /// into the patterns, or [`NO_PATTERN`].
+    fn pattern(
+        &mut self,
+        o: &serde_json::Map<String, Value>,
+        min: u32,
+        max: u32,
+        at: &str,
+    ) -> Result<u16, SchemaError> {
+        let used: usize = self.patterns.iter().map(TextPattern::states).sum();
+        let budget = MAX_PATTERN_STATES.saturating_sub(used);
+        let p = match (o.get("pattern"), o.get("format")) {
+            (None, None) => return Ok(NO_PATTERN),
+            (Some(_), Some(_)) => {
+                return Err(err(at, "`pattern` and `format` together are not supported"))
+            }
+            (Some(p), None) => {
+                let p = p
+                    .as_str()
+                    .ok_or_else(|| err(at, "`pattern` must be a string"))?;
+                TextPattern::search(p, min, max, budget)
+            }
+            (None, Some(f)) => {
+                let f = f.as_str().ok_or_else(|| err(at, "`format` must be a string"))?;
+                TextPattern::format(f, min, max, budget)
+            }
+        };
+        let p = p.map_err(|e| {
+            if budget < MAX_PATTERN_STATES && e.contains("automaton states") {
+                err(at, format!("{e}; the schema's patterns may have {MAX_PATTERN_STATES} in all"))
+            } else {
+                err(at, e)
+            }
+        })?;
+        self.patterns.push(p);
+        Ok((self.patterns.len() - 1) as u16)
     }
 
     fn object(
@@ -745,16 +916,25 @@ enum Mode {
     Key { read: usize, alive: u64 },
     /// After a key: `:`.
     Colon,
-    /// In a string value.
-    /// In a string value: `len` characters written, `min..=max` allowed.
+    /// In a string value: `len` characters written, `min..=max` allowed; its pattern's index
+    /// (or [`NO_PATTERN`]) and the pattern's state over the bytes decoded so far.
     InStr {
         at: Str,
         len: u32,
         min: u32,
         max: u32,
+        pat: u16,
+        ps: u16,
     },
-    /// In a number.
-    InNum { at: Num, len: u8, integer: bool },
+    /// In a number of node `node`: `len` characters, `neg` when it began with `-`, `value`
+    /// the digits read (an integer's, for its range).
+    InNum {
+        at: Num,
+        len: u8,
+        node: usize,
+        neg: bool,
+        value: u64,
+    },
     /// In one of the texts of a `Const` node: which are still possible (a bit mask over its
     /// texts, at most 64) and how many bytes were read; `complete`: one of them was read to its
     /// end and a longer one is still possible (numbers: `1` and `12`), so a byte that continues
@@ -799,8 +979,22 @@ impl SchemaJson {
                 at: Str::Plain,
                 len,
                 max,
+                pat: NO_PATTERN,
                 ..
             } => Some(max - len),
+            _ => None,
+        }
+    }
+
+    /// Inside a string held to a pattern, between characters: the pattern and its state.
+    pub(crate) fn plain_pattern<'s>(&self, s: &'s CompiledSchema) -> Option<(&'s TextPattern, u16)> {
+        match self.mode {
+            Mode::InStr {
+                at: Str::Plain,
+                pat,
+                ps,
+                ..
+            } if pat != NO_PATTERN => Some((s.patterns.get(usize::from(pat))?, ps)),
             _ => None,
         }
     }
@@ -835,7 +1029,17 @@ impl SchemaJson {
             self.ws += 1;
             return true;
         }
-        if let Mode::InNum { at, len, integer } = self.mode {
+        if let Mode::InNum {
+            at,
+            len,
+            node,
+            neg,
+            value,
+        } = self.mode
+        {
+            let Node::Number { integer, range } = s.nodes[node] else {
+                return false;
+            };
             let next = at
                 .step(c)
                 .filter(|n| !integer || matches!(n, Num::Zero | Num::Int));
@@ -849,15 +1053,36 @@ impl SchemaJson {
                 if len >= max {
                     return false;
                 }
+                let value = match c {
+                    b'0'..=b'9' => value.saturating_mul(10).saturating_add(u64::from(c - b'0')),
+                    _ => value,
+                };
+                if let Some((lo, hi)) = range {
+                    if !int_feasible(neg, value, len + 1 - u8::from(neg), lo, hi) {
+                        return false;
+                    }
+                }
                 self.mode = Mode::InNum {
                     at: next,
                     len: len + 1,
-                    integer,
+                    node,
+                    neg,
+                    value,
                 };
                 return true;
             }
             if !at.complete() {
                 return false;
+            }
+            if let Some((lo, hi)) = range {
+                let v = if neg {
+                    -i128::from(value)
+                } else {
+                    i128::from(value)
+                };
+                if v < i128::from(lo) || v > i128::from(hi) {
+                    return false;
+                }
             }
             self.mode = Mode::After;
             return self.step(s, c);
@@ -976,12 +1201,51 @@ impl SchemaJson {
                 self.mode = Mode::Value { node: child };
                 true
             }
-            Mode::InStr { at, len, min, max } => match string_step(at, c) {
+            Mode::InStr {
+                at,
+                len,
+                min,
+                max,
+                pat,
+                ps,
+            } => match string_step(at, c) {
                 Some(None) => {
                     self.mode = Mode::After;
-                    len >= min
+                    len >= min && (pat == NO_PATTERN || s.patterns[usize::from(pat)].ends(ps))
                 }
                 Some(Some(next)) => {
+                    // The pattern reads the string's decoded bytes: a plain byte as it is, an
+                    // escape's at its second byte; `\u` escapes are not written in such strings.
+                    let ps = if pat == NO_PATTERN {
+                        ps
+                    } else {
+                        let pattern = &s.patterns[usize::from(pat)];
+                        let decoded = match (at, c) {
+                            // An escape only where one of the characters it may stand for can
+                            // come next.
+                            (Str::Plain, b'\\') => {
+                                if !ESCAPED.iter().any(|&e| pattern.step(ps, e).is_some()) {
+                                    return false;
+                                }
+                                None
+                            }
+                            (Str::Escape, b'u') => return false,
+                            (Str::Escape, b'b') => Some(0x08),
+                            (Str::Escape, b'f') => Some(0x0c),
+                            (Str::Escape, b'n') => Some(b'\n'),
+                            (Str::Escape, b'r') => Some(b'\r'),
+                            (Str::Escape, b't') => Some(b'\t'),
+                            // `\"`, `\\`, `\/`, plain bytes and UTF-8's continuation bytes.
+                            _ => Some(c),
+                        };
+                        match decoded {
+                            None => ps,
+                            Some(d) => match pattern.step(ps, d) {
+                                Some(n) => n,
+                                None => return false,
+                            },
+                        }
+                    };
                     // A character begins with a byte read between characters.
                     let len = match at {
                         Str::Plain if len >= max => return false,
@@ -993,6 +1257,8 @@ impl SchemaJson {
                         len,
                         min,
                         max,
+                        pat,
+                        ps,
                     };
                     true
                 }
@@ -1066,26 +1332,37 @@ impl SchemaJson {
                 }
                 false
             }
-            Node::String { min, max } => {
+            Node::String { min, max, pattern } => {
                 self.mode = Mode::InStr {
                     at: Str::Plain,
                     len: 0,
                     min: *min,
                     max: *max,
+                    pat: *pattern,
+                    ps: 0,
                 };
                 c == b'"'
             }
-            Node::Number { integer } => {
+            Node::Number { range, .. } => {
                 let at = match c {
                     b'-' => Num::Minus,
                     b'0' => Num::Zero,
                     b'1'..=b'9' => Num::Int,
                     _ => return false,
                 };
+                let neg = c == b'-';
+                let value = if neg { 0 } else { u64::from(c - b'0') };
+                if let Some((lo, hi)) = *range {
+                    if !int_feasible(neg, value, u8::from(!neg), lo, hi) {
+                        return false;
+                    }
+                }
                 self.mode = Mode::InNum {
                     at,
                     len: 1,
-                    integer: *integer,
+                    node,
+                    neg,
+                    value,
                 };
                 true
             }
@@ -1233,14 +1510,44 @@ mod tests {
     fn schemas_the_automaton_cannot_hold_are_refused_with_the_place() {
         for (schema, at, says) in [
             (
-                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}),
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}),
                 "/properties/a",
                 "`pattern`",
             ),
             (
-                json!({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}),
+                json!({"type": "object", "properties": {"d": {"type": "string", "format": "uri"}}}),
                 "/properties/d",
-                "`format`",
+                "`format` \"uri\" is not supported",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}),
+                "/properties/n",
+                "held only on `integer`",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}),
+                "/properties/n",
+                "`multipleOf` is not supported",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}),
+                "/properties/n",
+                "no integer",
+            ),
+            (
+                json!({"type": "object", "properties": {"e": {"enum": ["a", "b"], "pattern": "a"}}}),
+                "/properties/e",
+                "beside `enum`",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"type": "string", "pattern": "a", "format": "date"}}}),
+                "/properties/s",
+                "together",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"type": "string", "format": "uuid", "maxLength": 10}}}),
+                "/properties/s",
+                "no string",
             ),
             (
                 json!({"type": "object", "additionalProperties": true}),
@@ -1509,7 +1816,7 @@ mod tests {
         // A tool whose parameters the automaton cannot hold, or that are not an object: its index.
         let e = CompiledSchema::compile_calls(&[
             ("a", &weather),
-            ("b", &json!({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}})),
+            ("b", &json!({"type": "object", "properties": {"d": {"type": "string", "format": "uri"}}})),
         ])
         .unwrap_err();
         assert_eq!((e.0, e.1.at.as_str()), (1, "/properties/d"));
@@ -1701,7 +2008,11 @@ mod tests {
             for _ in 0..400 {
                 let mut logits: Vec<f32> =
                     (0..table.len()).map(|_| rng.gen_range(-5.0..5.0)).collect();
-                assert!(state.mask(&mut logits, &[stop]));
+                assert!(
+                    state.mask(&mut logits, &[stop]),
+                    "nothing may follow {:?}",
+                    String::from_utf8_lossy(&text)
+                );
                 let t = crate::sampler::argmax(&logits);
                 if t == stop {
                     out.push(
@@ -1804,5 +2115,192 @@ mod tests {
             assert!((4..=10).contains(&n), "{v}");
             assert!(v["t"].as_str().unwrap().chars().count() <= 200, "{v}");
         }
+    }
+
+    #[test]
+    fn strings_hold_their_pattern_and_format() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+            "when": {"type": "string", "format": "date"},
+            "tag": {"type": "string", "pattern": "x\\\\y", "maxLength": 5}},
+            "required": ["code", "when", "tag"]}))
+        .unwrap();
+        for ok in [
+            r#"{"code":"AB-123","when":"2024-02-29","tag":"x\\y"}"#,
+            r#"{"code":"AB-123","when":"2024-02-29","tag":"ax\\yb"}"#,
+            // `\/` is `/`, `\n` a newline: escapes are read decoded.
+            r#"{"code":"AB-123","when":"2024-02-29","tag":"\nx\\y"}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"code":"ab-123""#,
+            r#"{"code":"AB-1234""#,
+            r#"{"code":"AB-12""#,
+            r#"{"code":"AB-123","when":"2023-02-29""#,
+            r#"{"code":"AB-123","when":"2024-02-29","tag":"xy""#,
+            r#"{"code":"AB-123","when":"2024-02-29","tag":"aax\\yb""#,
+            // no `\u` escapes in a string with a pattern, nor an escape no character of which
+            // the pattern allows next
+            r#"{"code":"\u0041"#,
+            r#"{"code":"AB-12\"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // A prefix that cannot end in a match is refused at once, not at the quote.
+        assert_eq!(run(&s, r#"{"code":"AB-123","when":"2023-02-2"#), Some(false));
+        assert_eq!(run(&s, r#"{"code":"AB-123","when":"2023-02-29"#), None);
+    }
+
+    #[test]
+    fn integers_hold_their_bounds() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "pct": {"type": "integer", "minimum": 0, "maximum": 100},
+            "neg": {"type": "integer", "exclusiveMaximum": 0, "minimum": -12.5},
+            "big": {"type": "integer", "minimum": 1000}},
+            "required": ["pct", "neg", "big"]}))
+        .unwrap();
+        for ok in [
+            r#"{"pct":0,"neg":-1,"big":1000}"#,
+            r#"{"pct":100,"neg":-12,"big":99999999}"#,
+            r#"{"pct":57,"neg":-5,"big":1001}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"pct":-"#,      // no negative percentage
+            r#"{"pct":101"#,    // 101 > 100 as soon as its third digit is read
+            r#"{"pct":1000"#,
+            r#"{"pct":0,"neg":0"#,
+            r#"{"pct":0,"neg":-13"#,
+            r#"{"pct":0,"neg":-1,"big":0"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // 999 could still become 9990: refused only at its end.
+        assert_eq!(run(&s, r#"{"pct":0,"neg":-1,"big":999"#), Some(false));
+        assert_eq!(run(&s, r#"{"pct":0,"neg":-1,"big":999}"#), None);
+        // Every feasible prefix has an ending within the bounds: brute force over short ones.
+        for lo in [-30i64, -1, 0, 7, 95] {
+            for hi in [lo, lo + 1, lo + 9, lo + 100] {
+                for v in -200i64..=200 {
+                    let text = v.to_string();
+                    let whole = (lo..=hi).contains(&v);
+                    let neg = v < 0;
+                    let digits = text.len() - usize::from(neg);
+                    let fits = int_feasible(neg, v.unsigned_abs(), digits as u8, lo, hi);
+                    // (Integers are written without leading zeros, so a text is a prefix only
+                    // of the integers it begins.)
+                    let reachable = (lo..=hi).any(|w| w.to_string().starts_with(&text));
+                    assert_eq!(fits, reachable, "{text} in {lo}..={hi}");
+                    if whole {
+                        assert!(fits);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn masked_decoding_writes_patterns_formats_and_bounded_integers() {
+        let schema = json!({"type": "object", "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "at": {"type": "string", "format": "date-time"},
+            "ip": {"type": "string", "format": "ipv6"},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+            "n": {"type": "integer", "minimum": -5, "maximum": 250}},
+            "required": ["id", "at", "ip", "code", "n"]});
+        let answers = masked_answers(
+            &schema,
+            &["{\"", "\":\"", "\",\"", "\":", "2024", "-02-", "T12:", "::", "ab", "AB-", "12", "99"],
+            21,
+            150,
+        );
+        assert!(answers.len() > 100, "only {} finished", answers.len());
+        let full = |p: &TextPattern, t: &str| {
+            let mut s = 0u16;
+            t.bytes().all(|b| p.step(s, b).map(|n| s = n).is_some()) && p.ends(s)
+        };
+        let date_time = TextPattern::format("date-time", 0, u32::MAX, 4096).unwrap();
+        let uuid = TextPattern::format("uuid", 0, u32::MAX, 4096).unwrap();
+        let mut widths = std::collections::BTreeSet::new();
+        for v in &answers {
+            assert!(full(&uuid, v["id"].as_str().unwrap()), "{v}");
+            assert!(full(&date_time, v["at"].as_str().unwrap()), "{v}");
+            let ip = v["ip"].as_str().unwrap();
+            assert!(ip.parse::<std::net::Ipv6Addr>().is_ok(), "{v}");
+            let code = v["code"].as_str().unwrap().as_bytes();
+            assert!(
+                code.len() == 6
+                    && code[..2].iter().all(u8::is_ascii_uppercase)
+                    && code[2] == b'-'
+                    && code[3..].iter().all(u8::is_ascii_digit),
+                "{v}"
+            );
+            let n = v["n"].as_i64().unwrap();
+            assert!((-5..=250).contains(&n), "{v}");
+            widths.insert(n.to_string().len());
+        }
+        // The answers differ (the mask does not force one text).
+        assert!(widths.len() > 1, "{widths:?}");
+    }
+
+    /// In a string held to a pattern the mask takes a shortcut (the pattern's automaton alone
+    /// for string-safe tokens): it allows exactly the tokens the whole automaton accepts.
+    #[test]
+    fn the_pattern_shortcut_allows_what_the_automaton_accepts() {
+        use crate::constraint::{Constraint, TokenTable};
+        use std::sync::Arc;
+        let s = Arc::new(
+            CompiledSchema::compile(&json!({"type": "object", "properties": {
+                "m": {"type": "string", "format": "email"},
+                "p": {"type": "string", "pattern": "(cat|dog)s?$", "maxLength": 12},
+                "d": {"type": "string", "format": "date-time"}}}))
+            .unwrap(),
+        );
+        let pieces = [
+            "ada", "@", ".org", "cat", "dogs", "s\"", "\"}", "\\n", "\\u00e9", "é", "2024-", "02-29T",
+            "12:", "00Z\"", "x\"", "\u{e9}t\u{e9}", "\\\"", "\\/", "a\"", "-", ".",
+        ];
+        let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        vocab.extend(pieces.iter().map(|p| Some(p.as_bytes().to_vec())));
+        vocab.push(Some(vec![0xc3]));
+        vocab.push(None);
+        let table = Arc::new(TokenTable::new(vocab));
+        let mut checked = 0;
+        for text in [
+            "{\"m\":\"",
+            "{\"m\":\"ada",
+            "{\"m\":\"ada@x",
+            "{\"m\":\"ada@x.o",
+            "{\"p\":\"",
+            "{\"p\":\"my ca",
+            "{\"p\":\"my cat",
+            "{\"p\":\"abcdefghi",
+            "{\"p\":\"abcdefghidog",
+            "{\"d\":\"2024-02-2",
+            "{\"d\":\"2024-02-29T12:00:00",
+        ] {
+            let mut j = SchemaJson::new(&s);
+            let mut c = Constraint::JsonSchema(table.clone(), s.clone()).start();
+            for b in text.bytes() {
+                assert!(j.step(&s, b), "{text}");
+                c.advance(u32::from(b));
+            }
+            assert!(j.plain_pattern(&s).is_some(), "{text}");
+            let mut logits = vec![0.0f32; table.len()];
+            c.mask(&mut logits, &[table.len() as u32 - 1]);
+            for id in 0..table.len() {
+                let simulated = table.bytes(id as u32).is_some_and(|b| j.accepts(&s, b));
+                assert_eq!(
+                    logits[id] == 0.0,
+                    simulated,
+                    "{text} + {:?}",
+                    table.bytes(id as u32).map(String::from_utf8_lossy)
+                );
+                checked += usize::from(simulated);
+            }
+        }
+        assert!(checked > 100, "{checked}");
     }
 }

@@ -11,6 +11,7 @@
 //! - [`sampler`] — sampling, penalties and stop strings;
 //! - [`constraint`] — constrained decoding (JSON mode): the token mask applied before sampling;
 //!   [`json_schema`] — structured outputs: a JSON Schema compiled to the mask's automaton;
+//!   [`text_pattern`] — what a schema's string may hold (`pattern`, `format`), as an automaton;
 //! - [`engine`] — the step loop on its own thread and the [`Engine`] handle.
 //!
 //! Does not own: tokenization and templates (`prompt-profile`; the engine only turns generated
@@ -22,6 +23,7 @@ pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod json_schema;
+pub mod text_pattern;
 pub mod kv;
 pub mod model;
 pub mod sampler;

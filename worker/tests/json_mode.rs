@@ -187,7 +187,7 @@ async fn json_mode_and_logit_bias_are_checked() {
     for (extra, code, param) in [
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}}),
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}}}}),
             "unsupported_parameter",
             "response_format",
         ),
