@@ -67,7 +67,10 @@ enum Node {
     /// `CompiledSchema::patterns[pattern]` when one is set ([`NO_PATTERN`] else).
     String { min: u32, max: u32, pattern: u16 },
     /// Any number (`integer`: no fraction or exponent), an integer within `range` when set.
-    Number { integer: bool, range: Option<(i64, i64)> },
+    Number {
+        integer: bool,
+        range: Option<(i64, i64)>,
+    },
     /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
@@ -414,7 +417,14 @@ impl Compiler<'_> {
             }
         }
         // These hold a typed value; beside `enum`, `const` or `anyOf` they would go unenforced.
-        let held = ["pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+        let held = [
+            "pattern",
+            "format",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+        ];
         if let Some(k) = held.iter().find(|k| o.contains_key(**k)) {
             if let Some(with) = ["enum", "const", "anyOf", "oneOf"]
                 .iter()
@@ -473,16 +483,10 @@ impl Compiler<'_> {
                 ))
             }
         };
-        for (keys, ty) in [
-            (&held[..2], "string"),
-            (&held[2..], "integer"),
-        ] {
+        for (keys, ty) in [(&held[..2], "string"), (&held[2..], "integer")] {
             if let Some(k) = keys.iter().find(|k| o.contains_key(**k)) {
                 if !types.contains(&ty) {
-                    return Err(err(
-                        at,
-                        format!("`{k}` is held only on `{ty}` values here"),
-                    ));
+                    return Err(err(at, format!("`{k}` is held only on `{ty}` values here")));
                 }
             }
         }
@@ -572,13 +576,18 @@ impl Compiler<'_> {
                 TextPattern::search(p, min, max, budget)
             }
             (None, Some(f)) => {
-                let f = f.as_str().ok_or_else(|| err(at, "`format` must be a string"))?;
+                let f = f
+                    .as_str()
+                    .ok_or_else(|| err(at, "`format` must be a string"))?;
                 TextPattern::format(f, min, max, budget)
             }
         };
         let p = p.map_err(|e| {
             if budget < MAX_PATTERN_STATES && e.contains("automaton states") {
-                err(at, format!("{e}; the schema's patterns may have {MAX_PATTERN_STATES} in all"))
+                err(
+                    at,
+                    format!("{e}; the schema's patterns may have {MAX_PATTERN_STATES} in all"),
+                )
             } else {
                 err(at, e)
             }
@@ -987,7 +996,10 @@ impl SchemaJson {
     }
 
     /// Inside a string held to a pattern, between characters: the pattern and its state.
-    pub(crate) fn plain_pattern<'s>(&self, s: &'s CompiledSchema) -> Option<(&'s TextPattern, u16)> {
+    pub(crate) fn plain_pattern<'s>(
+        &self,
+        s: &'s CompiledSchema,
+    ) -> Option<(&'s TextPattern, u16)> {
         match self.mode {
             Mode::InStr {
                 at: Str::Plain,
@@ -2148,7 +2160,10 @@ mod tests {
             assert_eq!(run(&s, bad), None, "{bad}");
         }
         // A prefix that cannot end in a match is refused at once, not at the quote.
-        assert_eq!(run(&s, r#"{"code":"AB-123","when":"2023-02-2"#), Some(false));
+        assert_eq!(
+            run(&s, r#"{"code":"AB-123","when":"2023-02-2"#),
+            Some(false)
+        );
         assert_eq!(run(&s, r#"{"code":"AB-123","when":"2023-02-29"#), None);
     }
 
@@ -2168,8 +2183,8 @@ mod tests {
             assert_eq!(run(&s, ok), Some(true), "{ok}");
         }
         for bad in [
-            r#"{"pct":-"#,      // no negative percentage
-            r#"{"pct":101"#,    // 101 > 100 as soon as its third digit is read
+            r#"{"pct":-"#,   // no negative percentage
+            r#"{"pct":101"#, // 101 > 100 as soon as its third digit is read
             r#"{"pct":1000"#,
             r#"{"pct":0,"neg":0"#,
             r#"{"pct":0,"neg":-13"#,
@@ -2212,7 +2227,10 @@ mod tests {
             "required": ["id", "at", "ip", "code", "n"]});
         let answers = masked_answers(
             &schema,
-            &["{\"", "\":\"", "\",\"", "\":", "2024", "-02-", "T12:", "::", "ab", "AB-", "12", "99"],
+            &[
+                "{\"", "\":\"", "\",\"", "\":", "2024", "-02-", "T12:", "::", "ab", "AB-", "12",
+                "99",
+            ],
             21,
             150,
         );
@@ -2259,8 +2277,27 @@ mod tests {
             .unwrap(),
         );
         let pieces = [
-            "ada", "@", ".org", "cat", "dogs", "s\"", "\"}", "\\n", "\\u00e9", "é", "2024-", "02-29T",
-            "12:", "00Z\"", "x\"", "\u{e9}t\u{e9}", "\\\"", "\\/", "a\"", "-", ".",
+            "ada",
+            "@",
+            ".org",
+            "cat",
+            "dogs",
+            "s\"",
+            "\"}",
+            "\\n",
+            "\\u00e9",
+            "é",
+            "2024-",
+            "02-29T",
+            "12:",
+            "00Z\"",
+            "x\"",
+            "\u{e9}t\u{e9}",
+            "\\\"",
+            "\\/",
+            "a\"",
+            "-",
+            ".",
         ];
         let mut vocab: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
         vocab.extend(pieces.iter().map(|p| Some(p.as_bytes().to_vec())));
@@ -2290,10 +2327,10 @@ mod tests {
             assert!(j.plain_pattern(&s).is_some(), "{text}");
             let mut logits = vec![0.0f32; table.len()];
             c.mask(&mut logits, &[table.len() as u32 - 1]);
-            for id in 0..table.len() {
+            for (id, l) in logits.iter().enumerate() {
                 let simulated = table.bytes(id as u32).is_some_and(|b| j.accepts(&s, b));
                 assert_eq!(
-                    logits[id] == 0.0,
+                    *l == 0.0,
                     simulated,
                     "{text} + {:?}",
                     table.bytes(id as u32).map(String::from_utf8_lossy)

@@ -23,13 +23,13 @@ pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod json_schema;
-pub mod text_pattern;
 pub mod kv;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod sim;
 pub mod step_budget;
+pub mod text_pattern;
 
 pub use constraint::{Constraint, TokenTable};
 pub use engine::{

@@ -144,7 +144,9 @@ impl TextPattern {
 
     /// The state after `byte` from `state`, if a matching string can still follow.
     pub fn step(&self, state: u16, byte: u8) -> Option<u16> {
-        let n = *self.next.get(usize::from(state) * 256 + usize::from(byte))?;
+        let n = *self
+            .next
+            .get(usize::from(state) * 256 + usize::from(byte))?;
         (n != DEAD).then_some(n)
     }
 
@@ -197,7 +199,11 @@ impl TextPattern {
             for byte in 0..=255u8 {
                 let n = dfa.next_state(s, byte);
                 // A character begins with every byte but UTF-8's continuation bytes.
-                let c = if byte & 0xc0 == 0x80 { count } else { count + 1 };
+                let c = if byte & 0xc0 == 0x80 {
+                    count
+                } else {
+                    count + 1
+                };
                 if dfa.is_dead_state(n) || dfa.is_quit_state(n) || (bounded && c > max) {
                     next.push(DEAD);
                     continue;
@@ -385,7 +391,14 @@ mod tests {
         for ok in ["2024-02-29", "2000-02-29", "2023-12-31", "1999-04-30"] {
             assert!(full(&date, ok), "{ok}");
         }
-        for bad in ["2023-02-29", "1900-02-29", "2023-04-31", "2023-13-01", "2023-00-10", "23-01-01"] {
+        for bad in [
+            "2023-02-29",
+            "1900-02-29",
+            "2023-04-31",
+            "2023-13-01",
+            "2023-00-10",
+            "23-01-01",
+        ] {
             assert!(!full(&date, bad), "{bad}");
         }
         let dt = TextPattern::format("date-time", 0, u32::MAX, 4096).unwrap();
@@ -425,6 +438,9 @@ mod tests {
         }
         // A pattern whose automaton outgrows the budget.
         let e = TextPattern::search("(a|b)*a(a|b){12}", 0, u32::MAX, 4096).unwrap_err();
-        assert!(e.contains("states") || e.contains("limit") || e.contains("exceed"), "{e}");
+        assert!(
+            e.contains("states") || e.contains("limit") || e.contains("exceed"),
+            "{e}"
+        );
     }
 }
