@@ -456,6 +456,31 @@ def cases(run: Run):
                                                    "json_schema": {"name": "s", "schema": schema}})
         return expect(g("POST", "/v1/chat/completions", body), 400, "unsupported_parameter")
 
+    @case("gw: json_schema with pattern, date-time, ipv4 and bounded numbers -> an answer that holds them")
+    def _():
+        import datetime
+        import ipaddress
+        import re
+        schema = {"type": "object", "additionalProperties": False,
+                  "required": ["sku", "when", "ip", "qty", "ratio"],
+                  "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                 "when": {"type": "string", "format": "date-time"},
+                                 "ip": {"type": "string", "format": "ipv4"},
+                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                                 "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}}}
+        r = g("POST", "/v1/chat/completions", chat(
+            "smol", "an order as JSON", max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}))
+        expect(r, 200)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        v = json.loads(choice["message"]["content"])
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", v["sku"]), v
+        datetime.datetime.fromisoformat(v["when"].replace("Z", "+00:00"))
+        ipaddress.IPv4Address(v["ip"])
+        assert 1 <= v["qty"] <= 9 and 0 < v["ratio"] <= 0.5, v
+        return json.dumps(v)[:90]
+
     @case("gw: hostile json_schema ($ref chain of 5000, nesting of 5000) -> 400, nothing crashes")
     def _():
         defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
@@ -491,7 +516,7 @@ def cases(run: Run):
         expect(g("POST", "/v1/chat/completions", chat("smol", "x", tool_choice="required")),
                400, "invalid_value")
         bad = [{"type": "function", "function": {"name": "h", "parameters": {
-            "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}]
+            "type": "object", "properties": {"d": {"type": "string", "format": "uri"}}}}}]
         r = g("POST", "/v1/chat/completions", chat("smol", "x", tools=bad, tool_choice="required"))
         expect(r, 400, "unsupported_parameter")
         return f"f({call['arguments'][:40]}); 400 unknown name, 400 no tools, 400 {r.json()['error']['param']}"

@@ -146,7 +146,8 @@ def main() -> None:
     print("responses logprobs:", [(lp.token, round(lp.logprob, 3)) for lp in lps][:4], "...")
 
     # Structured outputs from a pydantic model, parsed and validated by the client: a pattern,
-    # dates and times, a UUID and a bounded integer (`format`, `pattern`, `minimum`/`maximum`).
+    # dates and times, a UUID, a bounded integer and a bounded number (`format`, `pattern`,
+    # `minimum`, `maximum`, `exclusiveMaximum`).
     import datetime
     import uuid
 
@@ -157,6 +158,7 @@ def main() -> None:
         day: datetime.date
         starts: datetime.datetime
         guests: int = Field(ge=1, le=12)
+        deposit: float = Field(ge=0, lt=1000)
         ref: uuid.UUID
 
     completions = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
@@ -168,7 +170,7 @@ def main() -> None:
         temperature=0,
     )
     b = booked.choices[0].message.parsed
-    assert isinstance(b, Booking) and 1 <= b.guests <= 12, booked
+    assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
     print("structured (pydantic, parsed):", b.model_dump_json())
 
     try:

@@ -10,8 +10,10 @@
 //! (`minLength`, `maxLength`: characters, a `\u` escape counting as one; `pattern`, ECMA-262
 //! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
 //! `hostname`, `ipv4`, `ipv6`, `uuid` — [`crate::text_pattern`]; such a string is written
-//! without `\u` escapes), `number`, `integer` (`minimum`, `maximum`, `exclusiveMinimum`,
-//! `exclusiveMaximum`), `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
+//! without `\u` escapes), `number`, `integer` (both with `minimum`, `maximum`,
+//! `exclusiveMinimum`, `exclusiveMaximum`, read exactly from their JSON text; a bounded
+//! `number` is written without an exponent, with at most 18 integer and 12 fraction digits),
+//! `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
 //! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
 //! `oneOf` whose alternatives begin with different characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
 //! object alternatives may be several when they form a *tagged union*: every one has a
@@ -21,8 +23,7 @@
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
-//! would constrain the text in a way the automaton does not enforce (`minimum` on a `number`,
-//! `multipleOf`, `uniqueItems`, `patternProperties`, `allOf`, `not`, an unknown `format`, …)
+//! would constrain the text in a way the automaton does not enforce (`multipleOf`, `uniqueItems`, `patternProperties`, `allOf`, `not`, an unknown `format`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -66,11 +67,9 @@ enum Node {
     /// A string of `min..=max` characters (code points; a `\u` escape counts as one), held to
     /// `CompiledSchema::patterns[pattern]` when one is set ([`NO_PATTERN`] else).
     String { min: u32, max: u32, pattern: u16 },
-    /// Any number (`integer`: no fraction or exponent), an integer within `range` when set.
-    Number {
-        integer: bool,
-        range: Option<(i64, i64)>,
-    },
+    /// Any number (`integer`: no fraction or exponent), within `range` when set (then without
+    /// an exponent).
+    Number { integer: bool, range: Option<Range> },
     /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
@@ -275,72 +274,179 @@ fn bound(
     }
 }
 
-/// The integers an `integer` schema allows (`minimum`, `maximum`, `exclusiveMinimum`,
-/// `exclusiveMaximum`; fractional bounds rounded inwards), when it sets any: within what 18
-/// characters can write.
-fn int_range(
+/// Fraction digits a bounded `number` is written with at most: its value is then a whole
+/// number of 10^-12, and bounds compare exactly.
+const BOUNDED_PLACES: u8 = 12;
+
+/// Integer digits a bounded `number` is written with at most.
+const BOUNDED_INT_DIGITS: u8 = 18;
+
+/// The values a bounded number node allows: `lo..=hi` in units of 10^-`places` (`places` 0:
+/// an integer; [`BOUNDED_PLACES`]: a `number`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Range {
+    lo: i128,
+    hi: i128,
+    places: u8,
+}
+
+/// The bounds of a numeric schema (`minimum`, `maximum`, `exclusiveMinimum`,
+/// `exclusiveMaximum`), when it sets any, within what can be written (an integer: 18
+/// characters; a number: 18 integer and 12 fraction digits, no exponent). A bound that falls
+/// between the values that can be written is rounded inwards, so every value written is within
+/// the bound read exactly as its JSON text.
+fn range(
     o: &serde_json::Map<String, Value>,
+    integer: bool,
     at: &str,
-) -> Result<Option<(i64, i64)>, SchemaError> {
-    let (mut lo, mut hi) = (INT_MIN, INT_MAX);
+) -> Result<Option<Range>, SchemaError> {
+    let places = if integer { 0 } else { BOUNDED_PLACES };
+    let (mut lo, mut hi) = if integer {
+        (-(10i128.pow(17) - 1), 10i128.pow(18) - 1)
+    } else {
+        (-(10i128.pow(30) - 1), 10i128.pow(30) - 1)
+    };
     let mut any = false;
     for k in ["minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"] {
         let Some(v) = o.get(k) else { continue };
         any = true;
-        let exact = v.as_i64();
-        let x = v
-            .as_f64()
-            .filter(|x| x.is_finite())
+        let (down, up) = v
+            .as_number()
+            .and_then(|n| units(&n.to_string(), places))
             .ok_or_else(|| err(at, format!("`{k}` must be a number")))?;
-        // `as` saturates: a bound past i64 is as good as none.
         match k {
-            "minimum" => lo = lo.max(exact.unwrap_or(x.ceil() as i64)),
-            "exclusiveMinimum" => {
-                lo = lo.max(exact.map_or(x.floor() as i64, |i| i).saturating_add(1))
-            }
-            "maximum" => hi = hi.min(exact.unwrap_or(x.floor() as i64)),
-            _ => hi = hi.min(exact.map_or(x.ceil() as i64, |i| i).saturating_sub(1)),
+            "minimum" => lo = lo.max(up),
+            "exclusiveMinimum" => lo = lo.max(down + 1),
+            "maximum" => hi = hi.min(down),
+            _ => hi = hi.min(up - 1),
         }
     }
     if lo > hi {
+        let what = if integer { "integer" } else { "number" };
         return Err(err(
             at,
-            "no integer is within the bounds (and 18 characters)",
+            format!("no {what} that can be written is within the bounds"),
         ));
     }
-    Ok(any.then_some((lo, hi)))
+    Ok(any.then_some(Range { lo, hi, places }))
 }
 
-/// The integers 18 characters can write.
-const INT_MIN: i64 = -99_999_999_999_999_999;
-const INT_MAX: i64 = 999_999_999_999_999_999;
-
-/// Whether an integer begun with `neg` and `digits` digits of value `value` can still end
-/// within `lo..=hi` (and 18 characters); `-0` never does.
-fn int_feasible(neg: bool, value: u64, digits: u8, lo: i64, hi: i64) -> bool {
-    let room = MAX_INTEGER_LEN - u8::from(neg);
-    let (lo, hi) = (i128::from(lo), i128::from(hi));
-    let meets = |a: i128, b: i128| {
-        let (a, b) = if neg { (-b, -a) } else { (a, b) };
-        a <= hi && b >= lo
+/// A JSON number's text in units of 10^-`places`, rounded down and rounded up (magnitudes
+/// clamped to 10^32, past anything that can be written).
+fn units(text: &str, places: u8) -> Option<(i128, i128)> {
+    const CLAMP: i128 = 10i128.pow(32);
+    let (neg, rest) = match text.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, text),
     };
-    // `-` begins a negative integer (`-0` is not written).
-    if digits == 0 {
-        return meets(1, 10i128.pow(u32::from(room)) - 1);
+    let (mant, exp) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], rest[i + 1..].parse::<i32>().ok()?),
+        None => (rest, 0),
+    };
+    let (int, frac) = mant.split_once('.').unwrap_or((mant, ""));
+    if int.is_empty() || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+        return None;
     }
-    if value == 0 {
-        return !neg && meets(0, 0);
-    }
-    // Written with `l` digits in all, it lies in value·10^(l−digits) + [0, 10^(l−digits)).
-    let mut scale = 1i128;
-    for _ in digits..=room {
-        let a = i128::from(value) * scale;
-        if meets(a, a + scale - 1) {
-            return true;
+    let all = format!("{int}{frac}");
+    let digits = all.trim_start_matches('0');
+    // The magnitude is digits × 10^shift units.
+    let shift = i64::from(exp) - frac.len() as i64 + i64::from(places);
+    let (floor, exact) = if digits.is_empty() {
+        (0, true)
+    } else if shift >= 0 {
+        if digits.len() as i64 + shift > 32 {
+            (CLAMP, true)
+        } else {
+            (
+                digits.parse::<i128>().ok()? * 10i128.pow(shift as u32),
+                true,
+            )
         }
-        scale *= 10;
+    } else {
+        let keep = digits.len() as i64 + shift;
+        if keep <= 0 {
+            (0, false)
+        } else if keep > 32 {
+            (CLAMP, true)
+        } else {
+            let (whole, cut) = digits.split_at(keep as usize);
+            (whole.parse::<i128>().ok()?, cut.bytes().all(|c| c == b'0'))
+        }
+    };
+    let ceil = floor + i128::from(!exact);
+    Some(if neg { (-ceil, -floor) } else { (floor, ceil) })
+}
+
+/// The digits of a number read so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Digits {
+    /// It began with `-`.
+    neg: bool,
+    /// Integer digits read.
+    int: u8,
+    /// Fraction digits read, once `.` was.
+    frac: Option<u8>,
+    /// Every digit read, as one integer (saturating; exact while bounded: at most 30 digits).
+    value: u128,
+}
+
+impl Digits {
+    /// Integer digits a number of `r` may have.
+    fn int_room(&self, r: Range) -> u8 {
+        if r.places == 0 {
+            // An integer's 18 characters, its sign included, always fit an i64.
+            MAX_INTEGER_LEN - u8::from(self.neg)
+        } else {
+            BOUNDED_INT_DIGITS
+        }
     }
-    false
+
+    /// Its value in `r`'s units, as it stands (complete).
+    fn units(&self, r: Range) -> i128 {
+        let scale = 10i128.pow(u32::from(r.places - self.frac.unwrap_or(0)));
+        let v = self.value as i128 * scale;
+        if self.neg {
+            -v
+        } else {
+            v
+        }
+    }
+
+    /// Whether a number begun so can still end within `r`: the values its endings can take
+    /// form one run of `r`'s units per count of integer digits, and it can end within `r`
+    /// when one of those runs meets `lo..=hi` (`-0` is not written for an integer).
+    fn can_end_within(&self, r: Range) -> bool {
+        let unit = |e: u32| 10i128.pow(e);
+        let places = u32::from(r.places);
+        let meets = |a: i128, b: i128| {
+            let (a, b) = if self.neg { (-b, -a) } else { (a, b) };
+            a <= r.hi && b >= r.lo
+        };
+        let v = self.value as i128;
+        if let Some(m) = self.frac {
+            let step = unit(places - u32::from(m));
+            return meets(v * step, v * step + step - 1);
+        }
+        let room = u32::from(self.int_room(r));
+        if self.int == 0 {
+            // Only `-` so far.
+            let least = i128::from(r.places == 0);
+            return meets(least, unit(room + places) - 1);
+        }
+        if v == 0 {
+            // `0` or `-0`: no more integer digits.
+            return !(self.neg && r.places == 0) && meets(0, unit(places) - 1);
+        }
+        // With `l` integer digits in all, it lies in v·10^(l−int) units of 10^0, and any
+        // fraction after them.
+        for l in u32::from(self.int)..=room {
+            let step = unit(l - u32::from(self.int) + places);
+            if meets(v * step, v * step + step - 1) {
+                return true;
+            }
+        }
+        false
+    }
 }
 
 fn err(at: &str, reason: impl Into<String>) -> SchemaError {
@@ -483,10 +589,17 @@ impl Compiler<'_> {
                 ))
             }
         };
-        for (keys, ty) in [(&held[..2], "string"), (&held[2..], "integer")] {
+        for (keys, tys, what) in [
+            (&held[..2], &["string"][..], "`string`"),
+            (
+                &held[2..],
+                &["integer", "number"][..],
+                "`integer` and `number`",
+            ),
+        ] {
             if let Some(k) = keys.iter().find(|k| o.contains_key(**k)) {
-                if !types.contains(&ty) {
-                    return Err(err(at, format!("`{k}` is held only on `{ty}` values here")));
+                if !types.iter().any(|t| tys.contains(t)) {
+                    return Err(err(at, format!("`{k}` is held only on {what} values")));
                 }
             }
         }
@@ -504,22 +617,10 @@ impl Compiler<'_> {
                     let pattern = self.pattern(o, min, max, at)?;
                     self.push(Node::String { min, max, pattern }, at)?
                 }
-                "number" => self.push(
-                    Node::Number {
-                        integer: false,
-                        range: None,
-                    },
-                    at,
-                )?,
-                "integer" => {
-                    let range = int_range(o, at)?;
-                    self.push(
-                        Node::Number {
-                            integer: true,
-                            range,
-                        },
-                        at,
-                    )?
+                "number" | "integer" => {
+                    let integer = t == "integer";
+                    let range = range(o, integer, at)?;
+                    self.push(Node::Number { integer, range }, at)?
                 }
                 "boolean" => {
                     self.push(Node::Const(vec![b"true".to_vec(), b"false".to_vec()]), at)?
@@ -935,14 +1036,12 @@ enum Mode {
         pat: u16,
         ps: u16,
     },
-    /// In a number of node `node`: `len` characters, `neg` when it began with `-`, `value`
-    /// the digits read (an integer's, for its range).
+    /// In a number of node `node`: `len` characters, its digits `d` (for its range).
     InNum {
         at: Num,
         len: u8,
         node: usize,
-        neg: bool,
-        value: u64,
+        d: Digits,
     },
     /// In one of the texts of a `Const` node: which are still possible (a bit mask over its
     /// texts, at most 64) and how many bytes were read; `complete`: one of them was read to its
@@ -1041,14 +1140,7 @@ impl SchemaJson {
             self.ws += 1;
             return true;
         }
-        if let Mode::InNum {
-            at,
-            len,
-            node,
-            neg,
-            value,
-        } = self.mode
-        {
+        if let Mode::InNum { at, len, node, d } = self.mode {
             let Node::Number { integer, range } = s.nodes[node] else {
                 return false;
             };
@@ -1065,12 +1157,28 @@ impl SchemaJson {
                 if len >= max {
                     return false;
                 }
-                let value = match c {
-                    b'0'..=b'9' => value.saturating_mul(10).saturating_add(u64::from(c - b'0')),
-                    _ => value,
-                };
-                if let Some((lo, hi)) = range {
-                    if !int_feasible(neg, value, len + 1 - u8::from(neg), lo, hi) {
+                let mut d = d;
+                match c {
+                    b'0'..=b'9' => {
+                        d.value = d
+                            .value
+                            .saturating_mul(10)
+                            .saturating_add(u128::from(c - b'0'));
+                        match &mut d.frac {
+                            Some(f) => *f = f.saturating_add(1),
+                            None => d.int = d.int.saturating_add(1),
+                        }
+                    }
+                    b'.' => d.frac = Some(0),
+                    _ => {}
+                }
+                if let Some(r) = range {
+                    // A bounded number: no exponent, its digits within what it may have.
+                    let fits = matches!(next, Num::Zero | Num::Int | Num::Dot | Num::Frac)
+                        && d.int <= d.int_room(r)
+                        && d.frac.is_none_or(|f| f <= r.places)
+                        && d.can_end_within(r);
+                    if !fits {
                         return false;
                     }
                 }
@@ -1078,21 +1186,16 @@ impl SchemaJson {
                     at: next,
                     len: len + 1,
                     node,
-                    neg,
-                    value,
+                    d,
                 };
                 return true;
             }
             if !at.complete() {
                 return false;
             }
-            if let Some((lo, hi)) = range {
-                let v = if neg {
-                    -i128::from(value)
-                } else {
-                    i128::from(value)
-                };
-                if v < i128::from(lo) || v > i128::from(hi) {
+            if let Some(r) = range {
+                let v = d.units(r);
+                if v < r.lo || v > r.hi {
                     return false;
                 }
             }
@@ -1363,18 +1466,20 @@ impl SchemaJson {
                     _ => return false,
                 };
                 let neg = c == b'-';
-                let value = if neg { 0 } else { u64::from(c - b'0') };
-                if let Some((lo, hi)) = *range {
-                    if !int_feasible(neg, value, u8::from(!neg), lo, hi) {
-                        return false;
-                    }
+                let d = Digits {
+                    neg,
+                    int: u8::from(!neg),
+                    frac: None,
+                    value: if neg { 0 } else { u128::from(c - b'0') },
+                };
+                if range.is_some_and(|r| !d.can_end_within(r)) {
+                    return false;
                 }
                 self.mode = Mode::InNum {
                     at,
                     len: 1,
                     node,
-                    neg,
-                    value,
+                    d,
                 };
                 true
             }
@@ -1532,9 +1637,14 @@ mod tests {
                 "`format` \"uri\" is not supported",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}),
+                json!({"type": "object", "properties": {"n": {"type": "string", "minimum": 0}}}),
                 "/properties/n",
-                "held only on `integer`",
+                "held only on `integer` and `number`",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "number", "minimum": 1e-13, "maximum": 9e-13}}}),
+                "/properties/n",
+                "no number that can be written",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}),
@@ -2195,25 +2305,72 @@ mod tests {
         // 999 could still become 9990: refused only at its end.
         assert_eq!(run(&s, r#"{"pct":0,"neg":-1,"big":999"#), Some(false));
         assert_eq!(run(&s, r#"{"pct":0,"neg":-1,"big":999}"#), None);
-        // Every feasible prefix has an ending within the bounds: brute force over short ones.
+        // A prefix is taken exactly when an integer within the bounds begins with it: brute
+        // force over short ones (integers are written without leading zeros, so a text is a
+        // prefix only of the integers it begins).
         for lo in [-30i64, -1, 0, 7, 95] {
             for hi in [lo, lo + 1, lo + 9, lo + 100] {
+                let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+                    "n": {"type": "integer", "minimum": lo, "maximum": hi}}, "required": ["n"]}))
+                .unwrap();
                 for v in -200i64..=200 {
                     let text = v.to_string();
-                    let whole = (lo..=hi).contains(&v);
-                    let neg = v < 0;
-                    let digits = text.len() - usize::from(neg);
-                    let fits = int_feasible(neg, v.unsigned_abs(), digits as u8, lo, hi);
-                    // (Integers are written without leading zeros, so a text is a prefix only
-                    // of the integers it begins.)
                     let reachable = (lo..=hi).any(|w| w.to_string().starts_with(&text));
-                    assert_eq!(fits, reachable, "{text} in {lo}..={hi}");
-                    if whole {
-                        assert!(fits);
-                    }
+                    let taken = run(&s, &format!("{{\"n\":{text}"));
+                    assert_eq!(taken.is_some(), reachable, "{text} in {lo}..={hi}");
+                    let whole = run(&s, &format!("{{\"n\":{text}}}"));
+                    assert_eq!(whole == Some(true), (lo..=hi).contains(&v), "{text}");
                 }
+                assert_eq!(run(&s, "{\"n\":-0"), None, "-0 is not written");
             }
         }
+    }
+
+    #[test]
+    fn numbers_hold_their_bounds() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "p": {"type": "number", "minimum": 0, "maximum": 1},
+            "q": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.3},
+            "t": {"type": "number", "minimum": -2.5, "maximum": -0.25}},
+            "required": ["p", "q", "t"]}))
+        .unwrap();
+        for ok in [
+            r#"{"p":0,"q":0.1,"t":-2.5}"#,
+            r#"{"p":1,"q":0.299999999999,"t":-0.25}"#,
+            r#"{"p":1.000,"q":0.000000000001,"t":-1}"#,
+            r#"{"p":0.5,"q":0.2,"t":-0.250}"#,
+            r#"{"p":-0.0,"q":0.2,"t":-2.49}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"p":1.01"#,
+            r#"{"p":2"#,
+            r#"{"p":-0.1"#,
+            r#"{"p":1e0"#,                  // no exponent in a bounded number
+            r#"{"p":0.1234567890123"#,      // at most 12 fraction digits
+            r#"{"p":0,"q":0.3"#,            // 0.3 itself is excluded
+            r#"{"p":0,"q":0.000000000000"#, // nothing left above 0 in 12 places
+            r#"{"p":0,"q":0.1,"t":-0.1"#,
+            r#"{"p":0,"q":0.1,"t":-0.24"#,
+            r#"{"p":0,"q":0.1,"t":-3"#,
+            r#"{"p":0,"q":0.1,"t":0"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // `0` may still become 0.1, `-0.2` may still become -0.25 (and end there).
+        assert_eq!(run(&s, r#"{"p":0,"q":0"#), Some(false));
+        assert_eq!(run(&s, r#"{"p":0,"q":0}"#), None);
+        assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.2"#), Some(false));
+        assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.2}"#), None);
+        assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.25}"#), Some(true));
+        // Bounds read exactly from their JSON text, whatever their form.
+        assert_eq!(units("1e-3", 12), Some((1_000_000_000, 1_000_000_000)));
+        assert_eq!(units("-2.5", 0), Some((-3, -2)));
+        assert_eq!(units("0.3", 12), Some((300_000_000_000, 300_000_000_000)));
+        assert_eq!(units("1e-13", 12), Some((0, 1)));
+        assert_eq!(units("1e300", 12), Some((10i128.pow(32), 10i128.pow(32))));
+        assert_eq!(units("12", 0), Some((12, 12)));
     }
 
     #[test]
@@ -2223,13 +2380,15 @@ mod tests {
             "at": {"type": "string", "format": "date-time"},
             "ip": {"type": "string", "format": "ipv6"},
             "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
-            "n": {"type": "integer", "minimum": -5, "maximum": 250}},
-            "required": ["id", "at", "ip", "code", "n"]});
+            "n": {"type": "integer", "minimum": -5, "maximum": 250},
+            "x": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "t": {"type": "number", "minimum": -2.5, "maximum": -0.25}},
+            "required": ["id", "at", "ip", "code", "n", "x", "t"]});
         let answers = masked_answers(
             &schema,
             &[
                 "{\"", "\":\"", "\",\"", "\":", "2024", "-02-", "T12:", "::", "ab", "AB-", "12",
-                "99",
+                "99", "0.", "-0.", "-2.", "5,\"",
             ],
             21,
             150,
@@ -2257,6 +2416,10 @@ mod tests {
             );
             let n = v["n"].as_i64().unwrap();
             assert!((-5..=250).contains(&n), "{v}");
+            let x = v["x"].as_f64().unwrap();
+            assert!((0.0..1.0).contains(&x), "{v}");
+            let t = v["t"].as_f64().unwrap();
+            assert!((-2.5..=-0.25).contains(&t), "{v}");
             widths.insert(n.to_string().len());
         }
         // The answers differ (the mask does not force one text).
