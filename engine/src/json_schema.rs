@@ -23,7 +23,7 @@
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
-//! would constrain the text in a way the automaton does not enforce (`multipleOf`, `uniqueItems`, `patternProperties`, `allOf`, `not`, an unknown `format`, …)
+//! would constrain the text in a way the automaton does not enforce (`multipleOf`, `uniqueItems`, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -487,6 +487,24 @@ impl Compiler<'_> {
                 .as_str()
                 .ok_or_else(|| err(at, "`$ref` must be a string"))?;
             return self.reference(r, at);
+        }
+        // `allOf` of one schema beside annotations only (as pydantic wraps a `$ref` that has a
+        // description): that schema.
+        if let Some(all) = o.get("allOf") {
+            match all.as_array().map(Vec::as_slice) {
+                Some([one])
+                    if o.keys()
+                        .all(|k| k == "allOf" || ANNOTATIONS.contains(&k.as_str())) =>
+                {
+                    return self.node(one, &format!("{at}/allOf/0"));
+                }
+                _ => {
+                    return Err(err(
+                        at,
+                        "`allOf` is supported only as one schema beside annotations",
+                    ))
+                }
+            }
         }
         for (k, _) in o {
             let known = ANNOTATIONS.contains(&k.as_str())
@@ -1647,6 +1665,16 @@ mod tests {
                 "no number that can be written",
             ),
             (
+                json!({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}, {"minimum": 1}]}}}),
+                "/properties/n",
+                "`allOf` is supported only as one schema",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}], "minimum": 1}}}),
+                "/properties/n",
+                "`allOf` is supported only as one schema",
+            ),
+            (
                 json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}),
                 "/properties/n",
                 "`multipleOf` is not supported",
@@ -2324,6 +2352,16 @@ mod tests {
                 assert_eq!(run(&s, "{\"n\":-0"), None, "-0 is not written");
             }
         }
+    }
+
+    #[test]
+    fn all_of_one_schema_is_that_schema() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "required": ["a"], "properties": {
+            "a": {"allOf": [{"$ref": "#/$defs/A"}], "description": "wrapped as pydantic does"}},
+            "$defs": {"A": {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}}}))
+        .unwrap();
+        assert_eq!(run(&s, r#"{"a":{"x":1}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"a":{"y""#), None);
     }
 
     #[test]
