@@ -29,7 +29,7 @@ pub const MAX_PATTERN_STATES: usize = 4096;
 pub const MAX_PATTERN_LEN: usize = 1024;
 
 /// Memory the regex compiler may use for one pattern (NFA, determinization, DFA), bytes.
-const BUILD_LIMIT: usize = 8 << 20;
+const BUILD_LIMIT: usize = 2 << 20;
 
 /// The `format`s that can be held to, each as the regular expression its whole string matches
 /// (RFC 3339 dates and times, JSON Schema's durations; `email` and `hostname` in a bounded
@@ -106,12 +106,21 @@ const IPV6: &str = concat!(
 const UUID: &str = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}";
 
 /// What a string may hold, as an automaton over its decoded bytes. State 0 is the start.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct TextPattern {
     /// `next[state * 256 + byte]`: the state after `byte`, or [`DEAD`].
     next: Vec<u16>,
     /// Whether the string read so far may end there.
     ends: Vec<bool>,
+}
+
+impl std::fmt::Debug for TextPattern {
+    /// Its size, not its table (up to 4,096 × 256 entries).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextPattern")
+            .field("states", &self.states())
+            .finish_non_exhaustive()
+    }
 }
 
 impl TextPattern {
@@ -442,5 +451,33 @@ mod tests {
             e.contains("states") || e.contains("limit") || e.contains("exceed"),
             "{e}"
         );
+    }
+
+    /// Patterns that would build huge automata are refused by the builder's limits or the
+    /// state budget, never built without bound (printed: how long each took).
+    #[test]
+    fn hostile_patterns_stay_within_the_budget() {
+        let alternations = "(a|b)".repeat(200);
+        for (p, max) in [
+            ("(((a{100}){100}){100})", u32::MAX),
+            ("[\\s\\S]{0,1000}", u32::MAX),
+            ("\\p{L}{200}", u32::MAX),
+            ("(a|aa)*b", u32::MAX),
+            ("^[a-z]+$", 100_000),
+            (alternations.as_str(), u32::MAX),
+        ] {
+            let t = std::time::Instant::now();
+            let r = TextPattern::search(p, 0, max, MAX_PATTERN_STATES);
+            if let Ok(tp) = &r {
+                assert!(tp.states() <= MAX_PATTERN_STATES, "{p}");
+            }
+            println!(
+                "{:.40} (max {max}): {} in {:?}",
+                p,
+                r.map(|t| format!("{} states", t.states()))
+                    .unwrap_or_else(|e| e.chars().take(60).collect()),
+                t.elapsed()
+            );
+        }
     }
 }

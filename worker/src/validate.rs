@@ -918,7 +918,7 @@ mod tests {
                 "{v}"
             );
         }
-        let schema = r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"string","pattern":"x"}}}}}"#;
+        let schema = r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"integer","multipleOf":3}}}}}"#;
         let e = chat_err(&format!(r#"{{{MSG},"response_format":{schema}}}"#));
         assert_eq!(
             (e.code, e.param.as_deref()),
@@ -956,7 +956,7 @@ mod tests {
         }
         let p = chat(format!(r#"{{{MSG},{tools},"tool_choice":"auto"}}"#).as_bytes()).unwrap();
         assert!(p.answer.forced.is_none() && matches!(p.format, AnswerFormat::Text));
-        let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"date"}}}}}]"#;
+        let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"uri"}}}}}]"#;
         let e = chat_err(&format!(r#"{{{MSG},{hostile},"tool_choice":"required"}}"#));
         assert_eq!(
             (e.code, e.param.as_deref()),
