@@ -466,7 +466,7 @@ def cases(run: Run):
                   "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
                                  "when": {"type": "string", "format": "date-time"},
                                  "ip": {"type": "string", "format": "ipv4"},
-                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9, "multipleOf": 3},
                                  "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}}}
         # The simulated engine draws random tokens (whitespace runs included): some answers
         # run out of tokens; every finished one must hold the schema.
@@ -483,7 +483,7 @@ def cases(run: Run):
             assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", v["sku"]), v
             datetime.datetime.fromisoformat(v["when"].replace("Z", "+00:00"))
             ipaddress.IPv4Address(v["ip"])
-            assert 1 <= v["qty"] <= 9 and 0 < v["ratio"] <= 0.5, v
+            assert v["qty"] in (3, 6, 9) and 0 < v["ratio"] <= 0.5, v
             done.append(v)
         assert done, "no answer finished"
         return f"{len(done)}/6 finished, all valid: " + json.dumps(done[0])[:70]

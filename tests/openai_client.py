@@ -147,7 +147,7 @@ def main() -> None:
 
     # Structured outputs from a pydantic model, parsed and validated by the client: a pattern,
     # dates and times, a UUID, a bounded integer and a bounded number (`format`, `pattern`,
-    # `minimum`, `maximum`, `exclusiveMaximum`).
+    # `minimum`, `maximum`, `exclusiveMaximum`, `multipleOf`).
     import datetime
     import uuid
 
@@ -159,6 +159,7 @@ def main() -> None:
         starts: datetime.datetime
         guests: int = Field(ge=1, le=12)
         deposit: float = Field(ge=0, lt=1000)
+        tip_percent: int = Field(ge=0, le=30, multiple_of=5)
         ref: uuid.UUID
 
     completions = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
@@ -171,6 +172,7 @@ def main() -> None:
     )
     b = booked.choices[0].message.parsed
     assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
+    assert b.tip_percent % 5 == 0, booked
     print("structured (pydantic, parsed):", b.model_dump_json())
 
     try:

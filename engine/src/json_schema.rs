@@ -11,7 +11,7 @@
 //! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
 //! `hostname`, `ipv4`, `ipv6`, `uuid` — [`crate::text_pattern`]; such a string is written
 //! without `\u` escapes), `number`, `integer` (both with `minimum`, `maximum`,
-//! `exclusiveMinimum`, `exclusiveMaximum`, read exactly from their JSON text; a bounded
+//! `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, read exactly from their JSON text; a bounded
 //! `number` is written without an exponent, with at most 18 integer and 12 fraction digits),
 //! `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
 //! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
@@ -23,7 +23,7 @@
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
-//! would constrain the text in a way the automaton does not enforce (`multipleOf`, `uniqueItems`, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, …)
+//! would constrain the text in a way the automaton does not enforce (`uniqueItems`, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, a `multipleOf` finer than the digits written, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -281,17 +281,32 @@ const BOUNDED_PLACES: u8 = 12;
 /// Integer digits a bounded `number` is written with at most.
 const BOUNDED_INT_DIGITS: u8 = 18;
 
-/// The values a bounded number node allows: `lo..=hi` in units of 10^-`places` (`places` 0:
-/// an integer; [`BOUNDED_PLACES`]: a `number`).
+/// The values a bounded number node allows: the multiples of `step` in `lo..=hi`, in units of
+/// 10^-`places` (`places` 0: an integer; [`BOUNDED_PLACES`]: a `number`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Range {
     lo: i128,
     hi: i128,
     places: u8,
+    step: i128,
+}
+
+impl Range {
+    /// Whether a value it allows lies in `a..=b`.
+    fn meets(&self, a: i128, b: i128) -> bool {
+        let (x, y) = (a.max(self.lo), b.min(self.hi));
+        // The first multiple of `step` from `x` on.
+        x <= y && x + (-x).rem_euclid(self.step) <= y
+    }
+
+    /// Whether it allows `v`.
+    fn holds(&self, v: i128) -> bool {
+        (self.lo..=self.hi).contains(&v) && v.rem_euclid(self.step) == 0
+    }
 }
 
 /// The bounds of a numeric schema (`minimum`, `maximum`, `exclusiveMinimum`,
-/// `exclusiveMaximum`), when it sets any, within what can be written (an integer: 18
+/// `exclusiveMaximum`, and `multipleOf`: a whole number of units), when it sets any, within what can be written (an integer: 18
 /// characters; a number: 18 integer and 12 fraction digits, no exponent). A bound that falls
 /// between the values that can be written is rounded inwards, so every value written is within
 /// the bound read exactly as its JSON text.
@@ -307,6 +322,20 @@ fn range(
         (-(10i128.pow(30) - 1), 10i128.pow(30) - 1)
     };
     let mut any = false;
+    let mut step = 1;
+    if let Some(v) = o.get("multipleOf") {
+        any = true;
+        step = match v.as_number().and_then(|n| units(&n.to_string(), places)) {
+            Some((down, up)) if down == up && down > 0 && down < 10i128.pow(30) => down,
+            _ => {
+                let unit = if integer { "1" } else { "10^-12" };
+                return Err(err(
+                    at,
+                    format!("`multipleOf` must be a positive whole number of {unit} (at most 10^30 of them) to be held"),
+                ));
+            }
+        };
+    }
     for k in ["minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"] {
         let Some(v) = o.get(k) else { continue };
         any = true;
@@ -321,14 +350,20 @@ fn range(
             _ => hi = hi.min(up - 1),
         }
     }
-    if lo > hi {
+    let r = Range {
+        lo,
+        hi,
+        places,
+        step,
+    };
+    if !r.meets(lo, hi) {
         let what = if integer { "integer" } else { "number" };
         return Err(err(
             at,
             format!("no {what} that can be written is within the bounds"),
         ));
     }
-    Ok(any.then_some(Range { lo, hi, places }))
+    Ok(any.then_some(r))
 }
 
 /// A JSON number's text in units of 10^-`places`, rounded down and rounded up (magnitudes
@@ -420,7 +455,7 @@ impl Digits {
         let places = u32::from(r.places);
         let meets = |a: i128, b: i128| {
             let (a, b) = if self.neg { (-b, -a) } else { (a, b) };
-            a <= r.hi && b >= r.lo
+            r.meets(a, b)
         };
         let v = self.value as i128;
         if let Some(m) = self.frac {
@@ -525,6 +560,7 @@ impl Compiler<'_> {
                         | "maximum"
                         | "exclusiveMinimum"
                         | "exclusiveMaximum"
+                        | "multipleOf"
                         | "enum"
                         | "const"
                         | "anyOf"
@@ -548,6 +584,7 @@ impl Compiler<'_> {
             "maximum",
             "exclusiveMinimum",
             "exclusiveMaximum",
+            "multipleOf",
         ];
         if let Some(k) = held.iter().find(|k| o.contains_key(**k)) {
             if let Some(with) = ["enum", "const", "anyOf", "oneOf"]
@@ -1211,11 +1248,8 @@ impl SchemaJson {
             if !at.complete() {
                 return false;
             }
-            if let Some(r) = range {
-                let v = d.units(r);
-                if v < r.lo || v > r.hi {
-                    return false;
-                }
+            if range.is_some_and(|r| !r.holds(d.units(r))) {
+                return false;
             }
             self.mode = Mode::After;
             return self.step(s, c);
@@ -1675,9 +1709,24 @@ mod tests {
                 "`allOf` is supported only as one schema",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}),
+                json!({"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}, "uniqueItems": true}}}),
                 "/properties/n",
-                "`multipleOf` is not supported",
+                "`uniqueItems` is not supported",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2.5}}}),
+                "/properties/n",
+                "`multipleOf` must be a positive whole number of 1",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 1e-13}}}),
+                "/properties/n",
+                "`multipleOf` must be a positive whole number of 10^-12",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}}}),
+                "/properties/n",
+                "no integer",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}),
@@ -2336,20 +2385,30 @@ mod tests {
         // A prefix is taken exactly when an integer within the bounds begins with it: brute
         // force over short ones (integers are written without leading zeros, so a text is a
         // prefix only of the integers it begins).
-        for lo in [-30i64, -1, 0, 7, 95] {
-            for hi in [lo, lo + 1, lo + 9, lo + 100] {
-                let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
-                    "n": {"type": "integer", "minimum": lo, "maximum": hi}}, "required": ["n"]}))
-                .unwrap();
-                for v in -200i64..=200 {
-                    let text = v.to_string();
-                    let reachable = (lo..=hi).any(|w| w.to_string().starts_with(&text));
-                    let taken = run(&s, &format!("{{\"n\":{text}"));
-                    assert_eq!(taken.is_some(), reachable, "{text} in {lo}..={hi}");
-                    let whole = run(&s, &format!("{{\"n\":{text}}}"));
-                    assert_eq!(whole == Some(true), (lo..=hi).contains(&v), "{text}");
+        // With `multipleOf` too.
+        for step in [1i64, 3, 7] {
+            for lo in [-30i64, -1, 0, 7, 95] {
+                for hi in [lo, lo + 1, lo + 9, lo + 100] {
+                    let held = |w: &i64| (lo..=hi).contains(w) && w % step == 0;
+                    let schema = json!({"type": "object", "properties": {
+                        "n": {"type": "integer", "minimum": lo, "maximum": hi, "multipleOf": step}},
+                        "required": ["n"]});
+                    let Ok(s) = CompiledSchema::compile(&schema) else {
+                        assert!(!(lo..=hi).any(|w| held(&w)), "{schema}");
+                        continue;
+                    };
+                    for v in -200i64..=200 {
+                        let text = v.to_string();
+                        let reachable = (lo..=hi)
+                            .filter(held)
+                            .any(|w| w.to_string().starts_with(&text));
+                        let taken = run(&s, &format!("{{\"n\":{text}"));
+                        assert_eq!(taken.is_some(), reachable, "{text} in {schema}");
+                        let whole = run(&s, &format!("{{\"n\":{text}}}"));
+                        assert_eq!(whole == Some(true), held(&v), "{text} in {schema}");
+                    }
+                    assert_eq!(run(&s, "{\"n\":-0"), None, "-0 is not written");
                 }
-                assert_eq!(run(&s, "{\"n\":-0"), None, "-0 is not written");
             }
         }
     }
@@ -2402,6 +2461,20 @@ mod tests {
         assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.2"#), Some(false));
         assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.2}"#), None);
         assert_eq!(run(&s, r#"{"p":0,"q":0.1,"t":-0.25}"#), Some(true));
+        // `multipleOf` on a number: quarters in 0..=1.
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "q": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}}}))
+        .unwrap();
+        for (text, taken) in [
+            (r#"{"q":0.25}"#, Some(true)),
+            (r#"{"q":1.0}"#, Some(true)),
+            (r#"{"q":0.2"#, Some(false)), // may still become 0.25
+            (r#"{"q":0.2}"#, None),
+            (r#"{"q":0.3"#, None), // nothing in [0.3, 0.4) is a quarter
+            (r#"{"q":0.750000000000}"#, Some(true)),
+        ] {
+            assert_eq!(run(&s, text), taken, "{text}");
+        }
         // Bounds read exactly from their JSON text, whatever their form.
         assert_eq!(units("1e-3", 12), Some((1_000_000_000, 1_000_000_000)));
         assert_eq!(units("-2.5", 0), Some((-3, -2)));

@@ -918,7 +918,7 @@ mod tests {
                 "{v}"
             );
         }
-        let schema = r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"integer","multipleOf":3}}}}}"#;
+        let schema = r#"{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":{"a":{"type":"array","items":{"type":"integer"},"uniqueItems":true}}}}}"#;
         let e = chat_err(&format!(r#"{{{MSG},"response_format":{schema}}}"#));
         assert_eq!(
             (e.code, e.param.as_deref()),
