@@ -31,20 +31,33 @@ pub const MAX_PATTERN_LEN: usize = 1024;
 /// Memory the regex compiler may use for one pattern (NFA, determinization, DFA), bytes.
 const BUILD_LIMIT: usize = 2 << 20;
 
-/// The `format`s that can be held to, each as the regular expression its whole string matches
-/// (RFC 3339 dates and times, JSON Schema's durations; `email` and `hostname` in a bounded
-/// subset of their RFCs: labels of at most 32 characters, at most 6 of them, so every string is
-/// within the RFCs' length limits).
-const FORMATS: &[(&str, &str)] = &[
-    ("date", DATE),
-    ("time", TIME),
-    ("date-time", DATE_TIME),
-    ("duration", DURATION),
-    ("email", EMAIL),
-    ("hostname", HOSTNAME),
-    ("ipv4", IPV4),
-    ("ipv6", IPV6),
-    ("uuid", UUID),
+/// The `format`s that can be held to, each as the regular expression its whole string matches,
+/// in parts (RFC 3339 dates and times, JSON Schema's durations; `email` and `hostname` in a
+/// bounded subset of their RFCs: labels of at most 32 characters, at most 6 of them, so every
+/// string is within the RFCs' length limits).
+const FORMATS: &[(&str, &[&str])] = &[
+    ("date", &[DATE]),
+    ("time", &[TIME]),
+    ("date-time", &[DATE, "T", TIME]),
+    ("duration", &[DURATION]),
+    // A local part of dot-separated atoms (at most 64 characters), `@`, a domain of 1–4 labels
+    // and an alphabetic top-level label.
+    (
+        "email",
+        &[
+            LOCAL_PART,
+            "@",
+            LABEL,
+            "(?:\\.",
+            LABEL,
+            "){0,3}\\.[A-Za-z]{2,12}",
+        ],
+    ),
+    // RFC 1123 labels, 1–6 of them.
+    ("hostname", &[LABEL, "(?:\\.", LABEL, "){0,5}"]),
+    ("ipv4", &[IPV4]),
+    ("ipv6", &[IPV6]),
+    ("uuid", &[UUID]),
 ];
 
 /// A calendar date: February 29 only in leap years (proleptic Gregorian).
@@ -59,14 +72,6 @@ const TIME: &str = concat!(
     "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?",
     "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 );
-const DATE_TIME: &str = concat!(
-    "(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])",
-    "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)",
-    "|02-(?:0[1-9]|1[0-9]|2[0-8]))",
-    "|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29)",
-    "T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?",
-    "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-);
 /// RFC 3339 Appendix A `duration` (each number at most 9 digits).
 const DURATION: &str = concat!(
     "P(?:(?:[0-9]{1,9}D|[0-9]{1,9}M(?:[0-9]{1,9}D)?|[0-9]{1,9}Y(?:[0-9]{1,9}M(?:[0-9]{1,9}D)?)?)",
@@ -74,18 +79,10 @@ const DURATION: &str = concat!(
     "|T(?:[0-9]{1,9}H(?:[0-9]{1,9}M(?:[0-9]{1,9}S)?)?|[0-9]{1,9}M(?:[0-9]{1,9}S)?|[0-9]{1,9}S)",
     "|[0-9]{1,9}W)"
 );
-/// A local part of dot-separated atoms (at most 64 characters), `@`, a domain of 1–4 labels and
-/// an alphabetic top-level label.
-const EMAIL: &str = concat!(
-    "[A-Za-z0-9_%+-]{1,32}(?:\\.[A-Za-z0-9_%+-]{1,15}){0,2}@",
-    "[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?",
-    "(?:\\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?){0,3}\\.[A-Za-z]{2,12}"
-);
-/// RFC 1123 labels (letters, digits, inner hyphens), 1–6 of them.
-const HOSTNAME: &str = concat!(
-    "[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?",
-    "(?:\\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?){0,5}"
-);
+/// An email's local part: dot-separated atoms, at most 64 characters.
+const LOCAL_PART: &str = "[A-Za-z0-9_%+-]{1,32}(?:\\.[A-Za-z0-9_%+-]{1,15}){0,2}";
+/// A DNS label: letters, digits and inner hyphens, at most 32 characters.
+const LABEL: &str = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?";
 /// Dotted decimal, no leading zeros.
 const IPV4: &str = concat!(
     "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])",
@@ -136,14 +133,15 @@ impl TextPattern {
 
     /// A JSON Schema `format` (one of [`FORMATS`]), with the string's length bounds.
     pub fn format(name: &str, min: u32, max: u32, budget: usize) -> Result<TextPattern, String> {
-        let Some(&(_, regex)) = FORMATS.iter().find(|(n, _)| *n == name) else {
+        let Some(&(_, parts)) = FORMATS.iter().find(|(n, _)| *n == name) else {
             let known: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
             return Err(format!(
                 "`format` {name:?} is not supported (supported: {})",
                 known.join(", ")
             ));
         };
-        TextPattern::whole(regex, min, max, budget).map_err(|e| format!("`format` {name:?}: {e}"))
+        TextPattern::whole(&parts.concat(), min, max, budget)
+            .map_err(|e| format!("`format` {name:?}: {e}"))
     }
 
     /// How many states it has.
