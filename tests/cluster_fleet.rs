@@ -791,9 +791,11 @@ fn a_killed_replica_process_fails_only_its_own_in_flight_requests() {
         .map(|n| {
             let (http, url) = (c.http.clone(), url2.clone());
             c.rt.spawn(async move {
-                // ~4.5 s at the workers' 3 ms per decode step: long enough for the replicas'
-                // 200 ms load syncs to show all four on a busy 2-core CI machine.
-                let body = json!({"model": "rr", "stream": true, "max_tokens": 1500,
+                // ~9 s at the workers' 3 ms per decode step: long enough for the replicas'
+                // 200 ms load syncs to show all four on a busy 2-core CI machine; `min_tokens`
+                // so that no end token of the simulated model ends one before the kill (one CI
+                // run at c159dc9 saw a stream complete first).
+                let body = json!({"model": "rr", "stream": true, "max_tokens": 3000, "min_tokens": 3000,
                     "messages": [{"role": "user", "content": format!("long via 2, {n}")}]});
                 let r = http.post(url).json(&body).send().await.ok()?;
                 // A complete stream ends with `data: [DONE]`.

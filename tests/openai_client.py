@@ -174,6 +174,17 @@ def main() -> None:
     assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
     assert b.tip_percent % 5 == 0, booked
     print("structured (pydantic, parsed):", b.model_dump_json())
+    # The same model through the Responses API (`text.format`), parsed by the client.
+    rp = client.responses.parse(
+        model="smollm2",
+        input="Book a table for 4 people on 14 March 2025 at 19:30 UTC. Answer in JSON.",
+        text_format=Booking,
+        max_output_tokens=160,
+        temperature=0,
+    )
+    assert isinstance(rp.output_parsed, Booking), rp
+    assert rp.output_parsed == b, (rp.output_parsed, b)
+    print("structured via responses.parse: the same booking")
 
     try:
         client.chat.completions.create(model="smollm2", messages=messages, n=17, max_tokens=2)
