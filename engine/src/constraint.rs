@@ -173,6 +173,18 @@ impl Machine {
     }
 }
 
+/// Masks every logit but the `allowed` (id, logit) pairs, which keep their values; returns
+/// whether any of them can be sampled.
+fn keep_only(logits: &mut [f32], allowed: Vec<(u32, f32)>) -> bool {
+    logits.fill(f32::NEG_INFINITY);
+    let mut any = false;
+    for (id, l) in allowed {
+        logits[id as usize] = l;
+        any |= !l.is_nan() && l > f32::NEG_INFINITY;
+    }
+    any
+}
+
 /// A constraint's state in one sequence.
 pub struct ConstraintState {
     table: Arc<TokenTable>,
@@ -209,13 +221,7 @@ impl ConstraintState {
                     }
                 }
             }
-            logits.fill(f32::NEG_INFINITY);
-            let mut any = false;
-            for (id, l) in allowed {
-                logits[id as usize] = l;
-                any |= !l.is_nan() && l > f32::NEG_INFINITY;
-            }
-            return any;
+            return keep_only(logits, allowed);
         }
         // (A string that may take fewer characters than the longest string-safe token has goes
         // the general way: every token is simulated.)
@@ -278,13 +284,7 @@ impl ConstraintState {
                 }
             }
         }
-        logits.fill(f32::NEG_INFINITY);
-        let mut any = false;
-        for (id, l) in allowed {
-            logits[id as usize] = l;
-            any |= !l.is_nan() && l > f32::NEG_INFINITY;
-        }
-        any
+        keep_only(logits, allowed)
     }
 
     /// Advances past the chosen token (a stop id or special token changes nothing).

@@ -749,29 +749,20 @@ impl Driver {
             };
             // A completion's `echo`: the prompt goes first, once it is computed — with its log
             // probabilities when they were asked, else before the choice's first token or end.
-            let ev = match ev {
-                SeqEvent::PromptLogprobs(lps) => {
-                    if let Some(echo) = self.echo.as_ref().filter(|_| !choices[i].echoed) {
-                        choices[i].echoed = true;
-                        choices[i].hasher.update(echo.text.as_bytes());
-                        if tx.send(echo.msg(i, &st.profile, Some(lps))).await.is_err() {
-                            break End::Cancelled;
-                        }
-                    }
-                    continue;
-                }
-                ev @ (SeqEvent::Token { .. } | SeqEvent::Finished { .. }) => {
-                    if let Some(echo) = self.echo.as_ref().filter(|_| !choices[i].echoed) {
-                        choices[i].echoed = true;
-                        choices[i].hasher.update(echo.text.as_bytes());
-                        if tx.send(echo.msg(i, &st.profile, None)).await.is_err() {
-                            break End::Cancelled;
-                        }
-                    }
-                    ev
-                }
-                ev => ev,
+            let (ev, lps) = match ev {
+                SeqEvent::PromptLogprobs(lps) => (None, Some(lps)),
+                ev => (Some(ev), None),
             };
+            let opens = lps.is_some()
+                || matches!(ev, Some(SeqEvent::Token { .. } | SeqEvent::Finished { .. }));
+            if let Some(echo) = self.echo.as_ref().filter(|_| opens && !choices[i].echoed) {
+                choices[i].echoed = true;
+                choices[i].hasher.update(echo.text.as_bytes());
+                if tx.send(echo.msg(i, &st.profile, lps)).await.is_err() {
+                    break End::Cancelled;
+                }
+            }
+            let Some(ev) = ev else { continue };
             match ev {
                 SeqEvent::PromptLogprobs(_) => {}
                 SeqEvent::Started {
