@@ -112,6 +112,35 @@ def main() -> int:
         "response.completed", "response.incomplete"), kinds
     print("responses ok")
 
+    # Stored responses: the gateway keeps the answer and continues the conversation from it.
+    second = client.responses.create(
+        model="smol", previous_response_id=rr.id, input="And then?", max_output_tokens=4,
+        temperature=0)
+    assert second.usage.input_tokens > rr.usage.input_tokens, (second.usage, rr.usage)
+    kept = client.responses.retrieve(rr.id)
+    assert kept.id == rr.id and kept.output[0].type == rr.output[0].type, kept
+    streamed = list(client.responses.create(
+        model="smol", previous_response_id=second.id, input="Last.", max_output_tokens=3,
+        stream=True))
+    third = streamed[-1].response
+    assert client.responses.retrieve(third.id).previous_response_id == second.id
+    items = list(client.responses.input_items.list(second.id))
+    assert len(items) == 1 and items[0].content[0].text == "And then?", items
+    client.responses.delete(rr.id)
+    try:
+        client.responses.create(model="smol", previous_response_id=third.id, input="x")
+    except openai.BadRequestError as e:
+        assert e.body.get("code") == "previous_response_not_found", e.body
+    else:
+        raise AssertionError("a conversation with a deleted turn was continued")
+    try:
+        client.responses.retrieve(rr.id)
+    except openai.NotFoundError as e:
+        assert e.body.get("code") == "response_not_found", e.body
+    else:
+        raise AssertionError("a deleted response was found")
+    print("stored responses ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

@@ -608,7 +608,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("models ok")
             && stdout.contains("json mode ok")
             && stdout.contains("n=2 ok")
-            && stdout.contains("responses ok"),
+            && stdout.contains("responses ok")
+            && stdout.contains("stored responses ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
@@ -873,5 +874,188 @@ fn the_access_log_has_a_line_per_request_with_where_it_went_and_how_long_it_took
         metrics.contains("kvgate_gateway_access_log_dropped_total 0"),
         "{metrics}"
     );
+    fleet.stop();
+}
+
+/// The `response` of a streamed Responses API answer's last event.
+fn streamed_response(r: &support::Reply) -> serde_json::Value {
+    let text = r.text();
+    let data = text
+        .split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find(|v| v["type"] == "response.completed" || v["type"] == "response.incomplete")
+        .unwrap_or_else(|| panic!("no last event in {text}"));
+    data["response"].clone()
+}
+
+fn output_text(response: &serde_json::Value) -> String {
+    response["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "message")
+        .flat_map(|i| i["content"].as_array().unwrap().iter())
+        .map(|p| p["text"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn call(fleet: &Fleet, method: Method, path: &str) -> support::Reply {
+    fleet.rt.block_on(async {
+        let r = fleet
+            .http
+            .request(method, fleet.url(path))
+            .send()
+            .await
+            .unwrap();
+        support::Reply::read(r).await
+    })
+}
+
+#[test]
+fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let first = "Tell me about the history of the lighthouse keepers of the northern coast, \
+                 their daily routines, the lamps and lenses they tended, and the storms. "
+        .repeat(3);
+    let ask = |body: serde_json::Value| fleet.post("/v1/responses", &body, &[]);
+    // Turn 1, stored by default.
+    let r1 =
+        ask(json!({"model": "smol", "input": first, "max_output_tokens": 6, "temperature": 0}));
+    assert_eq!(r1.status, 200, "{}", r1.text());
+    let (w1, one) = (r1.worker(), r1.json());
+    let id1 = one["id"].as_str().unwrap().to_owned();
+    fleet.wait_indexed(&w1, 3);
+    let got = fleet.get(&format!("/v1/responses/{id1}"), None);
+    assert_eq!(got.status, 200, "{}", got.text());
+    let got = got.json();
+    assert_eq!(
+        (got["id"].as_str(), got["store"].as_bool()),
+        (Some(&*id1), Some(true))
+    );
+    assert!(got["previous_response_id"].is_null());
+    assert_eq!(got["output"], one["output"]);
+
+    // Turn 2 names turn 1, streamed: routed as the whole conversation, to the worker that
+    // holds turn 1's prefix, which it finds cached.
+    let r2 = ask(
+        json!({"model": "smol", "previous_response_id": id1, "input": "And then?",
+                        "max_output_tokens": 6, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    assert_eq!(r2.worker(), w1);
+    assert_eq!(r2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    let two = streamed_response(&r2);
+    let id2 = two["id"].as_str().unwrap().to_owned();
+    let cached = two["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 32, "cached {cached}");
+    // The same conversation sent whole gets the same answer.
+    let whole = ask(
+        json!({"model": "smol", "max_output_tokens": 6, "temperature": 0, "input": [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": output_text(&one)},
+        {"role": "user", "content": "And then?"}]}),
+    );
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    assert_eq!(output_text(&whole.json()), output_text(&two));
+
+    // Turn 3 continues the streamed turn 2; its input items are its own.
+    let r3 = ask(
+        json!({"model": "smol", "previous_response_id": id2, "input": "Third.",
+                        "max_output_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r3.status, 200, "{}", r3.text());
+    let id3 = r3.json()["id"].as_str().unwrap().to_owned();
+    let items = fleet.get(&format!("/v1/responses/{id3}/input_items?order=asc"), None);
+    assert_eq!(items.status, 200, "{}", items.text());
+    let items = items.json();
+    assert_eq!(items["data"].as_array().unwrap().len(), 1, "{items}");
+    assert_eq!(items["data"][0]["content"][0]["text"], "Third.");
+    assert_eq!(
+        fleet.get(&format!("/v1/responses/{id2}"), None).json()["previous_response_id"],
+        json!(id1)
+    );
+
+    // `store: false` is not kept.
+    let r = ask(json!({"model": "smol", "input": "x", "max_output_tokens": 2, "store": false}));
+    let unstored = r.json()["id"].as_str().unwrap().to_owned();
+    let r = fleet.get(&format!("/v1/responses/{unstored}"), None);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "response_not_found");
+
+    // Deleting turn 1 ends the conversation: continuing turn 3 names the missing turn.
+    let d = call(&fleet, Method::DELETE, &format!("/v1/responses/{id1}"));
+    assert_eq!(d.status, 200, "{}", d.text());
+    assert_eq!(d.json()["deleted"], true);
+    assert_eq!(
+        call(&fleet, Method::DELETE, &format!("/v1/responses/{id1}")).status,
+        404
+    );
+    assert_eq!(fleet.get(&format!("/v1/responses/{id1}"), None).status, 404);
+    let r = ask(json!({"model": "smol", "previous_response_id": id3, "input": "Fourth."}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let e = r.json();
+    assert_eq!(e["error"]["code"], "previous_response_not_found");
+    assert_eq!(e["error"]["param"], "previous_response_id");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains(&id1),
+        "{e}"
+    );
+    let r = ask(json!({"model": "smol", "previous_response_id": "resp_nope", "input": "x"}));
+    assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
+    let r = call(&fleet, Method::PUT, &format!("/v1/responses/{id2}"));
+    assert_eq!(r.status, 405, "{}", r.text());
+
+    // Over pingora's 64 KiB retry buffer (the gateway's own forwarding path): an item with a
+    // large field of its own, stored whole and continued, streamed and not.
+    let note = "n".repeat(70_000);
+    let big = ask(
+        json!({"model": "smol", "max_output_tokens": 3, "temperature": 0,
+                         "input": [{"role": "user", "content": "A big one.", "note": note}]}),
+    );
+    assert_eq!(big.status, 200, "{}", big.text());
+    let big_id = big.json()["id"].as_str().unwrap().to_owned();
+    let next = ask(
+        json!({"model": "smol", "previous_response_id": big_id, "input": "More.",
+                          "max_output_tokens": 3, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(next.status, 200, "{}", next.text());
+    let next_id = streamed_response(&next)["id"].as_str().unwrap().to_owned();
+    let last = ask(
+        json!({"model": "smol", "previous_response_id": next_id, "input": "Last.",
+                          "max_output_tokens": 3}),
+    );
+    assert_eq!(last.status, 200, "{}", last.text());
+
+    let metrics = fleet.rt.block_on(async {
+        fleet
+            .http
+            .get(fleet.admin_url("/metrics"))
+            .bearer_auth(&fleet.admin_token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    let stored = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvgate_gateway_stored_responses "))
+        .unwrap_or_else(|| panic!("no stored_responses gauge:\n{metrics}"));
+    // Turns 2 and 3, the whole conversation sent at once, the big one and its two
+    // continuations (turn 1 was deleted, `store: false` never kept).
+    assert_eq!(stored, "6", "{metrics}");
+    // Every request receipted; the gateway's prompt of each continued conversation is the
+    // worker's, token for token.
+    let rep = fleet.audit();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.parity.mismatched, 0, "{rep}");
     fleet.stop();
 }

@@ -102,6 +102,8 @@ pub struct DataPlane {
     pub drain: drain::Drain,
     /// Whether the index has caught up since the start ([`DataPlane::catching_up`]).
     pub catch_up: CatchUp,
+    /// Responses stored for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: crate::response_store::ResponseStore,
 }
 
 /// The start-up catch-up of the prefix index: latched once every healthy worker a `kv_exact`
@@ -217,6 +219,13 @@ impl DataPlane {
             .requests_in_flight
             .set(i64::try_from(self.drain.in_flight()).unwrap_or(i64::MAX));
         self.metrics.draining.set(i64::from(self.drain.draining()));
+        let (stored, stored_bytes) = self.responses.stats();
+        self.metrics
+            .stored_responses
+            .set(i64::try_from(stored).unwrap_or(i64::MAX));
+        self.metrics
+            .stored_response_bytes
+            .set(i64::try_from(stored_bytes).unwrap_or(i64::MAX));
         let view = self.views.load();
         for t in view.tenants.values() {
             self.metrics

@@ -41,6 +41,33 @@ pub enum GatewayError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// `previous_response_id` names a response this gateway does not hold for the caller, or a
+    /// conversation one of whose turns it no longer holds (deleted, expired, evicted).
+    #[error("{}", previous_not_found(id, missing))]
+    PreviousResponseNotFound {
+        /// The id the request named.
+        id: String,
+        /// The turn that is missing (`id` itself, or an earlier turn of its conversation).
+        missing: String,
+    },
+    /// `GET`/`DELETE /v1/responses/{id}`: no stored response of the caller has this id.
+    #[error("no stored response with id {id:?}")]
+    ResponseNotFound {
+        /// The id asked for.
+        id: String,
+    },
+    /// A conversation continued with `previous_response_id` is larger than the service's
+    /// `max_body_bytes`.
+    #[error(
+        "the conversation continued by previous_response_id is {bytes} bytes, over the \
+         service's limit of {limit}: start a new conversation, or send a shorter one in `input`"
+    )]
+    ConversationTooLarge {
+        /// Bytes of the continued request.
+        bytes: usize,
+        /// The service's `max_body_bytes`.
+        limit: u64,
+    },
     /// The body is not the JSON a `kv_exact` service needs (or is not JSON at all).
     #[error("invalid request body: {reason}")]
     InvalidBody {
@@ -170,6 +197,17 @@ pub enum GatewayError {
     },
 }
 
+fn previous_not_found(id: &str, missing: &str) -> String {
+    if id == missing {
+        format!("previous response with id {id:?} not found (never stored here, deleted, expired or evicted)")
+    } else {
+        format!(
+            "previous response with id {id:?} cannot be continued: {missing:?}, an earlier turn of \
+             its conversation, is no longer stored (deleted, expired or evicted)"
+        )
+    }
+}
+
 impl GatewayError {
     /// A prompt-contract error on the request's prompt (`prompt_param`: `messages` or
     /// `prompt`), answered as the worker answers it: the request's fault is a
@@ -210,6 +248,9 @@ impl GatewayError {
             GatewayError::MethodNotAllowed { .. } => "method_not_allowed",
             GatewayError::BodyTooLarge { .. } => "request_too_large",
             GatewayError::InvalidBody { .. } => "invalid_request_body",
+            GatewayError::PreviousResponseNotFound { .. } => "previous_response_not_found",
+            GatewayError::ResponseNotFound { .. } => "response_not_found",
+            GatewayError::ConversationTooLarge { .. } => "conversation_too_large",
             GatewayError::Body(b) => b.code,
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
             GatewayError::Prompt { .. } => "prompt_render_failed",
@@ -235,10 +276,12 @@ impl GatewayError {
         match self {
             GatewayError::ServiceNotFound { .. }
             | GatewayError::ModelNotFound { .. }
-            | GatewayError::NotFound { .. } => 404,
+            | GatewayError::NotFound { .. }
+            | GatewayError::ResponseNotFound { .. } => 404,
             GatewayError::MethodNotAllowed { .. } => 405,
-            GatewayError::BodyTooLarge { .. } => 413,
+            GatewayError::BodyTooLarge { .. } | GatewayError::ConversationTooLarge { .. } => 413,
             GatewayError::InvalidBody { .. }
+            | GatewayError::PreviousResponseNotFound { .. }
             | GatewayError::Body(_)
             | GatewayError::ContextLengthExceeded { .. }
             | GatewayError::RulesRejected { .. }
@@ -272,6 +315,8 @@ impl GatewayError {
         match self {
             GatewayError::Body(b) => b.param.as_deref(),
             GatewayError::ContextLengthExceeded { param, .. } => Some(param),
+            GatewayError::PreviousResponseNotFound { .. }
+            | GatewayError::ConversationTooLarge { .. } => Some("previous_response_id"),
             GatewayError::ServiceNotFound { model: Some(_), .. }
             | GatewayError::ModelNotFound { .. } => Some("model"),
             _ => None,

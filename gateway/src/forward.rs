@@ -10,8 +10,6 @@
 //! such request and closed after it (`connection: close`), so a stale pooled connection can never turn into a
 //! spurious failure after bytes were sent.
 
-use std::time::Instant;
-
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::Session;
@@ -99,17 +97,14 @@ pub(crate) async fn forward(
         loop {
             match up.read_response_body().await {
                 Ok(Some(chunk)) => {
-                    if ctx.first_byte.is_none() && !chunk.is_empty() {
-                        ctx.first_byte = Some(Instant::now());
-                        if let Some(f) = ctx.in_flight.as_mut() {
-                            f.prefill_done();
-                        }
-                    }
+                    upstream::on_body(data, ctx, &chunk, false);
                     session.write_response_body(Some(chunk), false).await?;
                 }
                 Ok(None) => break,
                 Err(e) => {
                     ctx.error = Some(format!("upstream_error: {}", e.etype().as_str()));
+                    // Cut short: nothing of it is stored.
+                    ctx.capture = None;
                     break;
                 }
             }
@@ -117,6 +112,7 @@ pub(crate) async fn forward(
                 break;
             }
         }
+        upstream::on_body(data, ctx, &[], true);
         session
             .write_response_body(Some(Bytes::new()), true)
             .await?;

@@ -38,6 +38,7 @@ pub mod profile;
 pub mod protocol;
 pub mod proxy;
 pub mod request;
+pub mod response_store;
 pub mod route;
 pub mod supervisor;
 pub mod upstream;
@@ -114,6 +115,9 @@ pub struct GatewayConfig {
     /// Cluster mode: share rules, registrations, keys and load with other replicas through
     /// Redis (docs/cluster.md); `None` (the default): one gateway with its rules file.
     pub cluster: Option<cluster::ClusterSettings>,
+    /// Stored responses (the Responses API's `store` and `previous_response_id`): how much
+    /// this gateway keeps ([`response_store::StoreLimits`]; `max_bytes` 0: none).
+    pub responses: response_store::StoreLimits,
     /// The longest the admin plane's `GET /ready` waits, after the start, for the KV event
     /// snapshots of the healthy workers `kv_exact` services route to
     /// ([`data_plane::DataPlane::catching_up`]).
@@ -152,6 +156,7 @@ impl GatewayConfig {
             admin_tls: None,
             upstream_tls: tls::ClientTls::default(),
             cluster: None,
+            responses: response_store::StoreLimits::DEFAULT,
         }
     }
 }
@@ -336,6 +341,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         holdings_seq: std::sync::atomic::AtomicU64::new(0),
         drain: drain::Drain::default(),
         catch_up: data_plane::CatchUp::new(config.catch_up_limit),
+        responses: response_store::ResponseStore::new(config.responses),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

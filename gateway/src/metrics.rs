@@ -135,6 +135,10 @@ pub struct Metrics {
     pub requests_in_flight: Gauge,
     /// 1 while the gateway drains before a stop.
     pub draining: Gauge,
+    /// Responses stored for `previous_response_id` (`crate::response_store`).
+    pub stored_responses: Gauge,
+    /// Their bytes (input items and response objects as JSON).
+    pub stored_response_bytes: Gauge,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -336,6 +340,18 @@ impl Metrics {
             "Requests of a tenant to a service outside its `services` (answered 404 service_not_found)",
             tenant_denied.clone(),
         );
+        let stored_responses = Gauge::default();
+        registry.register(
+            "stored_responses",
+            "Responses API answers stored for previous_response_id and GET /v1/responses/{id}",
+            stored_responses.clone(),
+        );
+        let stored_response_bytes = Gauge::default();
+        registry.register(
+            "stored_response_bytes",
+            "Bytes of the stored responses (their input items and response objects as JSON)",
+            stored_response_bytes.clone(),
+        );
         let access_log_dropped = Counter::default();
         registry.register(
             "access_log_dropped",
@@ -367,6 +383,8 @@ impl Metrics {
             rules_version,
             requests_in_flight,
             draining,
+            stored_responses,
+            stored_response_bytes,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,

@@ -203,6 +203,67 @@ impl Proxy {
         crate::request::respond_json(session, ctx, &body).await
     }
 
+    /// `GET /v1/responses/{id}` (the stored response), `DELETE /v1/responses/{id}` and
+    /// `GET /v1/responses/{id}/input_items` (`items`). A response made on a service with API
+    /// keys is its tenant's: another caller gets 404, as for an id never stored.
+    #[allow(clippy::too_many_arguments)]
+    async fn answer_stored(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        view: &crate::view::View,
+        method: &str,
+        id: &str,
+        items: bool,
+        query: Option<&str>,
+    ) -> Result<bool> {
+        let delete = method == "DELETE" && !items;
+        if method != "GET" && !delete {
+            session.set_keepalive(None);
+            let err = GatewayError::MethodNotAllowed {
+                method: method.to_owned(),
+                path: session.req_header().uri.path().to_owned(),
+                allowed: if items { "GET" } else { "GET, DELETE" },
+            };
+            return respond_error(session, ctx, &err).await;
+        }
+        let store = &self.data.responses;
+        // Unowned first; else the caller's tenant, when it sent a valid key.
+        let owner = match store.get(id, None) {
+            Some(_) => None,
+            None => {
+                let keyed = session.req_header().headers.contains_key("authorization");
+                let tenant = keyed
+                    .then(|| self.authenticate(view, session.req_header()).ok())
+                    .flatten();
+                if let Some(t) = &tenant {
+                    ctx.tenant = Some(t.clone());
+                }
+                tenant.map(|t| t.id.0.clone())
+            }
+        };
+        let not_found = GatewayError::ResponseNotFound { id: id.to_owned() };
+        if delete {
+            if !store.delete(id, owner.as_deref()) {
+                return respond_error(session, ctx, &not_found).await;
+            }
+            let body = serde_json::json!({"id": id, "object": "response", "deleted": true});
+            return crate::request::respond_json(session, ctx, &body).await;
+        }
+        let Some(r) = store.get(id, owner.as_deref()) else {
+            return respond_error(session, ctx, &not_found).await;
+        };
+        let body = if items {
+            match crate::response_store::input_items_page(&r, query) {
+                Ok(b) => b,
+                Err(err) => return respond_error(session, ctx, &err).await,
+            }
+        } else {
+            r.retrieved()
+        };
+        crate::request::respond_json(session, ctx, &body).await
+    }
+
     /// The 429 for a tenant over its limit (counted).
     fn limited(&self, t: &TenantSpec, l: crate::limits::Limited) -> GatewayError {
         self.data
@@ -297,6 +358,17 @@ impl ProxyHttp for Proxy {
                 }
             }
         }
+        // Stored responses (`GET`/`DELETE /v1/responses/{id}`, `GET …/input_items`): the
+        // gateway's own.
+        if let Some((id, items)) = crate::response_store::resource_path(&path) {
+            let (id, query) = (
+                id.to_owned(),
+                session.req_header().uri.query().map(str::to_owned),
+            );
+            return self
+                .answer_stored(session, ctx, &view, &method, &id, items, query.as_deref())
+                .await;
+        }
         let Some(limit) = view.body_limit_for(listener, host.as_deref(), &path) else {
             // The body stays unread: the connection can't be reused.
             session.set_keepalive(None);
@@ -390,6 +462,25 @@ impl ProxyHttp for Proxy {
                 return respond_error(session, ctx, &err).await;
             }
         }
+        // The Responses API's stored conversations: one continued by `previous_response_id` is
+        // sent whole (and routed as such); an answer to store is read on its way back.
+        let body = if endpoint == Some(Endpoint::Responses) {
+            let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
+            match crate::response_store::continue_conversation(
+                &self.data.responses,
+                &body,
+                tenant,
+                service.spec().max_body_bytes,
+            ) {
+                Ok(p) => {
+                    ctx.capture = p.capture.map(Box::new);
+                    p.body.unwrap_or(body)
+                }
+                Err(err) => return respond_error(session, ctx, &err).await,
+            }
+        } else {
+            body
+        };
         let tenant_header =
             RouteInput::tenant_header(&service).and_then(|h| header_str(session.req_header(), &h));
         let input = RouteInput {
@@ -655,15 +746,11 @@ impl ProxyHttp for Proxy {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<Option<Duration>> {
-        if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
-            ctx.first_byte = Some(Instant::now());
-            if let Some(f) = ctx.in_flight.as_mut() {
-                f.prefill_done();
-            }
-        }
+        let chunk = body.as_deref().unwrap_or_default();
+        upstream::on_body(&self.data, ctx, chunk, end_of_stream);
         Ok(None)
     }
 

@@ -72,6 +72,8 @@ pub struct RequestCtx {
     pub(crate) model: Option<String>,
     /// Attempts sent to workers ([`crate::upstream::begin_attempt`]).
     pub(crate) attempts: u32,
+    /// A Responses API answer to store, read as it streams back ([`crate::upstream::on_body`]).
+    pub(crate) capture: Option<Box<crate::response_store::Capture>>,
 }
 
 impl RequestCtx {

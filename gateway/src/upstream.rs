@@ -162,6 +162,31 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
     Ok(())
 }
 
+/// A chunk of the answer's body on its way to the client (`end`: the last): the first marks
+/// time to first byte and the end of the worker's prefill; a Responses API answer to store is
+/// read, and kept when it ended whole with status 200 (`crate::response_store`).
+pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end: bool) {
+    if ctx.first_byte.is_none() && !chunk.is_empty() {
+        ctx.first_byte = Some(std::time::Instant::now());
+        if let Some(f) = ctx.in_flight.as_mut() {
+            f.prefill_done();
+        }
+    }
+    if let Some(c) = ctx.capture.as_mut() {
+        c.feed(chunk);
+    }
+    if end {
+        if let Some(turn) = ctx
+            .capture
+            .take()
+            .filter(|_| ctx.status == Some(200))
+            .and_then(|c| c.finish())
+        {
+            data.responses.insert(turn);
+        }
+    }
+}
+
 /// Decorates the worker's response head (worker, route reason, rules version, request id),
 /// records the status and marks passive health (a 5xx counts against the worker).
 pub(crate) fn on_response(

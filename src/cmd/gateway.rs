@@ -97,6 +97,13 @@ pub struct Args {
     /// How long a decision waits for its claim before keeping its own choice, ms.
     #[arg(long, default_value_t = 5)]
     pub cluster_claim_timeout_ms: u64,
+    /// Memory for stored Responses API answers (`store`, `previous_response_id`,
+    /// `GET /v1/responses/{id}`), MiB; 0 stores none (docs/gateway.md, "Stored responses").
+    #[arg(long, default_value_t = 64)]
+    pub response_store_mb: usize,
+    /// A stored response neither read nor continued for this long is dropped, seconds.
+    #[arg(long, default_value_t = 3600)]
+    pub response_idle_ttl_s: u64,
     #[command(flatten)]
     pub drain: super::shutdown::DrainArgs,
 }
@@ -127,6 +134,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.routing_threads = args.routing_threads;
     config.routing_queue = args.routing_queue;
     config.nonce_pool = args.nonce_pool;
+    config.responses = gateway::response_store::StoreLimits {
+        max_bytes: args.response_store_mb.saturating_mul(1 << 20),
+        idle_ttl: std::time::Duration::from_secs(args.response_idle_ttl_s),
+    };
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();
