@@ -19,7 +19,8 @@
 //! | `temperature`, `top_p`, `user`, `metadata`, `parallel_tool_calls`, `service_tier` and any other key | as they are (the chat validation judges them: an unknown key is `unknown_parameter`) |
 //!
 //! Refused (`unsupported_parameter`, naming the field): `previous_response_id` and
-//! `conversation` (responses are not stored), `background: true`, `include` entries other than
+//! `conversation` (the worker stores nothing; the gateway resolves `previous_response_id`
+//! before this translation, `gateway::response_store`), `background: true`, `include` entries other than
 //! `message.output_text.logprobs`, `truncation: "auto"`, a non-empty `reasoning`, items and
 //! content parts of other types (images, files, built-in tools). `store` is accepted and nothing
 //! is stored.
