@@ -1497,3 +1497,170 @@ fn replicas_share_a_tenants_limits() {
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }
+
+#[test]
+fn stored_responses_are_continued_and_deleted_through_any_replica() {
+    use sha2::Digest;
+    let mut c = Cluster::new(3, 3);
+    let key_hash = hex::encode(sha2::Sha256::digest(b"tenant-key"));
+    let rules = format!(
+        "{}\n[[tenants]]\nid = \"t\"\napi_keys_sha256 = [\"{key_hash}\"]\n\n\
+         [[services]]\nname = \"keyed\"\npool = \"all\"\nauth = \"api_key\"\nrule = {{ type = \"round_robin\" }}\n\
+         [services.match]\nmodels = [\"keyed\"]\n",
+        c.rules()
+    );
+    std::fs::write(c.dir.path().join("rules.toml"), rules).unwrap();
+    for g in 0..3 {
+        c.start_gateway(g);
+    }
+    let call = |c: &Cluster,
+                g: usize,
+                method: reqwest::Method,
+                path: &str,
+                body: Option<serde_json::Value>,
+                key: Option<&str>| {
+        let url = format!("http://{}{path}", c.gw(g).listen_addr);
+        c.rt.block_on(async {
+            let mut r = c.http.request(method, url);
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    };
+    let ask = |c: &Cluster, g: usize, body: serde_json::Value| {
+        call(
+            c,
+            g,
+            reqwest::Method::POST,
+            "/v1/responses",
+            Some(body),
+            None,
+        )
+    };
+    let id_of = |r: &Reply| -> String {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_owned()
+    };
+    // Turn 1 through replica 1; turn 2 at once through replica 2 (the turn reaches Redis after
+    // turn 1's answer ended: replica 2 reads again for up to 50 ms); turn 3 through replica 3.
+    let r1 = ask(
+        &c,
+        0,
+        json!({"model": "smol", "input": "The first question, about lighthouses.", "max_output_tokens": 4}),
+    );
+    let (id1, in1) = (
+        id_of(&r1),
+        r1.json()["usage"]["input_tokens"].as_u64().unwrap(),
+    );
+    let r2 = ask(
+        &c,
+        1,
+        json!({"model": "smol", "previous_response_id": id1, "input": "And then?", "max_output_tokens": 4}),
+    );
+    let id2 = id_of(&r2);
+    assert!(
+        r2.json()["usage"]["input_tokens"].as_u64().unwrap() > in1,
+        "{}",
+        r2.text()
+    );
+    let r3 = ask(
+        &c,
+        2,
+        json!({"model": "smol", "previous_response_id": id2, "input": "Third.", "max_output_tokens": 4, "stream": true}),
+    );
+    assert_eq!(r3.status, 200, "{}", r3.text());
+    let got = call(
+        &c,
+        2,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{id2}"),
+        None,
+        None,
+    );
+    assert_eq!(got.status, 200, "{}", got.text());
+    assert_eq!(got.json()["previous_response_id"], json!(id1));
+    // Deleted through replica 3: replica 1, which stored turn 1 and keeps its copy, no longer
+    // continues it, nor serves it.
+    let d = call(
+        &c,
+        2,
+        reqwest::Method::DELETE,
+        &format!("/v1/responses/{id1}"),
+        None,
+        None,
+    );
+    assert_eq!(d.status, 200, "{}", d.text());
+    let r = ask(
+        &c,
+        0,
+        json!({"model": "smol", "previous_response_id": id2, "input": "Fourth."}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "previous_response_not_found");
+    assert!(r.text().contains(&id1), "{}", r.text());
+    assert_eq!(
+        call(
+            &c,
+            0,
+            reqwest::Method::GET,
+            &format!("/v1/responses/{id1}"),
+            None,
+            None
+        )
+        .status,
+        404
+    );
+    // A tenant's turn, made through replica 1: replica 2 serves it to the tenant's key only.
+    let mine = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/responses",
+        Some(json!({"model": "keyed", "input": "Mine.", "max_output_tokens": 3})),
+        Some("tenant-key"),
+    );
+    let mine = id_of(&mine);
+    let path = format!("/v1/responses/{mine}");
+    c.wait_for("the tenant's turn in Redis", Duration::from_secs(5), || {
+        call(&c, 1, reqwest::Method::GET, &path, None, Some("tenant-key")).status == 200
+    });
+    assert_eq!(
+        call(&c, 1, reqwest::Method::GET, &path, None, None).status,
+        404
+    );
+    assert_eq!(
+        call(&c, 1, reqwest::Method::GET, &path, None, Some("wrong-key")).status,
+        404
+    );
+    let r = call(
+        &c,
+        2,
+        reqwest::Method::POST,
+        "/v1/responses",
+        Some(
+            json!({"model": "keyed", "previous_response_id": mine, "input": "More.", "max_output_tokens": 3}),
+        ),
+        Some("tenant-key"),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Redis gone: each replica goes on with the turns it holds; no request fails for it.
+    c.redis.kill();
+    let r = ask(
+        &c,
+        0,
+        json!({"model": "smol", "input": "While Redis is away.", "max_output_tokens": 3}),
+    );
+    let away = id_of(&r);
+    let r = ask(
+        &c,
+        0,
+        json!({"model": "smol", "previous_response_id": away, "input": "Still here?", "max_output_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}

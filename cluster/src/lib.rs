@@ -16,6 +16,7 @@
 //! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"`, and `#seq` → the last published decision number the table covers | one replica's load per worker | `PX` lease, rewritten by the replica |
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
+//! | `P:response:<id>` | string: a stored Responses API turn (opaque JSON, the gateway's), or [`RESPONSE_DELETED`] | one replica's stored answer, readable by every replica ([`Store::put_response`]) | `PX` the idle TTL, renewed by each read (`GETEX`) |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
@@ -208,7 +209,14 @@ impl Keys {
     pub fn lead(&self, key: u64) -> String {
         format!("{}:lead:{key}", self.prefix)
     }
+    pub fn response(&self, id: &str) -> String {
+        format!("{}:response:{id}", self.prefix)
+    }
 }
+
+/// The value a deleted stored response leaves under `P:response:<id>` for its TTL, so that the
+/// replicas holding a copy learn of the deletion ([`Store::retire_response`]).
+pub const RESPONSE_DELETED: &str = "deleted";
 
 /// Atomic select-and-reserve (see [`Store::claim`]).
 /// KEYS: `P:claims:<w>` for the K candidates, then `P:lead:<key>` for the prompt's sampled chain
@@ -759,6 +767,51 @@ impl Store {
             .query_async::<()>(&mut con)
             .await?;
         Ok(())
+    }
+
+    /// Stores a Responses API turn under its id for `ttl`, unless the id is taken (`SET … NX`).
+    pub async fn put_response(&self, id: &str, json: &str, ttl: Duration) -> Result<()> {
+        let mut con = self.con.clone();
+        redis::cmd("SET")
+            .arg(self.keys.response(id))
+            .arg(json)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg("NX")
+            .query_async::<Option<String>>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    /// The stored turns `ids` (`None`: absent), each read's TTL renewed to `ttl`: one pipeline
+    /// of `GETEX`, one round trip.
+    pub async fn responses(&self, ids: &[String], ttl: Duration) -> Result<Vec<Option<String>>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for id in ids {
+            pipe.cmd("GETEX")
+                .arg(self.keys.response(id))
+                .arg("PX")
+                .arg(ttl.as_millis().max(1) as u64);
+        }
+        let mut con = self.con.clone();
+        Ok(pipe.query_async::<Vec<Option<String>>>(&mut con).await?)
+    }
+
+    /// Deletes a stored turn: [`RESPONSE_DELETED`] replaces it for `ttl` (so replicas holding a
+    /// copy drop it when they next read it). Returns what was there.
+    pub async fn retire_response(&self, id: &str, ttl: Duration) -> Result<Option<String>> {
+        let mut con = self.con.clone();
+        Ok(redis::cmd("SET")
+            .arg(self.keys.response(id))
+            .arg(RESPONSE_DELETED)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg("GET")
+            .query_async::<Option<String>>(&mut con)
+            .await?)
     }
 
     /// Announces (or renews) a worker's registration for `lease`.

@@ -15,12 +15,17 @@
 //!   others' are applied to this replica's index, so a burst with one new prefix spread over
 //!   replicas still follows the first request (the KV events make them precise later).
 //!
+//! - the **responses writer**: the Responses API turns this replica stores are written to Redis
+//!   off the request path (bounded queue; [`SharedResponses`]), and the others' are read there
+//!   when a request continues or reads them.
+//!
 //! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
 //! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
 //! load it saw: `degraded` in `/admin/cluster` and `kvgate_gateway_cluster_degraded` = 1. No
 //! request path waits on Redis except a close KV-exact decision's claim ([`Claims`]), for at
-//! most [`ClusterSettings::claim_timeout`] and not at all while degraded: the load guard reads
-//! two atomics the sync loop fills.
+//! most [`ClusterSettings::claim_timeout`], and a Responses API request that continues or reads
+//! a stored response ([`SharedResponses`], at most [`SHARED_RESPONSES_TIMEOUT`] per read) —
+//! neither while degraded: the load guard reads two atomics the sync loop fills.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -179,8 +184,22 @@ impl ClusterLink {
         let sync = handle.spawn(sync_loop(me.clone(), weak.clone()));
         let watch = handle.spawn(watch_loop(me.clone(), weak.clone()));
         let publish = handle.spawn(publish_holdings(me.clone(), rx));
-        let receive = handle.spawn(receive_holdings(me, weak));
-        self.handles.lock().extend([sync, watch, publish, receive]);
+        let mut handles = vec![sync, watch, publish];
+        let responses = control.data.responses.limits();
+        if control.data.responses.enabled() {
+            let (tx, rx) = tokio::sync::mpsc::channel(RESPONSES_QUEUE);
+            control
+                .data
+                .shared_responses
+                .store(Some(Arc::new(SharedResponses {
+                    link: me.clone(),
+                    tx,
+                    ttl: responses.idle_ttl,
+                })));
+            handles.push(handle.spawn(write_responses(me.clone(), rx, responses.idle_ttl)));
+        }
+        handles.push(handle.spawn(receive_holdings(me, weak)));
+        self.handles.lock().extend(handles);
     }
 
     /// Stops the loops and withdraws this replica's records (best effort, 1 s).
@@ -320,6 +339,93 @@ impl Claims {
 const HOLDINGS_QUEUE: usize = 1024;
 
 /// Publishes this replica's routing-time holdings, one `PUBLISH` each, in order.
+/// Stored turns waiting to be written to Redis; more are dropped (each replica keeps its own
+/// copy: a dropped turn is continued only through the replica that stored it).
+const RESPONSES_QUEUE: usize = 1024;
+
+/// The longest a request waits for one read of stored responses in Redis before going on with
+/// this replica's own copies.
+pub const SHARED_RESPONSES_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The replicas' stored Responses API turns in Redis (`P:response:<id>`, docs/cluster.md):
+/// written by [`write_responses`] off the request path, read by the request that continues,
+/// reads or deletes one. Reads renew the key's TTL (the idle TTL), as a local read does.
+pub struct SharedResponses {
+    link: Arc<ClusterLink>,
+    tx: tokio::sync::mpsc::Sender<Arc<crate::response_store::StoredResponse>>,
+    ttl: Duration,
+}
+
+impl SharedResponses {
+    /// The store, unless degraded or never connected.
+    fn store(&self) -> Option<Arc<cluster::Store>> {
+        if self.link.status.degraded.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.link.store()
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::response_store::SharedTurns for SharedResponses {
+    async fn fetch(&self, ids: &[String]) -> Option<Vec<crate::response_store::Shared>> {
+        use crate::response_store::{Shared, StoredResponse};
+        let store = self.store()?;
+        let read = tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.responses(ids, self.ttl));
+        let values = read.await.ok()?.ok()?;
+        Some(
+            values
+                .into_iter()
+                .map(|v| match v {
+                    None => Shared::Absent,
+                    Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
+                    // A record this gateway cannot read is as good as absent.
+                    Some(s) => StoredResponse::from_json(&s).map_or(Shared::Absent, Shared::Kept),
+                })
+                .collect(),
+        )
+    }
+
+    fn publish(&self, turn: &Arc<crate::response_store::StoredResponse>) {
+        let _ = self.tx.try_send(turn.clone());
+    }
+
+    async fn delete(&self, id: &str) -> Option<bool> {
+        let store = self.store()?;
+        let old = tokio::time::timeout(
+            SHARED_RESPONSES_TIMEOUT,
+            store.retire_response(id, self.ttl),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        Some(old.is_some_and(|o| o != cluster::RESPONSE_DELETED))
+    }
+}
+
+/// Writes the turns this replica stored to Redis, in order.
+async fn write_responses(
+    link: Arc<ClusterLink>,
+    mut rx: tokio::sync::mpsc::Receiver<Arc<crate::response_store::StoredResponse>>,
+    ttl: Duration,
+) {
+    loop {
+        let t = tokio::select! {
+            biased;
+            _ = link.cancel.cancelled() => return,
+            t = rx.recv() => t,
+        };
+        let Some(t) = t else { return };
+        if let Some(store) = link.store() {
+            // Lost, the turn is continued only through this replica; the sync loop reports
+            // the store's state.
+            if let Err(e) = store.put_response(&t.id, &t.to_json(), ttl).await {
+                tracing::debug!(error = %e, id = %t.id, "stored response not shared");
+            }
+        }
+    }
+}
+
 async fn publish_holdings(
     link: Arc<ClusterLink>,
     mut rx: tokio::sync::mpsc::Receiver<cluster::SharedHolding>,

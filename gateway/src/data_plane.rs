@@ -104,6 +104,8 @@ pub struct DataPlane {
     pub catch_up: CatchUp,
     /// Responses stored for `previous_response_id` and `GET /v1/responses/{id}`.
     pub responses: crate::response_store::ResponseStore,
+    /// Cluster mode: the other replicas' stored responses (Redis).
+    pub shared_responses: arc_swap::ArcSwapOption<crate::cluster::SharedResponses>,
 }
 
 /// The start-up catch-up of the prefix index: latched once every healthy worker a `kv_exact`

@@ -342,6 +342,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         drain: drain::Drain::default(),
         catch_up: data_plane::CatchUp::new(config.catch_up_limit),
         responses: response_store::ResponseStore::new(config.responses),
+        shared_responses: arc_swap::ArcSwapOption::empty(),
     });
     let control = Arc::new(ControlPlane::new(
         data.clone(),

@@ -31,6 +31,7 @@ use crate::metrics::TenantLimitLabels;
 use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
+use crate::response_store::SharedTurns;
 use crate::route::{self, RouteInput};
 use crate::upstream;
 use crate::view::ServiceRoute;
@@ -227,32 +228,28 @@ impl Proxy {
             };
             return respond_error(session, ctx, &err).await;
         }
-        let store = &self.data.responses;
-        // Unowned first; else the caller's tenant, when it sent a valid key.
-        let owner = match store.get(id, None) {
-            Some(_) => None,
-            None => {
-                let keyed = session.req_header().headers.contains_key("authorization");
-                let tenant = keyed
-                    .then(|| self.authenticate(view, session.req_header()).ok())
-                    .flatten();
-                if let Some(t) = &tenant {
-                    ctx.tenant = Some(t.clone());
-                }
-                tenant.map(|t| t.id.0.clone())
-            }
-        };
+        let (local, shared) = (&self.data.responses, self.data.shared_responses.load_full());
+        let shared = shared.as_deref().map(|s| s as &dyn SharedTurns);
         let not_found = GatewayError::ResponseNotFound { id: id.to_owned() };
-        if delete {
-            if !store.delete(id, owner.as_deref()) {
-                return respond_error(session, ctx, &not_found).await;
+        let Some(r) = crate::response_store::find(local, shared, id).await else {
+            return respond_error(session, ctx, &not_found).await;
+        };
+        // A tenant's response: only to that tenant's key.
+        if let Some(owner) = &r.tenant {
+            let keyed = session.req_header().headers.contains_key("authorization");
+            match keyed
+                .then(|| self.authenticate(view, session.req_header()).ok())
+                .flatten()
+            {
+                Some(t) if t.id.0 == *owner => ctx.tenant = Some(t),
+                _ => return respond_error(session, ctx, &not_found).await,
             }
+        }
+        if delete {
+            crate::response_store::remove(local, shared, id).await;
             let body = serde_json::json!({"id": id, "object": "response", "deleted": true});
             return crate::request::respond_json(session, ctx, &body).await;
         }
-        let Some(r) = store.get(id, owner.as_deref()) else {
-            return respond_error(session, ctx, &not_found).await;
-        };
         let body = if items {
             match crate::response_store::input_items_page(&r, query) {
                 Ok(b) => b,
@@ -466,12 +463,16 @@ impl ProxyHttp for Proxy {
         // sent whole (and routed as such); an answer to store is read on its way back.
         let body = if endpoint == Some(Endpoint::Responses) {
             let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
-            match crate::response_store::continue_conversation(
+            let shared = self.data.shared_responses.load_full();
+            match crate::response_store::prepare(
                 &self.data.responses,
+                shared.as_deref().map(|s| s as &dyn SharedTurns),
                 &body,
                 tenant,
                 service.spec().max_body_bytes,
-            ) {
+            )
+            .await
+            {
                 Ok(p) => {
                     ctx.capture = p.capture.map(Box::new);
                     p.body.unwrap_or(body)

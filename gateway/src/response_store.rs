@@ -11,18 +11,26 @@
 //! conversation's, its prefix the one the previous turn left in a worker's cache. `instructions`
 //! and `tools` are not carried over (as in OpenAI's API: each request sends its own).
 //!
-//! Each turn stores only its own input items and its response; a conversation is rebuilt by
-//! walking `previous` links, touching every turn (so a conversation in use is not evicted). When
-//! a turn of the chain was evicted, expired or deleted, the continuation is refused with
-//! `previous_response_not_found`, naming it.
+//! Each turn stores only its own input items, its response and the ids of the turns before it
+//! (`chain`); a conversation is rebuilt from those, touching every turn (so a conversation in
+//! use is not evicted). When a turn of the chain was evicted, expired or deleted, the
+//! continuation is refused with `previous_response_not_found`, naming it.
+//!
+//! In cluster mode the replicas share their turns ([`SharedTurns`], Redis in
+//! [`crate::cluster::SharedResponses`]): every stored turn is also written there, a replica
+//! reads a conversation's turns there first (one round trip; a turn another replica stored, a
+//! deletion another replica made), and falls back to its own copies when the shared store does
+//! not answer — so no request fails because Redis went away.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use prompt_profile::BodyError;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use crate::error::GatewayError;
@@ -57,20 +65,22 @@ impl Default for StoreLimits {
     }
 }
 
-/// One stored turn.
-#[derive(Debug)]
+/// One stored turn (also its JSON form in the shared store).
+#[derive(Debug, Serialize, Deserialize)]
 pub struct StoredResponse {
     /// The response's `id` (`resp_…`).
     pub id: String,
     /// The tenant that made it (`None` on services without API keys): only it may read,
     /// continue or delete it.
     pub tenant: Option<String>,
-    /// The `previous_response_id` it continued.
-    pub previous: Option<String>,
+    /// The ids of the turns before it, oldest first: the last is the `previous_response_id`
+    /// it continued.
+    pub chain: Vec<String>,
     /// Its request's own input items (a string `input` as one user message item).
     pub input: Vec<Value>,
     /// The response object as the worker answered it.
     pub response: Value,
+    #[serde(skip)]
     bytes: usize,
 }
 
@@ -79,23 +89,37 @@ impl StoredResponse {
     pub fn new(
         id: String,
         tenant: Option<String>,
-        previous: Option<String>,
+        chain: Vec<String>,
         input: Vec<Value>,
         response: Value,
     ) -> StoredResponse {
-        let json_len = |v: &Value| serde_json::to_vec(v).map_or(0, |b| b.len());
-        let bytes = id.len()
-            + previous.as_ref().map_or(0, String::len)
-            + input.iter().map(json_len).sum::<usize>()
-            + json_len(&response);
-        StoredResponse {
+        let mut r = StoredResponse {
             id,
             tenant,
-            previous,
+            chain,
             input,
             response,
-            bytes,
-        }
+            bytes: 0,
+        };
+        r.bytes = r.to_json().len();
+        r
+    }
+
+    /// Its JSON (the shared store's form).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// From its JSON; `None` when it is not one.
+    pub fn from_json(s: &str) -> Option<StoredResponse> {
+        let mut r: StoredResponse = serde_json::from_str(s).ok()?;
+        r.bytes = s.len();
+        Some(r)
+    }
+
+    /// The `previous_response_id` it continued.
+    pub fn previous(&self) -> Option<&str> {
+        self.chain.last().map(String::as_str)
     }
 
     /// Bytes it counts for in the store.
@@ -110,7 +134,8 @@ impl StoredResponse {
             o.insert("store".into(), Value::Bool(true));
             o.insert(
                 "previous_response_id".into(),
-                self.previous.clone().map_or(Value::Null, Value::String),
+                self.previous()
+                    .map_or(Value::Null, |p| Value::String(p.to_owned())),
             );
         }
         r
@@ -231,13 +256,14 @@ impl ResponseStore {
         self.limits.max_bytes > 0
     }
 
-    /// Keeps a turn. `false` (nothing kept) when storing is off, the turn is larger than
+    /// Keeps a turn; the kept turn, or `None` when storing is off, the turn is larger than
     /// [`StoreLimits::max_entry`], or its id is taken.
-    pub fn insert(&self, r: StoredResponse) -> bool {
-        self.insert_at(r, Instant::now())
+    pub fn insert(&self, r: StoredResponse) -> Option<Arc<StoredResponse>> {
+        let r = Arc::new(r);
+        self.insert_at(r.clone(), Instant::now()).then_some(r)
     }
 
-    fn insert_at(&self, r: StoredResponse, now: Instant) -> bool {
+    fn insert_at(&self, r: Arc<StoredResponse>, now: Instant) -> bool {
         if !self.enabled() || r.bytes > self.limits.max_entry() {
             return false;
         }
@@ -257,7 +283,7 @@ impl ResponseStore {
         g.entries.insert(
             r.id.clone(),
             Entry {
-                record: Arc::new(r),
+                record: r,
                 seq,
                 used: now,
             },
@@ -265,59 +291,54 @@ impl ResponseStore {
         true
     }
 
-    /// The turn `id` when `tenant` owns it (touched: it counts as used).
+    /// The turn `id`, whoever owns it (touched: it counts as used).
+    pub fn peek(&self, id: &str) -> Option<Arc<StoredResponse>> {
+        self.peek_at(id, Instant::now())
+    }
+
+    fn peek_at(&self, id: &str, now: Instant) -> Option<Arc<StoredResponse>> {
+        self.inner.lock().touch(id, now, self.limits.idle_ttl)
+    }
+
+    /// The turn `id` when `tenant` owns it (touched).
     pub fn get(&self, id: &str, tenant: Option<&str>) -> Option<Arc<StoredResponse>> {
-        self.get_at(id, tenant, Instant::now())
+        self.peek(id).filter(|r| r.tenant.as_deref() == tenant)
     }
 
-    fn get_at(&self, id: &str, tenant: Option<&str>, now: Instant) -> Option<Arc<StoredResponse>> {
-        let mut g = self.inner.lock();
-        let owner = g.entries.get(id)?.record.tenant.clone();
-        if owner.as_deref() != tenant {
-            return None;
-        }
-        g.touch(id, now, self.limits.idle_ttl)
+    /// Deletes the turn `id` (whoever owns it: the caller checked); whether it was here.
+    pub fn delete(&self, id: &str) -> bool {
+        self.inner.lock().remove(id).is_some()
     }
 
-    /// Deletes the turn `id` when `tenant` owns it; whether it did. Later turns that continued
-    /// it can no longer be continued.
-    pub fn delete(&self, id: &str, tenant: Option<&str>) -> bool {
-        let mut g = self.inner.lock();
-        match g.entries.get(id) {
-            Some(e) if e.record.tenant.as_deref() == tenant => g.remove(id).is_some(),
-            _ => false,
-        }
+    /// The turns of the conversation ending at `id`, oldest first, from this store alone;
+    /// every one touched.
+    pub fn turns(
+        &self,
+        id: &str,
+        tenant: Option<&str>,
+    ) -> Result<Vec<Arc<StoredResponse>>, MissingTurn> {
+        self.turns_at(id, tenant, Instant::now())
     }
 
-    /// The conversation up to and including the turn `id`, as input items: every turn's input
-    /// items then output items, oldest first. Every turn is touched.
-    pub fn conversation(&self, id: &str, tenant: Option<&str>) -> Result<Vec<Value>, MissingTurn> {
-        self.conversation_at(id, tenant, Instant::now())
-    }
-
-    fn conversation_at(
+    fn turns_at(
         &self,
         id: &str,
         tenant: Option<&str>,
         now: Instant,
-    ) -> Result<Vec<Value>, MissingTurn> {
-        let mut turns = Vec::new();
-        let mut next = Some(id.to_owned());
-        while let Some(at) = next {
-            // Each turn's `previous` was stored before it: a chain is never longer than the
-            // store, so this ends even on a corrupted link.
-            if turns.len() > self.inner.lock().entries.len() {
-                return Err(MissingTurn(at));
-            }
-            let t = self.get_at(&at, tenant, now).ok_or(MissingTurn(at))?;
-            next = t.previous.clone();
-            turns.push(t);
-        }
-        Ok(turns
+    ) -> Result<Vec<Arc<StoredResponse>>, MissingTurn> {
+        let owned = |at: &str| {
+            self.peek_at(at, now)
+                .filter(|r| r.tenant.as_deref() == tenant)
+                .ok_or_else(|| MissingTurn(at.to_owned()))
+        };
+        let last = owned(id)?;
+        let mut turns = last
+            .chain
             .iter()
-            .rev()
-            .flat_map(|t| t.input.iter().chain(t.output()).cloned())
-            .collect())
+            .map(|at| owned(at))
+            .collect::<Result<Vec<_>, _>>()?;
+        turns.push(last);
+        Ok(turns)
     }
 
     /// Turns stored and their bytes.
@@ -325,6 +346,148 @@ impl ResponseStore {
         let g = self.inner.lock();
         (g.entries.len(), g.bytes)
     }
+}
+
+/// A conversation's turns as input items: every turn's input items then output items.
+pub fn conversation_items(turns: &[Arc<StoredResponse>]) -> Vec<Value> {
+    turns
+        .iter()
+        .flat_map(|t| t.input.iter().chain(t.output()).cloned())
+        .collect()
+}
+
+/// A turn as the shared store has it.
+#[derive(Debug)]
+pub enum Shared {
+    /// Stored (by this replica or another).
+    Kept(StoredResponse),
+    /// Deleted through some replica.
+    Deleted,
+    /// Not there (never stored there, expired, or not written yet).
+    Absent,
+}
+
+/// Where the other gateway replicas' turns are (cluster mode: Redis,
+/// [`crate::cluster::SharedResponses`]). Every call is bounded in time; `None` means the shared
+/// store did not answer, and the replica goes on with its own copies.
+#[async_trait]
+pub trait SharedTurns: Send + Sync {
+    /// The turns `ids`, in order.
+    async fn fetch(&self, ids: &[String]) -> Option<Vec<Shared>>;
+    /// Shares a turn this replica stored (never waits: a full queue drops it).
+    fn publish(&self, turn: &Arc<StoredResponse>);
+    /// Deletes a turn everywhere; whether the shared store had it.
+    async fn delete(&self, id: &str) -> Option<bool>;
+}
+
+/// How long a replica waits, at most, for a turn another replica has just stored to reach the
+/// shared store (it is written once that replica's answer ended): two more reads, 10 and 40 ms
+/// later.
+const SHARED_RETRIES: [Duration; 2] = [Duration::from_millis(10), Duration::from_millis(40)];
+
+/// The turn `id` whoever owns it: the shared store's copy first (a deletion there wins), then
+/// this replica's.
+pub async fn find(
+    local: &ResponseStore,
+    shared: Option<&dyn SharedTurns>,
+    id: &str,
+) -> Option<Arc<StoredResponse>> {
+    let Some(shared) = shared else {
+        return local.peek(id);
+    };
+    let mut retries = SHARED_RETRIES.iter();
+    loop {
+        match shared
+            .fetch(&[id.to_owned()])
+            .await
+            .and_then(|mut v| v.pop())
+        {
+            Some(Shared::Kept(t)) => return Some(adopt(local, t)),
+            Some(Shared::Deleted) => {
+                local.delete(id);
+                return None;
+            }
+            Some(Shared::Absent) => {
+                if let Some(t) = local.peek(id) {
+                    return Some(t);
+                }
+                tokio::time::sleep(*retries.next()?).await;
+            }
+            None => return local.peek(id),
+        }
+    }
+}
+
+/// A turn read from the shared store, kept here as well (this replica's copy, for when the
+/// shared store does not answer); the copy already here when there is one.
+fn adopt(local: &ResponseStore, t: StoredResponse) -> Arc<StoredResponse> {
+    if let Some(here) = local.peek(&t.id) {
+        return here;
+    }
+    // Not kept when it does not fit here: served all the same.
+    let t = Arc::new(t);
+    local.insert_at(t.clone(), Instant::now());
+    t
+}
+
+/// The turns of the conversation ending at `id`, oldest first, when `tenant` owns them: from
+/// the shared store first (one read of every turn; a turn deleted through another replica is
+/// missing here too), each turn it lacks from this replica's copies; from this replica alone
+/// when there is no shared store or it does not answer.
+pub async fn conversation(
+    local: &ResponseStore,
+    shared: Option<&dyn SharedTurns>,
+    id: &str,
+    tenant: Option<&str>,
+) -> Result<Vec<Arc<StoredResponse>>, MissingTurn> {
+    let Some(shared_store) = shared else {
+        return local.turns(id, tenant);
+    };
+    let missing = || MissingTurn(id.to_owned());
+    let last = find(local, shared, id)
+        .await
+        .filter(|t| t.tenant.as_deref() == tenant)
+        .ok_or_else(missing)?;
+    if last.chain.is_empty() {
+        return Ok(vec![last]);
+    }
+    let Some(fetched) = shared_store.fetch(&last.chain).await else {
+        return local.turns(id, tenant);
+    };
+    let mut turns = Vec::with_capacity(last.chain.len() + 1);
+    for (at, s) in last.chain.iter().zip(fetched) {
+        let t = match s {
+            Shared::Kept(t) => Some(adopt(local, t)),
+            Shared::Deleted => {
+                local.delete(at);
+                None
+            }
+            Shared::Absent => local.peek(at),
+        };
+        let t = t
+            .filter(|t| t.tenant.as_deref() == tenant)
+            .ok_or_else(|| MissingTurn(at.clone()))?;
+        turns.push(t);
+    }
+    turns.push(last);
+    Ok(turns)
+}
+
+/// Keeps a turn here and shares it.
+pub fn keep(local: &ResponseStore, shared: Option<&dyn SharedTurns>, turn: StoredResponse) {
+    if let (Some(t), Some(s)) = (local.insert(turn), shared) {
+        s.publish(&t);
+    }
+}
+
+/// Deletes the turn `id` here and in the shared store; whether either had it.
+pub async fn remove(local: &ResponseStore, shared: Option<&dyn SharedTurns>, id: &str) -> bool {
+    let here = local.delete(id);
+    let there = match shared {
+        Some(s) => s.delete(id).await.unwrap_or(false),
+        None => false,
+    };
+    here || there
 }
 
 /// `input` as items: a string is one user message item; absent, none.
@@ -363,16 +526,17 @@ pub struct Prepared {
 
 /// Reads a Responses API body for storing: with `previous_response_id`, the body the workers get
 /// is the whole conversation (`previous_response_id` removed, `input` = the stored turns' items
-/// then the request's own); with `store` (default `true`), a [`Capture`] for its answer.
-/// `max_body` bounds the continued body (`conversation_too_large`). With storing off nothing is
-/// done: the worker refuses `previous_response_id` itself.
-pub fn continue_conversation(
-    store: &ResponseStore,
+/// then the request's own; [`conversation`]); with `store` (default `true`), a [`Capture`] for
+/// its answer. `max_body` bounds the continued body (`conversation_too_large`). With storing
+/// off nothing is done: the worker refuses `previous_response_id` itself.
+pub async fn prepare(
+    local: &ResponseStore,
+    shared: Option<&dyn SharedTurns>,
     body: &[u8],
     tenant: Option<&str>,
     max_body: u64,
 ) -> Result<Prepared, GatewayError> {
-    if !store.enabled() {
+    if !local.enabled() {
         return Ok(Prepared::default());
     }
     let v: Value =
@@ -405,15 +569,19 @@ pub fn continue_conversation(
     };
     let own = input_items(o.get("input"))?;
     let mut out = Prepared::default();
+    let mut chain = Vec::new();
     if let Some(prev) = &previous {
-        let mut items = store
-            .conversation(prev, tenant)
-            .map_err(
-                |MissingTurn(missing)| GatewayError::PreviousResponseNotFound {
-                    id: prev.clone(),
-                    missing,
-                },
-            )?;
+        let turns =
+            conversation(local, shared, prev, tenant)
+                .await
+                .map_err(
+                    |MissingTurn(missing)| GatewayError::PreviousResponseNotFound {
+                        id: prev.clone(),
+                        missing,
+                    },
+                )?;
+        chain = turns.iter().map(|t| t.id.clone()).collect();
+        let mut items = conversation_items(&turns);
         items.extend(own.iter().cloned());
         o.remove("previous_response_id");
         o.insert("input".into(), Value::Array(items));
@@ -433,11 +601,11 @@ pub fn continue_conversation(
         out.capture = Some(Capture {
             streamed: stream,
             buf: Vec::new(),
-            cap: store.limits().max_entry(),
+            cap: local.limits().max_entry(),
             over: false,
             done: None,
             tenant: tenant.map(str::to_owned),
-            previous,
+            chain,
             input: own,
         });
     }
@@ -455,7 +623,7 @@ pub struct Capture {
     over: bool,
     done: Option<Value>,
     tenant: Option<String>,
-    previous: Option<String>,
+    chain: Vec<String>,
     input: Vec<Value>,
 }
 
@@ -541,7 +709,7 @@ impl Capture {
         Some(StoredResponse::new(
             id,
             self.tenant,
-            self.previous,
+            self.chain,
             self.input,
             response,
         ))
@@ -622,11 +790,11 @@ pub fn input_items_page(r: &StoredResponse, query: Option<&str>) -> Result<Value
 mod tests {
     use super::*;
 
-    fn turn(id: &str, previous: Option<&str>, said: &str, answered: &str) -> StoredResponse {
+    fn turn(id: &str, chain: &[&str], said: &str, answered: &str) -> StoredResponse {
         StoredResponse::new(
             id.into(),
             None,
-            previous.map(str::to_owned),
+            chain.iter().map(|c| c.to_string()).collect(),
             vec![json!({"role": "user", "content": said})],
             json!({"id": id, "object": "response", "status": "completed", "output": [
                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": answered}]}
@@ -644,49 +812,73 @@ mod tests {
             .collect()
     }
 
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    fn said(
+        turns: Result<Vec<Arc<StoredResponse>>, MissingTurn>,
+    ) -> Result<Vec<String>, MissingTurn> {
+        turns.map(|t| texts(&conversation_items(&t)))
+    }
+
     #[test]
     fn a_conversation_is_every_turn_in_order() {
         let s = ResponseStore::new(StoreLimits::DEFAULT);
-        assert!(s.insert(turn("resp_1", None, "a", "b")));
-        assert!(s.insert(turn("resp_2", Some("resp_1"), "c", "d")));
-        assert!(s.insert(turn("resp_3", Some("resp_2"), "e", "f")));
+        assert!(s.insert(turn("resp_1", &[], "a", "b")).is_some());
+        assert!(s.insert(turn("resp_2", &["resp_1"], "c", "d")).is_some());
+        assert!(s
+            .insert(turn("resp_3", &["resp_1", "resp_2"], "e", "f"))
+            .is_some());
         assert!(
-            !s.insert(turn("resp_3", None, "x", "y")),
+            s.insert(turn("resp_3", &[], "x", "y")).is_none(),
             "an id is never replaced"
         );
-        let c = s.conversation("resp_3", None).unwrap();
-        assert_eq!(texts(&c), ["a", "b", "c", "d", "e", "f"]);
-        assert_eq!(texts(&s.conversation("resp_1", None).unwrap()), ["a", "b"]);
-        // A deleted turn breaks the chains through it, naming it.
-        assert!(s.delete("resp_2", None));
-        assert!(!s.delete("resp_2", None));
         assert_eq!(
-            s.conversation("resp_3", None),
+            said(s.turns("resp_3", None)).unwrap(),
+            ["a", "b", "c", "d", "e", "f"]
+        );
+        assert_eq!(said(s.turns("resp_1", None)).unwrap(), ["a", "b"]);
+        // A deleted turn breaks the chains through it, naming it.
+        assert!(s.delete("resp_2"));
+        assert!(!s.delete("resp_2"));
+        assert_eq!(
+            said(s.turns("resp_3", None)),
             Err(MissingTurn("resp_2".into()))
         );
         assert_eq!(
-            s.conversation("resp_9", None),
+            said(s.turns("resp_9", None)),
             Err(MissingTurn("resp_9".into()))
+        );
+        // The JSON form round-trips, with its size.
+        let t = turn("resp_j", &["resp_1"], "a", "b");
+        let back = StoredResponse::from_json(&t.to_json()).unwrap();
+        assert_eq!(
+            (back.id.as_str(), back.previous(), back.bytes()),
+            ("resp_j", Some("resp_1"), t.bytes())
         );
     }
 
     #[test]
     fn only_the_owner_sees_its_turns() {
         let s = ResponseStore::new(StoreLimits::DEFAULT);
-        let mut t = turn("resp_1", None, "a", "b");
+        let mut t = turn("resp_1", &[], "a", "b");
         t.tenant = Some("acme".into());
-        assert!(s.insert(t));
+        assert!(s.insert(t).is_some());
         assert!(s.get("resp_1", None).is_none());
         assert!(s.get("resp_1", Some("other")).is_none());
-        assert!(!s.delete("resp_1", Some("other")));
-        assert!(s.conversation("resp_1", Some("other")).is_err());
+        assert!(s.turns("resp_1", Some("other")).is_err());
         assert!(s.get("resp_1", Some("acme")).is_some());
-        assert!(s.delete("resp_1", Some("acme")));
+        assert!(s.turns("resp_1", Some("acme")).is_ok());
     }
 
     #[test]
     fn the_least_recently_used_goes_first_and_bytes_stay_bounded() {
-        let one = turn("resp_0", None, "a", "b").bytes();
+        let one = turn("resp_0", &[], "a", "b").bytes();
         // Room for four turns of this size (a turn may take a quarter of the store).
         let limits = StoreLimits {
             max_bytes: one * 4 + one / 2,
@@ -695,28 +887,28 @@ mod tests {
         assert!(one <= limits.max_entry());
         let s = ResponseStore::new(limits);
         let t0 = Instant::now();
+        let put = |t: StoredResponse, at| s.insert_at(Arc::new(t), at);
         for i in 0..4 {
-            assert!(s.insert_at(turn(&format!("resp_{i}"), None, "a", "b"), t0));
+            assert!(put(turn(&format!("resp_{i}"), &[], "a", "b"), t0));
         }
         // resp_0 is used: resp_1 is now the least recently used.
-        assert!(s.get_at("resp_0", None, t0).is_some());
-        assert!(s.insert_at(turn("resp_4", None, "a", "b"), t0));
-        assert!(s.get_at("resp_1", None, t0).is_none(), "evicted");
+        assert!(s.peek_at("resp_0", t0).is_some());
+        assert!(put(turn("resp_4", &[], "a", "b"), t0));
+        assert!(s.peek_at("resp_1", t0).is_none(), "evicted");
         for id in ["resp_0", "resp_2", "resp_3", "resp_4"] {
-            assert!(s.get_at(id, None, t0).is_some(), "{id}");
+            assert!(s.peek_at(id, t0).is_some(), "{id}");
         }
         let (n, bytes) = s.stats();
         assert_eq!(n, 4);
         assert!(bytes <= limits.max_bytes, "{bytes}");
         // A turn larger than a quarter of the store is not kept.
-        let big = turn("resp_big", None, &"x".repeat(one * 2), "b");
-        assert!(!s.insert_at(big, t0));
+        assert!(!put(turn("resp_big", &[], &"x".repeat(one * 2), "b"), t0));
         // Off: nothing is kept.
         let off = ResponseStore::new(StoreLimits {
             max_bytes: 0,
             ..limits
         });
-        assert!(!off.insert(turn("resp_1", None, "a", "b")));
+        assert!(off.insert(turn("resp_1", &[], "a", "b")).is_none());
     }
 
     #[test]
@@ -727,21 +919,110 @@ mod tests {
         };
         let s = ResponseStore::new(limits);
         let t0 = Instant::now();
-        assert!(s.insert_at(turn("resp_1", None, "a", "b"), t0));
-        assert!(s.insert_at(turn("resp_2", Some("resp_1"), "c", "d"), t0));
+        let at = |secs| t0 + Duration::from_secs(secs);
+        assert!(s.insert_at(Arc::new(turn("resp_1", &[], "a", "b")), t0));
+        assert!(s.insert_at(Arc::new(turn("resp_2", &["resp_1"], "c", "d")), t0));
         // Continuing resp_2 at 8 s touches both turns; at 16 s they are 8 s idle.
-        assert!(s
-            .conversation_at("resp_2", None, t0 + Duration::from_secs(8))
-            .is_ok());
-        assert!(s
-            .conversation_at("resp_2", None, t0 + Duration::from_secs(16))
-            .is_ok());
+        assert!(s.turns_at("resp_2", None, at(8)).is_ok());
+        assert!(s.turns_at("resp_2", None, at(16)).is_ok());
         // 10 s after the last use: gone, and an insert sweeps them.
-        assert!(s
-            .get_at("resp_1", None, t0 + Duration::from_secs(26))
-            .is_none());
-        assert!(s.insert_at(turn("resp_3", None, "e", "f"), t0 + Duration::from_secs(27)));
+        assert!(s.peek_at("resp_1", at(26)).is_none());
+        assert!(s.insert_at(Arc::new(turn("resp_3", &[], "e", "f")), at(27)));
         assert_eq!(s.stats().0, 1);
+    }
+
+    /// A shared store in memory, that can stop answering.
+    #[derive(Default)]
+    struct FakeShared {
+        turns: Mutex<HashMap<String, Option<String>>>,
+        down: std::sync::atomic::AtomicBool,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    #[async_trait]
+    impl SharedTurns for FakeShared {
+        async fn fetch(&self, ids: &[String]) -> Option<Vec<Shared>> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
+            }
+            let g = self.turns.lock();
+            Some(
+                ids.iter()
+                    .map(|id| match g.get(id) {
+                        None => Shared::Absent,
+                        Some(None) => Shared::Deleted,
+                        Some(Some(j)) => {
+                            StoredResponse::from_json(j).map_or(Shared::Absent, Shared::Kept)
+                        }
+                    })
+                    .collect(),
+            )
+        }
+        fn publish(&self, turn: &Arc<StoredResponse>) {
+            self.turns
+                .lock()
+                .entry(turn.id.clone())
+                .or_insert(Some(turn.to_json()));
+        }
+        async fn delete(&self, id: &str) -> Option<bool> {
+            let old = self.turns.lock().insert(id.to_owned(), None);
+            Some(matches!(old, Some(Some(_))))
+        }
+    }
+
+    #[test]
+    fn replicas_share_turns_and_deletions_and_go_on_alone_when_the_shared_store_is_down() {
+        let shared = FakeShared::default();
+        let (a, b) = (
+            ResponseStore::new(StoreLimits::DEFAULT),
+            ResponseStore::new(StoreLimits::DEFAULT),
+        );
+        let sh: Option<&dyn SharedTurns> = Some(&shared);
+        // Replica A stores two turns; replica B continues the conversation from them.
+        keep(&a, sh, turn("resp_1", &[], "a", "b"));
+        keep(&a, sh, turn("resp_2", &["resp_1"], "c", "d"));
+        let got = block_on(conversation(&b, sh, "resp_2", None));
+        assert_eq!(said(got).unwrap(), ["a", "b", "c", "d"]);
+        assert_eq!(b.stats().0, 2, "B keeps copies");
+        // Deleted through B: A's own copy is no longer continued.
+        assert!(block_on(remove(&b, sh, "resp_1")));
+        assert!(!block_on(remove(&b, sh, "resp_1")));
+        assert!(a.peek("resp_1").is_some());
+        assert_eq!(
+            said(block_on(conversation(&a, sh, "resp_2", None))),
+            Err(MissingTurn("resp_1".into()))
+        );
+        assert!(a.peek("resp_1").is_none(), "A dropped its copy");
+        assert!(block_on(find(&a, sh, "resp_1")).is_none());
+        // The shared store down: each replica goes on with its own copies.
+        keep(&a, sh, turn("resp_3", &[], "e", "f"));
+        shared
+            .down
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        keep(&a, sh, turn("resp_4", &["resp_3"], "g", "h"));
+        assert_eq!(
+            said(block_on(conversation(&a, sh, "resp_4", None))).unwrap(),
+            ["e", "f", "g", "h"]
+        );
+        assert!(block_on(conversation(&b, sh, "resp_4", None)).is_err());
+        // A turn not yet in the shared store is read again, twice, before it is missing.
+        shared
+            .down
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let before = shared.reads.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(block_on(find(&b, sh, "resp_9")).is_none());
+        assert_eq!(
+            shared.reads.load(std::sync::atomic::Ordering::Relaxed) - before,
+            3
+        );
+        // Another tenant's turn is missing to the caller.
+        let mut t = turn("resp_t", &[], "a", "b");
+        t.tenant = Some("acme".into());
+        keep(&a, sh, t);
+        assert!(block_on(conversation(&b, sh, "resp_t", None)).is_err());
+        assert!(block_on(conversation(&b, sh, "resp_t", Some("acme"))).is_ok());
     }
 
     fn completed(id: &str) -> String {
@@ -749,6 +1030,21 @@ mod tests {
             "id": id, "object": "response", "status": "completed",
             "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi\n\nthere"}]}]}})
         .to_string()
+    }
+
+    fn capture(stream: bool) -> Capture {
+        let s = ResponseStore::new(StoreLimits::DEFAULT);
+        let body = json!({"model": "m", "input": "hello", "stream": stream});
+        block_on(prepare(
+            &s,
+            None,
+            body.to_string().as_bytes(),
+            None,
+            1 << 20,
+        ))
+        .unwrap()
+        .capture
+        .unwrap()
     }
 
     #[test]
@@ -759,11 +1055,8 @@ mod tests {
              event: response.completed\ndata: {}\n\n",
             completed("resp_s")
         );
-        let body = prepared_capture(true);
         for size in [1, 2, 7, 64, stream.len()] {
-            let mut c = Capture {
-                ..body.clone_empty()
-            };
+            let mut c = capture(true);
             for chunk in stream.as_bytes().chunks(size) {
                 c.feed(chunk);
                 assert!(c.buf.len() <= stream.len());
@@ -773,11 +1066,11 @@ mod tests {
             assert_eq!(t.output()[0]["content"][0]["text"], "hi\n\nthere");
         }
         // Cut before its last event: nothing to store.
-        let mut c = body.clone_empty();
+        let mut c = capture(true);
         c.feed(&stream.as_bytes()[..stream.len() - 10]);
         assert!(c.finish().is_none());
         // An event larger than a turn may be: not stored.
-        let mut c = body.clone_empty();
+        let mut c = capture(true);
         c.cap = 100;
         c.feed(stream.as_bytes());
         assert!(c.finish().is_none());
@@ -785,7 +1078,7 @@ mod tests {
 
     #[test]
     fn a_whole_answer_is_captured_when_it_is_a_finished_response() {
-        let mut c = prepared_capture(false);
+        let mut c = capture(false);
         let ok =
             json!({"id": "resp_w", "object": "response", "status": "incomplete", "output": []});
         c.feed(ok.to_string().as_bytes());
@@ -795,54 +1088,42 @@ mod tests {
             json!({"object": "response", "status": "completed"}),
             json!({"error": {"code": "x"}}),
         ] {
-            let mut c = prepared_capture(false);
+            let mut c = capture(false);
             c.feed(bad.to_string().as_bytes());
             assert!(c.finish().is_none(), "{bad}");
-        }
-    }
-
-    fn prepared_capture(stream: bool) -> Capture {
-        let s = ResponseStore::new(StoreLimits::DEFAULT);
-        let body = json!({"model": "m", "input": "hello", "stream": stream});
-        continue_conversation(&s, body.to_string().as_bytes(), None, 1 << 20)
-            .unwrap()
-            .capture
-            .unwrap()
-    }
-
-    impl Capture {
-        fn clone_empty(&self) -> Capture {
-            Capture {
-                streamed: self.streamed,
-                buf: Vec::new(),
-                cap: self.cap,
-                over: false,
-                done: None,
-                tenant: self.tenant.clone(),
-                previous: self.previous.clone(),
-                input: self.input.clone(),
-            }
         }
     }
 
     #[test]
     fn a_continued_request_carries_the_conversation() {
         let s = ResponseStore::new(StoreLimits::DEFAULT);
-        assert!(s.insert(turn("resp_1", None, "a", "b")));
+        assert!(s.insert(turn("resp_1", &[], "a", "b")).is_some());
+        let run = |s: &ResponseStore, body: &Value, tenant, max| {
+            block_on(prepare(s, None, body.to_string().as_bytes(), tenant, max))
+        };
         let body = json!({"model": "m", "previous_response_id": "resp_1", "input": "c",
                           "instructions": "be brief", "store": false});
-        let p = continue_conversation(&s, body.to_string().as_bytes(), None, 1 << 20).unwrap();
+        let p = run(&s, &body, None, 1 << 20).unwrap();
         assert!(p.capture.is_none(), "store: false");
         let sent: Value = serde_json::from_slice(&p.body.unwrap()).unwrap();
         assert!(sent.get("previous_response_id").is_none());
         assert_eq!(sent["instructions"], "be brief");
         assert_eq!(texts(sent["input"].as_array().unwrap()), ["a", "b", "c"]);
+        // Stored, it names the turns before it.
+        let stored = json!({"model": "m", "previous_response_id": "resp_1", "input": "c"});
+        assert_eq!(
+            run(&s, &stored, None, 1 << 20)
+                .unwrap()
+                .capture
+                .unwrap()
+                .chain,
+            ["resp_1"]
+        );
         // Over the service's body limit.
-        let e = continue_conversation(&s, body.to_string().as_bytes(), None, 50).unwrap_err();
+        let e = run(&s, &body, None, 50).unwrap_err();
         assert_eq!(e.error_type(), "conversation_too_large");
         // Unknown, of another tenant, malformed.
-        let e =
-            continue_conversation(&s, body.to_string().as_bytes(), Some("t"), 1 << 20).unwrap_err();
+        let e = run(&s, &body, Some("t"), 1 << 20).unwrap_err();
         assert_eq!(e.error_type(), "previous_response_not_found");
         assert_eq!(e.status(), 400);
         for (bad, param) in [
@@ -853,10 +1134,8 @@ mod tests {
             (json!({"model": "m", "input": "c", "store": "yes"}), "store"),
             (json!({"model": "m", "input": 3}), "input"),
         ] {
-            let e =
-                continue_conversation(&s, bad.to_string().as_bytes(), None, 1 << 20).unwrap_err();
-            let GatewayError::Body(b) = e else {
-                panic!("{e}")
+            let GatewayError::Body(b) = run(&s, &bad, None, 1 << 20).unwrap_err() else {
+                panic!("{bad}")
             };
             assert_eq!(b.param.as_deref(), Some(param));
         }
@@ -865,7 +1144,7 @@ mod tests {
             max_bytes: 0,
             ..StoreLimits::DEFAULT
         });
-        let p = continue_conversation(&off, body.to_string().as_bytes(), None, 1 << 20).unwrap();
+        let p = run(&off, &body, None, 1 << 20).unwrap();
         assert!(p.body.is_none() && p.capture.is_none());
     }
 
@@ -874,7 +1153,7 @@ mod tests {
         let r = StoredResponse::new(
             "resp_p".into(),
             None,
-            None,
+            Vec::new(),
             (0..5)
                 .map(|i| json!({"role": "user", "content": format!("m{i}")}))
                 .collect(),

@@ -182,7 +182,11 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
             .filter(|_| ctx.status == Some(200))
             .and_then(|c| c.finish())
         {
-            data.responses.insert(turn);
+            let shared = data.shared_responses.load_full();
+            let shared = shared
+                .as_deref()
+                .map(|s| s as &dyn crate::response_store::SharedTurns);
+            crate::response_store::keep(&data.responses, shared, turn);
         }
     }
 }
