@@ -1664,3 +1664,71 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }
+
+/// What a continuation through another replica adds in cluster mode: one pipelined `GETEX` of
+/// a conversation's turns (`cluster::Store::responses`), against a `PING` on the same
+/// connection. Run with `--ignored --nocapture`; figures in docs/benchmarks.md.
+#[test]
+#[ignore]
+fn stored_response_reads_against_ping() {
+    let (rt, _redis, store) = fresh_store("responses-timing");
+    rt.block_on(async {
+        let ttl = Duration::from_secs(60);
+        let turn = |t: usize| {
+            let text = "lighthouse keepers tended the lamps through the winter storms ".repeat(16);
+            gateway::response_store::StoredResponse::new(
+                format!("resp_{t}"),
+                None,
+                (0..t).map(|p| format!("resp_{p}")).collect(),
+                vec![json!({"role": "user", "content": text})],
+                json!({"id": format!("resp_{t}"), "object": "response", "status": "completed",
+                       "output": [{"type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": text}]}]}),
+            )
+        };
+        for t in 0..64 {
+            let r = turn(t);
+            store.put_response(&r.id, &r.to_json(), ttl).await.unwrap();
+        }
+        let n = 500u32;
+        for round in 0..2 {
+            let t = Instant::now();
+            for _ in 0..n {
+                store.ping().await.unwrap();
+            }
+            let ping = t.elapsed() / n;
+            let mut line = format!("round {round}: PING {ping:?}");
+            for k in [1usize, 4, 16, 64] {
+                for whole in [true, false] {
+                    let reads: Vec<(String, bool)> =
+                        (0..k).map(|p| (format!("resp_{p}"), whole)).collect();
+                    let t = Instant::now();
+                    for _ in 0..n {
+                        let got = store.responses(&reads, ttl).await.unwrap();
+                        assert!(got.iter().all(Option::is_some));
+                    }
+                    let each = t.elapsed() / n;
+                    let how = if whole { "read" } else { "probed" };
+                    line.push_str(&format!(
+                        ", {k} turns {how} {each:?} ({:.1}× PING)",
+                        each.as_secs_f64() / ping.as_secs_f64()
+                    ));
+                }
+            }
+            // What a replica then does with a whole read: parse every turn.
+            let ids: Vec<(String, bool)> = (0..64).map(|p| (format!("resp_{p}"), true)).collect();
+            let values = store.responses(&ids, ttl).await.unwrap();
+            let t = Instant::now();
+            for _ in 0..n {
+                for v in values.iter().flatten() {
+                    assert!(gateway::response_store::StoredResponse::from_json(v).is_some());
+                }
+            }
+            line.push_str(&format!(", parsing 64 turns read {:?}", t.elapsed() / n));
+            println!(
+                "{line} (mean of {n} each; one turn's JSON {} bytes)",
+                turn(1).to_json().len()
+            );
+        }
+    });
+}

@@ -141,6 +141,11 @@ fn route_decision_vs_tokenization() {
 
 /// `words` words of seeded pseudo-random prose with numbers and identifiers.
 fn varied_prose(words: usize) -> String {
+    varied_prose_seeded(words, 0)
+}
+
+/// [`varied_prose`] from another seed (texts that share no run of words).
+fn varied_prose_seeded(words: usize, seed: u64) -> String {
     const WORDS: &[&str] = &[
         "the",
         "gateway",
@@ -181,7 +186,7 @@ fn varied_prose(words: usize) -> String {
         "batch",
         "scheduler",
     ];
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
     let mut out = String::new();
     for i in 0..words {
         s ^= s << 13;
@@ -367,4 +372,107 @@ fn short_requests_while_long_prompts_arrive() {
             fleet.stop();
         }
     }
+}
+
+/// The gateway's added work for a Responses API request that continues a stored conversation
+/// (`previous_response_id`): `response_store::prepare` — parse, read the stored turns, rebuild
+/// and write the body — beside the KV-exact decision on the body it produces (with the prompt
+/// caches emptied, as for a new prompt, and warm, as for a conversation whose earlier turns
+/// this gateway tokenized before). Conversations of 4, 16 and 64 turns (user ~150 words,
+/// answer ~50 words each). Median of 40 runs each.
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn continuing_a_stored_conversation() {
+    use gateway::response_store::{prepare, ResponseStore, StoreLimits, StoredResponse};
+    let mut fleet = Fleet::workers(FleetOptions::default());
+    fleet.start_gateway(KV_NO_BUDGET, false);
+    let shared = fleet.gw().data.clone();
+    let view = shared.views.load();
+    let service = view.services[0].clone();
+    let profile = service.profile().cloned().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    println!(
+        "| turns | body bytes | prompt tokens | prepare | decision, caches empty | decision, caches warm | prepare / decision (empty, warm) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for turns in [4usize, 16, 64] {
+        let store = ResponseStore::new(StoreLimits::DEFAULT);
+        let mut chain = Vec::new();
+        for t in 0..turns {
+            let id = format!("resp_bench_{t}");
+            let input = vec![serde_json::json!({"role": "user", "content": [
+                {"type": "input_text", "text": varied_prose_seeded(150, 2 * t as u64 + 1)}]})];
+            let response = serde_json::json!({"id": id, "object": "response", "status": "completed",
+                "output": [{"type": "message", "id": format!("msg_{t}"), "status": "completed", "role": "assistant",
+                            "content": [{"type": "output_text", "text": varied_prose_seeded(50, 2 * t as u64 + 2), "annotations": [], "logprobs": []}]}]});
+            store
+                .insert(StoredResponse::new(
+                    id.clone(),
+                    None,
+                    chain.clone(),
+                    input,
+                    response,
+                ))
+                .unwrap();
+            chain.push(id);
+        }
+        let body = serde_json::json!({"model": "smol", "previous_response_id": chain.last(),
+                                      "input": "And what came after that?", "max_output_tokens": 16});
+        let body = serde_json::to_vec(&body).unwrap();
+        let (mut prep, mut cold, mut warm) = (Vec::new(), Vec::new(), Vec::new());
+        let mut sent = bytes::Bytes::new();
+        for _ in 0..40 {
+            let t = Instant::now();
+            let p = rt
+                .block_on(prepare(&store, None, &body, None, u64::MAX))
+                .unwrap();
+            prep.push(t.elapsed());
+            sent = p.body.unwrap();
+            for (clear, out) in [(true, &mut cold), (false, &mut warm)] {
+                if clear {
+                    profile.profile.clear_token_cache();
+                }
+                let input = RouteInput {
+                    service: service.clone(),
+                    path: "/v1/responses".into(),
+                    body: sent.clone(),
+                    tenant_header: None,
+                    tenant: None,
+                };
+                let t = Instant::now();
+                let (d, _reserved) = decide(&view, &shared.index, &input).unwrap();
+                out.push(t.elapsed());
+                assert!(d.prompt.is_some());
+            }
+        }
+        let tokens = {
+            let input = RouteInput {
+                service: service.clone(),
+                path: "/v1/responses".into(),
+                body: sent.clone(),
+                tenant_header: None,
+                tenant: None,
+            };
+            decide(&view, &shared.index, &input)
+                .unwrap()
+                .0
+                .prompt
+                .unwrap()
+                .prompt_tokens
+        };
+        let (p, c, w) = (median(prep), median(cold), median(warm));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "| {turns} | {} | {tokens} | {:.3} ms | {:.2} ms | {:.2} ms | {:.2}×, {:.2}× |",
+            sent.len(),
+            ms(p),
+            ms(c),
+            ms(w),
+            ms(p) / ms(c),
+            ms(p) / ms(w)
+        );
+    }
+    fleet.stop();
 }

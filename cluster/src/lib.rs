@@ -783,21 +783,36 @@ impl Store {
         Ok(())
     }
 
-    /// The stored turns `ids` (`None`: absent), each read's TTL renewed to `ttl`: one pipeline
-    /// of `GETEX`, one round trip.
-    pub async fn responses(&self, ids: &[String], ttl: Duration) -> Result<Vec<Option<String>>> {
-        if ids.is_empty() {
+    /// The stored turns `reads` (id, whole), each key's TTL renewed to `ttl`, in one round
+    /// trip: a whole read gives the value (`GETEX`), a probe only its first 16 bytes
+    /// (`GETRANGE` + `PEXPIRE`: enough to tell a turn from [`RESPONSE_DELETED`]); `None` where
+    /// the key is absent.
+    pub async fn responses(
+        &self,
+        reads: &[(String, bool)],
+        ttl: Duration,
+    ) -> Result<Vec<Option<String>>> {
+        if reads.is_empty() {
             return Ok(Vec::new());
         }
+        let ttl_ms = ttl.as_millis().max(1) as u64;
         let mut pipe = redis::pipe();
-        for id in ids {
-            pipe.cmd("GETEX")
-                .arg(self.keys.response(id))
-                .arg("PX")
-                .arg(ttl.as_millis().max(1) as u64);
+        for (id, whole) in reads {
+            let key = self.keys.response(id);
+            if *whole {
+                pipe.cmd("GETEX").arg(&key).arg("PX").arg(ttl_ms);
+            } else {
+                pipe.cmd("GETRANGE").arg(&key).arg(0).arg(15);
+                pipe.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
+            }
         }
         let mut con = self.con.clone();
-        Ok(pipe.query_async::<Vec<Option<String>>>(&mut con).await?)
+        let values = pipe.query_async::<Vec<Option<String>>>(&mut con).await?;
+        // `GETRANGE` of an absent key is "".
+        Ok(values
+            .into_iter()
+            .map(|v| v.filter(|s| !s.is_empty()))
+            .collect())
     }
 
     /// Deletes a stored turn: [`RESPONSE_DELETED`] replaces it for `ttl` (so replicas holding a

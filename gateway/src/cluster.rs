@@ -368,17 +368,25 @@ impl SharedResponses {
 
 #[async_trait::async_trait]
 impl crate::response_store::SharedTurns for SharedResponses {
-    async fn fetch(&self, ids: &[String]) -> Option<Vec<crate::response_store::Shared>> {
+    async fn fetch(
+        &self,
+        ids: &[String],
+        whole: &[bool],
+    ) -> Option<Vec<crate::response_store::Shared>> {
         use crate::response_store::{Shared, StoredResponse};
         let store = self.store()?;
-        let read = tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.responses(ids, self.ttl));
+        let reads: Vec<(String, bool)> = ids.iter().cloned().zip(whole.iter().copied()).collect();
+        let read =
+            tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.responses(&reads, self.ttl));
         let values = read.await.ok()?.ok()?;
         Some(
             values
                 .into_iter()
-                .map(|v| match v {
+                .zip(whole)
+                .map(|(v, whole)| match v {
                     None => Shared::Absent,
                     Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
+                    Some(_) if !whole => Shared::Present,
                     // A record this gateway cannot read is as good as absent.
                     Some(s) => StoredResponse::from_json(&s).map_or(Shared::Absent, Shared::Kept),
                 })

@@ -80,6 +80,10 @@ pub struct StoredResponse {
     pub input: Vec<Value>,
     /// The response object as the worker answered it.
     pub response: Value,
+    /// Its input items then output items as JSON, comma-separated: what a continuation
+    /// copies into its body, written once.
+    #[serde(skip)]
+    items: String,
     #[serde(skip)]
     bytes: usize,
 }
@@ -99,10 +103,25 @@ impl StoredResponse {
             chain,
             input,
             response,
+            items: String::new(),
             bytes: 0,
         };
         r.bytes = r.to_json().len();
+        r.write_items();
         r
+    }
+
+    /// Fills `items` and counts it in `bytes`.
+    fn write_items(&mut self) {
+        let mut items = String::new();
+        for item in self.input.iter().chain(self.output()) {
+            if !items.is_empty() {
+                items.push(',');
+            }
+            items.push_str(&serde_json::to_string(item).unwrap_or_else(|_| "null".into()));
+        }
+        self.bytes += items.len();
+        self.items = items;
     }
 
     /// Its JSON (the shared store's form).
@@ -114,6 +133,7 @@ impl StoredResponse {
     pub fn from_json(s: &str) -> Option<StoredResponse> {
         let mut r: StoredResponse = serde_json::from_str(s).ok()?;
         r.bytes = s.len();
+        r.write_items();
         Some(r)
     }
 
@@ -348,12 +368,26 @@ impl ResponseStore {
     }
 }
 
-/// A conversation's turns as input items: every turn's input items then output items.
-pub fn conversation_items(turns: &[Arc<StoredResponse>]) -> Vec<Value> {
-    turns
+/// A conversation's turns as one JSON array of input items — every turn's input items then
+/// output items, then `own` (the request's) — spliced from each turn's JSON (no stored value is
+/// copied or written again).
+fn conversation_json(turns: &[Arc<StoredResponse>], own: &[Value]) -> String {
+    let mut out = String::with_capacity(turns.iter().map(|t| t.items.len() + 1).sum::<usize>() + 2);
+    out.push('[');
+    let own = own
         .iter()
-        .flat_map(|t| t.input.iter().chain(t.output()).cloned())
-        .collect()
+        .map(|v| serde_json::to_string(v).unwrap_or_else(|_| "null".into()));
+    for part in turns.iter().map(|t| t.items.clone()).chain(own) {
+        if part.is_empty() {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str(&part);
+    }
+    out.push(']');
+    out
 }
 
 /// A turn as the shared store has it.
@@ -361,6 +395,8 @@ pub fn conversation_items(turns: &[Arc<StoredResponse>]) -> Vec<Value> {
 pub enum Shared {
     /// Stored (by this replica or another).
     Kept(StoredResponse),
+    /// Stored, and not read (a probe: this replica holds a copy).
+    Present,
     /// Deleted through some replica.
     Deleted,
     /// Not there (never stored there, expired, or not written yet).
@@ -372,8 +408,9 @@ pub enum Shared {
 /// store did not answer, and the replica goes on with its own copies.
 #[async_trait]
 pub trait SharedTurns: Send + Sync {
-    /// The turns `ids`, in order.
-    async fn fetch(&self, ids: &[String]) -> Option<Vec<Shared>>;
+    /// The turns `ids`, in order: read whole where `whole[i]`, else only probed
+    /// ([`Shared::Present`] rather than [`Shared::Kept`]).
+    async fn fetch(&self, ids: &[String], whole: &[bool]) -> Option<Vec<Shared>>;
     /// Shares a turn this replica stored (never waits: a full queue drops it).
     fn publish(&self, turn: &Arc<StoredResponse>);
     /// Deletes a turn everywhere; whether the shared store had it.
@@ -397,8 +434,9 @@ pub async fn find(
     };
     let mut retries = SHARED_RETRIES.iter();
     loop {
+        let here = local.peek(id);
         match shared
-            .fetch(&[id.to_owned()])
+            .fetch(&[id.to_owned()], &[here.is_none()])
             .await
             .and_then(|mut v| v.pop())
         {
@@ -407,13 +445,11 @@ pub async fn find(
                 local.delete(id);
                 return None;
             }
-            Some(Shared::Absent) => {
-                if let Some(t) = local.peek(id) {
-                    return Some(t);
-                }
+            Some(Shared::Present | Shared::Absent) if here.is_some() => return here,
+            Some(Shared::Present | Shared::Absent) => {
                 tokio::time::sleep(*retries.next()?).await;
             }
-            None => return local.peek(id),
+            None => return here,
         }
     }
 }
@@ -430,10 +466,12 @@ fn adopt(local: &ResponseStore, t: StoredResponse) -> Arc<StoredResponse> {
     t
 }
 
-/// The turns of the conversation ending at `id`, oldest first, when `tenant` owns them: from
-/// the shared store first (one read of every turn; a turn deleted through another replica is
-/// missing here too), each turn it lacks from this replica's copies; from this replica alone
-/// when there is no shared store or it does not answer.
+/// The turns of the conversation ending at `id`, oldest first, when `tenant` owns them. With a
+/// shared store: one read of every turn there (a turn this replica holds is only probed: is it
+/// still there, or deleted through another replica?; the others are read whole), a turn not
+/// there taken from this replica's copies; plus, when this replica lacks the named turn
+/// itself, one read of it first. From this replica alone when there is no shared store or it
+/// does not answer.
 pub async fn conversation(
     local: &ResponseStore,
     shared: Option<&dyn SharedTurns>,
@@ -443,33 +481,45 @@ pub async fn conversation(
     let Some(shared_store) = shared else {
         return local.turns(id, tenant);
     };
-    let missing = || MissingTurn(id.to_owned());
-    let last = find(local, shared, id)
-        .await
-        .filter(|t| t.tenant.as_deref() == tenant)
-        .ok_or_else(missing)?;
-    if last.chain.is_empty() {
+    let owned = |t: Option<Arc<StoredResponse>>, at: &str| {
+        t.filter(|t| t.tenant.as_deref() == tenant)
+            .ok_or_else(|| MissingTurn(at.to_owned()))
+    };
+    // The named turn: this replica's copy (checked with the others below), else the shared
+    // store's (checked now).
+    let here = local.peek(id);
+    let checked = here.is_none();
+    let last = match here {
+        Some(t) => owned(Some(t), id)?,
+        None => owned(find(local, shared, id).await, id)?,
+    };
+    let mut ids = last.chain.clone();
+    if !checked {
+        ids.push(id.to_owned());
+    }
+    if ids.is_empty() {
         return Ok(vec![last]);
     }
-    let Some(fetched) = shared_store.fetch(&last.chain).await else {
+    let held: Vec<Option<Arc<StoredResponse>>> = ids.iter().map(|at| local.peek(at)).collect();
+    let whole: Vec<bool> = held.iter().map(Option::is_none).collect();
+    let Some(states) = shared_store.fetch(&ids, &whole).await else {
         return local.turns(id, tenant);
     };
-    let mut turns = Vec::with_capacity(last.chain.len() + 1);
-    for (at, s) in last.chain.iter().zip(fetched) {
-        let t = match s {
+    let mut turns = Vec::with_capacity(ids.len() + 1);
+    for ((at, state), held) in ids.iter().zip(states).zip(held) {
+        let t = match state {
             Shared::Kept(t) => Some(adopt(local, t)),
             Shared::Deleted => {
                 local.delete(at);
                 None
             }
-            Shared::Absent => local.peek(at),
+            Shared::Present | Shared::Absent => held,
         };
-        let t = t
-            .filter(|t| t.tenant.as_deref() == tenant)
-            .ok_or_else(|| MissingTurn(at.clone()))?;
-        turns.push(t);
+        turns.push(owned(t, at)?);
     }
-    turns.push(last);
+    if checked {
+        turns.push(last);
+    }
     Ok(turns)
 }
 
@@ -581,14 +631,20 @@ pub async fn prepare(
                     },
                 )?;
         chain = turns.iter().map(|t| t.id.clone()).collect();
-        let mut items = conversation_items(&turns);
-        items.extend(own.iter().cloned());
         o.remove("previous_response_id");
-        o.insert("input".into(), Value::Array(items));
-        let rewritten =
+        o.remove("input");
+        // The body without `input`, then `input` spliced in before its closing brace.
+        let mut rewritten =
             serde_json::to_vec(&Value::Object(o)).map_err(|e| GatewayError::Internal {
                 reason: format!("writing the continued conversation: {e}"),
             })?;
+        rewritten.pop();
+        if rewritten.len() > 1 {
+            rewritten.push(b',');
+        }
+        rewritten.extend_from_slice(b"\"input\":");
+        rewritten.extend_from_slice(conversation_json(&turns, &own).as_bytes());
+        rewritten.push(b'}');
         if rewritten.len() as u64 > max_body {
             return Err(GatewayError::ConversationTooLarge {
                 bytes: rewritten.len(),
@@ -823,7 +879,10 @@ mod tests {
     fn said(
         turns: Result<Vec<Arc<StoredResponse>>, MissingTurn>,
     ) -> Result<Vec<String>, MissingTurn> {
-        turns.map(|t| texts(&conversation_items(&t)))
+        turns.map(|t| {
+            let v: Value = serde_json::from_str(&conversation_json(&t, &[])).unwrap();
+            texts(v.as_array().unwrap())
+        })
     }
 
     #[test]
@@ -941,7 +1000,7 @@ mod tests {
 
     #[async_trait]
     impl SharedTurns for FakeShared {
-        async fn fetch(&self, ids: &[String]) -> Option<Vec<Shared>> {
+        async fn fetch(&self, ids: &[String], whole: &[bool]) -> Option<Vec<Shared>> {
             self.reads
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if self.down.load(std::sync::atomic::Ordering::Relaxed) {
@@ -950,9 +1009,11 @@ mod tests {
             let g = self.turns.lock();
             Some(
                 ids.iter()
-                    .map(|id| match g.get(id) {
+                    .zip(whole)
+                    .map(|(id, whole)| match g.get(id) {
                         None => Shared::Absent,
                         Some(None) => Shared::Deleted,
+                        Some(Some(_)) if !whole => Shared::Present,
                         Some(Some(j)) => {
                             StoredResponse::from_json(j).map_or(Shared::Absent, Shared::Kept)
                         }
@@ -1109,6 +1170,12 @@ mod tests {
         assert!(sent.get("previous_response_id").is_none());
         assert_eq!(sent["instructions"], "be brief");
         assert_eq!(texts(sent["input"].as_array().unwrap()), ["a", "b", "c"]);
+        // A body of nothing else is still one JSON object.
+        let bare = json!({"previous_response_id": "resp_1"});
+        let sent: Value =
+            serde_json::from_slice(&run(&s, &bare, None, 1 << 20).unwrap().body.unwrap()).unwrap();
+        assert_eq!(texts(sent["input"].as_array().unwrap()), ["a", "b"]);
+        assert_eq!(sent.as_object().unwrap().len(), 1);
         // Stored, it names the turns before it.
         let stored = json!({"model": "m", "previous_response_id": "resp_1", "input": "c"});
         assert_eq!(
