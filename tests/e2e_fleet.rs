@@ -589,6 +589,7 @@ fn openai_tool_calling_flow_through_the_gateway() {
         .arg(&script)
         .arg(fleet.base_url() + "/v1")
         .arg(KV_MODEL)
+        .arg("gateway")
         .output()
         .expect("python3 must be installed");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -599,10 +600,13 @@ fn openai_tool_calling_flow_through_the_gateway() {
     );
     assert!(stdout.contains("tool flow ok"), "{stdout}");
     assert!(stdout.contains("forced calls ok"), "{stdout}");
-    // The script sends six chat requests; each was routed, answered and receipted, and the
-    // gateway's prompt (tools and tool-call history rendered) is the worker's.
-    let decisions = fleet.wait_decisions(6);
-    assert_eq!(decisions.len(), 6, "{decisions:?}");
+    assert!(stdout.contains("stored responses flow ok"), "{stdout}");
+    println!("{stdout}");
+    // The script sends six chat requests and three Responses API requests (one continuing a
+    // stored response); each was routed, answered and receipted, and the gateway's prompt
+    // (tools and tool-call history rendered, the stored conversation included) is the worker's.
+    let decisions = fleet.wait_decisions(9);
+    assert_eq!(decisions.len(), 9, "{decisions:?}");
     let rep = receipts::audit(
         &fleet.decision_log,
         &fleet.receipt_logs(),
@@ -610,10 +614,10 @@ fn openai_tool_calling_flow_through_the_gateway() {
     )
     .expect("audit");
     assert!(rep.ok(), "audit failed:\n{rep}");
-    assert_eq!(rep.receipted, 6, "{rep}");
+    assert_eq!(rep.receipted, 9, "{rep}");
     assert_eq!(
         (rep.parity.compared, rep.parity.mismatched),
-        (6, 0),
+        (9, 0),
         "{rep}"
     );
     fleet.stop();

@@ -1,14 +1,17 @@
 """The official `openai` Python client's tool-calling flow against kvgate (a worker, or the gateway).
 
-Usage: python3 tests/openai_tools.py BASE_URL MODEL   (e.g. http://127.0.0.1:8101/v1 smollm2)
+Usage: python3 tests/openai_tools.py BASE_URL MODEL [gateway]   (e.g. http://127.0.0.1:8101/v1 smollm2)
 
 The worker must run SmolLM2-135M-Instruct with `--tool-call-parser hermes`. The conversation
 carries two worked examples of the Hermes `<tool_call>` format, after which the model (greedy)
 answers the third question with a call (measured: `get_weather {"city": "Paris"}`). Checks:
 tools → `tool_calls` (finish reason `tool_calls`, content null), the same streamed (the deltas
 accumulate to the same call), then the tool result sent back → a final answer; then forced
-calls (`tool_choice` naming the function, and `required`) without the worked examples. Exits non-zero
-on any failure; prints one line per check.
+calls (`tool_choice` naming the function, and `required`) without the worked examples. With
+`gateway` (BASE_URL is a kvgate gateway, which stores responses): the same flow through the
+Responses API as an agent runs it — the call, then only the tool's output sent with
+`previous_response_id` — answered from the prefix the first request left cached, with the answer
+the whole conversation sent at once gets. Exits non-zero on any failure; prints one line per check.
 """
 import json
 import sys
@@ -146,6 +149,44 @@ def main() -> None:
         assert list(args) == ["city"] and isinstance(args["city"], str), forced
         print("forced", json.dumps(choice), "->", forced.function.name, forced.function.arguments)
     print("forced calls ok")
+    if len(sys.argv) > 3 and sys.argv[3] == "gateway":
+        stored_flow(client, model, messages[:6])
+
+
+def stored_flow(client, model: str, messages: list) -> None:
+    """The tool flow through the Responses API with `previous_response_id` (the gateway's
+    stored responses)."""
+    tools = [dict(type="function", **t["function"]) for t in TOOLS]
+    instructions = messages[0]["content"]
+    items = [{"role": m["role"], "content": m["content"]} for m in messages[1:]]
+    first = client.responses.create(
+        model=model, instructions=instructions, input=items, tools=tools,
+        max_output_tokens=40, temperature=0,
+    )
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather", first.output
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}, calls[0]
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}
+    # Only the tool's output, continuing the stored response: the gateway sends (and routes)
+    # the whole conversation, to the worker that holds its prefix.
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, instructions=instructions, tools=tools,
+        input=[result], max_output_tokens=24, temperature=0,
+    )
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens, (second.usage, first.usage)
+    assert cached >= 64, second.usage
+    call = {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+            "arguments": calls[0].arguments}
+    whole = client.responses.create(
+        model=model, instructions=instructions, tools=tools, input=items + [call, result],
+        max_output_tokens=24, temperature=0,
+    )
+    assert second.output_text == whole.output_text, (second.output_text, whole.output_text)
+    assert whole.usage.input_tokens == second.usage.input_tokens, (whole.usage, second.usage)
+    print(f"stored: {cached} of {second.usage.input_tokens} input tokens cached, "
+          f"answer {second.output_text!r}")
+    print("stored responses flow ok")
 
 
 if __name__ == "__main__":
