@@ -202,16 +202,24 @@ impl ClusterLink {
         self.handles.lock().extend(handles);
     }
 
-    /// Stops the loops and withdraws this replica's records (best effort, 1 s).
+    /// Stops the loops and withdraws this replica's records (best effort, 1 s), on a
+    /// connection of its own: the shared one may be reconnecting (Redis gone) in a future
+    /// that a request started on the proxy's runtime, which has stopped by now — polling that
+    /// future's timer from here would panic.
     pub fn shutdown(&self, handle: &tokio::runtime::Handle) {
         self.cancel.cancel();
         for h in self.handles.lock().drain(..) {
             h.abort();
         }
-        if let Some(s) = self.store() {
+        if self.store().is_some() {
             let id = self.record.gateway_id.clone();
+            let (url, prefix) = (self.settings.url.clone(), self.settings.prefix.clone());
             let _ = handle.block_on(async move {
-                tokio::time::timeout(Duration::from_secs(1), s.withdraw_gateway(&id)).await
+                tokio::time::timeout(Duration::from_secs(1), async move {
+                    let s = cluster::Store::connect(&url, &prefix).await?;
+                    s.withdraw_gateway(&id).await
+                })
+                .await
             });
         }
     }

@@ -59,6 +59,13 @@ impl StoreLimits {
     }
 }
 
+/// The most turns one conversation keeps: a turn that would continue a longer one is served and
+/// not stored (and a record naming more, read from the shared store, is not used).
+pub const MAX_TURNS: usize = 4096;
+
+/// The longest response id looked up; a longer one is not stored anywhere.
+pub const MAX_ID_LEN: usize = 256;
+
 impl Default for StoreLimits {
     fn default() -> Self {
         StoreLimits::DEFAULT
@@ -132,6 +139,9 @@ impl StoredResponse {
     /// From its JSON; `None` when it is not one.
     pub fn from_json(s: &str) -> Option<StoredResponse> {
         let mut r: StoredResponse = serde_json::from_str(s).ok()?;
+        if r.chain.len() >= MAX_TURNS || r.id.len() > MAX_ID_LEN {
+            return None;
+        }
         r.bytes = s.len();
         r.write_items();
         Some(r)
@@ -429,7 +439,7 @@ pub async fn find(
     shared: Option<&dyn SharedTurns>,
     id: &str,
 ) -> Option<Arc<StoredResponse>> {
-    let Some(shared) = shared else {
+    let Some(shared) = shared.filter(|_| id.len() <= MAX_ID_LEN) else {
         return local.peek(id);
     };
     let mut retries = SHARED_RETRIES.iter();
@@ -744,7 +754,7 @@ impl Capture {
     /// The turn to store, once the whole answer went through: `None` when it was larger than a
     /// turn may be, was cut short, or is not a completed (or incomplete) `response` with an id.
     pub fn finish(mut self) -> Option<StoredResponse> {
-        if self.over {
+        if self.over || self.chain.len() >= MAX_TURNS {
             return None;
         }
         let response = if self.streamed {
@@ -761,7 +771,11 @@ impl Capture {
         {
             return None;
         }
-        let id = o.get("id").and_then(Value::as_str)?.to_owned();
+        let id = o
+            .get("id")
+            .and_then(Value::as_str)
+            .filter(|id| !id.is_empty() && id.len() <= MAX_ID_LEN)?
+            .to_owned();
         Some(StoredResponse::new(
             id,
             self.tenant,
@@ -1147,12 +1161,25 @@ mod tests {
         for bad in [
             json!({"id": "resp_w", "object": "response", "status": "failed", "output": []}),
             json!({"object": "response", "status": "completed"}),
+            json!({"id": "r".repeat(MAX_ID_LEN + 1), "object": "response", "status": "completed"}),
             json!({"error": {"code": "x"}}),
         ] {
             let mut c = capture(false);
             c.feed(bad.to_string().as_bytes());
             assert!(c.finish().is_none(), "{bad}");
         }
+        // A conversation at its longest: its next turn is served, not stored.
+        let mut c = capture(false);
+        c.chain = c_chain();
+        c.feed(ok.to_string().as_bytes());
+        assert!(c.finish().is_none());
+        // Nor is such a record used when read from the shared store.
+        let long = StoredResponse::new("resp_l".into(), None, c_chain(), Vec::new(), json!({}));
+        assert!(StoredResponse::from_json(&long.to_json()).is_none());
+    }
+
+    fn c_chain() -> Vec<String> {
+        (0..MAX_TURNS).map(|t| format!("resp_{t}")).collect()
     }
 
     #[test]
