@@ -1430,7 +1430,14 @@ fn a_replica_started_while_redis_does_not_answer_is_ready_once_it_read_the_clust
         paused.elapsed() >= Duration::from_millis(pause_ms),
         "ready before Redis answered"
     );
-    assert!(c.routable(0, "w4"), "ready without the registered worker");
+    // The registered worker joins the pools at its first passing health probe (every
+    // `health_interval_ms` = 100): readiness does not wait for it (a run of the whole binary on
+    // 2 busy cores once saw it unprobed at the moment ready turned 200).
+    c.wait_for(
+        "the registered worker routable",
+        Duration::from_secs(5),
+        || c.routable(0, "w4"),
+    );
     let served: Vec<String> = (0..8)
         .map(|i| c.chat(0, "rr", &format!("after {i}"), 2).worker())
         .collect();

@@ -771,16 +771,26 @@ impl Store {
 
     /// Stores a Responses API turn under its id for `ttl`, unless the id is taken (`SET … NX`).
     pub async fn put_response(&self, id: &str, json: &str, ttl: Duration) -> Result<()> {
+        self.set_response(id, json, ttl, "NX").await.map(|_| ())
+    }
+
+    /// `SET P:response:<id> <value> PX <ttl> <option>`.
+    async fn set_response(
+        &self,
+        id: &str,
+        value: &str,
+        ttl: Duration,
+        option: &str,
+    ) -> Result<Option<String>> {
         let mut con = self.con.clone();
-        redis::cmd("SET")
+        Ok(redis::cmd("SET")
             .arg(self.keys.response(id))
-            .arg(json)
+            .arg(value)
             .arg("PX")
             .arg(ttl.as_millis().max(1) as u64)
-            .arg("NX")
+            .arg(option)
             .query_async::<Option<String>>(&mut con)
-            .await?;
-        Ok(())
+            .await?)
     }
 
     /// The stored turns `reads` (id, whole), each key's TTL renewed to `ttl`, in one round
@@ -818,15 +828,7 @@ impl Store {
     /// Deletes a stored turn: [`RESPONSE_DELETED`] replaces it for `ttl` (so replicas holding a
     /// copy drop it when they next read it). Returns what was there.
     pub async fn retire_response(&self, id: &str, ttl: Duration) -> Result<Option<String>> {
-        let mut con = self.con.clone();
-        Ok(redis::cmd("SET")
-            .arg(self.keys.response(id))
-            .arg(RESPONSE_DELETED)
-            .arg("PX")
-            .arg(ttl.as_millis().max(1) as u64)
-            .arg("GET")
-            .query_async::<Option<String>>(&mut con)
-            .await?)
+        self.set_response(id, RESPONSE_DELETED, ttl, "GET").await
     }
 
     /// Announces (or renews) a worker's registration for `lease`.

@@ -419,45 +419,54 @@ impl crate::response_store::SharedTurns for SharedResponses {
     }
 }
 
-/// Writes the turns this replica stored to Redis, in order.
-async fn write_responses(
+/// Hands each item of `rx` to `write` with the store (while connected; otherwise the item is
+/// dropped), in order, until the link is cancelled or the queue closes.
+async fn drain_to_store<T, F, Fut>(
     link: Arc<ClusterLink>,
-    mut rx: tokio::sync::mpsc::Receiver<Arc<crate::response_store::StoredResponse>>,
-    ttl: Duration,
-) {
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+    mut write: F,
+) where
+    F: FnMut(Arc<cluster::Store>, T) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     loop {
-        let t = tokio::select! {
+        let item = tokio::select! {
             biased;
             _ = link.cancel.cancelled() => return,
-            t = rx.recv() => t,
+            item = rx.recv() => item,
         };
-        let Some(t) = t else { return };
+        let Some(item) = item else { return };
         if let Some(store) = link.store() {
-            // Lost, the turn is continued only through this replica; the sync loop reports
-            // the store's state.
-            if let Err(e) = store.put_response(&t.id, &t.to_json(), ttl).await {
-                tracing::debug!(error = %e, id = %t.id, "stored response not shared");
-            }
+            write(store, item).await;
         }
     }
 }
 
+/// Writes the turns this replica stored to Redis, in order.
+async fn write_responses(
+    link: Arc<ClusterLink>,
+    rx: tokio::sync::mpsc::Receiver<Arc<crate::response_store::StoredResponse>>,
+    ttl: Duration,
+) {
+    drain_to_store(link, rx, |store, t| async move {
+        // Lost, the turn is continued only through this replica; the sync loop reports the
+        // store's state.
+        if let Err(e) = store.put_response(&t.id, &t.to_json(), ttl).await {
+            tracing::debug!(error = %e, id = %t.id, "stored response not shared");
+        }
+    })
+    .await
+}
+
 async fn publish_holdings(
     link: Arc<ClusterLink>,
-    mut rx: tokio::sync::mpsc::Receiver<cluster::SharedHolding>,
+    rx: tokio::sync::mpsc::Receiver<cluster::SharedHolding>,
 ) {
-    loop {
-        let h = tokio::select! {
-            biased;
-            _ = link.cancel.cancelled() => return,
-            h = rx.recv() => h,
-        };
-        let Some(h) = h else { return };
-        if let Some(store) = link.store() {
-            // A lost hint costs a cache hit at worst; the sync loop reports the store's state.
-            let _ = store.publish_holding(&h).await;
-        }
-    }
+    drain_to_store(link, rx, |store, h| async move {
+        // A lost hint costs a cache hit at worst; the sync loop reports the store's state.
+        let _ = store.publish_holding(&h).await;
+    })
+    .await
 }
 
 /// Applies the other replicas' published decisions: their routing-time holdings to this
