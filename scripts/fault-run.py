@@ -528,7 +528,7 @@ def cases(run: Run):
         expect(r, 400, "unsupported_parameter")
         return f"f({call['arguments'][:40]}); 400 unknown name, 400 no tools, 400 {r.json()['error']['param']}"
 
-    @case("gw: /v1/responses -> a response object; previous_response_id, images -> 400 by name")
+    @case("gw: /v1/responses -> a response object, stored and continued; unknown previous_response_id, images -> 400 by name")
     def _():
         r = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": "hello",
                                                    "max_output_tokens": 4}).encode(),
@@ -538,14 +538,25 @@ def cases(run: Run):
         r2 = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": "x",
                                                     "previous_response_id": "resp_1"}).encode(),
                headers={"content-type": "application/json"})
-        expect(r2, 400, "unsupported_parameter")
+        expect(r2, 400, "previous_response_not_found")
+        rid = r.json()["id"]
+        r4 = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": "and?",
+                                                    "previous_response_id": rid,
+                                                    "max_output_tokens": 4}).encode(),
+               headers={"content-type": "application/json"})
+        expect(r4, 200)
+        assert r4.json()["usage"]["input_tokens"] > r.json()["usage"]["input_tokens"], r4.json()
+        expect(g("GET", f"/v1/responses/{rid}"), 200)
+        expect(g("DELETE", f"/v1/responses/{rid}"), 200)
+        expect(g("GET", f"/v1/responses/{rid}"), 404, "response_not_found")
         r3 = g("POST", "/v1/responses", json.dumps({"model": "smol", "input": [{"role": "user",
                "content": [{"type": "input_image", "image_url": "x"}]}]}).encode(),
                headers={"content-type": "application/json"})
         expect(r3, 400, "unsupported_parameter")
         g_ = g("GET", "/v1/responses")
         expect(g_, 405)
-        return f"{r.json()['status']}; 400 {r2.json()['error']['param']}, 400 {r3.json()['error']['param']}; GET 405"
+        return (f"{r.json()['status']}; continued {r4.json()['usage']['input_tokens']} input tokens; "
+                f"400 {r2.json()['error']['code']}, 400 {r3.json()['error']['param']}; GET 405")
 
     @case("gw: completion echo + logprobs, max_tokens 0 -> the prompt scored; echo 'yes', max_tokens 0 alone -> 400")
     def _():
