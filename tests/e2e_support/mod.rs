@@ -476,15 +476,19 @@ impl Fleet {
             .collect()
     }
 
-    /// Ends worker `id` abruptly, like `kill -9`: its runtime is dropped in the background, so
-    /// its listener, connections and request drivers vanish without answering or writing a
-    /// receipt. The engine thread and the receipt log are then reaped with
-    /// `RunningWorker::shutdown` (which finds the server task already gone).
+    /// Ends worker `id` abruptly, like `kill -9`: its runtime is shut down, so its listener,
+    /// connections and request drivers vanish without answering or writing a receipt. The
+    /// engine thread and the receipt log are then reaped with `RunningWorker::shutdown` (which
+    /// finds the server task already gone). The runtime's threads are waited for (up to 2 s)
+    /// before that: with a shutdown in the background, a starved runtime thread could still
+    /// write a request's `503 engine_stopped` once the engine stopped — an answer a killed
+    /// process never gives, which the gateway rightly retries on another worker (seen once in
+    /// CI on 2 busy cores: N1 of `e2e_fleet` answered by the survivor).
     pub fn kill_worker(&mut self, id: &str) {
         let host = self.host_mut(id);
         let (rt, w) = (host.rt.take(), host.worker.take());
         if let Some(rt) = rt {
-            rt.shutdown_background();
+            rt.shutdown_timeout(Duration::from_secs(2));
         }
         if let Some(w) = w {
             self.ctl.block_on(w.shutdown());
