@@ -667,6 +667,7 @@ pub async fn prepare(
         out.capture = Some(Capture {
             streamed: stream,
             buf: Vec::new(),
+            expected: None,
             cap: local.limits().max_entry(),
             over: false,
             done: None,
@@ -685,6 +686,8 @@ pub async fn prepare(
 pub struct Capture {
     streamed: bool,
     buf: Vec<u8>,
+    /// A whole answer's `content-length`, when the worker sent one.
+    expected: Option<usize>,
     cap: usize,
     over: bool,
     done: Option<Value>,
@@ -694,6 +697,24 @@ pub struct Capture {
 }
 
 impl Capture {
+    /// The answer's `content-length` (a whole answer is then complete at that length).
+    pub fn expect(&mut self, content_length: Option<usize>) {
+        self.expected = content_length;
+    }
+
+    /// Whether the answer read so far is complete: a stream's last event was read, or a whole
+    /// answer reached its `content-length`. The turn is then stored before this chunk reaches
+    /// the client, so a client that continues the conversation the moment it has the answer
+    /// finds it.
+    pub fn complete(&self) -> bool {
+        !self.over
+            && if self.streamed {
+                self.done.is_some()
+            } else {
+                self.expected == Some(self.buf.len())
+            }
+    }
+
     /// Reads the next chunk of the answer's body.
     pub fn feed(&mut self, chunk: &[u8]) {
         if self.over {
@@ -1136,6 +1157,7 @@ mod tests {
                 c.feed(chunk);
                 assert!(c.buf.len() <= stream.len());
             }
+            assert!(c.complete());
             let t = c.finish().expect("stored");
             assert_eq!(t.id, "resp_s");
             assert_eq!(t.output()[0]["content"][0]["text"], "hi\n\nthere");
@@ -1143,6 +1165,7 @@ mod tests {
         // Cut before its last event: nothing to store.
         let mut c = capture(true);
         c.feed(&stream.as_bytes()[..stream.len() - 10]);
+        assert!(!c.complete());
         assert!(c.finish().is_none());
         // An event larger than a turn may be: not stored.
         let mut c = capture(true);
@@ -1156,7 +1179,12 @@ mod tests {
         let mut c = capture(false);
         let ok =
             json!({"id": "resp_w", "object": "response", "status": "incomplete", "output": []});
-        c.feed(ok.to_string().as_bytes());
+        let body = ok.to_string();
+        c.expect(Some(body.len()));
+        c.feed(&body.as_bytes()[..5]);
+        assert!(!c.complete());
+        c.feed(&body.as_bytes()[5..]);
+        assert!(c.complete(), "complete at its content-length");
         assert_eq!(c.finish().unwrap().id, "resp_w");
         for bad in [
             json!({"id": "resp_w", "object": "response", "status": "failed", "output": []}),

@@ -175,7 +175,9 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
     if let Some(c) = ctx.capture.as_mut() {
         c.feed(chunk);
     }
-    if end {
+    // Stored as soon as it is complete (before this chunk is written to the client), else at
+    // the end.
+    if end || ctx.capture.as_ref().is_some_and(|c| c.complete()) {
         if let Some(turn) = ctx
             .capture
             .take()
@@ -200,6 +202,14 @@ pub(crate) fn on_response(
 ) -> Result<()> {
     let status = resp.status.as_u16();
     ctx.status = Some(status);
+    if let Some(c) = ctx.capture.as_mut() {
+        let length = resp
+            .headers
+            .get("content-length")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        c.expect(length);
+    }
     ctx.receipt_named = Some(resp.headers.contains_key(RECEIPT_HEADER));
     if let Some(w) = &ctx.current {
         if is_refusal(status) {
