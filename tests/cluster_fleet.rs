@@ -1553,7 +1553,7 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         r.json()["id"].as_str().unwrap().to_owned()
     };
     // Turn 1 through replica 1; turn 2 at once through replica 2 (the turn reaches Redis after
-    // turn 1's answer ended: replica 2 reads again for up to 50 ms); turn 3 through replica 3.
+    // turn 1's answer ended: replica 2 reads again for up to 200 ms); turn 3 through replica 3.
     let r1 = ask(
         &c,
         0,

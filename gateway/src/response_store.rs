@@ -428,9 +428,14 @@ pub trait SharedTurns: Send + Sync {
 }
 
 /// How long a replica waits, at most, for a turn another replica has just stored to reach the
-/// shared store (it is written once that replica's answer ended): two more reads, 10 and 40 ms
-/// later.
-const SHARED_RETRIES: [Duration; 2] = [Duration::from_millis(10), Duration::from_millis(40)];
+/// shared store (it is written off that replica's request path once the answer is complete,
+/// ~1 ms on an idle host; longer on a busy one): three more reads, 10, 40 and 150 ms later.
+/// Only an id the shared store does not have waits them all (an unknown id: 200 ms).
+const SHARED_RETRIES: [Duration; 3] = [
+    Duration::from_millis(10),
+    Duration::from_millis(40),
+    Duration::from_millis(150),
+];
 
 /// The turn `id` whoever owns it: the shared store's copy first (a deletion there wins), then
 /// this replica's.
@@ -1111,7 +1116,7 @@ mod tests {
         assert!(block_on(find(&b, sh, "resp_9")).is_none());
         assert_eq!(
             shared.reads.load(std::sync::atomic::Ordering::Relaxed) - before,
-            3
+            4
         );
         // Another tenant's turn is missing to the caller.
         let mut t = turn("resp_t", &[], "a", "b");
