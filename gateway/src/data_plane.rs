@@ -206,6 +206,14 @@ impl DataPlane {
         }
     }
 
+    /// Cluster mode: where the other replicas' stored responses are read and this replica's
+    /// are shared; `None` on one gateway.
+    pub fn shared_turns(&self) -> Option<Arc<dyn crate::response_store::SharedTurns>> {
+        self.shared_responses
+            .load_full()
+            .map(|s| s as Arc<dyn crate::response_store::SharedTurns>)
+    }
+
     /// Refreshes the gauges that mirror state owned elsewhere (index size, event lag, load).
     pub fn refresh_gauges(&self) {
         let total: u64 = self

@@ -31,7 +31,6 @@ use crate::metrics::TenantLimitLabels;
 use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
-use crate::response_store::SharedTurns;
 use crate::route::{self, RouteInput};
 use crate::upstream;
 use crate::view::ServiceRoute;
@@ -228,8 +227,8 @@ impl Proxy {
             };
             return respond_error(session, ctx, &err).await;
         }
-        let (local, shared) = (&self.data.responses, self.data.shared_responses.load_full());
-        let shared = shared.as_deref().map(|s| s as &dyn SharedTurns);
+        let (local, shared) = (&self.data.responses, self.data.shared_turns());
+        let shared = shared.as_deref();
         let not_found = GatewayError::ResponseNotFound { id: id.to_owned() };
         let Some(r) = crate::response_store::find(local, shared, id).await else {
             return respond_error(session, ctx, &not_found).await;
@@ -463,10 +462,10 @@ impl ProxyHttp for Proxy {
         // sent whole (and routed as such); an answer to store is read on its way back.
         let body = if endpoint == Some(Endpoint::Responses) {
             let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
-            let shared = self.data.shared_responses.load_full();
+            let shared = self.data.shared_turns();
             match crate::response_store::prepare(
                 &self.data.responses,
-                shared.as_deref().map(|s| s as &dyn SharedTurns),
+                shared.as_deref(),
                 &body,
                 tenant,
                 service.spec().max_body_bytes,

@@ -332,7 +332,12 @@ impl ResponseStore {
 
     /// The turn `id` when `tenant` owns it (touched).
     pub fn get(&self, id: &str, tenant: Option<&str>) -> Option<Arc<StoredResponse>> {
-        self.peek(id).filter(|r| r.tenant.as_deref() == tenant)
+        self.get_at(id, tenant, Instant::now())
+    }
+
+    fn get_at(&self, id: &str, tenant: Option<&str>, now: Instant) -> Option<Arc<StoredResponse>> {
+        self.peek_at(id, now)
+            .filter(|r| r.tenant.as_deref() == tenant)
     }
 
     /// Deletes the turn `id` (whoever owns it: the caller checked); whether it was here.
@@ -357,8 +362,7 @@ impl ResponseStore {
         now: Instant,
     ) -> Result<Vec<Arc<StoredResponse>>, MissingTurn> {
         let owned = |at: &str| {
-            self.peek_at(at, now)
-                .filter(|r| r.tenant.as_deref() == tenant)
+            self.get_at(at, tenant, now)
                 .ok_or_else(|| MissingTurn(at.to_owned()))
         };
         let last = owned(id)?;
@@ -429,7 +433,8 @@ pub trait SharedTurns: Send + Sync {
 
 /// How long a replica waits, at most, for a turn another replica has just stored to reach the
 /// shared store (it is written off that replica's request path once the answer is complete,
-/// ~1 ms on an idle host; longer on a busy one): three more reads, 10, 40 and 150 ms later.
+/// one `SET` round trip on an idle host, not timed; longer on a busy one): three more reads,
+/// 10, 40 and 150 ms later.
 /// Only an id the shared store does not have waits them all (an unknown id: 200 ms).
 const SHARED_RETRIES: [Duration; 3] = [
     Duration::from_millis(10),
@@ -703,7 +708,7 @@ pub struct Capture {
 
 impl Capture {
     /// The answer's `content-length` (a whole answer is then complete at that length).
-    pub fn expect(&mut self, content_length: Option<usize>) {
+    pub fn expect_length(&mut self, content_length: Option<usize>) {
         self.expected = content_length;
     }
 
@@ -1185,7 +1190,7 @@ mod tests {
         let ok =
             json!({"id": "resp_w", "object": "response", "status": "incomplete", "output": []});
         let body = ok.to_string();
-        c.expect(Some(body.len()));
+        c.expect_length(Some(body.len()));
         c.feed(&body.as_bytes()[..5]);
         assert!(!c.complete());
         c.feed(&body.as_bytes()[5..]);

@@ -164,7 +164,7 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
 
 /// A chunk of the answer's body on its way to the client (`end`: the last): the first marks
 /// time to first byte and the end of the worker's prefill; a Responses API answer to store is
-/// read, and kept when it ended whole with status 200 (`crate::response_store`).
+/// read, and kept once it is complete with status 200 (`crate::response_store`).
 pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end: bool) {
     if ctx.first_byte.is_none() && !chunk.is_empty() {
         ctx.first_byte = Some(std::time::Instant::now());
@@ -184,11 +184,8 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
             .filter(|_| ctx.status == Some(200))
             .and_then(|c| c.finish())
         {
-            let shared = data.shared_responses.load_full();
-            let shared = shared
-                .as_deref()
-                .map(|s| s as &dyn crate::response_store::SharedTurns);
-            crate::response_store::keep(&data.responses, shared, turn);
+            let shared = data.shared_turns();
+            crate::response_store::keep(&data.responses, shared.as_deref(), turn);
         }
     }
 }
@@ -208,7 +205,7 @@ pub(crate) fn on_response(
             .get("content-length")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok());
-        c.expect(length);
+        c.expect_length(length);
     }
     ctx.receipt_named = Some(resp.headers.contains_key(RECEIPT_HEADER));
     if let Some(w) = &ctx.current {
