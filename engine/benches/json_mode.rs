@@ -76,6 +76,7 @@ fn main() {
         compile_us = compile_us.min(t.elapsed().as_secs_f64() * 1e6);
     }
     println!("compile a schema with date-time, email, ipv6, uuid, a pattern and a bounded integer: {compile_us:.0} µs");
+    schema_cache_rows(&held, compile_us);
     let held = Constraint::JsonSchema(table.clone(), Arc::new(compiled.expect("compiled")));
     let object = Constraint::JsonObject(table.clone());
     let structured = Constraint::JsonSchema(table.clone(), schema);
@@ -131,4 +132,76 @@ fn main() {
         "decode step (1 stream, {threads} threads): {step_us:.0} µs; the costliest mask is {:.1} % of it",
         worst / step_us * 100.0
     );
+}
+
+/// The compiled-schema cache (`engine::schema_cache`) beside compiling: the same schema sent
+/// again costs its key (the schema's JSON text) and a lookup. Rows: the six-property schema
+/// above, and an agent's eight tools forced with `tool_choice: "required"`.
+fn schema_cache_rows(held: &serde_json::Value, compile_us: f64) {
+    use engine::json_schema::CompiledSchema;
+    use engine::schema_cache::{SchemaCache, SchemaKey};
+    let string = serde_json::json!({"type": "string"});
+    let tools: Vec<(String, serde_json::Value)> = (0..8)
+        .map(|i| {
+            (
+                format!("tool_{i}"),
+                serde_json::json!({
+                    "type": "object",
+                    "properties": {
+                        "query": string,
+                        "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+                        "order": {"enum": ["asc", "desc"]},
+                        "since": {"type": "string", "format": "date"},
+                        "filters": {"type": "array", "items": {"type": "object", "properties": {
+                            "field": string, "value": {"type": ["string", "number", "null"]}}}}
+                    },
+                    "required": ["query"]
+                }),
+            )
+        })
+        .collect();
+    let refs: Vec<(&str, &serde_json::Value)> =
+        tools.iter().map(|(n, p)| (n.as_str(), p)).collect();
+    let mut calls_us = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        CompiledSchema::compile_calls(&refs).expect("calls");
+        calls_us = calls_us.min(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let cache = SchemaCache::new(32 << 20);
+    let hit_us = |key: &dyn Fn() -> SchemaKey| {
+        let mut best = f64::INFINITY;
+        for _ in 0..200 {
+            let t = Instant::now();
+            cache
+                .get_or_compile(key(), || -> Result<CompiledSchema, ()> {
+                    unreachable!("kept")
+                })
+                .expect("hit");
+            best = best.min(t.elapsed().as_secs_f64() * 1e6);
+        }
+        best
+    };
+    cache
+        .get_or_compile(SchemaKey::schema(held), || CompiledSchema::compile(held))
+        .expect("schema");
+    cache
+        .get_or_compile(SchemaKey::calls(&refs), || {
+            CompiledSchema::compile_calls(&refs).map_err(|(_, e)| e)
+        })
+        .expect("calls");
+    let held_hit = hit_us(&|| SchemaKey::schema(held));
+    let calls_hit = hit_us(&|| SchemaKey::calls(&refs));
+    let st = cache.stats();
+    println!("| schema | compile µs | cached µs | ratio |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| six properties, four formats and a pattern | {compile_us:.0} | {held_hit:.1} | {:.4} |",
+        held_hit / compile_us
+    );
+    println!(
+        "| eight tools, `tool_choice: \"required\"` | {calls_us:.0} | {calls_hit:.1} | {:.4} |",
+        calls_hit / calls_us
+    );
+    println!("schema cache: {} entries, {} bytes", st.entries, st.bytes);
 }

@@ -246,6 +246,38 @@ impl Compiler<'_> {
 }
 
 impl CompiledSchema {
+    /// An estimate of the memory it holds: its nodes, their keys and texts, its patterns'
+    /// tables (`engine::schema_cache` bounds its bytes with it).
+    pub fn heap_bytes(&self) -> usize {
+        let prop = |p: &Prop| std::mem::size_of::<Prop>() + p.key.capacity();
+        let nodes: usize = self
+            .nodes
+            .iter()
+            .map(|n| {
+                std::mem::size_of::<Node>()
+                    + match n {
+                        Node::Const(texts) => texts
+                            .iter()
+                            .map(|t| std::mem::size_of::<Vec<u8>>() + t.capacity())
+                            .sum(),
+                        Node::Object { props } => props.iter().map(prop).sum(),
+                        Node::Either(alts) => alts.capacity() * std::mem::size_of::<usize>(),
+                        Node::Tagged { head, alts } => {
+                            head.iter().map(prop).sum::<usize>()
+                                + alts.capacity() * std::mem::size_of::<usize>()
+                        }
+                        _ => 0,
+                    }
+            })
+            .sum();
+        let patterns: usize = self
+            .patterns
+            .iter()
+            .map(|p| std::mem::size_of::<TextPattern>() + p.heap_bytes())
+            .sum();
+        std::mem::size_of::<CompiledSchema>() + nodes + patterns
+    }
+
     /// The properties an object frame of `node` reads (a tagged union: its tag only, until
     /// the tag picks the alternative).
     fn props(&self, node: usize) -> Option<&[Prop]> {

@@ -27,6 +27,7 @@ pub mod kv;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;
+pub mod schema_cache;
 pub mod sim;
 pub mod step_budget;
 pub mod text_pattern;

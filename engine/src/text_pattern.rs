@@ -149,6 +149,11 @@ impl TextPattern {
         self.ends.len()
     }
 
+    /// The bytes its tables hold (`states × 256` transitions of 2 bytes, one end flag each).
+    pub fn heap_bytes(&self) -> usize {
+        self.next.capacity() * std::mem::size_of::<u16>() + self.ends.capacity()
+    }
+
     /// The state after `byte` from `state`, if a matching string can still follow.
     pub fn step(&self, state: u16, byte: u8) -> Option<u16> {
         let n = *self

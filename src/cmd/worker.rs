@@ -150,6 +150,10 @@ pub struct Args {
     /// Output tokens of a request without max_tokens: the remaining context capped here.
     #[arg(long, default_value_t = 1024)]
     pub default_max_tokens: usize,
+    /// MiB of compiled schemas (`json_schema` answers, forced tool calls) kept between
+    /// requests, least recently used out first; 0 compiles every request's schema.
+    #[arg(long, default_value_t = 32)]
+    pub schema_cache_mb: usize,
     /// Tokens kept free beyond prompt + output in the token budget.
     #[arg(long, default_value_t = 0)]
     pub native_reserve: usize,
@@ -391,6 +395,10 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
     settings.context_limit = args.context_limit;
     settings.require_receipts = !args.allow_unreceipted;
     settings.max_event_subscriptions = args.max_event_subscriptions;
+    settings.schema_cache_bytes = args
+        .schema_cache_mb
+        .checked_mul(1 << 20)
+        .context("--schema-cache-mb is too large")?;
     let template = profile.template_source();
     settings.tool_call_parser = match args.tool_call_parser.as_str() {
         "auto" => worker::output_parser::ToolCallFormat::detect(template),

@@ -312,12 +312,12 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         admission,
     };
     let plan = match endpoint {
-        Endpoint::Chat => validate::chat(&bytes),
+        Endpoint::Chat => validate::chat(&bytes, &st.schemas),
         Endpoint::Completion => validate::completion(&bytes),
         // The Responses API has no `n`: one answer.
         Endpoint::Responses => prompt_profile::responses_to_chat(&bytes)
             .map_err(ApiError::from)
-            .and_then(|chat| validate::chat(&chat))
+            .and_then(|chat| validate::chat(&chat, &st.schemas))
             .and_then(|p| match p.n {
                 1 => Ok(p),
                 _ => Err(ApiError::bad_request(

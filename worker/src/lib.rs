@@ -141,6 +141,10 @@ pub struct ServerSettings {
     /// How the model writes reasoning: chat answers get `reasoning_content` (`None`: not
     /// separated, the default here; the CLI detects it from the template).
     pub reasoning_parser: Option<output_parser::ReasoningFormat>,
+    /// Bytes of compiled schemas (`response_format` `json_schema`, forced tool calls) kept
+    /// between requests, least recently used out first (`engine::schema_cache`); 0 compiles
+    /// every request's. Default 32 MiB.
+    pub schema_cache_bytes: usize,
 }
 
 impl ServerSettings {
@@ -162,6 +166,7 @@ impl ServerSettings {
             max_event_subscriptions: 16,
             tool_call_parser: None,
             reasoning_parser: None,
+            schema_cache_bytes: 32 << 20,
         }
     }
 }
@@ -258,6 +263,8 @@ pub struct AppState {
     pub(crate) drain: drain::Drain,
     /// Each token's bytes, for JSON mode (built at the first request that asks for it).
     pub(crate) token_table: std::sync::OnceLock<Arc<engine::TokenTable>>,
+    /// Compiled `json_schema`s and forced tool calls' schemas, kept between requests.
+    pub(crate) schemas: Arc<engine::schema_cache::SchemaCache>,
 }
 
 impl AppState {
@@ -569,11 +576,15 @@ pub async fn spawn(
     let ready = Arc::new(AtomicBool::new(false));
     let mut registry = Registry::default();
     let drain = drain::Drain::default();
+    let schemas = Arc::new(engine::schema_cache::SchemaCache::new(
+        settings.schema_cache_bytes,
+    ));
     let metrics = metrics::ServerMetrics::register(
         &mut registry,
         engine.clone(),
         ready.clone(),
         drain.clone(),
+        schemas.clone(),
     );
     let state = Arc::new(AppState {
         tickets,
@@ -599,6 +610,7 @@ pub async fn spawn(
         subscriptions: Arc::new(tokio::sync::Semaphore::new(max_subscriptions)),
         drain,
         token_table: std::sync::OnceLock::new(),
+        schemas,
     });
 
     let app = router(state.clone());

@@ -51,6 +51,7 @@ impl ServerMetrics {
         engine: Engine,
         ready: Arc<AtomicBool>,
         drain: crate::drain::Drain,
+        schemas: Arc<engine::schema_cache::SchemaCache>,
     ) -> Self {
         let m = ServerMetrics {
             requests: Family::default(),
@@ -127,6 +128,7 @@ impl ServerMetrics {
         );
         r.register_collector(Box::new(EngineCollector { engine, ready }));
         r.register_collector(Box::new(DrainCollector(drain)));
+        r.register_collector(Box::new(SchemaCacheCollector(schemas)));
         m
     }
 
@@ -296,6 +298,47 @@ impl Collector for EngineCollector {
                 self.ready.load(Ordering::Acquire)
                     && self.engine.health() == engine::EngineHealth::Running,
             ),
+        )
+    }
+}
+
+/// Reads the compiled-schema cache's counts at scrape time.
+struct SchemaCacheCollector(Arc<engine::schema_cache::SchemaCache>);
+
+impl fmt::Debug for SchemaCacheCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SchemaCacheCollector")
+            .finish_non_exhaustive()
+    }
+}
+
+impl Collector for SchemaCacheCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let s = self.0.stats();
+        {
+            let mut me = enc.encode_descriptor(
+                "schema_cache_lookups",
+                "Schemas of json_schema answers and forced tool calls looked up in the compiled-schema cache, by result (hit: kept from an earlier request; miss: compiled)",
+                None,
+                MetricType::Counter,
+            )?;
+            for (result, v) in [("hit", s.hits), ("miss", s.misses)] {
+                let labels: Labels = vec![("result", result.to_string())];
+                me.encode_family(&labels)?
+                    .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(&v, None)?;
+            }
+        }
+        gauge(
+            &mut enc,
+            "schema_cache_entries",
+            "Compiled schemas kept",
+            clamp(s.entries),
+        )?;
+        gauge(
+            &mut enc,
+            "schema_cache_bytes",
+            "Bytes of the compiled schemas kept (their keys' text and the schemas' estimate), bounded by --schema-cache-mb",
+            clamp(s.bytes),
         )
     }
 }

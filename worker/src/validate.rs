@@ -13,6 +13,7 @@
 //! The token budget (needs the rendered prompt) is checked later by [`budget`].
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -22,7 +23,9 @@ use crate::output_parser::ForcedCall;
 use crate::protocol::{
     ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
+use engine::json_schema::CompiledSchema;
 use engine::sampler::SamplingParams;
+use engine::schema_cache::{SchemaCache, SchemaKey};
 use prompt_profile::{BodyError, ChatTemplateFields, ProfileError, PromptSource, ToolChoice};
 
 /// The most stop strings a request may carry (OpenAI's limit).
@@ -68,10 +71,10 @@ pub enum AnswerFormat {
     /// One JSON object (`{"type": "json_object"}`).
     JsonObject,
     /// A JSON object of this schema (`{"type": "json_schema", "json_schema": {"schema": …}}`).
-    JsonSchema(std::sync::Arc<engine::json_schema::CompiledSchema>),
+    JsonSchema(Arc<CompiledSchema>),
     /// A forced tool call (`tool_choice` `required` or a function): its JSON, of this schema
     /// (the function's `parameters`, or `{"name", "arguments"}` of one of the tools).
-    ToolCall(std::sync::Arc<engine::json_schema::CompiledSchema>),
+    ToolCall(Arc<CompiledSchema>),
 }
 
 /// What a chat request asks of the answer parser (`output_parser`).
@@ -475,8 +478,9 @@ fn common(
     })
 }
 
-/// Validates a `/v1/chat/completions` body.
-pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
+/// Validates a `/v1/chat/completions` body; a `json_schema` or a forced tool call's schema is
+/// compiled once and kept in `schemas` (`engine::schema_cache`).
+pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiError> {
     let value = parse_object(body, CHAT_FIELDS)?;
     // The common parameters first, on their own: serde loses the field path inside
     // `#[serde(flatten)]`, so this pass names a mistyped common field exactly.
@@ -523,9 +527,12 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
                             "`json_schema` needs `{\"json_schema\": {\"name\": …, \"schema\": {…}}}`",
                         )
                     })?;
-                let compiled = engine::json_schema::CompiledSchema::compile(schema)
+                let compiled = schemas
+                    .get_or_compile(SchemaKey::schema(schema), || {
+                        CompiledSchema::compile(schema)
+                    })
                     .map_err(|e| unsupported("response_format", &format!("json_schema: {e}")))?;
-                AnswerFormat::JsonSchema(std::sync::Arc::new(compiled))
+                AnswerFormat::JsonSchema(compiled)
             }
             _ => {
                 return Err(invalid_value(
@@ -614,9 +621,10 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
         ));
     }
     let mut format = format;
-    if let Some(forced) = forced_call(fields.tools.as_deref().unwrap_or_default(), choice)? {
+    if let Some(forced) = forced_call(fields.tools.as_deref().unwrap_or_default(), choice, schemas)?
+    {
         answer.forced = Some(forced.0);
-        format = AnswerFormat::ToolCall(std::sync::Arc::new(forced.1));
+        format = AnswerFormat::ToolCall(forced.1);
     }
     let chat = fields.prompt(r.messages).map_err(field_error)?;
     Ok(GenerationPlan {
@@ -643,7 +651,8 @@ pub fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
 fn forced_call(
     tools: &[Value],
     choice: Option<ToolChoice>,
-) -> Result<Option<(ForcedCall, engine::json_schema::CompiledSchema)>, ApiError> {
+    schemas: &SchemaCache,
+) -> Result<Option<(ForcedCall, Arc<CompiledSchema>)>, ApiError> {
     let empty = serde_json::json!({"type": "object", "properties": {}});
     let name_params = |t: &Value| {
         let f = t.get("function");
@@ -669,14 +678,20 @@ fn forced_call(
     match choice {
         Some(ToolChoice::Function(i)) => {
             let (name, params) = tools.get(i).map(name_params).unwrap_or_default();
-            let schema =
-                engine::json_schema::CompiledSchema::compile(&params).map_err(|e| refused(i, e))?;
+            let schema = schemas
+                .get_or_compile(SchemaKey::call(&params), || {
+                    CompiledSchema::compile(&params)
+                })
+                .map_err(|e| refused(i, e))?;
             Ok(Some((ForcedCall::Named(name), schema)))
         }
         Some(ToolChoice::Required) => {
             let all: Vec<(String, Value)> = tools.iter().map(name_params).collect();
             let refs: Vec<(&str, &Value)> = all.iter().map(|(n, p)| (n.as_str(), p)).collect();
-            let schema = engine::json_schema::CompiledSchema::compile_calls(&refs)
+            let schema = schemas
+                .get_or_compile(SchemaKey::calls(&refs), || {
+                    CompiledSchema::compile_calls(&refs)
+                })
                 .map_err(|(i, e)| refused(i, e))?;
             Ok(Some((ForcedCall::Required, schema)))
         }

@@ -146,6 +146,7 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
         "ok": {"type": "boolean"}, "n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
         "required": ["ok", "n", "tag"]});
     let mut schema_complete = 0;
+    let mut answers = Vec::new();
     for seed in 0..12 {
         let mut body = ask(
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
@@ -154,6 +155,7 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
         );
         body["max_tokens"] = json!(48);
         let (text, finish) = answer(&w, &body).await;
+        answers.push(text.clone());
         if finish == "stop" {
             let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
             let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
@@ -174,10 +176,38 @@ async fn json_mode_holds_on_logits_that_know_nothing_of_json() {
     for line in [
         "kvgate_worker_constrained_requests_total{format=\"json_object\"} 12",
         "kvgate_worker_constrained_requests_total{format=\"json_schema\"} 12",
+        // The schema was compiled once, for the first request; the other eleven reused it.
+        "kvgate_worker_schema_cache_lookups_total{result=\"miss\"} 1",
+        "kvgate_worker_schema_cache_lookups_total{result=\"hit\"} 11",
+        "kvgate_worker_schema_cache_entries 1",
     ] {
         assert!(metrics.contains(line), "{line}\n{metrics}");
     }
     w.stop().await;
+    // A worker that keeps no schema compiles each request's and gives the same answers.
+    let fresh = start_sim(SimOpts {
+        schema_cache_bytes: 0,
+        ..SimOpts::default()
+    })
+    .await;
+    for (seed, kept) in answers.iter().enumerate() {
+        let mut body = ask(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                   "temperature": 1.0, "seed": seed}),
+            48,
+        );
+        body["max_tokens"] = json!(48);
+        let (text, _) = answer(&fresh, &body).await;
+        assert_eq!(&text, kept, "seed {seed}");
+    }
+    let metrics = metrics_text(&fresh).await;
+    for line in [
+        "kvgate_worker_schema_cache_lookups_total{result=\"miss\"} 12",
+        "kvgate_worker_schema_cache_entries 0",
+    ] {
+        assert!(metrics.contains(line), "{line}\n{metrics}");
+    }
+    fresh.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,5 +179,14 @@ async fn forced_tool_calls_are_held_to_the_tools_schemas() {
         m.contains("kvgate_worker_constrained_requests_total{format=\"tool_call\"} 5"),
         "{m}"
     );
+    // Two schemas compiled (get_time's arguments; a call of either tool), each kept for the
+    // requests after it.
+    for line in [
+        "kvgate_worker_schema_cache_lookups_total{result=\"miss\"} 2",
+        "kvgate_worker_schema_cache_lookups_total{result=\"hit\"} 3",
+        "kvgate_worker_schema_cache_entries 2",
+    ] {
+        assert!(m.contains(line), "{line}\n{m}");
+    }
     w.stop().await;
 }

@@ -63,6 +63,8 @@ pub struct SimOpts {
     pub max_event_subscriptions: usize,
     /// `ServerSettings::reasoning_parser`.
     pub reasoning_parser: Option<worker::output_parser::ReasoningFormat>,
+    /// `ServerSettings::schema_cache_bytes`.
+    pub schema_cache_bytes: usize,
 }
 
 impl Default for SimOpts {
@@ -82,6 +84,7 @@ impl Default for SimOpts {
             real_model: false,
             max_event_subscriptions: 16,
             reasoning_parser: None,
+            schema_cache_bytes: 32 << 20,
         }
     }
 }
@@ -151,6 +154,7 @@ pub async fn start_sim(o: SimOpts) -> TestWorker {
     cfg.settings.served_model_names = o.served_model_names.clone();
     cfg.settings.max_event_subscriptions = o.max_event_subscriptions;
     cfg.settings.reasoning_parser = o.reasoning_parser;
+    cfg.settings.schema_cache_bytes = o.schema_cache_bytes;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let worker = worker::spawn(cfg, listener).await.unwrap();
     worker.wait_ready(Duration::from_secs(120)).await.unwrap();
