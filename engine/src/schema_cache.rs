@@ -377,14 +377,15 @@ mod tests {
                     let cache = cache.clone();
                     let s = s.clone();
                     scope.spawn(move || {
-                        (0..50)
-                            .map(|_| {
+                        let mut last = None;
+                        for _ in 0..50 {
+                            last = Some(
                                 cache
                                     .get_or_compile(SchemaKey::schema(&s), || compile(&s))
-                                    .unwrap()
-                            })
-                            .last()
-                            .unwrap()
+                                    .unwrap(),
+                            );
+                        }
+                        last.unwrap()
                     })
                 })
                 .collect();

@@ -850,6 +850,11 @@ mod tests {
     use super::*;
     use prompt_profile::TokenBudget;
 
+    /// `super::chat` with a cache that keeps nothing.
+    fn chat(body: &[u8]) -> Result<GenerationPlan, ApiError> {
+        super::chat(body, &SchemaCache::new(0))
+    }
+
     fn chat_err(body: &str) -> ApiError {
         chat(body.as_bytes()).unwrap_err()
     }
