@@ -17,6 +17,9 @@
 //!   threads (`routing_threads = 0`, the old placement) and on the routing pool (the default),
 //!   in one run.
 //!
+//! - `saving_stored_responses`: a full default store of stored responses copied, saved to
+//!   `--response-store-file` and read back, beside one plain write of the same bytes.
+//!
 //! Figures go to `docs/benchmarks.md` (section `## gateway`). The proxy path against nginx and
 //! the SGLang model gateway is `scripts/bench-proxy.sh`.
 
@@ -475,4 +478,86 @@ fn continuing_a_stored_conversation() {
         );
     }
     fleet.stop();
+}
+
+/// Keeping stored responses across a restart (`--response-store-file`): a full default store
+/// (64 MiB of turns of a ~1,000-word user message and a ~300-word answer) copied under the
+/// store's lock (`snapshot`, the only part that holds the request path), written to the file
+/// (serialize, write, fsync, rename: the saver's background work) and read back into an empty
+/// store (the start), beside writing the same bytes with one `std::fs::write` + fsync (the
+/// floor). Median of 5 runs each.
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn saving_stored_responses() {
+    use gateway::response_file::{load, now_ms, save};
+    use gateway::response_store::{ResponseStore, StoreLimits, StoredResponse};
+    let store = ResponseStore::new(StoreLimits::DEFAULT);
+    let mut t = 0u64;
+    loop {
+        let id = format!("resp_save_{t}");
+        let input = vec![serde_json::json!({"role": "user", "content": [
+            {"type": "input_text", "text": varied_prose_seeded(1000, 2 * t + 1)}]})];
+        let response = serde_json::json!({"id": id, "object": "response", "status": "completed",
+            "output": [{"type": "message", "id": format!("msg_{t}"), "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": varied_prose_seeded(300, 2 * t + 2), "annotations": [], "logprobs": []}]}]});
+        let r = StoredResponse::new(id, None, Vec::new(), input, response);
+        let (_, bytes) = store.stats();
+        if bytes + r.bytes() > StoreLimits::DEFAULT.max_bytes {
+            break;
+        }
+        store.insert(r).unwrap();
+        t += 1;
+    }
+    let (turns, bytes) = store.stats();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("responses.jsonl");
+    let floor_path = dir.path().join("floor.bin");
+    let (mut snap, mut saving, mut reading, mut floor) = (vec![], vec![], vec![], vec![]);
+    let mut written = 0;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let copy = store.snapshot();
+        snap.push(t0.elapsed());
+        let t0 = Instant::now();
+        written = save(&path, &copy, now_ms()).unwrap();
+        saving.push(t0.elapsed());
+        let back = ResponseStore::new(StoreLimits::DEFAULT);
+        let t0 = Instant::now();
+        let report = load(&path, &back, now_ms()).unwrap();
+        reading.push(t0.elapsed());
+        assert_eq!(report.restored, turns, "{report:?}");
+        let data = std::fs::read(&path).unwrap();
+        let t0 = Instant::now();
+        std::fs::write(&floor_path, &data).unwrap();
+        std::fs::File::open(&floor_path)
+            .unwrap()
+            .sync_all()
+            .unwrap();
+        floor.push(t0.elapsed());
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let (snap, saving, reading, floor) =
+        (median(snap), median(saving), median(reading), median(floor));
+    println!("{turns} turns, {bytes} bytes in the store, a {written}-byte file");
+    println!("| step | median | / the floor |");
+    println!("|---|---:|---:|");
+    println!(
+        "| snapshot (under the store's lock) | {:.2} ms | {:.3} |",
+        ms(snap),
+        ms(snap) / ms(floor)
+    );
+    println!(
+        "| save (serialize, write, fsync, rename) | {:.1} ms | {:.2} |",
+        ms(saving),
+        ms(saving) / ms(floor)
+    );
+    println!(
+        "| read back into an empty store | {:.1} ms | {:.2} |",
+        ms(reading),
+        ms(reading) / ms(floor)
+    );
+    println!(
+        "| floor: one write + fsync of the same bytes | {:.1} ms | 1 |",
+        ms(floor)
+    );
 }

@@ -913,6 +913,120 @@ fn call(fleet: &Fleet, method: Method, path: &str) -> support::Reply {
 }
 
 #[test]
+fn stored_responses_survive_a_gateway_restart() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    let file = fleet.dir.path().join("responses.jsonl");
+    // The rules file is `dir/rules.toml`: the responses file sits beside it.
+    let keep = |cfg: &mut gateway::GatewayConfig| {
+        cfg.response_file = Some(cfg.rules_path.with_file_name("responses.jsonl"));
+        cfg.response_save_interval = Duration::from_millis(200);
+    };
+    fleet.start_gateway_with(KV_SERVICE, true, keep);
+    let first = "Tell me about the history of the lighthouse keepers of the northern coast, \
+                 their daily routines, the lamps and lenses they tended, and the storms. "
+        .repeat(3);
+    let ask = |fleet: &Fleet, body: serde_json::Value| fleet.post("/v1/responses", &body, &[]);
+    let r1 = ask(
+        &fleet,
+        json!({"model": "smol", "input": first, "max_output_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(r1.status, 200, "{}", r1.text());
+    let (w1, one) = (r1.worker(), r1.json());
+    let id1 = one["id"].as_str().unwrap().to_owned();
+    fleet.wait_indexed(&w1, 3);
+    let r2 = ask(
+        &fleet,
+        json!({"model": "smol", "previous_response_id": id1, "input": "And then?",
+               "max_output_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    let id2 = r2.json()["id"].as_str().unwrap().to_owned();
+    let gone = ask(
+        &fleet,
+        json!({"model": "smol", "input": "forget me", "max_output_tokens": 2}),
+    );
+    let gone = gone.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        call(&fleet, Method::DELETE, &format!("/v1/responses/{gone}")).status,
+        200
+    );
+    // Saved while the gateway runs (every 200 ms when something changed).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        if text.contains(&id2) && !text.contains(&gone) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not saved:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Turn 3, stored just before the stop: saved at shutdown.
+    let r3 = ask(
+        &fleet,
+        json!({"model": "smol", "previous_response_id": id2, "input": "Third.",
+               "max_output_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r3.status, 200, "{}", r3.text());
+    let three = r3.json();
+    let id3 = three["id"].as_str().unwrap().to_owned();
+    fleet.gateway.take().unwrap().shutdown();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    }
+
+    // A new gateway process over the same file: the conversation goes on, on the worker that
+    // holds its prefix; the deleted turn stays deleted.
+    fleet.start_gateway_with(KV_SERVICE, true, keep);
+    let got = fleet.get(&format!("/v1/responses/{id3}"), None);
+    assert_eq!(got.status, 200, "{}", got.text());
+    let got = got.json();
+    assert_eq!(got["previous_response_id"], json!(id2));
+    assert_eq!(got["output"], three["output"]);
+    assert_eq!(
+        fleet.get(&format!("/v1/responses/{gone}"), None).status,
+        404
+    );
+    fleet.wait_indexed(&w1, 3);
+    let r4 = ask(
+        &fleet,
+        json!({"model": "smol", "previous_response_id": id3, "input": "Fourth.",
+               "max_output_tokens": 4, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r4.status, 200, "{}", r4.text());
+    assert_eq!(r4.worker(), w1);
+    assert_eq!(r4.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    let four = streamed_response(&r4);
+    let cached = four["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 32, "cached {cached}");
+    // The restored conversation is the one stored: the same answer as it sent whole.
+    let whole = ask(
+        &fleet,
+        json!({"model": "smol", "max_output_tokens": 4, "temperature": 0, "input": [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": output_text(&one)},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": output_text(&r2.json())},
+            {"role": "user", "content": "Third."},
+            {"role": "assistant", "content": output_text(&three)},
+            {"role": "user", "content": "Fourth."}]}),
+    );
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    assert_eq!(output_text(&whole.json()), output_text(&four));
+    let rep = fleet.audit();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.parity.mismatched, 0, "{rep}");
+    fleet.stop();
+}
+
+#[test]
 fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
     let mut fleet = Fleet::workers(FleetOptions {
         workers: 2,

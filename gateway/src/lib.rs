@@ -38,6 +38,7 @@ pub mod profile;
 pub mod protocol;
 pub mod proxy;
 pub mod request;
+pub mod response_file;
 pub mod response_store;
 pub mod route;
 pub mod supervisor;
@@ -118,6 +119,12 @@ pub struct GatewayConfig {
     /// Stored responses (the Responses API's `store` and `previous_response_id`): how much
     /// this gateway keeps ([`response_store::StoreLimits`]; `max_bytes` 0: none).
     pub responses: response_store::StoreLimits,
+    /// Keep the stored responses across a restart in this file ([`response_file`]): read at
+    /// the start, written when they changed every [`Self::response_save_interval`] and at
+    /// shutdown. `None` (the default): they live in memory only.
+    pub response_file: Option<PathBuf>,
+    /// How often the stored responses are saved to [`Self::response_file`] when they changed.
+    pub response_save_interval: Duration,
     /// The longest the admin plane's `GET /ready` waits, after the start, for the KV event
     /// snapshots of the healthy workers `kv_exact` services route to
     /// ([`data_plane::DataPlane::catching_up`]).
@@ -157,6 +164,8 @@ impl GatewayConfig {
             upstream_tls: tls::ClientTls::default(),
             cluster: None,
             responses: response_store::StoreLimits::DEFAULT,
+            response_file: None,
+            response_save_interval: Duration::from_secs(30),
         }
     }
 }
@@ -177,6 +186,8 @@ pub struct RunningGateway {
     server: Option<std::thread::JoinHandle<()>>,
     runtime: Option<tokio::runtime::Runtime>,
     _watcher: Option<notify::RecommendedWatcher>,
+    /// Saves the stored responses to `--response-store-file` (stopped after the listeners).
+    saver: Option<response_file::Saver>,
 }
 
 struct ChannelSignal {
@@ -344,6 +355,25 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         responses: response_store::ResponseStore::new(config.responses),
         shared_responses: arc_swap::ArcSwapOption::empty(),
     });
+    // Stored responses of the last run, before any request can store new ones.
+    let saved_changes = match &config.response_file {
+        Some(path) if data.responses.enabled() => {
+            let report = response_file::load(path, &data.responses, response_file::now_ms())
+                .map_err(|e| cfg_err(format!("--response-store-file {}: {e}", path.display())))?;
+            if let Some(why) = &report.ignored {
+                tracing::warn!(path = %path.display(), "stored responses: file left alone: {why}; the next save replaces it");
+            }
+            tracing::info!(
+                path = %path.display(),
+                restored = report.restored,
+                expired = report.expired,
+                skipped = report.skipped,
+                "stored responses read back"
+            );
+            Some(data.responses.changes())
+        }
+        _ => None,
+    };
     let control = Arc::new(ControlPlane::new(
         data.clone(),
         store,
@@ -533,7 +563,19 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         server: Some(thread),
         runtime: Some(runtime),
         _watcher: watcher,
+        saver: None,
     };
+    if let (Some(path), Some(saved), Some(rt)) =
+        (&config.response_file, saved_changes, &running.runtime)
+    {
+        running.saver = Some(response_file::Saver::start(
+            rt.handle(),
+            running.data.clone(),
+            path.clone(),
+            config.response_save_interval,
+            saved,
+        ));
+    }
     // Wait for Running, then until both listeners accept.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -693,6 +735,10 @@ impl RunningGateway {
         }
         if let (Some(link), Some(rt)) = (self.control.cluster(), &self.runtime) {
             link.shutdown(rt.handle());
+        }
+        // The listeners are closed: the last turns are stored; save them.
+        if let (Some(saver), Some(rt)) = (self.saver.take(), &self.runtime) {
+            rt.block_on(saver.stop());
         }
         let handles = self.control.stop_supervisor();
         self._watcher = None;

@@ -139,6 +139,9 @@ pub struct Metrics {
     pub stored_responses: Gauge,
     /// Their bytes (input items and response objects as JSON).
     pub stored_response_bytes: Gauge,
+    /// Saves of the stored responses to `--response-store-file` that failed
+    /// (`crate::response_file`).
+    pub response_store_save_failures: Counter,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -352,6 +355,12 @@ impl Metrics {
             "Bytes of the stored responses (their input items and response objects as JSON)",
             stored_response_bytes.clone(),
         );
+        let response_store_save_failures = Counter::default();
+        registry.register(
+            "response_store_save_failures",
+            "Saves of the stored responses to --response-store-file that failed (the previous file is kept)",
+            response_store_save_failures.clone(),
+        );
         let access_log_dropped = Counter::default();
         registry.register(
             "access_log_dropped",
@@ -385,6 +394,7 @@ impl Metrics {
             draining,
             stored_responses,
             stored_response_bytes,
+            response_store_save_failures,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,

@@ -118,6 +118,18 @@ impl StoredResponse {
         r
     }
 
+    /// [`Self::new`] within the record limits ([`MAX_TURNS`], [`MAX_ID_LEN`]); `None` beyond them.
+    pub fn checked(
+        id: String,
+        tenant: Option<String>,
+        chain: Vec<String>,
+        input: Vec<Value>,
+        response: Value,
+    ) -> Option<StoredResponse> {
+        (chain.len() < MAX_TURNS && id.len() <= MAX_ID_LEN)
+            .then(|| StoredResponse::new(id, tenant, chain, input, response))
+    }
+
     /// Fills `items` and counts it in `bytes`.
     fn write_items(&mut self) {
         let mut items = String::new();
@@ -215,6 +227,9 @@ struct Inner {
     order: BTreeMap<u64, String>,
     next: u64,
     bytes: usize,
+    /// Insertions, removals and uses so far (what tells a saver that there is something new
+    /// to save, [`ResponseStore::changes`]).
+    changes: u64,
 }
 
 impl Inner {
@@ -222,6 +237,7 @@ impl Inner {
         let e = self.entries.remove(id)?;
         self.order.remove(&e.seq);
         self.bytes -= e.record.bytes;
+        self.changes += 1;
         Some(e.record)
     }
 
@@ -239,8 +255,10 @@ impl Inner {
         self.order.remove(&e.seq);
         e.seq = seq;
         e.used = now;
+        let record = e.record.clone();
         self.order.insert(seq, id.to_owned());
-        Some(e.record.clone())
+        self.changes += 1;
+        Some(record)
     }
 
     /// Drops the least recently used while they are expired or the store is over `max`.
@@ -309,6 +327,7 @@ impl ResponseStore {
         let seq = g.next;
         g.next += 1;
         g.bytes += r.bytes;
+        g.changes += 1;
         g.order.insert(seq, r.id.clone());
         g.entries.insert(
             r.id.clone(),
@@ -373,6 +392,34 @@ impl ResponseStore {
             .collect::<Result<Vec<_>, _>>()?;
         turns.push(last);
         Ok(turns)
+    }
+
+    /// Keeps a turn read back from a saved file ([`crate::response_file`]), unused for `idle`
+    /// already: it expires that much sooner, and turns restored oldest first keep their order.
+    /// Whether it was kept (as [`Self::insert`]; an expired one is not).
+    pub fn restore(&self, r: StoredResponse, idle: Duration) -> bool {
+        if idle >= self.limits.idle_ttl {
+            return false;
+        }
+        let now = Instant::now();
+        let used = now.checked_sub(idle).unwrap_or(now);
+        self.insert_at(Arc::new(r), used)
+    }
+
+    /// Every turn, least recently used first, with how long it has been unused.
+    pub fn snapshot(&self) -> Vec<(Arc<StoredResponse>, Duration)> {
+        let now = Instant::now();
+        let g = self.inner.lock();
+        g.order
+            .values()
+            .filter_map(|id| g.entries.get(id))
+            .map(|e| (e.record.clone(), now.saturating_duration_since(e.used)))
+            .collect()
+    }
+
+    /// A count of insertions, removals and uses: unchanged means nothing to save.
+    pub fn changes(&self) -> u64 {
+        self.inner.lock().changes
     }
 
     /// Turns stored and their bytes.

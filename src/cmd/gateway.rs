@@ -104,6 +104,13 @@ pub struct Args {
     /// A stored response neither read nor continued for this long is dropped, seconds.
     #[arg(long, default_value_t = 3600)]
     pub response_idle_ttl_s: u64,
+    /// Keep the stored responses across restarts in this file: read at the start, written
+    /// when they changed (every --response-save-interval-s) and at shutdown.
+    #[arg(long)]
+    pub response_store_file: Option<std::path::PathBuf>,
+    /// How often changed stored responses are written to --response-store-file, seconds.
+    #[arg(long, default_value_t = 30)]
+    pub response_save_interval_s: u64,
     #[command(flatten)]
     pub drain: super::shutdown::DrainArgs,
 }
@@ -138,6 +145,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         max_bytes: args.response_store_mb.saturating_mul(1 << 20),
         idle_ttl: std::time::Duration::from_secs(args.response_idle_ttl_s),
     };
+    config.response_file = args.response_store_file;
+    config.response_save_interval =
+        std::time::Duration::from_secs(args.response_save_interval_s.max(1));
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();
