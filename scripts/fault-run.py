@@ -7,7 +7,8 @@ KV-exact behind API keys with rate limits), then tries every fault in the table 
 malformed and oversized bodies through the gateway and directly, forged / expired / replayed /
 misdirected tickets, the workers' side doors, admin without or with bad tokens, invalid rules by
 the API, by file and by SIGHUP, 10x overload, `kill -9` of a worker mid-stream and its restart
-(replays refused across it), SIGTERM of a worker mid-stream (it drains), a full worker's 429
+(replays refused across it), SIGTERM of a worker mid-stream (it drains), SIGTERM of the gateway
+and its restart over its stored responses (`--response-store-file`), a full worker's 429
 retried on another worker, tenant keys, limits and cache isolation, cancellation, `promtool`
 on both servers, the receipts audit, and key files read by OpenSSL.
 
@@ -303,16 +304,29 @@ rule = {{ type = "kv_exact", profile = "smol", salt = {{ mode = "tenant" }} }}
         self.gport, self.aport = free_port(), free_port()
         args = [self.bin, "gateway", "--rules", str(self.work / "rules.toml"), "--listen", f"127.0.0.1:{self.gport}",
                 "--admin", f"127.0.0.1:{self.aport}", "--key", str(self.keys / "gateway.key"),
-                "--admin-token", ADMIN_TOKEN, "--decision-log", str(self.work / "decisions.jsonl")]
+                "--admin-token", ADMIN_TOKEN, "--decision-log", str(self.work / "decisions.jsonl"),
+                "--response-store-file", str(self.work / "responses.jsonl")]
+        self.gateway_args = args
         self.gateway = Proc("gateway", args, self.work / "gateway.log")
         self.gateway.start()
+        self.wait_gateway()
+
+    def restart_gateway(self):
+        """SIGTERM the gateway (it drains and exits) and start it again on the same ports."""
+        self.gateway.stop()
+        self.gateway = Proc("gateway", self.gateway_args, self.work / "gateway-restarted.log")
+        self.gateway.start()
+        self.wait_gateway()
+
+    def wait_gateway(self):
         wait_http(self.aport, "/admin/rules", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
         # Both workers healthy in the gateway's view.
         end = time.time() + 30
         while time.time() < end:
             w = self.admin("GET", "/admin/workers").json()
             items = w.get("workers", w) if isinstance(w, dict) else w
-            if isinstance(items, list) and len(items) == 2 and all(i.get("healthy") for i in items):
+            healthy = {i.get("id") for i in items if i.get("healthy")} if isinstance(items, list) else set()
+            if healthy >= {"w1", "w2"}:
                 break
             time.sleep(0.1)
 
@@ -956,6 +970,33 @@ upstream = {{ refused_retries = 0 }}
             p = subprocess.run([promtool, "check", "metrics"], input=r.body.encode(), capture_output=True)
             assert p.returncode == 0, (p.stdout + p.stderr).decode()[:300]
             return "clean"
+
+    @case("SIGTERM: the gateway restarts; stored responses (--response-store-file) continue; a deleted one stays deleted")
+    def _():
+        post = lambda body: g("POST", "/v1/responses", json.dumps(body).encode(),
+                              headers={"content-type": "application/json"})
+        r1 = post({"model": "smol", "input": "Name three rivers of Europe.", "max_output_tokens": 8})
+        expect(r1, 200)
+        r2 = post({"model": "smol", "input": "And one more?", "previous_response_id": r1.json()["id"],
+                   "max_output_tokens": 6})
+        expect(r2, 200)
+        gone = post({"model": "smol", "input": "forget this", "max_output_tokens": 2})
+        expect(g("DELETE", f"/v1/responses/{gone.json()['id']}"), 200)
+        run.restart_gateway()
+        got = g("GET", f"/v1/responses/{r2.json()['id']}")
+        expect(got, 200)
+        assert got.json()["previous_response_id"] == r1.json()["id"], got.json()
+        assert got.json()["output"] == r2.json()["output"], got.json()
+        expect(g("GET", f"/v1/responses/{gone.json()['id']}"), 404, "response_not_found")
+        r3 = post({"model": "smol", "input": "Thanks.", "previous_response_id": r2.json()["id"],
+                   "max_output_tokens": 4})
+        expect(r3, 200)
+        cached = r3.json()["usage"]["input_tokens_details"]["cached_tokens"]
+        assert r3.json()["usage"]["input_tokens"] > r2.json()["usage"]["input_tokens"], r3.json()
+        mode = (run.work / "responses.jsonl").stat().st_mode & 0o777
+        assert mode == 0o600, oct(mode)
+        return (f"turn 3 after the restart: {r3.json()['usage']['input_tokens']} input tokens, {cached} cached "
+                f"({r3.h('x-kvgate-route-reason')}); deleted turn 404; file mode {oct(mode)}")
 
     @case("keys: openssl reads the gateway's key file")
     def _():
