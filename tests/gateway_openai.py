@@ -117,12 +117,16 @@ def main() -> int:
         model="smol", previous_response_id=rr.id, input="And then?", max_output_tokens=4,
         temperature=0)
     assert second.usage.input_tokens > rr.usage.input_tokens, (second.usage, rr.usage)
+    # The answers say what the gateway did: stored, and which turn they continue.
+    assert rr.store is True and rr.previous_response_id is None, rr
+    assert second.store is True and second.previous_response_id == rr.id, second
     kept = client.responses.retrieve(rr.id)
     assert kept.id == rr.id and kept.output[0].type == rr.output[0].type, kept
     streamed = list(client.responses.create(
         model="smol", previous_response_id=second.id, input="Last.", max_output_tokens=3,
         stream=True))
     third = streamed[-1].response
+    assert third.store is True and third.previous_response_id == second.id, third
     assert client.responses.retrieve(third.id).previous_response_id == second.id
     items = list(client.responses.input_items.list(second.id))
     assert len(items) == 1 and items[0].content[0].text == "And then?", items

@@ -1043,6 +1043,9 @@ fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
     assert_eq!(r1.status, 200, "{}", r1.text());
     let (w1, one) = (r1.worker(), r1.json());
     let id1 = one["id"].as_str().unwrap().to_owned();
+    // The answer says what the gateway does with it: stored, continuing nothing.
+    assert_eq!(one["store"], true, "{one}");
+    assert!(one["previous_response_id"].is_null(), "{one}");
     fleet.wait_indexed(&w1, 3);
     let got = fleet.get(&format!("/v1/responses/{id1}"), None);
     assert_eq!(got.status, 200, "{}", got.text());
@@ -1065,6 +1068,11 @@ fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
     assert_eq!(r2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
     let two = streamed_response(&r2);
     let id2 = two["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        (&two["store"], &two["previous_response_id"]),
+        (&json!(true), &json!(id1)),
+        "{two}"
+    );
     let cached = two["usage"]["input_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
@@ -1096,9 +1104,40 @@ fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
         json!(id1)
     );
 
-    // `store: false` is not kept.
-    let r = ask(json!({"model": "smol", "input": "x", "max_output_tokens": 2, "store": false}));
+    // `store: false` is not kept, and says so — whatever header the client sent to say
+    // otherwise (the gateway replaces it). A continuation not stored still names its turn.
+    let r = fleet.post(
+        "/v1/responses",
+        &json!({"model": "smol", "input": "x", "max_output_tokens": 2, "store": false}),
+        &[(
+            prompt_profile::STORED_HEADER,
+            "store=true; previous_response_id=resp_forged",
+        )],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (&r.json()["store"], &r.json()["previous_response_id"]),
+        (&json!(false), &json!(null))
+    );
     let unstored = r.json()["id"].as_str().unwrap().to_owned();
+    let r = ask(
+        json!({"model": "smol", "previous_response_id": id1, "input": "Aside.",
+                       "max_output_tokens": 2, "store": false}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (&r.json()["store"], &r.json()["previous_response_id"]),
+        (&json!(false), &json!(id1))
+    );
+    assert_eq!(
+        fleet
+            .get(
+                &format!("/v1/responses/{}", r.json()["id"].as_str().unwrap()),
+                None
+            )
+            .status,
+        404
+    );
     let r = fleet.get(&format!("/v1/responses/{unstored}"), None);
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "response_not_found");

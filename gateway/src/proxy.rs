@@ -474,6 +474,7 @@ impl ProxyHttp for Proxy {
             {
                 Ok(p) => {
                     ctx.capture = p.capture.map(Box::new);
+                    ctx.stored = p.stored;
                     p.body.unwrap_or(body)
                 }
                 Err(err) => return respond_error(session, ctx, &err).await,

@@ -74,6 +74,9 @@ pub struct RequestCtx {
     pub(crate) attempts: u32,
     /// A Responses API answer to store, read as it streams back ([`crate::upstream::on_body`]).
     pub(crate) capture: Option<Box<crate::response_store::Capture>>,
+    /// What this gateway stores of a Responses API request, told to the worker
+    /// (`prompt_profile::STORED_HEADER`) so that its response object says so.
+    pub(crate) stored: Option<prompt_profile::Stored>,
 }
 
 impl RequestCtx {

@@ -639,6 +639,9 @@ pub struct Prepared {
     pub body: Option<Bytes>,
     /// How to capture the answer, when it is to be stored.
     pub capture: Option<Capture>,
+    /// `store` and `previous_response_id` as the worker's response object must say them
+    /// (`prompt_profile::STORED_HEADER`); `None` with storing off.
+    pub stored: Option<prompt_profile::Stored>,
 }
 
 /// Reads a Responses API body for storing: with `previous_response_id`, the body the workers get
@@ -685,7 +688,13 @@ pub async fn prepare(
         }
     };
     let own = input_items(o.get("input"))?;
-    let mut out = Prepared::default();
+    let mut out = Prepared {
+        stored: Some(prompt_profile::Stored {
+            store: keep,
+            previous_response_id: previous.clone(),
+        }),
+        ..Prepared::default()
+    };
     let mut chain = Vec::new();
     if let Some(prev) = &previous {
         let turns =

@@ -147,6 +147,13 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
             head.remove_header(TICKET_HEADER);
         }
     }
+    // What this gateway stores of a Responses API request; a client's own header never passes.
+    match &ctx.stored {
+        Some(s) => head.insert_header(prompt_profile::STORED_HEADER, s.header_value())?,
+        None => {
+            head.remove_header(prompt_profile::STORED_HEADER);
+        }
+    }
     if ctx.tenant.is_some() {
         // The tenant's API key is the gateway's to check, not the worker's to see.
         head.remove_header("authorization");

@@ -23,12 +23,84 @@
 //! before this translation, `gateway::response_store`), `background: true`, `include` entries other than
 //! `message.output_text.logprobs`, `truncation: "auto"`, a non-empty `reasoning`, items and
 //! content parts of other types (images, files, built-in tools). `store` is accepted and nothing
-//! is stored.
+//! is stored by the worker.
+//!
+//! What the gateway stores is told to the worker in one header, [`STORED_HEADER`] ([`Stored`]),
+//! so that the response object the worker writes says `store` and `previous_response_id` as
+//! the client's request set them (the worker honours it only on a request with a verified route
+//! ticket: the gateway removes any the client sent).
 
 use serde_json::{json, Map, Value};
 
 use crate::body::BodyError;
 use crate::prompt::FieldError;
+
+/// The header a gateway that stores Responses API answers sends with each `POST /v1/responses`
+/// it forwards ([`Stored`]).
+pub const STORED_HEADER: &str = "x-kvgate-stored";
+
+/// What the gateway does with a Responses API request, for the response object's `store` and
+/// `previous_response_id`: header value `store=true` or `store=false`, then
+/// `; previous_response_id=<id>` when it continued a stored conversation (an id of visible
+/// ASCII without `;`, `=` or spaces, at most 256 bytes; another is left out).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// The gateway stores the answer.
+    pub store: bool,
+    /// The stored turn the request continued.
+    pub previous_response_id: Option<String>,
+}
+
+/// The longest `previous_response_id` the header carries.
+const MAX_STORED_ID: usize = 256;
+
+fn header_safe_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_STORED_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b';' && b != b'=')
+}
+
+impl Stored {
+    /// The header's value.
+    pub fn header_value(&self) -> String {
+        let mut v = format!("store={}", self.store);
+        if let Some(id) = self
+            .previous_response_id
+            .as_deref()
+            .filter(|id| header_safe_id(id))
+        {
+            v.push_str("; previous_response_id=");
+            v.push_str(id);
+        }
+        v
+    }
+
+    /// From the header's value; `None` when it is not one.
+    pub fn parse(value: &str) -> Option<Stored> {
+        let mut parts = value.split(';').map(str::trim);
+        let store = match parts.next()? {
+            "store=true" => true,
+            "store=false" => false,
+            _ => return None,
+        };
+        let previous_response_id = match parts.next() {
+            None => None,
+            Some(p) => {
+                let id = p.strip_prefix("previous_response_id=")?;
+                if !header_safe_id(id) {
+                    return None;
+                }
+                Some(id.to_owned())
+            }
+        };
+        parts.next().is_none().then_some(Stored {
+            store,
+            previous_response_id,
+        })
+    }
+}
 
 fn unsupported(param: impl Into<String>, reason: &str) -> BodyError {
     BodyError::field(FieldError {
@@ -346,6 +418,59 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stored_header_round_trips_and_refuses_what_it_cannot_carry() {
+        for s in [
+            Stored {
+                store: true,
+                previous_response_id: None,
+            },
+            Stored {
+                store: false,
+                previous_response_id: Some("resp_abc-1".into()),
+            },
+            Stored {
+                store: true,
+                previous_response_id: Some("resp_x".into()),
+            },
+        ] {
+            assert_eq!(
+                Stored::parse(&s.header_value()),
+                Some(s.clone()),
+                "{}",
+                s.header_value()
+            );
+        }
+        assert_eq!(
+            Stored {
+                store: true,
+                previous_response_id: None
+            }
+            .header_value(),
+            "store=true"
+        );
+        // An id the header cannot carry is left out, not mangled.
+        for bad in ["a b", "a;b", "a=b", "", "é", &"r".repeat(257)] {
+            let s = Stored {
+                store: true,
+                previous_response_id: Some(bad.to_owned()),
+            };
+            assert_eq!(s.header_value(), "store=true", "{bad:?}");
+        }
+        for bad in [
+            "",
+            "store",
+            "store=yes",
+            "store=true;",
+            "store=true; previous_response_id=",
+            "store=true; previous_response_id=a b",
+            "store=true; other=x",
+            "store=true; previous_response_id=a; x=y",
+        ] {
+            assert_eq!(Stored::parse(bad), None, "{bad:?}");
+        }
+    }
 
     fn chat(v: Value) -> Value {
         serde_json::from_slice(&responses_to_chat(v.to_string().as_bytes()).unwrap()).unwrap()

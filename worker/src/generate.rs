@@ -284,6 +284,16 @@ pub async fn completions(
     handle(st, Endpoint::Completion, headers, body).await
 }
 
+/// What the gateway stores of a Responses API request (`prompt_profile::STORED_HEADER`), read
+/// only from a request with a verified route ticket: from anyone else the header means nothing.
+fn stored(headers: &HeaderMap, ctx: &ReceiptCtx) -> Option<prompt_profile::Stored> {
+    ctx.admission.ticket.as_ref()?;
+    headers
+        .get(prompt_profile::STORED_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(prompt_profile::Stored::parse)
+}
+
 async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let received = Instant::now();
     let received_at_ms = receipts::now_ms();
@@ -540,7 +550,7 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
         let resp = match (endpoint, answers.pop()) {
             (Endpoint::Responses, Some(answer)) if answers.is_empty() => {
-                let echo = crate::responses::Echo::of(&bytes);
+                let echo = crate::responses::Echo::of(&bytes, stored(&headers, &ctx));
                 Sse::new(crate::responses::events(meta, echo, answer, rx))
                     .keep_alive(keep_alive)
                     .into_response()
@@ -554,7 +564,8 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
         with_ids(resp, &ctx.admission.request_id, true)
     } else {
         let logprobs = plan.output.logprobs.is_some();
-        let echo = (endpoint == Endpoint::Responses).then(|| crate::responses::Echo::of(&bytes));
+        let echo = (endpoint == Endpoint::Responses)
+            .then(|| crate::responses::Echo::of(&bytes, stored(&headers, &ctx)));
         let (resp, written) = collect(endpoint, meta, echo, parsers, logprobs, rx).await;
         let status = resp.status().as_u16();
         st.metrics.request(endpoint.label(), status);

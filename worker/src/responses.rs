@@ -21,8 +21,10 @@ use crate::protocol::{ChatChoice, ChatDelta, UsageBody};
 pub(crate) struct Echo(Map<String, Value>);
 
 impl Echo {
-    /// From the request body (already validated through its chat translation).
-    pub(crate) fn of(body: &[u8]) -> Echo {
+    /// From the request body (already validated through its chat translation) and what the
+    /// gateway that forwarded it stores of it (`store: false` and no `previous_response_id`
+    /// without one: the worker stores nothing).
+    pub(crate) fn of(body: &[u8], stored: Option<prompt_profile::Stored>) -> Echo {
         let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let mut m = Map::new();
         for (k, default) in [
@@ -41,7 +43,12 @@ impl Echo {
             let given = v.get(k).filter(|x| !x.is_null()).cloned();
             m.insert(k.into(), given.unwrap_or(default));
         }
-        m.insert("store".into(), json!(false));
+        let stored = stored.unwrap_or_default();
+        m.insert("store".into(), json!(stored.store));
+        m.insert(
+            "previous_response_id".into(),
+            json!(stored.previous_response_id),
+        );
         Echo(m)
     }
 }

@@ -28,9 +28,15 @@ async fn responses_answer_as_chat_does_streamed_or_not() {
 
     let ask = json!({"model": "smollm2", "instructions": "Be brief.", "max_output_tokens": 12,
                      "temperature": 0, "input": QUESTION});
+    // A client's own `x-kvgate-stored` header (without a route ticket) changes nothing: the
+    // worker stores nothing, so the response says `store: false`.
     let resp = client()
         .post(w.url("/v1/responses"))
         .header("x-request-id", "resp-1")
+        .header(
+            prompt_profile::STORED_HEADER,
+            "store=true; previous_response_id=resp_forged",
+        )
         .json(&ask)
         .send()
         .await
@@ -49,6 +55,8 @@ async fn responses_answer_as_chat_does_streamed_or_not() {
     let text = msg["content"][0]["text"].as_str().unwrap();
     assert_eq!(text, chat_text, "{r}");
     assert_eq!(r["instructions"], "Be brief.");
+    assert_eq!(r["store"], false, "{r}");
+    assert!(r["previous_response_id"].is_null(), "{r}");
     let status = r["status"].as_str().unwrap();
     assert!(status == "completed" || status == "incomplete", "{r}");
     assert_eq!(r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
