@@ -1654,7 +1654,18 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         Some("tenant-key"),
     );
     assert_eq!(r.status, 200, "{}", r.text());
+    // A turn replica 2 holds a copy of, to be deleted through replica 1 while Redis is away.
+    let doomed = id_of(&ask(
+        &c,
+        0,
+        json!({"model": "smol", "input": "Delete me later.", "max_output_tokens": 3}),
+    ));
+    let doomed_path = format!("/v1/responses/{doomed}");
+    c.wait_for("replica 2 reads the turn", Duration::from_secs(5), || {
+        call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status == 200
+    });
     // Redis gone: each replica goes on with the turns it holds; no request fails for it.
+    let redis_port = c.redis.port;
     c.redis.kill();
     let r = ask(
         &c,
@@ -1668,6 +1679,36 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         json!({"model": "smol", "previous_response_id": away, "input": "Still here?", "max_output_tokens": 3}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
+    let d = call(&c, 0, reqwest::Method::DELETE, &doomed_path, None, None);
+    assert_eq!(d.status, 200, "{}", d.text());
+    assert_eq!(
+        call(&c, 0, reqwest::Method::GET, &doomed_path, None, None).status,
+        404
+    );
+    // Replica 2 cannot know yet: it serves its copy.
+    assert_eq!(
+        call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status,
+        200
+    );
+    // Redis back (empty: it keeps nothing on disk here). Replica 1 writes the deletion it
+    // made meanwhile, and replica 2 drops its copy at its next read.
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    c.wait_for("replicas back", Duration::from_secs(10), || {
+        (0..3).all(|g| {
+            c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
+                .json()["state"]
+                == "ok"
+        })
+    });
+    c.wait_for(
+        "the deletion reaches replica 2 through Redis",
+        Duration::from_secs(5),
+        || call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status == 404,
+    );
+    assert_eq!(
+        call(&c, 2, reqwest::Method::GET, &doomed_path, None, None).status,
+        404
+    );
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }

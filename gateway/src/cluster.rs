@@ -27,7 +27,7 @@
 //! a stored response ([`SharedResponses`], at most [`SHARED_RESPONSES_TIMEOUT`] per read) —
 //! neither while degraded: the load guard reads two atomics the sync loop fills.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -188,15 +188,15 @@ impl ClusterLink {
         let responses = control.data.responses.limits();
         if control.data.responses.enabled() {
             let (tx, rx) = tokio::sync::mpsc::channel(RESPONSES_QUEUE);
-            control
-                .data
-                .shared_responses
-                .store(Some(Arc::new(SharedResponses {
-                    link: me.clone(),
-                    tx,
-                    ttl: responses.idle_ttl,
-                })));
+            let shared = Arc::new(SharedResponses {
+                link: me.clone(),
+                tx,
+                ttl: responses.idle_ttl,
+                pending_deletes: Mutex::new(HashSet::new()),
+            });
+            control.data.shared_responses.store(Some(shared.clone()));
             handles.push(handle.spawn(write_responses(me.clone(), rx, responses.idle_ttl)));
+            handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
         }
         handles.push(handle.spawn(receive_holdings(me, weak)));
         self.handles.lock().extend(handles);
@@ -362,9 +362,49 @@ pub struct SharedResponses {
     link: Arc<ClusterLink>,
     tx: tokio::sync::mpsc::Sender<Arc<crate::response_store::StoredResponse>>,
     ttl: Duration,
+    /// Deletions made while Redis did not answer, written there by [`retry_deletes`] once it
+    /// does (so that a turn deleted during an outage does not come back from Redis, or from
+    /// another replica's copy); meanwhile this replica reads them as deleted. At most
+    /// [`MAX_PENDING_DELETES`].
+    pending_deletes: Mutex<HashSet<String>>,
 }
 
+/// Deletions kept for Redis while it does not answer; more are made on this replica only
+/// (logged).
+pub const MAX_PENDING_DELETES: usize = 65_536;
+
+/// How often pending deletions are tried again.
+const DELETE_RETRY: Duration = Duration::from_millis(500);
+
 impl SharedResponses {
+    /// Keeps a deletion Redis did not take, for [`retry_deletes`].
+    fn defer_delete(&self, id: &str) {
+        let mut pending = self.pending_deletes.lock();
+        if pending.len() < MAX_PENDING_DELETES {
+            pending.insert(id.to_owned());
+        } else {
+            tracing::warn!(id, "stored responses: too many deletions wait for Redis; this one is made on this replica only");
+        }
+    }
+
+    /// Deletions waiting for Redis.
+    pub fn pending_deletes(&self) -> usize {
+        self.pending_deletes.lock().len()
+    }
+
+    /// Writes the deletion of `id` (the `deleted` marker): whether a turn was there, `None`
+    /// when Redis did not answer.
+    async fn retire(&self, store: &cluster::Store, id: &str) -> Option<bool> {
+        let old = tokio::time::timeout(
+            SHARED_RESPONSES_TIMEOUT,
+            store.retire_response(id, self.ttl),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        Some(old.is_some_and(|o| o != cluster::RESPONSE_DELETED))
+    }
+
     /// The store, unless degraded or never connected.
     fn store(&self) -> Option<Arc<cluster::Store>> {
         if self.link.status.degraded.load(Ordering::Relaxed) {
@@ -387,11 +427,15 @@ impl crate::response_store::SharedTurns for SharedResponses {
         let read =
             tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.responses(&reads, self.ttl));
         let values = read.await.ok()?.ok()?;
+        let pending = self.pending_deletes.lock();
         Some(
             values
                 .into_iter()
                 .zip(whole)
-                .map(|(v, whole)| match v {
+                .zip(ids)
+                .map(|((v, whole), id)| match v {
+                    // Deleted here while Redis was away, not yet written there.
+                    _ if pending.contains(id) => Shared::Deleted,
                     None => Shared::Absent,
                     Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
                     Some(_) if !whole => Shared::Present,
@@ -407,15 +451,39 @@ impl crate::response_store::SharedTurns for SharedResponses {
     }
 
     async fn delete(&self, id: &str) -> Option<bool> {
-        let store = self.store()?;
-        let old = tokio::time::timeout(
-            SHARED_RESPONSES_TIMEOUT,
-            store.retire_response(id, self.ttl),
-        )
-        .await
-        .ok()?
-        .ok()?;
-        Some(old.is_some_and(|o| o != cluster::RESPONSE_DELETED))
+        let done = match self.store() {
+            Some(store) => self.retire(&store, id).await,
+            None => None,
+        };
+        if done.is_none() {
+            self.defer_delete(id);
+        }
+        done
+    }
+}
+
+/// Writes the deletions made while Redis did not answer, every [`DELETE_RETRY`] while any wait
+/// and Redis is reachable, until the link is cancelled.
+async fn retry_deletes(link: Arc<ClusterLink>, shared: Arc<SharedResponses>) {
+    loop {
+        tokio::select! {
+            _ = link.cancel.cancelled() => return,
+            _ = tokio::time::sleep(DELETE_RETRY) => {}
+        }
+        let ids: Vec<String> = shared.pending_deletes.lock().iter().cloned().collect();
+        if ids.is_empty() {
+            continue;
+        }
+        let Some(store) = shared.store() else {
+            continue;
+        };
+        for id in ids {
+            if shared.retire(&store, &id).await.is_none() {
+                break;
+            }
+            shared.pending_deletes.lock().remove(&id);
+            tracing::info!(id = %id, "stored responses: a deletion made while Redis was away written there");
+        }
     }
 }
 
