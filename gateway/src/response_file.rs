@@ -197,6 +197,7 @@ pub fn save(
     Ok(written)
 }
 
+/// `<file>.tmp`: one gateway process per file (two would replace each other's saves).
 fn tmp_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_owned();
     name.push(".tmp");
