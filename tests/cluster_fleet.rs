@@ -1713,6 +1713,102 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
     assert!(report.ok(), "{report}");
 }
 
+/// The replicas' stored turns in Redis stay within the budget: the least recently used (stored
+/// or read) go first, a deletion or an expiry frees its bytes, and the byte count is the sum
+/// of what is listed.
+#[test]
+fn stored_responses_in_redis_stay_within_the_budget() {
+    let (rt, _redis, store) = fresh_store("responses-budget");
+    rt.block_on(async {
+        let ttl = Duration::from_secs(60);
+        let value =
+            |t: usize| format!("{{\"id\":\"resp_{t:03}\",\"pad\":\"{}\"}}", "x".repeat(980));
+        let len = value(0).len() as u64;
+        let budget = 4 * len + len / 2;
+        let now = receipts::now_ms();
+        let put = |t: usize, at: u64| {
+            let store = &store;
+            let v = value(t);
+            async move {
+                store
+                    .put_response(&format!("resp_{t}"), &v, ttl, budget, at)
+                    .await
+                    .unwrap()
+            }
+        };
+        for t in 0..4 {
+            assert_eq!(put(t, now + t as u64).await, Some(0), "turn {t}");
+        }
+        assert_eq!(store.response_bytes().await.unwrap(), 4 * len);
+        // Reading turn 0 makes turn 1 the least recently used.
+        let read = store
+            .responses(&[("resp_0".into(), false)], ttl, now + 10)
+            .await
+            .unwrap();
+        assert!(read[0].is_some());
+        assert_eq!(put(4, now + 11).await, Some(1));
+        let present = |ids: Vec<usize>| {
+            let store = &store;
+            async move {
+                let reads: Vec<(String, bool)> =
+                    ids.iter().map(|t| (format!("resp_{t}"), true)).collect();
+                store
+                    .responses(&reads, ttl, now + 12)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(Option::is_some)
+                    .collect::<Vec<bool>>()
+            }
+        };
+        assert_eq!(
+            present(vec![0, 1, 2, 3, 4]).await,
+            [true, false, true, true, true]
+        );
+        assert_eq!(store.response_bytes().await.unwrap(), 4 * len);
+        // An id taken is not stored again, nor counted twice.
+        assert_eq!(put(4, now + 13).await, None);
+        assert_eq!(store.response_bytes().await.unwrap(), 4 * len);
+        // A deletion frees its bytes; its marker is not listed.
+        assert!(store
+            .retire_response("resp_2", ttl)
+            .await
+            .unwrap()
+            .is_some());
+        assert_eq!(store.response_bytes().await.unwrap(), 3 * len);
+        assert_eq!(put(2, now + 14).await, None, "a deleted id stays deleted");
+        assert_eq!(put(5, now + 16).await, Some(0));
+        assert_eq!(store.response_bytes().await.unwrap(), 4 * len);
+        // Turns idle past the TTL (their keys expired) are unlisted at the next store (every
+        // turn has the replicas' one idle TTL; here 100 ms, on the real clock).
+        let brief = cluster::Store::connect(&_redis.url(), "responses-brief")
+            .await
+            .unwrap();
+        let short = Duration::from_millis(100);
+        brief
+            .put_response("resp_a", &value(7), short, budget, receipts::now_ms())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        brief
+            .put_response("resp_b", &value(8), short, budget, receipts::now_ms())
+            .await
+            .unwrap();
+        assert_eq!(brief.response_bytes().await.unwrap(), len);
+        // Without a budget nothing is evicted.
+        for t in 10..20 {
+            assert_eq!(
+                store
+                    .put_response(&format!("resp_{t}"), &value(t), ttl, 0, now + 20)
+                    .await
+                    .unwrap(),
+                Some(0)
+            );
+        }
+        assert_eq!(store.response_bytes().await.unwrap(), 14 * len);
+    });
+}
+
 /// What a continuation through another replica adds in cluster mode: one pipelined `GETEX` of
 /// a conversation's turns (`cluster::Store::responses`), against a `PING` on the same
 /// connection. Run with `--ignored --nocapture`; figures in docs/benchmarks.md.
@@ -1736,7 +1832,10 @@ fn stored_response_reads_against_ping() {
         };
         for t in 0..64 {
             let r = turn(t);
-            store.put_response(&r.id, &r.to_json(), ttl).await.unwrap();
+            store
+                .put_response(&r.id, &r.to_json(), ttl, 0, receipts::now_ms())
+                .await
+                .unwrap();
         }
         let n = 500u32;
         for round in 0..2 {
@@ -1752,7 +1851,10 @@ fn stored_response_reads_against_ping() {
                         (0..k).map(|p| (format!("resp_{p}"), whole)).collect();
                     let t = Instant::now();
                     for _ in 0..n {
-                        let got = store.responses(&reads, ttl).await.unwrap();
+                        let got = store
+                            .responses(&reads, ttl, receipts::now_ms())
+                            .await
+                            .unwrap();
                         assert!(got.iter().all(Option::is_some));
                     }
                     let each = t.elapsed() / n;
@@ -1763,9 +1865,33 @@ fn stored_response_reads_against_ping() {
                     ));
                 }
             }
+            // The same 64 whole reads without the LRU touch (`ZADD … XX` per turn, which keeps
+            // the shared turns within `--cluster-response-mb`): what the read cost before it.
+            let client = redis::Client::open(_redis.url()).unwrap();
+            let mut con = client.get_multiplexed_async_connection().await.unwrap();
+            let t = Instant::now();
+            for _ in 0..n {
+                let mut pipe = redis::pipe();
+                for p in 0..64 {
+                    pipe.cmd("GETEX")
+                        .arg(format!("responses-timing:response:resp_{p}"))
+                        .arg("PX")
+                        .arg(60_000);
+                }
+                let got: Vec<Option<String>> = pipe.query_async(&mut con).await.unwrap();
+                assert!(got.iter().all(Option::is_some));
+            }
+            let bare = t.elapsed() / n;
+            line.push_str(&format!(
+                ", 64 turns read without the LRU touch {bare:?} ({:.1}× PING)",
+                bare.as_secs_f64() / ping.as_secs_f64()
+            ));
             // What a replica then does with a whole read: parse every turn.
             let ids: Vec<(String, bool)> = (0..64).map(|p| (format!("resp_{p}"), true)).collect();
-            let values = store.responses(&ids, ttl).await.unwrap();
+            let values = store
+                .responses(&ids, ttl, receipts::now_ms())
+                .await
+                .unwrap();
             let t = Instant::now();
             for _ in 0..n {
                 for v in values.iter().flatten() {

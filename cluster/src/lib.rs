@@ -17,6 +17,9 @@
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
 //! | `P:response:<id>` | string: a stored Responses API turn (opaque JSON, the gateway's), or [`RESPONSE_DELETED`] | one replica's stored answer, readable by every replica ([`Store::put_response`]) | `PX` the idle TTL, renewed by each read (`GETEX`) |
+//! | `P:responses` | sorted set, member = a stored turn's id, score = its last use (ms, the replicas' clocks) | the stored turns, least recently used first: what goes out when they are over the budget | members removed by eviction, deletion, or past the idle TTL (at the next store) |
+//! | `P:responses:size` | hash id → bytes | each listed turn's size | as `P:responses` |
+//! | `P:responses:bytes` | string, integer | the listed turns' bytes (≤ the budget after each store) | — |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
@@ -212,7 +215,69 @@ impl Keys {
     pub fn response(&self, id: &str) -> String {
         format!("{}:response:{id}", self.prefix)
     }
+    /// What every `P:response:<id>` begins with.
+    pub fn response_prefix(&self) -> String {
+        format!("{}:response:", self.prefix)
+    }
+    pub fn responses(&self) -> String {
+        format!("{}:responses", self.prefix)
+    }
+    pub fn response_sizes(&self) -> String {
+        format!("{}:responses:size", self.prefix)
+    }
+    pub fn response_bytes(&self) -> String {
+        format!("{}:responses:bytes", self.prefix)
+    }
 }
+
+/// Stores a turn unless its id is taken, lists it, and keeps the listed turns within the budget
+/// (see [`Store::put_response`]).
+/// KEYS: `P:response:<id>`, `P:responses`, `P:responses:bytes`, `P:responses:size`.
+/// ARGV: id, value, TTL ms, budget bytes (0: none), now ms, `P:response:`.
+/// Returns 0 when the id was taken, else 1 + the turns evicted.
+const PUT_RESPONSE: &str = r#"
+if not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 0 end
+local now = tonumber(ARGV[5])
+local len = string.len(ARGV[2])
+local before = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], len)
+redis.call('INCRBY', KEYS[3], len - before)
+local function forget(id)
+  local n = tonumber(redis.call('HGET', KEYS[4], id) or '0')
+  redis.call('HDEL', KEYS[4], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('DECRBY', KEYS[3], n)
+end
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[3]), 'LIMIT', 0, 64)
+for _, id in ipairs(stale) do forget(id) end
+local budget = tonumber(ARGV[4])
+local evicted = 0
+if budget > 0 then
+  while tonumber(redis.call('GET', KEYS[3]) or '0') > budget do
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
+    if #oldest == 0 or oldest[1] == ARGV[1] then break end
+    forget(oldest[1])
+    redis.call('DEL', ARGV[6] .. oldest[1])
+    evicted = evicted + 1
+  end
+end
+return 1 + evicted
+"#;
+
+/// Replaces a stored turn by [`RESPONSE_DELETED`] and unlists it (see
+/// [`Store::retire_response`]). KEYS as [`PUT_RESPONSE`]; ARGV: id, TTL ms,
+/// [`RESPONSE_DELETED`]. Returns the old value.
+const RETIRE_RESPONSE: &str = r#"
+local old = redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2], 'GET')
+local n = redis.call('HGET', KEYS[4], ARGV[1])
+if n then
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('DECRBY', KEYS[3], tonumber(n))
+end
+return old
+"#;
 
 /// The value a deleted stored response leaves under `P:response:<id>` for its TTL, so that the
 /// replicas holding a copy learn of the deletion ([`Store::retire_response`]).
@@ -414,6 +479,8 @@ pub struct Store {
     con: ConnectionManager,
     keys: Keys,
     claim_script: redis::Script,
+    put_response_script: redis::Script,
+    retire_response_script: redis::Script,
 }
 
 fn parse_doc(v: Vec<Option<String>>) -> Result<Option<RulesDoc>> {
@@ -462,6 +529,8 @@ impl Store {
             con,
             keys: Keys::new(prefix),
             claim_script: redis::Script::new(CLAIM),
+            put_response_script: redis::Script::new(PUT_RESPONSE),
+            retire_response_script: redis::Script::new(RETIRE_RESPONSE),
         };
         // Best effort: a user whose ACL denies `SCRIPT` still claims (by `EVAL` on `NOSCRIPT`);
         // the gateway's sync tries again, and logs the error, on every tick.
@@ -769,28 +838,47 @@ impl Store {
         Ok(())
     }
 
-    /// Stores a Responses API turn under its id for `ttl`, unless the id is taken (`SET … NX`).
-    pub async fn put_response(&self, id: &str, json: &str, ttl: Duration) -> Result<()> {
-        self.set_response(id, json, ttl, "NX").await.map(|_| ())
-    }
-
-    /// `SET P:response:<id> <value> PX <ttl> <option>`.
-    async fn set_response(
+    /// Stores a Responses API turn under its id for `ttl`, unless the id is taken (`SET … NX`;
+    /// `Ok(None)` then), and lists it as used now (`now_ms`, this host's clock). Then, in the
+    /// same script, listed turns idle past `ttl` are unlisted (their keys expired; at most 64
+    /// per call), and while the listed turns' bytes exceed `budget` (0: no bound) the least
+    /// recently used are deleted — so Redis holds at most about `budget` of stored turns
+    /// (plus the one just stored, when it alone exceeds the budget). `Ok(Some(n))`: stored,
+    /// `n` others evicted.
+    pub async fn put_response(
         &self,
         id: &str,
-        value: &str,
+        json: &str,
         ttl: Duration,
-        option: &str,
-    ) -> Result<Option<String>> {
+        budget: u64,
+        now_ms: u64,
+    ) -> Result<Option<u64>> {
         let mut con = self.con.clone();
-        Ok(redis::cmd("SET")
-            .arg(self.keys.response(id))
-            .arg(value)
-            .arg("PX")
+        let n: u64 = self
+            .put_response_script
+            .key(self.keys.response(id))
+            .key(self.keys.responses())
+            .key(self.keys.response_bytes())
+            .key(self.keys.response_sizes())
+            .arg(id)
+            .arg(json)
             .arg(ttl.as_millis().max(1) as u64)
-            .arg(option)
-            .query_async::<Option<String>>(&mut con)
-            .await?)
+            .arg(budget)
+            .arg(now_ms)
+            .arg(self.keys.response_prefix())
+            .invoke_async(&mut con)
+            .await?;
+        Ok(n.checked_sub(1))
+    }
+
+    /// The listed stored turns' bytes (`P:responses:bytes`).
+    pub async fn response_bytes(&self) -> Result<u64> {
+        let mut con = self.con.clone();
+        let n: Option<i64> = redis::cmd("GET")
+            .arg(self.keys.response_bytes())
+            .query_async(&mut con)
+            .await?;
+        Ok(n.map_or(0, |n| n.max(0) as u64))
     }
 
     /// The stored turns `reads` (id, whole), each key's TTL renewed to `ttl`, in one round
@@ -801,6 +889,7 @@ impl Store {
         &self,
         reads: &[(String, bool)],
         ttl: Duration,
+        now_ms: u64,
     ) -> Result<Vec<Option<String>>> {
         if reads.is_empty() {
             return Ok(Vec::new());
@@ -816,6 +905,13 @@ impl Store {
                 pipe.cmd("PEXPIRE").arg(&key).arg(ttl_ms).ignore();
             }
         }
+        // Used now: last out under the budget (a deleted or unknown id is not listed); one
+        // command for all of them.
+        let touch = pipe.cmd("ZADD").arg(self.keys.responses()).arg("XX");
+        for (id, _) in reads {
+            touch.arg(now_ms).arg(id);
+        }
+        touch.ignore();
         let mut con = self.con.clone();
         let values = pipe.query_async::<Vec<Option<String>>>(&mut con).await?;
         // `GETRANGE` of an absent key is "".
@@ -828,7 +924,18 @@ impl Store {
     /// Deletes a stored turn: [`RESPONSE_DELETED`] replaces it for `ttl` (so replicas holding a
     /// copy drop it when they next read it). Returns what was there.
     pub async fn retire_response(&self, id: &str, ttl: Duration) -> Result<Option<String>> {
-        self.set_response(id, RESPONSE_DELETED, ttl, "GET").await
+        let mut con = self.con.clone();
+        Ok(self
+            .retire_response_script
+            .key(self.keys.response(id))
+            .key(self.keys.responses())
+            .key(self.keys.response_bytes())
+            .key(self.keys.response_sizes())
+            .arg(id)
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg(RESPONSE_DELETED)
+            .invoke_async(&mut con)
+            .await?)
     }
 
     /// Announces (or renews) a worker's registration for `lease`.

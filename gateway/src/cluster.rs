@@ -56,6 +56,10 @@ pub struct ClusterSettings {
     /// How long a decision waits for its claim before it keeps its own choice unclaimed.
     /// Default 5 ms.
     pub claim_timeout: Duration,
+    /// Bytes of stored Responses API turns the replicas keep in Redis together, at most
+    /// (`cluster::Store::put_response`: least recently used out first); 0: bounded by the idle
+    /// TTL only. Default 1 GiB.
+    pub response_budget: u64,
 }
 
 impl ClusterSettings {
@@ -67,6 +71,7 @@ impl ClusterSettings {
             lease: Duration::from_secs(5),
             claim_ttl: DEFAULT_CLAIM_TTL,
             claim_timeout: DEFAULT_CLAIM_TIMEOUT,
+            response_budget: DEFAULT_RESPONSE_BUDGET,
         }
     }
 
@@ -75,6 +80,9 @@ impl ClusterSettings {
         (self.lease / 5).max(Duration::from_millis(100))
     }
 }
+
+/// Default [`ClusterSettings::response_budget`]: 1 GiB.
+pub const DEFAULT_RESPONSE_BUDGET: u64 = 1 << 30;
 
 /// Default [`ClusterSettings::claim_ttl`].
 pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_millis(10);
@@ -195,7 +203,12 @@ impl ClusterLink {
                 pending_deletes: Mutex::new(HashSet::new()),
             });
             control.data.shared_responses.store(Some(shared.clone()));
-            handles.push(handle.spawn(write_responses(me.clone(), rx, responses.idle_ttl)));
+            handles.push(handle.spawn(write_responses(
+                me.clone(),
+                rx,
+                responses.idle_ttl,
+                control.data.metrics.cluster_response_evictions.clone(),
+            )));
             handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
         }
         handles.push(handle.spawn(receive_holdings(me, weak)));
@@ -424,8 +437,10 @@ impl crate::response_store::SharedTurns for SharedResponses {
         use crate::response_store::{Shared, StoredResponse};
         let store = self.store()?;
         let reads: Vec<(String, bool)> = ids.iter().cloned().zip(whole.iter().copied()).collect();
-        let read =
-            tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.responses(&reads, self.ttl));
+        let read = tokio::time::timeout(
+            SHARED_RESPONSES_TIMEOUT,
+            store.responses(&reads, self.ttl, receipts::now_ms()),
+        );
         let values = read.await.ok()?.ok()?;
         let pending = self.pending_deletes.lock();
         Some(
@@ -511,16 +526,30 @@ async fn drain_to_store<T, F, Fut>(
 }
 
 /// Writes the turns this replica stored to Redis, in order.
+/// Writes the turns this replica stored to Redis, in order, within the replicas' budget
+/// (`ClusterSettings::response_budget`); the turns that made room are counted in `evictions`.
 async fn write_responses(
     link: Arc<ClusterLink>,
     rx: tokio::sync::mpsc::Receiver<Arc<crate::response_store::StoredResponse>>,
     ttl: Duration,
+    evictions: prometheus_client::metrics::counter::Counter,
 ) {
-    drain_to_store(link, rx, |store, t| async move {
-        // Lost, the turn is continued only through this replica; the sync loop reports the
-        // store's state.
-        if let Err(e) = store.put_response(&t.id, &t.to_json(), ttl).await {
-            tracing::debug!(error = %e, id = %t.id, "stored response not shared");
+    let budget = link.settings.response_budget;
+    drain_to_store(link, rx, |store, t| {
+        let evictions = evictions.clone();
+        async move {
+            // Lost, the turn is continued only through this replica; the sync loop reports the
+            // store's state.
+            match store
+                .put_response(&t.id, &t.to_json(), ttl, budget, receipts::now_ms())
+                .await
+            {
+                Ok(Some(evicted)) => {
+                    evictions.inc_by(evicted);
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!(error = %e, id = %t.id, "stored response not shared"),
+            }
         }
     })
     .await

@@ -142,6 +142,9 @@ pub struct Metrics {
     /// Saves of the stored responses to `--response-store-file` that failed
     /// (`crate::response_file`).
     pub response_store_save_failures: Counter,
+    /// Cluster mode: stored turns deleted from Redis to keep the replicas' stored responses
+    /// within `--cluster-response-mb` (by this replica's writes).
+    pub cluster_response_evictions: Counter,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -361,6 +364,12 @@ impl Metrics {
             "Saves of the stored responses to --response-store-file that failed (the previous file is kept)",
             response_store_save_failures.clone(),
         );
+        let cluster_response_evictions = Counter::default();
+        registry.register(
+            "cluster_response_evictions",
+            "Cluster mode: stored responses deleted from Redis, least recently used first, to keep the replicas' stored responses within --cluster-response-mb (counted by the replica whose write made room)",
+            cluster_response_evictions.clone(),
+        );
         let access_log_dropped = Counter::default();
         registry.register(
             "access_log_dropped",
@@ -395,6 +404,7 @@ impl Metrics {
             stored_responses,
             stored_response_bytes,
             response_store_save_failures,
+            cluster_response_evictions,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,

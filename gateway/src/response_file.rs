@@ -424,4 +424,42 @@ mod tests {
         std::fs::write(&path, "").unwrap();
         assert_eq!(load(&path, &other, 0).unwrap(), LoadReport::default());
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Any file — saved turns cut, flipped or mixed with noise — reads without a panic,
+        /// within the store's bounds, restoring at most the turns it holds whole.
+        #[test]
+        fn any_file_reads_back_within_bounds(
+            cuts in proptest::collection::vec((0usize..4, 0usize..2000, proptest::num::u8::ANY), 0..12),
+            noise in proptest::collection::vec(proptest::num::u8::ANY, 0..600),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("r.jsonl");
+            let limits = StoreLimits { max_bytes: 8 << 10, ..StoreLimits::DEFAULT };
+            let store = ResponseStore::new(StoreLimits::DEFAULT);
+            for t in 0..4 {
+                store.insert(turn(&format!("resp_{t}"), &[], &"w ".repeat(t * 200))).unwrap();
+            }
+            save(&path, &store.snapshot(), now_ms()).unwrap();
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (kind, at, b) in &cuts {
+                let at = at % (bytes.len() + 1);
+                match kind {
+                    0 => bytes.truncate(at),
+                    1 => if at < bytes.len() { bytes[at] ^= b | 1 },
+                    2 => bytes.insert(at, *b),
+                    _ => bytes.splice(at..at, noise.iter().copied()).for_each(drop),
+                }
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let back = ResponseStore::new(limits);
+            let report = load(&path, &back, now_ms()).unwrap();
+            let (entries, used) = back.stats();
+            proptest::prop_assert!(used <= limits.max_bytes);
+            proptest::prop_assert!(report.restored <= 4, "{report:?}");
+            proptest::prop_assert!(entries <= report.restored);
+        }
+    }
 }

@@ -97,6 +97,11 @@ pub struct Args {
     /// How long a decision waits for its claim before keeping its own choice, ms.
     #[arg(long, default_value_t = 5)]
     pub cluster_claim_timeout_ms: u64,
+    /// Cluster mode: MiB of stored responses the replicas keep in Redis together, least
+    /// recently used out first; 0: bounded by --response-idle-ttl-s only. Give every
+    /// replica the same value.
+    #[arg(long, default_value_t = 1024)]
+    pub cluster_response_mb: u64,
     /// Memory for stored Responses API answers (`store`, `previous_response_id`,
     /// `GET /v1/responses/{id}`), MiB; 0 stores none (docs/gateway.md, "Stored responses").
     #[arg(long, default_value_t = 64)]
@@ -164,6 +169,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         c.prefix = args.cluster_prefix.clone();
         c.lease = std::time::Duration::from_millis(args.cluster_lease_ms.max(500));
         c.claim_ttl = std::time::Duration::from_millis(args.cluster_claim_ms);
+        c.response_budget = args.cluster_response_mb.saturating_mul(1 << 20);
         c.claim_timeout = std::time::Duration::from_millis(args.cluster_claim_timeout_ms.max(1));
         config.cluster = Some(c);
     }
