@@ -1664,6 +1664,21 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
     c.wait_for("replica 2 reads the turn", Duration::from_secs(5), || {
         call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status == 200
     });
+    // The replicas' turns in Redis, as each replica's sync reads them, within the budget.
+    let shared = |c: &Cluster, g: usize| {
+        c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["stored_responses"]
+            .clone()
+    };
+    c.wait_for(
+        "the stored bytes in /admin/cluster",
+        Duration::from_secs(5),
+        || shared(&c, 2)["bytes_in_redis"].as_u64().unwrap_or(0) > 0,
+    );
+    assert_eq!(
+        shared(&c, 2)["budget_bytes"].as_u64(),
+        Some(gateway::cluster::DEFAULT_RESPONSE_BUDGET)
+    );
     // Redis gone: each replica goes on with the turns it holds; no request fails for it.
     let redis_port = c.redis.port;
     c.redis.kill();
@@ -1690,6 +1705,7 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status,
         200
     );
+    assert_eq!(shared(&c, 0)["pending_deletes"], 1);
     // Redis back (empty: it keeps nothing on disk here). Replica 1 writes the deletion it
     // made meanwhile, and replica 2 drops its copy at its next read.
     c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
@@ -1705,6 +1721,9 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         Duration::from_secs(5),
         || call(&c, 1, reqwest::Method::GET, &doomed_path, None, None).status == 404,
     );
+    c.wait_for("no deletion waits", Duration::from_secs(5), || {
+        shared(&c, 0)["pending_deletes"] == 0
+    });
     assert_eq!(
         call(&c, 2, reqwest::Method::GET, &doomed_path, None, None).status,
         404

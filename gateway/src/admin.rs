@@ -143,6 +143,17 @@ impl Admin {
                     "place": {"index": self.control.stagger().index(), "of": self.control.stagger().of()},
                     "registered_workers": *link.status.registered.lock(),
                     "lease_ms": link.settings.lease.as_millis() as u64,
+                    "stored_responses": {
+                        "bytes_in_redis": link.status.shared_response_bytes.load(Ordering::Relaxed),
+                        "budget_bytes": link.settings.response_budget,
+                        "pending_deletes": self
+                            .control
+                            .data
+                            .shared_responses
+                            .load()
+                            .as_ref()
+                            .map_or(0, |s| s.pending_deletes()),
+                    },
                 })
             }
         }

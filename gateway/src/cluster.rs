@@ -101,6 +101,8 @@ pub struct ClusterStatus {
     pub replicas: Mutex<Vec<String>>,
     /// The registered worker ids at the last sync.
     pub registered: Mutex<Vec<String>>,
+    /// The replicas' stored responses in Redis, bytes (`P:responses:bytes`), at the last sync.
+    pub shared_response_bytes: AtomicU64,
 }
 
 /// This replica's membership: the store connection, the status and the owned loops.
@@ -719,6 +721,17 @@ async fn sync_once(
         e.runtime
             .remote_active_tokens
             .store(l.active_tokens, Ordering::Relaxed);
+    }
+    if control.data.responses.enabled() {
+        let bytes = store.response_bytes().await?;
+        link.status
+            .shared_response_bytes
+            .store(bytes, Ordering::Relaxed);
+        control
+            .data
+            .metrics
+            .cluster_stored_response_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
     Ok(())
 }

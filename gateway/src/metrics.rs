@@ -145,6 +145,8 @@ pub struct Metrics {
     /// Cluster mode: stored turns deleted from Redis to keep the replicas' stored responses
     /// within `--cluster-response-mb` (by this replica's writes).
     pub cluster_response_evictions: Counter,
+    /// Cluster mode: the replicas' stored responses in Redis, bytes, at the last sync.
+    pub cluster_stored_response_bytes: Gauge,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -370,6 +372,12 @@ impl Metrics {
             "Cluster mode: stored responses deleted from Redis, least recently used first, to keep the replicas' stored responses within --cluster-response-mb (counted by the replica whose write made room)",
             cluster_response_evictions.clone(),
         );
+        let cluster_stored_response_bytes = Gauge::default();
+        registry.register(
+            "cluster_stored_response_bytes",
+            "Cluster mode: bytes of the replicas' stored responses in Redis (all replicas together, bounded by --cluster-response-mb), read at each sync",
+            cluster_stored_response_bytes.clone(),
+        );
         let access_log_dropped = Counter::default();
         registry.register(
             "access_log_dropped",
@@ -405,6 +413,7 @@ impl Metrics {
             stored_response_bytes,
             response_store_save_failures,
             cluster_response_evictions,
+            cluster_stored_response_bytes,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,
