@@ -924,6 +924,19 @@ fn stored_responses_survive_a_gateway_restart() {
         cfg.response_file = Some(cfg.rules_path.with_file_name("responses.jsonl"));
         cfg.response_save_interval = Duration::from_millis(200);
     };
+    // A file the gateway cannot write is refused at the start, naming it.
+    fleet.rules_path = fleet.dir.path().join("rules.toml");
+    std::fs::write(&fleet.rules_path, fleet.rules_toml(KV_SERVICE)).unwrap();
+    let mut cfg = gateway::GatewayConfig::new(&fleet.rules_path, fleet.gateway_key.clone());
+    let nowhere = fleet.dir.path().join("missing-dir").join("responses.jsonl");
+    cfg.response_file = Some(nowhere.clone());
+    let err = gateway::spawn(cfg)
+        .err()
+        .expect("an unwritable file is refused");
+    assert!(
+        err.to_string().contains(&nowhere.display().to_string()),
+        "{err}"
+    );
     fleet.start_gateway_with(KV_SERVICE, true, keep);
     let first = "Tell me about the history of the lighthouse keepers of the northern coast, \
                  their daily routines, the lamps and lenses they tended, and the storms. "

@@ -370,6 +370,15 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
                 skipped = report.skipped,
                 "stored responses read back"
             );
+            // Written back at once: a file the gateway cannot write is an error now, not a
+            // warning every interval, and what was skipped is gone from it.
+            response_file::save(path, &data.responses.snapshot(), response_file::now_ms())
+                .map_err(|e| {
+                    cfg_err(format!(
+                        "--response-store-file {}: cannot be written: {e}",
+                        path.display()
+                    ))
+                })?;
             Some(data.responses.changes())
         }
         _ => None,
