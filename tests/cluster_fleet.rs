@@ -1590,8 +1590,9 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
     );
     assert_eq!(got.status, 200, "{}", got.text());
     assert_eq!(got.json()["previous_response_id"], json!(id1));
-    // Deleted through replica 3: replica 1, which stored turn 1 and keeps its copy, no longer
-    // continues it, nor serves it.
+    // Deleted through replica 3: replica 1, which stored turn 1 and kept its copy, drops the
+    // copy at once (the deletion is published), and no longer continues it, nor serves it.
+    assert!(c.gw(0).data.responses.peek(&id1).is_some());
     let d = call(
         &c,
         2,
@@ -1601,6 +1602,9 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         None,
     );
     assert_eq!(d.status, 200, "{}", d.text());
+    c.wait_for("replica 1 drops its copy", Duration::from_secs(2), || {
+        c.gw(0).data.responses.peek(&id1).is_none()
+    });
     let r = ask(
         &c,
         0,

@@ -20,6 +20,7 @@
 //! | `P:responses` | sorted set, member = a stored turn's id, score = its last use (ms, the replicas' clocks) | the stored turns, least recently used first: what goes out when they are over the budget | members removed by eviction, deletion, or past the idle TTL (at the next store) |
 //! | `P:responses:size` | hash id → bytes | each listed turn's size | as `P:responses` |
 //! | `P:responses:bytes` | string, integer | the listed turns' bytes (≤ the budget after each store) | — |
+//! | `P:responses:deleted` | pub/sub channel: a deleted turn's id | every replica drops its copy at once ([`Store::response_deletions`]) | — |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
@@ -228,6 +229,10 @@ impl Keys {
     pub fn response_bytes(&self) -> String {
         format!("{}:responses:bytes", self.prefix)
     }
+    /// The channel a deletion's id is published on ([`Store::retire_response`]).
+    pub fn response_deletions(&self) -> String {
+        format!("{}:responses:deleted", self.prefix)
+    }
 }
 
 /// Stores a turn unless its id is taken, lists it, and keeps the listed turns within the budget
@@ -265,9 +270,9 @@ end
 return 1 + evicted
 "#;
 
-/// Replaces a stored turn by [`RESPONSE_DELETED`] and unlists it (see
-/// [`Store::retire_response`]). KEYS as [`PUT_RESPONSE`]; ARGV: id, TTL ms,
-/// [`RESPONSE_DELETED`]. Returns the old value.
+/// Replaces a stored turn by [`RESPONSE_DELETED`], unlists it and publishes its id (see
+/// [`Store::retire_response`]). KEYS as [`PUT_RESPONSE`], then `P:responses:deleted`; ARGV:
+/// id, TTL ms, [`RESPONSE_DELETED`]. Returns the old value.
 const RETIRE_RESPONSE: &str = r#"
 local old = redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2], 'GET')
 local n = redis.call('HGET', KEYS[4], ARGV[1])
@@ -276,6 +281,7 @@ if n then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('DECRBY', KEYS[3], tonumber(n))
 end
+redis.call('PUBLISH', KEYS[5], ARGV[1])
 return old
 "#;
 
@@ -640,6 +646,20 @@ impl Store {
             .boxed())
     }
 
+    /// The ids of stored turns deleted through any replica, as they are deleted (a subscription
+    /// to `P:responses:deleted`; what it misses while disconnected, a replica learns at its next
+    /// read of the turn).
+    pub async fn response_deletions(&self) -> Result<futures::stream::BoxStream<'static, String>> {
+        let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
+            .await
+            .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
+        ps.subscribe(self.keys.response_deletions()).await?;
+        Ok(ps
+            .into_on_message()
+            .filter_map(|m| futures::future::ready(m.get_payload::<String>().ok()))
+            .boxed())
+    }
+
     /// Publishes a routing-time holding (fire and forget: one `PUBLISH`).
     pub async fn publish_holding(&self, h: &SharedHolding) -> Result<()> {
         let json = serde_json::to_string(h).map_err(|e| ClusterError::Malformed {
@@ -931,6 +951,7 @@ impl Store {
             .key(self.keys.responses())
             .key(self.keys.response_bytes())
             .key(self.keys.response_sizes())
+            .key(self.keys.response_deletions())
             .arg(id)
             .arg(ttl.as_millis().max(1) as u64)
             .arg(RESPONSE_DELETED)

@@ -212,6 +212,7 @@ impl ClusterLink {
                 control.data.metrics.cluster_response_evictions.clone(),
             )));
             handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
+            handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
         }
         handles.push(handle.spawn(receive_holdings(me, weak)));
         self.handles.lock().extend(handles);
@@ -476,6 +477,37 @@ impl crate::response_store::SharedTurns for SharedResponses {
             self.defer_delete(id);
         }
         done
+    }
+}
+
+/// Drops this replica's copy of every stored turn deleted through any replica, as the deletion
+/// is published (`P:responses:deleted`); resubscribes with backoff. A deletion published while
+/// this replica was not subscribed is learnt at its next read of the turn (the `deleted`
+/// marker).
+async fn receive_deletions(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let stream = match link.connect().await {
+            Ok(store) => store.response_deletions().await,
+            Err(e) => Err(e),
+        };
+        if let Ok(mut ids) = stream {
+            backoff = Duration::from_millis(200);
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = link.cancel.cancelled() => return,
+                    id = ids.next() => id,
+                };
+                let Some(id) = next else { break };
+                let Some(c) = control.upgrade() else { return };
+                c.data.responses.delete(&id);
+            }
+        }
+        if !sleep_or_cancel(backoff, &link.cancel).await {
+            return;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
