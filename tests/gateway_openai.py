@@ -103,6 +103,26 @@ def main() -> int:
     assert sorted(parts) == [0, 1] and all("".join(p) for p in parts.values()), parts
     print("n=2 ok")
 
+    # OpenAI's prompt-cache hints and safety identifier, as the client sends them: accepted
+    # (kvgate's routing matches the prompt itself), on both APIs.
+    hinted = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Hello again."}], max_tokens=3,
+        prompt_cache_key="conversation-42", prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"}, safety_identifier="user-7f3a")
+    assert hinted.choices[0].message.content is not None, hinted
+    hinted = client.responses.create(
+        model="smol", input="Hello again.", max_output_tokens=3, store=False,
+        prompt_cache_key="conversation-42", safety_identifier="user-7f3a")
+    assert hinted.output, hinted
+    try:
+        client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+            prompt_cache_options={"mode": "explicit"})
+        raise AssertionError("explicit cache breakpoints accepted")
+    except openai.BadRequestError as e:
+        assert e.code == "unsupported_parameter", e
+    print("prompt cache hints ok")
+
     # The Responses API through the gateway (KV-exact: the gateway reads it as the worker does).
     rr = client.responses.create(model="smol", input="Say hello.", max_output_tokens=6)
     assert rr.object == "response" and rr.output and rr.usage.output_tokens > 0, rr

@@ -728,8 +728,14 @@ pub fn audit_replicas(
                         ),
                     ));
                 }
+                // A worker that refused the request before it rendered the prompt (a parameter
+                // it does not serve, say) has no prompt to compare.
+                let refused_unread = !(200..=299).contains(&r.body.status)
+                    && r.body.prompt_tokens == 0
+                    && r.body.last_block_key.is_none();
                 match &t.last_block_key {
                     None => rep.parity.not_applicable += 1,
+                    Some(_) if refused_unread => rep.parity.not_applicable += 1,
                     Some(gk) => {
                         rep.parity.compared += 1;
                         let key_ok = match &r.body.last_block_key {

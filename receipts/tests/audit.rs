@@ -552,3 +552,39 @@ fn prefix_parity_mismatch_reported_and_optionally_fatal() {
     let r = audit_with(&f.decisions, &f.logs, &f.keys, strict).unwrap();
     assert_eq!(kinds(&r), vec![DiscrepancyKind::PrefixParity]);
 }
+
+#[test]
+fn a_request_the_worker_refused_unread_has_no_prefix_to_compare() {
+    let f = fleet(0);
+    let (w, k) = &f.workers[0];
+    let st = ticket("q", w, RouteMode::KvExact, T0).sign(&f.gw);
+    assert!(st.ticket_unverified().last_block_key.is_some());
+    let log = ReceiptLog::open(&f.logs[0], FsyncPolicy::Always, k, w).unwrap();
+    // Refused by the worker's validation (400) before it rendered the prompt: no tokens, no key.
+    let mut d = draft("q", Some(st.clone()), T0);
+    d.status = 400;
+    d.error_code = Some("unsupported_parameter".into());
+    d.prompt_tokens = 0;
+    d.cached_tokens = 0;
+    d.completion_tokens = 0;
+    d.last_block_key = None;
+    d.first_token_at_ms = None;
+    log.append(d).unwrap();
+    drop(log);
+    append_decision(&f.decisions, &decision("q", Some(st), 400, None));
+    let strict = AuditOptions {
+        fail_on_parity_mismatch: true,
+        ..AuditOptions::default()
+    };
+    let r = audit_with(&f.decisions, &f.logs, &f.keys, strict).unwrap();
+    assert!(r.ok(), "{r}");
+    assert_eq!(
+        (
+            r.parity.compared,
+            r.parity.mismatched,
+            r.parity.not_applicable
+        ),
+        (0, 0, 1),
+        "{r}"
+    );
+}

@@ -54,6 +54,10 @@ pub const CHAT_FIELDS: &[&str] = &[
     "prediction",
     "reasoning_effort",
     "web_search_options",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "safety_identifier",
     "ignore_eos",
     "min_tokens",
     "stop_token_ids",
@@ -206,6 +210,18 @@ pub struct ChatCompletionRequest {
     pub prediction: Option<Value>,
     pub reasoning_effort: Option<Value>,
     pub web_search_options: Option<Value>,
+    /// OpenAI's hint for routing requests that share a prefix to the same cache: accepted, and
+    /// not needed — KV-exact routing matches the prompt's own block keys (it is not a salt: it
+    /// isolates nothing).
+    pub prompt_cache_key: Option<String>,
+    /// OpenAI: how long cached prefixes are kept (`in_memory`, `24h`): accepted; the prefix
+    /// cache keeps blocks while the KV cache has room.
+    pub prompt_cache_retention: Option<String>,
+    /// OpenAI: `{"mode": "implicit" | "explicit", "ttl"}`; `implicit` (every prefix may be
+    /// cached, as kvgate always does) is accepted, `explicit` breakpoints are not supported.
+    pub prompt_cache_options: Option<Value>,
+    /// OpenAI's end-user id for abuse detection (the successor of `user`): accepted, not used.
+    pub safety_identifier: Option<String>,
 }
 
 /// `POST /v1/completions` body.

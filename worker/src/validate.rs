@@ -582,6 +582,16 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
         "not a reasoning model",
     )?;
     reject_unless_neutral("web_search_options", &r.web_search_options, "no web search")?;
+    match r.prompt_cache_retention.as_deref() {
+        None | Some("in_memory" | "24h") => {}
+        Some(_) => {
+            return Err(invalid_value(
+                "prompt_cache_retention",
+                "`prompt_cache_retention` must be `in_memory` or `24h`",
+            ))
+        }
+    }
+    prompt_cache_options(r.prompt_cache_options.as_ref())?;
     if r.messages.is_empty() {
         return Err(invalid_value("messages", "`messages` must not be empty"));
     }
@@ -642,6 +652,53 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
         format,
         echo: false,
     })
+}
+
+/// `prompt_cache_options`: `mode` `implicit` (the default: kvgate's prefix cache is automatic
+/// and exact) and a `ttl` string are accepted; `explicit` breakpoints are not supported.
+fn prompt_cache_options(v: Option<&Value>) -> Result<(), ApiError> {
+    let o = match v {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Object(o)) => o,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "invalid_type",
+                Some("prompt_cache_options"),
+                "`prompt_cache_options` must be an object",
+            ))
+        }
+    };
+    for (k, v) in o {
+        let param = format!("prompt_cache_options.{k}");
+        match (k.as_str(), v) {
+            ("mode", Value::String(m)) if m == "implicit" => {}
+            ("mode", Value::String(m)) if m == "explicit" => {
+                return Err(unsupported(
+                    &param,
+                    "explicit cache breakpoints are not supported: every prompt prefix is cached and matched exactly",
+                ))
+            }
+            ("mode", _) => {
+                return Err(invalid_value(&param, "`mode` must be `implicit` or `explicit`"))
+            }
+            ("ttl", Value::String(_)) => {}
+            ("ttl", _) => {
+                return Err(ApiError::bad_request(
+                    "invalid_type",
+                    Some(&param),
+                    "`ttl` must be a string",
+                ))
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "unknown_parameter",
+                    Some(&param),
+                    format!("unknown field `{k}`"),
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The call `tool_choice` forces, with the schema of its JSON: `required` → one call of one of
@@ -1141,6 +1198,70 @@ mod tests {
         assert_eq!(p.sampling.seed, Some((-3i64) as u64));
         assert!(!p.cache_insert);
         assert!(p.stream && p.include_usage);
+    }
+
+    #[test]
+    fn openai_cache_hints_and_the_safety_identifier_are_accepted() {
+        let p = chat(
+            format!(
+                r#"{{{MSG},"prompt_cache_key":"conv-42","prompt_cache_retention":"24h","safety_identifier":"user-hash"}}"#
+            )
+            .as_bytes(),
+        );
+        assert!(p.is_ok(), "{:?}", p.err());
+        assert!(
+            chat(format!(r#"{{{MSG},"prompt_cache_retention":"in_memory"}}"#).as_bytes()).is_ok()
+        );
+        assert!(chat(
+            format!(r#"{{{MSG},"prompt_cache_options":{{"mode":"implicit","ttl":"30m"}}}}"#)
+                .as_bytes()
+        )
+        .is_ok());
+        for (v, code, param) in [
+            (
+                r#""prompt_cache_retention":"forever""#,
+                "invalid_value",
+                "prompt_cache_retention",
+            ),
+            (
+                r#""prompt_cache_key":7"#,
+                "invalid_type",
+                "prompt_cache_key",
+            ),
+            (
+                r#""safety_identifier":[]"#,
+                "invalid_type",
+                "safety_identifier",
+            ),
+            (
+                r#""prompt_cache_options":{"mode":"explicit"}"#,
+                "unsupported_parameter",
+                "prompt_cache_options.mode",
+            ),
+            (
+                r#""prompt_cache_options":{"mode":"x"}"#,
+                "invalid_value",
+                "prompt_cache_options.mode",
+            ),
+            (
+                r#""prompt_cache_options":{"ttl":30}"#,
+                "invalid_type",
+                "prompt_cache_options.ttl",
+            ),
+            (
+                r#""prompt_cache_options":{"other":1}"#,
+                "unknown_parameter",
+                "prompt_cache_options.other",
+            ),
+            (
+                r#""prompt_cache_options":[]"#,
+                "invalid_type",
+                "prompt_cache_options",
+            ),
+        ] {
+            let e = chat_err(&format!(r#"{{{MSG},{v}}}"#));
+            assert_eq!((e.code, e.param.as_deref()), (code, Some(param)), "{v}");
+        }
     }
 
     #[test]
