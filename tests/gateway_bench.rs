@@ -489,8 +489,9 @@ fn continuing_a_stored_conversation() {
 #[test]
 #[ignore = "measurement; run with --ignored --nocapture"]
 fn saving_stored_responses() {
-    use gateway::response_file::{load, now_ms, save};
+    use gateway::response_file::{load, save};
     use gateway::response_store::{ResponseStore, StoreLimits, StoredResponse};
+    use receipts::now_ms;
     let store = ResponseStore::new(StoreLimits::DEFAULT);
     let mut t = 0u64;
     loop {

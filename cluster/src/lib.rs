@@ -634,15 +634,26 @@ impl Store {
 
     /// A stream of announced rules versions (its own connection; ends when it breaks).
     pub async fn rules_changes(&self) -> Result<futures::stream::BoxStream<'static, u64>> {
+        Ok(self
+            .messages(self.keys.rules_channel())
+            .await?
+            .filter_map(|p| futures::future::ready(p.parse().ok()))
+            .boxed())
+    }
+
+    /// The text messages of `channel`, on a subscription connection of their own (connected
+    /// within 3 s).
+    async fn messages(
+        &self,
+        channel: String,
+    ) -> Result<futures::stream::BoxStream<'static, String>> {
         let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
             .await
             .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
-        ps.subscribe(self.keys.rules_channel()).await?;
+        ps.subscribe(channel).await?;
         Ok(ps
             .into_on_message()
-            .filter_map(|m| {
-                futures::future::ready(m.get_payload::<String>().ok().and_then(|p| p.parse().ok()))
-            })
+            .filter_map(|m| futures::future::ready(m.get_payload::<String>().ok()))
             .boxed())
     }
 
@@ -650,14 +661,7 @@ impl Store {
     /// to `P:responses:deleted`; what it misses while disconnected, a replica learns at its next
     /// read of the turn).
     pub async fn response_deletions(&self) -> Result<futures::stream::BoxStream<'static, String>> {
-        let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
-            .await
-            .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
-        ps.subscribe(self.keys.response_deletions()).await?;
-        Ok(ps
-            .into_on_message()
-            .filter_map(|m| futures::future::ready(m.get_payload::<String>().ok()))
-            .boxed())
+        self.messages(self.keys.response_deletions()).await
     }
 
     /// Publishes a routing-time holding (fire and forget: one `PUBLISH`).
@@ -753,19 +757,10 @@ impl Store {
     /// The stream of every replica's published holdings (its own connection; ends when it
     /// breaks). Messages that do not parse are skipped.
     pub async fn holdings(&self) -> Result<futures::stream::BoxStream<'static, SharedHolding>> {
-        let mut ps = tokio::time::timeout(Duration::from_secs(3), self.client.get_async_pubsub())
-            .await
-            .map_err(|_| ClusterError::Redis("pubsub connect timed out".into()))??;
-        ps.subscribe(self.keys.holdings_channel()).await?;
-        Ok(ps
-            .into_on_message()
-            .filter_map(|m| {
-                futures::future::ready(
-                    m.get_payload::<String>()
-                        .ok()
-                        .and_then(|p| serde_json::from_str::<SharedHolding>(&p).ok()),
-                )
-            })
+        Ok(self
+            .messages(self.keys.holdings_channel())
+            .await?
+            .filter_map(|p| futures::future::ready(serde_json::from_str::<SharedHolding>(&p).ok()))
             .boxed())
     }
 

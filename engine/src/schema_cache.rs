@@ -59,16 +59,6 @@ impl SchemaKey {
         }
         SchemaKey(k)
     }
-
-    /// The key's length in bytes.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Never true (a key names its kind); for clippy's `len_without_is_empty`.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
 /// Serializing a `Value` to a `Vec` cannot fail (its keys are strings); a failure would only
@@ -164,6 +154,7 @@ impl SchemaCache {
         self.misses.fetch_add(1, Ordering::Relaxed);
         let schema = Arc::new(compile()?);
         let bytes = key
+            .0
             .len()
             .saturating_add(schema.heap_bytes())
             .saturating_add(std::mem::size_of::<Entry>() + std::mem::size_of::<SchemaKey>());

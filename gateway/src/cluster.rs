@@ -445,15 +445,19 @@ impl crate::response_store::SharedTurns for SharedResponses {
             store.responses(&reads, self.ttl, receipts::now_ms()),
         );
         let values = read.await.ok()?.ok()?;
-        let pending = self.pending_deletes.lock();
+        // Deleted here while Redis was away, not yet written there (the lock is not held while
+        // the turns are parsed).
+        let pending: Vec<bool> = {
+            let p = self.pending_deletes.lock();
+            ids.iter().map(|id| p.contains(id)).collect()
+        };
         Some(
             values
                 .into_iter()
                 .zip(whole)
-                .zip(ids)
-                .map(|((v, whole), id)| match v {
-                    // Deleted here while Redis was away, not yet written there.
-                    _ if pending.contains(id) => Shared::Deleted,
+                .zip(pending)
+                .map(|((v, whole), pending)| match v {
+                    _ if pending => Shared::Deleted,
                     None => Shared::Absent,
                     Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
                     Some(_) if !whole => Shared::Present,
@@ -485,30 +489,18 @@ impl crate::response_store::SharedTurns for SharedResponses {
 /// this replica was not subscribed is learnt at its next read of the turn (the `deleted`
 /// marker).
 async fn receive_deletions(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
-    let mut backoff = Duration::from_millis(200);
-    loop {
-        let stream = match link.connect().await {
-            Ok(store) => store.response_deletions().await,
-            Err(e) => Err(e),
-        };
-        if let Ok(mut ids) = stream {
-            backoff = Duration::from_millis(200);
-            loop {
-                let next = tokio::select! {
-                    biased;
-                    _ = link.cancel.cancelled() => return,
-                    id = ids.next() => id,
-                };
-                let Some(id) = next else { break };
-                let Some(c) = control.upgrade() else { return };
-                c.data.responses.delete(&id);
-            }
-        }
-        if !sleep_or_cancel(backoff, &link.cancel).await {
-            return;
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
+    follow(
+        &link,
+        |store| async move { store.response_deletions().await },
+        |id: String| {
+            let Some(c) = control.upgrade() else {
+                return false;
+            };
+            c.data.responses.delete(&id);
+            true
+        },
+    )
+    .await
 }
 
 /// Writes the deletions made while Redis did not answer, every [`DELETE_RETRY`] while any wait
@@ -559,7 +551,6 @@ async fn drain_to_store<T, F, Fut>(
     }
 }
 
-/// Writes the turns this replica stored to Redis, in order.
 /// Writes the turns this replica stored to Redis, in order, within the replicas' budget
 /// (`ClusterSettings::response_budget`); the turns that made room are counted in `evictions`.
 async fn write_responses(
@@ -606,48 +597,74 @@ async fn publish_holdings(
 /// they reserved to the worker's count here (for [`crate::view::REMOTE_RESERVATION_TTL`]), so
 /// that two replicas placing new prompts close together do not both take one idle worker.
 async fn receive_holdings(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    let me = link.replica_id().to_owned();
+    follow(
+        &link,
+        |store| async move { store.holdings().await },
+        |h: cluster::SharedHolding| {
+            if h.replica == me {
+                return true;
+            }
+            let Some(c) = control.upgrade() else {
+                return false;
+            };
+            let id = prefix_index::WorkerId(h.worker);
+            let view = c.data.views.load();
+            let Some(entry) = view.workers.get(&id) else {
+                return true;
+            };
+            if h.prefill_tokens > 0 || h.decode_tokens > 0 {
+                let origin = (h.seq > 0).then(|| (Arc::<str>::from(h.replica.as_str()), h.seq));
+                entry.runtime.reserve_remote(
+                    h.prefill_tokens,
+                    h.decode_tokens,
+                    std::time::Instant::now(),
+                    origin,
+                );
+            }
+            let event_fed = !entry.runtime.approximate();
+            if event_fed && h.ttl_ms > 0 && !h.keys.is_empty() {
+                let keys: Vec<prefix_index::BlockKey> =
+                    h.keys.into_iter().map(prefix_index::BlockKey).collect();
+                let _ = c.data.index.insert_approximate_for(
+                    &id,
+                    &keys,
+                    Duration::from_millis(h.ttl_ms.min(60_000)),
+                );
+            }
+            true
+        },
+    )
+    .await
+}
+
+/// Follows a subscription on `link`'s store (`subscribe`), handing each message to `on_message`
+/// until the link is cancelled or `on_message` returns `false`; subscribes again with backoff
+/// (200 ms, doubling to 2 s) when the subscription fails or ends.
+async fn follow<T, S, Fut>(link: &ClusterLink, subscribe: S, mut on_message: impl FnMut(T) -> bool)
+where
+    S: Fn(Arc<cluster::Store>) -> Fut,
+    Fut: std::future::Future<
+        Output = Result<futures::stream::BoxStream<'static, T>, cluster::ClusterError>,
+    >,
+{
     let mut backoff = Duration::from_millis(200);
     loop {
         let stream = match link.connect().await {
-            Ok(store) => store.holdings().await,
+            Ok(store) => subscribe(store).await,
             Err(e) => Err(e),
         };
-        if let Ok(mut holdings) = stream {
+        if let Ok(mut messages) = stream {
             backoff = Duration::from_millis(200);
             loop {
                 let next = tokio::select! {
                     biased;
                     _ = link.cancel.cancelled() => return,
-                    h = holdings.next() => h,
+                    m = messages.next() => m,
                 };
-                let Some(h) = next else { break };
-                if h.replica == link.replica_id() {
-                    continue;
-                }
-                let Some(c) = control.upgrade() else { return };
-                let id = prefix_index::WorkerId(h.worker);
-                let view = c.data.views.load();
-                let Some(entry) = view.workers.get(&id) else {
-                    continue;
-                };
-                if h.prefill_tokens > 0 || h.decode_tokens > 0 {
-                    let origin = (h.seq > 0).then(|| (Arc::<str>::from(h.replica.as_str()), h.seq));
-                    entry.runtime.reserve_remote(
-                        h.prefill_tokens,
-                        h.decode_tokens,
-                        std::time::Instant::now(),
-                        origin,
-                    );
-                }
-                let event_fed = !entry.runtime.approximate();
-                if event_fed && h.ttl_ms > 0 && !h.keys.is_empty() {
-                    let keys: Vec<prefix_index::BlockKey> =
-                        h.keys.into_iter().map(prefix_index::BlockKey).collect();
-                    let _ = c.data.index.insert_approximate_for(
-                        &id,
-                        &keys,
-                        Duration::from_millis(h.ttl_ms.min(60_000)),
-                    );
+                let Some(m) = next else { break };
+                if !on_message(m) {
+                    return;
                 }
             }
         }

@@ -358,7 +358,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     // Stored responses of the last run, before any request can store new ones.
     let saved_changes = match &config.response_file {
         Some(path) if data.responses.enabled() => {
-            let report = response_file::load(path, &data.responses, response_file::now_ms())
+            let report = response_file::load(path, &data.responses, receipts::now_ms())
                 .map_err(|e| cfg_err(format!("--response-store-file {}: {e}", path.display())))?;
             if let Some(why) = &report.ignored {
                 tracing::warn!(path = %path.display(), "stored responses: file left alone: {why}; the next save replaces it");
@@ -372,13 +372,14 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
             );
             // Written back at once: a file the gateway cannot write is an error now, not a
             // warning every interval, and what was skipped is gone from it.
-            response_file::save(path, &data.responses.snapshot(), response_file::now_ms())
-                .map_err(|e| {
+            response_file::save(path, &data.responses.snapshot(), receipts::now_ms()).map_err(
+                |e| {
                     cfg_err(format!(
                         "--response-store-file {}: cannot be written: {e}",
                         path.display()
                     ))
-                })?;
+                },
+            )?;
             Some(data.responses.changes())
         }
         _ => None,

@@ -204,11 +204,6 @@ fn tmp_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// The wall clock, Unix milliseconds.
-pub fn now_ms() -> u64 {
-    receipts::now_ms()
-}
-
 /// Saves a store to its file when it changed, every `interval`, and once more on [`Saver::stop`]
 /// (a task the gateway owns; see the module docs).
 pub struct Saver {
@@ -234,7 +229,7 @@ impl Target {
         let turns = store.snapshot();
         let path = self.path.clone();
         let result = tokio::task::spawn_blocking(move || {
-            save(&path, &turns, now_ms()).map(|b| (b, turns.len()))
+            save(&path, &turns, receipts::now_ms()).map(|b| (b, turns.len()))
         })
         .await;
         match result {
@@ -325,7 +320,7 @@ mod tests {
         store.peek("resp_1").unwrap();
         let before = ids(&store);
         assert_eq!(before, ["resp_2", "resp_x", "resp_1"]);
-        let written = save(&path, &store.snapshot(), now_ms()).unwrap();
+        let written = save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
         assert_eq!(written, std::fs::metadata(&path).unwrap().len());
         #[cfg(unix)]
         {
@@ -336,7 +331,7 @@ mod tests {
         assert!(!tmp_path(&path).exists());
 
         let back = ResponseStore::new(StoreLimits::DEFAULT);
-        let report = load(&path, &back, now_ms()).unwrap();
+        let report = load(&path, &back, receipts::now_ms()).unwrap();
         assert_eq!(report.restored, 3, "{report:?}");
         assert_eq!(ids(&back), before);
         assert_eq!(back.stats(), store.stats());
@@ -361,7 +356,7 @@ mod tests {
         let mut turns = store.snapshot();
         turns[0].1 = Duration::from_secs(500);
         turns[1].1 = Duration::from_secs(10);
-        let saved_at = now_ms();
+        let saved_at = receipts::now_ms();
         save(&path, &turns, saved_at).unwrap();
         // Read back 200 s later: the old one has been idle 700 s, past the TTL.
         let back = ResponseStore::new(limits);
@@ -383,7 +378,7 @@ mod tests {
         let store = ResponseStore::new(limits);
         store.insert(turn("resp_1", &[], "one")).unwrap();
         store.insert(turn("resp_2", &["resp_1"], "two")).unwrap();
-        save(&path, &store.snapshot(), now_ms()).unwrap();
+        save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
         // A garbage line, a line far over the store's turn size (no newline inside it: read
@@ -402,7 +397,7 @@ mod tests {
         lines.push(torn[..torn.len() / 2].to_owned());
         std::fs::write(&path, lines.join("\n")).unwrap();
         let back = ResponseStore::new(limits);
-        let report = load(&path, &back, now_ms()).unwrap();
+        let report = load(&path, &back, receipts::now_ms()).unwrap();
         assert_eq!((report.restored, report.skipped), (2, 4), "{report:?}");
         assert_eq!(ids(&back), ["resp_1", "resp_2"]);
 
@@ -413,7 +408,7 @@ mod tests {
         )
         .unwrap();
         let other = ResponseStore::new(limits);
-        let report = load(&path, &other, now_ms()).unwrap();
+        let report = load(&path, &other, receipts::now_ms()).unwrap();
         assert!(report.ignored.is_some(), "{report:?}");
         assert_eq!(other.stats(), (0, 0));
         // No file, an empty file: an empty store.
@@ -442,7 +437,7 @@ mod tests {
             for t in 0..4 {
                 store.insert(turn(&format!("resp_{t}"), &[], &"w ".repeat(t * 200))).unwrap();
             }
-            save(&path, &store.snapshot(), now_ms()).unwrap();
+            save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
             let mut bytes = std::fs::read(&path).unwrap();
             for (kind, at, b) in &cuts {
                 let at = at % (bytes.len() + 1);
@@ -455,7 +450,7 @@ mod tests {
             }
             std::fs::write(&path, &bytes).unwrap();
             let back = ResponseStore::new(limits);
-            let report = load(&path, &back, now_ms()).unwrap();
+            let report = load(&path, &back, receipts::now_ms()).unwrap();
             let (entries, used) = back.stats();
             proptest::prop_assert!(used <= limits.max_bytes);
             proptest::prop_assert!(report.restored <= 4, "{report:?}");

@@ -64,12 +64,17 @@ impl StoreLimits {
 pub const MAX_TURNS: usize = 4096;
 
 /// The longest response id looked up; a longer one is not stored anywhere.
-pub const MAX_ID_LEN: usize = 256;
+pub const MAX_ID_LEN: usize = prompt_profile::responses::MAX_RESPONSE_ID_LEN;
 
 impl Default for StoreLimits {
     fn default() -> Self {
         StoreLimits::DEFAULT
     }
+}
+
+/// Whether a record of `id` continuing `chain` is within [`MAX_TURNS`] and [`MAX_ID_LEN`].
+fn within_limits(id: &str, chain: &[String]) -> bool {
+    chain.len() < MAX_TURNS && id.len() <= MAX_ID_LEN
 }
 
 /// One stored turn (also its JSON form in the shared store).
@@ -126,8 +131,7 @@ impl StoredResponse {
         input: Vec<Value>,
         response: Value,
     ) -> Option<StoredResponse> {
-        (chain.len() < MAX_TURNS && id.len() <= MAX_ID_LEN)
-            .then(|| StoredResponse::new(id, tenant, chain, input, response))
+        within_limits(&id, &chain).then(|| StoredResponse::new(id, tenant, chain, input, response))
     }
 
     /// Fills `items` and counts it in `bytes`.
@@ -151,7 +155,7 @@ impl StoredResponse {
     /// From its JSON; `None` when it is not one.
     pub fn from_json(s: &str) -> Option<StoredResponse> {
         let mut r: StoredResponse = serde_json::from_str(s).ok()?;
-        if r.chain.len() >= MAX_TURNS || r.id.len() > MAX_ID_LEN {
+        if !within_limits(&r.id, &r.chain) {
             return None;
         }
         r.bytes = s.len();

@@ -51,12 +51,12 @@ pub struct Stored {
     pub previous_response_id: Option<String>,
 }
 
-/// The longest `previous_response_id` the header carries.
-const MAX_STORED_ID: usize = 256;
+/// The longest response id kvgate stores, looks up or carries in [`STORED_HEADER`].
+pub const MAX_RESPONSE_ID_LEN: usize = 256;
 
 fn header_safe_id(id: &str) -> bool {
     !id.is_empty()
-        && id.len() <= MAX_STORED_ID
+        && id.len() <= MAX_RESPONSE_ID_LEN
         && id
             .bytes()
             .all(|b| b.is_ascii_graphic() && b != b';' && b != b'=')
