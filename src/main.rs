@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod cmd;
+mod memory;
 
 #[derive(Parser)]
 #[command(

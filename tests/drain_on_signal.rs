@@ -2,7 +2,8 @@
 //! simulated engine, the default model's prompt profile): SIGTERM drains — `/ready` answers 503
 //! `draining`, an open stream finishes with `[DONE]`, the process exits 0 once nothing is in
 //! flight after the grace — and a second SIGTERM during a worker's drain stops at once, ending
-//! the stream with `engine_stopped`.
+//! the stream with `engine_stopped`. Also the processes' memory setting: the gateway runs with
+//! transparent huge pages off unless told to keep them, the worker keeps them.
 
 #[path = "gateway_support/mod.rs"]
 mod support;
@@ -58,6 +59,17 @@ impl Worker {
     /// A round-robin gateway in front of `worker` (health probes every 100 ms) signing with
     /// `dir`'s `gateway.key` ([`keygen`]); its admin plane (`/ready`) on `admin`.
     fn gateway(worker: &Worker, dir: tempfile::TempDir, admin: u16, grace_ms: u64) -> Worker {
+        Worker::gateway_with(worker, dir, admin, grace_ms, &[])
+    }
+
+    /// [`Worker::gateway`] with `extra` arguments.
+    fn gateway_with(
+        worker: &Worker,
+        dir: tempfile::TempDir,
+        admin: u16,
+        grace_ms: u64,
+        extra: &[&str],
+    ) -> Worker {
         let port = free_port();
         let rules = format!(
             "[gateway]\nhealth_interval_ms = 100\n\n[[workers]]\nid = \"w1\"\nurl = \"http://127.0.0.1:{}\"\n\n\
@@ -74,6 +86,7 @@ impl Worker {
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--admin", &format!("127.0.0.1:{admin}")])
             .args(["--drain-grace-ms", &grace_ms.to_string()])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -285,4 +298,53 @@ fn sigterm_drains_the_gateway_too() {
     });
     let status = gw.wait_exit(Duration::from_secs(15));
     assert!(status.success(), "{status:?}");
+}
+
+/// `THP_enabled` of a running process (`/proc/<pid>/status`: 0 once it turned transparent huge
+/// pages off for itself); `None` on a kernel that does not show it.
+fn thp_enabled(child: &Child) -> Option<u8> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("THP_enabled:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The gateway turns transparent huge pages off for its process by the time it is ready
+/// (docs/gateway.md, "Memory"); `--transparent-huge-pages` keeps them; the worker keeps them.
+#[test]
+fn the_gateway_turns_transparent_huge_pages_off() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let worker = Worker::start(0, 5);
+    let http = reqwest::Client::new();
+    let (admin_off, admin_kept) = (free_port(), free_port());
+    let off = Worker::gateway(&worker, keygen(), admin_off, 0);
+    let kept = Worker::gateway_with(
+        &worker,
+        keygen(),
+        admin_kept,
+        0,
+        &["--transparent-huge-pages"],
+    );
+    rt.block_on(async {
+        ready(&http, &worker, 200).await;
+        for admin in [admin_off, admin_kept] {
+            ready_at(&http, &format!("http://127.0.0.1:{admin}/ready"), 200).await;
+        }
+    });
+    let Some(worker_thp) = thp_enabled(&worker.child) else {
+        eprintln!("skipped: this kernel's /proc/<pid>/status has no THP_enabled line");
+        return;
+    };
+    assert_eq!(worker_thp, 1, "the worker keeps huge pages");
+    assert_eq!(
+        thp_enabled(&off.child),
+        Some(0),
+        "the gateway turns them off"
+    );
+    assert_eq!(
+        thp_enabled(&kept.child),
+        Some(1),
+        "--transparent-huge-pages keeps them"
+    );
 }

@@ -98,6 +98,10 @@ pub struct Args {
     /// Output folder: records.jsonl, records.csv, summary.json, ttft.svg per workload.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
+    /// With --fleet: keep transparent huge pages for the process (its gateways and simulated
+    /// workers). By default they are off, as `kvgate gateway` runs (docs/gateway.md, "Memory").
+    #[arg(long)]
+    pub transparent_huge_pages: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -108,6 +112,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("engine benchmark on {}", model.display()))?;
         println!("{report}");
         return Ok(ExitCode::SUCCESS);
+    }
+    if args.fleet.is_some() {
+        let choice = crate::memory::HugePages::from_flag(args.transparent_huge_pages);
+        crate::memory::apply(choice);
+        println!("transparent huge pages: {choice:?}");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

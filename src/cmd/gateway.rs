@@ -116,6 +116,11 @@ pub struct Args {
     /// How often changed stored responses are written to --response-store-file, seconds.
     #[arg(long, default_value_t = 30)]
     pub response_save_interval_s: u64,
+    /// Keep transparent huge pages for this process. By default the gateway turns them off:
+    /// zeroing a new 2 MiB page on first touch stalled KV-exact decisions by milliseconds
+    /// (docs/gateway.md, "Memory").
+    #[arg(long)]
+    pub transparent_huge_pages: bool,
     #[command(flatten)]
     pub drain: super::shutdown::DrainArgs,
 }
@@ -130,6 +135,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .try_init();
+    crate::memory::apply(crate::memory::HugePages::from_flag(
+        args.transparent_huge_pages,
+    ));
     let key = receipts::KeyPair::load_private(&args.key)
         .with_context(|| format!("loading gateway key {}", args.key.display()))?;
     let mut config = gateway::GatewayConfig::new(&args.rules, key);
