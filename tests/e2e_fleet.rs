@@ -602,11 +602,11 @@ fn openai_tool_calling_flow_through_the_gateway() {
     assert!(stdout.contains("forced calls ok"), "{stdout}");
     assert!(stdout.contains("stored responses flow ok"), "{stdout}");
     println!("{stdout}");
-    // The script sends six chat requests and three Responses API requests (one continuing a
+    // The script sends seven chat requests and three Responses API requests (one continuing a
     // stored response); each was routed, answered and receipted, and the gateway's prompt
     // (tools and tool-call history rendered, the stored conversation included) is the worker's.
-    let decisions = fleet.wait_decisions(9);
-    assert_eq!(decisions.len(), 9, "{decisions:?}");
+    let decisions = fleet.wait_decisions(10);
+    assert_eq!(decisions.len(), 10, "{decisions:?}");
     let rep = receipts::audit(
         &fleet.decision_log,
         &fleet.receipt_logs(),
@@ -614,10 +614,10 @@ fn openai_tool_calling_flow_through_the_gateway() {
     )
     .expect("audit");
     assert!(rep.ok(), "audit failed:\n{rep}");
-    assert_eq!(rep.receipted, 9, "{rep}");
+    assert_eq!(rep.receipted, 10, "{rep}");
     assert_eq!(
         (rep.parity.compared, rep.parity.mismatched),
-        (9, 0),
+        (10, 0),
         "{rep}"
     );
     fleet.stop();

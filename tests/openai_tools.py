@@ -132,22 +132,31 @@ def main() -> None:
     print("after the tool result:", fc.finish_reason, repr(fc.message.content), fc.message.tool_calls)
     print("tool flow ok")
 
-    # Forced calls (no worked examples): a named function, then `required`. The answer is held
-    # to the call's JSON whatever the model would write.
+    # Forced calls (no worked examples): a named function, `required` with one call
+    # (`parallel_tool_calls=False`), then `required` as OpenAI's default (parallel calls: a
+    # list of 1 to 16). The answer is held to the calls' JSON whatever the model would write.
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in ((named, None), ("required", False), ("required", None)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
         f = client.chat.completions.create(
-            model=model, messages=ask, tools=TOOLS, tool_choice=choice, max_tokens=40,
-            temperature=0,
+            model=model, messages=ask, tools=TOOLS, tool_choice=choice, max_tokens=80,
+            temperature=0, **extra,
         )
         fc = f.choices[0]
         assert fc.finish_reason == "tool_calls" and fc.message.content is None, f
-        assert len(fc.message.tool_calls) == 1, f
-        forced = fc.message.tool_calls[0]
-        args = json.loads(forced.function.arguments)
-        assert forced.function.name == "get_weather", forced
-        assert list(args) == ["city"] and isinstance(args["city"], str), forced
-        print("forced", json.dumps(choice), "->", forced.function.name, forced.function.arguments)
+        calls = fc.message.tool_calls
+        if choice == "required" and parallel is None:
+            assert 1 <= len(calls) <= 16, f
+        else:
+            assert len(calls) == 1, f
+        assert len({c.id for c in calls}) == len(calls), f
+        for forced in calls:
+            args = json.loads(forced.function.arguments)
+            assert forced.function.name == "get_weather", forced
+            assert list(args) == ["city"] and isinstance(args["city"], str), forced
+        print("forced", json.dumps(choice), extra, "->",
+              [(c.function.name, c.function.arguments) for c in calls])
     print("forced calls ok")
     if len(sys.argv) > 3 and sys.argv[3] == "gateway":
         stored_flow(client, model, messages[:6])

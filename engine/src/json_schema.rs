@@ -150,7 +150,7 @@ impl CompiledSchema {
             patterns: Vec::new(),
         };
         let root = c.node(schema, "")?;
-        c.finish(root)
+        c.finish(root, b'{')
     }
 
     /// The schema of one call of one of `tools` (name, `parameters` schema; `tool_choice:
@@ -159,6 +159,36 @@ impl CompiledSchema {
     /// its own) and must describe an object. The error names the tool (its index) and the
     /// place in its `parameters`.
     pub fn compile_calls(tools: &[(&str, &Value)]) -> Result<CompiledSchema, (usize, SchemaError)> {
+        let (c, root) = Compiler::calls(tools)?;
+        c.finish(root, b'{').map_err(|e| (0, e))
+    }
+
+    /// A JSON array of 1 to `max` calls, each a call of [`Self::compile_calls`]
+    /// (`tool_choice: "required"` with parallel calls allowed, `parallel_tool_calls` not
+    /// `false`). Errors as [`Self::compile_calls`].
+    pub fn compile_call_list(
+        tools: &[(&str, &Value)],
+        max: u32,
+    ) -> Result<CompiledSchema, (usize, SchemaError)> {
+        let (mut c, call) = Compiler::calls(tools)?;
+        let root = c
+            .push(
+                Node::Array {
+                    items: call,
+                    min: 1,
+                    max: max.max(1),
+                },
+                "",
+            )
+            .map_err(|e| (0, e))?;
+        c.finish(root, b'[').map_err(|e| (0, e))
+    }
+}
+
+impl<'a> Compiler<'a> {
+    /// The nodes of one call of one of `tools` ([`CompiledSchema::compile_calls`]) and its
+    /// node.
+    fn calls(tools: &[(&str, &'a Value)]) -> Result<(Compiler<'a>, usize), (usize, SchemaError)> {
         let Some(&(_, first)) = tools.first() else {
             return Err((0, err("", "no tools")));
         };
@@ -205,14 +235,14 @@ impl CompiledSchema {
                 c.either(tagged, "").map_err(|e| (0, e))?
             }
         };
-        c.finish(root).map_err(|e| (0, e))
+        Ok((c, root))
     }
 }
 
 impl Compiler<'_> {
-    /// The compiled schema of root `root`, once every value is writable and the root is an
-    /// object.
-    fn finish(self, root: usize) -> Result<CompiledSchema, SchemaError> {
+    /// The compiled schema of root `root`, once every value is writable and the root starts
+    /// with `opens` (`{`: an object, as OpenAI requires of a schema; `[`: a list of calls).
+    fn finish(self, root: usize, opens: u8) -> Result<CompiledSchema, SchemaError> {
         let c = self;
         // Every value must be writable: a `$ref` cycle with no type in it never is.
         for n in 0..c.nodes.len() {
@@ -230,7 +260,7 @@ impl Compiler<'_> {
         if firsts
             .iter()
             .enumerate()
-            .any(|(b, &f)| f && b != usize::from(b'{'))
+            .any(|(b, &f)| f && b != usize::from(opens))
         {
             return Err(err(
                 "",
@@ -2055,6 +2085,41 @@ mod tests {
         assert!(e.1.reason.contains("object"), "{:?}", e);
         // Two tools of one name cannot be told apart.
         assert!(CompiledSchema::compile_calls(&[("a", &weather), ("a", &time)]).is_err());
+    }
+
+    #[test]
+    fn a_list_of_one_to_max_calls() {
+        let weather = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let time = json!({"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}});
+        let tools = [("get_weather", &weather), ("get_time", &time)];
+        let s = CompiledSchema::compile_call_list(&tools, 2).unwrap();
+        for ok in [
+            r#"[{"name":"get_weather","arguments":{"city":"Paris"}}]"#,
+            r#"[{"name":"get_weather","arguments":{"city":"Paris"}}, {"name":"get_time","arguments":{"tz":"CET"}}]"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        // Open while the next call may follow.
+        assert_eq!(
+            run(&s, r#"[{"name":"get_time","arguments":{}},"#),
+            Some(false)
+        );
+        for bad in [
+            // At least one call, at most `max`, each a call of one of the tools.
+            "[]",
+            r#"[{"name":"get_time","arguments":{}},{"name":"get_time","arguments":{}},"#,
+            r#"[{"name":"get_date""#,
+            r#"{"name":"get_time""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // A tool the automaton cannot hold: its index, as for one call.
+        let e = CompiledSchema::compile_call_list(
+            &[("a", &weather), ("b", &json!({"type": "string"}))],
+            4,
+        )
+        .unwrap_err();
+        assert_eq!(e.0, 1);
     }
 
     #[test]

@@ -20,7 +20,7 @@ use serde_json::Value;
 use crate::json_schema::CompiledSchema;
 
 /// What a request asks to be compiled, as the exact bytes that decide the result: a kind
-/// (`schema`, `call`, `calls`) and the JSON text of each part, separated by NUL bytes (which
+/// (`schema`, `call`, `calls`, `call_list <max>`) and the JSON text of each part, separated by NUL bytes (which
 /// JSON text never holds unescaped). Property order is part of the text, as it is part of the
 /// schema (properties are written in the schema's order).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -48,6 +48,13 @@ impl SchemaKey {
             k.push(0);
             write_json(&mut k, params);
         }
+        SchemaKey(k)
+    }
+
+    /// A list of 1 to `max` calls of these tools ([`CompiledSchema::compile_call_list`]).
+    pub fn call_list(tools: &[(&str, &Value)], max: u32) -> SchemaKey {
+        let mut k = SchemaKey::calls(tools).0;
+        k.splice(..b"calls".len(), format!("call_list {max}").into_bytes());
         SchemaKey(k)
     }
 
@@ -267,6 +274,15 @@ mod tests {
         assert_ne!(
             SchemaKey::calls(&[("f", &p)]),
             SchemaKey::calls(&[("f", &p), ("f", &p)])
+        );
+        // One call, or a list of up to 8 or 16 of them.
+        assert_ne!(
+            SchemaKey::calls(&[("f", &p)]),
+            SchemaKey::call_list(&[("f", &p)], 8)
+        );
+        assert_ne!(
+            SchemaKey::call_list(&[("f", &p)], 8),
+            SchemaKey::call_list(&[("f", &p)], 16)
         );
         // A name holding what a separator would look like is escaped in its JSON text.
         assert_ne!(

@@ -70,9 +70,16 @@ pub enum ForcedCall {
     /// `{"type": "function", "function": {"name": …}}`: the answer is the arguments object of
     /// that function.
     Named(String),
-    /// `required`: the answer is `{"name": …, "arguments": {…}}`.
+    /// `required` with `parallel_tool_calls: false`: the answer is `{"name": …, "arguments":
+    /// {…}}`.
     Required,
+    /// `required` with parallel calls (`parallel_tool_calls` absent or `true`, OpenAI's
+    /// default): the answer is a JSON array of 1 to [`MAX_PARALLEL_CALLS`] such calls.
+    RequiredList,
 }
+
+/// The most calls one answer to `tool_choice: "required"` may make with parallel calls.
+pub const MAX_PARALLEL_CALLS: u32 = 16;
 
 /// How the model writes its reasoning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -230,6 +237,17 @@ impl AnswerParser {
                 // OpenAI gives them with finish reason `length`).
                 ForcedCall::Named(name) => Some((name.clone(), text.trim().to_string())),
                 ForcedCall::Required => parse_call(&text),
+                ForcedCall::RequiredList => {
+                    let (calls, rest) = parse_call_list(&text);
+                    for (name, args) in calls {
+                        let piece = self.call(name, args);
+                        out.push(piece);
+                    }
+                    // A call cut short by `max_tokens` after the whole ones: its text is
+                    // content, as a single call's is.
+                    self.push_content(out, rest);
+                    return;
+                }
             };
             match parsed {
                 Some((name, args)) => out.push(self.call(name, args)),
@@ -475,6 +493,36 @@ fn parse_call(json: &str) -> Option<(String, String)> {
     call_of(&v)
 }
 
+/// The whole calls of a list `[call, call, …]` in order, and the text after them that is not
+/// a whole call (empty when the list closed; the whole text when no call is whole): an answer
+/// cut short by `max_tokens` keeps every call it finished.
+fn parse_call_list(text: &str) -> (Vec<(String, String)>, String) {
+    let Some(mut rest) = text.trim_start().strip_prefix('[') else {
+        return (Vec::new(), text.to_string());
+    };
+    let mut calls = Vec::new();
+    loop {
+        let item = rest.trim_start();
+        let mut values = serde_json::Deserializer::from_str(item).into_iter::<Value>();
+        let Some((call, end)) = values
+            .next()
+            .and_then(Result::ok)
+            .and_then(|v| call_of(&v))
+            .map(|c| (c, values.byte_offset()))
+        else {
+            let rest = if calls.is_empty() { text } else { item };
+            return (calls, rest.to_string());
+        };
+        calls.push(call);
+        let after = item.get(end..).unwrap_or_default().trim_start();
+        match after.strip_prefix(',') {
+            Some(next) => rest = next,
+            // `]`, or the end of a list cut right after a call.
+            None => return (calls, String::new()),
+        }
+    }
+}
+
 fn call_of(v: &Value) -> Option<(String, String)> {
     let name = v.get("name")?.as_str()?.to_string();
     let args = v
@@ -592,6 +640,81 @@ mod tests {
             }
         }
         p
+    }
+
+    /// A forced answer fed in two parts, then finished.
+    fn forced(call: ForcedCall, text: &str) -> Parsed {
+        let mut p = AnswerParser::forced(call, "req-1");
+        let at = text.len() / 2;
+        let at = (at..=text.len())
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        let mut pieces = p.feed(&text[..at]);
+        pieces.extend(p.feed(&text[at..]));
+        pieces.extend(p.finish());
+        merge(pieces)
+    }
+
+    #[test]
+    fn a_list_of_forced_calls_gives_every_whole_call() {
+        let call = |n: &str, a: &str| (n.to_string(), a.to_string());
+        // Whole lists: one call, two, whitespace as the automaton allows it.
+        assert_eq!(
+            forced(
+                ForcedCall::RequiredList,
+                r#"[{"name":"f","arguments":{"a":1}}]"#
+            ),
+            (String::new(), String::new(), vec![call("f", r#"{"a":1}"#)])
+        );
+        assert_eq!(
+            forced(
+                ForcedCall::RequiredList,
+                r#" [ {"name": "f", "arguments": {}} ,
+ {"name": "g", "arguments": {"b": "x, y]"}} ] "#
+            ),
+            (
+                String::new(),
+                String::new(),
+                vec![call("f", "{}"), call("g", r#"{"b":"x, y]"}"#)]
+            )
+        );
+        // Cut by max_tokens: the whole calls, then the cut one's text as content.
+        assert_eq!(
+            forced(
+                ForcedCall::RequiredList,
+                r#"[{"name":"f","arguments":{}}, {"name":"g","argu"#
+            ),
+            (
+                String::new(),
+                r#"{"name":"g","argu"#.to_string(),
+                vec![call("f", "{}")]
+            )
+        );
+        // Cut right after a call: nothing lost, nothing added.
+        assert_eq!(
+            forced(ForcedCall::RequiredList, r#"[{"name":"f","arguments":{}},"#),
+            (String::new(), String::new(), vec![call("f", "{}")])
+        );
+        // No whole call: the text as content, as a single cut call is.
+        let cut = r#"[{"name":"f","arg"#;
+        assert_eq!(
+            forced(ForcedCall::RequiredList, cut),
+            (String::new(), cut.to_string(), vec![])
+        );
+        // Ids: one per call, in order, distinct.
+        let mut p = AnswerParser::forced(ForcedCall::RequiredList, "req-1");
+        let ids: Vec<String> = p
+            .feed(r#"[{"name":"f","arguments":{}},{"name":"f","arguments":{}}]"#)
+            .into_iter()
+            .chain(p.finish())
+            .filter_map(|piece| match piece {
+                Piece::ToolCall(t) => Some(format!("{}:{}", t.index, t.id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids.len(), 2);
+        assert!(ids[0].starts_with("0:call_") && ids[1].starts_with("1:call_"));
+        assert_ne!(ids[0][2..], ids[1][2..]);
     }
 
     fn parser(r: bool, t: Option<ToolCallFormat>, open: bool) -> AnswerParser {

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::api_error::ApiError;
-use crate::output_parser::ForcedCall;
+use crate::output_parser::{ForcedCall, MAX_PARALLEL_CALLS};
 use crate::protocol::{
     ChatCompletionRequest, CommonParams, CompletionRequest, CHAT_FIELDS, COMPLETION_FIELDS,
 };
@@ -502,6 +502,8 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
             ))
         }
     }
+    // OpenAI's default: a `required` answer may make several calls.
+    let parallel_calls = !matches!(r.parallel_tool_calls, Some(Value::Bool(false)));
     match &r.parallel_tool_calls {
         None | Some(Value::Null) | Some(Value::Bool(_)) => {}
         Some(_) => {
@@ -631,8 +633,12 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
         ));
     }
     let mut format = format;
-    if let Some(forced) = forced_call(fields.tools.as_deref().unwrap_or_default(), choice, schemas)?
-    {
+    if let Some(forced) = forced_call(
+        fields.tools.as_deref().unwrap_or_default(),
+        choice,
+        parallel_calls,
+        schemas,
+    )? {
         answer.forced = Some(forced.0);
         format = AnswerFormat::ToolCall(forced.1);
     }
@@ -702,12 +708,14 @@ fn prompt_cache_options(v: Option<&Value>) -> Result<(), ApiError> {
 }
 
 /// The call `tool_choice` forces, with the schema of its JSON: `required` → one call of one of
-/// the tools (`{"name", "arguments"}`), a named function → its arguments. A function's
+/// the tools (`{"name", "arguments"}`), or with `parallel` a list of 1 to
+/// [`MAX_PARALLEL_CALLS`] of them; a named function → its arguments (one call). A function's
 /// `parameters` (absent: no arguments, `{}`) must be a schema the automaton holds
 /// (`engine::json_schema`), else `400 unsupported_parameter` naming the tool.
 fn forced_call(
     tools: &[Value],
     choice: Option<ToolChoice>,
+    parallel: bool,
     schemas: &SchemaCache,
 ) -> Result<Option<(ForcedCall, Arc<CompiledSchema>)>, ApiError> {
     let empty = serde_json::json!({"type": "object", "properties": {}});
@@ -745,6 +753,14 @@ fn forced_call(
         Some(ToolChoice::Required) => {
             let all: Vec<(String, Value)> = tools.iter().map(name_params).collect();
             let refs: Vec<(&str, &Value)> = all.iter().map(|(n, p)| (n.as_str(), p)).collect();
+            if parallel {
+                let schema = schemas
+                    .get_or_compile(SchemaKey::call_list(&refs, MAX_PARALLEL_CALLS), || {
+                        CompiledSchema::compile_call_list(&refs, MAX_PARALLEL_CALLS)
+                    })
+                    .map_err(|(i, e)| refused(i, e))?;
+                return Ok(Some((ForcedCall::RequiredList, schema)));
+            }
             let schema = schemas
                 .get_or_compile(SchemaKey::calls(&refs), || {
                     CompiledSchema::compile_calls(&refs)
@@ -1019,15 +1035,34 @@ mod tests {
                 "{choice}"
             );
         }
-        for (choice, forced) in [
-            (r#""required""#, ForcedCall::Required),
+        // `required`: a list of calls unless `parallel_tool_calls` is false (OpenAI's default
+        // allows several); a named function: one call either way.
+        for (choice, parallel, forced) in [
+            (r#""required""#, "", ForcedCall::RequiredList),
+            (
+                r#""required""#,
+                r#","parallel_tool_calls":true"#,
+                ForcedCall::RequiredList,
+            ),
+            (
+                r#""required""#,
+                r#","parallel_tool_calls":false"#,
+                ForcedCall::Required,
+            ),
             (
                 r#"{"type":"function","function":{"name":"g"}}"#,
+                "",
+                ForcedCall::Named("g".into()),
+            ),
+            (
+                r#"{"type":"function","function":{"name":"g"}}"#,
+                r#","parallel_tool_calls":true"#,
                 ForcedCall::Named("g".into()),
             ),
         ] {
             let p =
-                chat(format!(r#"{{{MSG},{tools},"tool_choice":{choice}}}"#).as_bytes()).unwrap();
+                chat(format!(r#"{{{MSG},{tools},"tool_choice":{choice}{parallel}}}"#).as_bytes())
+                    .unwrap();
             assert_eq!(p.answer.forced, Some(forced), "{choice}");
             assert!(matches!(p.format, AnswerFormat::ToolCall(_)), "{choice}");
         }

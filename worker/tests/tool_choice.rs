@@ -47,14 +47,26 @@ fn ask(choice: Value, extra: Value) -> Value {
 
 /// Checks one choice's call against the tools' parameters; returns (name, arguments).
 fn call_of(choice: &Value) -> (String, Value) {
+    let calls = calls_of(choice);
+    assert_eq!(calls.len(), 1, "{choice}");
+    calls.into_iter().next().unwrap()
+}
+
+/// Checks one choice's calls (at least one) against the tools' parameters; returns them as
+/// (name, arguments), in order.
+fn calls_of(choice: &Value) -> Vec<(String, Value)> {
     assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
     let m = &choice["message"];
     assert!(m["content"].is_null(), "{choice}");
     let calls = m["tool_calls"]
         .as_array()
         .unwrap_or_else(|| panic!("{choice}"));
-    assert_eq!(calls.len(), 1, "{choice}");
-    let c = &calls[0];
+    assert!(!calls.is_empty() && calls.len() <= 16, "{choice}");
+    calls.iter().map(checked_call).collect()
+}
+
+/// One call's type, id, name and arguments checked against its tool's parameters.
+fn checked_call(c: &Value) -> (String, Value) {
     assert_eq!(c["type"], "function");
     assert!(c["id"].as_str().unwrap().starts_with("call_"), "{c}");
     let name = c["function"]["name"].as_str().unwrap().to_string();
@@ -100,66 +112,105 @@ async fn forced_tool_calls_are_held_to_the_tools_schemas() {
     assert_eq!(name, "get_time");
     println!("named: get_time {args}");
 
-    // `required`: a call of one of them, the model choosing which (greedy: the weather).
+    // `required`: calls of them, the model choosing which and how many (OpenAI's default
+    // `parallel_tool_calls`: a list of 1 to 16 calls).
     let r = post_json(
         &w,
         "/v1/chat/completions",
         &ask(json!("required"), json!({})),
     )
     .await;
-    let (name, args) = call_of(&r["choices"][0]);
-    println!("required: {name} {args}");
+    let calls = calls_of(&r["choices"][0]);
+    println!("required: {calls:?}");
 
-    // Streamed: the call arrives as tool_calls deltas (id, name, then the arguments) that
-    // accumulate to the same call; the last choice chunk's finish reason is `tool_calls`.
+    // `parallel_tool_calls: false`: exactly one call.
+    let r = post_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(json!("required"), json!({"parallel_tool_calls": false})),
+    )
+    .await;
+    let (name, args) = call_of(&r["choices"][0]);
+    println!("required, one call: {name} {args}");
+
+    // Streamed: the calls arrive as tool_calls deltas (id, name, then the arguments, by
+    // index) that accumulate to the same calls; the last choice chunk's finish reason is
+    // `tool_calls`.
     let chunks = post_sse_json(
         &w,
         "/v1/chat/completions",
         &ask(json!("required"), json!({"stream": true})),
     )
     .await;
-    let (mut s_name, mut s_args, mut finish) = (String::new(), String::new(), String::new());
+    let mut streamed: Vec<(String, String)> = Vec::new();
+    let mut finish = String::new();
     for c in &chunks {
         let Some(ch) = c["choices"].as_array().and_then(|a| a.first()) else {
             continue;
         };
         for d in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
-            s_name.push_str(d["function"]["name"].as_str().unwrap_or_default());
-            s_args.push_str(d["function"]["arguments"].as_str().unwrap_or_default());
+            let i = d["index"].as_u64().unwrap() as usize;
+            if streamed.len() <= i {
+                streamed.resize(i + 1, Default::default());
+            }
+            streamed[i]
+                .0
+                .push_str(d["function"]["name"].as_str().unwrap_or_default());
+            streamed[i]
+                .1
+                .push_str(d["function"]["arguments"].as_str().unwrap_or_default());
         }
         if let Some(f) = ch["finish_reason"].as_str() {
             finish = f.to_string();
         }
     }
-    assert_eq!(
-        (s_name.as_str(), finish.as_str()),
-        (name.as_str(), "tool_calls")
-    );
-    assert_eq!(serde_json::from_str::<Value>(&s_args).unwrap(), args);
+    assert_eq!(finish, "tool_calls");
+    let streamed: Vec<(String, Value)> = streamed
+        .into_iter()
+        .map(|(n, a)| (n, serde_json::from_str::<Value>(&a).unwrap()))
+        .collect();
+    assert_eq!(streamed, calls);
 
-    // Every choice is a call (sampled, so they may differ), with ids of their own.
+    // Every choice is a call (sampled, so they may differ), with ids of their own. One call
+    // each: sampled, this small model repeats calls in a list until `max_tokens` cuts it.
     let r = post_json(
         &w,
         "/v1/chat/completions",
         &ask(
             json!("required"),
-            json!({"n": 3, "temperature": 0.7, "seed": 4, "max_tokens": 200}),
+            json!({"n": 3, "temperature": 0.7, "seed": 4, "max_tokens": 200,
+                   "parallel_tool_calls": false}),
         ),
     )
     .await;
     let choices = r["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 3);
     let mut ids = std::collections::BTreeSet::new();
+    let mut made = 0;
     for c in choices {
-        call_of(c);
-        ids.insert(
-            c["message"]["tool_calls"][0]["id"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        made += calls_of(c).len();
+        for call in c["message"]["tool_calls"].as_array().unwrap() {
+            ids.insert(call["id"].as_str().unwrap().to_string());
+        }
     }
-    assert_eq!(ids.len(), 3, "{r}");
+    assert_eq!(ids.len(), made, "{r}");
+
+    // A list cut by max_tokens inside its first call: no whole call, the text is content.
+    let r = post_json(
+        &w,
+        "/v1/chat/completions",
+        &ask(json!("required"), json!({"max_tokens": 6})),
+    )
+    .await;
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "length", "{r}");
+    assert!(c["message"]["tool_calls"].is_null(), "{r}");
+    assert!(
+        c["message"]["content"]
+            .as_str()
+            .is_some_and(|t| t.starts_with('[')),
+        "{r}"
+    );
 
     // Cut by max_tokens: the named call's arguments so far, finish reason `length`.
     let r = post_json(
@@ -176,15 +227,15 @@ async fn forced_tool_calls_are_held_to_the_tools_schemas() {
     );
     let m = metrics_text(&w).await;
     assert!(
-        m.contains("kvgate_worker_constrained_requests_total{format=\"tool_call\"} 5"),
+        m.contains("kvgate_worker_constrained_requests_total{format=\"tool_call\"} 7"),
         "{m}"
     );
-    // Two schemas compiled (get_time's arguments; a call of either tool), each kept for the
-    // requests after it.
+    // Three schemas compiled (get_time's arguments; a list of calls of either tool; one
+    // call of either), each kept for the requests after it.
     for line in [
-        "kvgate_worker_schema_cache_lookups_total{result=\"miss\"} 2",
-        "kvgate_worker_schema_cache_lookups_total{result=\"hit\"} 3",
-        "kvgate_worker_schema_cache_entries 2",
+        "kvgate_worker_schema_cache_lookups_total{result=\"miss\"} 3",
+        "kvgate_worker_schema_cache_lookups_total{result=\"hit\"} 4",
+        "kvgate_worker_schema_cache_entries 3",
     ] {
         assert!(m.contains(line), "{line}\n{m}");
     }
