@@ -162,8 +162,14 @@ pub struct AnswerParser {
     strip_leading: bool,
     calls: usize,
     request_id: String,
-    /// The answer is one forced call (held to the end, then given out as the call).
+    /// The answer is one forced call (held to the end, then given out as the call), or a
+    /// list of them (each given out as soon as it is whole).
     forced: Option<ForcedCall>,
+    /// A forced list: its `[` was read.
+    list_open: bool,
+    /// A forced list: everything received, for an answer cut before its first whole call
+    /// (given out as content, as a cut single call is).
+    list_text: String,
 }
 
 impl AnswerParser {
@@ -190,6 +196,8 @@ impl AnswerParser {
             calls: 0,
             request_id: request_id.to_string(),
             forced: None,
+            list_open: false,
+            list_text: String::new(),
         }
     }
 
@@ -213,6 +221,9 @@ impl AnswerParser {
 
     /// Takes newly generated text; returns the pieces now known.
     pub fn feed(&mut self, text: &str) -> Vec<Piece> {
+        if self.forced == Some(ForcedCall::RequiredList) && self.calls == 0 {
+            self.list_text.push_str(text);
+        }
         self.buf.push_str(text);
         let mut out = Vec::new();
         self.run(&mut out, false);
@@ -227,6 +238,10 @@ impl AnswerParser {
     }
 
     fn run(&mut self, out: &mut Vec<Piece>, end: bool) {
+        if self.forced == Some(ForcedCall::RequiredList) {
+            self.take_whole_calls(out, end);
+            return;
+        }
         if let Some(call) = &self.forced {
             if !end {
                 return;
@@ -236,18 +251,7 @@ impl AnswerParser {
                 // The arguments as written (cut short by `max_tokens`, a prefix of them, as
                 // OpenAI gives them with finish reason `length`).
                 ForcedCall::Named(name) => Some((name.clone(), text.trim().to_string())),
-                ForcedCall::Required => parse_call(&text),
-                ForcedCall::RequiredList => {
-                    let (calls, rest) = parse_call_list(&text);
-                    for (name, args) in calls {
-                        let piece = self.call(name, args);
-                        out.push(piece);
-                    }
-                    // A call cut short by `max_tokens` after the whole ones: its text is
-                    // content, as a single call's is.
-                    self.push_content(out, rest);
-                    return;
-                }
+                ForcedCall::Required | ForcedCall::RequiredList => parse_call(&text),
             };
             match parsed {
                 Some((name, args)) => out.push(self.call(name, args)),
@@ -417,6 +421,59 @@ impl AnswerParser {
         self.phase = Phase::Content;
     }
 
+    /// A forced list `[call, call, …]`: gives out each call as soon as it is whole, so a client
+    /// can start the first tool while the model writes the next. At the end, text that is not
+    /// a whole call (a call cut by `max_tokens`) is content: the cut call's text after whole
+    /// ones, or everything when no call was whole.
+    fn take_whole_calls(&mut self, out: &mut Vec<Piece>, end: bool) {
+        loop {
+            let t = self.buf.trim_start();
+            if !self.list_open {
+                let Some(rest) = t.strip_prefix('[') else {
+                    break;
+                };
+                self.buf = rest.to_string();
+                self.list_open = true;
+                continue;
+            }
+            // After a call, the next one follows a `,`.
+            let item = if self.calls > 0 {
+                match t.strip_prefix(',') {
+                    Some(rest) => rest.trim_start(),
+                    None => break,
+                }
+            } else {
+                t
+            };
+            let mut values = serde_json::Deserializer::from_str(item).into_iter::<Value>();
+            let Some(call) = values.next().and_then(Result::ok).and_then(|v| call_of(&v)) else {
+                break;
+            };
+            let rest = item
+                .get(values.byte_offset()..)
+                .unwrap_or_default()
+                .to_string();
+            self.buf = rest;
+            let piece = self.call(call.0, call.1);
+            out.push(piece);
+        }
+        if !end {
+            return;
+        }
+        let rest = std::mem::take(&mut self.buf);
+        let rest = rest.trim_start();
+        let rest = rest.strip_prefix(',').unwrap_or(rest).trim();
+        if rest.is_empty() || rest == "]" {
+            return;
+        }
+        let text = if self.calls == 0 {
+            std::mem::take(&mut self.list_text)
+        } else {
+            rest.to_string()
+        };
+        self.push_content(out, text);
+    }
+
     fn push_content(&mut self, out: &mut Vec<Piece>, text: String) {
         if text.is_empty() {
             return;
@@ -491,36 +548,6 @@ fn held_suffix(text: &str, markers: &[&str]) -> usize {
 fn parse_call(json: &str) -> Option<(String, String)> {
     let v: Value = serde_json::from_str(json.trim()).ok()?;
     call_of(&v)
-}
-
-/// The whole calls of a list `[call, call, …]` in order, and the text after them that is not
-/// a whole call (empty when the list closed; the whole text when no call is whole): an answer
-/// cut short by `max_tokens` keeps every call it finished.
-fn parse_call_list(text: &str) -> (Vec<(String, String)>, String) {
-    let Some(mut rest) = text.trim_start().strip_prefix('[') else {
-        return (Vec::new(), text.to_string());
-    };
-    let mut calls = Vec::new();
-    loop {
-        let item = rest.trim_start();
-        let mut values = serde_json::Deserializer::from_str(item).into_iter::<Value>();
-        let Some((call, end)) = values
-            .next()
-            .and_then(Result::ok)
-            .and_then(|v| call_of(&v))
-            .map(|c| (c, values.byte_offset()))
-        else {
-            let rest = if calls.is_empty() { text } else { item };
-            return (calls, rest.to_string());
-        };
-        calls.push(call);
-        let after = item.get(end..).unwrap_or_default().trim_start();
-        match after.strip_prefix(',') {
-            Some(next) => rest = next,
-            // `]`, or the end of a list cut right after a call.
-            None => return (calls, String::new()),
-        }
-    }
 }
 
 fn call_of(v: &Value) -> Option<(String, String)> {
@@ -642,17 +669,54 @@ mod tests {
         p
     }
 
-    /// A forced answer fed in two parts, then finished.
+    /// A forced answer fed whole, then split in two at every place, then a char at a time:
+    /// the same pieces every way.
     fn forced(call: ForcedCall, text: &str) -> Parsed {
-        let mut p = AnswerParser::forced(call, "req-1");
-        let at = text.len() / 2;
-        let at = (at..=text.len())
-            .find(|&i| text.is_char_boundary(i))
-            .unwrap_or(0);
-        let mut pieces = p.feed(&text[..at]);
-        pieces.extend(p.feed(&text[at..]));
-        pieces.extend(p.finish());
-        merge(pieces)
+        let run = |parts: &[&str]| {
+            let mut p = AnswerParser::forced(call.clone(), "req-1");
+            let mut pieces = Vec::new();
+            for part in parts {
+                pieces.extend(p.feed(part));
+            }
+            pieces.extend(p.finish());
+            merge(pieces)
+        };
+        let whole = run(&[text]);
+        for (at, _) in text.char_indices().skip(1) {
+            assert_eq!(
+                run(&[&text[..at], &text[at..]]),
+                whole,
+                "split at {at} of {text:?}"
+            );
+        }
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(run(&chars), whole, "char by char: {text:?}");
+        whole
+    }
+
+    #[test]
+    fn a_forced_list_gives_each_call_as_soon_as_it_is_whole() {
+        let mut p = AnswerParser::forced(ForcedCall::RequiredList, "req-1");
+        let mut first = p.feed(r#"[{"name":"f","arguments":{"a":1}}"#);
+        first.extend(p.feed(r#", {"name":"g","argu"#));
+        assert_eq!(
+            merge(first),
+            (
+                String::new(),
+                String::new(),
+                vec![("f".to_string(), r#"{"a":1}"#.to_string())]
+            )
+        );
+        let rest = p.feed(r#"ments":{}}]"#).into_iter().chain(p.finish());
+        assert_eq!(
+            merge(rest.collect()),
+            (
+                String::new(),
+                String::new(),
+                vec![("g".to_string(), "{}".to_string())]
+            )
+        );
     }
 
     #[test]
