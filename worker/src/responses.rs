@@ -339,6 +339,10 @@ impl Events {
                 ) => {
                     let k = k.clone();
                     self.piece(k, false, &arguments, out);
+                    // A call's arguments come whole in this one delta (the answer parser gives
+                    // out only whole calls), so its item is done now, not when the next item
+                    // opens: a client can run it while the model writes the next.
+                    self.close(out);
                 }
                 (None, _) => {}
             }
@@ -431,4 +435,61 @@ pub(crate) fn events(
     })
     .flat_map(stream::iter)
     .map(Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{FunctionDelta, ToolCallDelta};
+
+    fn call_delta(index: usize, id: Option<&str>, name: Option<&str>, args: &str) -> ChatDelta {
+        ChatDelta {
+            tool_calls: Some(vec![ToolCallDelta {
+                index,
+                id: id.map(str::to_string),
+                kind: id.map(|_| "function".to_string()),
+                function: FunctionDelta {
+                    name: name.map(str::to_string),
+                    arguments: Some(args.to_string()),
+                },
+            }]),
+            ..ChatDelta::default()
+        }
+    }
+
+    /// A call's item is done with its arguments delta (calls are given out whole), not when
+    /// the next item opens or the answer ends: a client can run it at once.
+    #[test]
+    fn a_call_item_is_done_with_its_arguments() {
+        let meta = Arc::new(ResponseMeta {
+            id: "resp_1".into(),
+            created: 0,
+            model: "m".into(),
+            fingerprint: "fp".into(),
+        });
+        let mut ev = Events {
+            meta,
+            echo: Echo::of(b"{}", None),
+            done: Vec::new(),
+            open: None,
+            seq: 0,
+            pending: Vec::new(),
+        };
+        for (i, (id, city)) in [("call_a", "Paris"), ("call_b", "Rome")].iter().enumerate() {
+            let mut out = Vec::new();
+            ev.delta(call_delta(i, Some(id), Some("get_weather"), ""), &mut out);
+            assert_eq!(out.len(), 1, "output_item.added");
+            assert!(ev.open.is_some());
+            let mut out = Vec::new();
+            let args = format!(r#"{{"city":"{city}"}}"#);
+            ev.delta(call_delta(i, None, None, &args), &mut out);
+            // arguments.delta, arguments.done, output_item.done
+            assert_eq!(out.len(), 3);
+            assert!(ev.open.is_none());
+            assert_eq!(ev.done.len(), i + 1);
+            assert_eq!(ev.done[i]["call_id"], *id);
+            assert_eq!(ev.done[i]["arguments"], args);
+            assert_eq!(ev.done[i]["status"], "completed");
+        }
+    }
 }
