@@ -537,7 +537,7 @@ def cases(run: Run):
         expect(g("POST", "/v1/chat/completions", chat("smol", "x", tool_choice="required")),
                400, "invalid_value")
         bad = [{"type": "function", "function": {"name": "h", "parameters": {
-            "type": "object", "properties": {"d": {"type": "string", "format": "uri"}}}}}]
+            "type": "object", "properties": {"d": {"type": "string", "format": "iri"}}}}}]
         r = g("POST", "/v1/chat/completions", chat("smol", "x", tools=bad, tool_choice="required"))
         expect(r, 400, "unsupported_parameter")
         return f"f({call['arguments'][:40]}); 400 unknown name, 400 no tools, 400 {r.json()['error']['param']}"

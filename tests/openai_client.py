@@ -5,7 +5,7 @@ Usage: python3 tests/openai_client.py BASE_URL   (e.g. http://127.0.0.1:8101/v1)
 Checks: a non-streaming chat completion (text, finish reason, usage with cached tokens), the
 same request streamed (same greedy text, usage chunk), a legacy completion, the model list,
 `n` choices streamed and not, structured outputs from a pydantic model (pattern, date, date-time,
-UUID, bounded integer) parsed by the client, and that an out-of-range `n` raises BadRequestError
+UUID, bounded integer; a URL, `format: uri`) parsed by the client, and that an out-of-range `n` raises BadRequestError
 naming it.
 Exits non-zero on any failure; prints one line per check.
 """
@@ -174,6 +174,23 @@ def main() -> None:
     assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
     assert b.tip_percent % 5 == 0, booked
     print("structured (pydantic, parsed):", b.model_dump_json())
+    # A URL (`format: uri`, pydantic's AnyUrl), checked by pydantic's own URL parser.
+    from pydantic import AnyUrl
+
+    class Site(BaseModel):
+        name: str
+        homepage: AnyUrl
+
+    site = completions(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give the name and homepage of the Rust programming language as JSON."}],
+        response_format=Site,
+        max_tokens=120,
+        temperature=0,
+    )
+    sp = site.choices[0].message.parsed
+    assert isinstance(sp, Site) and sp.homepage.scheme, site
+    print("structured (pydantic AnyUrl, parsed):", sp.model_dump_json())
     # The same model through the Responses API (`text.format`), parsed by the client.
     rp = client.responses.parse(
         model="smollm2",

@@ -9,7 +9,7 @@
 //! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`
 //! (`minLength`, `maxLength`: characters, a `\u` escape counting as one; `pattern`, ECMA-262
 //! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
-//! `hostname`, `ipv4`, `ipv6`, `uuid` — [`crate::text_pattern`]; such a string is written
+//! `hostname`, `ipv4`, `ipv6`, `uuid`, `uri` — [`crate::text_pattern`]; such a string is written
 //! without `\u` escapes), `number`, `integer` (both with `minimum`, `maximum`,
 //! `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, read exactly from their JSON text; a bounded
 //! `number` is written without an exponent, with at most 18 integer and 12 fraction digits),
@@ -1746,9 +1746,9 @@ mod tests {
                 "`pattern`",
             ),
             (
-                json!({"type": "object", "properties": {"d": {"type": "string", "format": "uri"}}}),
+                json!({"type": "object", "properties": {"d": {"type": "string", "format": "iri"}}}),
                 "/properties/d",
-                "`format` \"uri\" is not supported",
+                "`format` \"iri\" is not supported",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "string", "minimum": 0}}}),
@@ -2077,7 +2077,7 @@ mod tests {
         // A tool whose parameters the automaton cannot hold, or that are not an object: its index.
         let e = CompiledSchema::compile_calls(&[
             ("a", &weather),
-            ("b", &json!({"type": "object", "properties": {"d": {"type": "string", "format": "uri"}}})),
+            ("b", &json!({"type": "object", "properties": {"d": {"type": "string", "format": "iri"}}})),
         ])
         .unwrap_err();
         assert_eq!((e.0, e.1.at.as_str()), (1, "/properties/d"));

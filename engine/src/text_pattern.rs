@@ -58,7 +58,34 @@ const FORMATS: &[(&str, &[&str])] = &[
     ("ipv4", &[IPV4]),
     ("ipv6", &[IPV6]),
     ("uuid", &[UUID]),
+    // RFC 3986 `URI`, in a subset: a scheme of at most 16 characters, then either `//`, an
+    // authority (a registered name or IPv4 address, no user info, no IP literal) with an
+    // optional port and a path of segments, or a path without an authority; then an optional
+    // query and fragment. Every such string is an absolute URI by the RFC's grammar.
+    (
+        "uri",
+        &[
+            "[A-Za-z][A-Za-z0-9+.-]{0,15}:(?://",
+            REG_NAME,
+            "(?::[0-9]{1,5})?(?:/",
+            PCHAR,
+            "*)*|(?:/?",
+            PCHAR,
+            "+(?:/",
+            PCHAR,
+            "*)*)?)(?:\\?(?:",
+            PCHAR,
+            "|[/?])*)?(?:#(?:",
+            PCHAR,
+            "|[/?])*)?",
+        ],
+    ),
 ];
+
+/// RFC 3986 `pchar`: unreserved, percent-encoded, sub-delims, `:`, `@`.
+const PCHAR: &str = "(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})";
+/// RFC 3986 `reg-name` (an IPv4 address is one too): unreserved, percent-encoded, sub-delims.
+const REG_NAME: &str = "(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*";
 
 /// A calendar date: February 29 only in leap years (proleptic Gregorian).
 const DATE: &str = concat!(
@@ -356,6 +383,7 @@ mod tests {
     fn every_state_can_still_reach_an_end() {
         for p in [
             TextPattern::search("^(ab|cd)e$", 0, u32::MAX, 4096).unwrap(),
+            TextPattern::format("uri", 1, u32::MAX, 4096).unwrap(),
             TextPattern::format("date", 0, u32::MAX, 4096).unwrap(),
             TextPattern::format("ipv6", 0, u32::MAX, 4096).unwrap(),
             TextPattern::search("^[a-z]+$", 3, 5, 4096).unwrap(),
@@ -381,6 +409,39 @@ mod tests {
                 }
                 assert!(found, "state {s} is a dead end");
             }
+        }
+    }
+
+    #[test]
+    fn uris_hold_rfc_3986() {
+        let uri = TextPattern::format("uri", 1, u32::MAX, 4096).unwrap();
+        for ok in [
+            "https://example.com",
+            "https://example.com/",
+            "http://www.example.com:8080/a/b%20c/?q=1&r=a+b#frag/x?y",
+            "file:///tmp/x.txt",
+            "mailto:someone@example.com",
+            "urn:isbn:0451450523",
+            "tel:+1-816-555-1212",
+            "ftp://192.0.2.16/pub",
+            "a:",
+        ] {
+            assert!(full(&uri, ok), "{ok}");
+        }
+        for bad in [
+            "example.com",
+            "//example.com",
+            "1http://x",
+            "http://exa mple.com",
+            "http://a@b@c",
+            "http://host:port/",
+            "http://x/%zz",
+            "http://x/#a#b",
+            "http://x/\"",
+            "https://ex\u{e9}.com",
+            "",
+        ] {
+            assert!(!full(&uri, bad), "{bad}");
         }
     }
 
@@ -440,7 +501,7 @@ mod tests {
         let e = TextPattern::format("email", 0, u32::MAX, 4096).unwrap();
         assert!(full(&e, "ada.lovelace@example.org"));
         assert!(!full(&e, "ada@@example.org") && !full(&e, "ada@example") && !full(&e, ".a@b.org"));
-        assert!(TextPattern::format("uri", 0, u32::MAX, 4096).is_err());
+        assert!(TextPattern::format("iri", 0, u32::MAX, 4096).is_err());
     }
 
     #[test]

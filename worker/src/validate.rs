@@ -1068,7 +1068,7 @@ mod tests {
         }
         let p = chat(format!(r#"{{{MSG},{tools},"tool_choice":"auto"}}"#).as_bytes()).unwrap();
         assert!(p.answer.forced.is_none() && matches!(p.format, AnswerFormat::Text));
-        let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"uri"}}}}}]"#;
+        let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"iri"}}}}}]"#;
         let e = chat_err(&format!(r#"{{{MSG},{hostile},"tool_choice":"required"}}"#));
         assert_eq!(
             (e.code, e.param.as_deref()),
