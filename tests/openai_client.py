@@ -174,22 +174,24 @@ def main() -> None:
     assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
     assert b.tip_percent % 5 == 0, booked
     print("structured (pydantic, parsed):", b.model_dump_json())
-    # A URL (`format: uri`, pydantic's AnyUrl), checked by pydantic's own URL parser.
-    from pydantic import AnyUrl
+    # URLs (`format: uri`): pydantic's HttpUrl (at most 2,083 characters) and AnyUrl, checked
+    # by pydantic's own URL parser.
+    from pydantic import AnyUrl, HttpUrl
 
     class Site(BaseModel):
         name: str
-        homepage: AnyUrl
+        homepage: HttpUrl
+        source: AnyUrl
 
     site = completions(
         model="smollm2",
-        messages=[{"role": "user", "content": "Give the name and homepage of the Rust programming language as JSON."}],
+        messages=[{"role": "user", "content": "Give the name, homepage and source code URL of the Rust programming language as JSON."}],
         response_format=Site,
-        max_tokens=120,
+        max_tokens=150,
         temperature=0,
     )
     sp = site.choices[0].message.parsed
-    assert isinstance(sp, Site) and sp.homepage.scheme, site
+    assert isinstance(sp, Site) and sp.homepage.scheme and sp.source.scheme, site
     print("structured (pydantic AnyUrl, parsed):", sp.model_dump_json())
     # The same model through the Responses API (`text.format`), parsed by the client.
     rp = client.responses.parse(

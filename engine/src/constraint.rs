@@ -156,8 +156,9 @@ impl Machine {
         }
     }
 
-    /// Inside a string held to a pattern, between characters: the pattern and its state.
-    fn plain_pattern(&self) -> Option<(&crate::text_pattern::TextPattern, u16)> {
+    /// Inside a string held to a pattern, between characters: the pattern, its state and the
+    /// characters left before the string's `max`.
+    fn plain_pattern(&self) -> Option<(&crate::text_pattern::TextPattern, u16, u32)> {
         match self {
             Machine::Object(_) => None,
             Machine::Schema(s, j) => j.plain_pattern(s),
@@ -198,10 +199,11 @@ impl ConstraintState {
     /// token is still allowed.
     pub fn mask(&self, logits: &mut [f32], stop_ids: &[u32]) -> bool {
         let table = &self.table;
-        // In a string held to a pattern (which bounds its length too): a string-safe token is
+        // In a string held to a pattern (which bounds its length too, with the room left where
+        // a long `maxLength` kept it from being crossed with the count): a string-safe token is
         // allowed when the pattern's automaton takes its bytes, with no copy of the JSON
         // automaton; the others (quotes, escapes, partial characters) are simulated.
-        if let Some((pattern, state)) = self.machine.plain_pattern() {
+        if let Some((pattern, state, room)) = self.machine.plain_pattern() {
             let mut allowed: Vec<(u32, f32)> = Vec::new();
             for first in 0..=255u8 {
                 if !self.machine.accepts(&[first]) {
@@ -212,7 +214,7 @@ impl ConstraintState {
                         continue;
                     };
                     let ok = if table.string_safe.get(id as usize).copied().unwrap_or(false) {
-                        pattern.allows(state, b)
+                        pattern.allows_within(state, b, room)
                     } else {
                         b.len() == 1 || self.machine.accepts(b)
                     };

@@ -1211,18 +1211,21 @@ impl SchemaJson {
         }
     }
 
-    /// Inside a string held to a pattern, between characters: the pattern and its state.
+    /// Inside a string held to a pattern, between characters: the pattern, its state, and how
+    /// many more characters the string may take.
     pub(crate) fn plain_pattern<'s>(
         &self,
         s: &'s CompiledSchema,
-    ) -> Option<(&'s TextPattern, u16)> {
+    ) -> Option<(&'s TextPattern, u16, u32)> {
         match self.mode {
             Mode::InStr {
                 at: Str::Plain,
                 pat,
                 ps,
+                len,
+                max,
                 ..
-            } if pat != NO_PATTERN => Some((s.patterns.get(usize::from(pat))?, ps)),
+            } if pat != NO_PATTERN => Some((s.patterns.get(usize::from(pat))?, ps, max - len)),
             _ => None,
         }
     }
@@ -1445,15 +1448,25 @@ impl SchemaJson {
                 Some(Some(next)) => {
                     // The pattern reads the string's decoded bytes: a plain byte as it is, an
                     // escape's at its second byte; `\u` escapes are not written in such strings.
+                    // A character begins with a byte read between characters.
+                    let chars = match at {
+                        Str::Plain if len >= max => return false,
+                        Str::Plain => len + 1,
+                        _ => len,
+                    };
                     let ps = if pat == NO_PATTERN {
                         ps
                     } else {
                         let pattern = &s.patterns[usize::from(pat)];
                         let decoded = match (at, c) {
                             // An escape only where one of the characters it may stand for can
-                            // come next.
+                            // come next, and the string can still end within `max` after it.
                             (Str::Plain, b'\\') => {
-                                if !ESCAPED.iter().any(|&e| pattern.step(ps, e).is_some()) {
+                                if !ESCAPED.iter().any(|&e| {
+                                    pattern
+                                        .step(ps, e)
+                                        .is_some_and(|n| pattern.fits(n, chars, max))
+                                }) {
                                     return false;
                                 }
                                 None
@@ -1469,18 +1482,16 @@ impl SchemaJson {
                         };
                         match decoded {
                             None => ps,
+                            // The string must still be able to end within `max` characters
+                            // (the pattern's own states hold that unless a long `maxLength`
+                            // kept it from being crossed with the count).
                             Some(d) => match pattern.step(ps, d) {
-                                Some(n) => n,
-                                None => return false,
+                                Some(n) if pattern.fits(n, chars, max) => n,
+                                _ => return false,
                             },
                         }
                     };
-                    // A character begins with a byte read between characters.
-                    let len = match at {
-                        Str::Plain if len >= max => return false,
-                        Str::Plain => len + 1,
-                        _ => len,
-                    };
+                    let len = chars;
                     self.mode = Mode::InStr {
                         at: next,
                         len,
@@ -2087,6 +2098,44 @@ mod tests {
         assert!(CompiledSchema::compile_calls(&[("a", &weather), ("a", &time)]).is_err());
     }
 
+    /// pydantic's `HttpUrl` (`format: uri`, `maxLength: 2083`) and other long bounds on
+    /// looping patterns compile (the bound held by the distance to an end, not by crossing
+    /// the pattern with the count), and hold exactly.
+    #[test]
+    fn a_long_max_length_on_a_pattern_holds_exactly() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+            "q": {"type": "string", "pattern": "^(ab)*$", "maxLength": 4999}}}))
+        .unwrap();
+        assert_eq!(
+            run(&s, r#"{"url":"https://example.com/a?b=c","q":"abab"}"#),
+            Some(true)
+        );
+        let long = "a".repeat(2072);
+        assert_eq!(
+            run(&s, &format!(r#"{{"url":"https://{long}.io","#)),
+            Some(false),
+            "2,083 characters"
+        );
+        assert_eq!(run(&s, &format!(r#"{{"url":"https://{long}.com"#)), None);
+        let pairs = "ab".repeat(2499);
+        assert_eq!(
+            run(&s, &format!(r#"{{"url":"a:","q":"{pairs}"}}"#)),
+            Some(true)
+        );
+        // One more `a` could only end at 5,000 characters.
+        assert_eq!(run(&s, &format!(r#"{{"url":"a:","q":"{pairs}a"#)), None);
+        // An escape counts as the character it stands for, and needs room for what follows.
+        let slash = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "p": {"type": "string", "pattern": "^(/x)*$", "maxLength": 4999}}}))
+        .unwrap();
+        let most = "/x".repeat(2499);
+        assert_eq!(run(&slash, &format!(r#"{{"p":"{most}"}}"#)), Some(true));
+        assert_eq!(run(&slash, &format!(r#"{{"p":"{most}\"#)), None);
+        let fewer = "/x".repeat(2498);
+        assert_eq!(run(&slash, &format!(r#"{{"p":"{fewer}\/x"}}"#)), Some(true));
+    }
+
     #[test]
     fn a_list_of_one_to_max_calls() {
         let weather = json!({"type": "object", "properties": {"city": {"type": "string"}}});
@@ -2644,10 +2693,22 @@ mod tests {
             CompiledSchema::compile(&json!({"type": "object", "properties": {
                 "m": {"type": "string", "format": "email"},
                 "p": {"type": "string", "pattern": "(cat|dog)s?$", "maxLength": 12},
-                "d": {"type": "string", "format": "date-time"}}}))
+                "d": {"type": "string", "format": "date-time"},
+                "u": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+                "q": {"type": "string", "pattern": "^(ab)*$", "maxLength": 4999}}}))
             .unwrap(),
         );
+        let pairs = format!("{{\"q\":\"{}", "ab".repeat(2499));
+        let pairs_and_a = format!("{{\"q\":\"{}a", "ab".repeat(2498));
         let pieces = [
+            "ab",
+            "abab",
+            "b\"",
+            "https://",
+            "example.com",
+            "/a?b=c",
+            "%2",
+            "%20",
             "ada",
             "@",
             ".org",
@@ -2688,6 +2749,11 @@ mod tests {
             "{\"p\":\"abcdefghidog",
             "{\"d\":\"2024-02-2",
             "{\"d\":\"2024-02-29T12:00:00",
+            "{\"u\":\"",
+            "{\"u\":\"https://example.com",
+            "{\"u\":\"https://example.com/a%2",
+            pairs.as_str(),
+            pairs_and_a.as_str(),
         ] {
             let mut j = SchemaJson::new(&s);
             let mut c = Constraint::JsonSchema(table.clone(), s.clone()).start();

@@ -6,7 +6,8 @@
 //! Built from a regular expression by `regex-automata`'s dense DFA (anchored, every match kind
 //! kept), then walked from its start into a table of its own, crossed with the count of
 //! characters read when the string's length is bounded, and pruned to the states from which a
-//! match can still be reached. `pattern` has JSON Schema's meaning: ECMA-262 syntax, matched
+//! match can still be reached. A `maxLength` too long to cross within the state budget is held
+//! instead by each state's distance to an end ([`TextPattern::fits`]). `pattern` has JSON Schema's meaning: ECMA-262 syntax, matched
 //! *anywhere* in the string (`^` / `$` anchor it); `\d`, `\w`, `\b` are ASCII as in ECMA-262.
 //! Syntax the DFA cannot hold (look-ahead, back-references, Unicode `\b`) is refused.
 
@@ -136,6 +137,9 @@ pub struct TextPattern {
     next: Vec<u16>,
     /// Whether the string read so far may end there.
     ends: Vec<bool>,
+    /// The fewest characters from each state to one that may end: the string's `max` length
+    /// is held with it where the automaton is not crossed with the count ([`Self::fits`]).
+    left: Vec<u32>,
 }
 
 impl std::fmt::Debug for TextPattern {
@@ -176,9 +180,42 @@ impl TextPattern {
         self.ends.len()
     }
 
-    /// The bytes its tables hold (`states × 256` transitions of 2 bytes, one end flag each).
+    /// The bytes its tables hold (`states × 256` transitions of 2 bytes, one end flag and one
+    /// distance each).
     pub fn heap_bytes(&self) -> usize {
-        self.next.capacity() * std::mem::size_of::<u16>() + self.ends.capacity()
+        self.next.capacity() * std::mem::size_of::<u16>()
+            + self.ends.capacity()
+            + self.left.capacity() * std::mem::size_of::<u32>()
+    }
+
+    /// The fewest characters that take a string from `state` to an end.
+    pub fn left(&self, state: u16) -> u32 {
+        self.left
+            .get(usize::from(state))
+            .copied()
+            .unwrap_or(u32::MAX)
+    }
+
+    /// Whether a string in `state` with `len` characters written can still end within `max`
+    /// characters. Always true where the automaton was crossed with the count (its states
+    /// hold the bound); where a long `maxLength` made that too large, this is how the bound is
+    /// held, and every string it lets through can still be finished.
+    pub fn fits(&self, state: u16, len: u32, max: u32) -> bool {
+        u64::from(len) + u64::from(self.left(state)) <= u64::from(max)
+    }
+
+    /// [`Self::allows`] for a string with `room` characters left before its `max`: the bytes
+    /// must also leave it able to end within that room.
+    pub fn allows_within(&self, mut state: u16, bytes: &[u8], room: u32) -> bool {
+        let mut chars = 0u32;
+        for &b in bytes {
+            match self.step(state, b) {
+                Some(n) => state = n,
+                None => return false,
+            }
+            chars += u32::from(b & 0xc0 != 0x80);
+        }
+        self.fits(state, chars, room)
     }
 
     /// The state after `byte` from `state`, if a matching string can still follow.
@@ -205,9 +242,26 @@ impl TextPattern {
         self.ends.get(usize::from(state)).copied().unwrap_or(false)
     }
 
-    /// The automaton of strings `regex` (Rust syntax) matches whole, of `min..=max` characters.
+    /// The automaton of strings `regex` (Rust syntax) matches whole, of `min..=max` characters:
+    /// crossed with the count of characters up to `max`, or, when that needs more than
+    /// `budget` states (a long `maxLength` on a pattern that loops: pydantic's `HttpUrl` is a
+    /// `uri` of at most 2,083), crossed up to `min` only, `max` then held by [`Self::fits`].
     fn whole(regex: &str, min: u32, max: u32, budget: usize) -> Result<TextPattern, String> {
-        let dfa = dense::Builder::new()
+        let dfa = TextPattern::dfa(regex)?;
+        match TextPattern::walk(&dfa, min, max, budget) {
+            Err(e) if max != u32::MAX && e.contains("automaton states") => {
+                let p = TextPattern::walk(&dfa, min, u32::MAX, budget)?;
+                if !p.fits(0, 0, max) {
+                    return Err(format!("no string of at most {max} characters matches it"));
+                }
+                Ok(p)
+            }
+            other => other,
+        }
+    }
+
+    fn dfa(regex: &str) -> Result<dense::DFA<Vec<u32>>, String> {
+        dense::Builder::new()
             .configure(
                 dense::Config::new()
                     .match_kind(MatchKind::All)
@@ -218,7 +272,17 @@ impl TextPattern {
             .syntax(syntax::Config::new().nest_limit(64))
             .thompson(thompson::Config::new().nfa_size_limit(Some(BUILD_LIMIT)))
             .build(regex)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())
+    }
+
+    /// The automaton of `dfa`'s whole matches crossed with the count of characters up to
+    /// `max` (with no `max`, up to `min`), pruned to the states that can still end.
+    fn walk(
+        dfa: &dense::DFA<Vec<u32>>,
+        min: u32,
+        max: u32,
+        budget: usize,
+    ) -> Result<TextPattern, String> {
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|e| e.to_string())?;
@@ -310,11 +374,52 @@ impl TextPattern {
             }));
             kept_ends.push(ends[s]);
         }
+        let left = distances(&table, &kept_ends);
         Ok(TextPattern {
             next: table,
             ends: kept_ends,
+            left,
         })
     }
+}
+
+/// For each state of `next` (rows of 256), the fewest characters to a state of `ends`: a
+/// shortest-path search backwards from the ends, a byte that begins a character costing 1 and a
+/// UTF-8 continuation byte 0 (a deque: 0-cost steps to the front).
+fn distances(next: &[u16], ends: &[bool]) -> Vec<u32> {
+    let states = ends.len();
+    // Who reaches whom, and at what cost.
+    let mut into: Vec<Vec<(u16, u32)>> = vec![Vec::new(); states];
+    for s in 0..states {
+        for b in 0..=255u8 {
+            let n = next[s * 256 + usize::from(b)];
+            if n != DEAD {
+                into[usize::from(n)].push((s as u16, u32::from(b & 0xc0 != 0x80)));
+            }
+        }
+    }
+    let mut left = vec![u32::MAX; states];
+    let mut todo = std::collections::VecDeque::new();
+    for (s, &e) in ends.iter().enumerate() {
+        if e {
+            left[s] = 0;
+            todo.push_back(s);
+        }
+    }
+    while let Some(n) = todo.pop_front() {
+        for &(s, cost) in &into[n] {
+            let d = left[n].saturating_add(cost);
+            if d < left[usize::from(s)] {
+                left[usize::from(s)] = d;
+                if cost == 0 {
+                    todo.push_front(usize::from(s));
+                } else {
+                    todo.push_back(usize::from(s));
+                }
+            }
+        }
+    }
+    left
 }
 
 /// An ECMA-262 pattern in the regex crate's syntax: `\d`, `\w`, `\b` (and their negations) are
@@ -443,6 +548,35 @@ mod tests {
         ] {
             assert!(!full(&uri, bad), "{bad}");
         }
+    }
+
+    /// A `maxLength` too long to cross with the count is held by the distance to an end: the
+    /// automaton stays small, and what it lets through can still end within the bound.
+    #[test]
+    fn a_long_max_length_is_held_by_the_distance_to_an_end() {
+        // pydantic's HttpUrl: `format: uri`, 1 to 2,083 characters.
+        let url = TextPattern::format("uri", 1, 2083, 4096).unwrap();
+        assert!(url.states() < 100, "{}", url.states());
+        assert_eq!(url.left(0), 2, "`a:` is the shortest");
+        assert!(full(&url, "https://example.com/a"));
+        let pairs = TextPattern::search("^(ab)*$", 0, 4999, 4096).unwrap();
+        assert!(pairs.states() < 8, "{}", pairs.states());
+        // After 4,998 characters, an `a` would need a `b` past the bound; the string may end.
+        let mut s = 0u16;
+        for b in "ab".repeat(2499).bytes() {
+            s = pairs.step(s, b).unwrap();
+        }
+        assert!(pairs.ends(s) && pairs.fits(s, 4998, 4999));
+        let a = pairs.step(s, b'a').unwrap();
+        assert!(!pairs.fits(a, 4999, 4999) && pairs.fits(a, 4999, 5000));
+        assert!(!pairs.allows_within(s, b"a", 1) && pairs.allows_within(s, b"ab", 2));
+        // A character's continuation bytes cost nothing; its first byte one.
+        let accents = TextPattern::search("^é+$", 1, 100_000, 64).unwrap();
+        assert_eq!(accents.left(0), 1);
+        assert_eq!(accents.left(accents.step(0, 0xc3).unwrap()), 0);
+        // A bound no string meets is still refused.
+        let e = TextPattern::search("^(abc){500}(abc)*$", 0, 1000, 4096).unwrap_err();
+        assert!(e.contains("no string"), "{e}");
     }
 
     #[test]
