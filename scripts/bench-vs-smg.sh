@@ -16,7 +16,8 @@
 # over shared system prompts —, the fleet bench's shapes)
 # through it. Hit rate comes from the workers' `cached_tokens`, the worker of each answer from its
 # `x-kvgate-worker-id` header. Prints one table; outputs under $OUT (default bench-vs-smg-out/),
-# kvgate's decision log (its gateway runs with `--decision-log`, as deployed) beside each run's records.
+# kvgate's decision log (its gateway runs with `--decision-log`, as deployed) and its /metrics
+# (gateway-metrics.txt: route decision, tokenizing CPU and TTFT histograms) beside each run's records.
 #
 # Needs: cargo (builds target/debug/kvgate), python3 with venv (installs sglang-router into
 # .cache/smg-venv), the default model file (its prompt profile; scripts/fetch-model.sh).
@@ -142,8 +143,9 @@ sys.exit(0 if ok and ws else 1)' 2>/dev/null; then ready=1; break; fi
     -v l=$((loads1 - loads0)) -v k="$router" -v s="$seed" '{ n = ($2 > 0 ? $2 : 1)
       printf "seed %s  %s %12.3f %10s\n", s, $0, c / 1000 / n, (k == "kvgate" ? sprintf("%.1f", l / n) : "-") }'
   if [ "$router" = kvgate ]; then # its route decision and TTFT histograms, for the record
+    # (one file per workload: each workload runs on a freshly started gateway)
     curl -fsS "http://127.0.0.1:$((port + 1))/metrics" \
-      >"$OUT/n$N-seed$seed/$router-$policy/gateway-metrics.txt" 2>/dev/null || true
+      >"$OUT/n$N-seed$seed/$router-$policy/$workload/gateway-metrics.txt" 2>/dev/null || true
     # Which worker each request went to, with its ticket (predicted matched tokens), for the
     # record beside the bench's own per-request records.
     cp "$dir/decisions.jsonl" "$OUT/n$N-seed$seed/$router-$policy/$workload/decisions.jsonl" \
