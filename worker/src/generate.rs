@@ -435,7 +435,8 @@ async fn handle(st: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body:
                     tool_format,
                     starts_in_reasoning,
                     &id,
-                ),
+                )
+                .with_single_call(plan.answer.single_call),
             }
         })
         .collect();

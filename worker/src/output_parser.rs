@@ -170,6 +170,8 @@ pub struct AnswerParser {
     /// A forced list: everything received, for an answer cut before its first whole call
     /// (given out as content, as a cut single call is).
     list_text: String,
+    /// `parallel_tool_calls: false`: calls after the first are not given out.
+    single_call: bool,
 }
 
 impl AnswerParser {
@@ -198,7 +200,15 @@ impl AnswerParser {
             forced: None,
             list_open: false,
             list_text: String::new(),
+            single_call: false,
         }
+    }
+
+    /// With `single`, at most one tool call is given out (`parallel_tool_calls: false`); the
+    /// model's further calls are dropped, as vLLM drops them.
+    pub fn with_single_call(mut self, single: bool) -> Self {
+        self.single_call = single;
+        self
     }
 
     /// A parser for an answer that is one forced call (no reasoning, no model format).
@@ -361,7 +371,7 @@ impl AnswerParser {
                                 match call {
                                     Some((name, args)) => {
                                         self.buf.drain(..consumed);
-                                        out.push(self.call(name, args));
+                                        self.push_call(out, name, args);
                                         continue;
                                     }
                                     None => {
@@ -375,7 +385,7 @@ impl AnswerParser {
                                 // No closing tag (the answer stopped at eos): parse what is there.
                                 if let Some((name, args)) = parse_call(body) {
                                     self.buf.clear();
-                                    out.push(self.call(name, args));
+                                    self.push_call(out, name, args);
                                     return;
                                 }
                                 self.phase_to_plain_content();
@@ -404,7 +414,7 @@ impl AnswerParser {
                     match parse_section(self.tools, &section) {
                         Some(calls) if !calls.is_empty() => {
                             for (name, args) in calls {
-                                out.push(self.call(name, args));
+                                self.push_call(out, name, args);
                             }
                         }
                         _ => self.push_content(out, section),
@@ -484,6 +494,15 @@ impl AnswerParser {
         } else {
             out.push(Piece::Content(text));
         }
+    }
+
+    /// Gives out a parsed call unless one was given and only one may be.
+    fn push_call(&mut self, out: &mut Vec<Piece>, name: String, arguments: String) {
+        if self.single_call && self.calls > 0 {
+            return;
+        }
+        let piece = self.call(name, arguments);
+        out.push(piece);
     }
 
     fn call(&mut self, name: String, arguments: String) -> Piece {
@@ -872,6 +891,34 @@ mod tests {
         // No think block at all: content.
         let p = parse_all_ways(true, None, false, "Just <b>bold</b>.");
         assert_eq!((p.0.as_str(), p.1.as_str()), ("", "Just <b>bold</b>."));
+    }
+
+    /// `parallel_tool_calls: false`: the first call is given out, the model's further calls
+    /// are not (Hermes blocks one by one, a Llama 3 section at once); text around them stays.
+    #[test]
+    fn one_call_when_parallel_calls_are_off() {
+        let single = |t: Option<ToolCallFormat>, text: &str| {
+            let mut p = parser(false, t, false).with_single_call(true);
+            let mut pieces = p.feed(text);
+            pieces.extend(p.finish());
+            (merge(pieces), p.tool_calls())
+        };
+        let (p, given) = single(
+            Some(ToolCallFormat::Hermes),
+            "Checking.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>",
+        );
+        assert_eq!(p.1, "Checking.\n");
+        assert_eq!((p.2, given), (vec![call("a", "{}")], 1));
+        let (p, given) = single(
+            Some(ToolCallFormat::Llama3Json),
+            "<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {}}",
+        );
+        assert_eq!((p.2, given), (vec![call("a", "{}")], 1));
+        // Off by default: both.
+        let mut p = parser(false, Some(ToolCallFormat::Llama3Json), false);
+        p.feed("{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {}}");
+        p.finish();
+        assert_eq!(p.tool_calls(), 2);
     }
 
     #[test]

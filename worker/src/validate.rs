@@ -84,6 +84,9 @@ pub struct AnswerSpec {
     pub tool_calls: bool,
     /// `tool_choice` `required` or a function: the answer is that call, as JSON.
     pub forced: Option<crate::output_parser::ForcedCall>,
+    /// `parallel_tool_calls: false`: at most one call is given out (a model that writes more
+    /// in its own format has the first one kept, as vLLM does).
+    pub single_call: bool,
     /// SGLang `separate_reasoning` (default true): reasoning goes to `reasoning_content`.
     pub separate_reasoning: bool,
     /// SGLang `stream_reasoning` (default true): reasoning streams as it forms; false = sent in
@@ -623,6 +626,7 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
         tool_calls: fields.tools.as_ref().is_some_and(|t| !t.is_empty())
             && choice != Some(ToolChoice::None),
         forced: None,
+        single_call: !parallel_calls,
         separate_reasoning: r.separate_reasoning.unwrap_or(true),
         stream_reasoning: r.stream_reasoning.unwrap_or(true),
     };
@@ -1068,6 +1072,13 @@ mod tests {
         }
         let p = chat(format!(r#"{{{MSG},{tools},"tool_choice":"auto"}}"#).as_bytes()).unwrap();
         assert!(p.answer.forced.is_none() && matches!(p.format, AnswerFormat::Text));
+        assert!(!p.answer.single_call);
+        let p = chat(
+            format!(r#"{{{MSG},{tools},"tool_choice":"auto","parallel_tool_calls":false}}"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        assert!(p.answer.single_call);
         let hostile = r#""tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"h","parameters":{"type":"object","properties":{"d":{"type":"string","format":"iri"}}}}}]"#;
         let e = chat_err(&format!(r#"{{{MSG},{hostile},"tool_choice":"required"}}"#));
         assert_eq!(
