@@ -782,23 +782,34 @@ impl Compiler<'_> {
     ) -> Result<u16, SchemaError> {
         let used: usize = self.patterns.iter().map(TextPattern::states).sum();
         let budget = MAX_PATTERN_STATES.saturating_sub(used);
-        let p = match (o.get("pattern"), o.get("format")) {
+        let pattern = o
+            .get("pattern")
+            .map(|p| {
+                p.as_str()
+                    .ok_or_else(|| err(at, "`pattern` must be a string"))
+            })
+            .transpose()?;
+        let format = o
+            .get("format")
+            .map(|f| {
+                f.as_str()
+                    .ok_or_else(|| err(at, "`format` must be a string"))
+            })
+            .transpose()?;
+        let p = match (pattern, format) {
             (None, None) => return Ok(NO_PATTERN),
-            (Some(_), Some(_)) => {
-                return Err(err(at, "`pattern` and `format` together are not supported"))
-            }
-            (Some(p), None) => {
-                let p = p
-                    .as_str()
-                    .ok_or_else(|| err(at, "`pattern` must be a string"))?;
-                TextPattern::search(p, min, max, budget)
-            }
-            (None, Some(f)) => {
-                let f = f
-                    .as_str()
-                    .ok_or_else(|| err(at, "`format` must be a string"))?;
-                TextPattern::format(f, min, max, budget)
-            }
+            (Some(p), None) => TextPattern::search(p, min, max, budget),
+            (None, Some(f)) => TextPattern::format(f, min, max, budget),
+            // Both: the strings each holds (an email of one domain, a date of one year).
+            (Some(p), Some(f)) => TextPattern::search(p, min, max, budget).and_then(|p| {
+                let f = TextPattern::format(f, min, max, budget)?;
+                let both = TextPattern::intersect(&p, &f, budget)?;
+                if both.fits(0, 0, max) {
+                    Ok(both)
+                } else {
+                    Err(format!("`pattern` with `format`: no string of at most {max} characters matches both"))
+                }
+            }),
         };
         let p = p.map_err(|e| {
             if budget < MAX_PATTERN_STATES && e.contains("automaton states") {
@@ -1812,9 +1823,9 @@ mod tests {
                 "beside `enum`",
             ),
             (
-                json!({"type": "object", "properties": {"s": {"type": "string", "pattern": "a", "format": "date"}}}),
+                json!({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a", "format": "date"}}}),
                 "/properties/s",
-                "together",
+                "no string matches",
             ),
             (
                 json!({"type": "object", "properties": {"s": {"type": "string", "format": "uuid", "maxLength": 10}}}),
@@ -2134,6 +2145,35 @@ mod tests {
         assert_eq!(run(&slash, &format!(r#"{{"p":"{most}\"#)), None);
         let fewer = "/x".repeat(2498);
         assert_eq!(run(&slash, &format!(r#"{{"p":"{fewer}\/x"}}"#)), Some(true));
+    }
+
+    /// `pattern` beside `format`: the strings both hold (an email of one domain, a date of one
+    /// year), also with length bounds.
+    #[test]
+    fn a_pattern_beside_a_format_holds_both() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "m": {"type": "string", "format": "email", "pattern": "@example\\.com$"},
+            "d": {"type": "string", "format": "date", "pattern": "^2025-"},
+            "u": {"type": "string", "format": "uri", "pattern": "^https://", "maxLength": 2083}}}))
+        .unwrap();
+        assert_eq!(
+            run(
+                &s,
+                r#"{"m":"ada@example.com","d":"2025-02-28","u":"https://x.io/a"}"#
+            ),
+            Some(true)
+        );
+        for bad in [
+            // another domain, or an address that is not an email
+            r#"{"m":"ada@example.org""#,
+            r#"{"m":"a b@example.com""#,
+            // another year, or not a date of 2025
+            r#"{"m":"a@example.com","d":"2024-"#,
+            r#"{"m":"a@example.com","d":"2025-02-29""#,
+            r#"{"m":"a@example.com","d":"2025-01-01","u":"http:"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
     }
 
     #[test]

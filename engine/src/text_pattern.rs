@@ -331,8 +331,56 @@ impl TextPattern {
             }
             i += 1;
         }
+        TextPattern::pruned(next, ends)
+    }
+
+    /// Strings both `a` and `b` hold (`pattern` beside `format`): their product automaton,
+    /// pruned to the states that can still end, at most `budget` states.
+    pub fn intersect(
+        a: &TextPattern,
+        b: &TextPattern,
+        budget: usize,
+    ) -> Result<TextPattern, String> {
+        let mut ids: HashMap<(u16, u16), u16> = HashMap::new();
+        let mut order: Vec<(u16, u16)> = vec![(0, 0)];
+        ids.insert((0, 0), 0);
+        let mut next: Vec<u16> = Vec::new();
+        let mut ends: Vec<bool> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let (sa, sb) = order[i];
+            ends.push(a.ends(sa) && b.ends(sb));
+            for byte in 0..=255u8 {
+                let (Some(na), Some(nb)) = (a.step(sa, byte), b.step(sb, byte)) else {
+                    next.push(DEAD);
+                    continue;
+                };
+                let id = match ids.get(&(na, nb)) {
+                    Some(&id) => id,
+                    None => {
+                        if order.len() >= budget.min(usize::from(DEAD)) {
+                            return Err(format!(
+                                "`pattern` with `format` needs more than {budget} automaton states"
+                            ));
+                        }
+                        let id = order.len() as u16;
+                        ids.insert((na, nb), id);
+                        order.push((na, nb));
+                        id
+                    }
+                };
+                next.push(id);
+            }
+            i += 1;
+        }
+        TextPattern::pruned(next, ends).map_err(|e| format!("`pattern` with `format`: {e}"))
+    }
+
+    /// A raw table (`next`, rows of 256; `ends`) pruned to the states from which an end is
+    /// reachable, renumbered (the start stays 0), with each state's distance to an end.
+    fn pruned(next: Vec<u16>, ends: Vec<bool>) -> Result<TextPattern, String> {
         // Keep the states from which an end is reachable: a fixpoint over the table.
-        let states = order.len();
+        let states = ends.len();
         let mut live = ends.clone();
         loop {
             let mut changed = false;
@@ -577,6 +625,31 @@ mod tests {
         // A bound no string meets is still refused.
         let e = TextPattern::search("^(abc){500}(abc)*$", 0, 1000, 4096).unwrap_err();
         assert!(e.contains("no string"), "{e}");
+    }
+
+    #[test]
+    fn an_intersection_holds_what_both_hold() {
+        let email = TextPattern::format("email", 0, u32::MAX, 4096).unwrap();
+        let domain = TextPattern::search("@example\\.com$", 0, u32::MAX, 4096).unwrap();
+        let both = TextPattern::intersect(&email, &domain, 4096).unwrap();
+        assert!(full(&both, "ada@example.com"));
+        assert!(!full(&both, "ada@example.org"), "not the domain");
+        assert!(!full(&both, "x y@example.com"), "not an email");
+        assert!(full(&email, "x@y.org") && !full(&both, "x@y.org"));
+        // Bounds apply through either side; nothing in common is refused.
+        let short = TextPattern::search("^a+$", 0, 3, 4096).unwrap();
+        let any = TextPattern::search("a", 0, u32::MAX, 4096).unwrap();
+        let both = TextPattern::intersect(&short, &any, 4096).unwrap();
+        assert!(full(&both, "aaa") && !full(&both, "aaaa"));
+        let date = TextPattern::format("date", 0, u32::MAX, 4096).unwrap();
+        let letters = TextPattern::search("^[a-z]+$", 0, u32::MAX, 4096).unwrap();
+        assert!(TextPattern::intersect(&date, &letters, 4096)
+            .unwrap_err()
+            .contains("no string"));
+        // And within the budget.
+        assert!(TextPattern::intersect(&email, &domain, 8)
+            .unwrap_err()
+            .contains("automaton states"));
     }
 
     #[test]
