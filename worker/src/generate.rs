@@ -931,9 +931,13 @@ impl Gathered {
         let mut content = String::new();
         let mut reasoning: Option<String> = None;
         let mut tool_calls = Vec::new();
+        let mut content_after_calls = false;
         for piece in pieces {
             match piece {
-                output_parser::Piece::Content(c) => content.push_str(&c),
+                output_parser::Piece::Content(c) => {
+                    content_after_calls |= content.is_empty() && !tool_calls.is_empty();
+                    content.push_str(&c)
+                }
                 output_parser::Piece::Reasoning(r) => {
                     reasoning.get_or_insert_with(String::new).push_str(&r)
                 }
@@ -963,6 +967,7 @@ impl Gathered {
             },
             logprobs: logprobs.then(|| LogprobItem::chat_json(&self.items)),
             finish_reason: finish,
+            content_after_calls,
         }
     }
 

@@ -367,6 +367,11 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     pub logprobs: Option<Value>,
     pub finish_reason: String,
+    /// The content was written after the tool calls (a forced list cut by `max_tokens`: its
+    /// cut call's text), not before them: the Responses API's items keep that order. Not part
+    /// of the chat answer.
+    #[serde(skip)]
+    pub content_after_calls: bool,
 }
 
 /// Non-streaming `chat.completion` response.

@@ -132,19 +132,27 @@ pub(crate) fn body(meta: &ResponseMeta, echo: &Echo, choice: &ChatChoice, u: &Us
     if let Some(r) = &m.reasoning_content {
         output.push(reasoning_item(&item_id(meta, "rs", output.len()), r));
     }
-    if let Some(c) = m
+    let message = m
         .content
         .as_deref()
-        .filter(|c| !c.is_empty() || m.tool_calls.is_empty())
-    {
-        // Asked for (`include`, `top_logprobs`): every generated token's, as chat gives them.
-        let logprobs = choice
-            .logprobs
-            .as_ref()
-            .and_then(|l| l["content"].as_array().cloned())
-            .unwrap_or_default();
-        let id = item_id(meta, "msg", output.len());
-        output.push(message_item(&id, c, true, &logprobs));
+        .filter(|c| !c.is_empty() || m.tool_calls.is_empty());
+    let push_message = |output: &mut Vec<Value>| {
+        if let Some(c) = message {
+            // Asked for (`include`, `top_logprobs`): every generated token's, as chat gives
+            // them.
+            let logprobs = choice
+                .logprobs
+                .as_ref()
+                .and_then(|l| l["content"].as_array().cloned())
+                .unwrap_or_default();
+            let id = item_id(meta, "msg", output.len());
+            output.push(message_item(&id, c, true, &logprobs));
+        }
+    };
+    // Items in the order they were written (as streamed): the text first, unless it came
+    // after the calls (a forced list cut by `max_output_tokens`).
+    if !choice.content_after_calls {
+        push_message(&mut output);
     }
     for t in &m.tool_calls {
         let id = item_id(meta, "fc", output.len());
@@ -155,6 +163,9 @@ pub(crate) fn body(meta: &ResponseMeta, echo: &Echo, choice: &ChatChoice, u: &Us
             &t.function.arguments,
             true,
         ));
+    }
+    if choice.content_after_calls {
+        push_message(&mut output);
     }
     let finish = match choice.finish_reason.as_str() {
         "tool_calls" => "stop",
@@ -454,6 +465,53 @@ mod tests {
                 },
             }]),
             ..ChatDelta::default()
+        }
+    }
+
+    /// A whole response keeps the items in the order they were written, as streamed: text
+    /// before the calls, or after them when a forced list was cut in its next call.
+    #[test]
+    fn a_whole_response_keeps_the_written_order() {
+        use crate::protocol::{AssistantMessage, FunctionCallBody, ToolCallBody};
+        let meta = ResponseMeta {
+            id: "resp_1".into(),
+            created: 0,
+            model: "m".into(),
+            fingerprint: "fp".into(),
+        };
+        let echo = Echo::of(b"{}", None);
+        let usage = UsageBody::new(10, 0, 5);
+        for (after, order) in [
+            (false, ["message", "function_call"]),
+            (true, ["function_call", "message"]),
+        ] {
+            let choice = ChatChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: "assistant".into(),
+                    content: Some(r#"{"name":"g","argu"#.into()),
+                    reasoning_content: None,
+                    tool_calls: vec![ToolCallBody {
+                        id: "call_a".into(),
+                        kind: "function".into(),
+                        function: FunctionCallBody {
+                            name: "f".into(),
+                            arguments: "{}".into(),
+                        },
+                    }],
+                },
+                logprobs: None,
+                finish_reason: "length".into(),
+                content_after_calls: after,
+            };
+            let r = body(&meta, &echo, &choice, &usage);
+            let types: Vec<&str> = r["output"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o["type"].as_str().unwrap())
+                .collect();
+            assert_eq!(types, order, "{r}");
         }
     }
 
