@@ -45,17 +45,26 @@ pub fn disable_transparent_huge_pages() -> std::io::Result<()> {
 }
 
 /// Applies `choice` for this process and logs what it did; a failure is logged and the
-/// process goes on with the kernel's setting.
-pub fn apply(choice: HugePages) {
+/// process goes on with the kernel's setting. Returns the setting now in effect.
+pub fn apply(choice: HugePages) -> HugePages {
     match choice {
-        HugePages::Kept => tracing::info!(
-            "transparent huge pages kept (the kernel's setting; --transparent-huge-pages)"
-        ),
+        HugePages::Kept => {
+            tracing::info!(
+                "transparent huge pages kept (the kernel's setting; --transparent-huge-pages)"
+            );
+            HugePages::Kept
+        }
         HugePages::Off => match disable_transparent_huge_pages() {
-            Ok(()) => tracing::info!(
-                "transparent huge pages off for this process (--transparent-huge-pages keeps them)"
-            ),
-            Err(e) => tracing::warn!(error = %e, "could not turn transparent huge pages off"),
+            Ok(()) => {
+                tracing::info!(
+                    "transparent huge pages off for this process (--transparent-huge-pages keeps them)"
+                );
+                HugePages::Off
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not turn transparent huge pages off");
+                HugePages::Kept
+            }
         },
     }
 }

@@ -782,21 +782,15 @@ impl Compiler<'_> {
     ) -> Result<u16, SchemaError> {
         let used: usize = self.patterns.iter().map(TextPattern::states).sum();
         let budget = MAX_PATTERN_STATES.saturating_sub(used);
-        let pattern = o
-            .get("pattern")
-            .map(|p| {
-                p.as_str()
-                    .ok_or_else(|| err(at, "`pattern` must be a string"))
-            })
-            .transpose()?;
-        let format = o
-            .get("format")
-            .map(|f| {
-                f.as_str()
-                    .ok_or_else(|| err(at, "`format` must be a string"))
-            })
-            .transpose()?;
-        let p = match (pattern, format) {
+        let text = |key: &str| {
+            o.get(key)
+                .map(|v| {
+                    v.as_str()
+                        .ok_or_else(|| err(at, format!("`{key}` must be a string")))
+                })
+                .transpose()
+        };
+        let p = match (text("pattern")?, text("format")?) {
             (None, None) => return Ok(NO_PATTERN),
             (Some(p), None) => TextPattern::search(p, min, max, budget),
             (None, Some(f)) => TextPattern::format(f, min, max, budget),

@@ -204,8 +204,8 @@ impl TextPattern {
         u64::from(len) + u64::from(self.left(state)) <= u64::from(max)
     }
 
-    /// [`Self::allows`] for a string with `room` characters left before its `max`: the bytes
-    /// must also leave it able to end within that room.
+    /// Whether `bytes` may follow from `state` in a string with `room` characters left before
+    /// its `max`: a matching string can still follow them, within that room.
     pub fn allows_within(&self, mut state: u16, bytes: &[u8], room: u32) -> bool {
         let mut chars = 0u32;
         for &b in bytes {
@@ -224,17 +224,6 @@ impl TextPattern {
             .next
             .get(usize::from(state) * 256 + usize::from(byte))?;
         (n != DEAD).then_some(n)
-    }
-
-    /// Whether `bytes` may follow from `state` (a matching string can still follow them).
-    pub fn allows(&self, mut state: u16, bytes: &[u8]) -> bool {
-        bytes.iter().all(|&b| match self.step(state, b) {
-            Some(n) => {
-                state = n;
-                true
-            }
-            None => false,
-        })
     }
 
     /// Whether the string may end in `state`.

@@ -115,8 +115,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if args.fleet.is_some() {
         let choice = crate::memory::HugePages::from_flag(args.transparent_huge_pages);
-        crate::memory::apply(choice);
-        println!("transparent huge pages: {choice:?}");
+        let in_effect = crate::memory::apply(choice);
+        println!("transparent huge pages: {in_effect:?}");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

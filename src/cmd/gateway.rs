@@ -135,7 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .try_init();
-    crate::memory::apply(crate::memory::HugePages::from_flag(
+    let _ = crate::memory::apply(crate::memory::HugePages::from_flag(
         args.transparent_huge_pages,
     ));
     let key = receipts::KeyPair::load_private(&args.key)

@@ -165,11 +165,6 @@ pub struct AnswerParser {
     /// The answer is one forced call (held to the end, then given out as the call), or a
     /// list of them (each given out as soon as it is whole).
     forced: Option<ForcedCall>,
-    /// A forced list: its `[` was read.
-    list_open: bool,
-    /// A forced list: everything received, for an answer cut before its first whole call
-    /// (given out as content, as a cut single call is).
-    list_text: String,
     /// `parallel_tool_calls: false`: calls after the first are not given out.
     single_call: bool,
 }
@@ -198,8 +193,6 @@ impl AnswerParser {
             calls: 0,
             request_id: request_id.to_string(),
             forced: None,
-            list_open: false,
-            list_text: String::new(),
             single_call: false,
         }
     }
@@ -231,9 +224,6 @@ impl AnswerParser {
 
     /// Takes newly generated text; returns the pieces now known.
     pub fn feed(&mut self, text: &str) -> Vec<Piece> {
-        if self.forced == Some(ForcedCall::RequiredList) && self.calls == 0 {
-            self.list_text.push_str(text);
-        }
         self.buf.push_str(text);
         let mut out = Vec::new();
         self.run(&mut out, false);
@@ -435,26 +425,16 @@ impl AnswerParser {
     /// can start the first tool while the model writes the next. At the end, text that is not
     /// a whole call (a call cut by `max_tokens`) is content: the cut call's text after whole
     /// ones, or everything when no call was whole.
+    /// The text stays whole in `buf` until the first call is (its `[` included), so an answer
+    /// cut before it is given out as it was written.
     fn take_whole_calls(&mut self, out: &mut Vec<Piece>, end: bool) {
         loop {
-            let t = self.buf.trim_start();
-            if !self.list_open {
-                let Some(rest) = t.strip_prefix('[') else {
-                    break;
-                };
-                self.buf = rest.to_string();
-                self.list_open = true;
-                continue;
-            }
-            // After a call, the next one follows a `,`.
-            let item = if self.calls > 0 {
-                match t.strip_prefix(',') {
-                    Some(rest) => rest.trim_start(),
-                    None => break,
-                }
-            } else {
-                t
+            // The first call follows the `[`, the next ones a `,`.
+            let opens = if self.calls == 0 { '[' } else { ',' };
+            let Some(item) = self.buf.trim_start().strip_prefix(opens) else {
+                break;
             };
+            let item = item.trim_start();
             let mut values = serde_json::Deserializer::from_str(item).into_iter::<Value>();
             let Some(call) = values.next().and_then(Result::ok).and_then(|v| call_of(&v)) else {
                 break;
@@ -470,18 +450,20 @@ impl AnswerParser {
         if !end {
             return;
         }
-        let rest = std::mem::take(&mut self.buf);
-        let rest = rest.trim_start();
-        let rest = rest.strip_prefix(',').unwrap_or(rest).trim();
+        let text = std::mem::take(&mut self.buf);
+        let opens = if self.calls == 0 { '[' } else { ',' };
+        let rest = text.trim_start();
+        let rest = rest.strip_prefix(opens).unwrap_or(rest).trim();
         if rest.is_empty() || rest == "]" {
             return;
         }
-        let text = if self.calls == 0 {
-            std::mem::take(&mut self.list_text)
+        let given = if self.calls == 0 {
+            // No whole call: everything, as written.
+            text.to_string()
         } else {
             rest.to_string()
         };
-        self.push_content(out, text);
+        self.push_content(out, given);
     }
 
     fn push_content(&mut self, out: &mut Vec<Piece>, text: String) {

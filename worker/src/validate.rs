@@ -757,20 +757,24 @@ fn forced_call(
         Some(ToolChoice::Required) => {
             let all: Vec<(String, Value)> = tools.iter().map(name_params).collect();
             let refs: Vec<(&str, &Value)> = all.iter().map(|(n, p)| (n.as_str(), p)).collect();
-            if parallel {
-                let schema = schemas
-                    .get_or_compile(SchemaKey::call_list(&refs, MAX_PARALLEL_CALLS), || {
-                        CompiledSchema::compile_call_list(&refs, MAX_PARALLEL_CALLS)
-                    })
-                    .map_err(|(i, e)| refused(i, e))?;
-                return Ok(Some((ForcedCall::RequiredList, schema)));
-            }
+            let (key, call) = if parallel {
+                (
+                    SchemaKey::call_list(&refs, MAX_PARALLEL_CALLS),
+                    ForcedCall::RequiredList,
+                )
+            } else {
+                (SchemaKey::calls(&refs), ForcedCall::Required)
+            };
             let schema = schemas
-                .get_or_compile(SchemaKey::calls(&refs), || {
-                    CompiledSchema::compile_calls(&refs)
+                .get_or_compile(key, || {
+                    if parallel {
+                        CompiledSchema::compile_call_list(&refs, MAX_PARALLEL_CALLS)
+                    } else {
+                        CompiledSchema::compile_calls(&refs)
+                    }
                 })
                 .map_err(|(i, e)| refused(i, e))?;
-            Ok(Some((ForcedCall::Required, schema)))
+            Ok(Some((call, schema)))
         }
         _ => Ok(None),
     }
