@@ -193,6 +193,53 @@ def main() -> None:
     sp = site.choices[0].message.parsed
     assert isinstance(sp, Site) and sp.homepage.scheme and sp.source.scheme, site
     print("structured (pydantic AnyUrl, parsed):", sp.model_dump_json())
+    # Untagged unions (`anyOf` whose alternatives begin alike, as pydantic writes `Union`s
+    # without a discriminator): two models that both begin with `name`, a whole or
+    # fractional number, and a date or a date-time (both begin with the date).
+    from typing import Union
+
+    class Person(BaseModel):
+        name: str
+        email: str
+
+    class Company(BaseModel):
+        name: str
+        vat_number: str
+        employees: int
+
+    class Invoice(BaseModel):
+        customer: Union[Person, Company]
+        amount: Union[int, float]
+        due: Union[datetime.date, datetime.datetime]
+
+    invoice = completions(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Write an invoice for Acme Ltd (VAT GB123, 40 employees): 1250.50 due on 1 May 2025. Answer in JSON."}],
+        response_format=Invoice,
+        max_tokens=160,
+        temperature=0,
+    )
+    inv = invoice.choices[0].message.parsed
+    assert isinstance(inv, Invoice), invoice
+    assert isinstance(inv.customer, (Person, Company)), inv
+    assert isinstance(inv.due, (datetime.date, datetime.datetime)), inv
+    print("structured (pydantic Union, parsed):", inv.model_dump_json())
+    # `oneOf` alternatives that begin alike are refused, naming the place (a text both
+    # match would break `oneOf`).
+    one_of = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    try:
+        client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": one_of}},
+        )
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        err = body.get("error", body)
+        assert err.get("code") == "unsupported_parameter", e.body
+        assert "/properties/v" in err.get("message", "") and "anyOf" in err.get("message", ""), e.body
+        print("oneOf of alike alternatives refused:", err.get("message"))
+    else:
+        raise AssertionError("an ambiguous oneOf was accepted")
     # The same model through the Responses API (`text.format`), parsed by the client.
     rp = client.responses.parse(
         model="smollm2",

@@ -15,8 +15,11 @@
 //! `number` is written without an exponent, with at most 18 integer and 12 fraction digits),
 //! `boolean`, `null`, or a list of them; `enum` / `const` of strings, numbers
 //! (written as serde_json writes them), booleans and null, at most 64 values; `anyOf` /
-//! `oneOf` whose alternatives begin with different characters (an object, an array, a string, a number, `true`/`false`, `null`), where the
-//! object alternatives may be several when they form a *tagged union*: every one has a
+//! `oneOf` whose alternatives begin with different characters (an object, an array, a string,
+//! a number, `true`/`false`, `null`); `anyOf` (and `type` lists) whose alternatives begin alike,
+//! read side by side, a run per alternative that the text still fits ([`SchemaJson`], at most
+//! [`MAX_RUNS`] at once, bounded when compiled; `oneOf` refuses such alternatives, as a text
+//! both match would break it); and object alternatives that form a *tagged union*: every one has a
 //! property of the same name whose value is a string `const` (or one-value `enum`) of its own
 //! (`discriminator.propertyName` names it, else the first such property), and the answer
 //! writes that property first, then the chosen alternative's others in its order; local `$ref`s
@@ -134,6 +137,9 @@ struct Compiler<'a> {
     /// Schemas being compiled inside one another (nesting and `$ref` chains).
     depth: usize,
     patterns: Vec<TextPattern>,
+    /// The `anyOf`s whose alternatives begin alike (their node, their place), for the bound on
+    /// runs ([`MAX_RUNS`]).
+    unions: Vec<(usize, String)>,
 }
 
 /// Deepest nesting of schemas (and chain of `$ref`s) compiled.
@@ -148,6 +154,7 @@ impl CompiledSchema {
             refs: HashMap::new(),
             depth: 0,
             patterns: Vec::new(),
+            unions: Vec::new(),
         };
         let root = c.node(schema, "")?;
         c.finish(root, b'{')
@@ -198,6 +205,7 @@ impl<'a> Compiler<'a> {
             refs: HashMap::new(),
             depth: 0,
             patterns: Vec::new(),
+            unions: Vec::new(),
         };
         let mut calls = Vec::new();
         for (i, &(name, params)) in tools.iter().enumerate() {
@@ -232,7 +240,7 @@ impl<'a> Compiler<'a> {
             [one] => *one,
             _ => {
                 let tagged = c.tag_objects(calls, Some("name"), "").map_err(|e| (0, e))?;
-                c.either(tagged, "").map_err(|e| (0, e))?
+                c.either(tagged, Alike::Refused, "").map_err(|e| (0, e))?
             }
         };
         Ok((c, root))
@@ -266,6 +274,17 @@ impl Compiler<'_> {
                 "",
                 "the root must be an object (`\"type\": \"object\"`), as OpenAI's structured outputs require",
             ));
+        }
+        if !c.unions.is_empty() {
+            let runs = run_bounds(&c.nodes);
+            if let Some((_, at)) = c.unions.iter().find(|(n, _)| runs[*n] > MAX_RUNS) {
+                return Err(err(
+                    at,
+                    format!(
+                        "`anyOf`s whose alternatives begin alike, nested or recursive, could leave more than {MAX_RUNS} readings of the answer open at once"
+                    ),
+                ));
+            }
         }
         Ok(CompiledSchema {
             nodes: c.nodes,
@@ -677,7 +696,12 @@ impl Compiler<'_> {
                 ),
             };
             let ids = self.tag_objects(ids, tag, at)?;
-            return self.either(ids, at);
+            let alike = if o.contains_key("anyOf") {
+                Alike::Runs
+            } else {
+                Alike::Refused
+            };
+            return self.either(ids, alike, at);
         }
         if o.contains_key("discriminator") {
             return Err(err(at, "`discriminator` goes with `anyOf` / `oneOf`"));
@@ -767,7 +791,8 @@ impl Compiler<'_> {
         if ids.len() == 1 {
             Ok(ids[0])
         } else {
-            self.either(ids, at)
+            // `["integer", "number"]`: any of them, as `anyOf`.
+            self.either(ids, Alike::Runs, at)
         }
     }
 
@@ -1012,25 +1037,34 @@ impl Compiler<'_> {
         Ok(out)
     }
 
-    /// Alternatives, which must begin with different bytes.
-    fn either(&mut self, alts: Vec<usize>, at: &str) -> Result<usize, SchemaError> {
+    /// Alternatives; those that can begin with the same byte are read side by side (`anyOf`:
+    /// [`Alike::Runs`]) or refused (`oneOf`, which a text both match would break).
+    fn either(&mut self, alts: Vec<usize>, alike: Alike, at: &str) -> Result<usize, SchemaError> {
         let mut seen = [false; 256];
+        let mut overlap = false;
         for &a in &alts {
             let mut firsts = [false; 256];
             first_bytes(&self.nodes, a, &mut firsts, 0);
             for (b, f) in firsts.iter().enumerate() {
                 if *f && std::mem::replace(&mut seen[b], true) {
-                    return Err(err(
-                        at,
-                        format!(
-                            "alternatives that can begin with the same character {:?} cannot be told apart",
-                            b as u8 as char
-                        ),
-                    ));
+                    if alike == Alike::Refused {
+                        return Err(err(
+                            at,
+                            format!(
+                                "`oneOf` alternatives that can begin with the same character {:?} cannot be told apart (`anyOf` can hold them)",
+                                b as u8 as char
+                            ),
+                        ));
+                    }
+                    overlap = true;
                 }
             }
         }
-        self.push(Node::Either(alts), at)
+        let n = self.push(Node::Either(alts), at)?;
+        if overlap {
+            self.unions.push((n, at.to_owned()));
+        }
+        Ok(n)
     }
 
     fn reference(&mut self, r: &str, at: &str) -> Result<usize, SchemaError> {
@@ -1054,6 +1088,87 @@ impl Compiler<'_> {
         self.nodes[slot] = Node::Either(vec![n]);
         Ok(slot)
     }
+}
+
+/// What alternatives that can begin with the same byte mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Alike {
+    /// Each is read in a run of its own until the text tells them apart (`anyOf`: the text
+    /// matches at least one).
+    Runs,
+    /// Refused (`oneOf`: a text that matched two would match none of its meaning).
+    Refused,
+}
+
+/// For each node, the most runs ([`SchemaJson`]) its value can keep open at once: one, but for
+/// an `Either`, the sum over its alternatives that can begin with one byte (each starts a run
+/// of its own, and its own nested ones), the largest over bytes. A container holds one value
+/// open at a time, and the runs of a value that ended are one again (they reach the same
+/// state), so an object's or array's is its largest child's. Found as the least fixed point,
+/// each node capped at `MAX_RUNS + 1` (recursion through such an `anyOf` grows to the cap): a
+/// node whose bound grew puts its parents back on the work list, so each node is looked at
+/// most `MAX_RUNS + 1` times per child.
+fn run_bounds(nodes: &[Node]) -> Vec<usize> {
+    let children = |n: &Node| -> Vec<usize> {
+        match n {
+            Node::Array { items, .. } => vec![*items],
+            Node::Object { props } => props.iter().map(|p| p.node).collect(),
+            Node::Tagged { head, alts } => head
+                .iter()
+                .map(|p| p.node)
+                .chain(alts.iter().copied())
+                .collect(),
+            Node::Either(alts) => alts.clone(),
+            Node::String { .. } | Node::Number { .. } | Node::Const(_) | Node::Pending => {
+                Vec::new()
+            }
+        }
+    };
+    let mut parents = vec![Vec::new(); nodes.len()];
+    for (n, node) in nodes.iter().enumerate() {
+        for c in children(node) {
+            parents[c].push(n);
+        }
+    }
+    let firsts: Vec<[bool; 256]> = (0..nodes.len())
+        .map(|n| {
+            let mut f = [false; 256];
+            first_bytes(nodes, n, &mut f, 0);
+            f
+        })
+        .collect();
+    let mut runs = vec![1usize; nodes.len()];
+    let mut queued = vec![true; nodes.len()];
+    let mut work: std::collections::VecDeque<usize> = (0..nodes.len()).collect();
+    while let Some(n) = work.pop_front() {
+        queued[n] = false;
+        let v = match &nodes[n] {
+            Node::Either(alts) => (0..256)
+                .map(|b| {
+                    alts.iter()
+                        .filter(|&&a| firsts[a][b])
+                        .map(|&a| runs[a])
+                        .sum::<usize>()
+                })
+                .max()
+                .unwrap_or(1),
+            other => children(other)
+                .into_iter()
+                .map(|c| runs[c])
+                .max()
+                .unwrap_or(1),
+        }
+        .clamp(1, MAX_RUNS + 1);
+        if v > runs[n] {
+            runs[n] = v;
+            for &p in &parents[n] {
+                if !std::mem::replace(&mut queued[p], true) {
+                    work.push_back(p);
+                }
+            }
+        }
+    }
+    runs
 }
 
 /// Where a `Const` node's value stands once `read` bytes matched the texts `alive`, one of
@@ -1181,29 +1296,137 @@ enum Mode {
     Done,
 }
 
-/// A schema's automaton over the bytes of the answer.
+/// Most runs a schema's automaton keeps at once: readings of the answer that differ in the
+/// alternative they took at an `anyOf` whose alternatives begin alike, and are all still
+/// possible. A schema that could need more is refused when it is compiled.
+pub(crate) const MAX_RUNS: usize = 16;
+
+/// A schema's automaton over the bytes of the answer: the runs still alive, each one reading
+/// of the text (one, unless the alternatives of an `anyOf` that begin alike are still open:
+/// then one per alternative that the bytes so far fit). A byte may come next when it may in
+/// one of them; runs that reach the same state are one again.
 #[derive(Clone, Debug)]
 pub(crate) struct SchemaJson {
-    stack: Vec<Frame>,
-    mode: Mode,
-    ws: u8,
+    first: Run,
+    more: Vec<Run>,
 }
 
 impl SchemaJson {
     pub(crate) fn new(s: &CompiledSchema) -> SchemaJson {
         SchemaJson {
-            stack: Vec::new(),
-            mode: Mode::Value { node: s.root },
-            ws: 0,
+            first: Run {
+                stack: Vec::new(),
+                mode: Mode::Value { node: s.root },
+                ws: 0,
+            },
+            more: Vec::new(),
         }
     }
 
+    fn runs(&self) -> impl Iterator<Item = &Run> {
+        std::iter::once(&self.first).chain(&self.more)
+    }
+
     pub(crate) fn is_complete(&self) -> bool {
-        self.mode == Mode::Done
+        self.runs().any(|r| r.mode == Mode::Done)
+    }
+
+    /// Inside a string between characters: how many more it may take (`None` elsewhere); of
+    /// several runs, the most any of them in such a string may take (every whole character
+    /// within that is allowed by that run).
+    pub(crate) fn plain_string_room(&self) -> Option<u32> {
+        self.runs().filter_map(Run::plain_string_room).max()
+    }
+
+    /// Inside a string held to a pattern, between characters, with one run: the pattern, its
+    /// state, and how many more characters the string may take.
+    pub(crate) fn plain_pattern<'s>(
+        &self,
+        s: &'s CompiledSchema,
+    ) -> Option<(&'s TextPattern, u16, u32)> {
+        if self.more.is_empty() {
+            self.first.plain_pattern(s)
+        } else {
+            None
+        }
+    }
+
+    /// Whether `bytes` may come next (no change): in some run, or in a run one starts.
+    pub(crate) fn accepts(&self, s: &CompiledSchema, bytes: &[u8]) -> bool {
+        self.runs().any(|r| r.clone().accepts(s, bytes))
+    }
+
+    /// Reads one byte; `false` (the state then is unspecified: call on a copy) when it may not
+    /// come next in any run.
+    pub(crate) fn step(&mut self, s: &CompiledSchema, c: u8) -> bool {
+        let mut forks = Vec::new();
+        let mut alive = Vec::new();
+        if self.more.is_empty() {
+            let ok = self.first.step(s, c, &mut forks);
+            if forks.is_empty() {
+                return ok;
+            }
+            if ok {
+                alive.push(self.first.clone());
+            }
+        } else {
+            let more = std::mem::take(&mut self.more);
+            for mut r in std::iter::once(self.first.clone()).chain(more) {
+                if r.step(s, c, &mut forks) {
+                    alive.push(r);
+                }
+            }
+        }
+        alive.append(&mut forks);
+        let mut runs: Vec<Run> = Vec::with_capacity(alive.len());
+        for r in alive {
+            if !runs.contains(&r) {
+                runs.push(r);
+            }
+        }
+        // The compiler bounds the runs a schema can need by `MAX_RUNS`; should more ever be
+        // alive, those kept are still readings of the text, so what is written stays valid.
+        runs.truncate(MAX_RUNS);
+        let mut runs = runs.into_iter();
+        match runs.next() {
+            Some(first) => {
+                self.first = first;
+                self.more = runs.collect();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// One reading of the answer: the automaton's state along one choice of alternative at each
+/// `anyOf` whose alternatives begin alike.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Run {
+    stack: Vec<Frame>,
+    mode: Mode,
+    ws: u8,
+}
+
+impl Run {
+    /// Whether `bytes` may come next in this run or in one it starts on the way (each followed
+    /// on its own: no merging, which only saves work over many bytes).
+    fn accepts(mut self, s: &CompiledSchema, bytes: &[u8]) -> bool {
+        for (i, &c) in bytes.iter().enumerate() {
+            let mut forks = Vec::new();
+            let ok = self.step(s, c, &mut forks);
+            if forks.into_iter().any(|f| f.accepts(s, &bytes[i + 1..])) {
+                return true;
+            }
+            if !ok {
+                return false;
+            }
+        }
+        true
     }
 
     /// Inside a string between characters: how many more it may take (`None` elsewhere).
-    pub(crate) fn plain_string_room(&self) -> Option<u32> {
+    fn plain_string_room(&self) -> Option<u32> {
         match self.mode {
             Mode::InStr {
                 at: Str::Plain,
@@ -1218,10 +1441,7 @@ impl SchemaJson {
 
     /// Inside a string held to a pattern, between characters: the pattern, its state, and how
     /// many more characters the string may take.
-    pub(crate) fn plain_pattern<'s>(
-        &self,
-        s: &'s CompiledSchema,
-    ) -> Option<(&'s TextPattern, u16, u32)> {
+    fn plain_pattern<'s>(&self, s: &'s CompiledSchema) -> Option<(&'s TextPattern, u16, u32)> {
         match self.mode {
             Mode::InStr {
                 at: Str::Plain,
@@ -1235,15 +1455,10 @@ impl SchemaJson {
         }
     }
 
-    /// Whether `bytes` may come next (no change).
-    pub(crate) fn accepts(&self, s: &CompiledSchema, bytes: &[u8]) -> bool {
-        let mut copy = self.clone();
-        bytes.iter().all(|&c| copy.step(s, c))
-    }
-
-    /// Reads one byte; `false` (the state then is unspecified: call on a copy) when it may not
-    /// come next.
-    pub(crate) fn step(&mut self, s: &CompiledSchema, c: u8) -> bool {
+    /// Reads one byte; `false` (the state then is unspecified) when it may not come next. The
+    /// runs that an `anyOf` whose alternatives begin alike starts besides this one, each past
+    /// `c`, go to `forks`.
+    fn step(&mut self, s: &CompiledSchema, c: u8, forks: &mut Vec<Run>) -> bool {
         let between = matches!(
             self.mode,
             Mode::Value { .. }
@@ -1322,11 +1537,11 @@ impl SchemaJson {
                 return false;
             }
             self.mode = Mode::After;
-            return self.step(s, c);
+            return self.step(s, c, forks);
         }
         self.ws = 0;
         match self.mode {
-            Mode::Value { node } => self.value(s, node, c),
+            Mode::Value { node } => self.value(s, node, c, forks),
             Mode::ArrayOpen | Mode::AfterItem => {
                 let open = self.mode == Mode::ArrayOpen;
                 let Some(Frame::Array { node, count }) = self.stack.last_mut() else {
@@ -1340,7 +1555,7 @@ impl SchemaJson {
                     // The first item, or `,` and the next one, while fewer than `max`.
                     _ if open && max > 0 => {
                         *count = 1;
-                        self.value(s, items, c)
+                        self.value(s, items, c, forks)
                     }
                     b',' if !open && *count < max => {
                         *count += 1;
@@ -1375,7 +1590,7 @@ impl SchemaJson {
                     read: 0,
                     alive: candidates(&props[next..]),
                 };
-                self.step(s, c)
+                self.step(s, c, forks)
             }
             Mode::AfterComma => {
                 let Some(&Frame::Object { node, next }) = self.stack.last() else {
@@ -1388,7 +1603,7 @@ impl SchemaJson {
                     read: 0,
                     alive: candidates(&props[next..]),
                 };
-                self.step(s, c)
+                self.step(s, c, forks)
             }
             Mode::Key { read, alive } => {
                 let Some(Frame::Object { node, next }) = self.stack.last_mut() else {
@@ -1532,7 +1747,7 @@ impl SchemaJson {
                     // A number read to its end, and this byte is what follows it.
                     if complete {
                         self.mode = Mode::After;
-                        return self.step(s, c);
+                        return self.step(s, c, forks);
                     }
                     return false;
                 }
@@ -1553,11 +1768,11 @@ impl SchemaJson {
                 None => false,
                 Some(Frame::Array { .. }) => {
                     self.mode = Mode::AfterItem;
-                    self.step(s, c)
+                    self.step(s, c, forks)
                 }
                 Some(Frame::Object { .. }) => {
                     self.mode = Mode::BeforeKey { first: false };
-                    self.step(s, c)
+                    self.step(s, c, forks)
                 }
             },
             Mode::InNum { .. } | Mode::Done => false,
@@ -1565,17 +1780,40 @@ impl SchemaJson {
     }
 
     /// The first byte `c` of a value of `node`.
-    fn value(&mut self, s: &CompiledSchema, node: usize, c: u8) -> bool {
+    fn value(&mut self, s: &CompiledSchema, node: usize, c: u8, forks: &mut Vec<Run>) -> bool {
         match &s.nodes[node] {
             Node::Either(alts) => {
-                for &a in alts {
+                let fits = |a: usize| {
                     let mut firsts = [false; 256];
                     first_bytes(&s.nodes, a, &mut firsts, 0);
-                    if firsts[c as usize] {
-                        return self.value(s, a, c);
+                    firsts[c as usize]
+                };
+                let mut fitting = alts.iter().copied().filter(|&a| fits(a));
+                let Some(one) = fitting.next() else {
+                    return false;
+                };
+                let mut others = fitting.peekable();
+                if others.peek().is_none() {
+                    return self.value(s, one, c, forks);
+                }
+                // Alternatives that begin alike: a run for each that takes `c`.
+                let mut taken: Option<Run> = None;
+                for a in std::iter::once(one).chain(others) {
+                    let mut r = self.clone();
+                    if r.value(s, a, c, forks) {
+                        match taken {
+                            None => taken = Some(r),
+                            Some(_) => forks.push(r),
+                        }
                     }
                 }
-                false
+                match taken {
+                    Some(r) => {
+                        *self = r;
+                        true
+                    }
+                    None => false,
+                }
             }
             Node::String { min, max, pattern } => {
                 self.mode = Mode::InStr {
@@ -1843,9 +2081,9 @@ mod tests {
                 "strings, numbers, booleans or null",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}),
+                json!({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}, {"enum": ["x"]}]}}}),
                 "/properties/a",
-                "cannot be told apart",
+                "cannot be told apart (`anyOf` can hold them)",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}),
@@ -2060,6 +2298,196 @@ mod tests {
             kinds.insert(kind);
         }
         assert_eq!(kinds.len(), 3, "{kinds:?}");
+    }
+
+    /// pydantic's `Union[Cat, Dog]` without a discriminator: two objects that no property
+    /// tags, both beginning `{"name":`.
+    fn untagged_pets() -> Value {
+        json!({
+            "type": "object",
+            "properties": {"pet": {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}},
+            "required": ["pet"],
+            "$defs": {
+                "Cat": {"type": "object", "properties": {
+                    "name": {"type": "string", "maxLength": 8}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["name", "lives"]},
+                "Dog": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "good": {"type": "boolean"}},
+                    "required": ["name", "good"]}
+            }
+        })
+    }
+
+    /// An `anyOf` whose alternatives begin alike is read side by side, one run per
+    /// alternative, until the text tells them apart; once its value ends the runs are one
+    /// again. `oneOf` keeps refusing them (a text both match is not `oneOf`).
+    #[test]
+    fn untagged_unions_are_read_side_by_side() {
+        let s = CompiledSchema::compile(&untagged_pets()).unwrap();
+        assert_eq!(run(&s, r#"{"pet":{"name":"Tom","lives":9}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"pet":{"name":"Rex","good":true}}"#), Some(true));
+        // The cat's name is at most 8 characters, the dog's is not bounded.
+        assert_eq!(
+            run(&s, r#"{"pet":{"name":"Sir Barksalot","good":false}}"#),
+            Some(true)
+        );
+        assert_eq!(
+            run(&s, r#"{"pet":{"name":"Sir Barksalot","lives":1}}"#),
+            None
+        );
+        assert_eq!(run(&s, r#"{"pet":{"name":"Tom","lives":10}}"#), None);
+        assert_eq!(
+            run(&s, r#"{"pet":{"name":"Tom","lives":9,"good":true}}"#),
+            None
+        );
+        assert_eq!(run(&s, r#"{"pet":{"name":"Tom"}}"#), None);
+        assert_eq!(run(&s, r#"{"pet":{"name":"Tom","#), Some(false));
+        let mut j = SchemaJson::new(&s);
+        let mut open = Vec::new();
+        for &c in br#"{"pet":{"name":"Tom","lives":9}}"# {
+            assert!(j.step(&s, c));
+            open.push(1 + j.more.len());
+        }
+        // One run until the pet's `{`, two through `"name":"Tom",` (the cat's 8-character bound
+        // still holds), one from the key that tells them apart.
+        let text = br#"{"pet":{"name":"Tom","lives":9}}"#;
+        let at = |needle: &[u8]| {
+            text.windows(needle.len())
+                .position(|w| w == needle)
+                .unwrap()
+        };
+        assert_eq!(open[at(b"{\"name")], 2);
+        assert_eq!(open[at(b"Tom")], 2);
+        assert_eq!(open[at(b"lives") - 1], 2);
+        assert_eq!(open[at(b"lives")], 1);
+        assert_eq!(*open.last().unwrap(), 1);
+
+        // Numbers, strings and constants that begin alike.
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "n": {"type": ["integer", "number"]},
+            "d": {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "format": "uuid"}, {"const": "today"}]},
+            "k": {"anyOf": [{"type": "integer", "maximum": 9}, {"enum": [12, 100]}]}}}))
+        .unwrap();
+        for ok in [
+            r#"{"n":1}"#,
+            r#"{"n":-1.5e3}"#,
+            r#"{"d":"2025-01-31"}"#,
+            r#"{"d":"today"}"#,
+            r#"{"d":"123e4567-e89b-12d3-a456-426614174000"}"#,
+            r#"{"d":"2025-02-28","k":9}"#,
+            r#"{"k":12}"#,
+            r#"{"k":100}"#,
+            r#"{"k":-3}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"d":"2025-02-30"}"#,
+            r#"{"d":"tomorrow"}"#,
+            r#"{"k":10}"#,
+            r#"{"k":1000}"#,
+            r#"{"n":"1"}"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+
+        // `oneOf` of the same alternatives, and more runs than the bound, are refused with
+        // their place.
+        let mut one_of = untagged_pets();
+        let alts = one_of["properties"]["pet"]["anyOf"].take();
+        one_of["properties"]["pet"] = json!({"oneOf": alts});
+        let e = CompiledSchema::compile(&one_of).unwrap_err();
+        assert!(e.reason.contains("`anyOf` can hold them"), "{e}");
+        assert_eq!(e.at, "/properties/pet");
+        let many: Vec<Value> = (0..=MAX_RUNS)
+            .map(|i| json!({"type": "string", "maxLength": i + 1}))
+            .collect();
+        let e = CompiledSchema::compile(
+            &json!({"type": "object", "properties": {"s": {"anyOf": many}}}),
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("more than 16 readings"), "{e}");
+        assert_eq!(e.at, "/properties/s");
+        // Nested: 4 × 4 = 16 is within the bound, 4 × 5 is not.
+        let nested = |inner: usize| {
+            let strings: Vec<Value> = (0..inner)
+                .map(|i| json!({"type": "string", "maxLength": i + 1}))
+                .collect();
+            let objects: Vec<Value> = (0..4)
+                .map(|i| json!({"type": "object", "properties": {"v": {"anyOf": strings}, format!("k{i}"): {"type": "null"}}, "required": ["v"]}))
+                .collect();
+            json!({"type": "object", "properties": {"o": {"anyOf": objects}}})
+        };
+        let s = CompiledSchema::compile(&nested(4)).unwrap();
+        assert_eq!(run(&s, r#"{"o":{"v":"abcd","k3":null}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"o":{"v":"abcde"}}"#), None);
+        let e = CompiledSchema::compile(&nested(5)).unwrap_err();
+        assert_eq!(e.at, "/properties/o", "{e}");
+        // Recursion through such an `anyOf` has no bound; through an alternative that begins
+        // with a byte of its own it has one.
+        let tree = json!({"type": "object", "properties": {"t": {"$ref": "#/$defs/T"}}, "$defs": {"T": {"anyOf": [
+            {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}},
+            {"type": "object", "properties": {"leaf": {"type": "string"}}}]}}});
+        let e = CompiledSchema::compile(&tree).unwrap_err();
+        assert!(e.reason.contains("readings"), "{e}");
+        let list = json!({"type": "object", "properties": {"t": {"$ref": "#/$defs/T"}}, "$defs": {"T": {"anyOf": [
+            {"type": "array", "items": {"$ref": "#/$defs/T"}},
+            {"type": "integer"}, {"type": "number"}]}}});
+        let s = CompiledSchema::compile(&list).unwrap();
+        assert_eq!(run(&s, r#"{"t":[1,[2.5,[3]],4]}"#), Some(true));
+    }
+
+    #[test]
+    fn masked_decoding_of_an_untagged_union_writes_one_alternative() {
+        let pieces = [
+            "{\"",
+            "\":",
+            "\"}",
+            "pet",
+            "name",
+            "lives",
+            "good",
+            "true",
+            "false",
+            "Tom",
+            "Rex",
+            "Sir Barksalot",
+            "12",
+            "}}",
+        ];
+        let mut kinds = std::collections::BTreeSet::new();
+        for v in masked_answers(&untagged_pets(), &pieces, 11, 200) {
+            let pet = v["pet"].as_object().unwrap();
+            let keys: Vec<&str> = pet.keys().map(String::as_str).collect();
+            let name = pet["name"].as_str().unwrap();
+            match keys.as_slice() {
+                ["name", "lives"] => {
+                    assert!(name.chars().count() <= 8, "{v}");
+                    assert!((1..=9).contains(&pet["lives"].as_i64().unwrap()), "{v}");
+                    kinds.insert("cat");
+                }
+                ["name", "good"] => {
+                    assert!(pet["good"].is_boolean(), "{v}");
+                    kinds.insert("dog");
+                }
+                _ => panic!("{v}"),
+            }
+            if name.chars().count() > 8 {
+                kinds.insert("long-named dog");
+            }
+        }
+        assert_eq!(kinds.len(), 3, "{kinds:?}");
+        // Strings of two bounds side by side: the longer bound is the one that holds (the
+        // mask's shortcut takes the most room of the runs).
+        let schema = json!({"type": "object", "properties": {"s": {"anyOf": [
+            {"type": "string", "maxLength": 2}, {"type": "string", "maxLength": 5}]}}, "required": ["s"]});
+        let mut longest = 0;
+        for v in masked_answers(&schema, &["ab", "abc", "\"}"], 12, 100) {
+            let n = v["s"].as_str().unwrap().chars().count();
+            assert!(n <= 5, "{v}");
+            longest = longest.max(n);
+        }
+        assert_eq!(longest, 5);
     }
 
     #[test]
