@@ -224,6 +224,27 @@ def main() -> None:
     assert isinstance(inv.customer, (Person, Company)), inv
     assert isinstance(inv.due, (datetime.date, datetime.datetime)), inv
     print("structured (pydantic Union, parsed):", inv.model_dump_json())
+    # Dicts (`additionalProperties`: keys of the model's choice) and `Any` (`{}`: any JSON).
+    from typing import Any
+
+    class Inventory(BaseModel):
+        counts: dict[str, int]
+        notes: dict[str, Any]
+        extra: Any
+        shelf: tuple[int, str]
+
+    stock = completions(
+        model="smollm2",
+        messages=[{"role": "user", "content": "We have 3 apples and 5 pears. Give the stock counts as JSON."}],
+        response_format=Inventory,
+        max_tokens=120,
+        temperature=0,
+    )
+    inventory = stock.choices[0].message.parsed
+    assert isinstance(inventory, Inventory), stock
+    assert all(isinstance(v, int) for v in inventory.counts.values()), inventory
+    assert isinstance(inventory.shelf[0], int) and isinstance(inventory.shelf[1], str), inventory
+    print("structured (pydantic dict, Any and tuple, parsed):", inventory.model_dump_json())
     # `oneOf` alternatives that begin alike are refused, naming the place (a text both
     # match would break `oneOf`).
     one_of = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}

@@ -96,6 +96,21 @@ fn main() {
     );
     let object = Constraint::JsonObject(table.clone());
     let structured = Constraint::JsonSchema(table.clone(), schema);
+    // A dict and an any-value (pydantic's `dict[str, int]` and `Any`).
+    let dict = Constraint::JsonSchema(
+        table.clone(),
+        Arc::new(
+            engine::json_schema::CompiledSchema::compile(&serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                    "extra": {}
+                },
+                "required": ["counts", "extra"]
+            }))
+            .expect("schema"),
+        ),
+    );
     for (state, constraint, text) in [
         ("before the object", &object, ""),
         ("after a key's colon", &object, "{\"name\": "),
@@ -122,6 +137,9 @@ fn main() {
             &union,
             "{\"owner\": {\"name\": \"Acme\",",
         ),
+        ("dict: in a key", &dict, "{\"counts\": {\"app"),
+        ("dict: after an entry", &dict, "{\"counts\": {\"apple\": 3"),
+        ("any: a value begins", &dict, "{\"counts\": {}, \"extra\": "),
         (
             "union: 1 run, in a string",
             &union,

@@ -5,8 +5,11 @@
 //! Objects list their `properties`; the answer writes them in the schema's order, every
 //! `required` one and, as the model chooses, the others (JSON Schema: a property not in
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
-//! row); `additionalProperties` may only be `false` (absent = false: no other key is
-//! written); `type` `object`, `array` (`items`, `minItems`, `maxItems`), `string`
+//! row); `additionalProperties` `false` (absent = false: no other key is written), or, with no
+//! `properties`, a schema or `true` (a dict: keys of the model's choice, values of that schema
+//! or any JSON value; `maxProperties`, and `minProperties` of at most 1, as keys cannot be held
+//! distinct); `{}` is any JSON value; `type` `object`, `array` (`items`, `minItems`, `maxItems`;
+//! tuples: `prefixItems`, or a list of `items` with `additionalItems`), `string`
 //! (`minLength`, `maxLength`: characters, a `\u` escape counting as one; `pattern`, ECMA-262
 //! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
 //! `hostname`, `ipv4`, `ipv6`, `uuid`, `uri` — [`crate::text_pattern`]; such a string is written
@@ -76,12 +79,20 @@ enum Node {
     /// One of these exact texts (compact JSON of strings, booleans, null; `boolean` is
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
-    /// An array of `items`.
-    /// An array of `items`, with `min..=max` of them.
-    Array { items: usize, min: u32, max: u32 },
+    /// An array of `min..=max` items: the first ones of the `prefix` nodes in turn (a tuple,
+    /// `prefixItems`), the others of `items`.
+    Array {
+        items: usize,
+        min: u32,
+        max: u32,
+        prefix: Vec<usize>,
+    },
     /// An object with these properties, written in this order (the optional ones as the
     /// model chooses).
     Object { props: Vec<Prop> },
+    /// An object of `min..=max` entries with keys of the model's choice and values of node
+    /// `value` (`additionalProperties` with no `properties`: pydantic's `dict[str, X]`).
+    Map { value: usize, min: u32, max: u32 },
     /// One of several nodes, told apart by their first byte.
     Either(Vec<usize>),
     /// Objects told apart by their first property (`head`: its key and a `Const` node whose
@@ -98,6 +109,8 @@ pub struct CompiledSchema {
     root: usize,
     /// The strings' patterns (`pattern`, `format`).
     patterns: Vec<TextPattern>,
+    /// Per node, the bytes its value may begin with (a 256-bit set).
+    firsts: Vec<[u64; 4]>,
 }
 
 /// Why a schema cannot be compiled: the JSON pointer of the place, and the reason.
@@ -140,6 +153,8 @@ struct Compiler<'a> {
     /// The `anyOf`s whose alternatives begin alike (their node, their place), for the bound on
     /// runs ([`MAX_RUNS`]).
     unions: Vec<(usize, String)>,
+    /// The node of any JSON value (`{}`), made when first needed.
+    any: Option<usize>,
 }
 
 /// Deepest nesting of schemas (and chain of `$ref`s) compiled.
@@ -155,6 +170,7 @@ impl CompiledSchema {
             depth: 0,
             patterns: Vec::new(),
             unions: Vec::new(),
+            any: None,
         };
         let root = c.node(schema, "")?;
         c.finish(root, b'{')
@@ -184,6 +200,7 @@ impl CompiledSchema {
                     items: call,
                     min: 1,
                     max: max.max(1),
+                    prefix: Vec::new(),
                 },
                 "",
             )
@@ -206,6 +223,7 @@ impl<'a> Compiler<'a> {
             depth: 0,
             patterns: Vec::new(),
             unions: Vec::new(),
+            any: None,
         };
         let mut calls = Vec::new();
         for (i, &(name, params)) in tools.iter().enumerate() {
@@ -253,6 +271,7 @@ impl Compiler<'_> {
     fn finish(self, root: usize, opens: u8) -> Result<CompiledSchema, SchemaError> {
         let c = self;
         // Every value must be writable: a `$ref` cycle with no type in it never is.
+        let mut begins = Vec::with_capacity(c.nodes.len());
         for n in 0..c.nodes.len() {
             let mut firsts = [false; 256];
             first_bytes(&c.nodes, n, &mut firsts, 0);
@@ -262,6 +281,11 @@ impl Compiler<'_> {
                     "a `$ref` cycle with no type in it describes no value",
                 ));
             }
+            let mut set = [0u64; 4];
+            for (b, _) in firsts.iter().enumerate().filter(|(_, &f)| f) {
+                set[b / 64] |= 1 << (b % 64);
+            }
+            begins.push(set);
         }
         let mut firsts = [false; 256];
         first_bytes(&c.nodes, root, &mut firsts, 0);
@@ -290,6 +314,7 @@ impl Compiler<'_> {
             nodes: c.nodes,
             root,
             patterns: c.patterns,
+            firsts: begins,
         })
     }
 }
@@ -310,7 +335,9 @@ impl CompiledSchema {
                             .map(|t| std::mem::size_of::<Vec<u8>>() + t.capacity())
                             .sum(),
                         Node::Object { props } => props.iter().map(prop).sum(),
-                        Node::Either(alts) => alts.capacity() * std::mem::size_of::<usize>(),
+                        Node::Either(alts) | Node::Array { prefix: alts, .. } => {
+                            alts.capacity() * std::mem::size_of::<usize>()
+                        }
                         Node::Tagged { head, alts } => {
                             head.iter().map(prop).sum::<usize>()
                                 + alts.capacity() * std::mem::size_of::<usize>()
@@ -324,7 +351,17 @@ impl CompiledSchema {
             .iter()
             .map(|p| std::mem::size_of::<TextPattern>() + p.heap_bytes())
             .sum();
-        std::mem::size_of::<CompiledSchema>() + nodes + patterns
+        std::mem::size_of::<CompiledSchema>()
+            + nodes
+            + patterns
+            + self.firsts.capacity() * std::mem::size_of::<[u64; 4]>()
+    }
+
+    /// Whether a value of node `n` may begin with byte `c`.
+    fn begins(&self, n: usize, c: u8) -> bool {
+        self.firsts
+            .get(n)
+            .is_some_and(|set| set[usize::from(c / 64)] & (1 << (c % 64)) != 0)
     }
 
     /// The properties an object frame of `node` reads (a tagged union: its tag only, until
@@ -631,8 +668,12 @@ impl Compiler<'_> {
                         | "required"
                         | "additionalProperties"
                         | "items"
+                        | "prefixItems"
+                        | "additionalItems"
                         | "minItems"
                         | "maxItems"
+                        | "minProperties"
+                        | "maxProperties"
                         | "minLength"
                         | "maxLength"
                         | "pattern"
@@ -723,10 +764,17 @@ impl Compiler<'_> {
                 .map(|t| t.as_str().ok_or_else(|| err(at, "`type` entries must be strings")))
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(err(at, "`type` must be a string or an array of strings")),
+            // `{}` (annotations at most): any JSON value, as JSON Schema means (pydantic's `Any`).
+            None if o.keys().all(|k| {
+                ANNOTATIONS.contains(&k.as_str()) || k == "$defs" || k == "definitions"
+            }) =>
+            {
+                return self.any_value(at)
+            }
             None => {
                 return Err(err(
                     at,
-                    "a `type` (or `enum`, `const`, `anyOf`, `$ref`) is required: an untyped value cannot be held to the schema",
+                    "a `type` (or `enum`, `const`, `anyOf`, `$ref`) is required beside these keywords: an untyped value cannot be held to them",
                 ))
             }
         };
@@ -767,22 +815,7 @@ impl Compiler<'_> {
                     self.push(Node::Const(vec![b"true".to_vec(), b"false".to_vec()]), at)?
                 }
                 "null" => self.push(Node::Const(vec![b"null".to_vec()]), at)?,
-                "array" => {
-                    let items = o
-                        .get("items")
-                        .ok_or_else(|| err(at, "an `array` needs `items`"))?;
-                    let (min, max) = (
-                        bound(o, "minItems", 0, at)?,
-                        bound(o, "maxItems", u32::MAX, at)?,
-                    );
-                    if min > max {
-                        return Err(err(at, "`minItems` is more than `maxItems`"));
-                    }
-                    let slot = self.push(Node::Pending, at)?;
-                    let items = self.node(items, &format!("{at}/items"))?;
-                    self.nodes[slot] = Node::Array { items, min, max };
-                    slot
-                }
+                "array" => self.array(o, at)?,
                 "object" => self.object(o, at)?,
                 other => return Err(err(at, format!("unknown type `{other}`"))),
             };
@@ -849,20 +882,34 @@ impl Compiler<'_> {
         o: &serde_json::Map<String, Value>,
         at: &str,
     ) -> Result<usize, SchemaError> {
-        match o.get("additionalProperties") {
-            None | Some(Value::Bool(false)) => {}
-            Some(_) => {
-                return Err(err(
-                    at,
-                    "`additionalProperties` may only be false: the answer writes exactly the listed properties",
-                ))
-            }
-        }
         let props = match o.get("properties") {
             None => serde_json::Map::new(),
             Some(Value::Object(p)) => p.clone(),
             Some(_) => return Err(err(at, "`properties` must be an object")),
         };
+        let extra = match o.get("additionalProperties") {
+            None | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(None),
+            Some(s @ Value::Object(_)) => Some(Some(s)),
+            Some(_) => {
+                return Err(err(
+                    at,
+                    "`additionalProperties` must be a boolean or a schema",
+                ))
+            }
+        };
+        if let Some(extra) = extra {
+            return self.map(o, !props.is_empty(), extra, at);
+        }
+        if let Some(k) = ["minProperties", "maxProperties"]
+            .iter()
+            .find(|k| o.contains_key(**k))
+        {
+            return Err(err(
+                at,
+                format!("`{k}` is held only on an object of `additionalProperties` (its listed properties are written as `required` says)"),
+            ));
+        }
         let mut required = Vec::new();
         if let Some(req) = o.get("required") {
             let req = req
@@ -905,6 +952,169 @@ impl Compiler<'_> {
             });
         }
         self.nodes[slot] = Node::Object { props: list };
+        Ok(slot)
+    }
+
+    /// An object of keys of the model's choice (`additionalProperties` true or a schema, with
+    /// no `properties`): `minProperties` at most 1 (keys cannot be held distinct, and a
+    /// repeated key is one property once parsed), `maxProperties`.
+    fn map(
+        &mut self,
+        o: &serde_json::Map<String, Value>,
+        listed: bool,
+        extra: Option<&Value>,
+        at: &str,
+    ) -> Result<usize, SchemaError> {
+        if listed {
+            return Err(err(
+                at,
+                "`additionalProperties` beside `properties` is not supported (a key of the model's choice could repeat a listed one); list every property, or use `additionalProperties` alone (a `dict`)",
+            ));
+        }
+        if o.get("required")
+            .and_then(Value::as_array)
+            .is_some_and(|r| !r.is_empty())
+        {
+            return Err(err(
+                at,
+                "`required` keys of an `additionalProperties` object are not supported: list them in `properties`",
+            ));
+        }
+        let (min, max) = (
+            bound(o, "minProperties", 0, at)?,
+            bound(o, "maxProperties", u32::MAX, at)?,
+        );
+        if min > 1 {
+            return Err(err(
+                at,
+                "`minProperties` above 1 is not supported: the keys cannot be held distinct, and a repeated key is one property",
+            ));
+        }
+        if min > max {
+            return Err(err(at, "`minProperties` is more than `maxProperties`"));
+        }
+        let slot = self.push(Node::Pending, at)?;
+        let value = match extra {
+            Some(s) => self.node(s, &format!("{at}/additionalProperties"))?,
+            None => self.any_value(at)?,
+        };
+        self.nodes[slot] = Node::Map { value, min, max };
+        Ok(slot)
+    }
+
+    /// The node of any JSON value: a string, a number, `true`, `false`, `null`, an array of
+    /// them or an object of them (nesting bounded as JSON mode's).
+    fn any_value(&mut self, at: &str) -> Result<usize, SchemaError> {
+        if let Some(n) = self.any {
+            return Ok(n);
+        }
+        let slot = self.push(Node::Pending, at)?;
+        self.any = Some(slot);
+        let alts = vec![
+            self.push(
+                Node::String {
+                    min: 0,
+                    max: u32::MAX,
+                    pattern: NO_PATTERN,
+                },
+                at,
+            )?,
+            self.push(
+                Node::Number {
+                    integer: false,
+                    range: None,
+                },
+                at,
+            )?,
+            self.push(
+                Node::Const(vec![b"true".to_vec(), b"false".to_vec(), b"null".to_vec()]),
+                at,
+            )?,
+            self.push(
+                Node::Array {
+                    items: slot,
+                    min: 0,
+                    max: u32::MAX,
+                    prefix: Vec::new(),
+                },
+                at,
+            )?,
+            self.push(
+                Node::Map {
+                    value: slot,
+                    min: 0,
+                    max: u32::MAX,
+                },
+                at,
+            )?,
+        ];
+        self.nodes[slot] = Node::Either(alts);
+        Ok(slot)
+    }
+
+    /// An array: `items` (a schema), or a tuple — `prefixItems` (or draft 7's `items` as a
+    /// list) for the first items in turn, then `items` (draft 7: `additionalItems`) for the
+    /// rest: a schema, `false` (no more), or absent (any JSON value).
+    fn array(
+        &mut self,
+        o: &serde_json::Map<String, Value>,
+        at: &str,
+    ) -> Result<usize, SchemaError> {
+        let (mut min, mut max) = (
+            bound(o, "minItems", 0, at)?,
+            bound(o, "maxItems", u32::MAX, at)?,
+        );
+        if min > max {
+            return Err(err(at, "`minItems` is more than `maxItems`"));
+        }
+        let (list, list_at, rest, rest_key) = match (o.get("prefixItems"), o.get("items")) {
+            (Some(p), items) => (Some(p), "prefixItems", items, "items"),
+            (None, Some(Value::Array(_))) => (
+                o.get("items"),
+                "items",
+                o.get("additionalItems"),
+                "additionalItems",
+            ),
+            (None, Some(items)) => (None, "", Some(items), "items"),
+            (None, None) => return Err(err(at, "an `array` needs `items` or `prefixItems`")),
+        };
+        if list.is_none() && o.contains_key("additionalItems") {
+            return Err(err(at, "`additionalItems` goes with a list of `items`"));
+        }
+        let slot = self.push(Node::Pending, at)?;
+        let mut prefix = Vec::new();
+        if let Some(list) = list {
+            let list = list
+                .as_array()
+                .ok_or_else(|| err(at, format!("`{list_at}` must be an array of schemas")))?;
+            for (i, s) in list.iter().enumerate() {
+                prefix.push(self.node(s, &format!("{at}/{list_at}/{i}"))?);
+            }
+        }
+        let items = match rest {
+            Some(Value::Bool(false)) => {
+                let n = u32::try_from(prefix.len()).unwrap_or(u32::MAX);
+                if min > n {
+                    return Err(err(
+                        at,
+                        format!("`minItems` {min} is more than the {n} items `{rest_key}: false` allows"),
+                    ));
+                }
+                max = max.min(n);
+                // Never read: no item comes after the prefix.
+                self.any_value(at)?
+            }
+            None | Some(Value::Bool(true)) if list.is_some() => self.any_value(at)?,
+            Some(s) => self.node(s, &format!("{at}/{rest_key}"))?,
+            None => return Err(err(at, "an `array` needs `items`")),
+        };
+        min = min.min(max);
+        self.nodes[slot] = Node::Array {
+            items,
+            min,
+            max,
+            prefix,
+        };
         Ok(slot)
     }
 
@@ -1111,7 +1321,11 @@ enum Alike {
 fn run_bounds(nodes: &[Node]) -> Vec<usize> {
     let children = |n: &Node| -> Vec<usize> {
         match n {
-            Node::Array { items, .. } => vec![*items],
+            Node::Array { items, prefix, .. } => prefix
+                .iter()
+                .copied()
+                .chain(std::iter::once(*items))
+                .collect(),
             Node::Object { props } => props.iter().map(|p| p.node).collect(),
             Node::Tagged { head, alts } => head
                 .iter()
@@ -1119,6 +1333,7 @@ fn run_bounds(nodes: &[Node]) -> Vec<usize> {
                 .chain(alts.iter().copied())
                 .collect(),
             Node::Either(alts) => alts.clone(),
+            Node::Map { value, .. } => vec![*value],
             Node::String { .. } | Node::Number { .. } | Node::Const(_) | Node::Pending => {
                 Vec::new()
             }
@@ -1224,7 +1439,7 @@ fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
             }
         }
         Node::Array { .. } => out[b'[' as usize] = true,
-        Node::Object { .. } | Node::Tagged { .. } => out[b'{' as usize] = true,
+        Node::Object { .. } | Node::Tagged { .. } | Node::Map { .. } => out[b'{' as usize] = true,
         Node::Either(alts) => {
             for &a in alts {
                 first_bytes(nodes, a, out, depth + 1);
@@ -1241,6 +1456,8 @@ enum Frame {
     Object { node: usize, next: usize },
     /// An array of node `node`, `count` items begun.
     Array { node: usize, count: u32 },
+    /// A map of node `node`, `count` entries begun.
+    Map { node: usize, count: u32 },
 }
 
 /// Where the automaton is.
@@ -1263,6 +1480,14 @@ enum Mode {
     Key { read: usize, alive: u64 },
     /// After a key: `:`.
     Colon,
+    /// After a map's `{` (`first`) or after `,` in it: a key's `"` (or, when `first`, `}`).
+    MapKeyStart { first: bool },
+    /// In a map's key.
+    MapKey { at: Str },
+    /// After a map's key: `:`.
+    MapColon,
+    /// After a map's value: `,` or `}`.
+    AfterEntry,
     /// In a string value: `len` characters written, `min..=max` allowed; its pattern's index
     /// (or [`NO_PATTERN`]) and the pattern's state over the bytes decoded so far.
     InStr {
@@ -1435,6 +1660,7 @@ impl Run {
                 pat: NO_PATTERN,
                 ..
             } => Some(max - len),
+            Mode::MapKey { at: Str::Plain } => Some(u32::MAX),
             _ => None,
         }
     }
@@ -1467,6 +1693,9 @@ impl Run {
                 | Mode::BeforeKey { .. }
                 | Mode::AfterComma
                 | Mode::Colon
+                | Mode::MapKeyStart { .. }
+                | Mode::MapColon
+                | Mode::AfterEntry
                 | Mode::After
                 | Mode::Done
         );
@@ -1547,19 +1776,27 @@ impl Run {
                 let Some(Frame::Array { node, count }) = self.stack.last_mut() else {
                     return false;
                 };
-                let Node::Array { items, min, max } = s.nodes[*node] else {
+                let Node::Array {
+                    items,
+                    min,
+                    max,
+                    ref prefix,
+                } = s.nodes[*node]
+                else {
                     return false;
                 };
+                // The node of item `i` (from 0).
+                let item = |i: u32| prefix.get(i as usize).copied().unwrap_or(items);
                 match c {
                     b']' => *count >= min && self.close(),
                     // The first item, or `,` and the next one, while fewer than `max`.
                     _ if open && max > 0 => {
                         *count = 1;
-                        self.value(s, items, c, forks)
+                        self.value(s, item(0), c, forks)
                     }
                     b',' if !open && *count < max => {
+                        self.mode = Mode::Value { node: item(*count) };
                         *count += 1;
-                        self.mode = Mode::Value { node: items };
                         true
                     }
                     _ => false,
@@ -1764,8 +2001,69 @@ impl Run {
                 self.mode = const_mode(texts, node, still, read + 1, ended.is_some());
                 true
             }
+            Mode::MapKeyStart { first } => {
+                let Some(&Frame::Map { node, count }) = self.stack.last() else {
+                    return false;
+                };
+                let Node::Map { min, max, .. } = s.nodes[node] else {
+                    return false;
+                };
+                match c {
+                    b'}' if first => count >= min && self.close(),
+                    b'"' if count < max => {
+                        self.mode = Mode::MapKey { at: Str::Plain };
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            Mode::MapKey { at } => match string_step(at, c) {
+                Some(None) => {
+                    self.mode = Mode::MapColon;
+                    true
+                }
+                Some(Some(next)) => {
+                    self.mode = Mode::MapKey { at: next };
+                    true
+                }
+                None => false,
+            },
+            Mode::MapColon => {
+                if c != b':' {
+                    return false;
+                }
+                let Some(Frame::Map { node, count }) = self.stack.last_mut() else {
+                    return false;
+                };
+                let Node::Map { value, .. } = s.nodes[*node] else {
+                    return false;
+                };
+                *count += 1;
+                self.mode = Mode::Value { node: value };
+                true
+            }
+            Mode::AfterEntry => {
+                let Some(&Frame::Map { node, count }) = self.stack.last() else {
+                    return false;
+                };
+                let Node::Map { min, max, .. } = s.nodes[node] else {
+                    return false;
+                };
+                match c {
+                    b'}' => count >= min && self.close(),
+                    b',' if count < max => {
+                        self.mode = Mode::MapKeyStart { first: false };
+                        true
+                    }
+                    _ => false,
+                }
+            }
             Mode::After => match self.stack.last() {
                 None => false,
+                Some(Frame::Map { .. }) => {
+                    self.mode = Mode::AfterEntry;
+                    self.step(s, c, forks)
+                }
                 Some(Frame::Array { .. }) => {
                     self.mode = Mode::AfterItem;
                     self.step(s, c, forks)
@@ -1783,11 +2081,7 @@ impl Run {
     fn value(&mut self, s: &CompiledSchema, node: usize, c: u8, forks: &mut Vec<Run>) -> bool {
         match &s.nodes[node] {
             Node::Either(alts) => {
-                let fits = |a: usize| {
-                    let mut firsts = [false; 256];
-                    first_bytes(&s.nodes, a, &mut firsts, 0);
-                    firsts[c as usize]
-                };
+                let fits = |a: usize| s.begins(a, c);
                 let mut fitting = alts.iter().copied().filter(|&a| fits(a));
                 let Some(one) = fitting.next() else {
                     return false;
@@ -1883,6 +2177,14 @@ impl Run {
                 }
                 self.stack.push(Frame::Object { node, next: 0 });
                 self.mode = Mode::BeforeKey { first: true };
+                true
+            }
+            Node::Map { .. } => {
+                if c != b'{' || self.stack.len() >= MAX_DEPTH {
+                    return false;
+                }
+                self.stack.push(Frame::Map { node, count: 0 });
+                self.mode = Mode::MapKeyStart { first: true };
                 true
             }
             Node::Pending => false,
@@ -2065,13 +2367,33 @@ mod tests {
                 "no string",
             ),
             (
-                json!({"type": "object", "additionalProperties": true}),
+                json!({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": true}),
                 "",
-                "additionalProperties",
+                "`additionalProperties` beside `properties`",
+            ),
+            (
+                json!({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}}}),
+                "/properties/m",
+                "`minProperties` above 1",
+            ),
+            (
+                json!({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": true, "required": ["k"]}}}),
+                "/properties/m",
+                "`required` keys",
+            ),
+            (
+                json!({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": 3}}}),
+                "/properties/m",
+                "a boolean or a schema",
+            ),
+            (
+                json!({"type": "object", "properties": {"o": {"type": "object", "properties": {"k": {"type": "null"}}, "maxProperties": 1}}}),
+                "/properties/o",
+                "`maxProperties` is held only",
             ),
             (json!({"type": "string"}), "", "root must be an object"),
             (
-                json!({"type": "object", "properties": {"a": {}}}),
+                json!({"type": "object", "properties": {"a": {"properties": {}}}}),
                 "/properties/a",
                 "`type`",
             ),
@@ -2298,6 +2620,157 @@ mod tests {
             kinds.insert(kind);
         }
         assert_eq!(kinds.len(), 3, "{kinds:?}");
+    }
+
+    /// pydantic's `dict[str, int]`, `dict[str, Any]`, `Any` and a bounded `dict[str,
+    /// list[float]]`, as it writes them.
+    fn dicts() -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "object", "additionalProperties": {"type": "integer"}, "title": "A"},
+                "b": {"type": "object", "additionalProperties": true},
+                "c": {"title": "C"},
+                "d": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "number"}},
+                      "maxProperties": 2, "minProperties": 1}
+            },
+            "required": ["a", "b", "c", "d"]
+        })
+    }
+
+    /// `additionalProperties` (a schema, or `true`) with no `properties`: keys of the model's
+    /// choice, values of the schema (any JSON value for `true`), `maxProperties` and a
+    /// `minProperties` of at most 1; `{}`: any JSON value.
+    #[test]
+    fn dicts_and_any_values() {
+        let s = CompiledSchema::compile(&dicts()).unwrap();
+        for ok in [
+            r#"{"a":{},"b":{},"c":null,"d":{"x":[]}}"#,
+            r#"{"a":{"one":1,"two":-2},"b":{"k":[1,{"n":"s\u00e9"}],"t":true},"c":[{},[],"x",1.5e3,false],"d":{"x":[1.5],"y":[]}}"#,
+            r#"{ "a" : { "q\"uote" : 3 } , "b" : { } , "c" : { "deep" : { "er" : [ null ] } } , "d" : { "" : [ 0 ] } }"#,
+            r#"{"a":{},"b":{},"c":"text","d":{"x":[1,2,3]}}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+            serde_json::from_str::<Value>(ok).unwrap();
+        }
+        for bad in [
+            r#"{"a":{"one":1.5},"b":{},"c":1,"d":{"x":[]}}"#,
+            r#"{"a":{"one":1,},"b":{},"c":1,"d":{"x":[]}}"#,
+            r#"{"a":{one:1},"b":{},"c":1,"d":{"x":[]}}"#,
+            r#"{"a":{},"b":{},"c":1,"d":{}}"#,
+            r#"{"a":{},"b":{},"c":1,"d":{"x":[],"y":[],"z":[]}}"#,
+            r#"{"a":{},"b":{},"c":tru,"d":{"x":[]}}"#,
+            r#"{"a":{},"b":{"k":[1,]},"c":1,"d":{"x":[]}}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        assert_eq!(run(&s, r#"{"a":{"one":1.5"#), None);
+        assert_eq!(run(&s, r#"{"a":{},"b":{},"c":1,"d":{"x":[],"y":[],"#), None);
+        // Nesting in an any-value is bounded as elsewhere.
+        let deep = format!(r#"{{"a":{{}},"b":{{}},"c":{}"#, "[".repeat(MAX_DEPTH));
+        assert_eq!(run(&s, &deep), None);
+        // A dict as a tool's parameters, and beside an object in an `anyOf` (both begin
+        // with `{`: two runs).
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {"v": {"anyOf": [
+            {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]},
+            {"type": "object", "additionalProperties": {"type": "string"}}]}}, "required": ["v"]}))
+        .unwrap();
+        assert_eq!(run(&s, r#"{"v":{"k":1}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"v":{"k":"one"}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"v":{"j":1}}"#), None);
+        assert!(CompiledSchema::compile_calls(&[(
+            "f",
+            &json!({"type": "object", "additionalProperties": {"type": "integer"}})
+        )])
+        .is_ok());
+    }
+
+    #[test]
+    fn masked_decoding_writes_dicts_and_any_values() {
+        let pieces = [
+            "{\"", "\":", "\"}", "a", "b", "c", "d", "one", "two", "[1", ".5]", "true", "null",
+            "\":{", "}}", "12", "],",
+        ];
+        let mut saw_entries = 0;
+        for v in masked_answers(&dicts(), &pieces, 13, 200) {
+            for (_, n) in v["a"].as_object().unwrap() {
+                assert!(n.is_i64(), "{v}");
+                saw_entries += 1;
+            }
+            assert!(v["b"].is_object(), "{v}");
+            let d = v["d"].as_object().unwrap();
+            assert!((1..=2).contains(&d.len()), "{v}");
+            assert!(
+                d.values()
+                    .all(|l| l.as_array().unwrap().iter().all(Value::is_number)),
+                "{v}"
+            );
+        }
+        assert!(saw_entries > 0);
+    }
+
+    /// Tuples: `prefixItems` (pydantic's `tuple[int, str]`), draft 7's `items` list with
+    /// `additionalItems`, and what may follow the listed items.
+    #[test]
+    fn tuples_hold_each_place() {
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {
+            "a": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
+            "b": {"type": "array", "items": [{"type": "boolean"}], "additionalItems": {"type": "null"}},
+            "c": {"type": "array", "prefixItems": [{"const": "x"}], "maxItems": 3},
+            "d": {"type": "array", "prefixItems": [{"type": "integer"}], "items": false}}}))
+        .unwrap();
+        for ok in [
+            r#"{"a":[1,"one"]}"#,
+            r#"{"b":[]}"#,
+            r#"{"b":[true,null,null]}"#,
+            r#"{"c":["x",{"any":[1]},2]}"#,
+            r#"{"d":[]}"#,
+            r#"{"d":[7]}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"a":["one",1]}"#,
+            r#"{"a":[1]}"#,
+            r#"{"a":[1,"one",2]}"#,
+            r#"{"b":[null]}"#,
+            r#"{"b":[true,false]}"#,
+            r#"{"c":["y"]}"#,
+            r#"{"c":["x",1,2,3]}"#,
+            r#"{"d":[7,8]}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        for (schema, says) in [
+            (
+                json!({"type": "array", "prefixItems": [{"type": "integer"}], "items": false, "minItems": 2}),
+                "more than the 1 items",
+            ),
+            (
+                json!({"type": "array", "items": {"type": "integer"}, "additionalItems": false}),
+                "`additionalItems` goes with a list",
+            ),
+            (json!({"type": "array"}), "needs `items` or `prefixItems`"),
+            (
+                json!({"type": "array", "prefixItems": {"type": "integer"}}),
+                "`prefixItems` must be an array",
+            ),
+        ] {
+            let e =
+                CompiledSchema::compile(&json!({"type": "object", "properties": {"t": schema}}))
+                    .unwrap_err();
+            assert_eq!(e.at, "/properties/t", "{e}");
+            assert!(e.reason.contains(says), "{e} / {says}");
+        }
+        let coords = json!({"type": "object", "properties": {"at": {"type": "array",
+            "prefixItems": [{"type": "number", "minimum": -90, "maximum": 90}, {"type": "number", "minimum": -180, "maximum": 180}],
+            "minItems": 2, "maxItems": 2}}, "required": ["at"]});
+        for v in masked_answers(&coords, &["[4", "8.8", "5,", "2.3", "]}", "-1"], 14, 100) {
+            let at = v["at"].as_array().unwrap();
+            assert_eq!(at.len(), 2, "{v}");
+            assert!(at[0].as_f64().unwrap().abs() <= 90.0, "{v}");
+            assert!(at[1].as_f64().unwrap().abs() <= 180.0, "{v}");
+        }
     }
 
     /// pydantic's `Union[Cat, Dog]` without a discriminator: two objects that no property
