@@ -5,10 +5,12 @@ Usage: python3 tests/openai_client.py BASE_URL   (e.g. http://127.0.0.1:8101/v1)
 Checks: a non-streaming chat completion (text, finish reason, usage with cached tokens), the
 same request streamed (same greedy text, usage chunk), a legacy completion, the model list,
 `n` choices streamed and not, structured outputs from a pydantic model (pattern, date, date-time,
-UUID, bounded integer; a URL, `format: uri`) parsed by the client, and that an out-of-range `n` raises BadRequestError
-naming it.
+UUID, bounded integer; a URL, `format: uri`; untagged `Union`s; dicts, `Any`, a tuple and a set of
+literals) parsed by the client, that a `oneOf` of alternatives that begin alike and an
+out-of-range `n` raise BadRequestError naming them.
 Exits non-zero on any failure; prints one line per check.
 """
+import json
 import sys
 
 try:
@@ -225,26 +227,29 @@ def main() -> None:
     assert isinstance(inv.due, (datetime.date, datetime.datetime)), inv
     print("structured (pydantic Union, parsed):", inv.model_dump_json())
     # Dicts (`additionalProperties`: keys of the model's choice) and `Any` (`{}`: any JSON).
-    from typing import Any
+    from typing import Any, Literal
 
     class Inventory(BaseModel):
         counts: dict[str, int]
         notes: dict[str, Any]
         extra: Any
         shelf: tuple[int, str]
+        tags: set[Literal["fruit", "fresh", "local", "organic"]]
 
     stock = completions(
         model="smollm2",
         messages=[{"role": "user", "content": "We have 3 apples and 5 pears. Give the stock counts as JSON."}],
         response_format=Inventory,
-        max_tokens=120,
+        max_tokens=400,
         temperature=0,
     )
     inventory = stock.choices[0].message.parsed
     assert isinstance(inventory, Inventory), stock
     assert all(isinstance(v, int) for v in inventory.counts.values()), inventory
     assert isinstance(inventory.shelf[0], int) and isinstance(inventory.shelf[1], str), inventory
-    print("structured (pydantic dict, Any and tuple, parsed):", inventory.model_dump_json())
+    tags = json.loads(stock.choices[0].message.content)["tags"]
+    assert len(tags) == len(set(tags)), stock.choices[0].message.content
+    print("structured (pydantic dict, Any, tuple and set, parsed):", inventory.model_dump_json())
     # `oneOf` alternatives that begin alike are refused, naming the place (a text both
     # match would break `oneOf`).
     one_of = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}

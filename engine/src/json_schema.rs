@@ -9,7 +9,8 @@
 //! `properties`, a schema or `true` (a dict: keys of the model's choice, values of that schema
 //! or any JSON value; `maxProperties`, and `minProperties` of at most 1, as keys cannot be held
 //! distinct); `{}` is any JSON value; `type` `object`, `array` (`items`, `minItems`, `maxItems`;
-//! tuples: `prefixItems`, or a list of `items` with `additionalItems`), `string`
+//! tuples: `prefixItems`, or a list of `items` with `additionalItems`; `uniqueItems` over
+//! `enum` / `const` items, each value at most once), `string`
 //! (`minLength`, `maxLength`: characters, a `\u` escape counting as one; `pattern`, ECMA-262
 //! found anywhere in the string; `format` `date`, `time`, `date-time`, `duration`, `email`,
 //! `hostname`, `ipv4`, `ipv6`, `uuid`, `uri` — [`crate::text_pattern`]; such a string is written
@@ -29,7 +30,8 @@
 //! (`#/$defs/…`, `#/definitions/…`, recursion included). An `integer` has at most 18
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
-//! would constrain the text in a way the automaton does not enforce (`uniqueItems`, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, a `multipleOf` finer than the digits written, …)
+//! would constrain the text in a way the automaton does not enforce (`uniqueItems` over other
+//! items, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, a `multipleOf` finer than the digits written, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -80,12 +82,14 @@ enum Node {
     /// `true` / `false`, `null` is `null`).
     Const(Vec<Vec<u8>>),
     /// An array of `min..=max` items: the first ones of the `prefix` nodes in turn (a tuple,
-    /// `prefixItems`), the others of `items`.
+    /// `prefixItems`), the others of `items`; `unique`: no value twice (`uniqueItems`, only
+    /// over a `Const` node, whose texts the array's frame marks as used).
     Array {
         items: usize,
         min: u32,
         max: u32,
         prefix: Vec<usize>,
+        unique: bool,
     },
     /// An object with these properties, written in this order (the optional ones as the
     /// model chooses).
@@ -201,6 +205,7 @@ impl CompiledSchema {
                     min: 1,
                     max: max.max(1),
                     prefix: Vec::new(),
+                    unique: false,
                 },
                 "",
             )
@@ -670,6 +675,7 @@ impl Compiler<'_> {
                         | "items"
                         | "prefixItems"
                         | "additionalItems"
+                        | "uniqueItems"
                         | "minItems"
                         | "maxItems"
                         | "minProperties"
@@ -1036,6 +1042,7 @@ impl Compiler<'_> {
                     min: 0,
                     max: u32::MAX,
                     prefix: Vec::new(),
+                    unique: false,
                 },
                 at,
             )?,
@@ -1060,7 +1067,7 @@ impl Compiler<'_> {
         o: &serde_json::Map<String, Value>,
         at: &str,
     ) -> Result<usize, SchemaError> {
-        let (mut min, mut max) = (
+        let (min, mut max) = (
             bound(o, "minItems", 0, at)?,
             bound(o, "maxItems", u32::MAX, at)?,
         );
@@ -1108,12 +1115,43 @@ impl Compiler<'_> {
             Some(s) => self.node(s, &format!("{at}/{rest_key}"))?,
             None => return Err(err(at, "an `array` needs `items`")),
         };
-        min = min.min(max);
+        let unique = match o.get("uniqueItems") {
+            None | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => {
+                let Node::Const(texts) = &self.nodes[resolve(&self.nodes, items)] else {
+                    return Err(err(
+                        at,
+                        "`uniqueItems` is held only on an array of `enum` / `const` values (pydantic's `set[SomeEnum]`): strings or numbers of the model's choice cannot be held distinct",
+                    ));
+                };
+                if !prefix.is_empty() {
+                    return Err(err(at, "`uniqueItems` on a tuple is not supported"));
+                }
+                if texts
+                    .iter()
+                    .enumerate()
+                    .any(|(i, t)| texts[..i].contains(t))
+                {
+                    return Err(err(at, "`uniqueItems` over an `enum` that repeats a value"));
+                }
+                let n = u32::try_from(texts.len()).unwrap_or(u32::MAX);
+                if min > n {
+                    return Err(err(
+                        at,
+                        format!("`minItems` {min} is more than the {n} distinct values of `uniqueItems`"),
+                    ));
+                }
+                max = max.min(n);
+                true
+            }
+            Some(_) => return Err(err(at, "`uniqueItems` must be a boolean")),
+        };
         self.nodes[slot] = Node::Array {
             items,
             min,
             max,
             prefix,
+            unique,
         };
         Ok(slot)
     }
@@ -1153,15 +1191,7 @@ impl Compiler<'_> {
         at: &str,
     ) -> Result<Vec<usize>, SchemaError> {
         // A `$ref` is a one-alternative `Either` in front of its target.
-        let resolve = |mut n: usize| {
-            for _ in 0..MAX_SCHEMA_DEPTH {
-                match &self.nodes[n] {
-                    Node::Either(one) if one.len() == 1 => n = one[0],
-                    _ => break,
-                }
-            }
-            n
-        };
+        let resolve = |n: usize| resolve(&self.nodes, n);
         let objects: Vec<usize> = alts
             .iter()
             .copied()
@@ -1298,6 +1328,17 @@ impl Compiler<'_> {
         self.nodes[slot] = Node::Either(vec![n]);
         Ok(slot)
     }
+}
+
+/// Node `n` past the one-alternative `Either`s that stand for `$ref`s.
+fn resolve(nodes: &[Node], mut n: usize) -> usize {
+    for _ in 0..MAX_SCHEMA_DEPTH {
+        match &nodes[n] {
+            Node::Either(one) if one.len() == 1 => n = one[0],
+            _ => break,
+        }
+    }
+    n
 }
 
 /// What alternatives that can begin with the same byte mean.
@@ -1454,8 +1495,9 @@ fn first_bytes(nodes: &[Node], n: usize, out: &mut [bool; 256], depth: usize) {
 enum Frame {
     /// An object of node `node` whose property `next` comes next.
     Object { node: usize, next: usize },
-    /// An array of node `node`, `count` items begun.
-    Array { node: usize, count: u32 },
+    /// An array of node `node`, `count` items begun; of a `unique` one, the texts of its
+    /// items' `Const` node written so far (a bit per text).
+    Array { node: usize, count: u32, used: u64 },
     /// A map of node `node`, `count` entries begun.
     Map { node: usize, count: u32 },
 }
@@ -1773,7 +1815,7 @@ impl Run {
             Mode::Value { node } => self.value(s, node, c, forks),
             Mode::ArrayOpen | Mode::AfterItem => {
                 let open = self.mode == Mode::ArrayOpen;
-                let Some(Frame::Array { node, count }) = self.stack.last_mut() else {
+                let Some(Frame::Array { node, count, .. }) = self.stack.last_mut() else {
                     return false;
                 };
                 let Node::Array {
@@ -1781,6 +1823,7 @@ impl Run {
                     min,
                     max,
                     ref prefix,
+                    ..
                 } = s.nodes[*node]
                 else {
                     return false;
@@ -1984,6 +2027,7 @@ impl Run {
                     // A number read to its end, and this byte is what follows it.
                     if complete {
                         self.mode = Mode::After;
+                        self.mark_used(s, node, alive, read);
                         return self.step(s, c, forks);
                     }
                     return false;
@@ -1999,6 +2043,9 @@ impl Run {
                     }
                 }
                 self.mode = const_mode(texts, node, still, read + 1, ended.is_some());
+                if self.mode == Mode::After {
+                    self.mark_used(s, node, still, read + 1);
+                }
                 true
             }
             Mode::MapKeyStart { first } => {
@@ -2152,6 +2199,8 @@ impl Run {
                         alive |= 1 << i;
                     }
                 }
+                // An item of a `uniqueItems` array: not a value it has already.
+                alive &= !self.used_in_unique_array(s);
                 if alive == 0 {
                     return false;
                 }
@@ -2161,13 +2210,20 @@ impl Run {
                     .take(64)
                     .any(|(i, t)| alive & (1 << i) != 0 && t.len() == 1);
                 self.mode = const_mode(texts, node, alive, 1, ended);
+                if self.mode == Mode::After {
+                    self.mark_used(s, node, alive, 1);
+                }
                 true
             }
             Node::Array { .. } => {
                 if c != b'[' || self.stack.len() >= MAX_DEPTH {
                     return false;
                 }
-                self.stack.push(Frame::Array { node, count: 0 });
+                self.stack.push(Frame::Array {
+                    node,
+                    count: 0,
+                    used: 0,
+                });
                 self.mode = Mode::ArrayOpen;
                 true
             }
@@ -2188,6 +2244,36 @@ impl Run {
                 true
             }
             Node::Pending => false,
+        }
+    }
+
+    /// The values the innermost array already has, when it is a `uniqueItems` one (its items'
+    /// `Const` texts, a bit each); else none.
+    fn used_in_unique_array(&self, s: &CompiledSchema) -> u64 {
+        match self.stack.last() {
+            Some(&Frame::Array { node, used, .. })
+                if matches!(s.nodes[node], Node::Array { unique: true, .. }) =>
+            {
+                used
+            }
+            _ => 0,
+        }
+    }
+
+    /// A value of `Const` node `node` ended after `read` bytes, one of the texts `alive`: in a
+    /// `uniqueItems` array, that text is used.
+    fn mark_used(&mut self, s: &CompiledSchema, node: usize, alive: u64, read: usize) {
+        let Node::Const(texts) = &s.nodes[node] else {
+            return;
+        };
+        if let Some(Frame::Array { node: a, used, .. }) = self.stack.last_mut() {
+            if matches!(s.nodes[*a], Node::Array { unique: true, .. }) {
+                if let Some(i) = (0..texts.len().min(64))
+                    .find(|&i| alive & (1 << i) != 0 && texts[i].len() == read)
+                {
+                    *used |= 1 << i;
+                }
+            }
         }
     }
 
@@ -2329,7 +2415,12 @@ mod tests {
             (
                 json!({"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}, "uniqueItems": true}}}),
                 "/properties/n",
-                "`uniqueItems` is not supported",
+                "`uniqueItems` is held only on an array of `enum`",
+            ),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": true, "minItems": 3}}}),
+                "/properties/n",
+                "more than the 2 distinct values",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2.5}}}),
@@ -2771,6 +2862,63 @@ mod tests {
             assert!(at[0].as_f64().unwrap().abs() <= 90.0, "{v}");
             assert!(at[1].as_f64().unwrap().abs() <= 180.0, "{v}");
         }
+    }
+
+    /// `uniqueItems` over `enum` items (pydantic's `set[Color]`, `frozenset[Literal[…]]`): a
+    /// value already in the array cannot begin again, so no prefix is a dead end, and the
+    /// array holds at most as many items as there are values.
+    #[test]
+    fn unique_items_of_an_enum() {
+        let schema = json!({"type": "object", "properties": {
+            "c": {"type": "array", "items": {"$ref": "#/$defs/Color"}, "uniqueItems": true},
+            "n": {"type": "array", "items": {"enum": [1, 12, 2]}, "uniqueItems": true, "minItems": 1},
+            "b": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": true}},
+            "$defs": {"Color": {"enum": ["red", "blue", "green"], "type": "string"}}});
+        let s = CompiledSchema::compile(&schema).unwrap();
+        for ok in [
+            r#"{"c":[]}"#,
+            r#"{"c":["red","blue","green"]}"#,
+            r#"{"n":[12,1,2]}"#,
+            r#"{"n":[1]}"#,
+            r#"{"b":[true,false]}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"c":["red","red"]}"#,
+            r#"{"c":["red","blue","red"]}"#,
+            r#"{"n":[1,1]}"#,
+            r#"{"n":[12,12]}"#,
+            r#"{"n":[]}"#,
+            r#"{"b":[true,true]}"#,
+            r#"{"c":["red","blue","green",]}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        // A used value cannot even begin: `"r` after "red", `12` after 12 (while `1`, a
+        // prefix of it, is still free).
+        assert_eq!(run(&s, r#"{"c":["red","r"#), None);
+        assert_eq!(run(&s, r#"{"n":[12,1"#), Some(false));
+        assert_eq!(run(&s, r#"{"n":[12,12"#), None);
+        // Every value used: no `,` for a fourth.
+        assert_eq!(run(&s, r#"{"c":["red","blue","green","#), None);
+        let mut seen = 0;
+        for v in masked_answers(
+            &schema,
+            &["[\"", "\",\"", "red", "blue", "green", "\"]", "12", "1,"],
+            15,
+            200,
+        ) {
+            for key in ["c", "n", "b"] {
+                if let Some(items) = v.get(key).and_then(Value::as_array) {
+                    let texts: Vec<String> = items.iter().map(Value::to_string).collect();
+                    let distinct: std::collections::BTreeSet<&String> = texts.iter().collect();
+                    assert_eq!(distinct.len(), texts.len(), "{v}");
+                    seen += usize::from(texts.len() > 1);
+                }
+            }
+        }
+        assert!(seen > 0);
     }
 
     /// pydantic's `Union[Cat, Dog]` without a discriminator: two objects that no property
