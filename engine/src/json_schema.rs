@@ -1582,7 +1582,7 @@ impl SchemaJson {
     pub(crate) fn new(s: &CompiledSchema) -> SchemaJson {
         SchemaJson {
             first: Run {
-                stack: Vec::new(),
+                stack: smallvec::SmallVec::new(),
                 mode: Mode::Value { node: s.root },
                 ws: 0,
             },
@@ -1670,7 +1670,9 @@ impl SchemaJson {
 /// `anyOf` whose alternatives begin alike.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Run {
-    stack: Vec<Frame>,
+    /// The open containers, innermost last (inline up to 6: cloned for every token the mask
+    /// tries).
+    stack: smallvec::SmallVec<[Frame; 6]>,
     mode: Mode,
     ws: u8,
 }
