@@ -31,7 +31,7 @@
 //! characters, so it fits an i64. Annotations (`title`, `description`,
 //! `default`, `examples`, `$comment`, `$schema`, `$id`, `strict`) are ignored. Anything that
 //! would constrain the text in a way the automaton does not enforce (`uniqueItems` over other
-//! items, `patternProperties`, `allOf` of several schemas, `not`, an unknown `format`, a `multipleOf` finer than the digits written, …)
+//! items, `patternProperties`, an `allOf` whose members do not merge (`Compiler::merge_all_of`), `not`, an unknown `format`, a `multipleOf` finer than the digits written, …)
 //! is refused when the schema is compiled, naming the keyword and where it is, rather than
 //! silently not enforced.
 
@@ -647,7 +647,8 @@ impl Compiler<'_> {
             return self.reference(r, at);
         }
         // `allOf` of one schema beside annotations only (as pydantic wraps a `$ref` that has a
-        // description): that schema.
+        // description): that schema. Of several (or beside other keywords): one schema of them
+        // all, when they can be merged.
         if let Some(all) = o.get("allOf") {
             match all.as_array().map(Vec::as_slice) {
                 Some([one])
@@ -656,12 +657,11 @@ impl Compiler<'_> {
                 {
                     return self.node(one, &format!("{at}/allOf/0"));
                 }
-                _ => {
-                    return Err(err(
-                        at,
-                        "`allOf` is supported only as one schema beside annotations",
-                    ))
+                Some(members) if !members.is_empty() => {
+                    let merged = self.merge_all_of(o, members, at)?;
+                    return self.node(&merged, at);
                 }
+                _ => return Err(err(at, "`allOf` must be a non-empty array")),
             }
         }
         for (k, _) in o {
@@ -959,6 +959,172 @@ impl Compiler<'_> {
         }
         self.nodes[slot] = Node::Object { props: list };
         Ok(slot)
+    }
+
+    /// The one schema that `allOf`'s `members` and the keywords beside it (`o`) describe
+    /// together: each member's `$ref`s followed, their keywords side by side — JSON Schema's
+    /// keywords constrain independently, so a value valid under the union of the keyword sets
+    /// is valid under every member — where a keyword in several must have one value, except
+    /// `properties` (a property in several is the `allOf` of its schemas, merged in turn),
+    /// `required` (every member's) and `additionalProperties: false` (the properties are then
+    /// those every such member lists). Alternatives, constants, tuples and dicts do not merge:
+    /// refused, as are keywords that differ (an `allOf` of an integer and a string describes
+    /// nothing).
+    fn merge_all_of(
+        &self,
+        o: &serde_json::Map<String, Value>,
+        members: &[Value],
+        at: &str,
+    ) -> Result<Value, SchemaError> {
+        let mut list: Vec<(String, &serde_json::Map<String, Value>)> = Vec::new();
+        let beside: serde_json::Map<String, Value> = o
+            .iter()
+            .filter(|(k, _)| k.as_str() != "allOf")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        list.push((at.to_owned(), &beside));
+        for (i, m) in members.iter().enumerate() {
+            let place = format!("{at}/allOf/{i}");
+            let mut m = m;
+            // A member that is a `$ref` (a chain of them): its target.
+            for _ in 0..MAX_SCHEMA_DEPTH {
+                let Some(r) = m.get("$ref").and_then(Value::as_str) else {
+                    break;
+                };
+                m = r
+                    .strip_prefix('#')
+                    .filter(|_| r.starts_with("#/"))
+                    .and_then(|p| self.root.pointer(p))
+                    .ok_or_else(|| {
+                        err(
+                            &place,
+                            format!("`$ref` {r:?} is not a local reference this schema has"),
+                        )
+                    })?;
+            }
+            let m = m
+                .as_object()
+                .ok_or_else(|| err(&place, "a schema must be an object"))?;
+            if m.contains_key("$ref") || m.contains_key("allOf") {
+                return Err(err(
+                    &place,
+                    "an `allOf` member with its own `$ref` or `allOf` beside other keywords is not merged",
+                ));
+            }
+            list.push((place, m));
+        }
+        let mut out = serde_json::Map::new();
+        let mut props = serde_json::Map::new();
+        let mut required: Vec<Value> = Vec::new();
+        // The properties of each member that allows no others.
+        let mut closed: Vec<Vec<String>> = Vec::new();
+        let mut constraining = 0;
+        for (place, m) in &list {
+            if m.keys().any(|k| !ANNOTATIONS.contains(&k.as_str())) {
+                constraining += 1;
+            }
+            for (k, v) in m.iter() {
+                match k.as_str() {
+                    "properties" => {
+                        let p = v
+                            .as_object()
+                            .ok_or_else(|| err(place, "`properties` must be an object"))?;
+                        for (name, s) in p {
+                            let merged = match props.get(name) {
+                                Some(prev) if prev != s => json_all_of(prev, s),
+                                _ => s.clone(),
+                            };
+                            props.insert(name.clone(), merged);
+                        }
+                    }
+                    "required" => {
+                        for r in v
+                            .as_array()
+                            .ok_or_else(|| err(place, "`required` must be an array"))?
+                        {
+                            if !required.contains(r) {
+                                required.push(r.clone());
+                            }
+                        }
+                    }
+                    "additionalProperties" => {
+                        match v {
+                            Value::Bool(false) => closed.push(
+                                m.get("properties")
+                                    .and_then(Value::as_object)
+                                    .map(|p| p.keys().cloned().collect())
+                                    .unwrap_or_default(),
+                            ),
+                            Value::Bool(true) => {}
+                            _ => return Err(err(
+                                place,
+                                "`additionalProperties` as a schema in an `allOf` is not merged",
+                            )),
+                        }
+                    }
+                    "anyOf" | "oneOf" | "enum" | "const" | "prefixItems" | "discriminator" => {
+                        return Err(err(
+                            place,
+                            format!("`{k}` in an `allOf` of several schemas is not merged"),
+                        ))
+                    }
+                    "$defs" | "definitions" => {}
+                    _ if ANNOTATIONS.contains(&k.as_str()) => {
+                        out.entry(k.clone()).or_insert_with(|| v.clone());
+                    }
+                    // Bounds: the tighter one holds both.
+                    "minimum" | "exclusiveMinimum" | "minLength" | "minItems" | "minProperties"
+                    | "maximum" | "exclusiveMaximum" | "maxLength" | "maxItems"
+                    | "maxProperties"
+                        if out.get(k).is_some_and(Value::is_number) && v.is_number() =>
+                    {
+                        let (prev, new) = (
+                            out[k.as_str()].as_f64().unwrap_or(f64::NAN),
+                            v.as_f64().unwrap_or(f64::NAN),
+                        );
+                        let lower = k.starts_with("min") || k == "exclusiveMinimum";
+                        if (lower && new > prev) || (!lower && new < prev) {
+                            out.insert(k.clone(), v.clone());
+                        }
+                    }
+                    _ => match out.get(k) {
+                        Some(prev) if prev != v => return Err(err(
+                            place,
+                            format!(
+                                "`{k}` differs between the `allOf` members: no value meets both"
+                            ),
+                        )),
+                        _ => {
+                            out.insert(k.clone(), v.clone());
+                        }
+                    },
+                }
+            }
+        }
+        if constraining == 0 {
+            return Err(err(at, "an `allOf` of annotations only describes no type"));
+        }
+        for keep in &closed {
+            props.retain(|name, _| keep.contains(name));
+        }
+        if let Some(r) = required
+            .iter()
+            .find(|r| !r.as_str().is_some_and(|r| props.contains_key(r)))
+        {
+            return Err(err(
+                at,
+                format!(
+                    "required property {r} is not among the properties every `allOf` member allows"
+                ),
+            ));
+        }
+        if !props.is_empty() || !required.is_empty() || !closed.is_empty() {
+            out.entry("type".to_owned())
+                .or_insert_with(|| Value::String("object".into()));
+            out.insert("properties".into(), Value::Object(props));
+            out.insert("required".into(), Value::Array(required));
+        }
+        Ok(Value::Object(out))
     }
 
     /// An object of keys of the model's choice (`additionalProperties` true or a schema, with
@@ -1328,6 +1494,17 @@ impl Compiler<'_> {
         self.nodes[slot] = Node::Either(vec![n]);
         Ok(slot)
     }
+}
+
+/// `{"allOf": [a, b]}`, flattening `a` when it is such an `allOf` already (a property listed
+/// in several `allOf` members).
+fn json_all_of(a: &Value, b: &Value) -> Value {
+    let mut members = match a.get("allOf").and_then(Value::as_array) {
+        Some(m) if a.as_object().is_some_and(|o| o.len() == 1) => m.clone(),
+        _ => vec![a.clone()],
+    };
+    members.push(b.clone());
+    serde_json::json!({ "allOf": members })
 }
 
 /// Node `n` past the one-alternative `Either`s that stand for `$ref`s.
@@ -2405,14 +2582,21 @@ mod tests {
                 "no number that can be written",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}, {"minimum": 1}]}}}),
-                "/properties/n",
-                "`allOf` is supported only as one schema",
+                json!({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}, {"type": "string"}]}}}),
+                "/properties/n/allOf/1",
+                "`type` differs between the `allOf` members",
             ),
             (
-                json!({"type": "object", "properties": {"n": {"allOf": [{"type": "integer"}], "minimum": 1}}}),
-                "/properties/n",
-                "`allOf` is supported only as one schema",
+                json!({"type": "object", "properties": {"n": {"allOf": [{"anyOf": [{"type": "integer"}, {"type": "null"}]}], "minimum": 1}}}),
+                "/properties/n/allOf/0",
+                "`anyOf` in an `allOf` of several schemas is not merged",
+            ),
+            (
+                json!({"type": "object", "properties": {"o": {"allOf": [
+                    {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": false},
+                    {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}}}),
+                "/properties/o",
+                "required property \"b\" is not among the properties every `allOf` member allows",
             ),
             (
                 json!({"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}, "uniqueItems": true}}}),
@@ -2866,6 +3050,52 @@ mod tests {
         }
     }
 
+    /// `allOf` of several schemas (OpenAPI's composition of a base object and its extension,
+    /// bounds split over members): one schema of them all.
+    #[test]
+    fn all_of_several_schemas_merges_them() {
+        let s = CompiledSchema::compile(&json!({
+            "type": "object",
+            "properties": {"pet": {"allOf": [
+                {"$ref": "#/$defs/Base"},
+                {"type": "object", "properties": {
+                    "name": {"type": "string"},
+                    "meta": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}},
+                    "required": ["name"]}]},
+                "n": {"allOf": [{"type": "integer", "minimum": 0}, {"maximum": 10}, {"minimum": 3}]}},
+            "$defs": {"Base": {"type": "object", "properties": {
+                "id": {"type": "integer"},
+                "meta": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+                "required": ["id"]}}
+        }))
+        .unwrap();
+        for ok in [
+            r#"{"pet":{"id":1,"meta":{"a":1,"b":true},"name":"Rex"}}"#,
+            r#"{"pet":{"id":1,"name":"Rex"}}"#,
+            r#"{"n":3}"#,
+            r#"{"n":10}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"pet":{"id":1}}"#,
+            r#"{"pet":{"name":"Rex"}}"#,
+            r#"{"pet":{"id":1,"meta":{"a":1},"name":"Rex"}}"#,
+            r#"{"pet":{"id":1,"meta":{"b":true},"name":"Rex"}}"#,
+            r#"{"n":2}"#,
+            r#"{"n":11}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        // A member that allows no other properties keeps the merge to its own.
+        let s = CompiledSchema::compile(&json!({"type": "object", "properties": {"o": {"allOf": [
+            {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "additionalProperties": false},
+            {"properties": {"b": {"type": "string"}, "c": {"type": "string"}}, "required": ["b"]}]}}}))
+        .unwrap();
+        assert_eq!(run(&s, r#"{"o":{"a":"x","b":"y"}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"o":{"b":"y","c":"z"}}"#), None);
+    }
+
     /// `uniqueItems` over `enum` items (pydantic's `set[Color]`, `frozenset[Literal[…]]`): a
     /// value already in the array cannot begin again, so no prefix is a dead end, and the
     /// array holds at most as many items as there are values.
@@ -2936,7 +3166,7 @@ mod tests {
             json!(null),
         ];
         let names = ["a", "b", "ab", "c"];
-        let kinds = if depth >= 3 { 7 } else { 13 };
+        let kinds = if depth >= 3 { 7 } else { 14 };
         match rng.gen_range(0..kinds) {
             0 => {
                 let min = rng.gen_range(0..3u32);
@@ -3008,6 +3238,26 @@ mod tests {
                 let min = rng.gen_range(0..2u32);
                 json!({"type": "object", "additionalProperties": extra, "minProperties": min, "maxProperties": min + rng.gen_range(0..3u32)})
             }
+            13 => {
+                // Two objects (sharing a property), or bounds split over members.
+                if rng.gen_bool(0.5) {
+                    let member = |rng: &mut rand_chacha::ChaCha8Rng, names: &[&str]| {
+                        let mut props = serde_json::Map::new();
+                        let mut required = Vec::new();
+                        for name in names {
+                            props.insert((*name).to_owned(), random_schema(rng, depth + 1));
+                            if rng.gen_bool(0.5) {
+                                required.push(json!(name));
+                            }
+                        }
+                        json!({"type": "object", "properties": props, "required": required})
+                    };
+                    json!({"allOf": [member(rng, &["a", "b"]), member(rng, &["b", "c"])]})
+                } else {
+                    let lo = rng.gen_range(-5..5i64);
+                    json!({"allOf": [{"type": "integer", "minimum": lo}, {"maximum": lo + rng.gen_range(0..9i64)}]})
+                }
+            }
             _ => {
                 let alts: Vec<Value> = (0..rng.gen_range(2..4))
                     .map(|_| {
@@ -3024,13 +3274,23 @@ mod tests {
     }
 
     /// Whether `v` is valid under `s`, for the keywords [`random_schema`] writes: an
-    /// implementation of their JSON Schema meaning apart from the automaton.
+    /// implementation of their JSON Schema meaning apart from the automaton. An object schema
+    /// without `additionalProperties` allows no other key (the compiler's reading, stricter
+    /// than JSON Schema's), except as an `allOf` member, where the other members' keys are
+    /// JSON Schema's "additional" ones.
     fn valid(v: &Value, s: &Value) -> bool {
+        valid_in(v, s, false)
+    }
+
+    fn valid_in(v: &Value, s: &Value, member: bool) -> bool {
         let Some(o) = s.as_object() else {
             return false;
         };
         if let Some(alts) = o.get("anyOf").and_then(Value::as_array) {
             return alts.iter().any(|a| valid(v, a));
+        }
+        if let Some(all) = o.get("allOf").and_then(Value::as_array) {
+            return all.iter().all(|a| valid_in(v, a, true));
         }
         if let Some(c) = o.get("const") {
             return v == c;
@@ -3040,7 +3300,15 @@ mod tests {
         }
         let count = |k: &str| o.get(k).and_then(Value::as_u64);
         match o.get("type").and_then(Value::as_str) {
-            None => true,
+            // Bounds beside no type hold on numbers only.
+            None => v.as_f64().is_none_or(|x| {
+                o.get("minimum")
+                    .and_then(Value::as_f64)
+                    .is_none_or(|m| x >= m)
+                    && o.get("maximum")
+                        .and_then(Value::as_f64)
+                        .is_none_or(|m| x <= m)
+            }),
             Some("string") => v.as_str().is_some_and(|t| {
                 let n = t.chars().count() as u64;
                 count("minLength").is_none_or(|m| n >= m)
@@ -3095,6 +3363,7 @@ mod tests {
                     None => match o.get("additionalProperties") {
                         Some(Value::Bool(true)) => true,
                         Some(s @ Value::Object(_)) => valid(x, s),
+                        None => member,
                         _ => false,
                     },
                 });
