@@ -235,6 +235,7 @@ def main() -> None:
         extra: Any
         shelf: tuple[int, str]
         tags: set[Literal["fruit", "fresh", "local", "organic"]]
+        by_colour: dict[Literal["red", "green", "yellow"], int]
 
     stock = completions(
         model="smollm2",
@@ -247,8 +248,9 @@ def main() -> None:
     assert isinstance(inventory, Inventory), stock
     assert all(isinstance(v, int) for v in inventory.counts.values()), inventory
     assert isinstance(inventory.shelf[0], int) and isinstance(inventory.shelf[1], str), inventory
-    tags = json.loads(stock.choices[0].message.content)["tags"]
-    assert len(tags) == len(set(tags)), stock.choices[0].message.content
+    answer = json.loads(stock.choices[0].message.content)
+    assert len(answer["tags"]) == len(set(answer["tags"])), stock.choices[0].message.content
+    assert set(inventory.by_colour) <= {"red", "green", "yellow"}, inventory
     print("structured (pydantic dict, Any, tuple and set, parsed):", inventory.model_dump_json())
     # `oneOf` alternatives that begin alike are refused, naming the place (a text both
     # match would break `oneOf`).

@@ -8,6 +8,7 @@
 //! row); `additionalProperties` `false` (absent = false: no other key is written), or, with no
 //! `properties`, a schema or `true` (a dict: keys of the model's choice, values of that schema
 //! or any JSON value; `maxProperties`, and `minProperties` of at most 1, as keys cannot be held
+//! distinct; keys held to `propertyNames` or one `patternProperties` pattern, an enum's keys
 //! distinct); `{}` is any JSON value; `type` `object`, `array` (`items`, `minItems`, `maxItems`;
 //! tuples: `prefixItems`, or a list of `items` with `additionalItems`; `uniqueItems` over
 //! `enum` / `const` items, each value at most once), `string`
@@ -94,9 +95,16 @@ enum Node {
     /// An object with these properties, written in this order (the optional ones as the
     /// model chooses).
     Object { props: Vec<Prop> },
-    /// An object of `min..=max` entries with keys of the model's choice and values of node
-    /// `value` (`additionalProperties` with no `properties`: pydantic's `dict[str, X]`).
-    Map { value: usize, min: u32, max: u32 },
+    /// An object of `min..=max` entries with keys of the model's choice — any string, or of
+    /// string node `key` (`propertyNames`, a `patternProperties` pattern) — and values of node
+    /// `value` (`additionalProperties` with no `properties`: pydantic's `dict[str, X]`). Keys of
+    /// a `Const` node are held distinct, as `uniqueItems` holds items.
+    Map {
+        value: usize,
+        key: Option<usize>,
+        min: u32,
+        max: u32,
+    },
     /// One of several nodes, told apart by their first byte.
     Either(Vec<usize>),
     /// Objects told apart by their first property (`head`: its key and a `Const` node whose
@@ -680,6 +688,8 @@ impl Compiler<'_> {
                         | "maxItems"
                         | "minProperties"
                         | "maxProperties"
+                        | "propertyNames"
+                        | "patternProperties"
                         | "minLength"
                         | "maxLength"
                         | "pattern"
@@ -904,8 +914,18 @@ impl Compiler<'_> {
                 ))
             }
         };
-        if let Some(extra) = extra {
+        let closed = o.get("additionalProperties") == Some(&Value::Bool(false));
+        if extra.is_some()
+            || o.contains_key("patternProperties")
+            || (o.contains_key("propertyNames") && !closed)
+        {
             return self.map(o, !props.is_empty(), extra, at);
+        }
+        if o.contains_key("propertyNames") {
+            return Err(err(
+                at,
+                "`propertyNames` beside `additionalProperties: false` is not supported",
+            ));
         }
         if let Some(k) = ["minProperties", "maxProperties"]
             .iter()
@@ -1088,12 +1108,14 @@ impl Compiler<'_> {
                         }
                     }
                     _ => match out.get(k) {
-                        Some(prev) if prev != v => return Err(err(
-                            place,
-                            format!(
+                        Some(prev) if prev != v => {
+                            return Err(err(
+                                place,
+                                format!(
                                 "`{k}` differs between the `allOf` members: no value meets both"
                             ),
-                        )),
+                            ))
+                        }
                         _ => {
                             out.insert(k.clone(), v.clone());
                         }
@@ -1134,13 +1156,13 @@ impl Compiler<'_> {
         &mut self,
         o: &serde_json::Map<String, Value>,
         listed: bool,
-        extra: Option<&Value>,
+        extra: Option<Option<&Value>>,
         at: &str,
     ) -> Result<usize, SchemaError> {
         if listed {
             return Err(err(
                 at,
-                "`additionalProperties` beside `properties` is not supported (a key of the model's choice could repeat a listed one); list every property, or use `additionalProperties` alone (a `dict`)",
+                "keys of the model's choice (`additionalProperties`, `patternProperties`, `propertyNames`) beside listed `properties` are not supported (such a key could repeat a listed one); list every property, or use them alone (a `dict`)",
             ));
         }
         if o.get("required")
@@ -1152,25 +1174,109 @@ impl Compiler<'_> {
                 "`required` keys of an `additionalProperties` object are not supported: list them in `properties`",
             ));
         }
-        let (min, max) = (
+        let (min, mut max) = (
             bound(o, "minProperties", 0, at)?,
             bound(o, "maxProperties", u32::MAX, at)?,
         );
-        if min > 1 {
-            return Err(err(
-                at,
-                "`minProperties` above 1 is not supported: the keys cannot be held distinct, and a repeated key is one property",
-            ));
-        }
         if min > max {
             return Err(err(at, "`minProperties` is more than `maxProperties`"));
         }
+        // The keys' schema: `propertyNames` (a string schema; its `type` may go unsaid), and
+        // the one pattern of `patternProperties`, both held.
+        let names = match o.get("propertyNames") {
+            None => None,
+            Some(Value::Object(n)) => {
+                let mut n = n.clone();
+                let typed = ["type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf"]
+                    .iter()
+                    .any(|k| n.contains_key(*k));
+                if !typed {
+                    n.insert("type".into(), Value::String("string".into()));
+                }
+                Some(Value::Object(n))
+            }
+            Some(_) => return Err(err(at, "`propertyNames` must be a schema")),
+        };
+        let (key_schema, value_schema, value_at) = match o.get("patternProperties") {
+            None => (
+                names,
+                extra.flatten().cloned(),
+                format!("{at}/additionalProperties"),
+            ),
+            Some(Value::Object(pp)) if pp.len() == 1 => {
+                if extra.is_some() {
+                    return Err(err(
+                        at,
+                        "`additionalProperties` beside `patternProperties` is not supported (keys that match and keys that do not would need telling apart)",
+                    ));
+                }
+                let (pattern, value) = pp.iter().next().expect("one entry");
+                let by_pattern = serde_json::json!({"type": "string", "pattern": pattern});
+                let key = match names {
+                    Some(n) => serde_json::json!({"allOf": [by_pattern, n]}),
+                    None => by_pattern,
+                };
+                (
+                    Some(key),
+                    Some(value.clone()),
+                    format!("{at}/patternProperties"),
+                )
+            }
+            Some(_) => {
+                return Err(err(
+                    at,
+                    "`patternProperties` of more than one pattern is not supported",
+                ))
+            }
+        };
         let slot = self.push(Node::Pending, at)?;
-        let value = match extra {
-            Some(s) => self.node(s, &format!("{at}/additionalProperties"))?,
+        let key = match key_schema {
+            None => None,
+            Some(k) => {
+                let place = format!("{at}/propertyNames");
+                let n = self.node(&k, &place)?;
+                let mut firsts = [false; 256];
+                first_bytes(&self.nodes, n, &mut firsts, 0);
+                if firsts
+                    .iter()
+                    .enumerate()
+                    .any(|(b, &f)| f && b != usize::from(b'"'))
+                {
+                    return Err(err(&place, "`propertyNames` must describe strings"));
+                }
+                Some(n)
+            }
+        };
+        // Keys of a `Const` node are held distinct; others cannot be.
+        match key.map(|k| &self.nodes[resolve(&self.nodes, k)]) {
+            Some(Node::Const(texts)) => {
+                let n = u32::try_from(texts.len()).unwrap_or(u32::MAX);
+                if min > n {
+                    return Err(err(
+                        at,
+                        format!("`minProperties` {min} is more than the {n} keys `propertyNames` allows"),
+                    ));
+                }
+                max = max.min(n);
+            }
+            _ if min > 1 => {
+                return Err(err(
+                    at,
+                    "`minProperties` above 1 is not supported unless `propertyNames` is an `enum`: keys of the model's choice cannot be held distinct, and a repeated key is one property",
+                ))
+            }
+            _ => {}
+        }
+        let value = match value_schema {
+            Some(s) => self.node(&s, &value_at)?,
             None => self.any_value(at)?,
         };
-        self.nodes[slot] = Node::Map { value, min, max };
+        self.nodes[slot] = Node::Map {
+            value,
+            key,
+            min,
+            max,
+        };
         Ok(slot)
     }
 
@@ -1215,6 +1321,7 @@ impl Compiler<'_> {
             self.push(
                 Node::Map {
                     value: slot,
+                    key: None,
                     min: 0,
                     max: u32::MAX,
                 },
@@ -1551,7 +1658,7 @@ fn run_bounds(nodes: &[Node]) -> Vec<usize> {
                 .chain(alts.iter().copied())
                 .collect(),
             Node::Either(alts) => alts.clone(),
-            Node::Map { value, .. } => vec![*value],
+            Node::Map { value, key, .. } => std::iter::once(*value).chain(*key).collect(),
             Node::String { .. } | Node::Number { .. } | Node::Const(_) | Node::Pending => {
                 Vec::new()
             }
@@ -1675,8 +1782,14 @@ enum Frame {
     /// An array of node `node`, `count` items begun; of a `unique` one, the texts of its
     /// items' `Const` node written so far (a bit per text).
     Array { node: usize, count: u32, used: u64 },
-    /// A map of node `node`, `count` entries begun.
-    Map { node: usize, count: u32 },
+    /// A map of node `node`, `count` entries begun; `in_key` while a key of its key node is
+    /// read; of a map whose keys are a `Const` node's texts, those written so far (a bit each).
+    Map {
+        node: usize,
+        count: u32,
+        used: u64,
+        in_key: bool,
+    },
 }
 
 /// Where the automaton is.
@@ -2228,17 +2341,29 @@ impl Run {
                 true
             }
             Mode::MapKeyStart { first } => {
-                let Some(&Frame::Map { node, count }) = self.stack.last() else {
+                let Some(Frame::Map {
+                    node,
+                    count,
+                    in_key,
+                    ..
+                }) = self.stack.last_mut()
+                else {
                     return false;
                 };
-                let Node::Map { min, max, .. } = s.nodes[node] else {
+                let Node::Map { min, max, key, .. } = s.nodes[*node] else {
                     return false;
                 };
-                match c {
-                    b'}' if first => count >= min && self.close(),
-                    b'"' if count < max => {
+                match (c, key) {
+                    (b'}', _) if first => *count >= min && self.close(),
+                    (b'"', None) if *count < max => {
                         self.mode = Mode::MapKey { at: Str::Plain };
                         true
+                    }
+                    // A key of the key node, read as a value of it; `Mode::After` then
+                    // expects the colon.
+                    (b'"', Some(k)) if *count < max => {
+                        *in_key = true;
+                        self.value(s, k, c, forks)
                     }
                     _ => false,
                 }
@@ -2258,7 +2383,7 @@ impl Run {
                 if c != b':' {
                     return false;
                 }
-                let Some(Frame::Map { node, count }) = self.stack.last_mut() else {
+                let Some(Frame::Map { node, count, .. }) = self.stack.last_mut() else {
                     return false;
                 };
                 let Node::Map { value, .. } = s.nodes[*node] else {
@@ -2269,7 +2394,7 @@ impl Run {
                 true
             }
             Mode::AfterEntry => {
-                let Some(&Frame::Map { node, count }) = self.stack.last() else {
+                let Some(&Frame::Map { node, count, .. }) = self.stack.last() else {
                     return false;
                 };
                 let Node::Map { min, max, .. } = s.nodes[node] else {
@@ -2284,8 +2409,15 @@ impl Run {
                     _ => false,
                 }
             }
-            Mode::After => match self.stack.last() {
+            Mode::After => match self.stack.last_mut() {
                 None => false,
+                Some(Frame::Map { in_key: true, .. }) => {
+                    if let Some(Frame::Map { in_key, .. }) = self.stack.last_mut() {
+                        *in_key = false;
+                    }
+                    self.mode = Mode::MapColon;
+                    self.step(s, c, forks)
+                }
                 Some(Frame::Map { .. }) => {
                     self.mode = Mode::AfterEntry;
                     self.step(s, c, forks)
@@ -2378,8 +2510,8 @@ impl Run {
                         alive |= 1 << i;
                     }
                 }
-                // An item of a `uniqueItems` array: not a value it has already.
-                alive &= !self.used_in_unique_array(s);
+                // An item of a `uniqueItems` array, a key of a map: not one it has already.
+                alive &= !self.used_here(s);
                 if alive == 0 {
                     return false;
                 }
@@ -2418,7 +2550,12 @@ impl Run {
                 if c != b'{' || self.stack.len() >= MAX_DEPTH {
                     return false;
                 }
-                self.stack.push(Frame::Map { node, count: 0 });
+                self.stack.push(Frame::Map {
+                    node,
+                    count: 0,
+                    used: 0,
+                    in_key: false,
+                });
                 self.mode = Mode::MapKeyStart { first: true };
                 true
             }
@@ -2426,33 +2563,50 @@ impl Run {
         }
     }
 
-    /// The values the innermost array already has, when it is a `uniqueItems` one (its items'
-    /// `Const` texts, a bit each); else none.
-    fn used_in_unique_array(&self, s: &CompiledSchema) -> u64 {
+    /// The `Const` texts a value begun here may not take: those the innermost array has, when
+    /// it is a `uniqueItems` one, or the keys the innermost map has, while a key is read (a
+    /// bit each); else none.
+    fn used_here(&self, s: &CompiledSchema) -> u64 {
         match self.stack.last() {
             Some(&Frame::Array { node, used, .. })
                 if matches!(s.nodes[node], Node::Array { unique: true, .. }) =>
             {
                 used
             }
+            // A map's keys of a `Const` node (the only node whose texts are marked).
+            Some(&Frame::Map {
+                used, in_key: true, ..
+            }) => used,
             _ => 0,
         }
     }
 
     /// A value of `Const` node `node` ended after `read` bytes, one of the texts `alive`: in a
-    /// `uniqueItems` array, that text is used.
+    /// `uniqueItems` array, or as a key of a map whose keys are that node, that text is used.
     fn mark_used(&mut self, s: &CompiledSchema, node: usize, alive: u64, read: usize) {
         let Node::Const(texts) = &s.nodes[node] else {
             return;
         };
-        if let Some(Frame::Array { node: a, used, .. }) = self.stack.last_mut() {
-            if matches!(s.nodes[*a], Node::Array { unique: true, .. }) {
-                if let Some(i) = (0..texts.len().min(64))
-                    .find(|&i| alive & (1 << i) != 0 && texts[i].len() == read)
-                {
-                    *used |= 1 << i;
-                }
+        let used = match self.stack.last_mut() {
+            Some(Frame::Array { node: a, used, .. })
+                if matches!(s.nodes[*a], Node::Array { unique: true, .. }) =>
+            {
+                used
             }
+            Some(Frame::Map {
+                node: m,
+                used,
+                in_key: true,
+                ..
+            }) if matches!(s.nodes[*m], Node::Map { key: Some(k), .. } if resolve(&s.nodes, k) == node) => {
+                used
+            }
+            _ => return,
+        };
+        if let Some(i) =
+            (0..texts.len().min(64)).find(|&i| alive & (1 << i) != 0 && texts[i].len() == read)
+        {
+            *used |= 1 << i;
         }
     }
 
@@ -2646,7 +2800,7 @@ mod tests {
             (
                 json!({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": true}),
                 "",
-                "`additionalProperties` beside `properties`",
+                "beside listed `properties`",
             ),
             (
                 json!({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}}}),
@@ -2962,6 +3116,106 @@ mod tests {
         .is_ok());
     }
 
+    /// Dicts whose keys are held: `propertyNames` (pydantic's `dict[Color, int]`, `dict[Literal[…],
+    /// float]`; an enum's keys distinct) and `patternProperties` (`dict[constr(pattern=…), int]`,
+    /// with `propertyNames: {"maxLength": …}` beside it).
+    #[test]
+    fn dict_keys_held_to_a_schema() {
+        let schema = json!({"type": "object", "properties": {
+            "a": {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/C"}},
+            "b": {"type": "object", "additionalProperties": {"type": "number"}, "propertyNames": {"enum": ["x", "y"]}, "minProperties": 2},
+            "c": {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "propertyNames": {"maxLength": 8}}},
+            "$defs": {"C": {"enum": ["red", "blue"], "type": "string"}}});
+        let s = CompiledSchema::compile(&schema).unwrap();
+        for ok in [
+            r#"{"a":{}}"#,
+            r#"{"a":{"red":1,"blue":2}}"#,
+            r#"{"a":{ "blue" : 2 }}"#,
+            r#"{"b":{"y":1.5,"x":2}}"#,
+            r#"{"c":{"abc":1,"z":2}}"#,
+            r#"{"c":{"abcdefgh":1}}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"a":{"green":1}}"#,
+            r#"{"a":{"red":1,"red":2}}"#,
+            r#"{"a":{"red":1.5}}"#,
+            r#"{"b":{"x":1}}"#,
+            r#"{"b":{"x":1,"x":2}}"#,
+            r#"{"c":{"Abc":1}}"#,
+            r#"{"c":{"abcdefghi":1}}"#,
+            r#"{"c":{"":1}}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        // A used key cannot begin again, and with both keys written no `,` follows.
+        assert_eq!(run(&s, r#"{"a":{"red":1,"r"#), None);
+        assert_eq!(run(&s, r#"{"a":{"red":1,"blue":2,"#), None);
+        let mut both = 0;
+        for v in masked_answers(
+            &schema,
+            &["{\"", "\":", "red", "blue", "\"x\":", "\"y\":", "abc", "}}"],
+            17,
+            150,
+        ) {
+            for key in ["a", "b", "c"] {
+                if let Some(m) = v.get(key).and_then(Value::as_object) {
+                    if key == "b" {
+                        assert!(
+                            valid(&Value::Object(m.clone()), &schema["properties"]["b"]),
+                            "{v}"
+                        );
+                    }
+                    both += usize::from(m.len() == 2);
+                }
+            }
+            if let Some(a) = v.get("a").and_then(Value::as_object) {
+                assert!(a.keys().all(|k| k == "red" || k == "blue"), "{v}");
+            }
+            if let Some(c) = v.get("c").and_then(Value::as_object) {
+                assert!(
+                    c.keys()
+                        .all(|k| (1..=8).contains(&k.len())
+                            && k.bytes().all(|b| b.is_ascii_lowercase())),
+                    "{v}"
+                );
+            }
+        }
+        assert!(both > 0);
+        for (prop, says) in [
+            (
+                json!({"type": "object", "propertyNames": {"type": "integer"}}),
+                "must describe strings",
+            ),
+            (
+                json!({"type": "object", "additionalProperties": true, "propertyNames": {"enum": ["x", "y"]}, "minProperties": 3}),
+                "more than the 2 keys",
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"^a": {}, "^b": {}}}),
+                "more than one pattern",
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": true}),
+                "beside `patternProperties`",
+            ),
+            (
+                json!({"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": false}),
+                "beside `additionalProperties: false`",
+            ),
+            (
+                json!({"type": "object", "properties": {"k": {}}, "propertyNames": {"maxLength": 3}}),
+                "beside listed `properties`",
+            ),
+        ] {
+            let e = CompiledSchema::compile(&json!({"type": "object", "properties": {"m": prop}}))
+                .unwrap_err();
+            assert!(e.at.starts_with("/properties/m"), "{e}");
+            assert!(e.reason.contains(says), "{e} / {says}");
+        }
+    }
+
     #[test]
     fn masked_decoding_writes_dicts_and_any_values() {
         let pieces = [
@@ -3236,7 +3490,13 @@ mod tests {
                     random_schema(rng, depth + 1)
                 };
                 let min = rng.gen_range(0..2u32);
-                json!({"type": "object", "additionalProperties": extra, "minProperties": min, "maxProperties": min + rng.gen_range(0..3u32)})
+                let mut s = json!({"type": "object", "additionalProperties": extra, "minProperties": min, "maxProperties": min + rng.gen_range(0..3u32)});
+                match rng.gen_range(0..3) {
+                    0 => s["propertyNames"] = json!({"enum": ["a", "ab", "b"]}),
+                    1 => s["propertyNames"] = json!({"maxLength": 2}),
+                    _ => {}
+                }
+                s
             }
             13 => {
                 // Two objects (sharing a property), or bounds split over members.
@@ -3300,15 +3560,21 @@ mod tests {
         }
         let count = |k: &str| o.get(k).and_then(Value::as_u64);
         match o.get("type").and_then(Value::as_str) {
-            // Bounds beside no type hold on numbers only.
-            None => v.as_f64().is_none_or(|x| {
-                o.get("minimum")
-                    .and_then(Value::as_f64)
-                    .is_none_or(|m| x >= m)
-                    && o.get("maximum")
+            // Bounds beside no type hold on the values of their type only.
+            None => {
+                v.as_f64().is_none_or(|x| {
+                    o.get("minimum")
                         .and_then(Value::as_f64)
-                        .is_none_or(|m| x <= m)
-            }),
+                        .is_none_or(|m| x >= m)
+                        && o.get("maximum")
+                            .and_then(Value::as_f64)
+                            .is_none_or(|m| x <= m)
+                }) && v.as_str().is_none_or(|t| {
+                    let n = t.chars().count() as u64;
+                    count("minLength").is_none_or(|m| n >= m)
+                        && count("maxLength").is_none_or(|m| n <= m)
+                })
+            }
             Some("string") => v.as_str().is_some_and(|t| {
                 let n = t.chars().count() as u64;
                 count("minLength").is_none_or(|m| n >= m)
@@ -3358,15 +3624,19 @@ mod tests {
                     .get("required")
                     .and_then(Value::as_array)
                     .is_none_or(|r| r.iter().all(|k| m.contains_key(k.as_str().unwrap_or(""))));
-                let each = m.iter().all(|(k, x)| match props.and_then(|p| p.get(k)) {
-                    Some(p) => valid(x, p),
-                    None => match o.get("additionalProperties") {
-                        Some(Value::Bool(true)) => true,
-                        Some(s @ Value::Object(_)) => valid(x, s),
-                        None => member,
-                        _ => false,
-                    },
-                });
+                let names = o
+                    .get("propertyNames")
+                    .is_none_or(|n| m.keys().all(|k| valid(&json!(k), n)));
+                let each = names
+                    && m.iter().all(|(k, x)| match props.and_then(|p| p.get(k)) {
+                        Some(p) => valid(x, p),
+                        None => match o.get("additionalProperties") {
+                            Some(Value::Bool(true)) => true,
+                            Some(s @ Value::Object(_)) => valid(x, s),
+                            None => member,
+                            _ => false,
+                        },
+                    });
                 required
                     && each
                     && count("minProperties").is_none_or(|c| n >= c)
