@@ -165,13 +165,17 @@ def main() -> None:
         ref: uuid.UUID
 
     completions = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-    booked = completions(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Book a table for 4 people on 14 March 2025 at 19:30 UTC. Answer in JSON."}],
-        response_format=Booking,
-        max_tokens=160,
-        temperature=0,
-    )
+
+    def parsed(model, prompt, max_tokens):
+        """The greedy answer to one user `prompt`, held to and parsed as pydantic `model`."""
+        return completions(
+            model="smollm2",
+            messages=[{"role": "user", "content": prompt}],
+            response_format=model,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+    booked = parsed(Booking, "Book a table for 4 people on 14 March 2025 at 19:30 UTC. Answer in JSON.", 160)
     b = booked.choices[0].message.parsed
     assert isinstance(b, Booking) and 1 <= b.guests <= 12 and 0 <= b.deposit < 1000, booked
     assert b.tip_percent % 5 == 0, booked
@@ -185,13 +189,7 @@ def main() -> None:
         homepage: HttpUrl
         source: AnyUrl
 
-    site = completions(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Give the name, homepage and source code URL of the Rust programming language as JSON."}],
-        response_format=Site,
-        max_tokens=150,
-        temperature=0,
-    )
+    site = parsed(Site, "Give the name, homepage and source code URL of the Rust programming language as JSON.", 150)
     sp = site.choices[0].message.parsed
     assert isinstance(sp, Site) and sp.homepage.scheme and sp.source.scheme, site
     print("structured (pydantic AnyUrl, parsed):", sp.model_dump_json())
@@ -214,13 +212,7 @@ def main() -> None:
         amount: Union[int, float]
         due: Union[datetime.date, datetime.datetime]
 
-    invoice = completions(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Write an invoice for Acme Ltd (VAT GB123, 40 employees): 1250.50 due on 1 May 2025. Answer in JSON."}],
-        response_format=Invoice,
-        max_tokens=160,
-        temperature=0,
-    )
+    invoice = parsed(Invoice, "Write an invoice for Acme Ltd (VAT GB123, 40 employees): 1250.50 due on 1 May 2025. Answer in JSON.", 160)
     inv = invoice.choices[0].message.parsed
     assert isinstance(inv, Invoice), invoice
     assert isinstance(inv.customer, (Person, Company)), inv
@@ -237,13 +229,7 @@ def main() -> None:
         tags: set[Literal["fruit", "fresh", "local", "organic"]]
         by_colour: dict[Literal["red", "green", "yellow"], int]
 
-    stock = completions(
-        model="smollm2",
-        messages=[{"role": "user", "content": "We have 3 apples and 5 pears. Give the stock counts as JSON."}],
-        response_format=Inventory,
-        max_tokens=400,
-        temperature=0,
-    )
+    stock = parsed(Inventory, "We have 3 apples and 5 pears. Give the stock counts as JSON.", 400)
     inventory = stock.choices[0].message.parsed
     assert isinstance(inventory, Inventory), stock
     assert all(isinstance(v, int) for v in inventory.counts.values()), inventory

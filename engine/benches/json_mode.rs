@@ -78,39 +78,33 @@ fn main() {
     println!("compile a schema with date-time, email, ipv6, uuid, a pattern and a bounded integer: {compile_us:.0} µs");
     schema_cache_rows(&held, compile_us);
     let held = Constraint::JsonSchema(table.clone(), Arc::new(compiled.expect("compiled")));
+    let constrained = |schema: serde_json::Value| {
+        Constraint::JsonSchema(
+            table.clone(),
+            Arc::new(engine::json_schema::CompiledSchema::compile(&schema).expect("schema")),
+        )
+    };
     // An untagged union (pydantic's `Union[Person, Company]`): both alternatives begin
     // `{"name":`, so the automaton keeps two runs through the name.
-    let union = Constraint::JsonSchema(
-        table.clone(),
-        Arc::new(
-            engine::json_schema::CompiledSchema::compile(&serde_json::json!({
-                "type": "object",
-                "properties": {"owner": {"anyOf": [
-                    {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}}, "required": ["name", "email"]},
-                    {"type": "object", "properties": {"name": {"type": "string"}, "vat": {"type": "string"}}, "required": ["name", "vat"]}
-                ]}},
-                "required": ["owner"]
-            }))
-            .expect("schema"),
-        ),
-    );
+    let union = constrained(serde_json::json!({
+        "type": "object",
+        "properties": {"owner": {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}}, "required": ["name", "email"]},
+            {"type": "object", "properties": {"name": {"type": "string"}, "vat": {"type": "string"}}, "required": ["name", "vat"]}
+        ]}},
+        "required": ["owner"]
+    }));
     let object = Constraint::JsonObject(table.clone());
     let structured = Constraint::JsonSchema(table.clone(), schema);
     // A dict and an any-value (pydantic's `dict[str, int]` and `Any`).
-    let dict = Constraint::JsonSchema(
-        table.clone(),
-        Arc::new(
-            engine::json_schema::CompiledSchema::compile(&serde_json::json!({
-                "type": "object",
-                "properties": {
-                    "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
-                    "extra": {}
-                },
-                "required": ["counts", "extra"]
-            }))
-            .expect("schema"),
-        ),
-    );
+    let dict = constrained(serde_json::json!({
+        "type": "object",
+        "properties": {
+            "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "extra": {}
+        },
+        "required": ["counts", "extra"]
+    }));
     for (state, constraint, text) in [
         ("before the object", &object, ""),
         ("after a key's colon", &object, "{\"name\": "),

@@ -1250,14 +1250,9 @@ impl Compiler<'_> {
         // Keys of a `Const` node are held distinct; others cannot be.
         match key.map(|k| &self.nodes[resolve(&self.nodes, k)]) {
             Some(Node::Const(texts)) => {
-                let n = u32::try_from(texts.len()).unwrap_or(u32::MAX);
-                if min > n {
-                    return Err(err(
-                        at,
-                        format!("`minProperties` {min} is more than the {n} keys `propertyNames` allows"),
-                    ));
-                }
-                max = max.min(n);
+                max = at_most(min, max, texts.len(), at, |n| {
+                    format!("`minProperties` {min} is more than the {n} keys `propertyNames` allows")
+                })?;
             }
             _ if min > 1 => {
                 return Err(err(
@@ -1373,14 +1368,11 @@ impl Compiler<'_> {
         }
         let items = match rest {
             Some(Value::Bool(false)) => {
-                let n = u32::try_from(prefix.len()).unwrap_or(u32::MAX);
-                if min > n {
-                    return Err(err(
-                        at,
-                        format!("`minItems` {min} is more than the {n} items `{rest_key}: false` allows"),
-                    ));
-                }
-                max = max.min(n);
+                max = at_most(min, max, prefix.len(), at, |n| {
+                    format!(
+                        "`minItems` {min} is more than the {n} items `{rest_key}: false` allows"
+                    )
+                })?;
                 // Never read: no item comes after the prefix.
                 self.any_value(at)?
             }
@@ -1407,14 +1399,11 @@ impl Compiler<'_> {
                 {
                     return Err(err(at, "`uniqueItems` over an `enum` that repeats a value"));
                 }
-                let n = u32::try_from(texts.len()).unwrap_or(u32::MAX);
-                if min > n {
-                    return Err(err(
-                        at,
-                        format!("`minItems` {min} is more than the {n} distinct values of `uniqueItems`"),
-                    ));
-                }
-                max = max.min(n);
+                max = at_most(min, max, texts.len(), at, |n| {
+                    format!(
+                        "`minItems` {min} is more than the {n} distinct values of `uniqueItems`"
+                    )
+                })?;
                 true
             }
             Some(_) => return Err(err(at, "`uniqueItems` must be a boolean")),
@@ -1612,6 +1601,22 @@ fn json_all_of(a: &Value, b: &Value) -> Value {
     };
     members.push(b.clone());
     serde_json::json!({ "allOf": members })
+}
+
+/// A count bound `max` lowered to `n`, the most there can be (distinct values, a tuple's
+/// places); refused with `why(n)` when `min` is above it.
+fn at_most(
+    min: u32,
+    max: u32,
+    n: usize,
+    at: &str,
+    why: impl FnOnce(u32) -> String,
+) -> Result<u32, SchemaError> {
+    let n = u32::try_from(n).unwrap_or(u32::MAX);
+    if min > n {
+        return Err(err(at, why(n)));
+    }
+    Ok(max.min(n))
 }
 
 /// Node `n` past the one-alternative `Either`s that stand for `$ref`s.
