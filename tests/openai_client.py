@@ -238,6 +238,20 @@ def main() -> None:
     assert len(answer["tags"]) == len(set(answer["tags"])), stock.choices[0].message.content
     assert set(inventory.by_colour) <= {"red", "green", "yellow"}, inventory
     print("structured (pydantic dict, Any, tuple and set, parsed):", inventory.model_dump_json())
+    # Keys of the model's choice after the listed ones (pydantic's `extra="allow"`).
+    from pydantic import ConfigDict
+
+    class Note(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        title: str
+
+    note = parsed(Note, 'Answer in JSON with a "title" of "Shopping" and an "items" list: milk, eggs.', 150)
+    written = note.choices[0].message.parsed
+    assert isinstance(written, Note), note
+    first_key = next(iter(json.loads(note.choices[0].message.content)))
+    assert first_key == "title", note.choices[0].message.content
+    assert written.model_extra, note.choices[0].message.content
+    print("structured (pydantic extra=allow, parsed):", written.model_dump_json())
     # `oneOf` alternatives that begin alike are refused, naming the place (a text both
     # match would break `oneOf`).
     one_of = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}

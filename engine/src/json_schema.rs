@@ -5,8 +5,9 @@
 //! Objects list their `properties`; the answer writes them in the schema's order, every
 //! `required` one and, as the model chooses, the others (JSON Schema: a property not in
 //! `required` may be absent; no `required` = all may be; at most 63 optional properties in a
-//! row); `additionalProperties` `false` (absent = false: no other key is written), or, with no
-//! `properties`, a schema or `true` (a dict: keys of the model's choice, values of that schema
+//! row); `additionalProperties` `false` (absent = false: no other key is written), a schema or
+//! `true` beside them (keys of the model's choice after the listed ones, none of them a listed
+//! key), or, with no `properties`, a schema or `true` (a dict: keys of the model's choice, values of that schema
 //! or any JSON value; `maxProperties`, and `minProperties` of at most 1, as keys cannot be held
 //! distinct; keys held to `propertyNames` or one `patternProperties` pattern, an enum's keys
 //! distinct); `{}` is any JSON value; `type` `object`, `array` (`items`, `minItems`, `maxItems`;
@@ -93,8 +94,13 @@ enum Node {
         unique: bool,
     },
     /// An object with these properties, written in this order (the optional ones as the
-    /// model chooses).
-    Object { props: Vec<Prop> },
+    /// model chooses), then, when `extra` is set, keys of the model's choice other than the
+    /// listed ones with values of node `extra` (`additionalProperties` beside `properties`:
+    /// pydantic's `extra="allow"`).
+    Object {
+        props: Vec<Prop>,
+        extra: Option<usize>,
+    },
     /// An object of `min..=max` entries with keys of the model's choice — any string, or of
     /// string node `key` (`propertyNames`, a `patternProperties` pattern) — and values of node
     /// `value` (`additionalProperties` with no `properties`: pydantic's `dict[str, X]`). Keys of
@@ -262,6 +268,7 @@ impl<'a> Compiler<'a> {
             let call = c.push(
                 Node::Object {
                     props: vec![prop(b"\"name\"", name), prop(b"\"arguments\"", args)],
+                    extra: None,
                 },
                 "",
             );
@@ -347,7 +354,7 @@ impl CompiledSchema {
                             .iter()
                             .map(|t| std::mem::size_of::<Vec<u8>>() + t.capacity())
                             .sum(),
-                        Node::Object { props } => props.iter().map(prop).sum(),
+                        Node::Object { props, .. } => props.iter().map(prop).sum(),
                         Node::Either(alts) | Node::Array { prefix: alts, .. } => {
                             alts.capacity() * std::mem::size_of::<usize>()
                         }
@@ -381,7 +388,7 @@ impl CompiledSchema {
     /// the tag picks the alternative).
     fn props(&self, node: usize) -> Option<&[Prop]> {
         match &self.nodes[node] {
-            Node::Object { props } => Some(props),
+            Node::Object { props, .. } => Some(props),
             Node::Tagged { head, .. } => Some(head),
             _ => None,
         }
@@ -915,9 +922,13 @@ impl Compiler<'_> {
             }
         };
         let closed = o.get("additionalProperties") == Some(&Value::Bool(false));
-        if extra.is_some()
-            || o.contains_key("patternProperties")
-            || (o.contains_key("propertyNames") && !closed)
+        let keyed = o.contains_key("patternProperties") || o.contains_key("propertyNames");
+        // Listed properties and others (`extra="allow"`) go on as an object below.
+        let beside_listed = !props.is_empty() && extra.is_some() && !keyed;
+        if !beside_listed
+            && (extra.is_some()
+                || o.contains_key("patternProperties")
+                || (o.contains_key("propertyNames") && !closed))
         {
             return self.map(o, !props.is_empty(), extra, at);
         }
@@ -977,7 +988,18 @@ impl Compiler<'_> {
                 required,
             });
         }
-        self.nodes[slot] = Node::Object { props: list };
+        let extra = match extra {
+            Some(_) if list.len() > 64 => {
+                return Err(err(
+                    at,
+                    "`additionalProperties` beside more than 64 `properties` is not supported",
+                ))
+            }
+            Some(Some(s)) => Some(self.node(s, &format!("{at}/additionalProperties"))?),
+            Some(None) => Some(self.any_value(at)?),
+            None => None,
+        };
+        self.nodes[slot] = Node::Object { props: list, extra };
         Ok(slot)
     }
 
@@ -1457,10 +1479,10 @@ impl Compiler<'_> {
         let objects: Vec<usize> = alts
             .iter()
             .copied()
-            .filter(|&a| matches!(self.nodes[resolve(a)], Node::Object { .. }))
+            .filter(|&a| matches!(self.nodes[resolve(a)], Node::Object { extra: None, .. }))
             .collect();
         let props = |n: usize| match &self.nodes[resolve(n)] {
-            Node::Object { props } => props.as_slice(),
+            Node::Object { props, .. } => props.as_slice(),
             _ => &[],
         };
         // The text of property `key` of object `n` when it is one string constant.
@@ -1520,7 +1542,13 @@ impl Compiler<'_> {
             .collect();
         let mut tagged = Vec::new();
         for list in lists {
-            tagged.push(self.push(Node::Object { props: list }, at)?);
+            tagged.push(self.push(
+                Node::Object {
+                    props: list,
+                    extra: None,
+                },
+                at,
+            )?);
         }
         let tag_node = self.push(Node::Const(texts), at)?;
         let union = self.push(
@@ -1656,7 +1684,7 @@ fn run_bounds(nodes: &[Node]) -> Vec<usize> {
                 .copied()
                 .chain(std::iter::once(*items))
                 .collect(),
-            Node::Object { props } => props.iter().map(|p| p.node).collect(),
+            Node::Object { props, extra } => props.iter().map(|p| p.node).chain(*extra).collect(),
             Node::Tagged { head, alts } => head
                 .iter()
                 .map(|p| p.node)
@@ -1817,6 +1845,12 @@ enum Mode {
     Key { read: usize, alive: u64 },
     /// After a key: `:`.
     Colon,
+    /// Reading a key of the model's choice in an object with listed properties: which listed
+    /// keys' texts the bytes so far still equal (none may be written whole), `read` bytes.
+    /// Such a key is written without escapes, so its bytes are its text.
+    ExtraKey { at: Str, read: usize, alive: u64 },
+    /// After such a key: `:`.
+    ExtraColon,
     /// After a map's `{` (`first`) or after `,` in it: a key's `"` (or, when `first`, `}`).
     MapKeyStart { first: bool },
     /// In a map's key.
@@ -2032,6 +2066,7 @@ impl Run {
                 | Mode::BeforeKey { .. }
                 | Mode::AfterComma
                 | Mode::Colon
+                | Mode::ExtraColon
                 | Mode::MapKeyStart { .. }
                 | Mode::MapColon
                 | Mode::AfterEntry
@@ -2152,7 +2187,9 @@ impl Run {
                 if c == b'}' {
                     return props[next..].iter().all(|p| !p.required) && self.close();
                 }
-                if next == props.len() {
+                if next == props.len()
+                    && !matches!(s.nodes[node], Node::Object { extra: Some(_), .. })
+                {
                     return false;
                 }
                 if !first {
@@ -2163,24 +2200,69 @@ impl Run {
                     }
                     return false;
                 }
-                self.mode = Mode::Key {
-                    read: 0,
-                    alive: candidates(&props[next..]),
-                };
-                self.step(s, c, forks)
+                self.key_start(s, c, forks)
             }
-            Mode::AfterComma => {
-                let Some(&Frame::Object { node, next }) = self.stack.last() else {
+            Mode::AfterComma => self.key_start(s, c, forks),
+            Mode::ExtraKey { at, read, alive } => {
+                let Some(&Frame::Object { node, .. }) = self.stack.last() else {
                     return false;
                 };
                 let Some(props) = s.props(node) else {
                     return false;
                 };
-                self.mode = Mode::Key {
-                    read: 0,
-                    alive: candidates(&props[next..]),
+                if c == b'\\' {
+                    return false;
+                }
+                let mut still = 0u64;
+                for (k, p) in props.iter().enumerate().take(64) {
+                    if alive & (1 << k) != 0 && p.key.get(read) == Some(&c) {
+                        still |= 1 << k;
+                    }
+                }
+                match string_step(at, c) {
+                    // The closing quote: not the text of a listed key.
+                    Some(None) => {
+                        let listed = props
+                            .iter()
+                            .enumerate()
+                            .take(64)
+                            .any(|(k, p)| still & (1 << k) != 0 && p.key.len() == read + 1);
+                        if listed {
+                            return false;
+                        }
+                        // The listed properties are behind: only such keys may follow.
+                        if let Some(Frame::Object { next, .. }) = self.stack.last_mut() {
+                            *next = props.len();
+                        }
+                        self.mode = Mode::ExtraColon;
+                        true
+                    }
+                    Some(Some(at)) => {
+                        self.mode = Mode::ExtraKey {
+                            at,
+                            read: read + 1,
+                            alive: still,
+                        };
+                        true
+                    }
+                    None => false,
+                }
+            }
+            Mode::ExtraColon => {
+                let Some(&Frame::Object { node, .. }) = self.stack.last() else {
+                    return false;
                 };
-                self.step(s, c, forks)
+                let Node::Object {
+                    extra: Some(value), ..
+                } = s.nodes[node]
+                else {
+                    return false;
+                };
+                if c != b':' {
+                    return false;
+                }
+                self.mode = Mode::Value { node: value };
+                true
             }
             Mode::Key { read, alive } => {
                 let Some(Frame::Object { node, next }) = self.stack.last_mut() else {
@@ -2568,6 +2650,45 @@ impl Run {
         }
     }
 
+    /// The first byte `c` of a key in the innermost object: a listed candidate's and, where the
+    /// object takes keys of the model's choice and every listed property left may be skipped,
+    /// one of those too (a run of its own, [`Mode::ExtraKey`]; each key's text begins `"`).
+    fn key_start(&mut self, s: &CompiledSchema, c: u8, forks: &mut Vec<Run>) -> bool {
+        let Some(&Frame::Object { node, next }) = self.stack.last() else {
+            return false;
+        };
+        let Some(props) = s.props(node) else {
+            return false;
+        };
+        let extra = matches!(s.nodes[node], Node::Object { extra: Some(_), .. });
+        if extra && c == b'"' && props[next..].iter().all(|p| !p.required) {
+            let mut own = self.clone();
+            own.mode = Mode::ExtraKey {
+                at: Str::Plain,
+                read: 1,
+                // Every listed key, as each begins with `"` (at most 64: the compiler's bound).
+                alive: if props.len() >= 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << props.len()) - 1
+                },
+            };
+            if next == props.len() {
+                *self = own;
+                return true;
+            }
+            forks.push(own);
+        }
+        if next == props.len() {
+            return false;
+        }
+        self.mode = Mode::Key {
+            read: 0,
+            alive: candidates(&props[next..]),
+        };
+        self.step(s, c, forks)
+    }
+
     /// The `Const` texts a value begun here may not take: those the innermost array has, when
     /// it is a `uniqueItems` one, or the keys the innermost map has, while a key is read (a
     /// bit each); else none.
@@ -2803,7 +2924,7 @@ mod tests {
                 "no string",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": true}),
+                json!({"type": "object", "properties": {"a": {"type": "string"}}, "patternProperties": {"^x": {}}}),
                 "",
                 "beside listed `properties`",
             ),
@@ -3221,6 +3342,65 @@ mod tests {
         }
     }
 
+    /// `additionalProperties` beside `properties` (pydantic's `extra="allow"`): the listed
+    /// properties in order, then keys of the model's choice that are none of the listed ones.
+    #[test]
+    fn extra_properties_follow_the_listed_ones() {
+        let schema = json!({"type": "object", "properties": {
+            "m": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": true},
+            "o": {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}, "additionalProperties": {"type": "integer"}}}});
+        let s = CompiledSchema::compile(&schema).unwrap();
+        for ok in [
+            r#"{"m":{"x":1}}"#,
+            r#"{"m":{"x":1,"y":"z","w":[1,{"x":2}]}}"#,
+            r#"{"m":{"x":1,"xy":2,"":3}}"#,
+            r#"{"o":{}}"#,
+            r#"{"o":{"c":1}}"#,
+            r#"{"o":{"a":null,"c":1,"d":2}}"#,
+            r#"{"o":{"aa":1,"b ":2}}"#,
+        ] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"m":{"x":1,"x":2}}"#,
+            r#"{"m":{"y":1}}"#,
+            r#"{"m":{"x":1,"\u0078":2}}"#,
+            r#"{"o":{"c":1,"a":null}}"#,
+            r#"{"o":{"a":1}}"#,
+            r#"{"o":{"c":null}}"#,
+            r#"{"o":{"b":null,"b":null}}"#,
+        ] {
+            assert_ne!(run(&s, bad), Some(true), "{bad}");
+        }
+        // A listed key cannot be closed as an extra one; a longer one can.
+        assert_eq!(run(&s, r#"{"m":{"x":1,"x""#), None);
+        assert_eq!(run(&s, r#"{"m":{"x":1,"xa""#), Some(false));
+        let mut extras = 0;
+        for v in masked_answers(
+            &schema,
+            &["{\"", "\":", "x", "a", "b", "1,", "null", "}}"],
+            18,
+            200,
+        ) {
+            assert!(valid(&v, &schema), "{v}");
+            for key in ["m", "o"] {
+                if let Some(m) = v.get(key).and_then(Value::as_object) {
+                    extras += m
+                        .keys()
+                        .filter(|k| !["x", "a", "b"].contains(&k.as_str()))
+                        .count();
+                }
+            }
+        }
+        assert!(extras > 0);
+        let many: serde_json::Map<String, Value> = (0..65)
+            .map(|i| (format!("p{i}"), json!({"type": "null"})))
+            .collect();
+        let names: Vec<&String> = many.keys().collect();
+        let e = CompiledSchema::compile(&json!({"type": "object", "properties": many, "required": names, "additionalProperties": true})).unwrap_err();
+        assert!(e.reason.contains("more than 64"), "{e}");
+    }
+
     #[test]
     fn masked_decoding_writes_dicts_and_any_values() {
         let pieces = [
@@ -3486,7 +3666,13 @@ mod tests {
                         required.push(json!(name));
                     }
                 }
-                json!({"type": "object", "properties": props, "required": required})
+                let mut s = json!({"type": "object", "properties": props, "required": required});
+                match rng.gen_range(0..4) {
+                    0 => s["additionalProperties"] = json!(true),
+                    1 => s["additionalProperties"] = random_schema(rng, depth + 1),
+                    _ => {}
+                }
+                s
             }
             11 => {
                 let extra = if rng.gen_bool(0.3) {
