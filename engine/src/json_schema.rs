@@ -1120,12 +1120,20 @@ impl Compiler<'_> {
                     | "maxProperties"
                         if out.get(k).is_some_and(Value::is_number) && v.is_number() =>
                     {
-                        let (prev, new) = (
-                            out[k.as_str()].as_f64().unwrap_or(f64::NAN),
-                            v.as_f64().unwrap_or(f64::NAN),
-                        );
                         let lower = k.starts_with("min") || k == "exclusiveMinimum";
-                        if (lower && new > prev) || (!lower && new < prev) {
+                        let prev = out.get(k).cloned().unwrap_or(Value::Null);
+                        let Some(order) = exact_order(&prev, v) else {
+                            return Err(err(
+                                place,
+                                format!("`{k}` differs between the `allOf` members by less than a float can tell"),
+                            ));
+                        };
+                        let tighter = if lower {
+                            order == std::cmp::Ordering::Greater
+                        } else {
+                            order == std::cmp::Ordering::Less
+                        };
+                        if tighter {
                             out.insert(k.clone(), v.clone());
                         }
                     }
@@ -1232,7 +1240,9 @@ impl Compiler<'_> {
                         "`additionalProperties` beside `patternProperties` is not supported (keys that match and keys that do not would need telling apart)",
                     ));
                 }
-                let (pattern, value) = pp.iter().next().expect("one entry");
+                let Some((pattern, value)) = pp.iter().next() else {
+                    return Err(err(at, "`patternProperties` has no pattern"));
+                };
                 let by_pattern = serde_json::json!({"type": "string", "pattern": pattern});
                 let key = match names {
                     Some(n) => serde_json::json!({"allOf": [by_pattern, n]}),
@@ -1629,6 +1639,28 @@ fn json_all_of(a: &Value, b: &Value) -> Value {
     };
     members.push(b.clone());
     serde_json::json!({ "allOf": members })
+}
+
+/// How JSON number `b` compares with `a`, exactly: as integers when both are, else as the
+/// floats serde_json read them as; `None` when the floats are equal but the numbers may not be
+/// (an integer beyond 2^53 beside a float).
+fn exact_order(a: &Value, b: &Value) -> Option<std::cmp::Ordering> {
+    let int = |v: &Value| {
+        v.as_i64()
+            .map(i128::from)
+            .or_else(|| v.as_u64().map(i128::from))
+    };
+    if let (Some(x), Some(y)) = (int(a), int(b)) {
+        return Some(y.cmp(&x));
+    }
+    let (x, y) = (a.as_f64()?, b.as_f64()?);
+    match y.partial_cmp(&x)? {
+        std::cmp::Ordering::Equal => {
+            let exact = |v: &Value| int(v).is_none_or(|i| i.unsigned_abs() <= 1 << 53);
+            (exact(a) && exact(b)).then_some(std::cmp::Ordering::Equal)
+        }
+        order => Some(order),
+    }
 }
 
 /// A count bound `max` lowered to `n`, the most there can be (distinct values, a tuple's
@@ -3533,6 +3565,25 @@ mod tests {
         .unwrap();
         assert_eq!(run(&s, r#"{"o":{"a":"x","b":"y"}}"#), Some(true));
         assert_eq!(run(&s, r#"{"o":{"b":"y","c":"z"}}"#), None);
+        // Bounds compared exactly: integers as integers beyond a float's precision; an
+        // integer beside a float it cannot be told from is refused, not guessed.
+        let big = |a: Value, b: Value| {
+            CompiledSchema::compile(&json!({"type": "object", "properties": {"n": {"allOf": [
+                {"type": "integer", "maximum": a}, {"maximum": b}]}}}))
+        };
+        let s = big(json!(9007199254740993u64), json!(9007199254740992u64)).unwrap();
+        assert_eq!(run(&s, r#"{"n":9007199254740992}"#), Some(true));
+        assert_eq!(run(&s, r#"{"n":9007199254740993}"#), None);
+        let e = big(json!(9007199254740993u64), json!(9007199254740992.0)).unwrap_err();
+        assert!(e.reason.contains("less than a float can tell"), "{e}");
+        assert_eq!(
+            exact_order(&json!(1), &json!(1.0)),
+            Some(std::cmp::Ordering::Equal)
+        );
+        assert_eq!(
+            exact_order(&json!(-2), &json!(1.5)),
+            Some(std::cmp::Ordering::Greater)
+        );
     }
 
     /// `uniqueItems` over `enum` items (pydantic's `set[Color]`, `frozenset[Literal[…]]`): a
