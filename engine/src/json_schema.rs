@@ -320,7 +320,7 @@ impl Compiler<'_> {
             ));
         }
         if !c.unions.is_empty() {
-            let runs = run_bounds(&c.nodes);
+            let runs = run_bounds(&c.nodes, &begins);
             if let Some((_, at)) = c.unions.iter().find(|(n, _)| runs[*n] > MAX_RUNS) {
                 return Err(err(
                     at,
@@ -1700,7 +1700,8 @@ enum Alike {
     Refused,
 }
 
-/// For each node, the most runs ([`SchemaJson`]) its value can keep open at once: one, but for
+/// For each node (its first bytes in `firsts`, as `CompiledSchema::firsts` keeps them), the most
+/// runs ([`SchemaJson`]) its value can keep open at once: one, but for
 /// an `Either`, the sum over its alternatives that can begin with one byte (each starts a run
 /// of its own, and its own nested ones), the largest over bytes. A container holds one value
 /// open at a time, and the runs of a value that ended are one again (they reach the same
@@ -1708,7 +1709,7 @@ enum Alike {
 /// each node capped at `MAX_RUNS + 1` (recursion through such an `anyOf` grows to the cap): a
 /// node whose bound grew puts its parents back on the work list, so each node is looked at
 /// most `MAX_RUNS + 1` times per child.
-fn run_bounds(nodes: &[Node]) -> Vec<usize> {
+fn run_bounds(nodes: &[Node], firsts: &[[u64; 4]]) -> Vec<usize> {
     let children = |n: &Node| -> Vec<usize> {
         match n {
             Node::Array { items, prefix, .. } => prefix
@@ -1735,13 +1736,7 @@ fn run_bounds(nodes: &[Node]) -> Vec<usize> {
             parents[c].push(n);
         }
     }
-    let firsts: Vec<[bool; 256]> = (0..nodes.len())
-        .map(|n| {
-            let mut f = [false; 256];
-            first_bytes(nodes, n, &mut f, 0);
-            f
-        })
-        .collect();
+    let begins = |n: usize, b: usize| firsts[n][b / 64] & (1 << (b % 64)) != 0;
     let mut runs = vec![1usize; nodes.len()];
     let mut queued = vec![true; nodes.len()];
     let mut work: std::collections::VecDeque<usize> = (0..nodes.len()).collect();
@@ -1751,7 +1746,7 @@ fn run_bounds(nodes: &[Node]) -> Vec<usize> {
             Node::Either(alts) => (0..256)
                 .map(|b| {
                     alts.iter()
-                        .filter(|&&a| firsts[a][b])
+                        .filter(|&&a| begins(a, b))
                         .map(|&a| runs[a])
                         .sum::<usize>()
                 })
