@@ -1225,3 +1225,231 @@ fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
     assert_eq!(rep.parity.mismatched, 0, "{rep}");
     fleet.stop();
 }
+
+/// The status of the stored response `id` once `done` holds for it (or the deadline passed).
+fn poll_response(
+    fleet: &Fleet,
+    id: &str,
+    within: Duration,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let r = fleet.get(&format!("/v1/responses/{id}"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        if done(&v) || std::time::Instant::now() >= deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The `kvgate_worker_running_sequences` of worker `i`.
+fn running_sequences(fleet: &Fleet, i: usize) -> f64 {
+    let url = format!("http://{}/metrics", fleet.addrs[i]);
+    let text = fleet.rt.block_on(async {
+        fleet
+            .http
+            .get(url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    text.lines()
+        .find_map(|l| l.strip_prefix("kvgate_worker_running_sequences "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no running_sequences in {text}"))
+}
+
+/// `background: true`: answered at once (`queued`), run by the gateway, polled to its answer
+/// (the answer a request sent in the foreground gets), continued as a conversation; a long one
+/// cancelled while the worker generates stops there and stays `cancelled`; refusals; the audit
+/// clean over every background request.
+#[test]
+fn background_responses_are_polled_continued_and_cancelled() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        // Real step times: a long answer takes seconds, so it can be cancelled mid-way.
+        sim: engine::sim::SimConfig::default(),
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let question = "Describe the tides of the northern sea and what the harbour masters \
+                    wrote about them over the years. "
+        .repeat(2);
+    let body = json!({"model": "smol", "input": question, "max_output_tokens": 6,
+                      "temperature": 0, "metadata": {"job": "a"}});
+    let mut bg = body.clone();
+    bg["background"] = json!(true);
+    let started = std::time::Instant::now();
+    let r = fleet.post("/v1/responses", &bg, &[]);
+    let accepted = started.elapsed();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let q = r.json();
+    assert_eq!(
+        (&q["status"], &q["background"], &q["store"], &q["object"]),
+        (
+            &json!("queued"),
+            &json!(true),
+            &json!(true),
+            &json!("response")
+        ),
+        "{q}"
+    );
+    assert_eq!(q["output"], json!([]));
+    assert_eq!(q["metadata"], json!({"job": "a"}));
+    let id = q["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("resp_"), "{id}");
+    // The simulated engine never ends by itself: cut by `max_output_tokens`.
+    let done = poll_response(&fleet, &id, Duration::from_secs(20), |v| {
+        v["status"] == "incomplete"
+    });
+    assert_eq!(done["status"], "incomplete", "{done}");
+    assert_eq!(
+        (&done["id"], &done["background"], &done["metadata"]),
+        (&json!(id), &json!(true), &json!({"job": "a"}))
+    );
+    assert_eq!(done["usage"]["output_tokens"], 6, "{done}");
+    println!(
+        "background: accepted in {:.1} ms, completed {}",
+        accepted.as_secs_f64() * 1e3,
+        output_text(&done)
+    );
+    // The answer is the one the same request gets in the foreground.
+    let fg = fleet.post("/v1/responses", &body, &[]);
+    assert_eq!(fg.status, 200, "{}", fg.text());
+    assert_eq!(output_text(&fg.json()), output_text(&done));
+    assert_eq!(fg.json()["background"], false);
+    // Continued: the conversation's prefix is where the background request left it.
+    let next = fleet.post(
+        "/v1/responses",
+        &json!({"model": "smol", "previous_response_id": id, "input": "And in winter?",
+                "max_output_tokens": 4, "temperature": 0}),
+        &[],
+    );
+    assert_eq!(next.status, 200, "{}", next.text());
+    assert_eq!(next.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    let cached = next.json()["usage"]["input_tokens_details"]["cached_tokens"].as_u64();
+    assert!(cached.unwrap_or(0) >= 32, "{}", next.text());
+
+    // A long one: cancelled while its worker generates.
+    let mut long = bg.clone();
+    long["max_output_tokens"] = json!(3000);
+    long["input"] = json!(format!("{question} Go on at length."));
+    let r = fleet.post("/v1/responses", &long, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let long_id = r.json()["id"].as_str().unwrap().to_owned();
+    let seen = poll_response(&fleet, &long_id, Duration::from_secs(10), |v| {
+        v["status"] == "in_progress"
+    });
+    assert_eq!(seen["status"], "in_progress", "{seen}");
+    let workers = 0..fleet.addrs.len();
+    fleet.wait_for("the worker generating", Duration::from_secs(10), || {
+        workers
+            .clone()
+            .map(|i| running_sequences(&fleet, i))
+            .sum::<f64>()
+            >= 1.0
+    });
+    // Not continued while it runs.
+    let r = fleet.post(
+        "/v1/responses",
+        &json!({"model": "smol", "previous_response_id": long_id, "input": "x"}),
+        &[],
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "previous_response_not_ready");
+    let c = call(
+        &fleet,
+        Method::POST,
+        &format!("/v1/responses/{long_id}/cancel"),
+    );
+    assert_eq!(c.status, 200, "{}", c.text());
+    assert_eq!(
+        (&c.json()["status"], &c.json()["background"]),
+        (&json!("cancelled"), &json!(true))
+    );
+    let cancelled_at = std::time::Instant::now();
+    fleet.wait_for("the worker to stop", Duration::from_secs(5), || {
+        workers
+            .clone()
+            .map(|i| running_sequences(&fleet, i))
+            .sum::<f64>()
+            == 0.0
+    });
+    println!(
+        "background: the worker stopped {:.0} ms after the cancel",
+        cancelled_at.elapsed().as_secs_f64() * 1e3
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let after = fleet.get(&format!("/v1/responses/{long_id}"), None).json();
+    assert_eq!(after["status"], "cancelled", "stays cancelled: {after}");
+    // Cancelling again, or a finished one, answers it as it is.
+    let again = call(
+        &fleet,
+        Method::POST,
+        &format!("/v1/responses/{long_id}/cancel"),
+    );
+    assert_eq!(again.json()["status"], "cancelled");
+    let finished = call(&fleet, Method::POST, &format!("/v1/responses/{id}/cancel"));
+    assert_eq!(finished.json()["status"], "incomplete");
+
+    // A request the worker refuses ends `failed`, with the worker's error.
+    let mut bad = bg.clone();
+    bad["top_k"] = json!("many");
+    let r = fleet.post("/v1/responses", &bad, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let bad_id = r.json()["id"].as_str().unwrap().to_owned();
+    let failed = poll_response(&fleet, &bad_id, Duration::from_secs(10), |v| {
+        v["status"] == "failed"
+    });
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["error"]["code"], "invalid_type", "{failed}");
+
+    // Refusals.
+    let fg_id = fg.json()["id"].as_str().unwrap().to_owned();
+    let r = call(
+        &fleet,
+        Method::POST,
+        &format!("/v1/responses/{fg_id}/cancel"),
+    );
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].clone()),
+        (400, json!("response_not_background"))
+    );
+    let r = call(&fleet, Method::POST, "/v1/responses/resp_nope/cancel");
+    assert_eq!(r.status, 404);
+    let r = call(&fleet, Method::GET, &format!("/v1/responses/{id}/cancel"));
+    assert_eq!(r.status, 405);
+    for (extra, param) in [
+        (json!({"stream": true}), "stream"),
+        (json!({"store": false}), "background"),
+    ] {
+        let mut b = bg.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = fleet.post("/v1/responses", &b, &[]);
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.text());
+    }
+    // Deleting a finished background response.
+    let d = call(&fleet, Method::DELETE, &format!("/v1/responses/{long_id}"));
+    assert_eq!(d.json()["deleted"], true);
+    assert_eq!(
+        fleet.get(&format!("/v1/responses/{long_id}"), None).status,
+        404
+    );
+
+    let report = fleet.audit();
+    assert!(
+        report.discrepancies.is_empty(),
+        "audit found discrepancies: {:?}",
+        report.discrepancies
+    );
+    fleet.stop();
+}

@@ -16,11 +16,12 @@
 //! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"`, and `#seq` → the last published decision number the table covers | one replica's load per worker | `PX` lease, rewritten by the replica |
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
-//! | `P:response:<id>` | string: a stored Responses API turn (opaque JSON, the gateway's), or [`RESPONSE_DELETED`] | one replica's stored answer, readable by every replica ([`Store::put_response`]) | `PX` the idle TTL, renewed by each read (`GETEX`) |
+//! | `P:response:<id>` | string: a stored Responses API turn (opaque JSON, the gateway's), or [`RESPONSE_DELETED`] | one replica's stored answer, readable by every replica ([`Store::put_response`]; a background response's record is replaced as it moves on, by the replica running it: [`Store::replace_response`]) | `PX` the idle TTL, renewed by each read (`GETEX`) |
 //! | `P:responses` | sorted set, member = a stored turn's id, score = its last use (ms, the replicas' clocks) | the stored turns, least recently used first: what goes out when they are over the budget | members removed by eviction, deletion, or past the idle TTL (at the next store) |
 //! | `P:responses:size` | hash id → bytes | each listed turn's size | as `P:responses` |
 //! | `P:responses:bytes` | string, integer | the listed turns' bytes (≤ the budget after each store) | — |
 //! | `P:responses:deleted` | pub/sub channel: a deleted turn's id | every replica drops its copy at once ([`Store::response_deletions`]) | — |
+//! | `P:responses:cancel` | pub/sub channel: a background response's id | the replica running it cancels it ([`Store::cancel_response`]) | — |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
@@ -233,15 +234,24 @@ impl Keys {
     pub fn response_deletions(&self) -> String {
         format!("{}:responses:deleted", self.prefix)
     }
+    /// The channel a background response's cancel is published on
+    /// ([`Store::cancel_response`]).
+    pub fn response_cancels(&self) -> String {
+        format!("{}:responses:cancel", self.prefix)
+    }
 }
 
-/// Stores a turn unless its id is taken, lists it, and keeps the listed turns within the budget
-/// (see [`Store::put_response`]).
+/// Stores a turn unless its id is taken (with ARGV[7] `1`: replaces it unless it was deleted),
+/// lists it, and keeps the listed turns within the budget (see [`Store::put_response`]).
 /// KEYS: `P:response:<id>`, `P:responses`, `P:responses:bytes`, `P:responses:size`.
-/// ARGV: id, value, TTL ms, budget bytes (0: none), now ms, `P:response:`.
-/// Returns 0 when the id was taken, else 1 + the turns evicted.
+/// ARGV: id, value, TTL ms, budget bytes (0: none), now ms, `P:response:`, replace (`0`/`1`),
+/// [`RESPONSE_DELETED`].
+/// Returns 0 when the id was taken (or deleted), else 1 + the turns evicted.
 const PUT_RESPONSE: &str = r#"
-if not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 0 end
+if ARGV[7] == '1' then
+  if redis.call('GET', KEYS[1]) == ARGV[8] then return 0 end
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+elseif not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 0 end
 local now = tonumber(ARGV[5])
 local len = string.len(ARGV[2])
 local before = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
@@ -664,6 +674,24 @@ impl Store {
         self.messages(self.keys.response_deletions()).await
     }
 
+    /// Asks whichever replica runs the background response `id` to cancel it (one `PUBLISH`
+    /// on `P:responses:cancel`).
+    pub async fn cancel_response(&self, id: &str) -> Result<()> {
+        let mut con = self.con.clone();
+        redis::cmd("PUBLISH")
+            .arg(self.keys.response_cancels())
+            .arg(id)
+            .query_async::<i64>(&mut con)
+            .await?;
+        Ok(())
+    }
+
+    /// The ids of background responses some replica was asked to cancel, as they are asked
+    /// (a subscription to `P:responses:cancel`).
+    pub async fn response_cancels(&self) -> Result<futures::stream::BoxStream<'static, String>> {
+        self.messages(self.keys.response_cancels()).await
+    }
+
     /// Publishes a routing-time holding (fire and forget: one `PUBLISH`).
     pub async fn publish_holding(&self, h: &SharedHolding) -> Result<()> {
         let json = serde_json::to_string(h).map_err(|e| ClusterError::Malformed {
@@ -868,6 +896,34 @@ impl Store {
         budget: u64,
         now_ms: u64,
     ) -> Result<Option<u64>> {
+        self.write_response(id, json, ttl, budget, now_ms, false)
+            .await
+    }
+
+    /// [`Self::put_response`] replacing what the id holds, unless the turn was deleted
+    /// ([`RESPONSE_DELETED`]; `Ok(None)` then): a background response's record as it moves
+    /// on (`queued`, `in_progress`, its end), written by the one replica that runs it.
+    pub async fn replace_response(
+        &self,
+        id: &str,
+        json: &str,
+        ttl: Duration,
+        budget: u64,
+        now_ms: u64,
+    ) -> Result<Option<u64>> {
+        self.write_response(id, json, ttl, budget, now_ms, true)
+            .await
+    }
+
+    async fn write_response(
+        &self,
+        id: &str,
+        json: &str,
+        ttl: Duration,
+        budget: u64,
+        now_ms: u64,
+        replace: bool,
+    ) -> Result<Option<u64>> {
         let mut con = self.con.clone();
         let n: u64 = self
             .put_response_script
@@ -881,6 +937,8 @@ impl Store {
             .arg(budget)
             .arg(now_ms)
             .arg(self.keys.response_prefix())
+            .arg(if replace { "1" } else { "0" })
+            .arg(RESPONSE_DELETED)
             .invoke_async(&mut con)
             .await?;
         Ok(n.checked_sub(1))

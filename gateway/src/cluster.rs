@@ -213,6 +213,7 @@ impl ClusterLink {
             )));
             handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
             handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
+            handles.push(handle.spawn(receive_cancels(me.clone(), weak.clone())));
         }
         handles.push(handle.spawn(receive_holdings(me, weak)));
         self.handles.lock().extend(handles);
@@ -472,6 +473,18 @@ impl crate::response_store::SharedTurns for SharedResponses {
         let _ = self.tx.try_send(turn.clone());
     }
 
+    fn cancel(&self, id: &str) {
+        let (link, id) = (self.link.clone(), id.to_owned());
+        // One PUBLISH, off the request path; the caller waits for the record, not for this.
+        tokio::spawn(async move {
+            if let Some(store) = link.store() {
+                if let Err(e) = store.cancel_response(&id).await {
+                    tracing::debug!(error = %e, %id, "background cancel not published");
+                }
+            }
+        });
+    }
+
     async fn delete(&self, id: &str) -> Option<bool> {
         let done = match self.store() {
             Some(store) => self.retire(&store, id).await,
@@ -482,6 +495,25 @@ impl crate::response_store::SharedTurns for SharedResponses {
         }
         done
     }
+}
+
+/// Cancels the background responses this replica runs when a cancel reaches another replica
+/// (`P:responses:cancel`); resubscribes with backoff. A cancel published while this replica was
+/// not subscribed is lost: the replica that took it answers the record as it is after
+/// [`crate::background::CANCEL_WAIT`].
+async fn receive_cancels(link: Arc<ClusterLink>, control: Weak<ControlPlane>) {
+    follow(
+        &link,
+        |store| async move { store.response_cancels().await },
+        |id: String| {
+            let Some(c) = control.upgrade() else {
+                return false;
+            };
+            c.data.background.cancel(&c.data, &id);
+            true
+        },
+    )
+    .await
 }
 
 /// Drops this replica's copy of every stored turn deleted through any replica, as the deletion
@@ -565,10 +597,13 @@ async fn write_responses(
         async move {
             // Lost, the turn is continued only through this replica; the sync loop reports the
             // store's state.
-            match store
-                .put_response(&t.id, &t.to_json(), ttl, budget, receipts::now_ms())
-                .await
-            {
+            let (json, now) = (t.to_json(), receipts::now_ms());
+            let put = if t.background() {
+                store.replace_response(&t.id, &json, ttl, budget, now).await
+            } else {
+                store.put_response(&t.id, &json, ttl, budget, now).await
+            };
+            match put {
                 Ok(Some(evicted)) => {
                     evictions.inc_by(evicted);
                 }

@@ -106,6 +106,8 @@ pub struct DataPlane {
     pub responses: crate::response_store::ResponseStore,
     /// Cluster mode: the other replicas' stored responses (Redis).
     pub shared_responses: arc_swap::ArcSwapOption<crate::cluster::SharedResponses>,
+    /// The background responses this gateway runs.
+    pub background: crate::background::BackgroundJobs,
 }
 
 /// The start-up catch-up of the prefix index: latched once every healthy worker a `kv_exact`
@@ -334,6 +336,10 @@ impl DataPlane {
 
     /// End-of-request bookkeeping: metrics, decision log, approximate holdings.
     pub fn finish_request(&self, ctx: &mut RequestCtx) {
+        if ctx.detached {
+            // Accepted as a background response: the job does this when it ends.
+            return;
+        }
         match &ctx.service {
             Some(s) => {
                 s.handles(&self.metrics)

@@ -50,6 +50,30 @@ pub enum GatewayError {
         /// The turn that is missing (`id` itself, or an earlier turn of its conversation).
         missing: String,
     },
+    /// `previous_response_id` names a background response (or a conversation holding one)
+    /// that has no answer to continue: still running, failed or cancelled.
+    #[error(
+        "response {id} is {status}: only a completed (or incomplete) response can be continued"
+    )]
+    PreviousResponseNotReady {
+        /// The turn that has no answer.
+        id: String,
+        /// Its status.
+        status: String,
+    },
+    /// `POST /v1/responses/{id}/cancel` of a response not made with `background: true`.
+    #[error("response {id} was not made with `background: true`: only a background response can be cancelled")]
+    NotBackground {
+        /// The id asked for.
+        id: String,
+    },
+    /// A `background: true` request while the gateway runs as many background responses as
+    /// it may.
+    #[error("this gateway runs {limit} background responses already: try again later")]
+    TooManyBackground {
+        /// `--max-background-responses`.
+        limit: usize,
+    },
     /// `GET`/`DELETE /v1/responses/{id}`: no stored response of the caller has this id.
     #[error("no stored response with id {id:?}")]
     ResponseNotFound {
@@ -250,6 +274,9 @@ impl GatewayError {
             GatewayError::InvalidBody { .. } => "invalid_request_body",
             GatewayError::PreviousResponseNotFound { .. } => "previous_response_not_found",
             GatewayError::ResponseNotFound { .. } => "response_not_found",
+            GatewayError::PreviousResponseNotReady { .. } => "previous_response_not_ready",
+            GatewayError::NotBackground { .. } => "response_not_background",
+            GatewayError::TooManyBackground { .. } => "too_many_background_responses",
             GatewayError::ConversationTooLarge { .. } => "conversation_too_large",
             GatewayError::Body(b) => b.code,
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
@@ -282,13 +309,15 @@ impl GatewayError {
             GatewayError::BodyTooLarge { .. } | GatewayError::ConversationTooLarge { .. } => 413,
             GatewayError::InvalidBody { .. }
             | GatewayError::PreviousResponseNotFound { .. }
+            | GatewayError::PreviousResponseNotReady { .. }
+            | GatewayError::NotBackground { .. }
             | GatewayError::Body(_)
             | GatewayError::ContextLengthExceeded { .. }
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
             GatewayError::Unauthorized | GatewayError::InvalidApiKey { .. } => 401,
             GatewayError::RulesConflict { .. } => 409,
-            GatewayError::RateLimited { .. } => 429,
+            GatewayError::RateLimited { .. } | GatewayError::TooManyBackground { .. } => 429,
             GatewayError::NoHealthyWorker { .. }
             | GatewayError::UpstreamUnavailable { .. }
             | GatewayError::Overloaded { .. }
@@ -316,6 +345,7 @@ impl GatewayError {
             GatewayError::Body(b) => b.param.as_deref(),
             GatewayError::ContextLengthExceeded { param, .. } => Some(param),
             GatewayError::PreviousResponseNotFound { .. }
+            | GatewayError::PreviousResponseNotReady { .. }
             | GatewayError::ConversationTooLarge { .. } => Some("previous_response_id"),
             GatewayError::ServiceNotFound { model: Some(_), .. }
             | GatewayError::ModelNotFound { .. } => Some("model"),

@@ -9,7 +9,11 @@
 //! streams back chunk by chunk (SSE included). A fresh upstream connection is used for each
 //! such request and closed after it (`connection: close`), so a stale pooled connection can never turn into a
 //! spurious failure after bytes were sent.
+//!
+//! The answer goes to a [`Downstream`]: the client's pingora session, or a background
+//! response's collector ([`crate::background`]), which has no client connection.
 
+use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::Session;
@@ -20,11 +24,43 @@ use crate::error::GatewayError;
 use crate::request::{respond_error, RequestCtx};
 use crate::upstream;
 
+/// Where a forwarded answer goes.
+#[async_trait]
+pub(crate) trait Downstream: Send {
+    /// The client's request head (sent on, prepared for the worker).
+    fn request_head(&self) -> &RequestHeader;
+    /// The gateway's own error answer (no worker answered); recorded in `ctx`.
+    async fn fail(&mut self, ctx: &mut RequestCtx, err: &GatewayError) -> Result<()>;
+    /// The worker's response head, decorated.
+    async fn head(&mut self, resp: ResponseHeader) -> Result<()>;
+    /// A piece of the worker's answer; `end` after the last.
+    async fn body(&mut self, chunk: Bytes, end: bool) -> Result<()>;
+}
+
+#[async_trait]
+impl Downstream for Session {
+    fn request_head(&self) -> &RequestHeader {
+        self.req_header()
+    }
+
+    async fn fail(&mut self, ctx: &mut RequestCtx, err: &GatewayError) -> Result<()> {
+        respond_error(self, ctx, err).await.map(|_| ())
+    }
+
+    async fn head(&mut self, resp: ResponseHeader) -> Result<()> {
+        self.write_response_header(Box::new(resp), false).await
+    }
+
+    async fn body(&mut self, chunk: Bytes, end: bool) -> Result<()> {
+        self.write_response_body(Some(chunk), end).await
+    }
+}
+
 /// Forwards the buffered request of `ctx` and streams the answer to `session`. Always leaves a
 /// response on the session (an error response when no worker could be reached).
-pub(crate) async fn forward(
+pub(crate) async fn forward<D: Downstream + ?Sized>(
     data: &DataPlane,
-    session: &mut Session,
+    session: &mut D,
     ctx: &mut RequestCtx,
 ) -> Result<()> {
     let (Some(view), Some(service), Some(_)) =
@@ -33,8 +69,7 @@ pub(crate) async fn forward(
         let err = GatewayError::Internal {
             reason: "forward without a decision".into(),
         };
-        respond_error(session, ctx, &err).await?;
-        return Ok(());
+        return session.fail(ctx, &err).await;
     };
     let connector = &data.connector;
     let mut last_err = String::from("no candidate");
@@ -58,7 +93,7 @@ pub(crate) async fn forward(
             }
         };
         upstream::begin_attempt(data, ctx, worker);
-        let mut head: RequestHeader = session.req_header().clone();
+        let mut head: RequestHeader = session.request_head().clone();
         upstream::prepare_head(&mut head, ctx, true)?;
         // From here on the worker may have accepted the request: no retry elsewhere.
         let sent = async {
@@ -74,16 +109,14 @@ pub(crate) async fn forward(
                 worker: worker.0.clone(),
                 reason: e.to_string(),
             };
-            respond_error(session, ctx, &err).await?;
-            return Ok(());
+            return session.fail(ctx, &err).await;
         }
         let Some(resp) = up.response_header() else {
             let err = GatewayError::Upstream {
                 worker: worker.0.clone(),
                 reason: "no response header".into(),
             };
-            respond_error(session, ctx, &err).await?;
-            return Ok(());
+            return session.fail(ctx, &err).await;
         };
         let mut resp: ResponseHeader = resp.clone();
         upstream::on_response(data, &mut resp, ctx)?;
@@ -93,12 +126,12 @@ pub(crate) async fn forward(
             continue;
         }
         resp.remove_header("connection");
-        session.write_response_header(Box::new(resp), false).await?;
+        session.head(resp).await?;
         loop {
             match up.read_response_body().await {
                 Ok(Some(chunk)) => {
                     upstream::on_body(data, ctx, &chunk, false);
-                    session.write_response_body(Some(chunk), false).await?;
+                    session.body(chunk, false).await?;
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -113,9 +146,7 @@ pub(crate) async fn forward(
             }
         }
         upstream::on_body(data, ctx, &[], true);
-        session
-            .write_response_body(Some(Bytes::new()), true)
-            .await?;
+        session.body(Bytes::new(), true).await?;
         up.shutdown().await;
         return Ok(());
     }
@@ -123,6 +154,5 @@ pub(crate) async fn forward(
         service: service.name().to_owned(),
         reason: last_err,
     };
-    respond_error(session, ctx, &err).await?;
-    Ok(())
+    session.fail(ctx, &err).await
 }

@@ -25,6 +25,7 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod background;
 pub mod cluster;
 pub mod control_plane;
 pub mod data_plane;
@@ -125,6 +126,8 @@ pub struct GatewayConfig {
     pub response_file: Option<PathBuf>,
     /// How often the stored responses are saved to [`Self::response_file`] when they changed.
     pub response_save_interval: Duration,
+    /// Background responses run at once, at most ([`background`]); 0 refuses them.
+    pub max_background: usize,
     /// The longest the admin plane's `GET /ready` waits, after the start, for the KV event
     /// snapshots of the healthy workers `kv_exact` services route to
     /// ([`data_plane::DataPlane::catching_up`]).
@@ -166,6 +169,7 @@ impl GatewayConfig {
             responses: response_store::StoreLimits::DEFAULT,
             response_file: None,
             response_save_interval: Duration::from_secs(30),
+            max_background: background::DEFAULT_MAX_JOBS,
         }
     }
 }
@@ -354,6 +358,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         catch_up: data_plane::CatchUp::new(config.catch_up_limit),
         responses: response_store::ResponseStore::new(config.responses),
         shared_responses: arc_swap::ArcSwapOption::empty(),
+        background: background::BackgroundJobs::new(config.max_background),
     });
     // Stored responses of the last run, before any request can store new ones.
     let saved_changes = match &config.response_file {
@@ -743,6 +748,8 @@ impl RunningGateway {
         if let Some(t) = self.server.take() {
             let _ = t.join();
         }
+        // The proxy's runtime dropped the background responses still running: say so.
+        self.data.background.abandon(&self.data);
         if let (Some(link), Some(rt)) = (self.control.cluster(), &self.runtime) {
             link.shutdown(rt.handle());
         }

@@ -31,6 +31,7 @@ use crate::metrics::TenantLimitLabels;
 use crate::pool::{BlockingPool, PoolError};
 use crate::protocol::Endpoint;
 use crate::request::{respond_error, RequestCtx};
+use crate::response_store::Resource;
 use crate::route::{self, RouteInput};
 use crate::upstream;
 use crate::view::ServiceRoute;
@@ -203,9 +204,10 @@ impl Proxy {
         crate::request::respond_json(session, ctx, &body).await
     }
 
-    /// `GET /v1/responses/{id}` (the stored response), `DELETE /v1/responses/{id}` and
-    /// `GET /v1/responses/{id}/input_items` (`items`). A response made on a service with API
-    /// keys is its tenant's: another caller gets 404, as for an id never stored.
+    /// `GET /v1/responses/{id}` (the stored response), `DELETE /v1/responses/{id}`,
+    /// `GET /v1/responses/{id}/input_items` and `POST /v1/responses/{id}/cancel` (a background
+    /// response, [`crate::background`]). A response made on a service with API keys is its
+    /// tenant's: another caller gets 404, as for an id never stored.
     #[allow(clippy::too_many_arguments)]
     async fn answer_stored(
         &self,
@@ -214,18 +216,29 @@ impl Proxy {
         view: &crate::view::View,
         method: &str,
         id: &str,
-        items: bool,
+        what: Resource,
         query: Option<&str>,
     ) -> Result<bool> {
-        let delete = method == "DELETE" && !items;
-        if method != "GET" && !delete {
+        let allowed = match what {
+            Resource::Response => "GET, DELETE",
+            Resource::InputItems => "GET",
+            Resource::Cancel => "POST",
+        };
+        if !allowed.split(", ").any(|m| m == method) {
             session.set_keepalive(None);
             let err = GatewayError::MethodNotAllowed {
                 method: method.to_owned(),
                 path: session.req_header().uri.path().to_owned(),
-                allowed: if items { "GET" } else { "GET, DELETE" },
+                allowed,
             };
             return respond_error(session, ctx, &err).await;
+        }
+        if what == Resource::Cancel {
+            // A cancel carries no body; one sent is read and ignored (up to 64 KiB), so the
+            // connection stays usable.
+            if Self::read_body(session, RETRY_BUFFER_LIMIT).await?.is_err() {
+                session.set_keepalive(None);
+            }
         }
         let (local, shared) = (&self.data.responses, self.data.shared_turns());
         let shared = shared.as_deref();
@@ -244,20 +257,114 @@ impl Proxy {
                 _ => return respond_error(session, ctx, &not_found).await,
             }
         }
-        if delete {
-            crate::response_store::remove(local, shared, id).await;
-            let body = serde_json::json!({"id": id, "object": "response", "deleted": true});
-            return crate::request::respond_json(session, ctx, &body).await;
-        }
-        let body = if items {
-            match crate::response_store::input_items_page(&r, query) {
+        let body = match (what, method) {
+            (Resource::Response, "DELETE") => {
+                // A background response still running stops first (its answer would otherwise
+                // be stored after the deletion).
+                if r.running() {
+                    self.cancel_background(id).await;
+                }
+                crate::response_store::remove(local, shared, id).await;
+                serde_json::json!({"id": id, "object": "response", "deleted": true})
+            }
+            (Resource::InputItems, _) => match crate::response_store::input_items_page(&r, query) {
                 Ok(b) => b,
                 Err(err) => return respond_error(session, ctx, &err).await,
+            },
+            (Resource::Cancel, _) => {
+                if !r.background() {
+                    let err = GatewayError::NotBackground { id: id.to_owned() };
+                    return respond_error(session, ctx, &err).await;
+                }
+                let r = match r.running() {
+                    true => self.cancel_background(id).await.unwrap_or(r),
+                    false => r,
+                };
+                r.retrieved()
             }
-        } else {
-            r.retrieved()
+            _ => r.retrieved(),
         };
         crate::request::respond_json(session, ctx, &body).await
+    }
+
+    /// Cancels the background response `id`: here when this gateway runs it, else (cluster
+    /// mode) by asking the replica that does and waiting, at most
+    /// [`crate::background::CANCEL_WAIT`], for its record to end. The record as it then is.
+    async fn cancel_background(
+        &self,
+        id: &str,
+    ) -> Option<Arc<crate::response_store::StoredResponse>> {
+        let (local, shared) = (&self.data.responses, self.data.shared_turns());
+        if self.data.background.cancel(&self.data, id) {
+            return local.peek(id);
+        }
+        let shared = shared.as_deref()?;
+        shared.cancel(id);
+        let deadline = Instant::now() + crate::background::CANCEL_WAIT;
+        loop {
+            let r = crate::response_store::find(local, Some(shared), id).await;
+            if !r.as_ref().is_some_and(|r| r.running()) || Instant::now() >= deadline {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Accepts the background request of `ctx` (its decision taken): stores its `queued`
+    /// record, hands the request to a job ([`crate::background::run`]) and answers the record.
+    async fn detach(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let id = format!("resp_{}", ctx.request_id);
+        let (Some(capture), Some(stored)) = (ctx.capture.as_ref(), ctx.stored.as_ref()) else {
+            let err = GatewayError::Internal {
+                reason: "a background request without its capture".into(),
+            };
+            return respond_error(session, ctx, &err).await;
+        };
+        let created_at = crate::data_plane::now_ms() / 1000;
+        let queued = crate::background::queued_response(
+            &id,
+            ctx.model.as_deref(),
+            &ctx.body,
+            stored,
+            created_at,
+        );
+        let pending = Arc::new(capture.pending_turn(id.clone(), queued));
+        if pending.bytes() > self.data.responses.limits().max_entry() {
+            let limit = self.data.responses.limits().max_entry();
+            return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
+        }
+        let job = match self.data.background.start(pending.clone()) {
+            Ok(j) => j,
+            Err(err) => return respond_error(session, ctx, &err).await,
+        };
+        let shared = self.data.shared_turns();
+        crate::response_store::keep(
+            &self.data.responses,
+            shared.as_deref(),
+            capture.pending_turn(id, pending.response.clone()),
+        );
+        // The request (its decision, load, drain guard, tenant slot) goes to the job; this
+        // context keeps what the access log of the accepting answer reads.
+        let mut job_ctx = std::mem::take(ctx);
+        job_ctx.job = Some(job.clone());
+        ctx._live = Some(self.data.drain.enter());
+        ctx.detached = true;
+        ctx.started = job_ctx.started;
+        ctx.request_id.clone_from(&job_ctx.request_id);
+        ctx.client_request_id.clone_from(&job_ctx.client_request_id);
+        ctx.view.clone_from(&job_ctx.view);
+        ctx.service.clone_from(&job_ctx.service);
+        ctx.tenant.clone_from(&job_ctx.tenant);
+        ctx.model.clone_from(&job_ctx.model);
+        ctx.body = job_ctx.body.clone();
+        let head = session.req_header().clone();
+        tokio::spawn(crate::background::run(
+            self.data.clone(),
+            head,
+            job_ctx,
+            job,
+        ));
+        crate::request::respond_json(session, ctx, &pending.retrieved()).await
     }
 
     /// The 429 for a tenant over its limit (counted).
@@ -356,13 +463,13 @@ impl ProxyHttp for Proxy {
         }
         // Stored responses (`GET`/`DELETE /v1/responses/{id}`, `GET …/input_items`): the
         // gateway's own.
-        if let Some((id, items)) = crate::response_store::resource_path(&path) {
+        if let Some((id, what)) = crate::response_store::resource_path(&path) {
             let (id, query) = (
                 id.to_owned(),
                 session.req_header().uri.query().map(str::to_owned),
             );
             return self
-                .answer_stored(session, ctx, &view, &method, &id, items, query.as_deref())
+                .answer_stored(session, ctx, &view, &method, &id, what, query.as_deref())
                 .await;
         }
         let Some(limit) = view.body_limit_for(listener, host.as_deref(), &path) else {
@@ -475,6 +582,7 @@ impl ProxyHttp for Proxy {
                 Ok(p) => {
                     ctx.capture = p.capture.map(Box::new);
                     ctx.stored = p.stored;
+                    ctx.background = p.background;
                     p.body.unwrap_or(body)
                 }
                 Err(err) => return respond_error(session, ctx, &err).await,
@@ -595,6 +703,9 @@ impl ProxyHttp for Proxy {
         }
         ctx.decision = Some(Box::new(decision));
         ctx.body = body;
+        if ctx.background {
+            return self.detach(session, ctx).await;
+        }
         if ctx.body.len() > RETRY_BUFFER_LIMIT {
             // pingora would forward only the headers of a body its retry buffer truncated.
             crate::forward::forward(&self.data, session, ctx).await?;

@@ -77,6 +77,12 @@ pub struct RequestCtx {
     /// What this gateway stores of a Responses API request, told to the worker
     /// (`prompt_profile::STORED_HEADER`) so that its response object says so.
     pub(crate) stored: Option<prompt_profile::Stored>,
+    /// `background: true` (the Responses API): set by `prepare`, then the job that runs it
+    /// once the request is accepted ([`crate::background`]).
+    pub(crate) background: bool,
+    pub(crate) job: Option<Arc<crate::background::Job>>,
+    /// The request was handed to a background job: its own bookkeeping is the job's.
+    pub(crate) detached: bool,
 }
 
 impl RequestCtx {

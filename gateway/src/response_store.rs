@@ -163,6 +163,50 @@ impl StoredResponse {
         Some(r)
     }
 
+    /// Its response's `status`: `completed` or `incomplete` for an answer; `queued`,
+    /// `in_progress`, `failed` or `cancelled` for a background response
+    /// ([`crate::background`]).
+    pub fn status(&self) -> &str {
+        self.response["status"].as_str().unwrap_or("")
+    }
+
+    /// Whether a request may continue it (`previous_response_id`): an answer, whole or cut by
+    /// `max_output_tokens`; not a background response still running, failed or cancelled.
+    pub fn continuable(&self) -> bool {
+        matches!(self.status(), "completed" | "incomplete")
+    }
+
+    /// Whether it is a background response that has not ended (`queued`, `in_progress`).
+    pub fn running(&self) -> bool {
+        matches!(self.status(), "queued" | "in_progress")
+    }
+
+    /// How far a background response has come: 0 `queued`, 1 `in_progress`, 2 ended.
+    pub fn stage(&self) -> u8 {
+        match self.status() {
+            "queued" => 0,
+            "in_progress" => 1,
+            _ => 2,
+        }
+    }
+
+    /// Whether it was made with `background: true`.
+    pub fn background(&self) -> bool {
+        self.response["background"] == Value::Bool(true)
+    }
+
+    /// The same turn with `response` in place of its response (a background response's next
+    /// state).
+    pub fn with_response(&self, response: Value) -> StoredResponse {
+        StoredResponse::new(
+            self.id.clone(),
+            self.tenant.clone(),
+            self.chain.clone(),
+            self.input.clone(),
+            response,
+        )
+    }
+
     /// The `previous_response_id` it continued.
     pub fn previous(&self) -> Option<&str> {
         self.chain.last().map(String::as_str)
@@ -320,8 +364,13 @@ impl ResponseStore {
             return false;
         }
         let mut g = self.inner.lock();
-        if g.entries.contains_key(&r.id) {
-            return false;
+        if let Some(e) = g.entries.get(&r.id) {
+            // A background response's record moves on (queued, in_progress, its end); any
+            // other id is written once.
+            if !(e.record.background() && r.background() && r.stage() >= e.record.stage()) {
+                return false;
+            }
+            g.remove(&r.id);
         }
         g.evict(
             now,
@@ -407,7 +456,7 @@ impl ResponseStore {
         }
         let now = Instant::now();
         let used = now.checked_sub(idle).unwrap_or(now);
-        self.insert_at(Arc::new(r), used)
+        self.insert_at(Arc::new(crate::background::restored(r)), used)
     }
 
     /// Every turn, least recently used first, with how long it has been unused.
@@ -480,6 +529,8 @@ pub trait SharedTurns: Send + Sync {
     fn publish(&self, turn: &Arc<StoredResponse>);
     /// Deletes a turn everywhere; whether the shared store had it.
     async fn delete(&self, id: &str) -> Option<bool>;
+    /// Asks the replica that runs the background response `id` to cancel it (never waits).
+    fn cancel(&self, id: &str);
 }
 
 /// How long a replica waits, at most, for a turn another replica has just stored to reach the
@@ -506,8 +557,10 @@ pub async fn find(
     let mut retries = SHARED_RETRIES.iter();
     loop {
         let here = local.peek(id);
+        // A background response still running here may have moved on there: read it whole.
+        let whole = here.as_ref().is_none_or(|h| h.running());
         match shared
-            .fetch(&[id.to_owned()], &[here.is_none()])
+            .fetch(&[id.to_owned()], &[whole])
             .await
             .and_then(|mut v| v.pop())
         {
@@ -529,7 +582,10 @@ pub async fn find(
 /// shared store does not answer); the copy already here when there is one.
 fn adopt(local: &ResponseStore, t: StoredResponse) -> Arc<StoredResponse> {
     if let Some(here) = local.peek(&t.id) {
-        return here;
+        // A background response's later state replaces the copy here.
+        if !(here.running() && t.background() && t.stage() > here.stage()) {
+            return here;
+        }
     }
     // Not kept when it does not fit here: served all the same.
     let t = Arc::new(t);
@@ -646,6 +702,9 @@ pub struct Prepared {
     /// `store` and `previous_response_id` as the worker's response object must say them
     /// (`prompt_profile::STORED_HEADER`); `None` with storing off.
     pub stored: Option<prompt_profile::Stored>,
+    /// `background: true`: the gateway answers at once and runs the request itself
+    /// ([`crate::background`]); the body sent to the workers has no `background`.
+    pub background: bool,
 }
 
 /// Reads a Responses API body for storing: with `previous_response_id`, the body the workers get
@@ -680,6 +739,32 @@ pub async fn prepare(
         }
     };
     let stream = matches!(o.get("stream"), Some(Value::Bool(true)));
+    let background = match o.get("background") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => {
+            return Err(invalid(
+                "background",
+                "invalid_type",
+                "`background` must be a boolean",
+            ))
+        }
+    };
+    if background && !keep {
+        return Err(invalid(
+            "background",
+            "invalid_value",
+            "a background response is stored: `background: true` needs `store` true or absent",
+        ));
+    }
+    if background && stream {
+        return Err(invalid(
+            "stream",
+            "unsupported_parameter",
+            "a background response is not streamed: send it without `stream` and poll \
+             GET /v1/responses/{id} (or send it streamed without `background`)",
+        ));
+    }
     let previous = match o.get("previous_response_id") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
@@ -695,11 +780,16 @@ pub async fn prepare(
     let mut out = Prepared {
         stored: Some(prompt_profile::Stored {
             store: keep,
+            background,
             previous_response_id: previous.clone(),
         }),
+        background,
         ..Prepared::default()
     };
     let mut chain = Vec::new();
+    if background {
+        o.remove("background");
+    }
     if let Some(prev) = &previous {
         let turns =
             conversation(local, shared, prev, tenant)
@@ -710,6 +800,12 @@ pub async fn prepare(
                         missing,
                     },
                 )?;
+        if let Some(t) = turns.iter().find(|t| !t.continuable()) {
+            return Err(GatewayError::PreviousResponseNotReady {
+                id: t.id.clone(),
+                status: t.status().to_owned(),
+            });
+        }
         chain = turns.iter().map(|t| t.id.clone()).collect();
         o.remove("previous_response_id");
         o.remove("input");
@@ -732,6 +828,12 @@ pub async fn prepare(
             });
         }
         out.body = Some(Bytes::from(rewritten));
+    } else if background {
+        out.body = Some(Bytes::from(serde_json::to_vec(&Value::Object(o)).map_err(
+            |e| GatewayError::Internal {
+                reason: format!("writing the background request: {e}"),
+            },
+        )?));
     }
     if keep {
         out.capture = Some(Capture {
@@ -842,6 +944,18 @@ impl Capture {
         }
     }
 
+    /// The turn of a background response that has no answer yet: its request's input items and
+    /// owner, and `response` (a `queued` one).
+    pub fn pending_turn(&self, id: String, response: Value) -> StoredResponse {
+        StoredResponse::new(
+            id,
+            self.tenant.clone(),
+            self.chain.clone(),
+            self.input.clone(),
+            response,
+        )
+    }
+
     /// The turn to store, once the whole answer went through: `None` when it was larger than a
     /// turn may be, was cut short, or is not a completed (or incomplete) `response` with an id.
     pub fn finish(mut self) -> Option<StoredResponse> {
@@ -877,15 +991,27 @@ impl Capture {
     }
 }
 
-/// `/v1/responses/{id}` → `(id, false)`, `/v1/responses/{id}/input_items` → `(id, true)`.
-pub fn resource_path(path: &str) -> Option<(&str, bool)> {
+/// What a path under `/v1/responses/{id}` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resource {
+    /// `/v1/responses/{id}`: the response (`GET`, `DELETE`).
+    Response,
+    /// `/v1/responses/{id}/input_items` (`GET`).
+    InputItems,
+    /// `/v1/responses/{id}/cancel` (`POST`: a background response, [`crate::background`]).
+    Cancel,
+}
+
+/// `/v1/responses/{id}[/input_items|/cancel]` → the id and what is asked of it.
+pub fn resource_path(path: &str) -> Option<(&str, Resource)> {
     let rest = path.trim_end_matches('/').strip_prefix("/v1/responses/")?;
-    let (id, items) = match rest.split_once('/') {
-        None => (rest, false),
-        Some((id, "input_items")) => (id, true),
+    let (id, what) = match rest.split_once('/') {
+        None => (rest, Resource::Response),
+        Some((id, "input_items")) => (id, Resource::InputItems),
+        Some((id, "cancel")) => (id, Resource::Cancel),
         Some(_) => return None,
     };
-    (!id.is_empty()).then_some((id, items))
+    (!id.is_empty()).then_some((id, what))
 }
 
 /// `GET /v1/responses/{id}/input_items`: the turn's own input items, OpenAI's list with its
@@ -1127,15 +1253,68 @@ mod tests {
             )
         }
         fn publish(&self, turn: &Arc<StoredResponse>) {
-            self.turns
-                .lock()
-                .entry(turn.id.clone())
-                .or_insert(Some(turn.to_json()));
+            // As `cluster::Store`: written once, but a background record replaced unless
+            // deleted.
+            let mut g = self.turns.lock();
+            let e = g.entry(turn.id.clone()).or_insert(Some(turn.to_json()));
+            if turn.background() && e.is_some() {
+                *e = Some(turn.to_json());
+            }
         }
         async fn delete(&self, id: &str) -> Option<bool> {
             let old = self.turns.lock().insert(id.to_owned(), None);
             Some(matches!(old, Some(Some(_))))
         }
+        fn cancel(&self, _id: &str) {}
+    }
+
+    fn background(id: &str, status: &str) -> StoredResponse {
+        StoredResponse::new(
+            id.into(),
+            None,
+            Vec::new(),
+            Vec::new(),
+            json!({"id": id, "object": "response", "status": status, "background": true,
+                   "output": []}),
+        )
+    }
+
+    #[test]
+    fn a_background_record_moves_on_here_and_on_the_other_replicas() {
+        let shared = FakeShared::default();
+        let (a, b) = (
+            ResponseStore::new(StoreLimits::DEFAULT),
+            ResponseStore::new(StoreLimits::DEFAULT),
+        );
+        let sh: Option<&dyn SharedTurns> = Some(&shared);
+        let status =
+            |s: &ResponseStore| block_on(find(s, sh, "resp_bg")).map(|r| r.status().to_owned());
+        keep(&a, sh, background("resp_bg", "queued"));
+        assert_eq!(status(&b).as_deref(), Some("queued"));
+        keep(&a, sh, background("resp_bg", "in_progress"));
+        assert_eq!(
+            status(&b).as_deref(),
+            Some("in_progress"),
+            "B's copy is read again"
+        );
+        keep(&a, sh, background("resp_bg", "completed"));
+        assert_eq!(status(&a).as_deref(), Some("completed"));
+        assert_eq!(status(&b).as_deref(), Some("completed"));
+        // An earlier state never replaces a later one, and a turn not made in the background is
+        // written once.
+        assert!(a.insert(background("resp_bg", "in_progress")).is_none());
+        assert_eq!(a.peek("resp_bg").unwrap().status(), "completed");
+        a.insert(turn("resp_t", &[], "x", "y")).unwrap();
+        assert!(a.insert(turn("resp_t", &[], "x", "z")).is_none());
+        // A deleted one stays deleted when its job writes its end afterwards.
+        keep(&a, sh, background("resp_d", "in_progress"));
+        block_on(remove(&a, sh, "resp_d"));
+        keep(&a, sh, background("resp_d", "completed"));
+        assert!(status_of(&b, sh, "resp_d").is_none());
+    }
+
+    fn status_of(s: &ResponseStore, sh: Option<&dyn SharedTurns>, id: &str) -> Option<String> {
+        block_on(find(s, sh, id)).map(|r| r.status().to_owned())
     }
 
     #[test]
@@ -1331,6 +1510,72 @@ mod tests {
             };
             assert_eq!(b.param.as_deref(), Some(param));
         }
+        // Background: the body goes without `background`, the worker is told, and it is stored.
+        let bg = json!({"model": "m", "input": "c", "background": true, "metadata": {"k": "v"}});
+        let p = run(&s, &bg, None, 1 << 20).unwrap();
+        assert!(p.background && p.capture.is_some());
+        assert!(p.stored.as_ref().is_some_and(|s| s.background && s.store));
+        let sent: Value = serde_json::from_slice(&p.body.unwrap()).unwrap();
+        assert_eq!(
+            sent,
+            json!({"model": "m", "input": "c", "metadata": {"k": "v"}})
+        );
+        // Continuing a conversation in the background: both rewrites.
+        let bg = json!({"model": "m", "input": "c", "background": true, "previous_response_id": "resp_1"});
+        let p = run(&s, &bg, None, 1 << 20).unwrap();
+        let sent: Value = serde_json::from_slice(&p.body.unwrap()).unwrap();
+        assert!(sent.get("background").is_none() && sent.get("previous_response_id").is_none());
+        assert_eq!(texts(sent["input"].as_array().unwrap()), ["a", "b", "c"]);
+        assert!(
+            !run(
+                &s,
+                &json!({"input": "c", "background": false}),
+                None,
+                1 << 20
+            )
+            .unwrap()
+            .background
+        );
+        for (bad, param, code) in [
+            (
+                json!({"input": "c", "background": "yes"}),
+                "background",
+                "invalid_type",
+            ),
+            (
+                json!({"input": "c", "background": true, "store": false}),
+                "background",
+                "invalid_value",
+            ),
+            (
+                json!({"input": "c", "background": true, "stream": true}),
+                "stream",
+                "unsupported_parameter",
+            ),
+        ] {
+            let GatewayError::Body(b) = run(&s, &bad, None, 1 << 20).unwrap_err() else {
+                panic!("{bad}")
+            };
+            assert_eq!((b.param.as_deref(), b.code), (Some(param), code), "{bad}");
+        }
+        // A background response not yet answered, failed or cancelled is not continued.
+        for status in ["queued", "in_progress", "failed", "cancelled"] {
+            s.insert(StoredResponse::new(
+                "resp_bg".into(),
+                None,
+                Vec::new(),
+                Vec::new(),
+                json!({"id": "resp_bg", "object": "response", "status": status, "background": true, "output": []}),
+            ));
+            let next = json!({"model": "m", "previous_response_id": "resp_bg", "input": "d"});
+            let e = run(&s, &next, None, 1 << 20).unwrap_err();
+            assert_eq!(
+                (e.error_type(), e.status()),
+                ("previous_response_not_ready", 400),
+                "{status}"
+            );
+            assert!(e.to_string().contains(status), "{e}");
+        }
         // Storing off: nothing read or changed.
         let off = ResponseStore::new(StoreLimits {
             max_bytes: 0,
@@ -1370,13 +1615,17 @@ mod tests {
         assert!(input_items_page(&r, Some("after=nope")).is_err());
         assert_eq!(
             resource_path("/v1/responses/resp_1"),
-            Some(("resp_1", false))
+            Some(("resp_1", Resource::Response))
         );
         assert_eq!(
             resource_path("/v1/responses/resp_1/input_items"),
-            Some(("resp_1", true))
+            Some(("resp_1", Resource::InputItems))
         );
-        assert_eq!(resource_path("/v1/responses/resp_1/cancel"), None);
+        assert_eq!(
+            resource_path("/v1/responses/resp_1/cancel/"),
+            Some(("resp_1", Resource::Cancel))
+        );
+        assert_eq!(resource_path("/v1/responses/resp_1/other"), None);
         assert_eq!(resource_path("/v1/responses"), None);
     }
 }

@@ -192,7 +192,14 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
             .and_then(|c| c.finish())
         {
             let shared = data.shared_turns();
-            crate::response_store::keep(&data.responses, shared.as_deref(), turn);
+            let keep = || crate::response_store::keep(&data.responses, shared.as_deref(), turn);
+            // A background response's answer is its final state unless it was cancelled first.
+            match &ctx.job {
+                Some(job) => {
+                    job.end(keep);
+                }
+                None => keep(),
+            }
         }
     }
 }

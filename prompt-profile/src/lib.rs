@@ -42,7 +42,7 @@ pub use prompt::{
     ChatPrompt, ChatTemplateFields, CompletionPrompt, FieldError, KeySpace, PromptSource,
     PromptTokens, TokenBudget, ToolChoice,
 };
-pub use responses::{responses_to_chat, Stored, STORED_HEADER};
+pub use responses::{echoed_fields, responses_to_chat, Stored, STORED_HEADER};
 pub use stream::{DecodeStream, TokenDecoder};
 pub use template::{ChatTemplate, TemplateInputs, TemplateTokens};
 

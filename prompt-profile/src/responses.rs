@@ -39,14 +39,17 @@ use crate::prompt::FieldError;
 /// it forwards ([`Stored`]).
 pub const STORED_HEADER: &str = "x-kvgate-stored";
 
-/// What the gateway does with a Responses API request, for the response object's `store` and
-/// `previous_response_id`: header value `store=true` or `store=false`, then
+/// What the gateway does with a Responses API request, for the response object's `store`,
+/// `background` and `previous_response_id`: header value `store=true` or `store=false`, then
+/// `; background=true` when the gateway runs it as a background response, then
 /// `; previous_response_id=<id>` when it continued a stored conversation (an id of visible
 /// ASCII without `;`, `=` or spaces, at most 256 bytes; another is left out).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stored {
     /// The gateway stores the answer.
     pub store: bool,
+    /// The gateway runs the request in the background (the client polls for the answer).
+    pub background: bool,
     /// The stored turn the request continued.
     pub previous_response_id: Option<String>,
 }
@@ -66,6 +69,9 @@ impl Stored {
     /// The header's value.
     pub fn header_value(&self) -> String {
         let mut v = format!("store={}", self.store);
+        if self.background {
+            v.push_str("; background=true");
+        }
         if let Some(id) = self
             .previous_response_id
             .as_deref()
@@ -85,7 +91,12 @@ impl Stored {
             "store=false" => false,
             _ => return None,
         };
-        let previous_response_id = match parts.next() {
+        let mut next = parts.next();
+        let background = next == Some("background=true");
+        if background {
+            next = parts.next();
+        }
+        let previous_response_id = match next {
             None => None,
             Some(p) => {
                 let id = p.strip_prefix("previous_response_id=")?;
@@ -97,9 +108,45 @@ impl Stored {
         };
         parts.next().is_none().then_some(Stored {
             store,
+            background,
             previous_response_id,
         })
     }
+}
+
+/// The request fields a `response` object repeats, with their defaults when the request did
+/// not set them, and `store`, `background` and `previous_response_id` as [`Stored`] says (all
+/// `false` / `null` without one: nothing stored). One list for the worker, which writes the
+/// response, and the gateway, which answers a background request with the object before the
+/// worker has written it.
+pub fn echoed_fields(body: &[u8], stored: Option<&Stored>) -> Map<String, Value> {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let mut m = Map::new();
+    for (k, default) in [
+        ("instructions", Value::Null),
+        ("max_output_tokens", Value::Null),
+        ("metadata", json!({})),
+        ("parallel_tool_calls", json!(true)),
+        ("temperature", json!(1.0)),
+        ("top_p", json!(1.0)),
+        ("tool_choice", json!("auto")),
+        ("tools", json!([])),
+        ("text", json!({"format": {"type": "text"}})),
+        ("truncation", json!("disabled")),
+        ("user", Value::Null),
+    ] {
+        let given = v.get(k).filter(|x| !x.is_null()).cloned();
+        m.insert(k.into(), given.unwrap_or(default));
+    }
+    let none = Stored::default();
+    let stored = stored.unwrap_or(&none);
+    m.insert("store".into(), json!(stored.store));
+    m.insert("background".into(), json!(stored.background));
+    m.insert(
+        "previous_response_id".into(),
+        json!(stored.previous_response_id),
+    );
+    m
 }
 
 fn unsupported(param: impl Into<String>, reason: &str) -> BodyError {
@@ -421,19 +468,17 @@ mod tests {
 
     #[test]
     fn the_stored_header_round_trips_and_refuses_what_it_cannot_carry() {
+        let stored = |store: bool, background: bool, previous: Option<&str>| Stored {
+            store,
+            background,
+            previous_response_id: previous.map(str::to_owned),
+        };
         for s in [
-            Stored {
-                store: true,
-                previous_response_id: None,
-            },
-            Stored {
-                store: false,
-                previous_response_id: Some("resp_abc-1".into()),
-            },
-            Stored {
-                store: true,
-                previous_response_id: Some("resp_x".into()),
-            },
+            stored(true, false, None),
+            stored(false, false, Some("resp_abc-1")),
+            stored(true, false, Some("resp_x")),
+            stored(true, true, None),
+            stored(true, true, Some("resp_y")),
         ] {
             assert_eq!(
                 Stored::parse(&s.header_value()),
@@ -442,20 +487,14 @@ mod tests {
                 s.header_value()
             );
         }
+        assert_eq!(stored(true, false, None).header_value(), "store=true");
         assert_eq!(
-            Stored {
-                store: true,
-                previous_response_id: None
-            }
-            .header_value(),
-            "store=true"
+            stored(true, true, Some("resp_1")).header_value(),
+            "store=true; background=true; previous_response_id=resp_1"
         );
         // An id the header cannot carry is left out, not mangled.
         for bad in ["a b", "a;b", "a=b", "", "é", &"r".repeat(257)] {
-            let s = Stored {
-                store: true,
-                previous_response_id: Some(bad.to_owned()),
-            };
+            let s = stored(true, false, Some(bad));
             assert_eq!(s.header_value(), "store=true", "{bad:?}");
         }
         for bad in [
@@ -467,9 +506,38 @@ mod tests {
             "store=true; previous_response_id=a b",
             "store=true; other=x",
             "store=true; previous_response_id=a; x=y",
+            "store=true; background=false",
+            "store=true; previous_response_id=a; background=true",
+            "store=true; background=true; background=true",
         ] {
             assert_eq!(Stored::parse(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_response_repeats_the_request_fields_and_what_is_stored() {
+        let body = br#"{"model":"m","input":"x","temperature":0.5,"metadata":{"k":"v"}}"#;
+        let m = echoed_fields(body, None);
+        assert_eq!(m["temperature"], json!(0.5));
+        assert_eq!(m["metadata"], json!({"k": "v"}));
+        assert_eq!(m["top_p"], json!(1.0));
+        assert_eq!(m["tools"], json!([]));
+        assert_eq!(
+            (&m["store"], &m["background"], &m["previous_response_id"]),
+            (&json!(false), &json!(false), &Value::Null)
+        );
+        let s = Stored {
+            store: true,
+            background: true,
+            previous_response_id: Some("resp_0".into()),
+        };
+        let m = echoed_fields(body, Some(&s));
+        assert_eq!(
+            (&m["store"], &m["background"], &m["previous_response_id"]),
+            (&json!(true), &json!(true), &json!("resp_0"))
+        );
+        // Not JSON: the defaults.
+        assert_eq!(echoed_fields(b"{", None)["temperature"], json!(1.0));
     }
 
     fn chat(v: Value) -> Value {

@@ -116,6 +116,10 @@ pub struct Args {
     /// How often changed stored responses are written to --response-store-file, seconds.
     #[arg(long, default_value_t = 30)]
     pub response_save_interval_s: u64,
+    /// Background responses (`background: true`) this gateway runs at once; more are
+    /// refused with 429 `too_many_background_responses`; 0 refuses them all.
+    #[arg(long, default_value_t = gateway::background::DEFAULT_MAX_JOBS)]
+    pub max_background_responses: usize,
     /// Keep transparent huge pages for this process. By default the gateway turns them off:
     /// zeroing a new 2 MiB page on first touch stalled KV-exact decisions by milliseconds
     /// (docs/gateway.md, "Memory").
@@ -161,6 +165,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     config.response_file = args.response_store_file;
     config.response_save_interval =
         std::time::Duration::from_secs(args.response_save_interval_s.max(1));
+    config.max_background = args.max_background_responses;
     config.watch_rules = !args.no_watch;
     config.sighup = true;
     config.tls = args.tls.server_tls();

@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use crate::generate::{AnswerStream, Msg, ResponseMeta};
 use crate::protocol::{ChatChoice, ChatDelta, UsageBody};
 
-/// The request fields a `response` object repeats, with their defaults.
+/// The request fields a `response` object repeats, with their defaults
+/// (`prompt_profile::echoed_fields`, which the gateway's background answers use too).
 #[derive(Clone, Debug)]
 pub(crate) struct Echo(Map<String, Value>);
 
@@ -25,31 +26,7 @@ impl Echo {
     /// gateway that forwarded it stores of it (`store: false` and no `previous_response_id`
     /// without one: the worker stores nothing).
     pub(crate) fn of(body: &[u8], stored: Option<prompt_profile::Stored>) -> Echo {
-        let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-        let mut m = Map::new();
-        for (k, default) in [
-            ("instructions", Value::Null),
-            ("max_output_tokens", Value::Null),
-            ("metadata", json!({})),
-            ("parallel_tool_calls", json!(true)),
-            ("temperature", json!(1.0)),
-            ("top_p", json!(1.0)),
-            ("tool_choice", json!("auto")),
-            ("tools", json!([])),
-            ("text", json!({"format": {"type": "text"}})),
-            ("truncation", json!("disabled")),
-            ("user", Value::Null),
-        ] {
-            let given = v.get(k).filter(|x| !x.is_null()).cloned();
-            m.insert(k.into(), given.unwrap_or(default));
-        }
-        let stored = stored.unwrap_or_default();
-        m.insert("store".into(), json!(stored.store));
-        m.insert(
-            "previous_response_id".into(),
-            json!(stored.previous_response_id),
-        );
-        Echo(m)
+        Echo(prompt_profile::echoed_fields(body, stored.as_ref()))
     }
 }
 

@@ -1,0 +1,429 @@
+//! Background responses: the Responses API's `background: true` (docs/gateway.md, "Background
+//! responses").
+//!
+//! The gateway answers such a request at once with its `response` object in status `queued`,
+//! stored under the id the worker will give its answer (`resp_<request id>`), and runs the
+//! request itself: the same decision, ticket and forwarding as any request
+//! ([`crate::forward::forward`]), into a [`Collector`] instead of a client connection. The
+//! stored record moves from `queued` to `in_progress` when the request is sent, then to the
+//! worker's answer (`completed` / `incomplete`), or to `failed` (with an `error`), or to
+//! `cancelled` (`POST /v1/responses/{id}/cancel`: the request to the worker is dropped, which
+//! closes its connection, and the worker stops generating).
+//!
+//! Exactly one final state is written, whichever comes first ([`Job::end`]): a cancel that
+//! loses to the answer returns the answer, and an answer that loses to a cancel is not stored,
+//! so a cancelled response never turns `completed` later.
+//!
+//! The jobs are owned by [`BackgroundJobs`] (in the data plane): bounded in number
+//! (`--max-background-responses`); each holds its request's drain guard and tenant slot, so a
+//! drain waits for them and a tenant's `max_concurrent_requests` counts them. Those still running
+//! when the gateway stops are recorded `failed` ([`BackgroundJobs::abandon`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::Result;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::data_plane::DataPlane;
+use crate::error::GatewayError;
+use crate::forward::Downstream;
+use crate::request::RequestCtx;
+use crate::response_store::{self, StoredResponse};
+
+/// Default `--max-background-responses`.
+pub const DEFAULT_MAX_JOBS: usize = 256;
+
+/// How long a cancel through a replica that does not run the response waits for the one that
+/// does to record it (cluster mode).
+pub const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The most of a failed answer's body read for its error.
+const ERROR_BODY_CAP: usize = 16 << 10;
+
+/// One background response being run.
+pub struct Job {
+    /// The record as it was accepted (`queued`): the next states are written from it.
+    pending: Arc<StoredResponse>,
+    /// `false` once a final state was written.
+    running: Mutex<bool>,
+    cancel: CancellationToken,
+}
+
+impl Job {
+    /// The response id.
+    pub fn id(&self) -> &str {
+        &self.pending.id
+    }
+
+    /// Writes a final state with `write` when none was written yet; whether it did.
+    pub fn end(&self, write: impl FnOnce()) -> bool {
+        let mut running = self.running.lock();
+        if !*running {
+            return false;
+        }
+        *running = false;
+        write();
+        true
+    }
+
+    /// The record in status `status`, `error` set when given.
+    fn record(&self, status: &str, error: Option<Value>) -> StoredResponse {
+        moved(&self.pending, status, error)
+    }
+}
+
+/// `r` in status `status`, `error` set when given.
+fn moved(r: &StoredResponse, status: &str, error: Option<Value>) -> StoredResponse {
+    let mut response = r.response.clone();
+    response["status"] = json!(status);
+    if let Some(e) = error {
+        response["error"] = e;
+    }
+    r.with_response(response)
+}
+
+/// The `error` of a background response whose gateway stopped before it ended.
+fn stopped_error() -> Value {
+    json!({"code": "server_error",
+           "message": "the gateway stopped before this background response finished"})
+}
+
+/// A record read back from a saved store (`--response-store-file`): one still `queued` or
+/// `in_progress` was running when its gateway stopped, and is `failed`; any other as it was.
+pub fn restored(r: StoredResponse) -> StoredResponse {
+    if r.running() {
+        moved(&r, "failed", Some(stopped_error()))
+    } else {
+        r
+    }
+}
+
+/// The background responses this gateway runs.
+pub struct BackgroundJobs {
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    limit: usize,
+}
+
+impl BackgroundJobs {
+    /// At most `limit` at once (0: background requests are refused).
+    pub fn new(limit: usize) -> BackgroundJobs {
+        BackgroundJobs {
+            jobs: Mutex::new(HashMap::new()),
+            limit,
+        }
+    }
+
+    /// How many run now.
+    pub fn len(&self) -> usize {
+        self.jobs.lock().len()
+    }
+
+    /// Whether none runs.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Registers the job of the accepted record `pending`; `TooManyBackground` at the limit.
+    pub fn start(&self, pending: Arc<StoredResponse>) -> Result<Arc<Job>, GatewayError> {
+        let mut jobs = self.jobs.lock();
+        if jobs.len() >= self.limit {
+            return Err(GatewayError::TooManyBackground { limit: self.limit });
+        }
+        let job = Arc::new(Job {
+            pending,
+            running: Mutex::new(true),
+            cancel: CancellationToken::new(),
+        });
+        jobs.insert(job.id().to_owned(), job.clone());
+        Ok(job)
+    }
+
+    /// The running job of `id`, when this gateway runs it.
+    pub fn get(&self, id: &str) -> Option<Arc<Job>> {
+        self.jobs.lock().get(id).cloned()
+    }
+
+    fn finished(&self, id: &str) {
+        self.jobs.lock().remove(id);
+    }
+
+    /// Cancels the job of `id` when this gateway runs it and it has not ended: records it
+    /// `cancelled` and stops its request. Whether it did.
+    pub fn cancel(&self, data: &DataPlane, id: &str) -> bool {
+        let Some(job) = self.get(id) else {
+            return false;
+        };
+        let done = job.end(|| keep(data, job.record("cancelled", None)));
+        job.cancel.cancel();
+        done
+    }
+
+    /// At a stop: every job still running is recorded `failed` (its request is dropped with
+    /// the runtime).
+    pub fn abandon(&self, data: &DataPlane) {
+        let jobs: Vec<Arc<Job>> = self.jobs.lock().drain().map(|(_, j)| j).collect();
+        for job in jobs {
+            job.end(|| keep(data, job.record("failed", Some(stopped_error()))));
+            job.cancel.cancel();
+        }
+    }
+}
+
+fn keep(data: &DataPlane, turn: StoredResponse) {
+    let shared = data.shared_turns();
+    response_store::keep(&data.responses, shared.as_deref(), turn);
+}
+
+/// The `response` object a background request is answered with at once (status `queued`):
+/// the request's fields as the worker's answer will repeat them
+/// (`prompt_profile::echoed_fields`), no output yet.
+pub fn queued_response(
+    id: &str,
+    model: Option<&str>,
+    body: &[u8],
+    stored: &prompt_profile::Stored,
+    created_at: u64,
+) -> Value {
+    let mut r = json!({
+        "id": id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "output": [],
+        "error": null,
+        "incomplete_details": null,
+        "status": "queued",
+        "usage": null,
+    });
+    if let Value::Object(o) = &mut r {
+        o.extend(prompt_profile::echoed_fields(body, Some(stored)));
+    }
+    r
+}
+
+/// The answer of a background request, read where a client connection would be: its status,
+/// and of an answer other than 200 the start of its body (for the `error` recorded).
+pub(crate) struct Collector {
+    head: RequestHeader,
+    status: Option<u16>,
+    error: Option<Value>,
+    body: Vec<u8>,
+}
+
+impl Collector {
+    /// For the request `head`.
+    pub(crate) fn new(head: RequestHeader) -> Collector {
+        Collector {
+            head,
+            status: None,
+            error: None,
+            body: Vec::new(),
+        }
+    }
+
+    /// The `error` of a request that gave no storable answer: the gateway's own error, the
+    /// worker's error object, or what went wrong with a 200.
+    fn failure(&self, ctx: &RequestCtx) -> Value {
+        if let Some(e) = &self.error {
+            return e.clone();
+        }
+        match self.status {
+            Some(200) => json!({"code": "server_error", "message": match &ctx.error {
+                Some(e) => format!("the worker's answer was cut short ({e})"),
+                None => "the worker's answer was not a response this gateway could store \
+                         (larger than a stored turn may be, or not a response object)".to_owned(),
+            }}),
+            Some(s) => {
+                let worker: Option<Value> = serde_json::from_slice(&self.body).ok();
+                let e = worker.as_ref().map(|w| &w["error"]);
+                json!({
+                    "code": e.and_then(|e| e["code"].as_str()).unwrap_or("server_error"),
+                    "message": e.and_then(|e| e["message"].as_str()).map_or_else(
+                        || format!("the worker answered {s}"), str::to_owned),
+                })
+            }
+            None => json!({"code": "server_error", "message": "no worker answered"}),
+        }
+    }
+}
+
+#[async_trait]
+impl Downstream for Collector {
+    fn request_head(&self) -> &RequestHeader {
+        &self.head
+    }
+
+    async fn fail(&mut self, ctx: &mut RequestCtx, err: &GatewayError) -> Result<()> {
+        ctx.error = Some(err.error_type().to_owned());
+        ctx.status = Some(err.status());
+        self.status = Some(err.status());
+        self.error = Some(json!({"code": err.error_type(), "message": err.to_string()}));
+        Ok(())
+    }
+
+    async fn head(&mut self, resp: ResponseHeader) -> Result<()> {
+        self.status = Some(resp.status.as_u16());
+        Ok(())
+    }
+
+    async fn body(&mut self, chunk: Bytes, _end: bool) -> Result<()> {
+        if self.status != Some(200) && self.body.len() + chunk.len() <= ERROR_BODY_CAP {
+            self.body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    }
+}
+
+/// Runs the accepted background request of `ctx` (its decision taken, `ctx.job` set) to its
+/// end: `in_progress`, then the answer, `failed` or `cancelled`; then the request's
+/// bookkeeping (metrics, decision log) as for any request.
+pub(crate) async fn run(
+    data: Arc<DataPlane>,
+    head: RequestHeader,
+    mut ctx: RequestCtx,
+    job: Arc<Job>,
+) {
+    {
+        let running = job.running.lock();
+        if *running {
+            keep(&data, job.record("in_progress", None));
+        }
+    }
+    let mut out = Collector::new(head);
+    let cancelled = tokio::select! {
+        biased;
+        _ = job.cancel.cancelled() => true,
+        r = crate::forward::forward(&data, &mut out, &mut ctx) => {
+            if let Err(e) = r {
+                ctx.error.get_or_insert_with(|| format!("upstream_error: {}", e.etype().as_str()));
+            }
+            false
+        }
+    };
+    if cancelled {
+        // Recorded by whoever cancelled; the worker's request was dropped with its connection.
+        ctx.status = Some(499);
+        ctx.error = Some("cancelled".into());
+        ctx.capture = None;
+    } else {
+        let error = out.failure(&ctx);
+        job.end(|| keep(&data, job.record("failed", Some(error))));
+    }
+    data.finish_request(&mut ctx);
+    data.background.finished(job.id());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(id: &str) -> Arc<StoredResponse> {
+        let stored = prompt_profile::Stored {
+            store: true,
+            background: true,
+            previous_response_id: None,
+        };
+        let r = queued_response(
+            id,
+            Some("m"),
+            br#"{"input":"x","temperature":0.2}"#,
+            &stored,
+            7,
+        );
+        Arc::new(StoredResponse::new(
+            id.into(),
+            None,
+            Vec::new(),
+            Vec::new(),
+            r,
+        ))
+    }
+
+    #[test]
+    fn a_queued_response_repeats_the_request_and_says_background() {
+        let r = pending("resp_1").response.clone();
+        assert_eq!(r["status"], "queued");
+        assert_eq!(r["background"], true);
+        assert_eq!(r["store"], true);
+        assert_eq!(r["temperature"], 0.2);
+        assert_eq!(r["model"], "m");
+        assert_eq!(r["output"], json!([]));
+        assert_eq!(r["created_at"], 7);
+    }
+
+    #[test]
+    fn one_final_state_is_written_whichever_comes_first() {
+        let jobs = BackgroundJobs::new(2);
+        let job = jobs.start(pending("resp_a")).unwrap();
+        let mut written = Vec::new();
+        assert!(job.end(|| written.push("completed")));
+        assert!(!job.end(|| written.push("cancelled")));
+        assert_eq!(written, ["completed"]);
+        let r = job.record("failed", Some(json!({"code": "x"})));
+        assert_eq!(
+            (r.status(), &r.response["error"]["code"]),
+            ("failed", &json!("x"))
+        );
+        assert!(r.background() && !r.continuable() && !r.running());
+    }
+
+    #[test]
+    fn a_record_read_back_running_failed_with_its_gateway() {
+        let r = restored(moved(&pending("resp_r"), "in_progress", None));
+        assert_eq!(r.status(), "failed");
+        assert_eq!(r.response["error"]["code"], "server_error");
+        let done = restored(moved(&pending("resp_r"), "completed", None));
+        assert_eq!(
+            (done.status(), &done.response["error"]),
+            ("completed", &Value::Null)
+        );
+    }
+
+    #[test]
+    fn jobs_are_bounded_and_leave_when_finished() {
+        let jobs = BackgroundJobs::new(1);
+        jobs.start(pending("resp_a")).unwrap();
+        let e = jobs.start(pending("resp_b")).err().unwrap();
+        assert_eq!(
+            (e.error_type(), e.status()),
+            ("too_many_background_responses", 429)
+        );
+        jobs.finished("resp_a");
+        assert!(jobs.is_empty());
+        assert!(jobs.start(pending("resp_b")).is_ok());
+        assert!(jobs.get("resp_b").is_some() && jobs.get("resp_a").is_none());
+    }
+
+    #[test]
+    fn a_failure_names_what_failed() {
+        let c = |status: Option<u16>, body: &[u8]| Collector {
+            head: RequestHeader::build("POST", b"/v1/responses", None).unwrap(),
+            status,
+            error: None,
+            body: body.to_vec(),
+        };
+        let ctx = RequestCtx::default();
+        let e = c(
+            Some(400),
+            br#"{"error":{"code":"invalid_value","message":"bad temperature"}}"#,
+        )
+        .failure(&ctx);
+        assert_eq!(
+            e,
+            json!({"code": "invalid_value", "message": "bad temperature"})
+        );
+        let e = c(Some(502), b"<html>").failure(&ctx);
+        assert_eq!(e["code"], "server_error");
+        assert!(e["message"].as_str().unwrap().contains("502"));
+        let e = c(Some(200), b"").failure(&ctx);
+        assert!(e["message"].as_str().unwrap().contains("not a response"));
+        let e = c(None, b"").failure(&ctx);
+        assert_eq!(e["message"], "no worker answered");
+    }
+}
