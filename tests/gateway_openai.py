@@ -165,6 +165,30 @@ def main() -> int:
         raise AssertionError("a deleted response was found")
     print("stored responses ok")
 
+    # Background responses: answered queued, polled to the answer, cancel answers it as it is.
+    import time
+    bg = client.responses.create(
+        model="smol", input="Say hello.", max_output_tokens=5, temperature=0, background=True)
+    assert bg.status in ("queued", "in_progress") and bg.background is True, bg
+    assert bg.store is True and bg.output == [], bg
+    deadline = time.monotonic() + 20
+    while bg.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        bg = client.responses.retrieve(bg.id)
+    assert bg.status in ("completed", "incomplete") and bg.output, bg
+    assert bg.background is True and bg.usage.output_tokens == 5, bg
+    assert client.responses.cancel(bg.id).status == bg.status
+    later = client.responses.create(
+        model="smol", previous_response_id=bg.id, input="Again.", max_output_tokens=2)
+    assert later.previous_response_id == bg.id, later
+    try:
+        client.responses.cancel(later.id)
+    except openai.BadRequestError as e:
+        assert e.body.get("code") == "response_not_background", e.body
+    else:
+        raise AssertionError("a response not made in the background was cancelled")
+    print("background responses ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c
