@@ -609,7 +609,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("json mode ok")
             && stdout.contains("n=2 ok")
             && stdout.contains("responses ok")
-            && stdout.contains("stored responses ok"),
+            && stdout.contains("stored responses ok")
+            && stdout.contains("background responses ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
