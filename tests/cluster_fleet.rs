@@ -1929,3 +1929,94 @@ fn stored_response_reads_against_ping() {
         }
     });
 }
+
+/// A background response accepted by one replica is polled through another to its answer, and
+/// a long one is cancelled through a third: the replica running it stops it, and every replica
+/// then reads it `cancelled`.
+#[test]
+fn background_responses_are_polled_and_cancelled_through_any_replica() {
+    let mut c = Cluster::new(3, 3);
+    std::fs::write(c.dir.path().join("rules.toml"), c.rules()).unwrap();
+    for g in 0..3 {
+        c.start_gateway(g);
+    }
+    let call = |c: &Cluster,
+                g: usize,
+                method: reqwest::Method,
+                path: &str,
+                body: Option<serde_json::Value>| {
+        let url = format!("http://{}{path}", c.gw(g).listen_addr);
+        c.rt.block_on(async {
+            let mut r = c.http.request(method, url);
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    };
+    let status = |c: &Cluster, g: usize, id: &str| -> String {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::GET,
+            &format!("/v1/responses/{id}"),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["status"].as_str().unwrap().to_owned()
+    };
+    let start = |c: &Cluster, g: usize, tokens: u64| -> String {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::POST,
+            "/v1/responses",
+            Some(
+                json!({"model": "smol", "input": format!("A question of {tokens} tokens."),
+                        "max_output_tokens": tokens, "background": true}),
+            ),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["status"], "queued", "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_owned()
+    };
+    // Accepted by replica 1, read through replica 2 as it moves on, to its answer.
+    let short = start(&c, 0, 4);
+    c.wait_for(
+        "the answer through replica 2",
+        Duration::from_secs(10),
+        || status(&c, 1, &short) == "incomplete",
+    );
+    assert_eq!(status(&c, 2, &short), "incomplete");
+    // A long one, cancelled through replica 3 while replica 1 runs it.
+    let long = start(&c, 0, 3000);
+    c.wait_for(
+        "in progress through replica 3",
+        Duration::from_secs(10),
+        || status(&c, 2, &long) == "in_progress",
+    );
+    assert!(c.gw(0).data.background.get(&long).is_some());
+    let t = std::time::Instant::now();
+    let r = call(
+        &c,
+        2,
+        reqwest::Method::POST,
+        &format!("/v1/responses/{long}/cancel"),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["status"], "cancelled", "{}", r.text());
+    println!(
+        "cancel through another replica answered in {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    c.wait_for("replica 1 drops the job", Duration::from_secs(2), || {
+        c.gw(0).data.background.is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    for g in 0..3 {
+        assert_eq!(status(&c, g, &long), "cancelled", "replica {}", g + 1);
+    }
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}
