@@ -1438,6 +1438,19 @@ fn background_responses_are_polled_continued_and_cancelled() {
         assert_eq!(r.status, 400, "{}", r.text());
         assert_eq!(r.json()["error"]["param"], param, "{}", r.text());
     }
+    // Counted by how they ended.
+    let metrics = fleet.rt.block_on(async {
+        let r = fleet.http.get(fleet.admin_url("/metrics"));
+        let r = r.bearer_auth(&fleet.admin_token).send().await.unwrap();
+        r.text().await.unwrap()
+    });
+    for line in [
+        "kvgate_gateway_background_responses_ended_total{status=\"incomplete\"} 1",
+        "kvgate_gateway_background_responses_ended_total{status=\"cancelled\"} 1",
+        "kvgate_gateway_background_responses_ended_total{status=\"failed\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} not in\n{metrics}");
+    }
     // Deleting a finished background response.
     let d = call(&fleet, Method::DELETE, &format!("/v1/responses/{long_id}"));
     assert_eq!(d.json()["deleted"], true);

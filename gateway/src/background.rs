@@ -160,6 +160,9 @@ impl BackgroundJobs {
             return false;
         };
         let done = job.end(|| keep(data, job.record("cancelled", None)));
+        if done {
+            ended(data, "cancelled");
+        }
         job.cancel.cancel();
         done
     }
@@ -169,10 +172,22 @@ impl BackgroundJobs {
     pub fn abandon(&self, data: &DataPlane) {
         let jobs: Vec<Arc<Job>> = self.jobs.lock().drain().map(|(_, j)| j).collect();
         for job in jobs {
-            job.end(|| keep(data, job.record("failed", Some(stopped_error()))));
+            if job.end(|| keep(data, job.record("failed", Some(stopped_error())))) {
+                ended(data, "failed");
+            }
             job.cancel.cancel();
         }
     }
+}
+
+/// Counts a background response ended `status`.
+fn ended(data: &DataPlane, status: &str) {
+    data.metrics
+        .background_responses_ended
+        .get_or_create(&crate::metrics::BackgroundLabels {
+            status: status.to_owned(),
+        })
+        .inc();
 }
 
 fn keep(data: &DataPlane, turn: StoredResponse) {
@@ -313,7 +328,14 @@ pub(crate) async fn run(
         ctx.capture = None;
     } else {
         let error = out.failure(&ctx);
-        job.end(|| keep(&data, job.record("failed", Some(error))));
+        if job.end(|| keep(&data, job.record("failed", Some(error)))) {
+            ended(&data, "failed");
+        } else if let Some(r) = data.responses.peek(job.id()) {
+            // Ended by its answer (or a cancel that came first, counted there).
+            if r.status() != "cancelled" {
+                ended(&data, r.status());
+            }
+        }
     }
     data.finish_request(&mut ctx);
     data.background.finished(job.id());

@@ -238,6 +238,9 @@ impl DataPlane {
         self.metrics
             .stored_response_bytes
             .set(i64::try_from(stored_bytes).unwrap_or(i64::MAX));
+        self.metrics
+            .background_responses
+            .set(i64::try_from(self.background.len()).unwrap_or(i64::MAX));
         let view = self.views.load();
         for t in view.tenants.values() {
             self.metrics

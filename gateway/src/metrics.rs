@@ -54,6 +54,13 @@ pub struct TenantLimitLabels {
     pub limit: String,
 }
 
+/// Labels of `kvgate_gateway_background_responses_ended_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackgroundLabels {
+    /// How it ended: `completed`, `incomplete`, `failed` or `cancelled`.
+    pub status: String,
+}
+
 /// Labels of `kvgate_gateway_tenant_denied_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantServiceLabels {
@@ -139,6 +146,10 @@ pub struct Metrics {
     pub stored_responses: Gauge,
     /// Their bytes (input items and response objects as JSON).
     pub stored_response_bytes: Gauge,
+    /// Background responses running now (`crate::background`).
+    pub background_responses: Gauge,
+    /// Background responses ended, by how.
+    pub background_responses_ended: Family<BackgroundLabels, Counter>,
     /// Saves of the stored responses to `--response-store-file` that failed
     /// (`crate::response_file`).
     pub response_store_save_failures: Counter,
@@ -360,6 +371,18 @@ impl Metrics {
             "Bytes of the stored responses (their input items and response objects as JSON)",
             stored_response_bytes.clone(),
         );
+        let background_responses = Gauge::default();
+        registry.register(
+            "background_responses",
+            "Background responses (background: true) this gateway runs now",
+            background_responses.clone(),
+        );
+        let background_responses_ended = Family::<BackgroundLabels, Counter>::default();
+        registry.register(
+            "background_responses_ended",
+            "Background responses this gateway ran, by how they ended (completed, incomplete, failed, cancelled)",
+            background_responses_ended.clone(),
+        );
         let response_store_save_failures = Counter::default();
         registry.register(
             "response_store_save_failures",
@@ -411,6 +434,8 @@ impl Metrics {
             draining,
             stored_responses,
             stored_response_bytes,
+            background_responses,
+            background_responses_ended,
             response_store_save_failures,
             cluster_response_evictions,
             cluster_stored_response_bytes,
