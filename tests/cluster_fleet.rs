@@ -2017,6 +2017,73 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     for g in 0..3 {
         assert_eq!(status(&c, g, &long), "cancelled", "replica {}", g + 1);
     }
+    // A streamed one resumed through a replica that does not run it: its final event, once it
+    // has ended there.
+    let streamed = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/responses",
+        Some(
+            json!({"model": "smol", "input": "A streamed question.", "max_output_tokens": 300,
+                    "background": true, "stream": true}),
+        ),
+    );
+    let id = streamed
+        .text()
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .and_then(|v| v["response"]["id"].as_str().map(str::to_owned))
+        .unwrap();
+    let r = call(
+        &c,
+        1,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{id}?stream=true&starting_after=5"),
+        None,
+    );
+    let last = r
+        .text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str::<serde_json::Value>(d).unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(last.len(), 1, "{}", r.text());
+    assert_eq!(
+        (&last[0]["type"], &last[0]["sequence_number"]),
+        (&json!("response.incomplete"), &json!(6))
+    );
+    assert_eq!(last[0]["response"]["usage"]["output_tokens"], 300);
+    // A record left running by a replica that is gone (a crash: no last write) reads as failed;
+    // one a live replica runs is left as it is.
+    let store =
+        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
+            .unwrap();
+    for (id, runner) in [("resp_orphan", "gw-gone"), ("resp_alive", "gw-1")] {
+        let r = gateway::response_store::StoredResponse::new(
+            id.into(),
+            None,
+            Vec::new(),
+            vec![json!({"role": "user", "content": "x"})],
+            json!({"id": id, "object": "response", "status": "in_progress", "background": true,
+                   "output": [], "error": null}),
+        )
+        .run_by(runner);
+        c.rt.block_on(store.replace_response(id, &r.to_json(), Duration::from_secs(60), 0, 1))
+            .unwrap();
+    }
+    let orphan = call(
+        &c,
+        1,
+        reqwest::Method::GET,
+        "/v1/responses/resp_orphan",
+        None,
+    )
+    .json();
+    assert_eq!(orphan["status"], "failed", "{orphan}");
+    assert_eq!(orphan["error"]["code"], "server_error", "{orphan}");
+    assert_eq!(status(&c, 1, "resp_alive"), "in_progress");
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }

@@ -189,6 +189,25 @@ def main() -> int:
         raise AssertionError("a response not made in the background was cancelled")
     print("background responses ok")
 
+    # Streamed in the background: read a few events, go, resume from the last one read.
+    stream = client.responses.create(
+        model="smol", input="Tell a story.", max_output_tokens=12, temperature=0,
+        background=True, stream=True)
+    first = []
+    for event in stream:
+        first.append(event)
+        if len(first) == 5:
+            break
+    stream.close()
+    assert first[0].type == "response.created" and first[0].response.background is True, first
+    rid, cursor = first[0].response.id, first[-1].sequence_number
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=cursor))
+    assert rest[0].sequence_number == cursor + 1, rest[0]
+    assert rest[-1].type in ("response.completed", "response.incomplete"), rest[-1]
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    assert text == rest[-1].response.output_text, (text, rest[-1].response.output_text)
+    print("background streams ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

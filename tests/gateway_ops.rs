@@ -610,7 +610,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("n=2 ok")
             && stdout.contains("responses ok")
             && stdout.contains("stored responses ok")
-            && stdout.contains("background responses ok"),
+            && stdout.contains("background responses ok")
+            && stdout.contains("background streams ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
@@ -1426,18 +1427,12 @@ fn background_responses_are_polled_continued_and_cancelled() {
     assert_eq!(r.status, 404);
     let r = call(&fleet, Method::GET, &format!("/v1/responses/{id}/cancel"));
     assert_eq!(r.status, 405);
-    for (extra, param) in [
-        (json!({"stream": true}), "stream"),
-        (json!({"store": false}), "background"),
-    ] {
-        let mut b = bg.clone();
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let r = fleet.post("/v1/responses", &b, &[]);
-        assert_eq!(r.status, 400, "{}", r.text());
-        assert_eq!(r.json()["error"]["param"], param, "{}", r.text());
-    }
+    // A background response is stored.
+    let mut unstored = bg.clone();
+    unstored["store"] = json!(false);
+    let r = fleet.post("/v1/responses", &unstored, &[]);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "background", "{}", r.text());
     // Counted by how they ended.
     let metrics = fleet.rt.block_on(async {
         let r = fleet.http.get(fleet.admin_url("/metrics"));
@@ -1459,6 +1454,150 @@ fn background_responses_are_polled_continued_and_cancelled() {
         404
     );
 
+    let report = fleet.audit();
+    assert!(
+        report.discrepancies.is_empty(),
+        "audit found discrepancies: {:?}",
+        report.discrepancies
+    );
+    fleet.stop();
+}
+
+/// The events of an SSE text: (type, sequence number, the event's JSON).
+fn sse_events(text: &str) -> Vec<(String, u64, serde_json::Value)> {
+    text.split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .map(|v| {
+            let kind = v["type"].as_str().unwrap_or("").to_owned();
+            (kind, v["sequence_number"].as_u64().unwrap_or(u64::MAX), v)
+        })
+        .collect()
+}
+
+/// The text of the `response.output_text.delta` events.
+fn deltas(events: &[(String, u64, serde_json::Value)]) -> String {
+    events
+        .iter()
+        .filter(|(k, _, _)| k == "response.output_text.delta")
+        .map(|(_, _, v)| v["delta"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// `background: true` with `stream: true`: the events stream as the worker writes them; a
+/// client that goes after a few events resumes with `GET …?stream=true&starting_after=N` and
+/// gets every later event, so the two parts make the whole answer; after the end a resume gets
+/// the final event; refusals.
+#[test]
+fn a_streamed_background_response_resumes_after_the_client_goes() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        sim: engine::sim::SimConfig::default(),
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let body = json!({"model": "smol", "input": "Tell a long story about the sea. ".repeat(3),
+                      "max_output_tokens": 200, "temperature": 0, "background": true,
+                      "stream": true});
+    // Read the first events, then go.
+    let first: Vec<(String, u64, serde_json::Value)> = fleet.rt.block_on(async {
+        let mut r = fleet
+            .http
+            .post(fleet.url("/v1/responses"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["content-type"].to_str().unwrap(),
+            "text/event-stream"
+        );
+        let mut text = String::new();
+        loop {
+            let chunk = r.chunk().await.unwrap().expect("the stream ended early");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            let events = sse_events(&text);
+            if deltas(&events).len() >= 10 {
+                // Whole events only.
+                let whole = text.rfind("\n\n").unwrap();
+                return sse_events(&text[..whole]);
+            }
+        }
+    });
+    let (kind, seq, created) = &first[0];
+    assert_eq!((kind.as_str(), *seq), ("response.created", 0));
+    assert_eq!(created["response"]["background"], true, "{created}");
+    let id = created["response"]["id"].as_str().unwrap().to_owned();
+    for (i, (_, seq, _)) in first.iter().enumerate() {
+        assert_eq!(*seq, i as u64, "consecutive");
+    }
+    let last = first.last().unwrap().1;
+    // The job went on without the client: resume after the last event read.
+    let rest = fleet.get(
+        &format!("/v1/responses/{id}?stream=true&starting_after={last}"),
+        None,
+    );
+    assert_eq!(rest.status, 200, "{}", rest.text());
+    let rest = sse_events(&rest.text());
+    assert_eq!(rest[0].1, last + 1, "{:?}", rest[0]);
+    for w in rest.windows(2) {
+        assert_eq!(w[1].1, w[0].1 + 1, "consecutive");
+    }
+    let (end_kind, _, end) = rest.last().unwrap();
+    assert_eq!(end_kind, "response.incomplete", "{end}");
+    let answer = output_text(&end["response"]);
+    assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), answer);
+    // Stored as any background response.
+    let got = fleet.get(&format!("/v1/responses/{id}"), None).json();
+    assert_eq!(
+        (&got["status"], &got["background"]),
+        (&json!("incomplete"), &json!(true))
+    );
+    assert_eq!(output_text(&got), answer);
+    // Resumed after the end (its events are kept a while): every event from the cursor on.
+    let r = fleet.get(
+        &format!("/v1/responses/{id}?stream=true&starting_after=3"),
+        None,
+    );
+    let events = sse_events(&r.text());
+    assert_eq!(events[0].1, 4, "{}", r.text());
+    assert_eq!(events.len() as u64, rest.last().unwrap().1 - 3);
+    assert_eq!(events.last().unwrap().0, "response.incomplete");
+    // A background response not streamed has no events: a stream of it is its final event.
+    let mut quiet = body.clone();
+    quiet["stream"] = json!(false);
+    quiet["max_output_tokens"] = json!(3);
+    let q = fleet.post("/v1/responses", &quiet, &[]).json();
+    let qid = q["id"].as_str().unwrap();
+    let done = poll_response(&fleet, qid, Duration::from_secs(10), |v| {
+        v["status"] == "incomplete"
+    });
+    let r = fleet.get(&format!("/v1/responses/{qid}?stream=true"), None);
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 1, "{}", r.text());
+    assert_eq!(
+        (events[0].0.as_str(), events[0].1),
+        ("response.incomplete", 0)
+    );
+    assert_eq!(output_text(&events[0].2["response"]), output_text(&done));
+    // Refusals: a cursor that is not a number; a stream of a response not made in the
+    // background.
+    let r = fleet.get(
+        &format!("/v1/responses/{id}?stream=true&starting_after=x"),
+        None,
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "starting_after");
+    let mut fg = body.clone();
+    fg["background"] = json!(false);
+    fg["stream"] = json!(false);
+    fg["max_output_tokens"] = json!(2);
+    let fg = fleet.post("/v1/responses", &fg, &[]);
+    let fg_id = fg.json()["id"].as_str().unwrap().to_owned();
+    let r = fleet.get(&format!("/v1/responses/{fg_id}?stream=true"), None);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "response_not_background");
     let report = fleet.audit();
     assert!(
         report.discrepancies.is_empty(),

@@ -1065,6 +1065,16 @@ impl Store {
     }
 
     /// The live gateway replicas' keys.
+    /// Whether replica `id`'s key record is live (its lease not lapsed): one `EXISTS`.
+    pub async fn gateway_live(&self, id: &str) -> Result<bool> {
+        let mut con = self.con.clone();
+        let n: i64 = redis::cmd("EXISTS")
+            .arg(self.keys.gateway(id))
+            .query_async(&mut con)
+            .await?;
+        Ok(n > 0)
+    }
+
     pub async fn gateways(&self) -> Result<Vec<GatewayRecord>> {
         let keys = self.keys.clone();
         let mut v: Vec<GatewayRecord> = self

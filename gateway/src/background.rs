@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
+use crate::event_log::{EventLog, Read};
 use crate::forward::Downstream;
 use crate::request::RequestCtx;
 use crate::response_store::{self, StoredResponse};
@@ -53,12 +54,19 @@ pub struct Job {
     /// `false` once a final state was written.
     running: Mutex<bool>,
     cancel: CancellationToken,
+    /// A streamed one's events (`stream: true`).
+    events: Option<EventLog>,
 }
 
 impl Job {
     /// The response id.
     pub fn id(&self) -> &str {
         &self.pending.id
+    }
+
+    /// A streamed one's events.
+    pub fn events(&self) -> Option<&EventLog> {
+        self.events.as_ref()
     }
 
     /// Writes a final state with `write` when none was written yet; whether it did.
@@ -94,9 +102,10 @@ fn stopped_error() -> Value {
            "message": "the gateway stopped before this background response finished"})
 }
 
-/// A record read back from a saved store (`--response-store-file`): one still `queued` or
-/// `in_progress` was running when its gateway stopped, and is `failed`; any other as it was.
-pub fn restored(r: StoredResponse) -> StoredResponse {
+/// A record whose gateway is gone — read back from a saved store (`--response-store-file`), or
+/// in cluster mode run by a replica whose lease lapsed: one still `queued` or `in_progress`
+/// was running when its gateway stopped, and is `failed`; any other as it was.
+pub fn interrupted(r: StoredResponse) -> StoredResponse {
     if r.running() {
         moved(&r, "failed", Some(stopped_error()))
     } else {
@@ -108,7 +117,18 @@ pub fn restored(r: StoredResponse) -> StoredResponse {
 pub struct BackgroundJobs {
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     limit: usize,
+    /// Streamed jobs that ended, newest last, with when: their events stay readable a while
+    /// ([`ENDED_STREAMS_KEPT_FOR`], at most [`ENDED_STREAMS_KEPT`] of them and
+    /// [`ENDED_STREAM_BYTES`] of events).
+    ended: Mutex<std::collections::VecDeque<(Arc<Job>, std::time::Instant)>>,
 }
+
+/// How long a streamed background response's events stay readable after it ended.
+pub const ENDED_STREAMS_KEPT_FOR: std::time::Duration = std::time::Duration::from_secs(300);
+/// Ended streams kept, at most.
+pub const ENDED_STREAMS_KEPT: usize = 64;
+/// Bytes of events of ended streams kept, at most.
+pub const ENDED_STREAM_BYTES: usize = 64 << 20;
 
 impl BackgroundJobs {
     /// At most `limit` at once (0: background requests are refused).
@@ -116,7 +136,22 @@ impl BackgroundJobs {
         BackgroundJobs {
             jobs: Mutex::new(HashMap::new()),
             limit,
+            ended: Mutex::new(std::collections::VecDeque::new()),
         }
+    }
+
+    /// The events of the streamed background response `id`: while it runs here, and for
+    /// [`ENDED_STREAMS_KEPT_FOR`] after it ended (while kept).
+    pub fn stream_of(&self, id: &str) -> Option<Arc<Job>> {
+        if let Some(job) = self.get(id).filter(|j| j.events().is_some()) {
+            return Some(job);
+        }
+        let mut ended = self.ended.lock();
+        prune(&mut ended, std::time::Instant::now());
+        ended
+            .iter()
+            .find(|(j, _)| j.id() == id)
+            .map(|(j, _)| j.clone())
     }
 
     /// How many run now.
@@ -129,8 +164,13 @@ impl BackgroundJobs {
         self.len() == 0
     }
 
-    /// Registers the job of the accepted record `pending`; `TooManyBackground` at the limit.
-    pub fn start(&self, pending: Arc<StoredResponse>) -> Result<Arc<Job>, GatewayError> {
+    /// Registers the job of the accepted record `pending` (`streamed`: its events are kept);
+    /// `TooManyBackground` at the limit.
+    pub fn start(
+        &self,
+        pending: Arc<StoredResponse>,
+        streamed: bool,
+    ) -> Result<Arc<Job>, GatewayError> {
         let mut jobs = self.jobs.lock();
         if jobs.len() >= self.limit {
             return Err(GatewayError::TooManyBackground { limit: self.limit });
@@ -139,6 +179,7 @@ impl BackgroundJobs {
             pending,
             running: Mutex::new(true),
             cancel: CancellationToken::new(),
+            events: streamed.then(EventLog::default),
         });
         jobs.insert(job.id().to_owned(), job.clone());
         Ok(job)
@@ -150,7 +191,15 @@ impl BackgroundJobs {
     }
 
     fn finished(&self, id: &str) {
-        self.jobs.lock().remove(id);
+        let Some(job) = self.jobs.lock().remove(id) else {
+            return;
+        };
+        if job.events().is_some() {
+            let mut ended = self.ended.lock();
+            let now = std::time::Instant::now();
+            ended.push_back((job, now));
+            prune(&mut ended, now);
+        }
     }
 
     /// Cancels the job of `id` when this gateway runs it and it has not ended: records it
@@ -164,6 +213,9 @@ impl BackgroundJobs {
             ended(data, "cancelled");
         }
         job.cancel.cancel();
+        if let Some(log) = job.events() {
+            log.end();
+        }
         done
     }
 
@@ -176,6 +228,9 @@ impl BackgroundJobs {
                 ended(data, "failed");
             }
             job.cancel.cancel();
+            if let Some(log) = job.events() {
+                log.end();
+            }
         }
     }
 }
@@ -188,6 +243,27 @@ fn ended(data: &DataPlane, status: &str) {
             status: status.to_owned(),
         })
         .inc();
+}
+
+/// Drops the ended streams past their time, beyond their number and beyond their bytes,
+/// oldest first.
+fn prune(
+    ended: &mut std::collections::VecDeque<(Arc<Job>, std::time::Instant)>,
+    now: std::time::Instant,
+) {
+    let bytes = |e: &std::collections::VecDeque<(Arc<Job>, std::time::Instant)>| -> usize {
+        e.iter()
+            .filter_map(|(j, _)| j.events().map(EventLog::bytes))
+            .sum()
+    };
+    while let Some((_, at)) = ended.front() {
+        let old = now.saturating_duration_since(*at) >= ENDED_STREAMS_KEPT_FOR;
+        if old || ended.len() > ENDED_STREAMS_KEPT || bytes(ended) > ENDED_STREAM_BYTES {
+            ended.pop_front();
+        } else {
+            break;
+        }
+    }
 }
 
 fn keep(data: &DataPlane, turn: StoredResponse) {
@@ -229,16 +305,19 @@ pub(crate) struct Collector {
     status: Option<u16>,
     error: Option<Value>,
     body: Vec<u8>,
+    /// A streamed response's job: a 200's events go to its log.
+    job: Option<Arc<Job>>,
 }
 
 impl Collector {
-    /// For the request `head`.
-    pub(crate) fn new(head: RequestHeader) -> Collector {
+    /// For the request `head` of `job`.
+    pub(crate) fn new(head: RequestHeader, job: Option<Arc<Job>>) -> Collector {
         Collector {
             head,
             status: None,
             error: None,
             body: Vec::new(),
+            job,
         }
     }
 
@@ -288,7 +367,11 @@ impl Downstream for Collector {
     }
 
     async fn body(&mut self, chunk: Bytes, _end: bool) -> Result<()> {
-        if self.status != Some(200) && self.body.len() + chunk.len() <= ERROR_BODY_CAP {
+        if self.status == Some(200) {
+            if let Some(log) = self.job.as_ref().and_then(|j| j.events()) {
+                log.feed(&chunk);
+            }
+        } else if self.body.len() + chunk.len() <= ERROR_BODY_CAP {
             self.body.extend_from_slice(&chunk);
         }
         Ok(())
@@ -310,7 +393,7 @@ pub(crate) async fn run(
             keep(&data, job.record("in_progress", None));
         }
     }
-    let mut out = Collector::new(head);
+    let mut out = Collector::new(head, Some(job.clone()));
     let cancelled = tokio::select! {
         biased;
         _ = job.cancel.cancelled() => true,
@@ -327,9 +410,17 @@ pub(crate) async fn run(
         ctx.error = Some("cancelled".into());
         ctx.capture = None;
     } else {
-        let error = out.failure(&ctx);
-        if job.end(|| keep(&data, job.record("failed", Some(error)))) {
+        let failed = job.record("failed", Some(out.failure(&ctx)));
+        let event = job.events().map(|log| {
+            let last = json!({"type": "response.failed", "sequence_number": log.next_number(),
+                              "response": failed.retrieved()});
+            last_event("response.failed", &last)
+        });
+        if job.end(|| keep(&data, failed)) {
             ended(&data, "failed");
+            if let (Some(log), Some(e)) = (job.events(), event) {
+                log.push(e);
+            }
         } else if let Some(r) = data.responses.peek(job.id()) {
             // Ended by its answer (or a cancel that came first, counted there).
             if r.status() != "cancelled" {
@@ -337,8 +428,173 @@ pub(crate) async fn run(
             }
         }
     }
-    data.finish_request(&mut ctx);
+    // Out of the registry before its stream ends: a resume from then on gets the record's end.
     data.background.finished(job.id());
+    if let Some(log) = job.events() {
+        log.end();
+    }
+    data.finish_request(&mut ctx);
+}
+
+/// A `GET /v1/responses/{id}` query's stream: `Ok(None)` without `stream=true`, else the
+/// sequence number to start from (`starting_after` + 1, or 0); a `starting_after` that is not
+/// a number → 400 `invalid_value`. Other parameters are ignored.
+pub fn stream_query(query: Option<&str>) -> Result<Option<u64>, GatewayError> {
+    let (mut stream, mut after) = (false, None);
+    for (k, v) in query
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+    {
+        match k {
+            "stream" => stream = v == "true",
+            "starting_after" => {
+                let n = v
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|n| *n < u64::MAX)
+                    .ok_or_else(|| {
+                        GatewayError::Body(prompt_profile::BodyError {
+                            code: "invalid_value",
+                            param: Some("starting_after".into()),
+                            message: "`starting_after` must be an event's sequence number".into(),
+                        })
+                    })?;
+                after = Some(n);
+            }
+            _ => {}
+        }
+    }
+    Ok(stream.then(|| after.map_or(0, |n| n + 1)))
+}
+
+/// One SSE event: `event: <kind>`, then `data: <json>`.
+fn last_event(kind: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+}
+
+/// The event that ends a stream of the finished record `r` (`response.completed`,
+/// `response.incomplete` or `response.failed`, numbered `number`); `None` for one cancelled
+/// (the Responses API has no event for it: the stream just ends) or still running.
+pub fn final_event(r: &StoredResponse, number: u64) -> Option<Bytes> {
+    let kind = match r.status() {
+        "completed" => "response.completed",
+        "incomplete" => "response.incomplete",
+        "failed" => "response.failed",
+        _ => return None,
+    };
+    let data = json!({"type": kind, "sequence_number": number, "response": r.retrieved()});
+    Some(last_event(kind, &data))
+}
+
+/// How often a stream that waits sends an SSE comment, so that a proxy keeps it open and a
+/// client gone is noticed.
+const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Starts an SSE answer of the gateway's own (status 200).
+async fn stream_head(session: &mut pingora::prelude::Session, ctx: &mut RequestCtx) -> Result<()> {
+    let mut resp = ResponseHeader::build(200, Some(4))?;
+    resp.insert_header("content-type", "text/event-stream")?;
+    resp.insert_header("cache-control", "no-cache")?;
+    resp.insert_header("transfer-encoding", "chunked")?;
+    resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+    ctx.status = Some(200);
+    session.write_response_header(Box::new(resp), false).await
+}
+
+/// Streams `log`'s events from sequence number `from` to the client, as they come, until the
+/// log ends or the client goes (the job goes on either way). A resume from before the oldest
+/// event kept gets an `error` event (`code` `stream_events_gone`).
+pub(crate) async fn stream(
+    session: &mut pingora::prelude::Session,
+    ctx: &mut RequestCtx,
+    log: &EventLog,
+    from: u64,
+) -> Result<bool> {
+    stream_head(session, ctx).await?;
+    let mut rx = log.subscribe();
+    let mut next = from;
+    loop {
+        rx.borrow_and_update();
+        match log.read(next) {
+            Read::Gone(first) => {
+                let e = json!({"type": "error", "code": "stream_events_gone", "param": "starting_after",
+                    "message": format!("events before {first} are no longer kept: retrieve the response instead"),
+                    "sequence_number": next});
+                let _ = session
+                    .write_response_body(Some(last_event("error", &e)), false)
+                    .await;
+                break;
+            }
+            Read::Events(events, ended) => {
+                for e in events {
+                    next += 1;
+                    if session.write_response_body(Some(e), false).await.is_err() {
+                        return Ok(true);
+                    }
+                }
+                if ended {
+                    break;
+                }
+            }
+        }
+        match tokio::time::timeout(KEEP_ALIVE, rx.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => break,
+            Err(_) => {
+                let ping = Bytes::from_static(b": keep-alive\n\n");
+                if session
+                    .write_response_body(Some(ping), false)
+                    .await
+                    .is_err()
+                {
+                    return Ok(true);
+                }
+            }
+        }
+    }
+    let _ = session.write_response_body(Some(Bytes::new()), true).await;
+    Ok(true)
+}
+
+/// A stream of a background response this gateway does not run (it ended, or another replica
+/// runs it): waits, polling `poll` every 250 ms with keep-alive comments, for it to end, then
+/// sends its final event (numbered `number`) and ends.
+pub(crate) async fn stream_end<F, Fut>(
+    session: &mut pingora::prelude::Session,
+    ctx: &mut RequestCtx,
+    number: u64,
+    mut poll: F,
+) -> Result<bool>
+where
+    F: FnMut() -> Fut + Send,
+    Fut: std::future::Future<Output = Option<Arc<StoredResponse>>> + Send,
+{
+    stream_head(session, ctx).await?;
+    let mut quiet = std::time::Instant::now();
+    loop {
+        let Some(r) = poll().await else { break };
+        if !r.running() {
+            if let Some(e) = final_event(&r, number) {
+                let _ = session.write_response_body(Some(e), false).await;
+            }
+            break;
+        }
+        if quiet.elapsed() >= KEEP_ALIVE {
+            quiet = std::time::Instant::now();
+            let ping = Bytes::from_static(b": keep-alive\n\n");
+            if session
+                .write_response_body(Some(ping), false)
+                .await
+                .is_err()
+            {
+                return Ok(true);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    let _ = session.write_response_body(Some(Bytes::new()), true).await;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -382,7 +638,7 @@ mod tests {
     #[test]
     fn one_final_state_is_written_whichever_comes_first() {
         let jobs = BackgroundJobs::new(2);
-        let job = jobs.start(pending("resp_a")).unwrap();
+        let job = jobs.start(pending("resp_a"), false).unwrap();
         let mut written = Vec::new();
         assert!(job.end(|| written.push("completed")));
         assert!(!job.end(|| written.push("cancelled")));
@@ -397,10 +653,10 @@ mod tests {
 
     #[test]
     fn a_record_read_back_running_failed_with_its_gateway() {
-        let r = restored(moved(&pending("resp_r"), "in_progress", None));
+        let r = interrupted(moved(&pending("resp_r"), "in_progress", None));
         assert_eq!(r.status(), "failed");
         assert_eq!(r.response["error"]["code"], "server_error");
-        let done = restored(moved(&pending("resp_r"), "completed", None));
+        let done = interrupted(moved(&pending("resp_r"), "completed", None));
         assert_eq!(
             (done.status(), &done.response["error"]),
             ("completed", &Value::Null)
@@ -408,17 +664,64 @@ mod tests {
     }
 
     #[test]
+    fn ended_streams_stay_readable_within_their_bounds() {
+        let jobs = BackgroundJobs::new(ENDED_STREAMS_KEPT + 8);
+        for i in 0..ENDED_STREAMS_KEPT + 2 {
+            let id = format!("resp_{i}");
+            jobs.start(pending(&id), true).unwrap();
+            jobs.start(pending(&format!("{id}_quiet")), false).unwrap();
+            jobs.finished(&id);
+            jobs.finished(&format!("{id}_quiet"));
+        }
+        assert!(jobs.is_empty());
+        // The oldest went beyond the number kept; a job without a stream is not kept.
+        assert!(jobs.stream_of("resp_0").is_none() && jobs.stream_of("resp_1").is_none());
+        assert!(jobs.stream_of("resp_2").is_some());
+        assert!(jobs.stream_of("resp_3_quiet").is_none());
+        // Beyond their time.
+        let mut ended = jobs.ended.lock();
+        let later = std::time::Instant::now() + ENDED_STREAMS_KEPT_FOR;
+        prune(&mut ended, later);
+        assert!(ended.is_empty());
+    }
+
+    #[test]
+    fn the_stream_query_reads_the_cursor() {
+        assert_eq!(stream_query(None).unwrap(), None);
+        assert_eq!(
+            stream_query(Some("stream=false&starting_after=3")).unwrap(),
+            None
+        );
+        assert_eq!(stream_query(Some("stream=true")).unwrap(), Some(0));
+        assert_eq!(
+            stream_query(Some("starting_after=41&stream=true&x=y")).unwrap(),
+            Some(42)
+        );
+        for bad in [
+            "stream=true&starting_after=-1",
+            "stream=true&starting_after=a",
+        ] {
+            let e = stream_query(Some(bad)).unwrap_err();
+            assert_eq!(
+                (e.error_type(), e.status()),
+                ("invalid_value", 400),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn jobs_are_bounded_and_leave_when_finished() {
         let jobs = BackgroundJobs::new(1);
-        jobs.start(pending("resp_a")).unwrap();
-        let e = jobs.start(pending("resp_b")).err().unwrap();
+        jobs.start(pending("resp_a"), false).unwrap();
+        let e = jobs.start(pending("resp_b"), false).err().unwrap();
         assert_eq!(
             (e.error_type(), e.status()),
             ("too_many_background_responses", 429)
         );
         jobs.finished("resp_a");
         assert!(jobs.is_empty());
-        assert!(jobs.start(pending("resp_b")).is_ok());
+        assert!(jobs.start(pending("resp_b"), false).is_ok());
         assert!(jobs.get("resp_b").is_some() && jobs.get("resp_a").is_none());
     }
 
@@ -429,6 +732,7 @@ mod tests {
             status,
             error: None,
             body: body.to_vec(),
+            job: None,
         };
         let ctx = RequestCtx::default();
         let e = c(

@@ -452,21 +452,39 @@ impl crate::response_store::SharedTurns for SharedResponses {
             let p = self.pending_deletes.lock();
             ids.iter().map(|id| p.contains(id)).collect()
         };
-        Some(
-            values
-                .into_iter()
-                .zip(whole)
-                .zip(pending)
-                .map(|((v, whole), pending)| match v {
-                    _ if pending => Shared::Deleted,
-                    None => Shared::Absent,
-                    Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
-                    Some(_) if !whole => Shared::Present,
-                    // A record this gateway cannot read is as good as absent.
-                    Some(s) => StoredResponse::from_json(&s).map_or(Shared::Absent, Shared::Kept),
-                })
-                .collect(),
-        )
+        let mut out: Vec<Shared> = values
+            .into_iter()
+            .zip(whole)
+            .zip(pending)
+            .map(|((v, whole), pending)| match v {
+                _ if pending => Shared::Deleted,
+                None => Shared::Absent,
+                Some(s) if s == cluster::RESPONSE_DELETED => Shared::Deleted,
+                Some(_) if !whole => Shared::Present,
+                // A record this gateway cannot read is as good as absent.
+                Some(s) => StoredResponse::from_json(&s)
+                    .map_or(Shared::Absent, |t| Shared::Kept(Box::new(t))),
+            })
+            .collect();
+        // A background response another replica runs: still running only while that replica
+        // is (its key record's lease); else it stopped with it.
+        for s in &mut out {
+            let Shared::Kept(t) = s else { continue };
+            let Some(runner) = t
+                .runner
+                .clone()
+                .filter(|r| t.running() && r != self.link.replica_id())
+            else {
+                continue;
+            };
+            let live = tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, store.gateway_live(&runner));
+            if matches!(live.await, Ok(Ok(false))) {
+                if let Shared::Kept(t) = std::mem::replace(s, Shared::Absent) {
+                    *s = Shared::Kept(Box::new(crate::background::interrupted(*t)));
+                }
+            }
+        }
+        Some(out)
     }
 
     fn publish(&self, turn: &Arc<crate::response_store::StoredResponse>) {

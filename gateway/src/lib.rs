@@ -30,6 +30,7 @@ pub mod cluster;
 pub mod control_plane;
 pub mod data_plane;
 pub mod error;
+pub mod event_log;
 pub mod forward;
 pub mod limits;
 pub mod metrics;

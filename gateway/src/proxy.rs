@@ -282,9 +282,44 @@ impl Proxy {
                 };
                 r.retrieved()
             }
-            _ => r.retrieved(),
+            _ => match crate::background::stream_query(query) {
+                Ok(None) => r.retrieved(),
+                Ok(Some(_)) if !r.background() => {
+                    let err = GatewayError::NotBackground { id: id.to_owned() };
+                    return respond_error(session, ctx, &err).await;
+                }
+                Ok(Some(from)) => return self.resume(session, ctx, id, from).await,
+                Err(err) => return respond_error(session, ctx, &err).await,
+            },
         };
         crate::request::respond_json(session, ctx, &body).await
+    }
+
+    /// `GET /v1/responses/{id}?stream=true[&starting_after=N]` of a background response: its
+    /// events from `from` on while this gateway runs it; else (ended, or run by another
+    /// replica) its final event once it has ended.
+    async fn resume(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        id: &str,
+        from: u64,
+    ) -> Result<bool> {
+        if let Some(job) = self.data.background.stream_of(id) {
+            if let Some(log) = job.events() {
+                return crate::background::stream(session, ctx, log, from).await;
+            }
+        }
+        let data = self.data.clone();
+        let id = id.to_owned();
+        crate::background::stream_end(session, ctx, from, move || {
+            let (data, id) = (data.clone(), id.clone());
+            async move {
+                let shared = data.shared_turns();
+                crate::response_store::find(&data.responses, shared.as_deref(), &id).await
+            }
+        })
+        .await
     }
 
     /// Cancels the background response `id`: here when this gateway runs it, else (cluster
@@ -328,12 +363,14 @@ impl Proxy {
             stored,
             created_at,
         );
-        let pending = Arc::new(capture.pending_turn(id.clone(), queued));
+        let gateway = self.data.gateway_id.as_str();
+        let pending = Arc::new(capture.pending_turn(id.clone(), queued).run_by(gateway));
         if pending.bytes() > self.data.responses.limits().max_entry() {
             let limit = self.data.responses.limits().max_entry();
             return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
         }
-        let job = match self.data.background.start(pending.clone()) {
+        let streamed = capture.streamed();
+        let job = match self.data.background.start(pending.clone(), streamed) {
             Ok(j) => j,
             Err(err) => return respond_error(session, ctx, &err).await,
         };
@@ -341,7 +378,9 @@ impl Proxy {
         crate::response_store::keep(
             &self.data.responses,
             shared.as_deref(),
-            capture.pending_turn(id, pending.response.clone()),
+            capture
+                .pending_turn(id, pending.response.clone())
+                .run_by(gateway),
         );
         // The request (its decision, load, drain guard, tenant slot) goes to the job; this
         // context keeps what the access log of the accepting answer reads.
@@ -362,9 +401,13 @@ impl Proxy {
             self.data.clone(),
             head,
             job_ctx,
-            job,
+            job.clone(),
         ));
-        crate::request::respond_json(session, ctx, &pending.retrieved()).await
+        match job.events() {
+            // Streamed: its events as they come (the job goes on if the client goes).
+            Some(log) => crate::background::stream(session, ctx, log, 0).await,
+            None => crate::request::respond_json(session, ctx, &pending.retrieved()).await,
+        }
     }
 
     /// The 429 for a tenant over its limit (counted).

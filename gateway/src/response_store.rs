@@ -92,6 +92,10 @@ pub struct StoredResponse {
     pub input: Vec<Value>,
     /// The response object as the worker answered it.
     pub response: Value,
+    /// A background response's: the gateway replica running it (cluster mode: a record left
+    /// running by a replica that is gone is read as failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner: Option<String>,
     /// Its input items then output items as JSON, comma-separated: what a continuation
     /// copies into its body, written once.
     #[serde(skip)]
@@ -109,18 +113,30 @@ impl StoredResponse {
         input: Vec<Value>,
         response: Value,
     ) -> StoredResponse {
-        let mut r = StoredResponse {
+        StoredResponse {
             id,
             tenant,
             chain,
             input,
             response,
+            runner: None,
             items: String::new(),
             bytes: 0,
-        };
-        r.bytes = r.to_json().len();
-        r.write_items();
-        r
+        }
+        .sized()
+    }
+
+    /// Its size counted anew (its JSON, then the items a continuation copies).
+    fn sized(mut self) -> StoredResponse {
+        self.bytes = self.to_json().len();
+        self.write_items();
+        self
+    }
+
+    /// The same turn, run by the gateway replica `runner`.
+    pub fn run_by(mut self, runner: &str) -> StoredResponse {
+        self.runner = Some(runner.to_owned());
+        self.sized()
     }
 
     /// [`Self::new`] within the record limits ([`MAX_TURNS`], [`MAX_ID_LEN`]); `None` beyond them.
@@ -198,13 +214,17 @@ impl StoredResponse {
     /// The same turn with `response` in place of its response (a background response's next
     /// state).
     pub fn with_response(&self, response: Value) -> StoredResponse {
-        StoredResponse::new(
-            self.id.clone(),
-            self.tenant.clone(),
-            self.chain.clone(),
-            self.input.clone(),
-            response,
-        )
+        StoredResponse {
+            runner: self.runner.clone(),
+            ..StoredResponse::new(
+                self.id.clone(),
+                self.tenant.clone(),
+                self.chain.clone(),
+                self.input.clone(),
+                response,
+            )
+        }
+        .sized()
     }
 
     /// The `previous_response_id` it continued.
@@ -456,7 +476,7 @@ impl ResponseStore {
         }
         let now = Instant::now();
         let used = now.checked_sub(idle).unwrap_or(now);
-        self.insert_at(Arc::new(crate::background::restored(r)), used)
+        self.insert_at(Arc::new(crate::background::interrupted(r)), used)
     }
 
     /// Every turn, least recently used first, with how long it has been unused.
@@ -508,7 +528,7 @@ fn conversation_json(turns: &[Arc<StoredResponse>], own: &[Value]) -> String {
 #[derive(Debug)]
 pub enum Shared {
     /// Stored (by this replica or another).
-    Kept(StoredResponse),
+    Kept(Box<StoredResponse>),
     /// Stored, and not read (a probe: this replica holds a copy).
     Present,
     /// Deleted through some replica.
@@ -564,7 +584,7 @@ pub async fn find(
             .await
             .and_then(|mut v| v.pop())
         {
-            Some(Shared::Kept(t)) => return Some(adopt(local, t)),
+            Some(Shared::Kept(t)) => return Some(adopt(local, *t)),
             Some(Shared::Deleted) => {
                 local.delete(id);
                 return None;
@@ -635,7 +655,7 @@ pub async fn conversation(
     let mut turns = Vec::with_capacity(ids.len() + 1);
     for ((at, state), held) in ids.iter().zip(states).zip(held) {
         let t = match state {
-            Shared::Kept(t) => Some(adopt(local, t)),
+            Shared::Kept(t) => Some(adopt(local, *t)),
             Shared::Deleted => {
                 local.delete(at);
                 None
@@ -755,14 +775,6 @@ pub async fn prepare(
             "background",
             "invalid_value",
             "a background response is stored: `background: true` needs `store` true or absent",
-        ));
-    }
-    if background && stream {
-        return Err(invalid(
-            "stream",
-            "unsupported_parameter",
-            "a background response is not streamed: send it without `stream` and poll \
-             GET /v1/responses/{id} (or send it streamed without `background`)",
         ));
     }
     let previous = match o.get("previous_response_id") {
@@ -942,6 +954,11 @@ impl Capture {
         ) {
             self.done = Some(v["response"].take());
         }
+    }
+
+    /// Whether the answer is a stream of events.
+    pub fn streamed(&self) -> bool {
+        self.streamed
     }
 
     /// The turn of a background response that has no answer yet: its request's input items and
@@ -1245,9 +1262,8 @@ mod tests {
                         None => Shared::Absent,
                         Some(None) => Shared::Deleted,
                         Some(Some(_)) if !whole => Shared::Present,
-                        Some(Some(j)) => {
-                            StoredResponse::from_json(j).map_or(Shared::Absent, Shared::Kept)
-                        }
+                        Some(Some(j)) => StoredResponse::from_json(j)
+                            .map_or(Shared::Absent, |t| Shared::Kept(Box::new(t))),
                     })
                     .collect(),
             )
@@ -1546,11 +1562,6 @@ mod tests {
                 json!({"input": "c", "background": true, "store": false}),
                 "background",
                 "invalid_value",
-            ),
-            (
-                json!({"input": "c", "background": true, "stream": true}),
-                "stream",
-                "unsupported_parameter",
             ),
         ] {
             let GatewayError::Body(b) = run(&s, &bad, None, 1 << 20).unwrap_err() else {
