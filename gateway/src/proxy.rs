@@ -341,7 +341,7 @@ impl Proxy {
             if !r.as_ref().is_some_and(|r| r.running()) || Instant::now() >= deadline {
                 return r;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
