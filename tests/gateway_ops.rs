@@ -1279,7 +1279,9 @@ fn background_responses_are_polled_continued_and_cancelled() {
         sim: engine::sim::SimConfig::default(),
         ..FleetOptions::default()
     });
-    fleet.start_gateway(KV_SERVICE, true);
+    let access = fleet.dir.path().join("access.jsonl");
+    let target = gateway::access_log::AccessLogTarget::File(access.clone());
+    fleet.start_gateway_with(KV_SERVICE, true, |c| c.access_log = Some(target));
     let question = "Describe the tides of the northern sea and what the harbour masters \
                     wrote about them over the years. "
         .repeat(2);
@@ -1446,6 +1448,48 @@ fn background_responses_are_polled_continued_and_cancelled() {
     ] {
         assert!(metrics.contains(line), "{line} not in\n{metrics}");
     }
+    // The access log: the accepting request's line, and the run's when it ended.
+    let lines_of = |id: &str| -> Vec<serde_json::Value> {
+        let rid = id.trim_start_matches("resp_");
+        std::fs::read_to_string(&access)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|l| l["request_id"] == rid)
+            .collect()
+    };
+    fleet.wait_for("the access lines", Duration::from_secs(5), || {
+        lines_of(&long_id).len() == 2
+    });
+    let lines = lines_of(&long_id);
+    let (accepted, ran) = match lines[0].get("background") {
+        Some(_) => (&lines[1], &lines[0]),
+        None => (&lines[0], &lines[1]),
+    };
+    assert_eq!(
+        (&accepted["status"], &accepted["worker"]),
+        (&json!(200), &json!(null))
+    );
+    assert_eq!(
+        (&ran["background"], &ran["status"], &ran["error"]),
+        (&json!(true), &json!(499), &json!("cancelled")),
+        "{ran}"
+    );
+    // Not streamed: nothing came back before the cancel.
+    assert!(
+        ran["worker"].is_string() && ran["ttft_ms"].is_null(),
+        "{ran}"
+    );
+    let done_line = lines_of(&id)
+        .into_iter()
+        .find(|l| l.get("background").is_some());
+    let done_line = done_line.expect("the first run's line");
+    assert_eq!(done_line["status"], 200, "{done_line}");
+    assert!(
+        done_line["response_bytes"].as_u64().unwrap() > 0,
+        "{done_line}"
+    );
+    assert!(done_line["ttft_ms"].is_number(), "{done_line}");
     // Deleting a finished background response.
     let d = call(&fleet, Method::DELETE, &format!("/v1/responses/{long_id}"));
     assert_eq!(d.json()["deleted"], true);

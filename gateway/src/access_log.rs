@@ -92,6 +92,60 @@ pub struct AccessRecord<'a> {
     pub ttft_ms: Option<f64>,
     /// A gateway-side error (the error type of a gateway answer, or what failed upstream).
     pub error: Option<&'a str>,
+    /// The line of a background response's run (`crate::background`), written when it ends;
+    /// the request that was answered `queued` has its own line. Absent on other lines.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub background: bool,
+}
+
+impl<'a> AccessRecord<'a> {
+    /// The line of the request `ctx`, which ends now: what it read and where it went, its
+    /// timings from its arrival.
+    pub(crate) fn of(
+        ctx: &'a crate::request::RequestCtx,
+        listener: Option<&'a str>,
+        method: &'a str,
+        path: &'a str,
+        client: Option<String>,
+        response_bytes: usize,
+    ) -> AccessRecord<'a> {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let since = |t: Option<std::time::Instant>| ctx.started.zip(t).map(|(s, t)| ms(t - s));
+        AccessRecord {
+            at_ms: receipts::now_ms(),
+            request_id: &ctx.request_id,
+            client_request_id: ctx.client_request_id.as_deref(),
+            client,
+            listener,
+            method,
+            path,
+            model: ctx.model.as_deref(),
+            service: ctx.service.as_ref().map(|s| s.name()),
+            tenant: ctx.tenant.as_ref().map(|t| t.id.0.as_str()),
+            status: ctx.status.unwrap_or(0),
+            worker: ctx.current.as_ref().map(|w| w.0.as_str()),
+            attempts: ctx.attempts,
+            refused_retries: ctx.refusals,
+            route_reason: ctx.decision.as_ref().map(|d| d.reason.as_str()),
+            rules_version: ctx.view.as_ref().map(|v| v.version()),
+            prompt_tokens: ctx
+                .decision
+                .as_ref()
+                .and_then(|d| d.prompt.as_ref())
+                .map(|p| p.prompt_tokens),
+            predicted_matched_tokens: ctx
+                .ticket
+                .as_ref()
+                .and_then(|t| t.ticket_unverified().predicted_matched_tokens),
+            request_bytes: ctx.body.len(),
+            response_bytes,
+            duration_ms: ctx.started.map_or(0.0, |s| ms(s.elapsed())),
+            decision_ms: since(ctx.decision_done),
+            ttft_ms: since(ctx.first_byte),
+            error: ctx.error.as_deref(),
+            background: ctx.job.is_some(),
+        }
+    }
 }
 
 /// An open access log: the queue's sending end and the writer thread.

@@ -302,6 +302,8 @@ pub fn queued_response(
 /// and of an answer other than 200 the start of its body (for the `error` recorded).
 pub(crate) struct Collector {
     head: RequestHeader,
+    /// Bytes of the worker's answer read.
+    read: usize,
     status: Option<u16>,
     error: Option<Value>,
     body: Vec<u8>,
@@ -314,6 +316,7 @@ impl Collector {
     pub(crate) fn new(head: RequestHeader, job: Option<Arc<Job>>) -> Collector {
         Collector {
             head,
+            read: 0,
             status: None,
             error: None,
             body: Vec::new(),
@@ -367,6 +370,7 @@ impl Downstream for Collector {
     }
 
     async fn body(&mut self, chunk: Bytes, _end: bool) -> Result<()> {
+        self.read += chunk.len();
         if self.status == Some(200) {
             if let Some(log) = self.job.as_ref().and_then(|j| j.events()) {
                 log.feed(&chunk);
@@ -378,12 +382,21 @@ impl Downstream for Collector {
     }
 }
 
+/// Where the request of a background response arrived (for its access log line).
+pub(crate) struct Origin {
+    /// The named listener (`None`: the VIP).
+    pub listener: Option<Arc<str>>,
+    /// The client's address.
+    pub client: Option<String>,
+}
+
 /// Runs the accepted background request of `ctx` (its decision taken, `ctx.job` set) to its
 /// end: `in_progress`, then the answer, `failed` or `cancelled`; then the request's
-/// bookkeeping (metrics, decision log) as for any request.
+/// bookkeeping (metrics, decision log, its access log line) as for any request.
 pub(crate) async fn run(
     data: Arc<DataPlane>,
     head: RequestHeader,
+    origin: Origin,
     mut ctx: RequestCtx,
     job: Arc<Job>,
 ) {
@@ -434,6 +447,17 @@ pub(crate) async fn run(
         log.end();
     }
     data.finish_request(&mut ctx);
+    if let Some(log) = &data.access {
+        let path = out.head.uri.path_and_query().map_or("", |p| p.as_str());
+        log.append(&crate::access_log::AccessRecord::of(
+            &ctx,
+            origin.listener.as_deref(),
+            out.head.method.as_str(),
+            path,
+            origin.client,
+            out.read,
+        ));
+    }
 }
 
 /// A `GET /v1/responses/{id}` query's stream: `Ok(None)` without `stream=true`, else the
@@ -729,6 +753,7 @@ mod tests {
     fn a_failure_names_what_failed() {
         let c = |status: Option<u16>, body: &[u8]| Collector {
             head: RequestHeader::build("POST", b"/v1/responses", None).unwrap(),
+            read: 0,
             status,
             error: None,
             body: body.to_vec(),

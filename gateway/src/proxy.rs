@@ -397,9 +397,14 @@ impl Proxy {
         ctx.model.clone_from(&job_ctx.model);
         ctx.body = job_ctx.body.clone();
         let head = session.req_header().clone();
+        let origin = crate::background::Origin {
+            listener: self.listener.clone(),
+            client: session.client_addr().map(|a| a.to_string()),
+        };
         tokio::spawn(crate::background::run(
             self.data.clone(),
             head,
+            origin,
             job_ctx,
             job.clone(),
         ));
@@ -937,41 +942,14 @@ impl ProxyHttp for Proxy {
         if let Some(log) = &self.data.access {
             let req = session.req_header();
             let path = req.uri.path_and_query().map_or("", |p| p.as_str());
-            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-            let since = |t: Option<Instant>| ctx.started.zip(t).map(|(s, t)| ms(t - s));
-            log.append(&crate::access_log::AccessRecord {
-                at_ms: receipts::now_ms(),
-                request_id: &ctx.request_id,
-                client_request_id: ctx.client_request_id.as_deref(),
-                client: session.client_addr().map(|a| a.to_string()),
-                listener: self.listener.as_deref(),
-                method: req.method.as_str(),
+            log.append(&crate::access_log::AccessRecord::of(
+                ctx,
+                self.listener.as_deref(),
+                req.method.as_str(),
                 path,
-                model: ctx.model.as_deref(),
-                service: ctx.service.as_ref().map(|s| s.name()),
-                tenant: ctx.tenant.as_ref().map(|t| t.id.0.as_str()),
-                status: ctx.status.unwrap_or(0),
-                worker: ctx.current.as_ref().map(|w| w.0.as_str()),
-                attempts: ctx.attempts,
-                refused_retries: ctx.refusals,
-                route_reason: ctx.decision.as_ref().map(|d| d.reason.as_str()),
-                rules_version: ctx.view.as_ref().map(|v| v.version()),
-                prompt_tokens: ctx
-                    .decision
-                    .as_ref()
-                    .and_then(|d| d.prompt.as_ref())
-                    .map(|p| p.prompt_tokens),
-                predicted_matched_tokens: ctx
-                    .ticket
-                    .as_ref()
-                    .and_then(|t| t.ticket_unverified().predicted_matched_tokens),
-                request_bytes: ctx.body.len(),
-                response_bytes: session.body_bytes_sent(),
-                duration_ms: ctx.started.map_or(0.0, |s| ms(s.elapsed())),
-                decision_ms: since(ctx.decision_done),
-                ttft_ms: since(ctx.first_byte),
-                error: ctx.error.as_deref(),
-            });
+                session.client_addr().map(|a| a.to_string()),
+                session.body_bytes_sent(),
+            ));
         }
     }
 
