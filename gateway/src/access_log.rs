@@ -261,6 +261,7 @@ mod tests {
             decision_ms: Some(0.2),
             ttft_ms: Some(4.0),
             error: None,
+            background: false,
         }
     }
 
