@@ -1650,3 +1650,51 @@ fn a_streamed_background_response_resumes_after_the_client_goes() {
     );
     fleet.stop();
 }
+
+/// `truncation: "auto"` (the Responses API; chat's extension of the same name) through the
+/// KV-exact gateway: a conversation over the context is answered, its oldest turns dropped,
+/// and the gateway routed on the same truncated prompt the worker ran (the audit's prompt
+/// parity); `disabled` is refused with `context_length_exceeded` by the gateway.
+#[test]
+fn truncation_auto_keeps_a_long_conversation_within_the_context() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let turn = |i: usize| format!("Turn {i}: tell me about the harbour and its ships. ").repeat(12);
+    let mut input = vec![json!({"role": "system", "content": "You are brief."})];
+    for i in 0..80 {
+        input.push(json!({"role": "user", "content": turn(i)}));
+        input.push(json!({"role": "assistant", "content": format!("Answer {i}.")}));
+    }
+    input.push(json!({"role": "user", "content": "And now?"}));
+    let body = |truncation: &str| json!({"model": "smol", "input": input, "max_output_tokens": 8, "truncation": truncation});
+    let refused = fleet.post("/v1/responses", &body("disabled"), &[]);
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(refused.json()["error"]["code"], "context_length_exceeded");
+    let r = fleet.post("/v1/responses", &body("auto"), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["truncation"], "auto");
+    let used = v["usage"]["input_tokens"].as_u64().unwrap();
+    let limit = fleet.workers[0].as_ref().unwrap().profile().context_limit as u64;
+    assert!(used + 8 <= limit, "{used} + 8 > {limit}");
+    println!("truncation auto: {used} input tokens of a {limit}-token context");
+    // Chat's extension of the same name.
+    let messages = input.clone();
+    let c = fleet.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": messages, "max_tokens": 8, "truncation": "auto"}),
+        &[],
+    );
+    assert_eq!(c.status, 200, "{}", c.text());
+    assert_eq!(c.json()["usage"]["prompt_tokens"].as_u64(), Some(used));
+    let report = fleet.audit();
+    assert!(
+        report.discrepancies.is_empty(),
+        "audit found discrepancies: {:?}",
+        report.discrepancies
+    );
+    fleet.stop();
+}

@@ -89,9 +89,12 @@ impl Job {
 /// `r` in status `status`, `error` set when given.
 fn moved(r: &StoredResponse, status: &str, error: Option<Value>) -> StoredResponse {
     let mut response = r.response.clone();
-    response["status"] = json!(status);
-    if let Some(e) = error {
-        response["error"] = e;
+    // A record read from a file or Redis is whatever was there: only an object moves on.
+    if let Value::Object(o) = &mut response {
+        o.insert("status".into(), json!(status));
+        if let Some(e) = error {
+            o.insert("error".into(), e);
+        }
     }
     r.with_response(response)
 }

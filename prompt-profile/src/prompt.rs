@@ -37,6 +37,9 @@ pub struct ChatPrompt {
     pub documents: Option<Vec<serde_json::Value>>,
     /// `chat_template_kwargs`: extra template variables (e.g. `enable_thinking`).
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// `truncation: "auto"`: a conversation over the token budget loses its oldest turns
+    /// instead of being refused ([`PromptProfile::tokenize_within`]).
+    pub truncate: bool,
 }
 
 impl ChatPrompt {
@@ -49,6 +52,7 @@ impl ChatPrompt {
             tools: None,
             documents: None,
             template_kwargs: serde_json::Map::new(),
+            truncate: false,
         }
     }
 
@@ -136,6 +140,10 @@ pub struct ChatTemplateFields {
     /// Default false; with `add_generation_prompt` true it is refused (as vLLM does).
     #[serde(default)]
     pub continue_final_message: Option<bool>,
+    /// `"auto"`: drop the oldest turns of a conversation over the budget; `"disabled"` (the
+    /// default): refuse it. The Responses API's `truncation`, carried to chat.
+    #[serde(default)]
+    pub truncation: Option<String>,
 }
 
 /// Template variables a request's `chat_template_kwargs` may not replace.
@@ -285,6 +293,16 @@ impl ChatTemplateFields {
                 "cannot be combined with add_generation_prompt = true (set it to false)".into(),
             ));
         }
+        let truncate = match self.truncation.as_deref() {
+            None | Some("disabled") => false,
+            Some("auto") => true,
+            Some(_) => {
+                return Err(err(
+                    "truncation".into(),
+                    "must be `auto` or `disabled`".into(),
+                ))
+            }
+        };
         Ok(ChatPrompt {
             messages,
             add_generation_prompt,
@@ -292,6 +310,7 @@ impl ChatTemplateFields {
             tools: self.tools,
             documents: self.documents,
             template_kwargs: kwargs,
+            truncate,
         })
     }
 }
@@ -429,14 +448,13 @@ impl PromptProfile {
                 if chat.messages.is_empty() {
                     return Err(ProfileError::EmptyPrompt { param: "messages" });
                 }
-                let text = self.render_chat(chat)?;
-                check(self.tokens_floor(text.len()))?;
-                let ids = self.encode_until(&text, budget.max_prompt_tokens(requested))?;
-                check(ids.len())?;
-                Ok(PromptTokens {
-                    rendered: Some(text),
-                    ids,
-                })
+                let whole = self.chat_within(chat, &check, budget, requested);
+                match whole {
+                    Err(e @ ProfileError::ContextLengthExceeded { .. }) if chat.truncate => {
+                        self.truncated(chat, &check, budget, requested).ok_or(e)
+                    }
+                    whole => whole,
+                }
             }
             PromptSource::Text(t) => {
                 check(self.tokens_floor(t.len()))?;
@@ -470,6 +488,67 @@ impl PromptProfile {
                 })
             }
         }
+    }
+}
+
+impl PromptProfile {
+    /// A chat prompt's tokens within `budget` (`check` refuses a count that breaks it).
+    fn chat_within(
+        &self,
+        chat: &ChatPrompt,
+        check: &dyn Fn(usize) -> Result<()>,
+        budget: TokenBudget,
+        requested: Option<usize>,
+    ) -> Result<PromptTokens> {
+        let text = self.render_chat(chat)?;
+        check(self.tokens_floor(text.len()))?;
+        let ids = self.encode_until(&text, budget.max_prompt_tokens(requested))?;
+        check(ids.len())?;
+        Ok(PromptTokens {
+            rendered: Some(text),
+            ids,
+        })
+    }
+
+    /// `truncation: "auto"`: the conversation without its oldest turns, as few dropped as fit
+    /// `budget`. The leading `system` / `developer` messages stay; a turn starts at a `user`
+    /// message, so a cut never separates a tool call from its result; the last `user` message
+    /// stays. `None` when even that does not fit (the caller's error stands). Fewer turns never
+    /// make a longer prompt, so the first cut that fits is found by bisection: O(log turns)
+    /// renderings.
+    fn truncated(
+        &self,
+        chat: &ChatPrompt,
+        check: &dyn Fn(usize) -> Result<()>,
+        budget: TokenBudget,
+        requested: Option<usize>,
+    ) -> Option<PromptTokens> {
+        let m = &chat.messages;
+        let lead = m
+            .iter()
+            .take_while(|x| matches!(x.role.as_str(), "system" | "developer"))
+            .count();
+        // Cuts: drop messages lead..cut, for each later `user` message at `cut`.
+        let cuts: Vec<usize> = (lead + 1..m.len())
+            .filter(|&i| m[i].role == "user")
+            .collect();
+        let attempt = |cut: usize| {
+            let mut shorter = chat.clone();
+            shorter.messages = m[..lead].iter().chain(&m[cut..]).cloned().collect();
+            self.chat_within(&shorter, check, budget, requested).ok()
+        };
+        let (mut lo, mut hi, mut best) = (0, cuts.len(), None);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match attempt(cuts[mid]) {
+                Some(t) => {
+                    best = Some(t);
+                    hi = mid;
+                }
+                None => lo = mid + 1,
+            }
+        }
+        best
     }
 }
 

@@ -14,14 +14,18 @@
 //! | `tool_choice` `{"type": "function", "name"}` | `{"type": "function", "function": {"name"}}` (strings as they are) |
 //! | `text.format` `text` / `json_object` / `json_schema` (`name`, `schema`, `strict`) | `response_format` |
 //! | `max_output_tokens` | `max_completion_tokens` |
+//! | `truncation` `auto` (`disabled`: nothing) | `truncation: "auto"` |
 //! | `stream` | `stream` with `stream_options.include_usage` |
 //! | `include: ["message.output_text.logprobs"]`, `top_logprobs` (0–20) | `logprobs: true` (either asks for it: `top_logprobs` > 0 alone too), `top_logprobs` |
 //! | `temperature`, `top_p`, `user`, `metadata`, `parallel_tool_calls`, `service_tier` and any other key | as they are (the chat validation judges them: an unknown key is `unknown_parameter`) |
 //!
+//! `truncation: "auto"` goes to chat as `truncation: "auto"` (a conversation over the context
+//! loses its oldest turns: `PromptProfile::tokenize_within`).
+//!
 //! Refused (`unsupported_parameter`, naming the field): `previous_response_id` and
 //! `conversation` (the worker stores nothing; the gateway resolves `previous_response_id`
 //! before this translation, `gateway::response_store`), `background: true`, `include` entries other than
-//! `message.output_text.logprobs`, `truncation: "auto"`, a non-empty `reasoning`, items and
+//! `message.output_text.logprobs`, a non-empty `reasoning`, items and
 //! content parts of other types (images, files, built-in tools). `store` is accepted and nothing
 //! is stored by the worker.
 //!
@@ -317,16 +321,14 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
         }
         o.remove(k);
     }
-    match o.remove("truncation") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "disabled" => {}
-        Some(_) => {
-            return Err(unsupported(
-                "truncation",
-                "only `disabled` (a prompt over the context is refused)",
-            ))
-        }
-    }
+    // `auto` goes to the chat prompt (`ChatTemplateFields::truncation`); the default,
+    // `disabled`, need not.
+    let truncate = match o.remove("truncation") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) if s == "disabled" => false,
+        Some(Value::String(s)) if s == "auto" => true,
+        Some(_) => return Err(invalid("truncation", "must be `auto` or `disabled`")),
+    };
     // Log probabilities: `include` asks for them, `top_logprobs` for their alternatives (the
     // chat validation judges the count).
     const LOGPROBS: &str = "message.output_text.logprobs";
@@ -366,6 +368,9 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Vec<u8>, BodyError> {
     }
     if logprobs {
         chat.insert("logprobs".into(), Value::Bool(true));
+    }
+    if truncate {
+        chat.insert("truncation".into(), json!("auto"));
     }
     if let Some(t) = top {
         chat.insert("top_logprobs".into(), t);
@@ -515,6 +520,14 @@ mod tests {
     }
 
     #[test]
+    fn truncation_auto_goes_to_chat_and_disabled_goes_nowhere() {
+        let c = chat(json!({"model": "m", "input": "x", "truncation": "auto"}));
+        assert_eq!(c["truncation"], "auto");
+        let c = chat(json!({"model": "m", "input": "x", "truncation": "disabled"}));
+        assert!(c.get("truncation").is_none(), "{c}");
+    }
+
+    #[test]
     fn a_response_repeats_the_request_fields_and_what_is_stored() {
         let body = br#"{"model":"m","input":"x","temperature":0.5,"metadata":{"k":"v"}}"#;
         let m = echoed_fields(body, None);
@@ -651,8 +664,8 @@ mod tests {
                 "background",
             ),
             (
-                json!({"model": "m", "input": "x", "truncation": "auto"}),
-                "unsupported_parameter",
+                json!({"model": "m", "input": "x", "truncation": "some"}),
+                "invalid_value",
                 "truncation",
             ),
             (

@@ -372,3 +372,83 @@ fn architecture_and_end_of_generation_ids() {
     );
     assert_eq!(g.id_to_token(106).as_deref(), Some("<end_of_turn>"));
 }
+
+/// `truncation: "auto"`: a conversation over the budget keeps its system message and its
+/// newest turns — as few turns dropped as fit — and is tokenized exactly as that shorter
+/// conversation sent whole; a cut never starts at an assistant or tool message; a last user
+/// message too long alone is still refused; within the budget nothing is dropped.
+#[test]
+fn truncation_auto_drops_the_oldest_turns_that_do_not_fit() {
+    use prompt_profile::{ChatPrompt, PromptSource, TokenBudget};
+    let p = profile();
+    let budget = TokenBudget {
+        context_limit: 2048,
+        native_reserve: 0,
+    };
+    let turn = |i: usize| format!("Turn {i}: tell me about the printing press. ").repeat(8);
+    let mut msgs = vec![ChatMessage::new("system", "You are brief.".to_owned())];
+    for i in 0..40 {
+        msgs.push(ChatMessage::new("user", turn(i)));
+        msgs.push(ChatMessage::new("assistant", format!("Answer {i}.")));
+    }
+    msgs.push(ChatMessage::new("user", "And now?".to_owned()));
+    let chat = |m: Vec<ChatMessage>, truncate: bool| {
+        let mut c = ChatPrompt::new(m);
+        c.truncate = truncate;
+        PromptSource::Chat(c)
+    };
+    let refused = p.tokenize_within(&chat(msgs.clone(), false), budget, Some(64));
+    assert_eq!(refused.unwrap_err().error_type(), "context_length_exceeded");
+    let cut = p
+        .tokenize_within(&chat(msgs.clone(), true), budget, Some(64))
+        .unwrap();
+    assert!(cut.ids.len() <= budget.max_prompt_tokens(Some(64)));
+    // The same as the conversation from its first kept user turn, sent whole; one more turn
+    // would not fit.
+    let text = cut.rendered.as_deref().unwrap();
+    assert!(text.contains("You are brief."));
+    let first = (1..msgs.len())
+        .find(|&i| msgs[i].role == "user" && text.contains(&turn((i - 1) / 2)))
+        .unwrap();
+    let kept: Vec<ChatMessage> = msgs[..1].iter().chain(&msgs[first..]).cloned().collect();
+    let whole = p
+        .tokenize_within(&chat(kept, false), budget, Some(64))
+        .unwrap();
+    assert_eq!(whole.ids, cut.ids);
+    let one_more: Vec<ChatMessage> = msgs[..1]
+        .iter()
+        .chain(&msgs[first - 2..])
+        .cloned()
+        .collect();
+    assert!(p
+        .tokenize_within(&chat(one_more, false), budget, Some(64))
+        .is_err());
+    println!(
+        "truncation auto: kept {} of {} messages, {} tokens",
+        msgs.len() - first + 1,
+        msgs.len(),
+        cut.ids.len()
+    );
+    // Within the budget: nothing dropped.
+    let short = msgs[..1]
+        .iter()
+        .chain(&msgs[75..])
+        .cloned()
+        .collect::<Vec<_>>();
+    assert_eq!(
+        p.tokenize_within(&chat(short.clone(), true), budget, Some(64))
+            .unwrap()
+            .ids,
+        p.tokenize_within(&chat(short, false), budget, Some(64))
+            .unwrap()
+            .ids
+    );
+    // A last user message over the budget alone: refused as before.
+    let mut long = msgs.clone();
+    long.push(ChatMessage::new("assistant", "ok".to_owned()));
+    long.push(ChatMessage::new("user", "word ".repeat(4000)));
+    let e = p
+        .tokenize_within(&chat(long, true), budget, Some(64))
+        .unwrap_err();
+    assert_eq!(e.error_type(), "context_length_exceeded");
+}

@@ -164,6 +164,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
                     chat_template_kwargs: req.chat_template_kwargs,
                     add_generation_prompt: req.add_generation_prompt,
                     continue_final_message: req.continue_final_message,
+                    truncation: None,
                 };
                 PromptSource::Chat(
                     fields

@@ -41,6 +41,7 @@ pub const CHAT_FIELDS: &[&str] = &[
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    "truncation",
     "functions",
     "function_call",
     "parallel_tool_calls",
@@ -194,6 +195,8 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,
     pub continue_final_message: Option<bool>,
+    /// `"auto"` / `"disabled"` (the Responses API's `truncation`, read by the prompt contract).
+    pub truncation: Option<String>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub parallel_tool_calls: Option<Value>,

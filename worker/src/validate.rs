@@ -619,6 +619,7 @@ pub fn chat(body: &[u8], schemas: &SchemaCache) -> Result<GenerationPlan, ApiErr
         chat_template_kwargs: r.chat_template_kwargs,
         add_generation_prompt: r.add_generation_prompt,
         continue_final_message: r.continue_final_message,
+        truncation: r.truncation,
     };
     // An invalid `tool_choice` is refused by the prompt contract below, naming the field.
     let choice = fields.tool_choice().ok();
