@@ -208,6 +208,22 @@ def main() -> int:
     assert text == rest[-1].response.output_text, (text, rest[-1].response.output_text)
     print("background streams ok")
 
+    # A conversation over the context, truncated from its start.
+    turns = [{"role": "system", "content": "You are brief."}]
+    for i in range(80):
+        turns.append({"role": "user", "content": f"Turn {i}: tell me about the harbour. " * 12})
+        turns.append({"role": "assistant", "content": f"Answer {i}."})
+    turns.append({"role": "user", "content": "And now?"})
+    try:
+        client.responses.create(model="smol", input=turns, max_output_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.body.get("code") == "context_length_exceeded", e.body
+    else:
+        raise AssertionError("a conversation over the context was accepted without truncation")
+    cut = client.responses.create(model="smol", input=turns, max_output_tokens=4, truncation="auto")
+    assert cut.truncation == "auto" and cut.usage.input_tokens + 4 <= 8192, cut.usage
+    print("truncation ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

@@ -611,7 +611,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("responses ok")
             && stdout.contains("stored responses ok")
             && stdout.contains("background responses ok")
-            && stdout.contains("background streams ok"),
+            && stdout.contains("background streams ok")
+            && stdout.contains("truncation ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
