@@ -518,6 +518,12 @@ pub fn final_event(r: &StoredResponse, number: u64) -> Option<Bytes> {
 /// client gone is noticed.
 const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(15);
 
+/// Sends an SSE comment; whether the client is still there.
+async fn keep_alive(session: &mut pingora::prelude::Session) -> bool {
+    let ping = Bytes::from_static(b": keep-alive\n\n");
+    session.write_response_body(Some(ping), false).await.is_ok()
+}
+
 /// Starts an SSE answer of the gateway's own (status 200).
 async fn stream_head(session: &mut pingora::prelude::Session, ctx: &mut RequestCtx) -> Result<()> {
     let mut resp = ResponseHeader::build(200, Some(4))?;
@@ -569,12 +575,7 @@ pub(crate) async fn stream(
             Ok(Ok(())) => {}
             Ok(Err(_)) => break,
             Err(_) => {
-                let ping = Bytes::from_static(b": keep-alive\n\n");
-                if session
-                    .write_response_body(Some(ping), false)
-                    .await
-                    .is_err()
-                {
+                if !keep_alive(session).await {
                     return Ok(true);
                 }
             }
@@ -609,12 +610,7 @@ where
         }
         if quiet.elapsed() >= KEEP_ALIVE {
             quiet = std::time::Instant::now();
-            let ping = Bytes::from_static(b": keep-alive\n\n");
-            if session
-                .write_response_body(Some(ping), false)
-                .await
-                .is_err()
-            {
+            if !keep_alive(session).await {
                 return Ok(true);
             }
         }
