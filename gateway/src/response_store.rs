@@ -1322,6 +1322,10 @@ mod tests {
         assert_eq!(a.peek("resp_bg").unwrap().status(), "completed");
         a.insert(turn("resp_t", &[], "x", "y")).unwrap();
         assert!(a.insert(turn("resp_t", &[], "x", "z")).is_none());
+        // Read back from a saved store while still running: its gateway stopped, so failed.
+        let file = ResponseStore::new(StoreLimits::DEFAULT);
+        assert!(file.restore(background("resp_r", "in_progress"), Duration::ZERO));
+        assert_eq!(file.peek("resp_r").unwrap().status(), "failed");
         // A deleted one stays deleted when its job writes its end afterwards.
         keep(&a, sh, background("resp_d", "in_progress"));
         block_on(remove(&a, sh, "resp_d"));
