@@ -8,12 +8,16 @@
 //! conversation); `next_turn` has every message but the last one cached (the next request of a
 //! growing conversation). `encode_uncached` is the plain `tokenizers` pipeline, whose own BPE
 //! word cache cannot be emptied from outside and stays warm.
+//!
+//! `truncation`: a ~16k-token conversation under a 4,096-token budget with `truncation: auto`
+//! (the bisection over its user turns), against tokenizing the conversation it keeps once
+//! (the same tokens), with the piece cache cold before each call and warm.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use prompt_profile::{ChatMessage, PromptProfile};
+use prompt_profile::{ChatMessage, ChatPrompt, PromptProfile, PromptSource, TokenBudget};
 use rand::{Rng, SeedableRng};
 
 fn model_path() -> PathBuf {
@@ -125,6 +129,55 @@ fn bench(c: &mut Criterion) {
         let text = profile.render(&messages, true).unwrap();
         g.bench_with_input(BenchmarkId::new("encode_uncached", n), &text, |b, t| {
             b.iter(|| profile.encode_uncached(t, true).unwrap())
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("truncation");
+    g.sample_size(20).measurement_time(Duration::from_secs(4));
+    let messages = chat(&profile, 16_000, 7);
+    let budget = TokenBudget {
+        context_limit: 4096,
+        native_reserve: 0,
+    };
+    let source = |m: Vec<ChatMessage>, truncate: bool| {
+        let mut c = ChatPrompt::new(m);
+        c.truncate = truncate;
+        PromptSource::Chat(c)
+    };
+    let long = source(messages.clone(), true);
+    let cut = profile.tokenize_within(&long, budget, Some(64)).unwrap();
+    let text = cut.rendered.clone().unwrap();
+    // The conversation it kept: the system message, then from the first kept user turn on.
+    let first = (1..messages.len())
+        .find(|&i| {
+            messages[i].role == "user" && messages[i].text().is_some_and(|t| text.contains(&t))
+        })
+        .unwrap();
+    let kept: Vec<ChatMessage> = messages[..1]
+        .iter()
+        .chain(&messages[first..])
+        .cloned()
+        .collect();
+    let kept = source(kept, false);
+    assert_eq!(
+        profile
+            .tokenize_within(&kept, budget, Some(64))
+            .unwrap()
+            .ids,
+        cut.ids
+    );
+    let n = cut.ids.len();
+    for (name, src) in [("auto", &long), ("kept_whole", &kept)] {
+        g.bench_with_input(BenchmarkId::new(format!("{name}_warm"), n), src, |b, s| {
+            b.iter(|| profile.tokenize_within(s, budget, Some(64)).unwrap())
+        });
+        g.bench_with_input(BenchmarkId::new(format!("{name}_cold"), n), src, |b, s| {
+            b.iter_batched(
+                || profile.clear_token_cache(),
+                |()| profile.tokenize_within(s, budget, Some(64)).unwrap(),
+                BatchSize::PerIteration,
+            )
         });
     }
     g.finish();
