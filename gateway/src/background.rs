@@ -444,7 +444,8 @@ pub(crate) async fn run(
             }
         }
     }
-    // Out of the registry before its stream ends: a resume from then on gets the record's end.
+    // Out of the running jobs (a streamed one among the ended streams kept) before its stream
+    // ends, so a resume from then on reads the ended log or the record.
     data.background.finished(job.id());
     if let Some(log) = job.events() {
         log.end();
