@@ -2017,44 +2017,85 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     for g in 0..3 {
         assert_eq!(status(&c, g, &long), "cancelled", "replica {}", g + 1);
     }
-    // A streamed one resumed through a replica that does not run it: its final event, once it
-    // has ended there.
-    let streamed = call(
-        &c,
-        0,
-        reqwest::Method::POST,
-        "/v1/responses",
-        Some(
-            json!({"model": "smol", "input": "A streamed question.", "max_output_tokens": 300,
-                    "background": true, "stream": true}),
-        ),
+    // A streamed one: its client reads a few events through replica 1 and goes; it resumes
+    // through replica 2 while replica 1 still runs it, from the events replica 1 mirrors in
+    // Redis, to the end.
+    let data_of = |text: &str| -> Vec<serde_json::Value> {
+        text.split("\n\n")
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(|d| serde_json::from_str::<serde_json::Value>(d).unwrap())
+            .collect()
+    };
+    let deltas = |events: &[serde_json::Value]| -> String {
+        events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| e["delta"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let first: Vec<serde_json::Value> = c.rt.block_on(async {
+        let url = format!("http://{}/v1/responses", c.gw(0).listen_addr);
+        let body = json!({"model": "smol", "input": "A streamed question.",
+                          "max_output_tokens": 300, "background": true, "stream": true});
+        let mut r = c.http.post(url).json(&body).send().await.unwrap();
+        let mut text = String::new();
+        loop {
+            let chunk = r.chunk().await.unwrap().expect("the stream ended early");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            if let Some(whole) = text.rfind("\n\n") {
+                let events = data_of(&text[..whole]);
+                if events.len() >= 8 {
+                    return events;
+                }
+            }
+        }
+    });
+    let id = first[0]["response"]["id"].as_str().unwrap().to_owned();
+    let cursor = first.last().unwrap()["sequence_number"].as_u64().unwrap();
+    assert!(
+        c.gw(0).data.background.get(&id).is_some(),
+        "still running on replica 1"
     );
-    let id = streamed
-        .text()
-        .lines()
-        .find_map(|l| l.strip_prefix("data: "))
-        .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-        .and_then(|v| v["response"]["id"].as_str().map(str::to_owned))
-        .unwrap();
     let r = call(
         &c,
         1,
         reqwest::Method::GET,
-        &format!("/v1/responses/{id}?stream=true&starting_after=5"),
+        &format!("/v1/responses/{id}?stream=true&starting_after={cursor}"),
         None,
     );
-    let last = r
-        .text()
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|d| serde_json::from_str::<serde_json::Value>(d).unwrap())
-        .collect::<Vec<_>>();
-    assert_eq!(last.len(), 1, "{}", r.text());
-    assert_eq!(
-        (&last[0]["type"], &last[0]["sequence_number"]),
-        (&json!("response.incomplete"), &json!(6))
+    let rest = data_of(&r.text());
+    assert_eq!(rest[0]["sequence_number"], cursor + 1, "{}", r.text());
+    for w in rest.windows(2) {
+        assert_eq!(
+            w[1]["sequence_number"].as_u64(),
+            w[0]["sequence_number"].as_u64().map(|n| n + 1)
+        );
+    }
+    let last = rest.last().unwrap();
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    assert_eq!(last["response"]["usage"]["output_tokens"], 300);
+    let text = last["response"]["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), text);
+    // A background response not streamed, resumed through another replica: its final event.
+    let quiet = start(&c, 0, 4);
+    c.wait_for("the quiet one's end", Duration::from_secs(10), || {
+        status(&c, 1, &quiet) == "incomplete"
+    });
+    let r = call(
+        &c,
+        2,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{quiet}?stream=true"),
+        None,
     );
-    assert_eq!(last[0]["response"]["usage"]["output_tokens"], 300);
+    let only = data_of(&r.text());
+    assert_eq!(only.len(), 1, "{}", r.text());
+    assert_eq!(
+        (&only[0]["type"], &only[0]["sequence_number"]),
+        (&json!("response.incomplete"), &json!(0))
+    );
     // A record left running by a replica that is gone (a crash: no last write) reads as failed;
     // one a live replica runs is left as it is.
     let store =

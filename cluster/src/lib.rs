@@ -22,6 +22,7 @@
 //! | `P:responses:bytes` | string, integer | the listed turns' bytes (≤ the budget after each store) | — |
 //! | `P:responses:deleted` | pub/sub channel: a deleted turn's id | every replica drops its copy at once ([`Store::response_deletions`]) | — |
 //! | `P:responses:cancel` | pub/sub channel: a background response's id | the replica running it cancels it ([`Store::cancel_response`]) | — |
+//! | `P:events:<id>` | stream: entry `<n + 1>-0` = event `n` of a streamed background response (field `e`: its SSE text), then one entry with field `end` | another replica resumes its stream from there ([`Store::append_events`], [`Store::events_after`]); at most [`MAX_STREAM_EVENTS`] entries (`MAXLEN ~`) | `PX` [`EVENTS_TTL`] after the last append |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
 //! Every write that must be atomic is one Lua script (`EVALSHA`) or one `MULTI` pipeline, so a
@@ -234,6 +235,10 @@ impl Keys {
     pub fn response_deletions(&self) -> String {
         format!("{}:responses:deleted", self.prefix)
     }
+    /// A streamed background response's events ([`Store::append_events`]).
+    pub fn events(&self, id: &str) -> String {
+        format!("{}:events:{id}", self.prefix)
+    }
     /// The channel a background response's cancel is published on
     /// ([`Store::cancel_response`]).
     pub fn response_cancels(&self) -> String {
@@ -298,6 +303,62 @@ return old
 /// The value a deleted stored response leaves under `P:response:<id>` for its TTL, so that the
 /// replicas holding a copy learn of the deletion ([`Store::retire_response`]).
 pub const RESPONSE_DELETED: &str = "deleted";
+
+/// The most entries one background response's event stream keeps in Redis (`MAXLEN ~`).
+pub const MAX_STREAM_EVENTS: u64 = 65_536;
+
+/// How long a background response's event stream stays after its last append.
+pub const EVENTS_TTL: Duration = Duration::from_secs(300);
+
+/// One entry of a background response's event stream ([`Store::events_after`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamEntry {
+    /// Event `n` (its sequence number) and its SSE text.
+    Event(u64, String),
+    /// The stream ended; no event `n` or later.
+    End(u64),
+}
+
+/// `XRANGE`'s answer as entries; anything not shaped as this module writes is skipped.
+fn stream_entries(raw: redis::Value) -> Vec<StreamEntry> {
+    let text = |v: &redis::Value| -> Option<String> {
+        match v {
+            redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+            redis::Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    };
+    let redis::Value::Array(items) = raw else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter_map(|item| {
+            let redis::Value::Array(pair) = item else {
+                return None;
+            };
+            let [id, fields] = pair.as_slice() else {
+                return None;
+            };
+            let n = text(id)?
+                .strip_suffix("-0")?
+                .parse::<u64>()
+                .ok()?
+                .checked_sub(1)?;
+            let redis::Value::Array(fields) = fields else {
+                return None;
+            };
+            match (
+                fields.first().and_then(text).as_deref(),
+                fields.get(1).and_then(text),
+            ) {
+                (Some("e"), Some(event)) => Some(StreamEntry::Event(n, event)),
+                (Some("end"), _) => Some(StreamEntry::End(n)),
+                _ => None,
+            }
+        })
+        .collect()
+}
 
 /// Atomic select-and-reserve (see [`Store::claim`]).
 /// KEYS: `P:claims:<w>` for the K candidates, then `P:lead:<key>` for the prompt's sampled chain
@@ -1012,6 +1073,64 @@ impl Store {
             .await?)
     }
 
+    /// Appends the events `first`, `first + 1`, … of the streamed background response `id` to
+    /// `P:events:<id>` (entry ids `<n + 1>-0`), then, with `end`, the end marker after them;
+    /// the key expires [`EVENTS_TTL`] after this append. One pipeline; an entry that is not
+    /// after the stream's last (written twice) fails the call.
+    pub async fn append_events(
+        &self,
+        id: &str,
+        first: u64,
+        events: &[String],
+        end: bool,
+    ) -> Result<()> {
+        let key = self.keys.events(id);
+        let mut p = redis::pipe();
+        let entry = |p: &mut redis::Pipeline, n: u64, field: &str, value: &str| {
+            p.cmd("XADD")
+                .arg(&key)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(MAX_STREAM_EVENTS)
+                .arg(format!("{}-0", n + 1))
+                .arg(field)
+                .arg(value)
+                .ignore();
+        };
+        for (i, e) in events.iter().enumerate() {
+            entry(&mut p, first + i as u64, "e", e);
+        }
+        if end {
+            entry(&mut p, first + events.len() as u64, "end", "1");
+        }
+        p.cmd("PEXPIRE")
+            .arg(&key)
+            .arg(EVENTS_TTL.as_millis() as u64)
+            .ignore();
+        let mut con = self.con.clone();
+        p.query_async::<()>(&mut con).await?;
+        Ok(())
+    }
+
+    /// The entries of `P:events:<id>` from event `from` on, at most `count` (`XRANGE`).
+    pub async fn events_after(
+        &self,
+        id: &str,
+        from: u64,
+        count: usize,
+    ) -> Result<Vec<StreamEntry>> {
+        let mut con = self.con.clone();
+        let raw: redis::Value = redis::cmd("XRANGE")
+            .arg(self.keys.events(id))
+            .arg(format!("{}-0", from.saturating_add(1)))
+            .arg("+")
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut con)
+            .await?;
+        Ok(stream_entries(raw))
+    }
+
     /// Announces (or renews) a worker's registration for `lease`.
     pub async fn announce_worker(&self, rec: &WorkerRecord, lease: Duration) -> Result<()> {
         self.put_leased(
@@ -1153,6 +1272,32 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stream_entries_are_read_as_written_and_anything_else_is_skipped() {
+        use redis::Value;
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let entry =
+            |id: &str, f: &str, v: &str| Value::Array(vec![s(id), Value::Array(vec![s(f), s(v)])]);
+        let raw = Value::Array(vec![
+            entry("1-0", "e", "data: a\n\n"),
+            entry("2-0", "e", "data: b\n\n"),
+            entry("3-1", "e", "not ours"),
+            entry("0-0", "e", "no event -1"),
+            entry("4-0", "other", "x"),
+            Value::Int(3),
+            entry("5-0", "end", "1"),
+        ]);
+        assert_eq!(
+            stream_entries(raw),
+            [
+                StreamEntry::Event(0, "data: a\n\n".into()),
+                StreamEntry::Event(1, "data: b\n\n".into()),
+                StreamEntry::End(4),
+            ]
+        );
+        assert!(stream_entries(Value::Nil).is_empty());
+    }
 
     #[test]
     fn urls_and_redaction() {

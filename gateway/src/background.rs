@@ -35,7 +35,7 @@ use crate::error::GatewayError;
 use crate::event_log::{EventLog, Read};
 use crate::forward::Downstream;
 use crate::request::RequestCtx;
-use crate::response_store::{self, StoredResponse};
+use crate::response_store::{self, SharedTurns, StoredResponse};
 
 /// Default `--max-background-responses`.
 pub const DEFAULT_MAX_JOBS: usize = 256;
@@ -216,9 +216,7 @@ impl BackgroundJobs {
             ended(data, "cancelled");
         }
         job.cancel.cancel();
-        if let Some(log) = job.events() {
-            log.end();
-        }
+        end_stream(data, &job);
         done
     }
 
@@ -231,9 +229,27 @@ impl BackgroundJobs {
                 ended(data, "failed");
             }
             job.cancel.cancel();
-            if let Some(log) = job.events() {
-                log.end();
-            }
+            end_stream(data, &job);
+        }
+    }
+}
+
+/// Ends a streamed job's log, here and (cluster mode) in its mirror, once.
+fn end_stream(data: &DataPlane, job: &Job) {
+    let Some(log) = job.events() else { return };
+    if log.end() {
+        if let Some(shared) = data.shared_turns() {
+            shared.publish_events(job.id(), log.next_number(), Vec::new(), true);
+        }
+    }
+}
+
+/// Mirrors `job`'s events from `from` on (cluster mode).
+fn mirror(shared: Option<&dyn SharedTurns>, job: &Job, from: u64) {
+    if let (Some(shared), Some(log)) = (shared, job.events()) {
+        let events = log.texts_from(from);
+        if !events.is_empty() {
+            shared.publish_events(job.id(), from, events, false);
         }
     }
 }
@@ -312,11 +328,17 @@ pub(crate) struct Collector {
     body: Vec<u8>,
     /// A streamed response's job: a 200's events go to its log.
     job: Option<Arc<Job>>,
+    /// Cluster mode: where its events are mirrored.
+    shared: Option<Arc<dyn SharedTurns>>,
 }
 
 impl Collector {
-    /// For the request `head` of `job`.
-    pub(crate) fn new(head: RequestHeader, job: Option<Arc<Job>>) -> Collector {
+    /// For the request `head` of `job`, mirroring its events to `shared`.
+    pub(crate) fn new(
+        head: RequestHeader,
+        job: Option<Arc<Job>>,
+        shared: Option<Arc<dyn SharedTurns>>,
+    ) -> Collector {
         Collector {
             head,
             read: 0,
@@ -324,6 +346,7 @@ impl Collector {
             error: None,
             body: Vec::new(),
             job,
+            shared,
         }
     }
 
@@ -375,8 +398,12 @@ impl Downstream for Collector {
     async fn body(&mut self, chunk: Bytes, _end: bool) -> Result<()> {
         self.read += chunk.len();
         if self.status == Some(200) {
-            if let Some(log) = self.job.as_ref().and_then(|j| j.events()) {
-                log.feed(&chunk);
+            if let Some(job) = &self.job {
+                if let Some(log) = job.events() {
+                    let from = log.next_number();
+                    log.feed(&chunk);
+                    mirror(self.shared.as_deref(), job, from);
+                }
             }
         } else if self.body.len() + chunk.len() <= ERROR_BODY_CAP {
             self.body.extend_from_slice(&chunk);
@@ -409,7 +436,7 @@ pub(crate) async fn run(
             keep(&data, job.record("in_progress", None));
         }
     }
-    let mut out = Collector::new(head, Some(job.clone()));
+    let mut out = Collector::new(head, Some(job.clone()), data.shared_turns());
     let cancelled = tokio::select! {
         biased;
         _ = job.cancel.cancelled() => true,
@@ -435,7 +462,9 @@ pub(crate) async fn run(
         if job.end(|| keep(&data, failed)) {
             ended(&data, "failed");
             if let (Some(log), Some(e)) = (job.events(), event) {
+                let from = log.next_number();
                 log.push(e);
+                mirror(out.shared.as_deref(), &job, from);
             }
         } else if let Some(r) = data.responses.peek(job.id()) {
             // Ended by its answer (or a cancel that came first, counted there).
@@ -447,9 +476,7 @@ pub(crate) async fn run(
     // Out of the running jobs (a streamed one among the ended streams kept) before its stream
     // ends, so a resume from then on reads the ended log or the record.
     data.background.finished(job.id());
-    if let Some(log) = job.events() {
-        log.end();
-    }
+    end_stream(&data, &job);
     data.finish_request(&mut ctx);
     if let Some(log) = &data.access {
         let path = out.head.uri.path_and_query().map_or("", |p| p.as_str());
@@ -581,6 +608,92 @@ pub(crate) async fn stream(
                 }
             }
         }
+    }
+    let _ = session.write_response_body(Some(Bytes::new()), true).await;
+    Ok(true)
+}
+
+/// Cluster mode: a stream of a background response whose events this replica does not hold,
+/// from their mirror in the shared store (`P:events:<id>`): every event from `from` on, read
+/// every 100 ms as the running replica mirrors them, until the end marker. A cursor before the
+/// oldest entry kept gets an `error` event (`stream_events_gone`). When the mirror has nothing
+/// (a response not streamed, or its mirror expired or lost) and `poll` says the response has
+/// ended, three reads in a row, its final event ends the stream, as [`stream_end`]'s does.
+pub(crate) async fn stream_shared<F, Fut>(
+    session: &mut pingora::prelude::Session,
+    ctx: &mut RequestCtx,
+    shared: Arc<dyn SharedTurns>,
+    id: &str,
+    from: u64,
+    mut poll: F,
+) -> Result<bool>
+where
+    F: FnMut() -> Fut + Send,
+    Fut: std::future::Future<Output = Option<Arc<StoredResponse>>> + Send,
+{
+    use cluster::StreamEntry;
+    stream_head(session, ctx).await?;
+    let (mut next, mut quiet, mut ended_reads) = (from, std::time::Instant::now(), 0);
+    loop {
+        let entries = shared.events_from(id, next).await.unwrap_or_default();
+        let first = entries.first().map(|e| match e {
+            StreamEntry::Event(n, _) | StreamEntry::End(n) => *n,
+        });
+        if first.is_some_and(|n| n > next) {
+            let e = json!({"type": "error", "code": "stream_events_gone", "param": "starting_after",
+                "message": format!("events before {} are no longer kept: retrieve the response instead",
+                                   first.unwrap_or(next)),
+                "sequence_number": next});
+            let _ = session
+                .write_response_body(Some(last_event("error", &e)), false)
+                .await;
+            break;
+        }
+        let got = !entries.is_empty();
+        let mut ended = false;
+        for e in entries {
+            match e {
+                StreamEntry::Event(n, text) => {
+                    next = n + 1;
+                    let chunk = Bytes::from(text);
+                    if session
+                        .write_response_body(Some(chunk), false)
+                        .await
+                        .is_err()
+                    {
+                        return Ok(true);
+                    }
+                }
+                StreamEntry::End(_) => ended = true,
+            }
+        }
+        if ended {
+            break;
+        }
+        if got {
+            quiet = std::time::Instant::now();
+            continue;
+        }
+        match poll().await {
+            None => break,
+            Some(r) if !r.running() => {
+                ended_reads += 1;
+                if ended_reads >= 3 {
+                    if let Some(e) = final_event(&r, next) {
+                        let _ = session.write_response_body(Some(e), false).await;
+                    }
+                    break;
+                }
+            }
+            Some(_) => {}
+        }
+        if quiet.elapsed() >= KEEP_ALIVE {
+            quiet = std::time::Instant::now();
+            if !keep_alive(session).await {
+                return Ok(true);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     let _ = session.write_response_body(Some(Bytes::new()), true).await;
     Ok(true)
@@ -758,6 +871,7 @@ mod tests {
             error: None,
             body: body.to_vec(),
             job: None,
+            shared: None,
         };
         let ctx = RequestCtx::default();
         let e = c(

@@ -198,12 +198,15 @@ impl ClusterLink {
         let responses = control.data.responses.limits();
         if control.data.responses.enabled() {
             let (tx, rx) = tokio::sync::mpsc::channel(RESPONSES_QUEUE);
+            let (events, events_rx) = tokio::sync::mpsc::channel(EVENT_QUEUE);
             let shared = Arc::new(SharedResponses {
                 link: me.clone(),
                 tx,
+                events,
                 ttl: responses.idle_ttl,
                 pending_deletes: Mutex::new(HashSet::new()),
             });
+            handles.push(handle.spawn(write_events(me.clone(), events_rx)));
             control.data.shared_responses.store(Some(shared.clone()));
             handles.push(handle.spawn(write_responses(
                 me.clone(),
@@ -378,6 +381,8 @@ pub const SHARED_RESPONSES_TIMEOUT: Duration = Duration::from_millis(500);
 pub struct SharedResponses {
     link: Arc<ClusterLink>,
     tx: tokio::sync::mpsc::Sender<Arc<crate::response_store::StoredResponse>>,
+    /// Streamed background responses' events to mirror ([`write_events`]).
+    events: tokio::sync::mpsc::Sender<EventBatch>,
     ttl: Duration,
     /// Deletions made while Redis did not answer, written there by [`retry_deletes`] once it
     /// does (so that a turn deleted during an outage does not come back from Redis, or from
@@ -491,6 +496,27 @@ impl crate::response_store::SharedTurns for SharedResponses {
         let _ = self.tx.try_send(turn.clone());
     }
 
+    fn publish_events(&self, id: &str, first: u64, events: Vec<String>, end: bool) {
+        let batch = EventBatch {
+            id: id.to_owned(),
+            first,
+            events,
+            end,
+        };
+        if self.events.try_send(batch).is_err() {
+            tracing::debug!(id, "background stream events not mirrored: queue full");
+        }
+    }
+
+    async fn events_from(&self, id: &str, from: u64) -> Option<Vec<cluster::StreamEntry>> {
+        let store = self.store()?;
+        let read = store.events_after(id, from, EVENTS_PER_READ);
+        tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, read)
+            .await
+            .ok()?
+            .ok()
+    }
+
     fn cancel(&self, id: &str) {
         let (link, id) = (self.link.clone(), id.to_owned());
         // One PUBLISH, off the request path; the caller waits for the record, not for this.
@@ -599,6 +625,31 @@ async fn drain_to_store<T, F, Fut>(
             write(store, item).await;
         }
     }
+}
+
+/// Events of a streamed background response to mirror in Redis (`cluster::Store::append_events`).
+pub struct EventBatch {
+    id: String,
+    first: u64,
+    events: Vec<String>,
+    end: bool,
+}
+
+/// Event batches waiting to be mirrored; more are dropped (a resume through another replica
+/// then gets a gap: `stream_events_gone`, or the final event).
+const EVENT_QUEUE: usize = 4096;
+
+/// Entries read per `XRANGE` of a resume.
+const EVENTS_PER_READ: usize = 512;
+
+/// Mirrors streamed background responses' events to Redis, in order.
+async fn write_events(link: Arc<ClusterLink>, rx: tokio::sync::mpsc::Receiver<EventBatch>) {
+    drain_to_store(link, rx, |store, b| async move {
+        if let Err(e) = store.append_events(&b.id, b.first, &b.events, b.end).await {
+            tracing::debug!(error = %e, id = %b.id, "background stream events not mirrored");
+        }
+    })
+    .await
 }
 
 /// Writes the turns this replica stored to Redis, in order, within the replicas' budget

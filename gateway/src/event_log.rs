@@ -109,10 +109,22 @@ impl EventLog {
         g.first + g.events.len() as u64
     }
 
-    /// Ends the log: readers get what it holds, then the end.
-    pub fn end(&self) {
-        self.inner.lock().ended = true;
+    /// Ends the log: readers get what it holds, then the end. Whether it was open.
+    pub fn end(&self) -> bool {
+        let was_open = !std::mem::replace(&mut self.inner.lock().ended, true);
         self.changed.send_modify(|n| *n += 1);
+        was_open
+    }
+
+    /// The events from sequence number `from` on, as text (what another replica mirrors).
+    pub fn texts_from(&self, from: u64) -> Vec<String> {
+        match self.read(from) {
+            Read::Events(events, _) => events
+                .iter()
+                .map(|e| String::from_utf8_lossy(e).into_owned())
+                .collect(),
+            Read::Gone(_) => Vec::new(),
+        }
     }
 
     /// The events from sequence number `from` on.
@@ -204,8 +216,10 @@ mod tests {
         log.push(Bytes::from_static(b"data: 1\n\n"));
         assert!(rx.has_changed().unwrap());
         rx.borrow_and_update();
-        log.end();
+        assert!(log.end(), "open until now");
+        assert!(!log.end(), "ended once");
         assert!(rx.has_changed().unwrap());
+        assert_eq!(log.texts_from(0), ["data: 1\n\n"]);
         assert_eq!(events(log.read(0)), (vec!["data: 1\n\n".to_owned()], true));
         // Nothing is added after the end.
         log.push(Bytes::from_static(b"data: 2\n\n"));

@@ -311,15 +311,21 @@ impl Proxy {
             }
         }
         let data = self.data.clone();
-        let id = id.to_owned();
-        crate::background::stream_end(session, ctx, from, move || {
-            let (data, id) = (data.clone(), id.clone());
+        let key = id.to_owned();
+        let poll = move || {
+            let (data, id) = (data.clone(), key.clone());
             async move {
                 let shared = data.shared_turns();
                 crate::response_store::find(&data.responses, shared.as_deref(), &id).await
             }
-        })
-        .await
+        };
+        match self.data.shared_turns() {
+            // Cluster mode: the events another replica mirrored.
+            Some(shared) => {
+                crate::background::stream_shared(session, ctx, shared, id, from, poll).await
+            }
+            None => crate::background::stream_end(session, ctx, from, poll).await,
+        }
     }
 
     /// Cancels the background response `id`: here when this gateway runs it, else (cluster

@@ -551,6 +551,13 @@ pub trait SharedTurns: Send + Sync {
     async fn delete(&self, id: &str) -> Option<bool>;
     /// Asks the replica that runs the background response `id` to cancel it (never waits).
     fn cancel(&self, id: &str);
+    /// Mirrors events `first`, `first + 1`, … of the streamed background response `id` (with
+    /// `end`: then its end) for the other replicas' resumes (never waits: a full queue drops
+    /// them).
+    fn publish_events(&self, id: &str, first: u64, events: Vec<String>, end: bool);
+    /// The mirrored entries of the streamed background response `id` from event `from` on;
+    /// `None` when the shared store does not answer.
+    async fn events_from(&self, id: &str, from: u64) -> Option<Vec<cluster::StreamEntry>>;
 }
 
 /// How long a replica waits, at most, for a turn another replica has just stored to reach the
@@ -1282,6 +1289,10 @@ mod tests {
             Some(matches!(old, Some(Some(_))))
         }
         fn cancel(&self, _id: &str) {}
+        fn publish_events(&self, _id: &str, _first: u64, _events: Vec<String>, _end: bool) {}
+        async fn events_from(&self, _id: &str, _from: u64) -> Option<Vec<cluster::StreamEntry>> {
+            None
+        }
     }
 
     fn background(id: &str, status: &str) -> StoredResponse {
