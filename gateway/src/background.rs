@@ -49,7 +49,7 @@ const ERROR_BODY_CAP: usize = 16 << 10;
 
 /// One background response being run.
 pub struct Job {
-    /// The record as it was accepted (`queued`): the next states are written from it.
+    /// The record as it was accepted (`queued`, as stored): the next states are written from it.
     pending: Arc<StoredResponse>,
     /// `false` once a final state was written.
     running: Mutex<bool>,
@@ -579,11 +579,8 @@ pub(crate) async fn stream(
         rx.borrow_and_update();
         match log.read(next) {
             Read::Gone(first) => {
-                let e = json!({"type": "error", "code": "stream_events_gone", "param": "starting_after",
-                    "message": format!("events before {first} are no longer kept: retrieve the response instead"),
-                    "sequence_number": next});
                 let _ = session
-                    .write_response_body(Some(last_event("error", &e)), false)
+                    .write_response_body(Some(events_gone(first, next)), false)
                     .await;
                 break;
             }
@@ -613,16 +610,28 @@ pub(crate) async fn stream(
     Ok(true)
 }
 
-/// Cluster mode: a stream of a background response whose events this replica does not hold,
-/// from their mirror in the shared store (`P:events:<id>`): every event from `from` on, read
-/// every 100 ms as the running replica mirrors them, until the end marker. A cursor before the
-/// oldest entry kept gets an `error` event (`stream_events_gone`). When the mirror has nothing
-/// (a response not streamed, or its mirror expired or lost) and `poll` says the response has
-/// ended, three reads in a row, its final event ends the stream, as [`stream_end`]'s does.
-pub(crate) async fn stream_shared<F, Fut>(
+/// The `error` event of a resume from `next`, before the oldest event kept (`first`).
+fn events_gone(first: u64, next: u64) -> Bytes {
+    let e = json!({"type": "error", "code": "stream_events_gone", "param": "starting_after",
+        "message": format!("events before {first} are no longer kept: retrieve the response instead"),
+        "sequence_number": next});
+    last_event("error", &e)
+}
+
+/// A stream of a background response whose events this gateway does not hold (it ended and
+/// its events are no longer kept, it was not streamed, or another replica runs it).
+///
+/// With a `mirror` (cluster mode: the events the running replica mirrors in the shared store,
+/// `P:events:<id>`): every event from `from` on, read every 100 ms as they are mirrored, until
+/// the end marker; a cursor before the oldest entry kept gets an `error` event
+/// (`stream_events_gone`). When there are no events to read, `poll` (the record) is read with
+/// keep-alive comments until the response has ended — three reads in a row with a mirror, whose
+/// last events may still be on their way; one without, polled every 250 ms — and its final
+/// event (numbered as the next event) ends the stream.
+pub(crate) async fn stream_elsewhere<F, Fut>(
     session: &mut pingora::prelude::Session,
     ctx: &mut RequestCtx,
-    shared: Arc<dyn SharedTurns>,
+    mirror: Option<Arc<dyn SharedTurns>>,
     id: &str,
     from: u64,
     mut poll: F,
@@ -632,20 +641,23 @@ where
     Fut: std::future::Future<Output = Option<Arc<StoredResponse>>> + Send,
 {
     use cluster::StreamEntry;
+    let (pause, ended_reads_needed) = match mirror {
+        Some(_) => (std::time::Duration::from_millis(100), 3),
+        None => (std::time::Duration::from_millis(250), 1),
+    };
     stream_head(session, ctx).await?;
     let (mut next, mut quiet, mut ended_reads) = (from, std::time::Instant::now(), 0);
     loop {
-        let entries = shared.events_from(id, next).await.unwrap_or_default();
+        let entries = match &mirror {
+            Some(m) => m.events_from(id, next).await.unwrap_or_default(),
+            None => Vec::new(),
+        };
         let first = entries.first().map(|e| match e {
             StreamEntry::Event(n, _) | StreamEntry::End(n) => *n,
         });
-        if first.is_some_and(|n| n > next) {
-            let e = json!({"type": "error", "code": "stream_events_gone", "param": "starting_after",
-                "message": format!("events before {} are no longer kept: retrieve the response instead",
-                                   first.unwrap_or(next)),
-                "sequence_number": next});
+        if let Some(first) = first.filter(|&n| n > next) {
             let _ = session
-                .write_response_body(Some(last_event("error", &e)), false)
+                .write_response_body(Some(events_gone(first, next)), false)
                 .await;
             break;
         }
@@ -678,7 +690,7 @@ where
             None => break,
             Some(r) if !r.running() => {
                 ended_reads += 1;
-                if ended_reads >= 3 {
+                if ended_reads >= ended_reads_needed {
                     if let Some(e) = final_event(&r, next) {
                         let _ = session.write_response_body(Some(e), false).await;
                     }
@@ -693,42 +705,7 @@ where
                 return Ok(true);
             }
         }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let _ = session.write_response_body(Some(Bytes::new()), true).await;
-    Ok(true)
-}
-
-/// A stream of a background response this gateway does not run (it ended, or another replica
-/// runs it): waits, polling `poll` every 250 ms with keep-alive comments, for it to end, then
-/// sends its final event (numbered `number`) and ends.
-pub(crate) async fn stream_end<F, Fut>(
-    session: &mut pingora::prelude::Session,
-    ctx: &mut RequestCtx,
-    number: u64,
-    mut poll: F,
-) -> Result<bool>
-where
-    F: FnMut() -> Fut + Send,
-    Fut: std::future::Future<Output = Option<Arc<StoredResponse>>> + Send,
-{
-    stream_head(session, ctx).await?;
-    let mut quiet = std::time::Instant::now();
-    loop {
-        let Some(r) = poll().await else { break };
-        if !r.running() {
-            if let Some(e) = final_event(&r, number) {
-                let _ = session.write_response_body(Some(e), false).await;
-            }
-            break;
-        }
-        if quiet.elapsed() >= KEEP_ALIVE {
-            quiet = std::time::Instant::now();
-            if !keep_alive(session).await {
-                return Ok(true);
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        tokio::time::sleep(pause).await;
     }
     let _ = session.write_response_body(Some(Bytes::new()), true).await;
     Ok(true)

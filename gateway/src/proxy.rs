@@ -319,13 +319,9 @@ impl Proxy {
                 crate::response_store::find(&data.responses, shared.as_deref(), &id).await
             }
         };
-        match self.data.shared_turns() {
-            // Cluster mode: the events another replica mirrored.
-            Some(shared) => {
-                crate::background::stream_shared(session, ctx, shared, id, from, poll).await
-            }
-            None => crate::background::stream_end(session, ctx, from, poll).await,
-        }
+        // Cluster mode: from the events another replica mirrored.
+        let mirror = self.data.shared_turns();
+        crate::background::stream_elsewhere(session, ctx, mirror, id, from, poll).await
     }
 
     /// Cancels the background response `id`: here when this gateway runs it, else (cluster
@@ -381,13 +377,7 @@ impl Proxy {
             Err(err) => return respond_error(session, ctx, &err).await,
         };
         let shared = self.data.shared_turns();
-        crate::response_store::keep(
-            &self.data.responses,
-            shared.as_deref(),
-            capture
-                .pending_turn(id, pending.response.clone())
-                .run_by(gateway),
-        );
+        crate::response_store::keep(&self.data.responses, shared.as_deref(), pending.clone());
         // The request (its decision, load, drain guard, tenant slot) goes to the job; this
         // context keeps what the access log of the accepting answer reads.
         let mut job_ctx = std::mem::take(ctx);

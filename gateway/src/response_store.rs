@@ -215,14 +215,14 @@ impl StoredResponse {
     /// state).
     pub fn with_response(&self, response: Value) -> StoredResponse {
         StoredResponse {
+            id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            chain: self.chain.clone(),
+            input: self.input.clone(),
+            response,
             runner: self.runner.clone(),
-            ..StoredResponse::new(
-                self.id.clone(),
-                self.tenant.clone(),
-                self.chain.clone(),
-                self.input.clone(),
-                response,
-            )
+            items: String::new(),
+            bytes: 0,
         }
         .sized()
     }
@@ -374,8 +374,8 @@ impl ResponseStore {
 
     /// Keeps a turn; the kept turn, or `None` when storing is off, the turn is larger than
     /// [`StoreLimits::max_entry`], or its id is taken.
-    pub fn insert(&self, r: StoredResponse) -> Option<Arc<StoredResponse>> {
-        let r = Arc::new(r);
+    pub fn insert(&self, r: impl Into<Arc<StoredResponse>>) -> Option<Arc<StoredResponse>> {
+        let r = r.into();
         self.insert_at(r.clone(), Instant::now()).then_some(r)
     }
 
@@ -678,7 +678,11 @@ pub async fn conversation(
 }
 
 /// Keeps a turn here and shares it.
-pub fn keep(local: &ResponseStore, shared: Option<&dyn SharedTurns>, turn: StoredResponse) {
+pub fn keep(
+    local: &ResponseStore,
+    shared: Option<&dyn SharedTurns>,
+    turn: impl Into<Arc<StoredResponse>>,
+) {
     if let (Some(t), Some(s)) = (local.insert(turn), shared) {
         s.publish(&t);
     }
