@@ -224,6 +224,26 @@ def main() -> int:
     assert cut.truncation == "auto" and cut.usage.input_tokens + 4 <= 8192, cut.usage
     print("truncation ok")
 
+    # Counting input tokens: what a create of the same request is charged, a continued
+    # conversation counted whole; a round-robin service has no profile to count with.
+    ask = dict(model="smol", instructions="Be brief.", input="Where is the harbour?")
+    n = client.responses.input_tokens.count(**ask)
+    made = client.responses.create(max_output_tokens=4, temperature=0, **ask)
+    assert n.object == "response.input_tokens" and n.input_tokens == made.usage.input_tokens, (n, made.usage)
+    on = dict(model="smol", previous_response_id=made.id, input="And the ships?")
+    n2 = client.responses.input_tokens.count(**on)
+    made2 = client.responses.create(max_output_tokens=4, **on)
+    assert n.input_tokens < n2.input_tokens == made2.usage.input_tokens, (n2, made2.usage)
+    assert client.responses.input_tokens.count(model="smol", input=turns, truncation="auto").input_tokens \
+        == cut.usage.input_tokens
+    try:
+        client.responses.input_tokens.count(model="smol-rr", input="hi")
+    except openai.BadRequestError as e:
+        assert e.body.get("code") == "input_tokens_unavailable", e.body
+    else:
+        raise AssertionError("a round-robin service counted input tokens")
+    print(f"input tokens ok: {n.input_tokens}, continued {n2.input_tokens}")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

@@ -612,7 +612,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("stored responses ok")
             && stdout.contains("background responses ok")
             && stdout.contains("background streams ok")
-            && stdout.contains("truncation ok"),
+            && stdout.contains("truncation ok")
+            && stdout.contains("input tokens ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
@@ -1657,6 +1658,116 @@ fn a_streamed_background_response_resumes_after_the_client_goes() {
 /// and the gateway routed on the same truncated prompt the worker ran (the audit's prompt
 /// parity); `disabled` is refused with `context_length_exceeded` by the gateway.
 #[test]
+fn input_tokens_count_what_a_create_would_send() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    // kv_exact (its budget enforced, and not), and a round-robin service with no profile.
+    let services = format!(
+        "{KV_SERVICE}match = {{ models = [\"smol\"] }}\n\n[[services]]\nname = \"off\"\n\
+         pool = \"all\"\nmatch = {{ models = [\"smol-off\"] }}\ntoken_budget = \"off\"\n\
+         rule = {{ type = \"kv_exact\", profile = \"smol\" }}\n\n[[services]]\nname = \"rr\"\n\
+         pool = \"all\"\nmatch = {{ models = [\"smol-rr\"] }}\nrule = {{ type = \"round_robin\" }}\n"
+    );
+    fleet.start_gateway(&services, true);
+    let count = |body: &serde_json::Value| {
+        let r = fleet.post("/v1/responses/input_tokens", body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["object"], "response.input_tokens", "{v}");
+        v["input_tokens"].as_u64().unwrap()
+    };
+    let used = |r: &support::Reply| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["usage"]["input_tokens"].as_u64().unwrap()
+    };
+    // A first turn, with instructions and a tool: the count is the create's `input_tokens`.
+    let tool = json!({"type": "function", "name": "weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}});
+    let first = json!({"model": "smol", "instructions": "Be brief.", "input": "Where is the harbour?",
+        "tools": [tool], "max_output_tokens": 6});
+    let counted = count(&first);
+    let r = fleet.post("/v1/responses", &first, &[]);
+    assert_eq!(counted, used(&r));
+    // A continued conversation is counted whole, as the create sends it.
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    let next = json!({"model": "smol", "previous_response_id": id, "input": "And the ships?",
+        "max_output_tokens": 6});
+    let counted_next = count(&next);
+    assert!(counted_next > counted, "{counted_next} <= {counted}");
+    assert_eq!(counted_next, used(&fleet.post("/v1/responses", &next, &[])));
+    // Over the context: counted whole without truncation (a create is refused), and with
+    // `truncation: "auto"` the turns kept, on either budget policy.
+    let mut input = vec![json!({"role": "system", "content": "You are brief."})];
+    for i in 0..80 {
+        let turn = format!("Turn {i}: tell me about the harbour and its ships. ").repeat(12);
+        input.push(json!({"role": "user", "content": turn}));
+        input.push(json!({"role": "assistant", "content": format!("Answer {i}.")}));
+    }
+    input.push(json!({"role": "user", "content": "And now?"}));
+    let long = |model: &str, truncation: &str| {
+        json!({"model": model, "input": input,
+        "max_output_tokens": 8, "truncation": truncation})
+    };
+    let limit = fleet.workers[0].as_ref().unwrap().profile().context_limit as u64;
+    let whole = count(&long("smol", "disabled"));
+    assert!(whole > limit, "{whole} <= {limit}");
+    let refused = fleet.post("/v1/responses", &long("smol", "disabled"), &[]);
+    assert_eq!(refused.json()["error"]["code"], "context_length_exceeded");
+    for model in ["smol", "smol-off"] {
+        let kept = count(&long(model, "auto"));
+        assert!(
+            kept + 8 <= limit && kept < whole,
+            "{kept} of {whole}, limit {limit}"
+        );
+        assert_eq!(
+            kept,
+            used(&fleet.post("/v1/responses", &long(model, "auto"), &[]))
+        );
+    }
+    println!("input tokens: {counted}, continued {counted_next}, {whole} whole → truncated");
+    // What is refused, and how.
+    let refused = |body: Vec<u8>, status: u16, code: &str| {
+        let r = fleet.post_raw("/v1/responses/input_tokens", body, &[]);
+        assert_eq!(r.status, status, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], code, "{}", r.text());
+    };
+    let rr = json!({"model": "smol-rr", "input": "hi"});
+    refused(
+        serde_json::to_vec(&rr).unwrap(),
+        400,
+        "input_tokens_unavailable",
+    );
+    refused(b"[1, 2]".to_vec(), 400, "invalid_json");
+    let gone = json!({"model": "smol", "previous_response_id": "resp_gone", "input": "hi"});
+    refused(
+        serde_json::to_vec(&gone).unwrap(),
+        400,
+        "previous_response_not_found",
+    );
+    let bad = json!({"model": "smol", "input": 7});
+    refused(serde_json::to_vec(&bad).unwrap(), 400, "invalid_type");
+    let r = fleet.get("/v1/responses/input_tokens", None);
+    assert_eq!(r.status, 405, "{}", r.text());
+    // Counting asks no worker: the four creates answered are the routed decisions, and their
+    // audit (prompt parity included) is clean.
+    let report = fleet.audit();
+    assert!(
+        report.discrepancies.is_empty(),
+        "audit found discrepancies: {:?}",
+        report.discrepancies
+    );
+    assert_eq!(report.routed, 4, "{report}");
+    assert_eq!(
+        (report.parity.compared, report.parity.mismatched),
+        (4, 0),
+        "{report}"
+    );
+    fleet.stop();
+}
+
+#[test]
 fn truncation_auto_keeps_a_long_conversation_within_the_context() {
     let mut fleet = Fleet::workers(FleetOptions {
         workers: 2,
@@ -1696,6 +1807,12 @@ fn truncation_auto_keeps_a_long_conversation_within_the_context() {
         report.discrepancies.is_empty(),
         "audit found discrepancies: {:?}",
         report.discrepancies
+    );
+    // The gateway routed on the turns the workers kept.
+    assert_eq!(
+        (report.parity.compared, report.parity.mismatched),
+        (2, 0),
+        "{report}"
     );
     fleet.stop();
 }

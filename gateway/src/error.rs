@@ -80,6 +80,16 @@ pub enum GatewayError {
         /// The id asked for.
         id: String,
     },
+    /// `POST /v1/responses/input_tokens` on a service that pins no prompt profile (round
+    /// robin): the gateway has no tokenizer to count with.
+    #[error(
+        "service {service} pins no prompt profile (it routes round robin): input tokens are \
+         counted on a kv_exact service, whose profile is the workers' own"
+    )]
+    InputTokensUnavailable {
+        /// The service matched.
+        service: String,
+    },
     /// A conversation continued with `previous_response_id` is larger than the service's
     /// `max_body_bytes`.
     #[error(
@@ -278,6 +288,7 @@ impl GatewayError {
             GatewayError::NotBackground { .. } => "response_not_background",
             GatewayError::TooManyBackground { .. } => "too_many_background_responses",
             GatewayError::ConversationTooLarge { .. } => "conversation_too_large",
+            GatewayError::InputTokensUnavailable { .. } => "input_tokens_unavailable",
             GatewayError::Body(b) => b.code,
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
             GatewayError::Prompt { .. } => "prompt_render_failed",
@@ -311,6 +322,7 @@ impl GatewayError {
             | GatewayError::PreviousResponseNotFound { .. }
             | GatewayError::PreviousResponseNotReady { .. }
             | GatewayError::NotBackground { .. }
+            | GatewayError::InputTokensUnavailable { .. }
             | GatewayError::Body(_)
             | GatewayError::ContextLengthExceeded { .. }
             | GatewayError::RulesRejected { .. }

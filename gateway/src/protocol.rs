@@ -54,13 +54,19 @@ pub struct InferenceBody {
     pub scores_prompt: bool,
 }
 
+/// `POST /v1/responses/input_tokens`: the gateway counts the prompt itself (`proxy`,
+/// `route::input_tokens`).
+pub const INPUT_TOKENS_PATH: &str = "/v1/responses/input_tokens";
+
 /// The one method the OpenAI API serves on `path`, for the paths it defines; `None` for other
 /// paths (a round-robin service may forward anything there).
 pub fn allowed_method(path: &str) -> Option<&'static str> {
     match path.trim_end_matches('/') {
-        "/v1/chat/completions" | "/v1/completions" | "/v1/responses" | "/v1/embeddings" => {
-            Some("POST")
-        }
+        "/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/responses"
+        | "/v1/embeddings"
+        | INPUT_TOKENS_PATH => Some("POST"),
         "/v1/models" => Some("GET"),
         _ => None,
     }

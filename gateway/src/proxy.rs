@@ -411,6 +411,55 @@ impl Proxy {
         }
     }
 
+    /// `POST /v1/responses/input_tokens`: the prompt's tokens as a create of the same body would
+    /// send them (a conversation continued by `previous_response_id` whole), counted here with
+    /// the service's pinned profile ([`route::input_tokens`], on the routing pool); no worker is
+    /// asked, so nothing is decided, ticketed or receipted.
+    async fn count_input_tokens(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        service: &ServiceRoute,
+        body: Bytes,
+    ) -> Result<bool> {
+        let Some(profile) = service.prefix.as_ref().map(|p| p.profile.clone()) else {
+            let err = GatewayError::InputTokensUnavailable {
+                service: service.name().to_owned(),
+            };
+            return respond_error(session, ctx, &err).await;
+        };
+        let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
+        let shared = self.data.shared_turns();
+        let body = match crate::response_store::prepare(
+            &self.data.responses,
+            shared.as_deref(),
+            &body,
+            tenant,
+            service.spec().max_body_bytes,
+        )
+        .await
+        {
+            Ok(p) => p.body.unwrap_or(body),
+            Err(err) => return respond_error(session, ctx, &err).await,
+        };
+        let count = move || route::input_tokens(&profile, &body);
+        let counted = match &self.routing {
+            Some(pool) => pool
+                .run(count)
+                .await
+                .unwrap_or_else(|e| Err(pool_failed(e, "counting"))),
+            None => count(),
+        };
+        match counted {
+            Ok(n) => {
+                let answer =
+                    serde_json::json!({"object": "response.input_tokens", "input_tokens": n});
+                crate::request::respond_json(session, ctx, &answer).await
+            }
+            Err(err) => respond_error(session, ctx, &err).await,
+        }
+    }
+
     /// The 429 for a tenant over its limit (counted).
     fn limited(&self, t: &TenantSpec, l: crate::limits::Limited) -> GatewayError {
         self.data
@@ -446,6 +495,18 @@ impl Proxy {
             buf.extend_from_slice(&chunk);
         }
         Ok(Ok(buf.freeze()))
+    }
+}
+
+/// A job the routing pool did not run, as the client's error: 503 when its queue is full.
+fn pool_failed(e: PoolError, job: &str) -> GatewayError {
+    match e {
+        PoolError::Full => GatewayError::Overloaded {
+            what: "the routing pool's queue is full",
+        },
+        PoolError::Lost => GatewayError::Internal {
+            reason: format!("the {job} job did not complete"),
+        },
     }
 }
 
@@ -547,7 +608,8 @@ impl ProxyHttp for Proxy {
         };
         // A prompt-carrying body that is not a JSON object is the client's error, whatever the
         // rules match on.
-        if endpoint.is_some() {
+        let counting = path.trim_end_matches('/') == crate::protocol::INPUT_TOKENS_PATH;
+        if endpoint.is_some() || counting {
             if let Err(err) = crate::protocol::check_json_object(&body) {
                 return respond_error(session, ctx, &err).await;
             }
@@ -609,6 +671,9 @@ impl ProxyHttp for Proxy {
                 return respond_error(session, ctx, &err).await;
             }
         }
+        if counting {
+            return self.count_input_tokens(session, ctx, &service, body).await;
+        }
         // The Responses API's stored conversations: one continued by `previous_response_id` is
         // sent whole (and routed as such); an answer to store is read on its way back.
         let body = if endpoint == Some(Endpoint::Responses) {
@@ -652,18 +717,7 @@ impl ProxyHttp for Proxy {
                     .await
                 {
                     Ok(d) => d,
-                    Err(PoolError::Full) => (
-                        Err(GatewayError::Overloaded {
-                            what: "the routing pool's queue is full",
-                        }),
-                        None,
-                    ),
-                    Err(PoolError::Lost) => (
-                        Err(GatewayError::Internal {
-                            reason: "the routing job did not complete".into(),
-                        }),
-                        None,
-                    ),
+                    Err(e) => (Err(pool_failed(e, "routing")), None),
                 }
             } else {
                 route::decide_timed(&view, &self.data.index, &input)

@@ -1033,6 +1033,10 @@ pub enum Resource {
 /// `/v1/responses/{id}[/input_items|/cancel]` → the id and what is asked of it.
 pub fn resource_path(path: &str) -> Option<(&str, Resource)> {
     let rest = path.trim_end_matches('/').strip_prefix("/v1/responses/")?;
+    if rest == "input_tokens" {
+        // `POST /v1/responses/input_tokens`: a count, served on the service's profile.
+        return None;
+    }
     let (id, what) = match rest.split_once('/') {
         None => (rest, Resource::Response),
         Some((id, "input_items")) => (id, Resource::InputItems),
@@ -1657,5 +1661,6 @@ mod tests {
         );
         assert_eq!(resource_path("/v1/responses/resp_1/other"), None);
         assert_eq!(resource_path("/v1/responses"), None);
+        assert_eq!(resource_path("/v1/responses/input_tokens"), None);
     }
 }

@@ -207,7 +207,9 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
     let requested = body
         .max_tokens
         .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
-    let budget = (prefix.token_budget == TokenBudgetPolicy::Reject)
+    // A prompt that truncates needs the budget to know where to cut, whatever the policy: the
+    // worker cuts it there too.
+    let budget = (prefix.token_budget == TokenBudgetPolicy::Reject || body.prompt.truncates())
         .then(|| (prefix.profile.budget(), requested));
     let tok = prefix
         .profile
@@ -227,6 +229,27 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
         matches: Vec::new(),
         reads_cache: !body.scores_prompt,
     })
+}
+
+/// `POST /v1/responses/input_tokens` on a prefix-routed service: the prompt tokens the same
+/// body would send to a worker (its `usage.input_tokens`), by the pinned profile and the
+/// reading routing uses ([`InferenceBody::parse`] → `PromptProfile::tokenize_within`). With
+/// `truncation: "auto"` the count is of the turns kept; without it a prompt over the context is
+/// still counted (a create would be refused `context_length_exceeded`). O(body) CPU: callers
+/// run it on the routing pool.
+pub fn input_tokens(
+    profile: &crate::profile::LoadedProfile,
+    body: &[u8],
+) -> Result<usize, GatewayError> {
+    let body = InferenceBody::parse(Endpoint::Responses, body)?;
+    let requested = body
+        .max_tokens
+        .map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+    let budget = body
+        .prompt
+        .truncates()
+        .then(|| (profile.budget(), requested));
+    Ok(profile.tokenize(&body.prompt, budget)?.len())
 }
 
 /// A worker's load in `metric` given its queued (prefill, decode) tokens: in-flight requests

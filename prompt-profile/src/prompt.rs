@@ -335,6 +335,12 @@ impl PromptSource {
         }
     }
 
+    /// A chat that asks to lose its oldest turns rather than be refused (`truncation: "auto"`):
+    /// tokenizing it needs the token budget, whatever the caller's refusal policy.
+    pub fn truncates(&self) -> bool {
+        matches!(self, PromptSource::Chat(c) if c.truncate)
+    }
+
     /// No messages, no text, no ids.
     pub fn is_empty(&self) -> bool {
         match self {
