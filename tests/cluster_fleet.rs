@@ -2128,3 +2128,193 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }
+
+/// Conversations live in Redis: made through one replica, changed through the others at once
+/// without losing a change (each write a compare-and-set on the record's revision), a turn
+/// through one replica seen through the next, a deletion seen everywhere.
+#[test]
+fn conversations_are_shared_and_concurrent_changes_are_all_kept() {
+    use sha2::Digest;
+    let mut c = Cluster::new(3, 3);
+    let key_hash = hex::encode(sha2::Sha256::digest(b"tenant-key"));
+    let rules = format!(
+        "{}\n[[tenants]]\nid = \"t\"\napi_keys_sha256 = [\"{key_hash}\"]\n",
+        c.rules()
+    );
+    std::fs::write(c.dir.path().join("rules.toml"), rules).unwrap();
+    for g in 0..3 {
+        c.start_gateway(g);
+    }
+    let send = |c: &Cluster,
+                g: usize,
+                method: reqwest::Method,
+                path: &str,
+                body: Option<serde_json::Value>| {
+        let url = format!("http://{}{path}", c.gw(g).listen_addr);
+        let mut r = c.http.request(method, url);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        async move { Reply::read(r.send().await.unwrap()).await }
+    };
+    let call =
+        |c: &Cluster,
+         g: usize,
+         method: reqwest::Method,
+         path: &str,
+         body: Option<serde_json::Value>| { c.rt.block_on(send(c, g, method, path, body)) };
+    let made = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/conversations",
+        Some(json!({"items": [{"role": "system", "content": "You are brief."}]})),
+    );
+    assert_eq!(made.status, 200, "{}", made.text());
+    let id = made.json()["id"].as_str().unwrap().to_owned();
+    // 30 items added at once, 10 through each replica.
+    let adds: Vec<_> = (0..30)
+        .map(|i| {
+            send(
+                &c,
+                i % 3,
+                reqwest::Method::POST,
+                &format!("/v1/conversations/{id}/items"),
+                Some(json!({"items": [{"role": "user", "content": format!("note {i}")}]})),
+            )
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let replies = c.rt.block_on(futures::future::join_all(adds));
+    let took = started.elapsed();
+    let conflicts = replies.iter().filter(|r| r.status == 409).count();
+    for r in &replies {
+        assert!(r.status == 200 || r.status == 409, "{}", r.text());
+    }
+    let listed = |c: &Cluster, g: usize| -> Vec<String> {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::GET,
+            &format!("/v1/conversations/{id}/items?order=asc&limit=100"),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                i["content"]
+                    .as_str()
+                    .map_or_else(|| i["content"].to_string(), str::to_owned)
+            })
+            .collect()
+    };
+    let mut notes = listed(&c, 2);
+    assert_eq!(notes.remove(0), "You are brief.");
+    notes.sort();
+    let mut want: Vec<String> = replies
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.status == 200)
+        .map(|(i, _)| format!("note {i}"))
+        .collect();
+    want.sort();
+    assert_eq!(
+        notes, want,
+        "an accepted change was lost, or a refused one kept"
+    );
+    assert!(conflicts <= 3, "{conflicts} of 30 changes gave up");
+    println!(
+        "30 concurrent item adds through 3 replicas: {} kept, {conflicts} refused (409), {took:?}",
+        want.len()
+    );
+    for g in 0..2 {
+        assert_eq!(listed(&c, g).len(), want.len() + 1, "replica {}", g + 1);
+    }
+    // A turn through replica 2; its items read through replica 3, and the next turn through
+    // replica 1 is sent with them.
+    let turn = |c: &Cluster, g: usize, text: &str| {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::POST,
+            "/v1/responses",
+            Some(
+                json!({"model": "smol", "conversation": id, "input": text, "max_output_tokens": 4}),
+            ),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let before = listed(&c, 2).len();
+    let one = turn(&c, 1, "Where is the harbour?");
+    c.wait_for(
+        "the turn's items through replica 3",
+        Duration::from_secs(5),
+        || listed(&c, 2).len() == before + 2,
+    );
+    let two = turn(&c, 0, "And the ships?");
+    assert!(
+        two["usage"]["input_tokens"].as_u64() > one["usage"]["input_tokens"].as_u64(),
+        "{one} {two}"
+    );
+    c.wait_for(
+        "both turns through replica 2",
+        Duration::from_secs(5),
+        || listed(&c, 1).len() == before + 4,
+    );
+    // A tenant's conversation: only to its key, through any replica; a key that names no
+    // tenant is refused.
+    let keyed = |c: &Cluster, g: usize, method: reqwest::Method, path: &str, key: &str| {
+        let url = format!("http://{}{path}", c.gw(g).listen_addr);
+        let r = c
+            .http
+            .request(method, url)
+            .bearer_auth(key)
+            .json(&json!({}));
+        c.rt.block_on(async { Reply::read(r.send().await.unwrap()).await })
+    };
+    let mine = keyed(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/conversations",
+        "tenant-key",
+    );
+    assert_eq!(mine.status, 200, "{}", mine.text());
+    let mine = mine.json()["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/conversations/{mine}");
+    assert_eq!(
+        keyed(&c, 1, reqwest::Method::GET, &path, "tenant-key").status,
+        200
+    );
+    assert_eq!(call(&c, 1, reqwest::Method::GET, &path, None).status, 404);
+    let wrong = keyed(&c, 2, reqwest::Method::GET, &path, "wrong-key");
+    assert_eq!(
+        (wrong.status, &wrong.json()["error"]["code"]),
+        (401, &json!("invalid_api_key"))
+    );
+    // Deleted through replica 3: gone through the others.
+    let r = call(
+        &c,
+        2,
+        reqwest::Method::DELETE,
+        &format!("/v1/conversations/{id}"),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    for g in 0..2 {
+        let r = call(
+            &c,
+            g,
+            reqwest::Method::GET,
+            &format!("/v1/conversations/{id}"),
+            None,
+        );
+        assert_eq!(r.status, 404, "replica {}: {}", g + 1, r.text());
+    }
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}

@@ -244,6 +244,39 @@ def main() -> int:
         raise AssertionError("a round-robin service counted input tokens")
     print(f"input tokens ok: {n.input_tokens}, continued {n2.input_tokens}")
 
+    # Conversations: made, two turns in one (the second sent with the first), items added,
+    # read and deleted, the metadata changed, deleted.
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "system", "content": "You are brief."}],
+        metadata={"topic": "harbour"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "harbour"}, conv
+    a = client.responses.create(model="smol", conversation=conv.id, input="Where is the harbour?",
+                                max_output_tokens=4, temperature=0)
+    assert a.conversation is not None and a.conversation.id == conv.id, a
+    counted = client.responses.input_tokens.count(model="smol", conversation=conv.id, input="And the ships?")
+    b = client.responses.create(model="smol", conversation={"id": conv.id}, input="And the ships?",
+                                max_output_tokens=4, temperature=0)
+    assert counted.input_tokens == b.usage.input_tokens > a.usage.input_tokens, (counted, a.usage, b.usage)
+    listed = list(client.conversations.items.list(conv.id, order="asc", limit=2))
+    assert [i.role for i in listed] == ["system", "user", "assistant", "user", "assistant"], listed
+    assert listed[2].id == a.output[0].id, (listed[2], a.output[0])
+    added = client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": "A note."}])
+    note = added.data[0].id
+    assert client.conversations.items.retrieve(note, conversation_id=conv.id).id == note
+    client.conversations.items.delete(note, conversation_id=conv.id)
+    assert len(list(client.conversations.items.list(conv.id))) == 5
+    assert client.conversations.update(conv.id, metadata={"topic": "ships"}).metadata == {"topic": "ships"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "ships"}
+    assert client.conversations.delete(conv.id).deleted is True
+    try:
+        client.conversations.retrieve(conv.id)
+    except openai.NotFoundError as e:
+        assert e.body.get("code") == "conversation_not_found", e.body
+    else:
+        raise AssertionError("a deleted conversation was found")
+    print("conversations ok")
+
     # A legacy completion.
     c = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=3)
     assert c.choices and isinstance(c.choices[0].text, str), c

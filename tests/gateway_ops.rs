@@ -613,7 +613,8 @@ fn openai_python_client_through_the_gateway() {
             && stdout.contains("background responses ok")
             && stdout.contains("background streams ok")
             && stdout.contains("truncation ok")
-            && stdout.contains("input tokens ok"),
+            && stdout.contains("input tokens ok")
+            && stdout.contains("conversations ok"),
         "{stdout}"
     );
     // Every request the client sent was receipted, and on the KV-exact service the gateway's
@@ -989,6 +990,19 @@ fn stored_responses_survive_a_gateway_restart() {
     assert_eq!(r3.status, 200, "{}", r3.text());
     let three = r3.json();
     let id3 = three["id"].as_str().unwrap().to_owned();
+    // A conversation, made and changed just before the stop.
+    let conv = fleet.post(
+        "/v1/conversations",
+        &json!({"items": [{"role": "user", "content": "kept across restarts"}]}),
+        &[],
+    );
+    let conv = conv.json()["id"].as_str().unwrap().to_owned();
+    let r = fleet.post(
+        &format!("/v1/conversations/{conv}"),
+        &json!({"metadata": {"n": "2"}}),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
     fleet.gateway.take().unwrap().shutdown();
     #[cfg(unix)]
     {
@@ -1009,6 +1023,23 @@ fn stored_responses_survive_a_gateway_restart() {
         fleet.get(&format!("/v1/responses/{gone}"), None).status,
         404
     );
+    // The conversation too, at its last revision, and it goes on.
+    let got = fleet.get(&format!("/v1/conversations/{conv}"), None);
+    assert_eq!(got.json()["metadata"], json!({"n": "2"}), "{}", got.text());
+    let r = fleet.post(
+        &format!("/v1/conversations/{conv}/items"),
+        &json!({"items": [{"role": "user", "content": "and after"}]}),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let listed = fleet.get(&format!("/v1/conversations/{conv}/items?order=asc"), None);
+    let texts: Vec<serde_json::Value> = listed.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["content"].clone())
+        .collect();
+    assert_eq!(texts, [json!("kept across restarts"), json!("and after")]);
     fleet.wait_indexed(&w1, 3);
     let r4 = ask(
         &fleet,
@@ -1037,6 +1068,212 @@ fn stored_responses_survive_a_gateway_restart() {
     );
     assert_eq!(whole.status, 200, "{}", whole.text());
     assert_eq!(output_text(&whole.json()), output_text(&four));
+    let rep = fleet.audit();
+    assert!(rep.ok(), "{rep}");
+    assert_eq!(rep.parity.mismatched, 0, "{rep}");
+    fleet.stop();
+}
+
+#[test]
+fn conversations_hold_their_turns_and_items() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ..FleetOptions::default()
+    });
+    fleet.start_gateway(KV_SERVICE, true);
+    let system = "You are a harbour master. Answer in one short sentence. ".repeat(6);
+    let made = fleet.post(
+        "/v1/conversations",
+        &json!({"items": [{"role": "system", "content": system}], "metadata": {"topic": "harbour"}}),
+        &[],
+    );
+    assert_eq!(made.status, 200, "{}", made.text());
+    let conv = made.json();
+    let id = conv["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("conv_"), "{conv}");
+    assert_eq!(
+        (&conv["object"], &conv["metadata"]["topic"]),
+        (&json!("conversation"), &json!("harbour"))
+    );
+    let items = |fleet: &Fleet| -> Vec<serde_json::Value> {
+        let r = fleet.get(
+            &format!("/v1/conversations/{id}/items?order=asc&limit=100"),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"].as_array().unwrap().clone()
+    };
+    let turn = |fleet: &Fleet, text: &str, stream: bool| {
+        let body = json!({"model": "smol", "conversation": id, "input": text,
+            "max_output_tokens": 6, "temperature": 0, "stream": stream});
+        let r = fleet.post("/v1/responses", &body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r
+    };
+    // Two turns: each adds its input and its output; the second is sent with the first.
+    let t1 = turn(&fleet, "Where is the harbour?", false);
+    let one = t1.json();
+    assert_eq!(one["conversation"], json!({"id": id}), "{one}");
+    fleet.wait_indexed(&t1.worker(), 2);
+    let next = json!({"model": "smol", "conversation": id, "input": "And the ships?",
+        "max_output_tokens": 6, "temperature": 0});
+    let counted = fleet.post("/v1/responses/input_tokens", &next, &[]);
+    assert_eq!(counted.status, 200, "{}", counted.text());
+    let t2 = turn(&fleet, "And the ships?", true);
+    assert_eq!(t2.worker(), t1.worker());
+    assert_eq!(t2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    let two = streamed_response(&t2);
+    assert_eq!(
+        two["usage"]["input_tokens"],
+        counted.json()["input_tokens"],
+        "{two}"
+    );
+    assert!(
+        two["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 32
+    );
+    let held = items(&fleet);
+    let roles: Vec<&str> = held
+        .iter()
+        .map(|i| i["role"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        roles,
+        ["system", "user", "assistant", "user", "assistant"],
+        "{held:?}"
+    );
+    assert_eq!(held[2]["id"], one["output"][0]["id"]);
+    // The conversation is the one sent whole: the same answer.
+    let whole = fleet.post(
+        "/v1/responses",
+        &json!({"model": "smol", "max_output_tokens": 6, "temperature": 0, "input": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Where is the harbour?"},
+            {"role": "assistant", "content": output_text(&one)},
+            {"role": "user", "content": "And the ships?"}]}),
+        &[],
+    );
+    assert_eq!(output_text(&whole.json()), output_text(&two));
+    // Items added, read one by one, deleted; the metadata changed.
+    let added = fleet.post(
+        &format!("/v1/conversations/{id}/items"),
+        &json!({"items": [{"role": "user", "content": "Note: the tide is high."}]}),
+        &[],
+    );
+    assert_eq!(added.status, 200, "{}", added.text());
+    let note = added.json()["data"][0]["id"].as_str().unwrap().to_owned();
+    let got = fleet.get(&format!("/v1/conversations/{id}/items/{note}"), None);
+    assert_eq!(got.json()["content"], "Note: the tide is high.");
+    assert_eq!(items(&fleet).len(), 6);
+    let r = call(
+        &fleet,
+        Method::DELETE,
+        &format!("/v1/conversations/{id}/items/{note}"),
+    );
+    assert_eq!(
+        (r.status, &r.json()["id"]),
+        (200, &json!(id)),
+        "{}",
+        r.text()
+    );
+    assert_eq!(items(&fleet).len(), 5);
+    let r = fleet.post(
+        &format!("/v1/conversations/{id}"),
+        &json!({"metadata": {"topic": "ships"}}),
+        &[],
+    );
+    assert_eq!(
+        r.json()["metadata"],
+        json!({"topic": "ships"}),
+        "{}",
+        r.text()
+    );
+    // Newest first by default, in pages.
+    let page = fleet
+        .get(&format!("/v1/conversations/{id}/items?limit=2"), None)
+        .json();
+    assert_eq!(page["data"][0]["id"], held[4]["id"]);
+    assert_eq!(page["has_more"], json!(true));
+    // Refusals.
+    let code = |r: support::Reply, status: u16, code: &str| {
+        assert_eq!(r.status, status, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], code, "{}", r.text());
+    };
+    code(
+        fleet.get("/v1/conversations/conv_none", None),
+        404,
+        "conversation_not_found",
+    );
+    code(
+        fleet.post(
+            "/v1/responses",
+            &json!({"model": "smol", "conversation": "conv_none", "input": "x"}),
+            &[],
+        ),
+        404,
+        "conversation_not_found",
+    );
+    code(
+        fleet.post(
+            "/v1/responses",
+            &json!({"model": "smol", "conversation": id, "previous_response_id": one["id"], "input": "x"}),
+            &[],
+        ),
+        400,
+        "invalid_value",
+    );
+    code(
+        fleet.get(&format!("/v1/conversations/{id}/items/msg_none"), None),
+        404,
+        "item_not_found",
+    );
+    code(
+        fleet.get(&format!("/v1/responses/{id}"), None),
+        404,
+        "response_not_found",
+    );
+    let many: Vec<serde_json::Value> = (0..21)
+        .map(|i| json!({"role": "user", "content": i.to_string()}))
+        .collect();
+    code(
+        fleet.post("/v1/conversations", &json!({"items": many}), &[]),
+        400,
+        "invalid_value",
+    );
+    code(
+        fleet.post_raw("/v1/conversations", b"[]".to_vec(), &[]),
+        400,
+        "invalid_json",
+    );
+    code(
+        call(&fleet, Method::PUT, &format!("/v1/conversations/{id}")),
+        405,
+        "method_not_allowed",
+    );
+    code(
+        call(&fleet, Method::GET, "/v1/conversations"),
+        405,
+        "method_not_allowed",
+    );
+    // Deleted: gone, and no turn can be made in it.
+    let r = call(&fleet, Method::DELETE, &format!("/v1/conversations/{id}"));
+    assert_eq!(
+        r.json(),
+        json!({"id": id, "object": "conversation.deleted", "deleted": true})
+    );
+    code(
+        fleet.get(&format!("/v1/conversations/{id}"), None),
+        404,
+        "conversation_not_found",
+    );
+    let body = json!({"model": "smol", "conversation": id, "input": "x"});
+    code(
+        fleet.post("/v1/responses", &body, &[]),
+        404,
+        "conversation_not_found",
+    );
     let rep = fleet.audit();
     assert!(rep.ok(), "{rep}");
     assert_eq!(rep.parity.mismatched, 0, "{rep}");

@@ -246,15 +246,25 @@ impl Keys {
     }
 }
 
-/// Stores a turn unless its id is taken (with ARGV[7] `1`: replaces it unless it was deleted),
+/// Stores a turn unless its id is taken (with ARGV[7] `1`: replaces it unless it was deleted;
+/// with `2`, a conversation's record at revision ARGV[9]: replaces it when it holds the revision
+/// before (read from the record's start, `{"revision":N,`) or nothing, else not: -1 when it was
+/// deleted, 0 when it holds another revision),
 /// lists it, and keeps the listed turns within the budget (see [`Store::put_response`]).
 /// KEYS: `P:response:<id>`, `P:responses`, `P:responses:bytes`, `P:responses:size`.
-/// ARGV: id, value, TTL ms, budget bytes (0: none), now ms, `P:response:`, replace (`0`/`1`),
-/// [`RESPONSE_DELETED`].
+/// ARGV: id, value, TTL ms, budget bytes (0: none), now ms, `P:response:`, mode (`0`/`1`/`2`),
+/// [`RESPONSE_DELETED`], revision.
 /// Returns 0 when the id was taken (or deleted), else 1 + the turns evicted.
 const PUT_RESPONSE: &str = r#"
 if ARGV[7] == '1' then
   if redis.call('GET', KEYS[1]) == ARGV[8] then return 0 end
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+elseif ARGV[7] == '2' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur == ARGV[8] then return -1 end
+  if cur and tonumber(string.match(cur, '^{"revision":(%d+)') or '0') ~= tonumber(ARGV[9]) - 1 then
+    return 0
+  end
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 elseif not redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'NX') then return 0 end
 local now = tonumber(ARGV[5])
@@ -299,6 +309,28 @@ end
 redis.call('PUBLISH', KEYS[5], ARGV[1])
 return old
 "#;
+
+/// How [`PUT_RESPONSE`] writes a record.
+#[derive(Clone, Copy, Debug)]
+enum Write {
+    /// Unless the id is taken.
+    New,
+    /// Over what the id holds, unless it was deleted.
+    Replace,
+    /// A conversation's record at this revision: over the revision before only.
+    Revision(u64),
+}
+
+/// What [`Store::swap_response`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Swapped {
+    /// Written; that many other records evicted to stay within the budget.
+    Written(u64),
+    /// Not written: the key holds another revision than the one before.
+    Stale,
+    /// Not written: the record was deleted.
+    Deleted,
+}
 
 /// The value a deleted stored response leaves under `P:response:<id>` for its TTL, so that the
 /// replicas holding a copy learn of the deletion ([`Store::retire_response`]).
@@ -957,8 +989,36 @@ impl Store {
         budget: u64,
         now_ms: u64,
     ) -> Result<Option<u64>> {
-        self.write_response(id, json, ttl, budget, now_ms, false)
-            .await
+        let n = self
+            .write_response(id, json, ttl, budget, now_ms, Write::New)
+            .await?;
+        Ok(u64::try_from(n).ok().and_then(|n| n.checked_sub(1)))
+    }
+
+    /// [`Self::put_response`] of a conversation's record at `revision` (its JSON begins
+    /// `{"revision":N,`): written over revision `revision - 1` (or nothing), else not —
+    /// [`Swapped::Stale`] when the key holds another revision (another change came first),
+    /// [`Swapped::Deleted`] when the conversation was deleted. One script: a compare-and-set,
+    /// so each revision is written once and a change made on revision N lands only on N.
+    pub async fn swap_response(
+        &self,
+        id: &str,
+        json: &str,
+        revision: u64,
+        ttl: Duration,
+        budget: u64,
+        now_ms: u64,
+    ) -> Result<Swapped> {
+        Ok(
+            match self
+                .write_response(id, json, ttl, budget, now_ms, Write::Revision(revision))
+                .await?
+            {
+                -1 => Swapped::Deleted,
+                0 => Swapped::Stale,
+                n => Swapped::Written(n.unsigned_abs() - 1),
+            },
+        )
     }
 
     /// [`Self::put_response`] replacing what the id holds, unless the turn was deleted
@@ -972,10 +1032,13 @@ impl Store {
         budget: u64,
         now_ms: u64,
     ) -> Result<Option<u64>> {
-        self.write_response(id, json, ttl, budget, now_ms, true)
-            .await
+        let n = self
+            .write_response(id, json, ttl, budget, now_ms, Write::Replace)
+            .await?;
+        Ok(u64::try_from(n).ok().and_then(|n| n.checked_sub(1)))
     }
 
+    /// The write script ([`PUT_RESPONSE`]) in the mode of `how`.
     async fn write_response(
         &self,
         id: &str,
@@ -983,10 +1046,15 @@ impl Store {
         ttl: Duration,
         budget: u64,
         now_ms: u64,
-        replace: bool,
-    ) -> Result<Option<u64>> {
+        how: Write,
+    ) -> Result<i64> {
         let mut con = self.con.clone();
-        let n: u64 = self
+        let (mode, revision) = match how {
+            Write::New => ("0", 0),
+            Write::Replace => ("1", 0),
+            Write::Revision(r) => ("2", r),
+        };
+        let n: i64 = self
             .put_response_script
             .key(self.keys.response(id))
             .key(self.keys.responses())
@@ -998,11 +1066,12 @@ impl Store {
             .arg(budget)
             .arg(now_ms)
             .arg(self.keys.response_prefix())
-            .arg(if replace { "1" } else { "0" })
+            .arg(mode)
             .arg(RESPONSE_DELETED)
+            .arg(revision)
             .invoke_async(&mut con)
             .await?;
-        Ok(n.checked_sub(1))
+        Ok(n)
     }
 
     /// The listed stored turns' bytes (`P:responses:bytes`).

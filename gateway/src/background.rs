@@ -720,6 +720,7 @@ mod tests {
             store: true,
             background: true,
             previous_response_id: None,
+            conversation: None,
         };
         let r = queued_response(
             id,

@@ -199,12 +199,14 @@ impl ClusterLink {
         if control.data.responses.enabled() {
             let (tx, rx) = tokio::sync::mpsc::channel(RESPONSES_QUEUE);
             let (events, events_rx) = tokio::sync::mpsc::channel(EVENT_QUEUE);
+            let evictions = control.data.metrics.cluster_response_evictions.clone();
             let shared = Arc::new(SharedResponses {
                 link: me.clone(),
                 tx,
                 events,
                 ttl: responses.idle_ttl,
                 pending_deletes: Mutex::new(HashSet::new()),
+                evictions: evictions.clone(),
             });
             handles.push(handle.spawn(write_events(me.clone(), events_rx)));
             control.data.shared_responses.store(Some(shared.clone()));
@@ -212,7 +214,7 @@ impl ClusterLink {
                 me.clone(),
                 rx,
                 responses.idle_ttl,
-                control.data.metrics.cluster_response_evictions.clone(),
+                evictions,
             )));
             handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
             handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
@@ -389,6 +391,8 @@ pub struct SharedResponses {
     /// another replica's copy); meanwhile this replica reads them as deleted. At most
     /// [`MAX_PENDING_DELETES`].
     pending_deletes: Mutex<HashSet<String>>,
+    /// Records evicted from Redis to make room (`cluster_response_evictions_total`).
+    evictions: prometheus_client::metrics::counter::Counter,
 }
 
 /// Deletions kept for Redis while it does not answer; more are made on this replica only
@@ -527,6 +531,35 @@ impl crate::response_store::SharedTurns for SharedResponses {
                 }
             }
         });
+    }
+
+    async fn swap(
+        &self,
+        record: &Arc<crate::response_store::StoredResponse>,
+    ) -> Option<crate::response_store::Swap> {
+        use crate::response_store::Swap;
+        if self.pending_deletes.lock().contains(&record.id) {
+            return Some(Swap::Deleted);
+        }
+        let store = self.store()?;
+        let (json, budget) = (record.to_json(), self.link.settings.response_budget);
+        let write = store.swap_response(
+            &record.id,
+            &json,
+            record.revision,
+            self.ttl,
+            budget,
+            receipts::now_ms(),
+        );
+        let done = tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, write);
+        Some(match done.await.ok()?.ok()? {
+            cluster::Swapped::Written(evicted) => {
+                self.evictions.inc_by(evicted);
+                Swap::Written
+            }
+            cluster::Swapped::Stale => Swap::Stale,
+            cluster::Swapped::Deleted => Swap::Deleted,
+        })
     }
 
     async fn delete(&self, id: &str) -> Option<bool> {

@@ -90,18 +90,56 @@ pub enum GatewayError {
         /// The service matched.
         service: String,
     },
-    /// A conversation continued with `previous_response_id` is larger than the service's
-    /// `max_body_bytes`.
+    /// A conversation continued with `previous_response_id` (or `conversation`) is larger than
+    /// the service's `max_body_bytes`.
     #[error(
-        "the conversation continued by previous_response_id is {bytes} bytes, over the \
-         service's limit of {limit}: start a new conversation, or send a shorter one in `input`"
+        "the conversation continued by {param} is {bytes} bytes, over the service's limit of \
+         {limit}: start a new conversation, or send a shorter one in `input`"
     )]
     ConversationTooLarge {
+        /// The field that named it.
+        param: &'static str,
         /// Bytes of the continued request.
         bytes: usize,
         /// The service's `max_body_bytes`.
         limit: u64,
     },
+    /// No conversation of the caller has this id (never made here, deleted, expired, evicted).
+    #[error("no conversation with id {id:?}")]
+    ConversationNotFound {
+        /// The id asked for.
+        id: String,
+    },
+    /// A conversation has no item with this id.
+    #[error("conversation {conversation} has no item with id {id:?}")]
+    ItemNotFound {
+        /// The conversation.
+        conversation: String,
+        /// The item id asked for.
+        id: String,
+    },
+    /// A change would make a conversation's record larger than one record may be.
+    #[error(
+        "conversation {id} would be {bytes} bytes, over the {limit} one conversation may hold: \
+         start a new conversation"
+    )]
+    ConversationFull {
+        /// The conversation.
+        id: String,
+        /// Its record's size after the change.
+        bytes: usize,
+        /// The most one record may take (`--response-store-mb` / 4, at most 16 MiB).
+        limit: usize,
+    },
+    /// A conversation changed by other requests at each of its tries.
+    #[error("conversation {id} is being changed by other requests: try again")]
+    ConversationConflict {
+        /// The conversation.
+        id: String,
+    },
+    /// The Conversations API on a gateway that stores nothing (`--response-store-mb 0`).
+    #[error("this gateway stores no conversations (--response-store-mb 0)")]
+    ConversationsOff,
     /// The body is not the JSON a `kv_exact` service needs (or is not JSON at all).
     #[error("invalid request body: {reason}")]
     InvalidBody {
@@ -287,7 +325,13 @@ impl GatewayError {
             GatewayError::PreviousResponseNotReady { .. } => "previous_response_not_ready",
             GatewayError::NotBackground { .. } => "response_not_background",
             GatewayError::TooManyBackground { .. } => "too_many_background_responses",
-            GatewayError::ConversationTooLarge { .. } => "conversation_too_large",
+            GatewayError::ConversationTooLarge { .. } | GatewayError::ConversationFull { .. } => {
+                "conversation_too_large"
+            }
+            GatewayError::ConversationNotFound { .. } => "conversation_not_found",
+            GatewayError::ItemNotFound { .. } => "item_not_found",
+            GatewayError::ConversationConflict { .. } => "conversation_conflict",
+            GatewayError::ConversationsOff => "conversations_unavailable",
             GatewayError::InputTokensUnavailable { .. } => "input_tokens_unavailable",
             GatewayError::Body(b) => b.code,
             GatewayError::ContextLengthExceeded { .. } => "context_length_exceeded",
@@ -315,20 +359,25 @@ impl GatewayError {
             GatewayError::ServiceNotFound { .. }
             | GatewayError::ModelNotFound { .. }
             | GatewayError::NotFound { .. }
-            | GatewayError::ResponseNotFound { .. } => 404,
+            | GatewayError::ResponseNotFound { .. }
+            | GatewayError::ConversationNotFound { .. }
+            | GatewayError::ItemNotFound { .. } => 404,
             GatewayError::MethodNotAllowed { .. } => 405,
-            GatewayError::BodyTooLarge { .. } | GatewayError::ConversationTooLarge { .. } => 413,
+            GatewayError::BodyTooLarge { .. }
+            | GatewayError::ConversationTooLarge { .. }
+            | GatewayError::ConversationFull { .. } => 413,
             GatewayError::InvalidBody { .. }
             | GatewayError::PreviousResponseNotFound { .. }
             | GatewayError::PreviousResponseNotReady { .. }
             | GatewayError::NotBackground { .. }
             | GatewayError::InputTokensUnavailable { .. }
+            | GatewayError::ConversationsOff
             | GatewayError::Body(_)
             | GatewayError::ContextLengthExceeded { .. }
             | GatewayError::RulesRejected { .. }
             | GatewayError::Contract { .. } => 400,
             GatewayError::Unauthorized | GatewayError::InvalidApiKey { .. } => 401,
-            GatewayError::RulesConflict { .. } => 409,
+            GatewayError::RulesConflict { .. } | GatewayError::ConversationConflict { .. } => 409,
             GatewayError::RateLimited { .. } | GatewayError::TooManyBackground { .. } => 429,
             GatewayError::NoHealthyWorker { .. }
             | GatewayError::UpstreamUnavailable { .. }
@@ -357,8 +406,8 @@ impl GatewayError {
             GatewayError::Body(b) => b.param.as_deref(),
             GatewayError::ContextLengthExceeded { param, .. } => Some(param),
             GatewayError::PreviousResponseNotFound { .. }
-            | GatewayError::PreviousResponseNotReady { .. }
-            | GatewayError::ConversationTooLarge { .. } => Some("previous_response_id"),
+            | GatewayError::PreviousResponseNotReady { .. } => Some("previous_response_id"),
+            GatewayError::ConversationTooLarge { param, .. } => Some(param),
             GatewayError::ServiceNotFound { model: Some(_), .. }
             | GatewayError::ModelNotFound { .. } => Some("model"),
             _ => None,

@@ -19,6 +19,8 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::Session;
 use pingora::Result;
 
+use std::sync::Arc;
+
 use crate::data_plane::DataPlane;
 use crate::error::GatewayError;
 use crate::request::{respond_error, RequestCtx};
@@ -59,7 +61,7 @@ impl Downstream for Session {
 /// Forwards the buffered request of `ctx` and streams the answer to `session`. Always leaves a
 /// response on the session (an error response when no worker could be reached).
 pub(crate) async fn forward<D: Downstream + ?Sized>(
-    data: &DataPlane,
+    data: &Arc<DataPlane>,
     session: &mut D,
     ctx: &mut RequestCtx,
 ) -> Result<()> {

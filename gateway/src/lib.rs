@@ -28,6 +28,7 @@ pub mod admin;
 pub mod background;
 pub mod cluster;
 pub mod control_plane;
+pub mod conversation;
 pub mod data_plane;
 pub mod error;
 pub mod event_log;

@@ -224,13 +224,7 @@ impl Proxy {
             Resource::InputItems => "GET",
             Resource::Cancel => "POST",
         };
-        if !allowed.split(", ").any(|m| m == method) {
-            session.set_keepalive(None);
-            let err = GatewayError::MethodNotAllowed {
-                method: method.to_owned(),
-                path: session.req_header().uri.path().to_owned(),
-                allowed,
-            };
+        if let Some(err) = refuse_method(session, method, allowed) {
             return respond_error(session, ctx, &err).await;
         }
         if what == Resource::Cancel {
@@ -243,7 +237,10 @@ impl Proxy {
         let (local, shared) = (&self.data.responses, self.data.shared_turns());
         let shared = shared.as_deref();
         let not_found = GatewayError::ResponseNotFound { id: id.to_owned() };
-        let Some(r) = crate::response_store::find(local, shared, id).await else {
+        let Some(r) = crate::response_store::find(local, shared, id)
+            .await
+            .filter(|r| !r.is_conversation())
+        else {
             return respond_error(session, ctx, &not_found).await;
         };
         // A tenant's response: only to that tenant's key.
@@ -293,6 +290,122 @@ impl Proxy {
             },
         };
         crate::request::respond_json(session, ctx, &body).await
+    }
+
+    /// The Conversations API (`crate::conversation`; docs/gateway.md, "Conversations"): create,
+    /// read, change the metadata of and delete a conversation; list, add, read and delete its
+    /// items. A key, when one is sent, must be valid, and its tenant owns what it makes: another
+    /// caller gets 404, as for an id never made.
+    #[allow(clippy::too_many_arguments)]
+    async fn answer_conversation(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        view: &crate::view::View,
+        method: &str,
+        what: crate::conversation::Resource<'_>,
+        query: Option<&str>,
+    ) -> Result<bool> {
+        use crate::conversation::{self as conv, Resource};
+        let allowed = what.allowed();
+        if let Some(err) = refuse_method(session, method, allowed) {
+            return respond_error(session, ctx, &err).await;
+        }
+        let (local, shared) = (&self.data.responses, self.data.shared_turns());
+        let shared = shared.as_deref();
+        // The body (a POST's; another method's is read and ignored, so the connection stays
+        // usable), at most one record's size.
+        let cap = local.limits().max_entry().max(RETRY_BUFFER_LIMIT);
+        let body = match Self::read_body(session, cap).await? {
+            Ok(b) => b,
+            Err(limit) => {
+                session.set_keepalive(None);
+                return respond_error(session, ctx, &GatewayError::BodyTooLarge { limit }).await;
+            }
+        };
+        // A key that names a tenant: that tenant's conversations. A key that names none is
+        // refused where the rules define tenants, and means nothing where they define none
+        // (clients send one whatever the server).
+        if view.has_tenants() && session.req_header().headers.contains_key("authorization") {
+            match self.authenticate(view, session.req_header()) {
+                Ok(t) => ctx.tenant = Some(t),
+                Err(err) => return respond_error(session, ctx, &err).await,
+            }
+        }
+        if !local.enabled() {
+            return respond_error(session, ctx, &GatewayError::ConversationsOff).await;
+        }
+        let tenant = ctx.tenant.as_ref().map(|t| t.id.0.clone());
+        let tenant = tenant.as_deref();
+        let fields = if method == "POST" {
+            match conv::body_object(&body) {
+                Ok(o) => o,
+                Err(err) => return respond_error(session, ctx, &err).await,
+            }
+        } else {
+            serde_json::Map::new()
+        };
+        let rid = ctx.request_id.clone();
+        let answer: std::result::Result<serde_json::Value, GatewayError> = async {
+            Ok(match (what, method) {
+                (Resource::Collection, _) => {
+                    let items = conv::items(fields.get("items"), &rid)?;
+                    let metadata = conv::metadata(fields.get("metadata"))?;
+                    let created_at = crate::data_plane::now_ms() / 1000;
+                    let record =
+                        conv::create(&rid, tenant.map(str::to_owned), created_at, metadata, items);
+                    conv::object(&*conv::keep(local, shared, record).await?)
+                }
+                (Resource::Conversation(id), "GET") => {
+                    conv::object(&*conv::find(local, shared, id, tenant).await?)
+                }
+                (Resource::Conversation(id), "POST") => {
+                    let Some(metadata) = conv::metadata(fields.get("metadata"))? else {
+                        return Err(GatewayError::Body(prompt_profile::BodyError {
+                            code: "missing_parameter",
+                            param: Some("metadata".into()),
+                            message: "a conversation's update sets its `metadata`".into(),
+                        }));
+                    };
+                    let change = conv::set_metadata(metadata);
+                    conv::object(&*conv::update(local, shared, id, tenant, change).await?)
+                }
+                (Resource::Conversation(id), _) => {
+                    conv::find(local, shared, id, tenant).await?;
+                    crate::response_store::remove(local, shared, id).await;
+                    conv::deleted(id)
+                }
+                (Resource::Items(id), "GET") => {
+                    let r = conv::find(local, shared, id, tenant).await?;
+                    crate::response_store::items_page(r.input.clone(), query)?
+                }
+                (Resource::Items(id), _) => {
+                    let items = conv::items(fields.get("items"), &rid)?;
+                    if items.is_empty() {
+                        return Err(GatewayError::Body(prompt_profile::BodyError {
+                            code: "missing_parameter",
+                            param: Some("items".into()),
+                            message: "`items` names the items to add (1 to 20)".into(),
+                        }));
+                    }
+                    let added = items.clone();
+                    conv::update(local, shared, id, tenant, conv::append(items)).await?;
+                    crate::response_store::list(&added, false)
+                }
+                (Resource::Item(id, item), "GET") => {
+                    conv::item(&*conv::find(local, shared, id, tenant).await?, item)?
+                }
+                (Resource::Item(id, item), _) => {
+                    let change = conv::remove_item(id, item);
+                    conv::object(&*conv::update(local, shared, id, tenant, change).await?)
+                }
+            })
+        }
+        .await;
+        match answer {
+            Ok(body) => crate::request::respond_json(session, ctx, &body).await,
+            Err(err) => respond_error(session, ctx, &err).await,
+        }
     }
 
     /// `GET /v1/responses/{id}?stream=true[&starting_after=N]` of a background response: its
@@ -498,6 +611,24 @@ impl Proxy {
     }
 }
 
+/// The 405 for `method` on a path that serves `allowed` (`"GET, DELETE"`), when it is not one
+/// of them; the connection then closes (its body stays unread).
+fn refuse_method(
+    session: &mut Session,
+    method: &str,
+    allowed: &'static str,
+) -> Option<GatewayError> {
+    if allowed.split(", ").any(|m| m == method) {
+        return None;
+    }
+    session.set_keepalive(None);
+    Some(GatewayError::MethodNotAllowed {
+        method: method.to_owned(),
+        path: session.req_header().uri.path().to_owned(),
+        allowed,
+    })
+}
+
 /// A job the routing pool did not run, as the client's error: 503 when its queue is full.
 fn pool_failed(e: PoolError, job: &str) -> GatewayError {
     match e {
@@ -575,6 +706,13 @@ impl ProxyHttp for Proxy {
             );
             return self
                 .answer_stored(session, ctx, &view, &method, &id, what, query.as_deref())
+                .await;
+        }
+        // The Conversations API: the gateway's own.
+        if let Some(what) = crate::conversation::resource_path(&path) {
+            let query = session.req_header().uri.query().map(str::to_owned);
+            return self
+                .answer_conversation(session, ctx, &view, &method, what, query.as_deref())
                 .await;
         }
         let Some(limit) = view.body_limit_for(listener, host.as_deref(), &path) else {

@@ -72,15 +72,25 @@ impl Default for StoreLimits {
     }
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// Whether a record of `id` continuing `chain` is within [`MAX_TURNS`] and [`MAX_ID_LEN`].
 fn within_limits(id: &str, chain: &[String]) -> bool {
     chain.len() < MAX_TURNS && id.len() <= MAX_ID_LEN
 }
 
-/// One stored turn (also its JSON form in the shared store).
+/// One stored turn (also its JSON form in the shared store), or a conversation
+/// ([`crate::conversation`]: `response` is the conversation object, `input` its items).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct StoredResponse {
-    /// The response's `id` (`resp_…`).
+    /// A conversation's revision (1 when created, one more at each change); 0, and not written,
+    /// for a turn. First in the JSON, so that the shared store's compare-and-set reads it
+    /// without parsing the record (`{"revision":N,…`, docs/cluster.md).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub revision: u64,
+    /// The response's `id` (`resp_…`), or the conversation's (`conv_…`).
     pub id: String,
     /// The tenant that made it (`None` on services without API keys): only it may read,
     /// continue or delete it.
@@ -114,6 +124,7 @@ impl StoredResponse {
         response: Value,
     ) -> StoredResponse {
         StoredResponse {
+            revision: 0,
             id,
             tenant,
             chain,
@@ -124,6 +135,42 @@ impl StoredResponse {
             bytes: 0,
         }
         .sized()
+    }
+
+    /// A conversation's record at `revision`: `object` (its `id`, `created_at`, `metadata`) and
+    /// its items, owned by `tenant`.
+    pub fn conversation(
+        revision: u64,
+        tenant: Option<String>,
+        object: Value,
+        items: Vec<Value>,
+    ) -> StoredResponse {
+        StoredResponse {
+            revision,
+            id: object["id"].as_str().unwrap_or_default().to_owned(),
+            tenant,
+            chain: Vec::new(),
+            input: items,
+            response: object,
+            runner: None,
+            items: String::new(),
+            bytes: 0,
+        }
+        .sized()
+    }
+
+    /// Whether it is a conversation's record rather than a response's.
+    pub fn is_conversation(&self) -> bool {
+        self.response["object"] == "conversation"
+    }
+
+    /// Whether it may replace `old`, the record its id holds: a background response's later
+    /// state, a conversation's later revision. Any other id is written once.
+    fn supersedes(&self, old: &StoredResponse) -> bool {
+        if self.is_conversation() {
+            return old.is_conversation() && self.revision > old.revision;
+        }
+        old.background() && self.background() && self.stage() >= old.stage()
     }
 
     /// Its size counted anew (its JSON, then the items a continuation copies).
@@ -153,7 +200,7 @@ impl StoredResponse {
     /// Fills `items` and counts it in `bytes`.
     fn write_items(&mut self) {
         let mut items = String::new();
-        for item in self.input.iter().chain(self.output()) {
+        for item in self.input.iter().chain(self.output_items()) {
             if !items.is_empty() {
                 items.push(',');
             }
@@ -215,6 +262,7 @@ impl StoredResponse {
     /// state).
     pub fn with_response(&self, response: Value) -> StoredResponse {
         StoredResponse {
+            revision: self.revision,
             id: self.id.clone(),
             tenant: self.tenant.clone(),
             chain: self.chain.clone(),
@@ -252,7 +300,7 @@ impl StoredResponse {
     }
 
     /// Its output items.
-    fn output(&self) -> &[Value] {
+    pub fn output_items(&self) -> &[Value] {
         self.response["output"]
             .as_array()
             .map_or(&[], Vec::as_slice)
@@ -351,6 +399,9 @@ impl Inner {
 pub struct ResponseStore {
     limits: StoreLimits,
     inner: Mutex<Inner>,
+    /// One lock per conversation being changed here ([`ResponseStore::changing`]); an entry
+    /// nobody holds is dropped as others are taken.
+    changing: Mutex<HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl ResponseStore {
@@ -359,6 +410,7 @@ impl ResponseStore {
         ResponseStore {
             limits,
             inner: Mutex::new(Inner::default()),
+            changing: Mutex::new(HashMap::new()),
         }
     }
 
@@ -385,9 +437,7 @@ impl ResponseStore {
         }
         let mut g = self.inner.lock();
         if let Some(e) = g.entries.get(&r.id) {
-            // A background response's record moves on (queued, in_progress, its end); any
-            // other id is written once.
-            if !(e.record.background() && r.background() && r.stage() >= e.record.stage()) {
+            if !r.supersedes(&e.record) {
                 return false;
             }
             g.remove(&r.id);
@@ -411,6 +461,45 @@ impl ResponseStore {
             },
         );
         true
+    }
+
+    /// Waits for, then holds, the right to change conversation `id` on this replica: its
+    /// changes in the shared store are then made one at a time here, so that only replicas
+    /// contend for a revision ([`crate::conversation::share`]).
+    pub async fn changing(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut g = self.changing.lock();
+            if g.len() >= 1024 {
+                g.retain(|_, l| l.strong_count() > 0);
+            }
+            match g.get(id).and_then(std::sync::Weak::upgrade) {
+                Some(l) => l,
+                None => {
+                    let l = Arc::new(tokio::sync::Mutex::new(()));
+                    g.insert(id.to_owned(), Arc::downgrade(&l));
+                    l
+                }
+            }
+        };
+        lock.lock_owned().await
+    }
+
+    /// Keeps a conversation's record written to the shared store
+    /// ([`crate::conversation::share`]) in place of this replica's copy at that revision or an
+    /// earlier one (a copy at the same revision was a change made here first, which the
+    /// written record holds). Whether it was kept.
+    pub fn replace(&self, r: Arc<StoredResponse>) -> bool {
+        {
+            let mut g = self.inner.lock();
+            let older = g
+                .entries
+                .get(&r.id)
+                .is_some_and(|e| e.record.is_conversation() && e.record.revision <= r.revision);
+            if older {
+                g.remove(&r.id);
+            }
+        }
+        self.insert_at(r, Instant::now())
     }
 
     /// The turn `id`, whoever owns it (touched: it counts as used).
@@ -455,6 +544,7 @@ impl ResponseStore {
     ) -> Result<Vec<Arc<StoredResponse>>, MissingTurn> {
         let owned = |at: &str| {
             self.get_at(at, tenant, now)
+                .filter(|t| !t.is_conversation())
                 .ok_or_else(|| MissingTurn(at.to_owned()))
         };
         let last = owned(id)?;
@@ -537,6 +627,17 @@ pub enum Shared {
     Absent,
 }
 
+/// What the shared store did with a conversation's record ([`SharedTurns::swap`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Swap {
+    /// Written: it held an earlier revision, or nothing.
+    Written,
+    /// Not written: it holds this revision or a later one (another change came first).
+    Stale,
+    /// Not written: the conversation was deleted.
+    Deleted,
+}
+
 /// Where the other gateway replicas' turns are (cluster mode: Redis,
 /// [`crate::cluster::SharedResponses`]). Every call is bounded in time; `None` means the shared
 /// store did not answer, and the replica goes on with its own copies.
@@ -549,6 +650,10 @@ pub trait SharedTurns: Send + Sync {
     fn publish(&self, turn: &Arc<StoredResponse>);
     /// Deletes a turn everywhere; whether the shared store had it.
     async fn delete(&self, id: &str) -> Option<bool>;
+    /// Writes a conversation's record ([`crate::conversation`]) unless the shared store holds
+    /// that revision or a later one, or the conversation was deleted; `None` when the shared
+    /// store did not answer.
+    async fn swap(&self, record: &Arc<StoredResponse>) -> Option<Swap>;
     /// Asks the replica that runs the background response `id` to cancel it (never waits).
     fn cancel(&self, id: &str);
     /// Mirrors events `first`, `first + 1`, … of the streamed background response `id` (with
@@ -584,8 +689,11 @@ pub async fn find(
     let mut retries = SHARED_RETRIES.iter();
     loop {
         let here = local.peek(id);
-        // A background response still running here may have moved on there: read it whole.
-        let whole = here.as_ref().is_none_or(|h| h.running());
+        // A background response still running here, or a conversation, may have moved on
+        // there: read it whole.
+        let whole = here
+            .as_ref()
+            .is_none_or(|h| h.running() || h.is_conversation());
         match shared
             .fetch(&[id.to_owned()], &[whole])
             .await
@@ -609,8 +717,13 @@ pub async fn find(
 /// shared store does not answer); the copy already here when there is one.
 fn adopt(local: &ResponseStore, t: StoredResponse) -> Arc<StoredResponse> {
     if let Some(here) = local.peek(&t.id) {
-        // A background response's later state replaces the copy here.
-        if !(here.running() && t.background() && t.stage() > here.stage()) {
+        // A background response's later state, or a conversation's later revision, replaces
+        // the copy here.
+        let later = match t.is_conversation() {
+            true => t.supersedes(&here),
+            false => here.running() && t.background() && t.stage() > here.stage(),
+        };
+        if !later {
             return here;
         }
     }
@@ -636,7 +749,7 @@ pub async fn conversation(
         return local.turns(id, tenant);
     };
     let owned = |t: Option<Arc<StoredResponse>>, at: &str| {
-        t.filter(|t| t.tenant.as_deref() == tenant)
+        t.filter(|t| t.tenant.as_deref() == tenant && !t.is_conversation())
             .ok_or_else(|| MissingTurn(at.to_owned()))
     };
     // The named turn: this replica's copy (checked with the others below), else the shared
@@ -715,11 +828,12 @@ fn input_items(input: Option<&Value>) -> Result<Vec<Value>, GatewayError> {
     }
 }
 
-fn invalid(param: &str, code: &'static str, message: &str) -> GatewayError {
+/// A 400 about the body's `param`.
+pub(crate) fn invalid(param: &str, code: &'static str, message: impl Into<String>) -> GatewayError {
     GatewayError::Body(BodyError {
         code,
         param: Some(param.to_owned()),
-        message: message.to_owned(),
+        message: message.into(),
     })
 }
 
@@ -799,12 +913,37 @@ pub async fn prepare(
             ))
         }
     };
+    let conv = match o.get("conversation") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(Value::Object(c))
+            if c.get("id")
+                .is_some_and(|id| id.as_str().is_some_and(|s| !s.is_empty())) =>
+        {
+            c.get("id").and_then(Value::as_str).map(str::to_owned)
+        }
+        Some(_) => {
+            return Err(invalid(
+                "conversation",
+                "invalid_type",
+                "`conversation` must be a conversation id, or an object with its `id`",
+            ))
+        }
+    };
+    if conv.is_some() && previous.is_some() {
+        return Err(invalid(
+            "conversation",
+            "invalid_value",
+            "`conversation` and `previous_response_id` cannot be used together",
+        ));
+    }
     let own = input_items(o.get("input"))?;
     let mut out = Prepared {
         stored: Some(prompt_profile::Stored {
             store: keep,
             background,
             previous_response_id: previous.clone(),
+            conversation: conv.clone(),
         }),
         background,
         ..Prepared::default()
@@ -813,7 +952,16 @@ pub async fn prepare(
     if background {
         o.remove("background");
     }
-    if let Some(prev) = &previous {
+    if let Some(id) = &conv {
+        let c = crate::conversation::find(local, shared, id, tenant).await?;
+        o.remove("conversation");
+        out.body = Some(with_input(
+            o,
+            &conversation_json(&[c], &own),
+            "conversation",
+            max_body,
+        )?);
+    } else if let Some(prev) = &previous {
         let turns =
             conversation(local, shared, prev, tenant)
                 .await
@@ -831,26 +979,8 @@ pub async fn prepare(
         }
         chain = turns.iter().map(|t| t.id.clone()).collect();
         o.remove("previous_response_id");
-        o.remove("input");
-        // The body without `input`, then `input` spliced in before its closing brace.
-        let mut rewritten =
-            serde_json::to_vec(&Value::Object(o)).map_err(|e| GatewayError::Internal {
-                reason: format!("writing the continued conversation: {e}"),
-            })?;
-        rewritten.pop();
-        if rewritten.len() > 1 {
-            rewritten.push(b',');
-        }
-        rewritten.extend_from_slice(b"\"input\":");
-        rewritten.extend_from_slice(conversation_json(&turns, &own).as_bytes());
-        rewritten.push(b'}');
-        if rewritten.len() as u64 > max_body {
-            return Err(GatewayError::ConversationTooLarge {
-                bytes: rewritten.len(),
-                limit: max_body,
-            });
-        }
-        out.body = Some(Bytes::from(rewritten));
+        let input = conversation_json(&turns, &own);
+        out.body = Some(with_input(o, &input, "previous_response_id", max_body)?);
     } else if background {
         out.body = Some(Bytes::from(serde_json::to_vec(&Value::Object(o)).map_err(
             |e| GatewayError::Internal {
@@ -858,8 +988,10 @@ pub async fn prepare(
             },
         )?));
     }
-    if keep {
+    if keep || conv.is_some() {
         out.capture = Some(Capture {
+            keep,
+            conversation: conv,
             streamed: stream,
             buf: Vec::new(),
             expected: None,
@@ -874,11 +1006,46 @@ pub async fn prepare(
     Ok(out)
 }
 
+/// `o` with `input` = `input` (a JSON array), within `max_body` (else
+/// `conversation_too_large`, naming `param`, the field that named the conversation): the body
+/// without `input`, then `input` spliced in before its closing brace.
+fn with_input(
+    mut o: Map<String, Value>,
+    input: &str,
+    param: &'static str,
+    max_body: u64,
+) -> Result<Bytes, GatewayError> {
+    o.remove("input");
+    let mut rewritten =
+        serde_json::to_vec(&Value::Object(o)).map_err(|e| GatewayError::Internal {
+            reason: format!("writing the continued conversation: {e}"),
+        })?;
+    rewritten.pop();
+    if rewritten.len() > 1 {
+        rewritten.push(b',');
+    }
+    rewritten.extend_from_slice(b"\"input\":");
+    rewritten.extend_from_slice(input.as_bytes());
+    rewritten.push(b'}');
+    if rewritten.len() as u64 > max_body {
+        return Err(GatewayError::ConversationTooLarge {
+            param,
+            bytes: rewritten.len(),
+            limit: max_body,
+        });
+    }
+    Ok(Bytes::from(rewritten))
+}
+
 /// An answer to store, read as it streams to the client. Keeps at most one turn's size: a
 /// whole JSON answer, or of a stream only the event being read (deltas are dropped as they
 /// end; the `response.completed` / `response.incomplete` event carries the whole response).
 #[derive(Debug)]
 pub struct Capture {
+    /// The turn is stored (`store`).
+    keep: bool,
+    /// The conversation its items are added to.
+    conversation: Option<String>,
     streamed: bool,
     buf: Vec<u8>,
     /// A whole answer's `content-length`, when the worker sent one.
@@ -972,6 +1139,21 @@ impl Capture {
         self.streamed
     }
 
+    /// Whether the turn is to be stored (`store`; else it is read only for its conversation).
+    pub fn keeps(&self) -> bool {
+        self.keep
+    }
+
+    /// The conversation the turn's items are added to.
+    pub fn conversation(&self) -> Option<&str> {
+        self.conversation.as_deref()
+    }
+
+    /// The tenant that made the request.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
     /// The turn of a background response that has no answer yet: its request's input items and
     /// owner, and `response` (a `queued` one).
     pub fn pending_turn(&self, id: String, response: Value) -> StoredResponse {
@@ -1046,11 +1228,14 @@ pub fn resource_path(path: &str) -> Option<(&str, Resource)> {
     (!id.is_empty()).then_some((id, what))
 }
 
-/// `GET /v1/responses/{id}/input_items`: the turn's own input items, OpenAI's list with its
-/// `order` (`desc`, the default, or `asc`), `limit` (1–100, default 20) and `after` (an item
-/// id) from the query.
+/// `GET /v1/responses/{id}/input_items`: the turn's own input items ([`items_page`]).
 pub fn input_items_page(r: &StoredResponse, query: Option<&str>) -> Result<Value, GatewayError> {
-    let mut items = r.input_items();
+    items_page(r.input_items(), query)
+}
+
+/// A page of `items` as OpenAI lists them, with the query's `order` (`desc`, the default, or
+/// `asc`), `limit` (1–100, default 20) and `after` (an item id).
+pub fn items_page(mut items: Vec<Value>, query: Option<&str>) -> Result<Value, GatewayError> {
     let (mut limit, mut after, mut desc) = (20usize, None::<String>, true);
     for (k, v) in query
         .unwrap_or("")
@@ -1091,22 +1276,28 @@ pub fn input_items_page(r: &StoredResponse, query: Option<&str>) -> Result<Value
                 invalid(
                     "after",
                     "invalid_value",
-                    "`after` names no item of this response",
+                    "`after` names no item of this list",
                 )
             })?,
     };
     let page: Vec<Value> = items.iter().skip(start).take(limit).cloned().collect();
-    Ok(json!({
+    let more = start + page.len() < items.len();
+    Ok(list(&page, more))
+}
+
+/// Items as OpenAI lists them: `{"object": "list", "data", "first_id", "last_id", "has_more"}`.
+pub fn list(page: &[Value], has_more: bool) -> Value {
+    json!({
         "object": "list",
         "data": page,
         "first_id": page.first().map(|i| i["id"].clone()),
         "last_id": page.last().map(|i| i["id"].clone()),
-        "has_more": start + page.len() < items.len(),
-    }))
+        "has_more": has_more,
+    })
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn turn(id: &str, chain: &[&str], said: &str, answered: &str) -> StoredResponse {
@@ -1255,10 +1446,10 @@ mod tests {
 
     /// A shared store in memory, that can stop answering.
     #[derive(Default)]
-    struct FakeShared {
-        turns: Mutex<HashMap<String, Option<String>>>,
-        down: std::sync::atomic::AtomicBool,
-        reads: std::sync::atomic::AtomicUsize,
+    pub(crate) struct FakeShared {
+        pub(crate) turns: Mutex<HashMap<String, Option<String>>>,
+        pub(crate) down: std::sync::atomic::AtomicBool,
+        pub(crate) reads: std::sync::atomic::AtomicUsize,
     }
 
     #[async_trait]
@@ -1295,6 +1486,25 @@ mod tests {
         async fn delete(&self, id: &str) -> Option<bool> {
             let old = self.turns.lock().insert(id.to_owned(), None);
             Some(matches!(old, Some(Some(_))))
+        }
+        async fn swap(&self, record: &Arc<StoredResponse>) -> Option<Swap> {
+            // As `cluster::Store::swap_response`: over the revision before only (or nothing).
+            if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
+            }
+            let mut g = self.turns.lock();
+            match g.get(&record.id) {
+                Some(None) => return Some(Swap::Deleted),
+                Some(Some(j)) => {
+                    let held = StoredResponse::from_json(j).map_or(0, |t| t.revision);
+                    if held + 1 != record.revision {
+                        return Some(Swap::Stale);
+                    }
+                }
+                None => {}
+            }
+            g.insert(record.id.clone(), Some(record.to_json()));
+            Some(Swap::Written)
         }
         fn cancel(&self, _id: &str) {}
         fn publish_events(&self, _id: &str, _first: u64, _events: Vec<String>, _end: bool) {}
@@ -1448,7 +1658,7 @@ mod tests {
             assert!(c.complete());
             let t = c.finish().expect("stored");
             assert_eq!(t.id, "resp_s");
-            assert_eq!(t.output()[0]["content"][0]["text"], "hi\n\nthere");
+            assert_eq!(t.output_items()[0]["content"][0]["text"], "hi\n\nthere");
         }
         // Cut before its last event: nothing to store.
         let mut c = capture(true);

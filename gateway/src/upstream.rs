@@ -15,6 +15,7 @@ use pingora::{Error, ErrorType, Result};
 use prefix_index::{NamespaceSeed, WorkerId};
 use receipts::{RouteTicket, SignedTicket, TICKET_HEADER};
 use routing_rules::schema::UpstreamSpec;
+use serde_json::Value;
 
 use crate::data_plane::DataPlane;
 use crate::request::{
@@ -172,7 +173,7 @@ pub(crate) fn prepare_head(head: &mut RequestHeader, ctx: &RequestCtx, close: bo
 /// A chunk of the answer's body on its way to the client (`end`: the last): the first marks
 /// time to first byte and the end of the worker's prefill; a Responses API answer to store is
 /// read, and kept once it is complete with status 200 (`crate::response_store`).
-pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end: bool) {
+pub(crate) fn on_body(data: &Arc<DataPlane>, ctx: &mut RequestCtx, chunk: &[u8], end: bool) {
     if ctx.first_byte.is_none() && !chunk.is_empty() {
         ctx.first_byte = Some(std::time::Instant::now());
         if let Some(f) = ctx.in_flight.as_mut() {
@@ -185,14 +186,21 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
     // Stored as soon as it is complete (before this chunk is written to the client), else at
     // the end.
     if end || ctx.capture.as_ref().is_some_and(|c| c.complete()) {
-        if let Some(turn) = ctx
-            .capture
-            .take()
-            .filter(|_| ctx.status == Some(200))
-            .and_then(|c| c.finish())
-        {
+        let Some(capture) = ctx.capture.take().filter(|_| ctx.status == Some(200)) else {
+            return;
+        };
+        let (stores, conversation) = (capture.keeps(), capture.conversation().map(str::to_owned));
+        let tenant = capture.tenant().map(str::to_owned);
+        if let Some(turn) = capture.finish() {
             let shared = data.shared_turns();
-            let keep = || crate::response_store::keep(&data.responses, shared.as_deref(), turn);
+            let keep = || {
+                if let Some(id) = &conversation {
+                    add_turn(data, id, tenant.as_deref(), &turn);
+                }
+                if stores {
+                    crate::response_store::keep(&data.responses, shared.as_deref(), turn);
+                }
+            };
             // A background response's answer is its final state unless it was cancelled first.
             match &ctx.job {
                 Some(job) => {
@@ -202,6 +210,54 @@ pub(crate) fn on_body(data: &DataPlane, ctx: &mut RequestCtx, chunk: &[u8], end:
             }
         }
     }
+}
+
+/// Adds a turn's input items, then its output items, to conversation `id`: here at once (its
+/// answer's last chunk waits for it, so that the client's next turn finds it), then in the
+/// shared store by an owned task (`conversation::share`). A conversation gone, or too full for
+/// them, gets nothing (logged): the answer was served.
+fn add_turn(
+    data: &Arc<DataPlane>,
+    id: &str,
+    tenant: Option<&str>,
+    turn: &crate::response_store::StoredResponse,
+) {
+    use crate::conversation;
+    // Every item with an id (the worker's output items have theirs).
+    let mut items = turn.input_items();
+    let base = turn.id.trim_start_matches("resp_");
+    items.extend(turn.output_items().iter().enumerate().map(|(n, item)| {
+        let mut item = item.clone();
+        if let Value::Object(o) = &mut item {
+            if !o.get("id").is_some_and(Value::is_string) {
+                o.insert("id".into(), Value::String(format!("item_{base}_out_{n}")));
+            }
+        }
+        item
+    }));
+    let change = conversation::append(items);
+    let here = conversation::change_here(&data.responses, id, tenant, &change);
+    let Some(shared) = data.shared_turns() else {
+        if let Err(e) = here {
+            tracing::warn!(conversation = id, turn = %turn.id, error = %e, "a turn's items were not added to its conversation");
+        }
+        return;
+    };
+    // Bounded: each read and write waits at most `cluster::SHARED_RESPONSES_TIMEOUT`, a few
+    // tries.
+    let (data, id, tenant, turn) = (
+        data.clone(),
+        id.to_owned(),
+        tenant.map(str::to_owned),
+        turn.id.clone(),
+    );
+    tokio::spawn(async move {
+        let shared = shared.as_ref();
+        let tenant = tenant.as_deref();
+        if let Err(e) = conversation::share(&data.responses, shared, &id, tenant, &change).await {
+            tracing::warn!(conversation = %id, %turn, error = %e, "a turn's items were not added to its conversation");
+        }
+    });
 }
 
 /// Decorates the worker's response head (worker, route reason, rules version, request id),

@@ -479,6 +479,11 @@ impl View {
         let digest: [u8; 32] = sha2::Sha256::digest(api_key.as_bytes()).into();
         self.tenants.get(&digest)
     }
+
+    /// Whether the rules define tenants (API keys).
+    pub fn has_tenants(&self) -> bool {
+        !self.tenants.is_empty()
+    }
 }
 
 /// Long-lived things a view is compiled with, reused across rule versions.

@@ -46,8 +46,9 @@ pub const STORED_HEADER: &str = "x-kvgate-stored";
 /// What the gateway does with a Responses API request, for the response object's `store`,
 /// `background` and `previous_response_id`: header value `store=true` or `store=false`, then
 /// `; background=true` when the gateway runs it as a background response, then
-/// `; previous_response_id=<id>` when it continued a stored conversation (an id of visible
-/// ASCII without `;`, `=` or spaces, at most 256 bytes; another is left out).
+/// `; previous_response_id=<id>` when it continued a stored conversation, then
+/// `; conversation=<id>` when it is a turn of a conversation object (the Conversations API);
+/// ids of visible ASCII without `;`, `=` or spaces, at most 256 bytes (another is left out).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stored {
     /// The gateway stores the answer.
@@ -56,6 +57,8 @@ pub struct Stored {
     pub background: bool,
     /// The stored turn the request continued.
     pub previous_response_id: Option<String>,
+    /// The conversation (`conv_…`) the request is a turn of.
+    pub conversation: Option<String>,
 }
 
 /// The longest response id kvgate stores, looks up or carries in [`STORED_HEADER`].
@@ -84,6 +87,10 @@ impl Stored {
             v.push_str("; previous_response_id=");
             v.push_str(id);
         }
+        if let Some(id) = self.conversation.as_deref().filter(|id| header_safe_id(id)) {
+            v.push_str("; conversation=");
+            v.push_str(id);
+        }
         v
     }
 
@@ -100,20 +107,21 @@ impl Stored {
         if background {
             next = parts.next();
         }
-        let previous_response_id = match next {
-            None => None,
-            Some(p) => {
-                let id = p.strip_prefix("previous_response_id=")?;
-                if !header_safe_id(id) {
-                    return None;
-                }
-                Some(id.to_owned())
-            }
+        // `name=<id>` when `next` is that part (then the part after it is next).
+        let mut take = |name: &str| -> Option<Option<String>> {
+            let Some(id) = next.and_then(|p| p.strip_prefix(name)) else {
+                return Some(None);
+            };
+            next = parts.next();
+            header_safe_id(id).then(|| Some(id.to_owned()))
         };
-        parts.next().is_none().then_some(Stored {
+        let previous_response_id = take("previous_response_id=")?;
+        let conversation = take("conversation=")?;
+        next.is_none().then_some(Stored {
             store,
             background,
             previous_response_id,
+            conversation,
         })
     }
 }
@@ -149,6 +157,13 @@ pub fn echoed_fields(body: &[u8], stored: Option<&Stored>) -> Map<String, Value>
     m.insert(
         "previous_response_id".into(),
         json!(stored.previous_response_id),
+    );
+    m.insert(
+        "conversation".into(),
+        stored
+            .conversation
+            .as_ref()
+            .map_or(Value::Null, |id| json!({ "id": id })),
     );
     m
 }
@@ -477,6 +492,13 @@ mod tests {
             store,
             background,
             previous_response_id: previous.map(str::to_owned),
+            conversation: None,
+        };
+        let conv = |store: bool, background: bool, conv: &str| Stored {
+            store,
+            background,
+            previous_response_id: None,
+            conversation: Some(conv.to_owned()),
         };
         for s in [
             stored(true, false, None),
@@ -484,6 +506,8 @@ mod tests {
             stored(true, false, Some("resp_x")),
             stored(true, true, None),
             stored(true, true, Some("resp_y")),
+            conv(true, false, "conv_1"),
+            conv(false, true, "conv_2"),
         ] {
             assert_eq!(
                 Stored::parse(&s.header_value()),
@@ -514,6 +538,9 @@ mod tests {
             "store=true; background=false",
             "store=true; previous_response_id=a; background=true",
             "store=true; background=true; background=true",
+            "store=true; conversation=c; previous_response_id=a",
+            "store=true; conversation=",
+            "store=true; conversation=c; conversation=d",
         ] {
             assert_eq!(Stored::parse(bad), None, "{bad:?}");
         }
@@ -543,11 +570,21 @@ mod tests {
             store: true,
             background: true,
             previous_response_id: Some("resp_0".into()),
+            conversation: None,
         };
         let m = echoed_fields(body, Some(&s));
         assert_eq!(
             (&m["store"], &m["background"], &m["previous_response_id"]),
             (&json!(true), &json!(true), &json!("resp_0"))
+        );
+        assert_eq!(m["conversation"], Value::Null);
+        let s = Stored {
+            conversation: Some("conv_1".into()),
+            ..Stored::default()
+        };
+        assert_eq!(
+            echoed_fields(body, Some(&s))["conversation"],
+            json!({"id": "conv_1"})
         );
         // Not JSON: the defaults.
         assert_eq!(echoed_fields(b"{", None)["temperature"], json!(1.0));
