@@ -1190,6 +1190,24 @@ fn conversations_hold_their_turns_and_items() {
         "{}",
         r.text()
     );
+    // A background turn appends its items when it ends.
+    let r = fleet.post(
+        "/v1/responses",
+        &json!({"model": "smol", "conversation": id, "input": "Later?", "max_output_tokens": 4,
+                "background": true}),
+        &[],
+    );
+    assert_eq!(r.json()["conversation"], json!({"id": id}), "{}", r.text());
+    fleet.wait_for("the background turn's items", Duration::from_secs(10), || {
+        items(&fleet).len() == 7
+    });
+    let later = items(&fleet);
+    let bg = r.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(later[5]["id"], json!(format!("item_{}_0", bg.trim_start_matches("resp_"))));
+    for item in &later[5..] {
+        let r = call(&fleet, Method::DELETE, &format!("/v1/conversations/{id}/items/{}", item["id"].as_str().unwrap()));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
     // Newest first by default, in pages.
     let page = fleet
         .get(&format!("/v1/conversations/{id}/items?limit=2"), None)
