@@ -400,6 +400,7 @@ fn continuing_a_stored_conversation() {
         "| turns | body bytes | prompt tokens | prepare | decision, caches empty | decision, caches warm | prepare / decision (empty, warm) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|");
+    let mut conversations = Vec::new();
     for turns in [4usize, 16, 64] {
         let store = ResponseStore::new(StoreLimits::DEFAULT);
         let mut chain = Vec::new();
@@ -475,6 +476,66 @@ fn continuing_a_stored_conversation() {
             ms(w),
             ms(p) / ms(c),
             ms(p) / ms(w)
+        );
+        conversations.push((turns, chain.clone(), store, w));
+    }
+    // The same turns held as one conversation (`conversation` instead of
+    // `previous_response_id`): the request written with its items, and a turn's two items
+    // appended to it (what an answer's end does, on the record here; the record put back after
+    // each run, so every run appends to the same size).
+    println!();
+    println!(
+        "| turns | record bytes | prepare, conversation | prepare, previous_response_id | a turn appended | decision, caches warm | appended / decision |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (turns, chain, store, warm) in conversations {
+        use gateway::conversation;
+        let mut items = Vec::new();
+        for id in &chain {
+            let t = store.peek(id).unwrap();
+            items.extend(t.input_items());
+            items.extend(t.output_items().iter().cloned());
+        }
+        let record = conversation::create("bench", None, 0, None, items);
+        let (id, bytes) = (record.id.clone(), record.bytes());
+        let record = std::sync::Arc::new(record);
+        store.insert(record.clone()).unwrap();
+        let body = serde_json::json!({"model": "smol", "conversation": id,
+                                      "input": "And what came after that?", "max_output_tokens": 16});
+        let body = serde_json::to_vec(&body).unwrap();
+        let previous = serde_json::json!({"model": "smol", "previous_response_id": chain.last(),
+                                          "input": "And what came after that?", "max_output_tokens": 16});
+        let previous = serde_json::to_vec(&previous).unwrap();
+        let turn = vec![
+            serde_json::json!({"type": "message", "role": "user", "id": "msg_new_0",
+                               "content": [{"type": "input_text", "text": "And what came after that?"}]}),
+            serde_json::json!({"type": "message", "role": "assistant", "id": "msg_new_1",
+                               "content": [{"type": "output_text", "text": varied_prose_seeded(50, 999), "annotations": []}]}),
+        ];
+        let (mut conv, mut prev, mut append) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..40 {
+            let t = Instant::now();
+            rt.block_on(prepare(&store, None, &body, None, u64::MAX)).unwrap();
+            conv.push(t.elapsed());
+            let t = Instant::now();
+            rt.block_on(prepare(&store, None, &previous, None, u64::MAX)).unwrap();
+            prev.push(t.elapsed());
+            let change = conversation::append(turn.clone());
+            let t = Instant::now();
+            conversation::change_here(&store, &id, None, &change).unwrap();
+            append.push(t.elapsed());
+            store.delete(&id);
+            store.insert(record.clone()).unwrap();
+        }
+        let (c, p, a) = (median(conv), median(prev), median(append));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "| {turns} | {bytes} | {:.3} ms | {:.3} ms | {:.3} ms | {:.2} ms | {:.2}× |",
+            ms(c),
+            ms(p),
+            ms(a),
+            ms(warm),
+            ms(a) / ms(warm)
         );
     }
     fleet.stop();
