@@ -515,10 +515,12 @@ fn continuing_a_stored_conversation() {
         let (mut conv, mut prev, mut append) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..40 {
             let t = Instant::now();
-            rt.block_on(prepare(&store, None, &body, None, u64::MAX)).unwrap();
+            rt.block_on(prepare(&store, None, &body, None, u64::MAX))
+                .unwrap();
             conv.push(t.elapsed());
             let t = Instant::now();
-            rt.block_on(prepare(&store, None, &previous, None, u64::MAX)).unwrap();
+            rt.block_on(prepare(&store, None, &previous, None, u64::MAX))
+                .unwrap();
             prev.push(t.elapsed());
             let change = conversation::append(turn.clone());
             let t = Instant::now();

@@ -1198,14 +1198,26 @@ fn conversations_hold_their_turns_and_items() {
         &[],
     );
     assert_eq!(r.json()["conversation"], json!({"id": id}), "{}", r.text());
-    fleet.wait_for("the background turn's items", Duration::from_secs(10), || {
-        items(&fleet).len() == 7
-    });
+    fleet.wait_for(
+        "the background turn's items",
+        Duration::from_secs(10),
+        || items(&fleet).len() == 7,
+    );
     let later = items(&fleet);
     let bg = r.json()["id"].as_str().unwrap().to_owned();
-    assert_eq!(later[5]["id"], json!(format!("item_{}_0", bg.trim_start_matches("resp_"))));
+    assert_eq!(
+        later[5]["id"],
+        json!(format!("item_{}_0", bg.trim_start_matches("resp_")))
+    );
     for item in &later[5..] {
-        let r = call(&fleet, Method::DELETE, &format!("/v1/conversations/{id}/items/{}", item["id"].as_str().unwrap()));
+        let r = call(
+            &fleet,
+            Method::DELETE,
+            &format!(
+                "/v1/conversations/{id}/items/{}",
+                item["id"].as_str().unwrap()
+            ),
+        );
         assert_eq!(r.status, 200, "{}", r.text());
     }
     // Newest first by default, in pages.

@@ -369,7 +369,8 @@ pub fn change_here(
 /// that one left it. The record written replaces this replica's copy. The shared store's
 /// record is the base even when this replica's copy is ahead of it (a turn's items added here
 /// first): only a revision the shared store holds is unique to one content. Where the shared
-/// store does not answer, or no longer holds the record, the change is made here
+/// store does not hold the record (restarted empty), this replica's copy is the base, and the
+/// record changed goes there; where it does not answer, the change is made here alone
 /// ([`change_here`]).
 pub async fn share(
     local: &ResponseStore,
@@ -387,15 +388,16 @@ pub async fn share(
             let ms = rand::random::<u64>() % (2u64 << attempt.min(5)) + 1;
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
-        let base = match shared
+        let base: Arc<StoredResponse> = match shared
             .fetch(&[id.to_owned()], &[true])
             .await
             .and_then(|mut v| v.pop())
         {
-            None | Some(Shared::Absent | Shared::Present) => {
-                return change_here(local, id, tenant, change)
-            }
-            Some(Shared::Kept(t)) => t,
+            None => return change_here(local, id, tenant, change),
+            Some(Shared::Kept(t)) => Arc::new(*t),
+            // Not there (Redis restarted empty, or the record was never written there): this
+            // replica's copy, written there as changed.
+            Some(Shared::Absent | Shared::Present) => local.peek(id).ok_or_else(gone)?,
             Some(Shared::Deleted) => {
                 local.delete(id);
                 return Err(gone());
@@ -687,6 +689,16 @@ mod tests {
             Err(GatewayError::ConversationNotFound { .. })
         ));
         assert!(a.peek(&id).is_none());
+        // The shared store restarted empty: A's copy is the base, and the change goes there.
+        let id = made(&a, Some(&shared), "gw-e");
+        shared.turns.lock().clear();
+        let add = append(items(Some(&json!([said("after")])), "gw-e1").unwrap());
+        block_on(update(&a, Some(&shared), &id, None, add)).unwrap();
+        let r = block_on(find(&b, Some(&shared), &id, None)).unwrap();
+        assert_eq!(
+            (r.revision, texts(&r)),
+            (2, vec!["first".to_owned(), "after".into()])
+        );
         // The shared store away: the change is made here.
         let id = made(&a, Some(&shared), "gw-d");
         shared
