@@ -216,7 +216,8 @@ impl ClusterLink {
                 responses.idle_ttl,
                 evictions,
             )));
-            handles.push(handle.spawn(retry_deletes(me.clone(), shared)));
+            handles.push(handle.spawn(retry_deletes(me.clone(), shared.clone())));
+            handles.push(handle.spawn(retry_conversations(me.clone(), shared, weak.clone())));
             handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
             handles.push(handle.spawn(receive_cancels(me.clone(), weak.clone())));
         }
@@ -634,6 +635,29 @@ async fn retry_deletes(link: Arc<ClusterLink>, shared: Arc<SharedResponses>) {
             shared.pending_deletes.lock().remove(&id);
             tracing::info!(id = %id, "stored responses: a deletion made while Redis was away written there");
         }
+    }
+}
+
+/// Makes the conversation changes made while Redis did not answer there
+/// ([`crate::conversation::retry`]), every [`DELETE_RETRY`] while any wait and Redis is
+/// reachable, until the link is cancelled.
+async fn retry_conversations(
+    link: Arc<ClusterLink>,
+    shared: Arc<SharedResponses>,
+    control: Weak<ControlPlane>,
+) {
+    loop {
+        tokio::select! {
+            _ = link.cancel.cancelled() => return,
+            _ = tokio::time::sleep(DELETE_RETRY) => {}
+        }
+        let Some(c) = control.upgrade() else {
+            return;
+        };
+        if c.data.responses.pending.is_empty() || shared.store().is_none() {
+            continue;
+        }
+        crate::conversation::retry(&c.data.responses, shared.as_ref()).await;
     }
 }
 

@@ -35,6 +35,56 @@ pub const MAX_METADATA_KEY_CHARS: usize = 64;
 /// … with string values of at most this many.
 pub const MAX_METADATA_VALUE_CHARS: usize = 512;
 
+/// Changes made while the shared store did not answer: made there once it does ([`retry`]),
+/// at most [`MAX_PENDING`] (more are made on this replica only, logged).
+#[derive(Default)]
+pub struct Pending {
+    changes: parking_lot::Mutex<std::collections::VecDeque<(String, Option<String>, Change)>>,
+}
+
+/// Changes kept for the shared store while it does not answer.
+pub const MAX_PENDING: usize = 4096;
+
+impl Pending {
+    fn push(&self, id: &str, tenant: Option<&str>, change: &Change) {
+        let mut q = self.changes.lock();
+        if q.len() >= MAX_PENDING {
+            tracing::warn!(conversation = id, "too many conversation changes wait for Redis; this one is made on this replica only");
+            return;
+        }
+        q.push_back((id.to_owned(), tenant.map(str::to_owned), change.clone()));
+    }
+
+    /// Changes waiting.
+    pub fn len(&self) -> usize {
+        self.changes.lock().len()
+    }
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Makes the changes that waited for the shared store there, oldest first (the cluster link's
+/// task, while Redis answers): each on the record Redis holds, as any change ([`share`]); one
+/// the shared store still does not take waits again. A change made again adds nothing twice
+/// (appends skip the items the conversation holds).
+pub async fn retry(local: &ResponseStore, shared: &dyn SharedTurns) {
+    let waiting: Vec<_> = local.pending.changes.lock().drain(..).collect();
+    for (id, tenant, change) in waiting {
+        match share(local, shared, &id, tenant.as_deref(), &change).await {
+            Ok(_) => {
+                tracing::info!(conversation = %id, "a conversation change made while Redis was away written there")
+            }
+            Err(GatewayError::ConversationNotFound { .. }) => {}
+            Err(e) => {
+                tracing::warn!(conversation = %id, error = %e, "a conversation change made while Redis was away was not written there")
+            }
+        }
+    }
+}
+
 /// Tries of a change that other changes keep overtaking, before 409 `conversation_conflict`.
 const MAX_TRIES: usize = 12;
 
@@ -295,19 +345,15 @@ pub fn append(new: Vec<Value>) -> Change {
     })
 }
 
-/// Removes the item `item` (404 `item_not_found` when there is none).
-pub fn remove_item(conversation: &str, item: &str) -> Change {
-    let (conversation, item) = (conversation.to_owned(), item.to_owned());
+/// Removes the item `item`; none there, nothing changes (made again, it removes nothing more).
+pub fn remove_item(item: &str) -> Change {
+    let item = item.to_owned();
     Arc::new(move |object, items| {
-        let at = items
+        let rest = items
             .iter()
-            .position(|i| i["id"].as_str() == Some(item.as_str()))
-            .ok_or_else(|| GatewayError::ItemNotFound {
-                conversation: conversation.clone(),
-                id: item.clone(),
-            })?;
-        let mut rest = items.to_vec();
-        rest.remove(at);
+            .filter(|i| i["id"].as_str() != Some(item.as_str()))
+            .cloned()
+            .collect();
         Ok((object.clone(), rest))
     })
 }
@@ -370,8 +416,8 @@ pub fn change_here(
 /// record is the base even when this replica's copy is ahead of it (a turn's items added here
 /// first): only a revision the shared store holds is unique to one content. Where the shared
 /// store does not hold the record (restarted empty), this replica's copy is the base, and the
-/// record changed goes there; where it does not answer, the change is made here alone
-/// ([`change_here`]).
+/// record changed goes there; where it does not answer, the change is made here, and kept to
+/// be made there once it answers again ([`Pending`], [`retry`]).
 pub async fn share(
     local: &ResponseStore,
     shared: &dyn SharedTurns,
@@ -393,7 +439,7 @@ pub async fn share(
             .await
             .and_then(|mut v| v.pop())
         {
-            None => return change_here(local, id, tenant, change),
+            None => return made_here(local, id, tenant, change),
             Some(Shared::Kept(t)) => Arc::new(*t),
             // Not there (Redis restarted empty, or the record was never written there): this
             // replica's copy, written there as changed.
@@ -417,11 +463,25 @@ pub async fn share(
                 local.delete(id);
                 return Err(gone());
             }
-            // Whether it was written is not known: made here too (an append twice is once).
-            None => return change_here(local, id, tenant, change),
+            // Whether it was written is not known: made here too, and again there later (an
+            // append made twice adds its items once).
+            None => return made_here(local, id, tenant, change),
         }
     }
     Err(GatewayError::ConversationConflict { id: id.to_owned() })
+}
+
+/// `change` made here while the shared store does not answer, and kept to be made there
+/// ([`retry`]).
+fn made_here(
+    local: &ResponseStore,
+    id: &str,
+    tenant: Option<&str>,
+    change: &Change,
+) -> Result<Arc<StoredResponse>, GatewayError> {
+    let r = change_here(local, id, tenant, change)?;
+    local.pending.push(id, tenant, change);
+    Ok(r)
 }
 
 /// Makes `change` on conversation `id` (owned by `tenant`): in the shared store ([`share`])
@@ -610,10 +670,12 @@ mod tests {
             (4, &json!("harbour"))
         );
         let second = r.input[1]["id"].as_str().unwrap().to_owned();
-        let r = block_on(update(&local, None, &id, None, remove_item(&id, &second))).unwrap();
+        let r = block_on(update(&local, None, &id, None, remove_item(&second))).unwrap();
         assert_eq!(texts(&r), vec!["first".to_owned(), "third".into()]);
+        let again = block_on(update(&local, None, &id, None, remove_item(&second))).unwrap();
+        assert_eq!(texts(&again), texts(&r));
         assert!(matches!(
-            block_on(update(&local, None, &id, None, remove_item(&id, &second))),
+            item(&again, &second),
             Err(GatewayError::ItemNotFound { .. })
         ));
         // Another tenant's, or not a conversation: not found.
@@ -709,10 +771,26 @@ mod tests {
             Some(&shared),
             &id,
             None,
-            append(vec![said("offline")]),
+            append(items(Some(&json!([said("offline")])), "gw-d1").unwrap()),
         ))
         .unwrap();
         assert_eq!(r.revision, 2);
+        assert_eq!(a.pending.len(), 1);
+        // Back, with a change through B first (on its revision 1, without A's): A's change,
+        // kept, is made there on B's, and neither is lost.
+        shared
+            .down
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let from_b = append(items(Some(&json!([said("b meanwhile")])), "gw-d2").unwrap());
+        block_on(update(&b, Some(&shared), &id, None, from_b)).unwrap();
+        block_on(retry(&a, &shared));
+        assert!(a.pending.is_empty());
+        let r = block_on(find(&b, Some(&shared), &id, None)).unwrap();
+        assert_eq!(
+            texts(&r),
+            vec!["first".to_owned(), "b meanwhile".into(), "offline".into()]
+        );
+        assert_eq!(texts(&a.peek(&id).unwrap()), texts(&r));
     }
 
     #[test]

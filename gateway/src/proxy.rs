@@ -396,7 +396,8 @@ impl Proxy {
                     conv::item(&*conv::find(local, shared, id, tenant).await?, item)?
                 }
                 (Resource::Item(id, item), _) => {
-                    let change = conv::remove_item(id, item);
+                    conv::item(&*conv::find(local, shared, id, tenant).await?, item)?;
+                    let change = conv::remove_item(item);
                     conv::object(&*conv::update(local, shared, id, tenant, change).await?)
                 }
             })

@@ -402,6 +402,8 @@ pub struct ResponseStore {
     /// One lock per conversation being changed here ([`ResponseStore::changing`]); an entry
     /// nobody holds is dropped as others are taken.
     changing: Mutex<HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
+    /// Conversation changes made while the shared store did not answer, to be made there.
+    pub pending: crate::conversation::Pending,
 }
 
 impl ResponseStore {
@@ -411,6 +413,7 @@ impl ResponseStore {
             limits,
             inner: Mutex::new(Inner::default()),
             changing: Mutex::new(HashMap::new()),
+            pending: crate::conversation::Pending::default(),
         }
     }
 
