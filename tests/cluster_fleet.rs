@@ -2296,6 +2296,45 @@ fn conversations_are_shared_and_concurrent_changes_are_all_kept() {
         (wrong.status, &wrong.json()["error"]["code"]),
         (401, &json!("invalid_api_key"))
     );
+    // Redis gone: an item added through replica 1 is made there and kept; Redis back (empty),
+    // replica 1 writes it there, and replica 2 reads it.
+    let redis_port = c.redis.port;
+    let held = listed(&c, 1).len();
+    c.redis.kill();
+    let r = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        &format!("/v1/conversations/{id}/items"),
+        Some(json!({"items": [{"role": "user", "content": "while Redis is away"}]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let pending = |c: &Cluster| {
+        let r = c
+            .admin(0, reqwest::Method::GET, "/admin/cluster", None)
+            .json();
+        r["stored_responses"]["pending_conversation_changes"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(pending(&c), 1);
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    c.wait_for(
+        "the change made while Redis was away, through replica 2",
+        Duration::from_secs(10),
+        || {
+            let r = call(
+                &c,
+                1,
+                reqwest::Method::GET,
+                &format!("/v1/conversations/{id}/items?limit=1"),
+                None,
+            );
+            r.status == 200 && r.json()["data"][0]["content"] == "while Redis is away"
+        },
+    );
+    assert_eq!(listed(&c, 1).len(), held + 1);
+    assert_eq!(pending(&c), 0);
     // Deleted through replica 3: gone through the others.
     let r = call(
         &c,

@@ -153,6 +153,7 @@ impl Admin {
                             .load()
                             .as_ref()
                             .map_or(0, |s| s.pending_deletes()),
+                        "pending_conversation_changes": self.control.data.responses.pending.len(),
                     },
                 })
             }
