@@ -8,9 +8,11 @@
 //! (bytes, idle TTL, least recently used first out), its file (`--response-store-file`) and, in
 //! cluster mode, its Redis copy. Unlike a turn it changes: every change writes the whole record
 //! at the next *revision*. Here a record replaces another only at a later revision; in Redis
-//! the write is a compare-and-set on the revision ([`SharedTurns::swap`]), so two replicas
-//! changing one conversation at once never lose either change — the one that comes second is
-//! made again on the record as the first left it ([`share`]).
+//! the write is a compare-and-set (revision N only over N − 1, [`SharedTurns::swap`]) of a
+//! change made on the record Redis holds, so two replicas changing one conversation at once
+//! never lose either change — the one that comes second is made again on the record as the
+//! first left it ([`share`]). A change made while Redis does not answer waits for it
+//! ([`Pending`]).
 //!
 //! A change costs O(the conversation's bytes) (the record is written whole), as does the
 //! prompt of a turn, which sends the whole conversation to the worker anyway.

@@ -275,6 +275,47 @@ pub async fn responses(
     handle(st, Endpoint::Responses, headers, body).await
 }
 
+/// `POST /v1/responses/input_tokens`: the prompt tokens a `POST /v1/responses` of the same body
+/// would be charged (its `usage.input_tokens`), by the same reading (`responses_to_chat`, the
+/// chat validation) and the same tokenization; with `truncation: "auto"` the turns kept,
+/// without it a prompt over the context counted all the same. Nothing is generated or
+/// receipted: like `/v1/tokenize`, it needs the gateway's access token where route tickets are
+/// required (a gateway counts for its clients itself).
+pub async fn input_tokens(
+    axum::extract::State(st): axum::extract::State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let bytes = match read_body(body, &headers, st.settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let plan = prompt_profile::responses_to_chat(&bytes)
+        .map_err(ApiError::from)
+        .and_then(|chat| validate::chat(&chat, &st.schemas));
+    let plan = match plan {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let budget = match plan.prompt.truncates() {
+        true => TokenBudget {
+            context_limit: st.context_limit,
+            native_reserve: st.settings.native_reserve,
+        },
+        false => TokenBudget {
+            context_limit: usize::MAX,
+            native_reserve: 0,
+        },
+    };
+    match tokenize(&st, plan.prompt, budget, plan.max_tokens).await {
+        Ok(ids) => axum::Json(
+            serde_json::json!({"object": "response.input_tokens", "input_tokens": ids.len()}),
+        )
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     axum::extract::State(st): axum::extract::State<Arc<AppState>>,

@@ -60,6 +60,20 @@ async fn responses_answer_as_chat_does_streamed_or_not() {
     let status = r["status"].as_str().unwrap();
     assert!(status == "completed" || status == "incomplete", "{r}");
     assert_eq!(r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
+    // Counted without generating (`POST /v1/responses/input_tokens`): the create's
+    // `input_tokens`; a field the create refuses is refused the same way.
+    let counted = post_json(&w, "/v1/responses/input_tokens", &ask).await;
+    assert_eq!(
+        counted,
+        json!({"object": "response.input_tokens", "input_tokens": r["usage"]["input_tokens"]})
+    );
+    let mut chained = ask.clone();
+    chained["previous_response_id"] = json!("resp_1");
+    let refused = post_json(&w, "/v1/responses/input_tokens", &chained).await;
+    assert_eq!(
+        refused["error"]["code"], "unsupported_parameter",
+        "{refused}"
+    );
     assert_eq!(
         r["usage"]["output_tokens"],
         chat["usage"]["completion_tokens"]
