@@ -1220,6 +1220,23 @@ fn conversations_hold_their_turns_and_items() {
         );
         assert_eq!(r.status, 200, "{}", r.text());
     }
+    // Counted apart from the stored turns.
+    let metrics = fleet.rt.block_on(async {
+        let r = fleet.http.get(fleet.admin_url("/metrics"));
+        let r = r.bearer_auth(&fleet.admin_token).send().await.unwrap();
+        r.text().await.unwrap()
+    });
+    let gauge = |name: &str| -> u64 {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} not in\n{metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(gauge("kvgate_gateway_stored_conversations"), 1);
+    // The two turns, the conversation sent whole and the background turn are stored; the
+    // conversation is not one of them.
+    assert_eq!(gauge("kvgate_gateway_stored_responses"), 4);
     // Newest first by default, in pages.
     let page = fleet
         .get(&format!("/v1/conversations/{id}/items?limit=2"), None)

@@ -695,6 +695,10 @@ mod tests {
         assert!(block_on(find(&local, None, "conv_fake", None)).is_err());
         // A conversation is not a response: not continued as one.
         assert!(local.turns(&id, None).is_err());
+        // Counted once however often it changed; gone with its deletion.
+        assert_eq!((local.stats().0, local.conversations()), (2, 1));
+        local.delete(&id);
+        assert_eq!((local.stats().0, local.conversations()), (1, 0));
     }
 
     #[test]

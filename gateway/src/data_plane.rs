@@ -232,9 +232,13 @@ impl DataPlane {
             .set(i64::try_from(self.drain.in_flight()).unwrap_or(i64::MAX));
         self.metrics.draining.set(i64::from(self.drain.draining()));
         let (stored, stored_bytes) = self.responses.stats();
+        let conversations = self.responses.conversations();
         self.metrics
             .stored_responses
-            .set(i64::try_from(stored).unwrap_or(i64::MAX));
+            .set(i64::try_from(stored.saturating_sub(conversations)).unwrap_or(i64::MAX));
+        self.metrics
+            .stored_conversations
+            .set(i64::try_from(conversations).unwrap_or(i64::MAX));
         self.metrics
             .stored_response_bytes
             .set(i64::try_from(stored_bytes).unwrap_or(i64::MAX));

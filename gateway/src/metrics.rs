@@ -144,8 +144,10 @@ pub struct Metrics {
     pub draining: Gauge,
     /// Responses stored for `previous_response_id` (`crate::response_store`).
     pub stored_responses: Gauge,
-    /// Their bytes (input items and response objects as JSON).
+    /// Their bytes (input items and response objects as JSON), conversations' included.
     pub stored_response_bytes: Gauge,
+    /// Conversations held (`crate::conversation`).
+    pub stored_conversations: Gauge,
     /// Background responses running now (`crate::background`).
     pub background_responses: Gauge,
     /// Background responses ended, by how.
@@ -368,8 +370,14 @@ impl Metrics {
         let stored_response_bytes = Gauge::default();
         registry.register(
             "stored_response_bytes",
-            "Bytes of the stored responses (their input items and response objects as JSON)",
+            "Bytes of the stored responses and conversations (their items and objects as JSON)",
             stored_response_bytes.clone(),
+        );
+        let stored_conversations = Gauge::default();
+        registry.register(
+            "stored_conversations",
+            "Conversations (the Conversations API) held by this gateway",
+            stored_conversations.clone(),
         );
         let background_responses = Gauge::default();
         registry.register(
@@ -434,6 +442,7 @@ impl Metrics {
             draining,
             stored_responses,
             stored_response_bytes,
+            stored_conversations,
             background_responses,
             background_responses_ended,
             response_store_save_failures,

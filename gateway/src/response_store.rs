@@ -346,6 +346,8 @@ struct Inner {
     /// Insertions, removals and uses so far (what tells a saver that there is something new
     /// to save, [`ResponseStore::changes`]).
     changes: u64,
+    /// Of the entries, conversations.
+    conversations: usize,
 }
 
 impl Inner {
@@ -353,6 +355,7 @@ impl Inner {
         let e = self.entries.remove(id)?;
         self.order.remove(&e.seq);
         self.bytes -= e.record.bytes;
+        self.conversations -= usize::from(e.record.is_conversation());
         self.changes += 1;
         Some(e.record)
     }
@@ -453,6 +456,7 @@ impl ResponseStore {
         let seq = g.next;
         g.next += 1;
         g.bytes += r.bytes;
+        g.conversations += usize::from(r.is_conversation());
         g.changes += 1;
         g.order.insert(seq, r.id.clone());
         g.entries.insert(
@@ -588,7 +592,12 @@ impl ResponseStore {
         self.inner.lock().changes
     }
 
-    /// Turns stored and their bytes.
+    /// Conversations held (of the [`Self::stats`] records).
+    pub fn conversations(&self) -> usize {
+        self.inner.lock().conversations
+    }
+
+    /// Records held (turns and conversations) and their bytes.
     pub fn stats(&self) -> (usize, usize) {
         let g = self.inner.lock();
         (g.entries.len(), g.bytes)
