@@ -2138,7 +2138,8 @@ fn conversations_are_shared_and_concurrent_changes_are_all_kept() {
     let mut c = Cluster::new(3, 3);
     let key_hash = hex::encode(sha2::Sha256::digest(b"tenant-key"));
     let rules = format!(
-        "{}\n[[tenants]]\nid = \"t\"\napi_keys_sha256 = [\"{key_hash}\"]\n",
+        "{}\n[[tenants]]\nid = \"t\"\napi_keys_sha256 = [\"{key_hash}\"]\n\
+         requests_per_second = 0.001\nrequest_burst = 3\n",
         c.rules()
     );
     std::fs::write(c.dir.path().join("rules.toml"), rules).unwrap();
@@ -2291,6 +2292,17 @@ fn conversations_are_shared_and_concurrent_changes_are_all_kept() {
         200
     );
     assert_eq!(call(&c, 1, reqwest::Method::GET, &path, None).status, 404);
+    // Its calls count against its request rate (a burst of 3 here): the third passes, the
+    // fourth is refused.
+    assert_eq!(
+        keyed(&c, 2, reqwest::Method::GET, &path, "tenant-key").status,
+        200
+    );
+    let over = keyed(&c, 0, reqwest::Method::GET, &path, "tenant-key");
+    assert_eq!(
+        (over.status, &over.json()["error"]["code"]),
+        (429, &json!("rate_limit_exceeded"))
+    );
     let wrong = keyed(&c, 2, reqwest::Method::GET, &path, "wrong-key");
     assert_eq!(
         (wrong.status, &wrong.json()["error"]["code"]),

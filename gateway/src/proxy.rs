@@ -332,6 +332,13 @@ impl Proxy {
                 Err(err) => return respond_error(session, ctx, &err).await,
             }
         }
+        // A tenant's calls count against its request rate, as its inference requests do.
+        if let Some(t) = ctx.tenant.clone() {
+            if let Err(l) = self.data.limits.take_request(&t, Instant::now()) {
+                let err = self.limited(&t, l);
+                return respond_error(session, ctx, &err).await;
+            }
+        }
         if !local.enabled() {
             return respond_error(session, ctx, &GatewayError::ConversationsOff).await;
         }
