@@ -549,17 +549,7 @@ impl Proxy {
             };
             return respond_error(session, ctx, &err).await;
         };
-        let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
-        let shared = self.data.shared_turns();
-        let body = match crate::response_store::prepare(
-            &self.data.responses,
-            shared.as_deref(),
-            &body,
-            tenant,
-            service.spec().max_body_bytes,
-        )
-        .await
-        {
+        let body = match self.prepare(ctx, service, &body).await {
             Ok(p) => p.body.unwrap_or(body),
             Err(err) => return respond_error(session, ctx, &err).await,
         };
@@ -579,6 +569,21 @@ impl Proxy {
             }
             Err(err) => respond_error(session, ctx, &err).await,
         }
+    }
+
+    /// What storing does to the Responses API body of `ctx` on `service`
+    /// ([`crate::response_store::prepare`]: a conversation continued or named, sent whole).
+    async fn prepare(
+        &self,
+        ctx: &RequestCtx,
+        service: &ServiceRoute,
+        body: &[u8],
+    ) -> std::result::Result<crate::response_store::Prepared, GatewayError> {
+        let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
+        let shared = self.data.shared_turns();
+        let limit = service.spec().max_body_bytes;
+        crate::response_store::prepare(&self.data.responses, shared.as_deref(), body, tenant, limit)
+            .await
     }
 
     /// The 429 for a tenant over its limit (counted).
@@ -823,17 +828,7 @@ impl ProxyHttp for Proxy {
         // The Responses API's stored conversations: one continued by `previous_response_id` is
         // sent whole (and routed as such); an answer to store is read on its way back.
         let body = if endpoint == Some(Endpoint::Responses) {
-            let tenant = ctx.tenant.as_ref().map(|t| t.id.0.as_str());
-            let shared = self.data.shared_turns();
-            match crate::response_store::prepare(
-                &self.data.responses,
-                shared.as_deref(),
-                &body,
-                tenant,
-                service.spec().max_body_bytes,
-            )
-            .await
-            {
+            match self.prepare(ctx, &service, &body).await {
                 Ok(p) => {
                     ctx.capture = p.capture.map(Box::new);
                     ctx.stored = p.stored;
