@@ -2017,12 +2017,29 @@ fn input_tokens_count_what_a_create_would_send() {
         assert_eq!(r.status, status, "{}", r.text());
         assert_eq!(r.json()["error"]["code"], code, "{}", r.text());
     };
-    let rr = json!({"model": "smol-rr", "input": "hi"});
+    // A round-robin service (no profile) asks a kvgate worker of its pool: the same count, and
+    // the worker's refusals as it answers them; with no worker to ask, 503 (the kv_exact
+    // service counts without one).
+    let mut on_rr = first.clone();
+    on_rr["model"] = json!("smol-rr");
+    assert_eq!(count(&on_rr), counted);
+    let mut rr_long = long("smol-rr", "auto");
+    assert_eq!(count(&rr_long), count(&long("smol", "auto")));
+    rr_long["input"] = json!(7);
+    refused(serde_json::to_vec(&rr_long).unwrap(), 400, "invalid_type");
+    for w in ["w1", "w2"] {
+        let r = fleet.admin(Method::POST, &format!("/admin/workers/{w}/cordon"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
     refused(
-        serde_json::to_vec(&rr).unwrap(),
-        400,
-        "input_tokens_unavailable",
+        serde_json::to_vec(&on_rr).unwrap(),
+        503,
+        "no_healthy_worker",
     );
+    assert_eq!(count(&first), counted);
+    for w in ["w1", "w2"] {
+        fleet.admin(Method::POST, &format!("/admin/workers/{w}/uncordon"), None);
+    }
     refused(b"[1, 2]".to_vec(), 400, "invalid_json");
     let gone = json!({"model": "smol", "previous_response_id": "resp_gone", "input": "hi"});
     refused(

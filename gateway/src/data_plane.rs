@@ -88,6 +88,9 @@ pub struct DataPlane {
     pub upstream_identity: Option<Arc<CertKey>>,
     /// The connector of the >64 KiB forwarding path (its CA is the proxy's).
     pub connector: Connector,
+    /// HTTP client for the gateway's own calls to workers (a count on a worker,
+    /// `POST /v1/responses/input_tokens`), with the upstream CA and client certificate.
+    pub http: reqwest::Client,
     /// Cluster mode: where routing-time holdings go to be shared with the other replicas (a
     /// bounded queue the cluster link drains; full = dropped, never waited on).
     pub shared_holdings: arc_swap::ArcSwapOption<tokio::sync::mpsc::Sender<cluster::SharedHolding>>,

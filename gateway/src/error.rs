@@ -81,10 +81,10 @@ pub enum GatewayError {
         id: String,
     },
     /// `POST /v1/responses/input_tokens` on a service that pins no prompt profile (round
-    /// robin): the gateway has no tokenizer to count with.
+    /// robin) and has no kvgate worker to count with.
     #[error(
-        "service {service} pins no prompt profile (it routes round robin): input tokens are \
-         counted on a kv_exact service, whose profile is the workers' own"
+        "service {service} pins no prompt profile and none of its workers counts input tokens \
+         (kvgate workers do): counting needs one or the other"
     )]
     InputTokensUnavailable {
         /// The service matched.

@@ -353,6 +353,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         limits: limits::RateLimits::default(),
         upstream_identity,
         connector: pingora::connectors::http::Connector::new(Some(connector_options)),
+        http: http.clone(),
         shared_holdings: arc_swap::ArcSwapOption::empty(),
         claims: arc_swap::ArcSwapOption::empty(),
         holdings_seq: std::sync::atomic::AtomicU64::new(0),

@@ -543,15 +543,17 @@ impl Proxy {
         service: &ServiceRoute,
         body: Bytes,
     ) -> Result<bool> {
-        let Some(profile) = service.prefix.as_ref().map(|p| p.profile.clone()) else {
-            let err = GatewayError::InputTokensUnavailable {
-                service: service.name().to_owned(),
-            };
-            return respond_error(session, ctx, &err).await;
-        };
         let body = match self.prepare(ctx, service, &body).await {
             Ok(p) => p.body.unwrap_or(body),
             Err(err) => return respond_error(session, ctx, &err).await,
+        };
+        let Some(profile) = service.prefix.as_ref().map(|p| p.profile.clone()) else {
+            return match self.count_on_worker(service, body).await {
+                Ok((status, answer)) => {
+                    crate::request::respond_worker_json(session, ctx, status, answer).await
+                }
+                Err(err) => respond_error(session, ctx, &err).await,
+            };
         };
         let count = move || route::input_tokens(&profile, &body);
         let counted = match &self.routing {
@@ -569,6 +571,88 @@ impl Proxy {
             }
             Err(err) => respond_error(session, ctx, &err).await,
         }
+    }
+
+    /// `POST /v1/responses/input_tokens` on a service that pins no profile (round robin): asks
+    /// the first routable kvgate worker of its pool (`POST /v1/responses/input_tokens` with the
+    /// gateway's access token, at most [`COUNT_TIMEOUT`]), whose count is its own prompt
+    /// contract's, and answers what it answers (its 4xx as they are). No kvgate worker in the
+    /// pool, or one that does not count (404): `input_tokens_unavailable`; none routable:
+    /// `no_healthy_worker`.
+    async fn count_on_worker(
+        &self,
+        service: &ServiceRoute,
+        body: Bytes,
+    ) -> std::result::Result<(u16, Vec<u8>), GatewayError> {
+        let unavailable = || GatewayError::InputTokensUnavailable {
+            service: service.name().to_owned(),
+        };
+        // (worker, URL, routable) of the pool's kvgate workers, in pool order.
+        let kvgate: Vec<(prefix_index::WorkerId, String, bool)> = {
+            let view = self.data.views.load();
+            let mut found = Vec::new();
+            for id in &service.pool {
+                let Some(e) = view.workers.get(id) else {
+                    continue;
+                };
+                if e.spec.kind == routing_rules::schema::UpstreamKind::Kvgate {
+                    found.push((id.clone(), e.spec.url.clone(), e.routable()));
+                }
+            }
+            found
+        };
+        if kvgate.is_empty() {
+            return Err(unavailable());
+        }
+        let Some((id, base, _)) = kvgate.into_iter().find(|w| w.2) else {
+            return Err(GatewayError::NoHealthyWorker {
+                service: service.name().to_owned(),
+            });
+        };
+        let url = format!("{}/v1/responses/input_tokens", base.trim_end_matches('/'));
+        let token = receipts::AccessToken::new(&self.data.gateway_id, &id, receipts::now_ms())
+            .sign(&self.data.signer);
+        let failed = |reason: String| GatewayError::UpstreamUnavailable {
+            service: service.name().to_owned(),
+            reason,
+        };
+        let mut sent = self
+            .data
+            .http
+            .post(url)
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .timeout(COUNT_TIMEOUT)
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| failed(format!("{id}: {e}")))?;
+        let status = sent.status().as_u16();
+        if status == 404 {
+            return Err(unavailable());
+        }
+        // A count is a few bytes: an answer over 64 KiB is not one.
+        let mut answer = Vec::new();
+        while let Some(chunk) = sent
+            .chunk()
+            .await
+            .map_err(|e| failed(format!("{id}: {e}")))?
+        {
+            if answer.len() + chunk.len() > RETRY_BUFFER_LIMIT {
+                return Err(GatewayError::Upstream {
+                    worker: id.0.clone(),
+                    reason: "counting input tokens: an answer over 64 KiB".into(),
+                });
+            }
+            answer.extend_from_slice(&chunk);
+        }
+        if status >= 500 || serde_json::from_slice::<serde::de::IgnoredAny>(&answer).is_err() {
+            return Err(GatewayError::Upstream {
+                worker: id.0.clone(),
+                reason: format!("counting input tokens: status {status}"),
+            });
+        }
+        Ok((status, answer))
     }
 
     /// What storing does to the Responses API body of `ctx` on `service`
@@ -641,6 +725,9 @@ fn refuse_method(
         allowed,
     })
 }
+
+/// The longest a count asked of a worker may take (`Proxy::count_on_worker`).
+const COUNT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A job the routing pool did not run, as the client's error: 503 when its queue is full.
 fn pool_failed(e: PoolError, job: &str) -> GatewayError {

@@ -122,6 +122,17 @@ pub(crate) async fn respond_json(
     respond(session, ctx, 200, body, |_| Ok(())).await
 }
 
+/// Writes a worker's JSON answer of status `status` as it came (a count a worker made,
+/// `POST /v1/responses/input_tokens`) and records it in the ctx.
+pub(crate) async fn respond_worker_json(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    status: u16,
+    body: Vec<u8>,
+) -> Result<bool> {
+    respond(session, ctx, status, body, |_| Ok(())).await
+}
+
 /// Writes an OpenAI-style error response and records it in the ctx.
 pub(crate) async fn respond_error(
     session: &mut Session,
