@@ -1221,11 +1221,7 @@ fn conversations_hold_their_turns_and_items() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     // Counted apart from the stored turns.
-    let metrics = fleet.rt.block_on(async {
-        let r = fleet.http.get(fleet.admin_url("/metrics"));
-        let r = r.bearer_auth(&fleet.admin_token).send().await.unwrap();
-        r.text().await.unwrap()
-    });
+    let metrics = fleet.metrics();
     let gauge = |name: &str| -> u64 {
         let line = metrics
             .lines()
@@ -1487,18 +1483,7 @@ fn stored_responses_continue_a_conversation_on_the_worker_holding_it() {
     );
     assert_eq!(last.status, 200, "{}", last.text());
 
-    let metrics = fleet.rt.block_on(async {
-        fleet
-            .http
-            .get(fleet.admin_url("/metrics"))
-            .bearer_auth(&fleet.admin_token)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    });
+    let metrics = fleet.metrics();
     let stored = metrics
         .lines()
         .find_map(|l| l.strip_prefix("kvgate_gateway_stored_responses "))
@@ -1722,11 +1707,7 @@ fn background_responses_are_polled_continued_and_cancelled() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["param"], "background", "{}", r.text());
     // Counted by how they ended.
-    let metrics = fleet.rt.block_on(async {
-        let r = fleet.http.get(fleet.admin_url("/metrics"));
-        let r = r.bearer_auth(&fleet.admin_token).send().await.unwrap();
-        r.text().await.unwrap()
-    });
+    let metrics = fleet.metrics();
     for line in [
         "kvgate_gateway_background_responses_ended_total{status=\"incomplete\"} 1",
         "kvgate_gateway_background_responses_ended_total{status=\"cancelled\"} 1",
@@ -1937,10 +1918,9 @@ fn a_streamed_background_response_resumes_after_the_client_goes() {
     fleet.stop();
 }
 
-/// `truncation: "auto"` (the Responses API; chat's extension of the same name) through the
-/// KV-exact gateway: a conversation over the context is answered, its oldest turns dropped,
-/// and the gateway routed on the same truncated prompt the worker ran (the audit's prompt
-/// parity); `disabled` is refused with `context_length_exceeded` by the gateway.
+/// `POST /v1/responses/input_tokens`: the count is the create's `usage.input_tokens` — counted
+/// by the gateway on kv_exact services, by a worker on a round-robin one — for a first turn, a
+/// continued conversation and a truncated one; no worker is asked on kv_exact services.
 #[test]
 fn input_tokens_count_what_a_create_would_send() {
     let mut fleet = Fleet::workers(FleetOptions {
@@ -2068,6 +2048,10 @@ fn input_tokens_count_what_a_create_would_send() {
     fleet.stop();
 }
 
+/// `truncation: "auto"` (the Responses API; chat's extension of the same name) through the
+/// KV-exact gateway: a conversation over the context is answered, its oldest turns dropped,
+/// and the gateway routed on the same truncated prompt the worker ran (the audit's prompt
+/// parity); `disabled` is refused with `context_length_exceeded` by the gateway.
 #[test]
 fn truncation_auto_keeps_a_long_conversation_within_the_context() {
     let mut fleet = Fleet::workers(FleetOptions {

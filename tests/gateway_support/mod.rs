@@ -308,6 +308,15 @@ native_reserve_tokens = 0
         format!("http://{}{path}", self.gw().admin_addr)
     }
 
+    /// The gateway's `GET /metrics` (admin plane) as text.
+    pub fn metrics(&self) -> String {
+        self.rt.block_on(async {
+            let r = self.http.get(self.admin_url("/metrics"));
+            let r = r.bearer_auth(&self.admin_token).send().await.unwrap();
+            r.text().await.unwrap()
+        })
+    }
+
     /// GETs `path` from the VIP, with `Authorization: Bearer <bearer>` when given.
     pub fn get(&self, path: &str, bearer: Option<&str>) -> Reply {
         self.rt.block_on(async {
