@@ -25,6 +25,8 @@ struct Sidecars {
     fleet: Fleet,
     sidecars: Vec<Option<RunningSidecar>>,
     keys: Vec<KeyPair>,
+    /// The rules' `kind` of the sidecars.
+    kind: &'static str,
 }
 
 fn sidecar_id(i: usize) -> String {
@@ -33,6 +35,14 @@ fn sidecar_id(i: usize) -> String {
 
 impl Sidecars {
     fn start() -> Sidecars {
+        Sidecars::start_with("openai", |_| None)
+    }
+
+    /// Two sidecars of `kind`, sidecar `i` reading engine KV events as `events(i)` says.
+    fn start_with(
+        kind: &'static str,
+        events: impl Fn(usize) -> Option<worker::sidecar::vllm::EngineEventsConfig>,
+    ) -> Sidecars {
         let fleet = Fleet::workers(FleetOptions {
             workers: 2,
             ticket_policy: TicketPolicy::Optional,
@@ -55,6 +65,7 @@ impl Sidecars {
                 cfg.health_path = "/ready".into();
                 cfg.ticket_policy = TicketPolicy::Require;
                 cfg.gateway_keys = ring.clone();
+                cfg.engine_events = events(i);
                 let s = fleet.rt.block_on(async {
                     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                     worker::sidecar::spawn(cfg, l).await.unwrap()
@@ -66,6 +77,7 @@ impl Sidecars {
             fleet,
             sidecars,
             keys,
+            kind,
         }
     }
 
@@ -74,9 +86,10 @@ impl Sidecars {
         for (i, sc) in self.sidecars.iter().enumerate() {
             let addr = sc.as_ref().unwrap().addr();
             s.push_str(&format!(
-                "\n[[workers]]\nid = \"{}\"\nurl = \"http://{addr}\"\nkind = \"openai\"\n\
+                "\n[[workers]]\nid = \"{}\"\nurl = \"http://{addr}\"\nkind = \"{}\"\n\
                  prompt_cache = {{ ttl_ms = 60000, max_prefixes = 8 }}\n",
-                sidecar_id(i)
+                sidecar_id(i),
+                self.kind
             ));
         }
         s.push_str("\n[[pools]]\nid = \"all\"\nworkers = [\"s1\", \"s2\"]\n");
@@ -405,5 +418,269 @@ fn sidecars_receipt_openai_engines_behind_the_gateway() {
             .as_u16()
     });
     assert_eq!(ready, 503);
+    sc.stop();
+}
+
+/// vLLM's side of its KV-event wire, as the test plays it: msgpack written by `rmp-serde` (not
+/// the sidecar's reader), integer block hashes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), the
+/// event maps tagged by `type` and the batch an array `[ts, events]`, as vLLM 0.34 sends them
+/// (the bytes of vLLM's own classes are checked by `scripts/check-vllm-events.sh`).
+#[derive(serde::Serialize)]
+#[serde(tag = "type")]
+enum VllmEvent {
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: usize,
+        lora_id: Option<u32>,
+        medium: Option<String>,
+        lora_name: Option<String>,
+        extra_keys: Option<Vec<Option<Vec<String>>>>,
+    },
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Option<String>,
+    },
+    AllBlocksCleared,
+}
+
+fn vllm_payload(events: Vec<VllmEvent>) -> Vec<u8> {
+    rmp_serde::to_vec_named(&(1.0f64, events)).unwrap()
+}
+
+/// `[topic, seq, payload]`, as vLLM's publisher frames it.
+fn vllm_message(seq: u64, payload: Vec<u8>) -> zeromq::ZmqMessage {
+    let mut m = zeromq::ZmqMessage::from(Vec::<u8>::new());
+    m.push_back(seq.to_be_bytes().to_vec().into());
+    m.push_back(payload.into());
+    m
+}
+
+/// `n` blocks of 16 stored by one request, hashes `first..first + n`, the first a root with
+/// the request's salt.
+fn stored_blocks(first: u64, tokens: &[u32], salt: Option<&str>) -> VllmEvent {
+    let n = tokens.len() / 16;
+    let mut extra: Vec<Option<Vec<String>>> = vec![None; n];
+    extra[0] = salt.map(|s| vec![s.to_string()]);
+    VllmEvent::BlockStored {
+        block_hashes: (first..first + n as u64).collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..n * 16].to_vec(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: salt.map(|_| extra),
+    }
+}
+
+/// `kind = "vllm"` sidecars that read their engines' KV events: the gateway routes on what the
+/// engine reports, exactly. Each sidecar subscribes to a ZMQ PUB socket the test owns (the
+/// engine's publisher) and a ROUTER socket that answers its replay requests; the
+/// engines are simulated kvgate workers, which publish nothing there. A first request goes to
+/// some sidecar; the test then has the *other* engine report the prompt's blocks, with the
+/// salt the sidecar gives ticketed requests (`kvgate/v1/<alg>/<namespace>`): the repeat goes to
+/// that sidecar, predicted to hit every block — a decision only the events can explain
+/// (routing-time holdings are off). Removals shorten the prediction, a gap is filled from the
+/// replay socket, an unsalted chain is not mapped, and `AllBlocksCleared` empties the view.
+#[test]
+fn vllm_kv_events_drive_kv_exact_through_sidecars() {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // The engines' publishers and sidecar 2's replay socket.
+    let (mut pubs, endpoints): (Vec<zeromq::PubSocket>, Vec<String>) = rt.block_on(async {
+        let mut pubs = Vec::new();
+        let mut eps = Vec::new();
+        for _ in 0..2 {
+            let mut p = zeromq::PubSocket::new();
+            let ep = p.bind("tcp://127.0.0.1:0").await.unwrap();
+            eps.push(ep.to_string());
+            pubs.push(p);
+        }
+        (pubs, eps)
+    });
+    type Replayable = std::sync::Arc<parking_lot::Mutex<Vec<(u64, Vec<u8>)>>>;
+    let replayable: Vec<Replayable> = vec![Default::default(), Default::default()];
+    let (replay_eps, replay_tasks): (Vec<String>, Vec<tokio::task::JoinHandle<()>>) = (0..2).map(|i| rt.block_on(async {
+        let mut router = zeromq::RouterSocket::new();
+        let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let held = replayable[i].clone();
+        let task = tokio::spawn(async move {
+            while let Ok(req) = router.recv().await {
+                let frames = req.into_vec();
+                let (id, start) = (frames[0].clone(), &frames[2]);
+                let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
+                let batches: Vec<(u64, Vec<u8>)> = held.lock().clone();
+                for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= start) {
+                    let mut m = zeromq::ZmqMessage::from(id.clone());
+                    m.push_back(Vec::<u8>::new().into());
+                    m.push_back(seq.to_be_bytes().to_vec().into());
+                    m.push_back(payload.into());
+                    router.send(m).await.unwrap();
+                }
+                let mut end = zeromq::ZmqMessage::from(id);
+                end.push_back(Vec::<u8>::new().into());
+                end.push_back(vec![0xff; 8].into());
+                end.push_back(Vec::<u8>::new().into());
+                router.send(end).await.unwrap();
+            }
+        });
+        (ep, task)
+    })).unzip();
+    let mut sc = Sidecars::start_with("vllm", |i| {
+        let mut ev = worker::sidecar::vllm::EngineEventsConfig::new(endpoints[i].clone());
+        ev.replay_endpoint = Some(replay_eps[i].clone());
+        Some(ev)
+    });
+    sc.start_gateway();
+    let fleet = &sc.fleet;
+    let sidecar_metric = |i: usize, series: &str| -> f64 {
+        let addr = sc.sidecars[i].as_ref().unwrap().addr();
+        let text = fleet.rt.block_on(async {
+            reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        });
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    fleet.wait_for(
+        "both event streams connected and both publishers subscribed",
+        Duration::from_secs(20),
+        || {
+            let w = fleet
+                .admin(reqwest::Method::GET, "/admin/workers", None)
+                .json();
+            let connected = w["workers"].as_array().is_some_and(|a| {
+                a.iter()
+                    .filter(|v| v["events"]["state"] == "connected" && v["healthy"] == true)
+                    .count()
+                    == 2
+            });
+            connected
+                && (0..2).all(|i| sidecar_metric(i, "kvgate_sidecar_engine_events_connected") == 1.0)
+        },
+    );
+
+    // A first request lands on some sidecar; its ticket names the namespace.
+    let long = "Paged attention keeps the KV cache in fixed-size blocks. ".repeat(8);
+    let body = chat(&[("system", "You are terse."), ("user", &long)], 3);
+    let r = fleet.post("/v1/chat/completions", &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let first = index_of(&r);
+    let other = 1 - first;
+    let rec = sc.receipt(first, &r.header("x-request-id").unwrap());
+    let ticket = rec.body.ticket.as_ref().unwrap().ticket_unverified().clone();
+    let salt = worker::sidecar::vllm::mapping::salt_for(ticket.hash_algorithm, &ticket.namespace_seed);
+    // The prompt's tokens, as the engine (and the gateway: the same code) render them.
+    let tok_body = serde_json::json!({"messages": body["messages"]});
+    let tokens: Vec<u32> = serde_json::from_value(
+        fleet
+            .post_to_worker(first, "/v1/tokenize", serde_json::to_vec(&tok_body).unwrap())
+            .json()["tokens"]
+            .clone(),
+    )
+    .unwrap();
+    let n = tokens.len() / 16;
+    assert!(n >= 4, "{} tokens", tokens.len());
+    assert_eq!(ticket.prompt_tokens, Some(tokens.len() as u32));
+
+    // The other engine reports the prompt's blocks (published until its sidecar has them: a
+    // ZMQ subscription takes a moment to reach the publisher).
+    let mut seq = [0u64; 2];
+    let publish = |pubs: &mut Vec<zeromq::PubSocket>, seq: &mut [u64; 2], i: usize, events: Vec<VllmEvent>| {
+        let payload = vllm_payload(events);
+        replayable[i].lock().push((seq[i], payload.clone()));
+        rt.block_on(pubs[i].send(vllm_message(seq[i], payload))).unwrap();
+        seq[i] += 1;
+    };
+    let other_id = sidecar_id(other);
+    let indexed = |blocks: usize| {
+        fleet
+            .gw()
+            .data
+            .index
+            .worker_stats(&prefix_index::WorkerId(other_id.clone()))
+            .map_or(0, |s| s.precise_blocks as usize)
+            == blocks
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !indexed(n) {
+        assert!(std::time::Instant::now() < deadline, "the stored blocks never reached the gateway");
+        publish(&mut pubs, &mut seq, other, vec![stored_blocks(1, &tokens, Some(&salt))]);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let route = |what: &str| -> (usize, receipts::RouteTicket) {
+        let r = fleet.post("/v1/chat/completions", &body, &[]);
+        assert_eq!(r.status, 200, "{what}: {}", r.text());
+        let i = index_of(&r);
+        let rec = sc.receipt(i, &r.header("x-request-id").unwrap());
+        (i, rec.body.ticket.as_ref().unwrap().ticket_unverified().clone())
+    };
+    let (i, t) = route("after the engine stored the prompt");
+    assert_eq!(i, other, "the repeat goes where the engine holds its prefix");
+    assert_eq!(t.predicted_matched_tokens, Some((n * 16) as u32), "{t:?}");
+    assert_eq!(
+        sidecar_metric(other, "kvgate_sidecar_engine_event_blocks_total{outcome=\"mapped\"}"),
+        n as f64
+    );
+
+    // The engine evicts the last two blocks: the prediction shrinks by two blocks.
+    publish(
+        &mut pubs,
+        &mut seq,
+        other,
+        vec![VllmEvent::BlockRemoved {
+            block_hashes: vec![n as u64, n as u64 - 1],
+            medium: Some("GPU".into()),
+        }],
+    );
+    fleet.wait_for("the removal indexed", Duration::from_secs(10), || indexed(n - 2));
+    let (i, t) = route("after the eviction");
+    assert_eq!(i, other);
+    assert_eq!(t.predicted_matched_tokens, Some(((n - 2) * 16) as u32));
+
+    // A chain without the kvgate salt (a direct client's) is not mapped.
+    publish(&mut pubs, &mut seq, other, vec![stored_blocks(1000, &tokens, None)]);
+    fleet.wait_for("the unsalted chain counted", Duration::from_secs(10), || {
+        sidecar_metric(other, "kvgate_sidecar_engine_event_blocks_total{outcome=\"unsalted\"}") == n as f64
+    });
+    assert!(indexed(n - 2));
+
+    // Everything cleared: no holding is left.
+    publish(&mut pubs, &mut seq, other, vec![VllmEvent::AllBlocksCleared]);
+    fleet.wait_for("the clear indexed", Duration::from_secs(10), || indexed(0));
+
+    // A gap is read from the replay socket: a batch the sidecar never got live (only the
+    // replay socket has it) is applied before the one after it.
+    let missed = vllm_payload(vec![stored_blocks(2000, &tokens, Some(&salt))]);
+    replayable[other].lock().push((seq[other], missed));
+    seq[other] += 1;
+    publish(
+        &mut pubs,
+        &mut seq,
+        other,
+        vec![VllmEvent::BlockRemoved {
+            block_hashes: vec![2000 + n as u64 - 1],
+            medium: Some("GPU".into()),
+        }],
+    );
+    fleet.wait_for("the replayed blocks indexed", Duration::from_secs(10), || indexed(n - 1));
+    assert_eq!(
+        sidecar_metric(other, "kvgate_sidecar_engine_event_gaps_total{resolution=\"replayed\"}"),
+        1.0
+    );
+    let (i, t) = route("after the replayed batch");
+    assert_eq!(i, other);
+    assert_eq!(t.predicted_matched_tokens, Some(((n - 1) * 16) as u32));
+    drop(pubs);
+    for t in replay_tasks {
+        t.abort();
+    }
     sc.stop();
 }

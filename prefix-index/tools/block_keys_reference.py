@@ -31,20 +31,24 @@ def seed_input(v):
             + lp(v["algorithm"]) + opt(v["salt"]) + opt(v["adapter"]))
 
 
-def keys(v):
-    seed = hashlib.sha256(seed_input(v)).digest()
-    b = v["block_size"]
-    toks = v["tokens"]
-    d = seed[:8] if v["algorithm"] == "xxh3" else seed
+def chain(seed, algorithm, b, toks):
+    """The keys (16 hex digits each) of the full blocks of `toks` in the namespace `seed`
+    (32 bytes)."""
+    d = seed[:8] if algorithm == "xxh3" else seed
     out = []
     for i in range(len(toks) // b):
         data = d + b"".join(struct.pack("<I", t) for t in toks[i * b:(i + 1) * b])
-        if v["algorithm"] == "xxh3":
+        if algorithm == "xxh3":
             d = struct.pack(">Q", xxhash.xxh3_64_intdigest(data))
         else:
             d = hashlib.sha256(data).digest()
         out.append(d[:8].hex())
-    return seed.hex(), out
+    return out
+
+
+def keys(v):
+    seed = hashlib.sha256(seed_input(v)).digest()
+    return seed.hex(), chain(seed, v["algorithm"], v["block_size"], v["tokens"])
 
 
 PROFILE = {

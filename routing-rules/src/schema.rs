@@ -254,6 +254,10 @@ pub enum UpstreamKind {
     /// llama.cpp's `llama-server` (directly or behind `kvgate sidecar`): `/health`, `/props`,
     /// `/tokenize`, no KV events.
     LlamaCpp,
+    /// vLLM behind `kvgate sidecar --kind vllm --kv-events …`: the contract check of
+    /// `openai`, and the engine's own KV events, mapped to kvgate block keys by the sidecar
+    /// and subscribed to as a kvgate worker's (`/v1/kv/events`; approximated when absent).
+    Vllm,
 }
 
 impl UpstreamKind {
@@ -266,13 +270,14 @@ impl UpstreamKind {
     pub fn default_health_path(&self) -> &'static str {
         match self {
             UpstreamKind::Kvgate => "/ready",
-            UpstreamKind::Openai | UpstreamKind::LlamaCpp => "/health",
+            UpstreamKind::Openai | UpstreamKind::LlamaCpp | UpstreamKind::Vllm => "/health",
         }
     }
 
-    /// Whether the server publishes kvgate KV events.
+    /// Whether the server publishes kvgate KV events (or may: a `vllm` sidecar started
+    /// without `--kv-events` answers 404, and its holdings are approximated).
     pub fn has_events(&self) -> bool {
-        *self == UpstreamKind::Kvgate
+        matches!(self, UpstreamKind::Kvgate | UpstreamKind::Vllm)
     }
 
     /// The name in the rules file.
@@ -281,6 +286,7 @@ impl UpstreamKind {
             UpstreamKind::Kvgate => "kvgate",
             UpstreamKind::Openai => "openai",
             UpstreamKind::LlamaCpp => "llama_cpp",
+            UpstreamKind::Vllm => "vllm",
         }
     }
 }

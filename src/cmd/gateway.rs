@@ -131,14 +131,7 @@ pub struct Args {
 
 /// Runs the gateway until SIGINT/SIGTERM.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    // Logs go to standard error: standard output may carry the access log (`--access-log -`).
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .try_init();
+    super::init_logs();
     let _ = crate::memory::apply(crate::memory::HugePages::from_flag(
         args.transparent_huge_pages,
     ));

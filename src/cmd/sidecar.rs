@@ -26,11 +26,31 @@ pub struct Args {
     /// Worker id (route tickets must name it; receipts are signed under it).
     #[arg(long, default_value = "sidecar-1")]
     pub id: String,
-    /// What the engine is, as a rules file's `[[workers]] kind` names it (`llama_cpp` or
-    /// `openai`): what a registered sidecar announces (`--register`), so the gateways treat it
-    /// as that kind of upstream.
-    #[arg(long, default_value = "llama_cpp", value_parser = ["llama_cpp", "openai"])]
+    /// What the engine is, as a rules file's `[[workers]] kind` names it (`llama_cpp`,
+    /// `openai` or `vllm`): what a registered sidecar announces (`--register`), so the gateways
+    /// treat it as that kind of upstream.
+    #[arg(long, default_value = "llama_cpp", value_parser = ["llama_cpp", "openai", "vllm"])]
     pub kind: String,
+    /// vLLM's KV-event publisher (`--kv-events-config` `endpoint`) as reachable from here,
+    /// e.g. `tcp://127.0.0.1:5557` (`--kind vllm` only): the sidecar maps its events to kvgate
+    /// block keys and serves them as `GET /v1/kv/events`; ticketed requests get their
+    /// namespace as `cache_salt`.
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// vLLM's replay endpoint (`replay_endpoint`), e.g. `tcp://127.0.0.1:5558`: missed events
+    /// are read from it (without it a gap clears what the gateway believes the engine holds).
+    #[arg(long, requires = "kv_events")]
+    pub kv_events_replay: Option<String>,
+    /// vLLM's KV-event `topic`.
+    #[arg(long, default_value = "", requires = "kv_events")]
+    pub kv_events_topic: String,
+    /// Tokens per kvgate block: the `block_size` of the gateway's `kv_exact` rule for this
+    /// engine (vLLM's own block size may differ).
+    #[arg(long, default_value_t = 16, requires = "kv_events")]
+    pub block_size: u32,
+    /// Most engine blocks remembered for the mapping (new ones beyond are not mapped).
+    #[arg(long, default_value_t = 1 << 20, requires = "kv_events")]
+    pub kv_events_max_blocks: usize,
     /// Engine path probed by `GET /ready`.
     #[arg(long, default_value = "/health")]
     pub health_path: String,
@@ -38,7 +58,8 @@ pub struct Args {
     /// variable KVGATE_ENGINE_API_KEY when set.
     #[arg(long, env = "KVGATE_ENGINE_API_KEY", hide_env_values = true)]
     pub engine_api_key: Option<String>,
-    /// The GGUF file the engine serves: its prompt-profile digest goes into every receipt
+    /// The model the engine serves, a GGUF file or a model folder (`tokenizer.json`,
+    /// `tokenizer_config.json`): its prompt-profile digest goes into every receipt
     /// (`profile_digest`; empty without it).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -123,9 +144,25 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     cfg.connect_timeout = Duration::from_millis(args.connect_timeout_ms.max(1));
     cfg.read_timeout = Duration::from_millis(args.read_timeout_ms.max(1));
     if let Some(model) = &args.model {
-        let profile = prompt_profile::PromptProfile::from_gguf(model)
-            .with_context(|| format!("loading the prompt profile of {}", model.display()))?;
+        let profile = super::tokenize::load_profile(model, None)?;
         cfg.profile_digest = profile.identity().digest();
+    }
+    if let Some(endpoint) = &args.kv_events {
+        anyhow::ensure!(
+            args.kind == "vllm",
+            "--kv-events reads vLLM's KV events: it needs --kind vllm"
+        );
+        anyhow::ensure!(
+            endpoint.starts_with("tcp://"),
+            "--kv-events {endpoint}: only tcp:// endpoints are supported"
+        );
+        let mut ev = worker::sidecar::vllm::EngineEventsConfig::new(endpoint.clone());
+        ev.replay_endpoint = args.kv_events_replay.clone();
+        ev.topic = args.kv_events_topic.clone();
+        ev.block_size = prefix_index::BlockSize::new(args.block_size)
+            .map_err(|e| anyhow::anyhow!("--block-size {}: {e}", args.block_size))?;
+        ev.max_blocks = args.kv_events_max_blocks;
+        cfg.engine_events = Some(ev);
     }
     cfg.tls = args.tls.server_tls();
     cfg.registration =
@@ -135,6 +172,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    super::init_logs();
     let cfg = config_from_args(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -120,7 +120,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn load_profile(model: &Path, template: Option<String>) -> anyhow::Result<PromptProfile> {
+/// The prompt profile of a GGUF file or a model folder (`tokenizer.json`,
+/// `tokenizer_config.json`), the template replaced by `template` when given.
+pub(crate) fn load_profile(model: &Path, template: Option<String>) -> anyhow::Result<PromptProfile> {
     let profile = match (model.is_dir(), template) {
         (true, None) => PromptProfile::from_hf(
             model.join("tokenizer.json"),

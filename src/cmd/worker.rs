@@ -459,6 +459,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<WorkerConfig> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    super::init_logs();
     let cfg = config_from_args(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

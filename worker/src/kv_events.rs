@@ -77,48 +77,60 @@ pub fn resume_position(
     Ok(None)
 }
 
-/// `GET /v1/kv/events`.
-pub async fn kv_events(
-    State(st): State<Arc<AppState>>,
+/// An admitted subscription: where it resumes, whether it wants load messages, and its slot.
+pub(crate) struct Admitted {
+    pub since: Option<(u64, u64)>,
+    pub load: bool,
+    permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// Admits a `GET /v1/kv/events` (a kvgate worker's or a sidecar's): its query and resume
+/// position (400 `invalid_value`), one of the `max` subscription slots (429
+/// `too_many_subscriptions`, `Retry-After: retry_after_s`).
+pub(crate) fn admit(
     query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
-    headers: HeaderMap,
-) -> Response {
+    headers: &HeaderMap,
+    slots: &Arc<tokio::sync::Semaphore>,
+    max: usize,
+    retry_after_s: u64,
+) -> Result<Admitted, ApiError> {
     let q = match query {
         Ok(Query(q)) => q,
-        Err(e) => {
-            st.metrics.request("kv_events", 400);
-            return ApiError::bad_request("invalid_value", None, e.body_text()).into_response();
-        }
+        Err(e) => return Err(ApiError::bad_request("invalid_value", None, e.body_text())),
     };
-    let since = match resume_position(&q, &headers) {
-        Ok(p) => p,
-        Err(e) => {
-            st.metrics.request("kv_events", 400);
-            return e.into_response();
-        }
-    };
-    let Ok(permit) = st.subscriptions.clone().try_acquire_owned() else {
-        st.metrics.request("kv_events", 429);
+    let since = resume_position(&q, headers)?;
+    let Ok(permit) = slots.clone().try_acquire_owned() else {
         let mut e = ApiError::new(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
             "too_many_subscriptions",
-            format!(
-                "at most {} KV-event subscriptions at once",
-                st.settings.max_event_subscriptions
-            ),
+            format!("at most {max} KV-event subscriptions at once"),
         );
-        e.retry_after_s = Some(st.settings.retry_after_s);
-        return e.into_response();
+        e.retry_after_s = Some(retry_after_s);
+        return Err(e);
     };
-    st.metrics.request("kv_events", 200);
+    Ok(Admitted {
+        since,
+        load: q.load == Some(true),
+        permit,
+    })
+}
+
+/// The SSE answer of an admitted subscription to `feed`, with load messages from `load`
+/// when it asked for them and there is one (a sidecar has none).
+pub(crate) fn stream_response(
+    admitted: Admitted,
+    feed: &engine::kv::events::KvEventFeed,
+    load: Option<tokio::sync::watch::Receiver<prefix_index::WorkerLoad>>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Response {
     let state = StreamState {
-        sub: st.engine.kv_events().subscribe(since),
-        load: (q.load == Some(true)).then(|| st.engine.watch_load()),
+        sub: feed.subscribe(admitted.since),
+        load: if admitted.load { load } else { None },
         load_pending: true,
         next_load_at: tokio::time::Instant::now(),
         heartbeat_at: tokio::time::Instant::now() + LOAD_HEARTBEAT,
-        shutdown: st.shutdown.clone(),
-        _permit: permit,
+        shutdown,
+        _permit: admitted.permit,
     };
     // The permit lives as long as the stream (dropped with it when the client goes away).
     let events = stream::unfold(state, |mut s| async move {
@@ -128,6 +140,30 @@ pub async fn kv_events(
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
         .into_response()
+}
+
+/// `GET /v1/kv/events`.
+pub async fn kv_events(
+    State(st): State<Arc<AppState>>,
+    query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Response {
+    let admitted = match admit(
+        query,
+        &headers,
+        &st.subscriptions,
+        st.settings.max_event_subscriptions,
+        st.settings.retry_after_s,
+    ) {
+        Ok(a) => a,
+        Err(e) => {
+            st.metrics.request("kv_events", e.status.as_u16());
+            return e.into_response();
+        }
+    };
+    st.metrics.request("kv_events", 200);
+    let load = admitted.load.then(|| st.engine.watch_load());
+    stream_response(admitted, &st.engine.kv_events(), load, st.shutdown.clone())
 }
 
 /// Shortest time between two `event: load` messages on one stream: the engine's load changes

@@ -27,6 +27,7 @@
 
 pub mod relay;
 pub mod usage;
+pub mod vllm;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -94,6 +95,10 @@ pub struct SidecarConfig {
     /// gateway keys listed there, exactly as a registered worker ([`crate::registration`]);
     /// `None`: static worker lists only.
     pub registration: Option<crate::registration::Registration>,
+    /// vLLM's KV events ([`vllm`]): read, mapped to kvgate block keys and served as
+    /// `GET /v1/kv/events`; requests with a route ticket get their namespace as `cache_salt`.
+    /// `None`: no event stream (404; the gateway approximates the engine's holdings).
+    pub engine_events: Option<vllm::EngineEventsConfig>,
 }
 
 impl SidecarConfig {
@@ -126,6 +131,7 @@ impl SidecarConfig {
             retry_after_s: 1,
             tls: None,
             registration: None,
+            engine_events: None,
         }
     }
 }
@@ -161,6 +167,10 @@ pub(crate) struct SidecarState {
     pub(crate) shutdown: CancellationToken,
     /// Inference requests in flight and the draining flag ([`RunningSidecar::drain`]).
     pub(crate) drain: crate::drain::Drain,
+    /// The engine's cache in kvgate keys (with `engine_events`), and the subscription slots
+    /// of `GET /v1/kv/events`.
+    pub(crate) feed: Option<engine::kv::events::KvEventFeed>,
+    subscriptions: Arc<tokio::sync::Semaphore>,
 }
 
 /// A started sidecar.
@@ -169,7 +179,13 @@ pub struct RunningSidecar {
     state: Arc<SidecarState>,
     server: JoinHandle<std::io::Result<()>>,
     registration: Option<crate::registration::RegistrationTask>,
+    /// The engine-event subscriber ([`vllm::run`]), stopped by `events_stop`.
+    events: Option<JoinHandle<()>>,
+    events_stop: CancellationToken,
 }
+
+/// Most `GET /v1/kv/events` streams open at once on a sidecar (as on a worker).
+pub const MAX_EVENT_SUBSCRIPTIONS: usize = 16;
 
 impl RunningSidecar {
     /// The bound address.
@@ -203,6 +219,12 @@ impl RunningSidecar {
     pub async fn shutdown(self) {
         if let Some(task) = self.registration {
             crate::registration::stop(task).await;
+        }
+        self.events_stop.cancel();
+        if let Some(task) = self.events {
+            if tokio::time::timeout(Duration::from_secs(5), task).await.is_err() {
+                tracing::warn!("engine-event subscriber did not stop within 5 s");
+            }
         }
         self.state.shutdown.cancel();
         match tokio::time::timeout(Duration::from_secs(10), self.server).await {
@@ -287,6 +309,16 @@ pub async fn spawn(
     let mut registry = Registry::default();
     let drain = crate::drain::Drain::default();
     let metrics = relay::SidecarMetrics::register(&mut registry, drain.clone());
+    let events_stop = CancellationToken::new();
+    let (feed, events) = match cfg.engine_events.clone() {
+        None => (None, None),
+        Some(ev) => {
+            let feed = engine::kv::events::KvEventFeed::new();
+            let m = vllm::EngineEventMetrics::register(&mut registry);
+            let task = tokio::spawn(vllm::run(ev, feed.clone(), m, events_stop.clone()));
+            (Some(feed), Some(task))
+        }
+    };
     let state = Arc::new(SidecarState {
         cfg,
         engine,
@@ -297,6 +329,8 @@ pub async fn spawn(
         registry,
         shutdown: CancellationToken::new(),
         drain,
+        feed,
+        subscriptions: Arc::new(tokio::sync::Semaphore::new(MAX_EVENT_SUBSCRIPTIONS)),
     });
     let app = router(state.clone());
     let server = tokio::spawn(crate::listener::serve(
@@ -319,6 +353,8 @@ pub async fn spawn(
         state,
         server,
         registration,
+        events,
+        events_stop,
     })
 }
 
@@ -329,6 +365,7 @@ fn router(st: Arc<SidecarState>) -> Router {
         .route("/apply-template", post(passthrough))
         .route("/slots", get(passthrough))
         .route("/v1/receipts/{request_id}", get(receipt))
+        .route("/v1/kv/events", get(kv_events))
         .route_layer(axum::middleware::from_fn_with_state(
             st.clone(),
             require_access,
@@ -386,6 +423,42 @@ async fn completions(
     body: Body,
 ) -> Response {
     relay::generate(st, "/v1/completions", headers, body).await
+}
+
+/// `GET /v1/kv/events`: the engine's cache in kvgate keys (docs/kv-events.md; no load
+/// messages). 404 `not_found` without `engine_events`.
+async fn kv_events(
+    State(st): State<Arc<SidecarState>>,
+    query: Result<
+        axum::extract::Query<crate::kv_events::EventsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+    headers: HeaderMap,
+) -> Response {
+    let Some(feed) = &st.feed else {
+        st.metrics.request("kv_events", 404);
+        return ApiError::not_found(
+            "not_found",
+            "this sidecar reads no engine KV events (start it with --kv-events)",
+        )
+        .into_response();
+    };
+    match crate::kv_events::admit(
+        query,
+        &headers,
+        &st.subscriptions,
+        MAX_EVENT_SUBSCRIPTIONS,
+        st.cfg.retry_after_s,
+    ) {
+        Ok(admitted) => {
+            st.metrics.request("kv_events", 200);
+            crate::kv_events::stream_response(admitted, feed, None, st.shutdown.clone())
+        }
+        Err(e) => {
+            st.metrics.request("kv_events", e.status.as_u16());
+            e.into_response()
+        }
+    }
 }
 
 async fn keys(State(st): State<Arc<SidecarState>>) -> Response {

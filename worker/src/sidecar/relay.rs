@@ -56,7 +56,7 @@ impl SidecarMetrics {
         let r = registry.sub_registry_with_prefix("kvgate_sidecar");
         r.register(
             "requests",
-            "Generation requests answered, by endpoint and status",
+            "Requests answered (generation and KV-event streams), by endpoint and status",
             m.requests.clone(),
         );
         r.register(
@@ -78,7 +78,7 @@ impl SidecarMetrics {
         m
     }
 
-    fn request(&self, endpoint: &str, status: u16) {
+    pub(crate) fn request(&self, endpoint: &str, status: u16) {
         self.requests
             .get_or_create(&vec![
                 ("endpoint", endpoint.to_string()),
@@ -202,6 +202,21 @@ async fn receipted_error(
     with_ids(e.into_response(), &id, written)
 }
 
+/// The body with `cache_salt` set to `salt` (vLLM keeps each salt's prefix cache apart and
+/// names the salt in its KV events, which is how [`super::vllm::mapping`] learns a chain's
+/// namespace). A client's own `cache_salt` is replaced: the ticket's namespace already
+/// includes it (the gateway derives the namespace from it). A body that is not a JSON object
+/// goes unchanged (the engine refuses it).
+pub(crate) fn with_cache_salt(body: Bytes, salt: &str) -> Bytes {
+    match serde_json::from_slice::<serde_json::Map<String, Value>>(&body) {
+        Ok(mut obj) => {
+            obj.insert("cache_salt".into(), Value::String(salt.to_string()));
+            serde_json::to_vec(&obj).map(Bytes::from).unwrap_or(body)
+        }
+        Err(_) => body,
+    }
+}
+
 /// One generation request (see the module doc).
 pub(crate) async fn generate(
     st: Arc<SidecarState>,
@@ -243,12 +258,24 @@ pub(crate) async fn generate(
         ..receipts::ReceiptDraft::default()
     };
 
+    // Round robin's tickets name the all-zero namespace: those requests keep the engine's
+    // shared cache.
+    let forwarded = match (&st.cfg.engine_events, &admission.ticket) {
+        (Some(_), Some(ticket)) if admission.namespace.0 != [0; 32] => with_cache_salt(
+            bytes,
+            &super::vllm::mapping::salt_for(
+                ticket.ticket_unverified().hash_algorithm,
+                &admission.namespace,
+            ),
+        ),
+        _ => bytes,
+    };
     let mut req = st
         .http
         .post(format!("{}{endpoint}", st.engine))
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header(REQUEST_ID_HEADER, admission.request_id.as_str())
-        .body(bytes);
+        .body(forwarded);
     if let Some(a) = headers.get(axum::http::header::ACCEPT) {
         req = req.header(reqwest::header::ACCEPT, a.as_bytes());
     }

@@ -1,0 +1,451 @@
+//! vLLM's KV events, for KV-exact routing over vLLM engines (`kvgate sidecar --kind vllm
+//! --kv-events tcp://…`, docs/sidecar.md).
+//!
+//! vLLM started with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+//! "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'` publishes every change to
+//! its prefix cache on a ZMQ PUB socket: multipart messages `[topic, seq (8 bytes, big
+//! endian), payload]`, the payload a msgpack batch ([`wire`]); a ROUTER socket answers a
+//! request `["", start seq]` with every buffered message from `start` on, then `seq = -1`.
+//!
+//! The subscriber task ([`run`]) reads them in order, maps them to kvgate block keys
+//! ([`mapping`]) and publishes the result in a [`KvEventFeed`] — the feed a kvgate worker's
+//! engine publishes in — which the sidecar serves as `GET /v1/kv/events`
+//! (docs/kv-events.md), so a gateway subscribes to it as to a kvgate worker.
+//!
+//! Order and gaps: a message whose seq follows the last one is applied; an older one is a
+//! repeat and skipped; a gap is filled from the replay socket, and when it cannot be (no
+//! replay endpoint, the buffer no longer holds it, no answer within 5 s) the feed says
+//! `cleared` and the mapping starts over, so the gateway never keeps a key the engine may have
+//! dropped. After a disconnection (the engine restarted, or the network) likewise: `cleared`,
+//! then everything the replay buffer holds is applied from seq 0.
+
+pub mod mapping;
+pub mod wire;
+
+use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::time::Duration;
+
+use engine::kv::events::KvEventFeed;
+use prefix_index::{BlockSize, KvEvent};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
+
+use mapping::{Applied, EngineCacheMap};
+
+/// Where and how to read the engine's KV events.
+#[derive(Clone, Debug)]
+pub struct EngineEventsConfig {
+    /// The engine's PUB endpoint as reachable from here, e.g. `tcp://127.0.0.1:5557`.
+    pub endpoint: String,
+    /// Its replay (ROUTER) endpoint, e.g. `tcp://127.0.0.1:5558`; `None`: gaps clear.
+    pub replay_endpoint: Option<String>,
+    /// The topic subscribed to (vLLM's `topic`, default empty: every message).
+    pub topic: String,
+    /// Tokens per kvgate block: the `block_size` of the gateway's `kv_exact` rule.
+    pub block_size: BlockSize,
+    /// Most engine blocks remembered (new ones beyond are not mapped).
+    pub max_blocks: usize,
+}
+
+impl EngineEventsConfig {
+    /// The defaults for `endpoint`: no replay, every topic, blocks of 16, 1,048,576 blocks.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        EngineEventsConfig {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            block_size: BlockSize::default(),
+            max_blocks: 1 << 20,
+        }
+    }
+}
+
+/// Largest payload read (a batch of a busy engine step is kilobytes).
+const MAX_PAYLOAD_BYTES: usize = 64 << 20;
+/// Longest wait for a replay to end.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// vLLM's end-of-replay marker (seq −1).
+const END_SEQ: [u8; 8] = [0xff; 8];
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// The subscriber's series (prefix `kvgate_sidecar_engine_`).
+#[derive(Clone, Default)]
+pub struct EngineEventMetrics {
+    batches: Family<Labels, Counter>,
+    blocks: Family<Labels, Counter>,
+    gaps: Family<Labels, Counter>,
+    connected: Gauge,
+    remembered: Gauge,
+    held: Gauge,
+    last_seq: Gauge<i64, AtomicI64>,
+    cleared: Counter<u64, AtomicU64>,
+}
+
+impl EngineEventMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = EngineEventMetrics::default();
+        let r = registry.sub_registry_with_prefix("kvgate_sidecar_engine");
+        r.register(
+            "event_batches",
+            "Engine KV-event messages read, by outcome (applied, repeat, malformed)",
+            m.batches.clone(),
+        );
+        r.register(
+            "event_blocks",
+            "Engine blocks stored, by outcome (mapped, or why not)",
+            m.blocks.clone(),
+        );
+        r.register(
+            "event_gaps",
+            "Gaps in the engine's sequence numbers, by how they were resolved (replayed, cleared)",
+            m.gaps.clone(),
+        );
+        r.register(
+            "event_clears",
+            "Times the mapping started over (engine cleared, gap not replayed, reconnection)",
+            m.cleared.clone(),
+        );
+        r.register(
+            "events_connected",
+            "1 while connected to the engine's KV-event publisher",
+            m.connected.clone(),
+        );
+        r.register(
+            "blocks_remembered",
+            "Engine blocks mapped to kvgate keys and remembered",
+            m.remembered.clone(),
+        );
+        r.register(
+            "keys_held",
+            "kvgate block keys the engine holds, as published",
+            m.held.clone(),
+        );
+        r.register(
+            "event_last_seq",
+            "Sequence number of the last engine message applied (-1: none)",
+            m.last_seq.clone(),
+        );
+        m.last_seq.set(-1);
+        m
+    }
+
+    fn batch(&self, outcome: &'static str) {
+        self.batches.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+}
+
+/// One message's frames: seq and payload (the topic is not needed).
+fn frames(msg: &ZmqMessage) -> Option<(u64, &[u8])> {
+    if msg.len() != 3 {
+        return None;
+    }
+    let seq: [u8; 8] = msg.get(1)?.as_ref().try_into().ok()?;
+    Some((u64::from_be_bytes(seq), msg.get(2)?.as_ref()))
+}
+
+/// The subscriber's state: the mapping, the feed it publishes in, the last seq applied.
+struct Subscriber {
+    cfg: EngineEventsConfig,
+    map: EngineCacheMap,
+    feed: KvEventFeed,
+    metrics: EngineEventMetrics,
+    last: Option<u64>,
+}
+
+impl Subscriber {
+    fn clear(&mut self) {
+        let ev = self.map.clear();
+        self.feed.publish(vec![ev]);
+        self.metrics.cleared.inc();
+        self.last = None;
+        self.gauges();
+    }
+
+    fn gauges(&self) {
+        self.metrics.remembered.set(self.map.engine_blocks() as i64);
+        self.metrics.held.set(self.map.held_keys() as i64);
+        self.metrics
+            .last_seq
+            .set(self.last.map_or(-1, |s| s.min(i64::MAX as u64) as i64));
+    }
+
+    /// Applies one message's payload at `seq` (in order; the caller checked).
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.last = Some(seq);
+        if payload.len() > MAX_PAYLOAD_BYTES {
+            self.metrics.batch("malformed");
+            tracing::warn!(seq, bytes = payload.len(), "engine KV-event batch too large: skipped");
+            return self.gauges();
+        }
+        let batch = match wire::decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                self.metrics.batch("malformed");
+                tracing::warn!(seq, error = %e, "engine KV-event batch unreadable: skipped");
+                return self.gauges();
+            }
+        };
+        self.metrics.batch("applied");
+        let mut out: Vec<KvEvent> = Vec::new();
+        let mut applied = Applied::default();
+        for ev in &batch.events {
+            match ev {
+                Ok(ev) => self.map.apply(ev, &mut out, &mut applied),
+                Err(e) => {
+                    self.metrics
+                        .blocks
+                        .get_or_create(&vec![("outcome", "malformed")])
+                        .inc();
+                    tracing::warn!(seq, error = %e, "engine KV event unreadable: skipped");
+                }
+            }
+        }
+        if out.iter().any(|e| matches!(e, KvEvent::Cleared)) {
+            self.metrics.cleared.inc();
+        }
+        if applied.mapped > 0 {
+            self.metrics
+                .blocks
+                .get_or_create(&vec![("outcome", "mapped")])
+                .inc_by(applied.mapped as u64);
+        }
+        for (why, n) in applied.skipped {
+            self.metrics
+                .blocks
+                .get_or_create(&vec![("outcome", why.as_str())])
+                .inc_by(n as u64);
+        }
+        if !out.is_empty() {
+            self.feed.publish(out);
+        }
+        self.gauges();
+    }
+
+    /// Asks the replay socket for every message from `from` on and applies those after the
+    /// last one applied. `Ok(true)`: the replay began at `from` or earlier (no gap left).
+    async fn replay(&mut self, from: u64) -> Result<bool, String> {
+        let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
+            return Ok(false);
+        };
+        let work = async {
+            let mut sock = zeromq::DealerSocket::new();
+            sock.connect(&endpoint)
+                .await
+                .map_err(|e| format!("connecting to {endpoint}: {e}"))?;
+            let mut req = ZmqMessage::from(Vec::<u8>::new());
+            req.push_back(from.to_be_bytes().to_vec().into());
+            sock.send(req).await.map_err(|e| format!("asking: {e}"))?;
+            let mut first: Option<u64> = None;
+            loop {
+                let msg = sock.recv().await.map_err(|e| format!("reading: {e}"))?;
+                // [empty delimiter(s), seq, payload]: vLLM's ROUTER sends one delimiter, and
+                // the DEALER may hand it over with the one it added to the request.
+                let n = msg.len();
+                if n < 2 || msg.iter().take(n - 2).any(|f| !f.is_empty()) {
+                    return Err(format!(
+                        "a replay message of frames {:?} (bytes), not [\"\", seq, payload]",
+                        msg.iter().map(|f| f.len()).collect::<Vec<_>>()
+                    ));
+                }
+                let Some(seq) = msg.get(n - 2).and_then(|s| <[u8; 8]>::try_from(s.as_ref()).ok())
+                else {
+                    return Err("a replay message without an 8-byte seq".into());
+                };
+                if seq == END_SEQ {
+                    return Ok(first.is_some_and(|f| f <= from));
+                }
+                let seq = u64::from_be_bytes(seq);
+                first.get_or_insert(seq);
+                if self.last.is_none_or(|l| seq > l) {
+                    if let Some(l) = self.last {
+                        if seq != l + 1 {
+                            return Ok(false);
+                        }
+                    }
+                    let payload = msg.get(n - 1).map(|p| p.to_vec()).unwrap_or_default();
+                    self.apply(seq, &payload);
+                }
+            }
+        };
+        match tokio::time::timeout(REPLAY_TIMEOUT, work).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("no end of replay within {REPLAY_TIMEOUT:?}")),
+        }
+    }
+
+    /// One live message at `seq`.
+    async fn live(&mut self, seq: u64, payload: &[u8]) {
+        match self.last {
+            Some(l) if seq <= l => {
+                self.metrics.batch("repeat");
+                return;
+            }
+            Some(l) if seq == l + 1 => return self.apply(seq, payload),
+            _ => {}
+        }
+        // First message since (re)connecting, or a gap: what the replay buffer holds first.
+        let first = self.last.is_none();
+        let from = self.last.map_or(0, |l| l + 1);
+        let filled = match self.replay(from).await {
+            Ok(filled) => filled,
+            Err(e) => {
+                tracing::warn!(from, error = %e, "engine KV-event replay failed");
+                false
+            }
+        };
+        if !first {
+            let resolution = if filled { "replayed" } else { "cleared" };
+            self.metrics
+                .gaps
+                .get_or_create(&vec![("resolution", resolution)])
+                .inc();
+            if !filled {
+                tracing::warn!(from, seq, "engine KV events missed: the mapping starts over");
+                self.clear();
+            }
+        }
+        match self.last {
+            Some(l) if seq <= l => self.metrics.batch("repeat"),
+            Some(l) if seq != l + 1 => {
+                // The replay ended before this message: what came between is lost.
+                self.clear();
+                self.apply(seq, payload);
+            }
+            _ => self.apply(seq, payload),
+        }
+    }
+}
+
+/// Reads the engine's KV events until `cancel`, publishing them in `feed` (closed at the end).
+pub async fn run(
+    cfg: EngineEventsConfig,
+    feed: KvEventFeed,
+    metrics: EngineEventMetrics,
+    cancel: CancellationToken,
+) {
+    let mut sub = Subscriber {
+        map: EngineCacheMap::new(cfg.block_size, cfg.max_blocks),
+        cfg,
+        feed: feed.clone(),
+        metrics,
+        last: None,
+    };
+    let mut backoff = Duration::from_millis(100);
+    'connect: while !cancel.is_cancelled() {
+        let mut sock = zeromq::SubSocket::new();
+        let mut monitor = sock.monitor();
+        let connected = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = async {
+                sock.connect(&sub.cfg.endpoint).await?;
+                sock.subscribe(&sub.cfg.topic).await
+            } => r,
+        };
+        if let Err(e) = connected {
+            tracing::warn!(endpoint = %sub.cfg.endpoint, error = %e, "engine KV events: cannot connect; retrying");
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        sub.metrics.connected.set(1);
+        tracing::info!(endpoint = %sub.cfg.endpoint, "engine KV events: subscribed");
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break 'connect,
+                ev = futures::StreamExt::next(&mut monitor) => {
+                    if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) {
+                        // The engine may have restarted: what it held is unknown now.
+                        sub.metrics.connected.set(0);
+                        sub.clear();
+                        if ev.is_none() {
+                            continue 'connect;
+                        }
+                    } else if matches!(ev, Some(SocketEvent::Connected(..))) {
+                        sub.metrics.connected.set(1);
+                    }
+                }
+                msg = sock.recv() => match msg {
+                    Ok(msg) => match frames(&msg) {
+                        Some((seq, payload)) => sub.live(seq, payload).await,
+                        None => sub.metrics.batch("malformed"),
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "engine KV events: receive failed; reconnecting");
+                        sub.metrics.connected.set(0);
+                        sub.clear();
+                        tokio::select! {
+                            _ = cancel.cancelled() => break 'connect,
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        continue 'connect;
+                    }
+                },
+            }
+        }
+    }
+    sub.metrics.connected.set(0);
+    feed.close();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    /// The bytes vLLM 0.34.0's own `ZmqEventPublisher` sent (recorded by
+    /// `scripts/check-vllm-events.sh --fixture`): decoded and mapped here, every message leaves
+    /// exactly the keys the independent Python reference computed, for kvgate blocks of 16
+    /// (vLLM's size) and 32.
+    #[test]
+    fn vllm_publisher_bytes_map_to_the_reference_keys() {
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/fixtures/vllm_kv_events.json"))
+                .unwrap();
+        let messages = doc["messages"].as_array().unwrap();
+        assert!(messages.len() >= 8);
+        for b in [16u32, 32] {
+            let mut map = EngineCacheMap::new(BlockSize::new(b).unwrap(), 1 << 20);
+            let mut held: BTreeSet<String> = BTreeSet::new();
+            for m in messages {
+                let payload = hex::decode(m["payload_hex"].as_str().unwrap()).unwrap();
+                let batch = wire::decode_batch(&payload).unwrap();
+                let mut out = Vec::new();
+                let mut applied = Applied::default();
+                for ev in &batch.events {
+                    map.apply(ev.as_ref().unwrap(), &mut out, &mut applied);
+                }
+                for ev in out {
+                    match ev {
+                        KvEvent::Stored { keys, .. } => {
+                            held.extend(keys.iter().map(|k| k.to_string()))
+                        }
+                        KvEvent::Removed { keys } => {
+                            for k in keys {
+                                held.remove(&k.to_string());
+                            }
+                        }
+                        KvEvent::Cleared => held.clear(),
+                    }
+                }
+                let want: BTreeSet<String> = m["held"][b.to_string()]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|k| k.as_str().unwrap().to_string())
+                    .collect();
+                assert_eq!(held, want, "B = {b} after {:?}", m["step"]);
+                assert_eq!(map.held_keys(), want.len());
+            }
+        }
+    }
+}
