@@ -10,7 +10,9 @@
 //! - the contract check of `openai` upstreams refuses a rule whose pinned `model_id` the engine
 //!   does not serve (400 naming it);
 //! - the sidecar's own refusals: no ticket (401 `ticket_required`), a replayed ticket (401
-//!   `ticket_replayed`), the engine gone (503 `engine_unavailable`, receipted; `/ready` 503).
+//!   `ticket_replayed`), the engine gone (503 `engine_unavailable`, receipted; `/ready` 503);
+//! - `kind = "vllm"` sidecars reading their engines' KV events (ZMQ, msgpack, replay): KV-exact
+//!   routes on what the engine reports (`vllm_kv_events_drive_kv_exact_through_sidecars`).
 
 mod gateway_support;
 
@@ -502,32 +504,36 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     });
     type Replayable = std::sync::Arc<parking_lot::Mutex<Vec<(u64, Vec<u8>)>>>;
     let replayable: Vec<Replayable> = vec![Default::default(), Default::default()];
-    let (replay_eps, replay_tasks): (Vec<String>, Vec<tokio::task::JoinHandle<()>>) = (0..2).map(|i| rt.block_on(async {
-        let mut router = zeromq::RouterSocket::new();
-        let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        let held = replayable[i].clone();
-        let task = tokio::spawn(async move {
-            while let Ok(req) = router.recv().await {
-                let frames = req.into_vec();
-                let (id, start) = (frames[0].clone(), &frames[2]);
-                let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
-                let batches: Vec<(u64, Vec<u8>)> = held.lock().clone();
-                for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= start) {
-                    let mut m = zeromq::ZmqMessage::from(id.clone());
-                    m.push_back(Vec::<u8>::new().into());
-                    m.push_back(seq.to_be_bytes().to_vec().into());
-                    m.push_back(payload.into());
-                    router.send(m).await.unwrap();
-                }
-                let mut end = zeromq::ZmqMessage::from(id);
-                end.push_back(Vec::<u8>::new().into());
-                end.push_back(vec![0xff; 8].into());
-                end.push_back(Vec::<u8>::new().into());
-                router.send(end).await.unwrap();
-            }
-        });
-        (ep, task)
-    })).unzip();
+    let (replay_eps, replay_tasks): (Vec<String>, Vec<tokio::task::JoinHandle<()>>) = (0..2)
+        .map(|i| {
+            rt.block_on(async {
+                let mut router = zeromq::RouterSocket::new();
+                let ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+                let held = replayable[i].clone();
+                let task = tokio::spawn(async move {
+                    while let Ok(req) = router.recv().await {
+                        let frames = req.into_vec();
+                        let (id, start) = (frames[0].clone(), &frames[2]);
+                        let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
+                        let batches: Vec<(u64, Vec<u8>)> = held.lock().clone();
+                        for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= start) {
+                            let mut m = zeromq::ZmqMessage::from(id.clone());
+                            m.push_back(Vec::<u8>::new().into());
+                            m.push_back(seq.to_be_bytes().to_vec().into());
+                            m.push_back(payload.into());
+                            router.send(m).await.unwrap();
+                        }
+                        let mut end = zeromq::ZmqMessage::from(id);
+                        end.push_back(Vec::<u8>::new().into());
+                        end.push_back(vec![0xff; 8].into());
+                        end.push_back(Vec::<u8>::new().into());
+                        router.send(end).await.unwrap();
+                    }
+                });
+                (ep, task)
+            })
+        })
+        .unzip();
     let mut sc = Sidecars::start_with("vllm", |i| {
         let mut ev = worker::sidecar::vllm::EngineEventsConfig::new(endpoints[i].clone());
         ev.replay_endpoint = Some(replay_eps[i].clone());
@@ -563,7 +569,8 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
                     == 2
             });
             connected
-                && (0..2).all(|i| sidecar_metric(i, "kvgate_sidecar_engine_events_connected") == 1.0)
+                && (0..2)
+                    .all(|i| sidecar_metric(i, "kvgate_sidecar_engine_events_connected") == 1.0)
         },
     );
 
@@ -575,13 +582,24 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     let first = index_of(&r);
     let other = 1 - first;
     let rec = sc.receipt(first, &r.header("x-request-id").unwrap());
-    let ticket = rec.body.ticket.as_ref().unwrap().ticket_unverified().clone();
-    let salt = worker::sidecar::vllm::mapping::salt_for(ticket.hash_algorithm, &ticket.namespace_seed);
+    let ticket = rec
+        .body
+        .ticket
+        .as_ref()
+        .unwrap()
+        .ticket_unverified()
+        .clone();
+    let salt =
+        worker::sidecar::vllm::mapping::salt_for(ticket.hash_algorithm, &ticket.namespace_seed);
     // The prompt's tokens, as the engine (and the gateway: the same code) render them.
     let tok_body = serde_json::json!({"messages": body["messages"]});
     let tokens: Vec<u32> = serde_json::from_value(
         fleet
-            .post_to_worker(first, "/v1/tokenize", serde_json::to_vec(&tok_body).unwrap())
+            .post_to_worker(
+                first,
+                "/v1/tokenize",
+                serde_json::to_vec(&tok_body).unwrap(),
+            )
             .json()["tokens"]
             .clone(),
     )
@@ -593,10 +611,14 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     // The other engine reports the prompt's blocks (published until its sidecar has them: a
     // ZMQ subscription takes a moment to reach the publisher).
     let mut seq = [0u64; 2];
-    let publish = |pubs: &mut Vec<zeromq::PubSocket>, seq: &mut [u64; 2], i: usize, events: Vec<VllmEvent>| {
+    let publish = |pubs: &mut Vec<zeromq::PubSocket>,
+                   seq: &mut [u64; 2],
+                   i: usize,
+                   events: Vec<VllmEvent>| {
         let payload = vllm_payload(events);
         replayable[i].lock().push((seq[i], payload.clone()));
-        rt.block_on(pubs[i].send(vllm_message(seq[i], payload))).unwrap();
+        rt.block_on(pubs[i].send(vllm_message(seq[i], payload)))
+            .unwrap();
         seq[i] += 1;
     };
     let other_id = sidecar_id(other);
@@ -611,8 +633,16 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !indexed(n) {
-        assert!(std::time::Instant::now() < deadline, "the stored blocks never reached the gateway");
-        publish(&mut pubs, &mut seq, other, vec![stored_blocks(1, &tokens, Some(&salt))]);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stored blocks never reached the gateway"
+        );
+        publish(
+            &mut pubs,
+            &mut seq,
+            other,
+            vec![stored_blocks(1, &tokens, Some(&salt))],
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let route = |what: &str| -> (usize, receipts::RouteTicket) {
@@ -620,13 +650,27 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
         assert_eq!(r.status, 200, "{what}: {}", r.text());
         let i = index_of(&r);
         let rec = sc.receipt(i, &r.header("x-request-id").unwrap());
-        (i, rec.body.ticket.as_ref().unwrap().ticket_unverified().clone())
+        (
+            i,
+            rec.body
+                .ticket
+                .as_ref()
+                .unwrap()
+                .ticket_unverified()
+                .clone(),
+        )
     };
     let (i, t) = route("after the engine stored the prompt");
-    assert_eq!(i, other, "the repeat goes where the engine holds its prefix");
+    assert_eq!(
+        i, other,
+        "the repeat goes where the engine holds its prefix"
+    );
     assert_eq!(t.predicted_matched_tokens, Some((n * 16) as u32), "{t:?}");
     assert_eq!(
-        sidecar_metric(other, "kvgate_sidecar_engine_event_blocks_total{outcome=\"mapped\"}"),
+        sidecar_metric(
+            other,
+            "kvgate_sidecar_engine_event_blocks_total{outcome=\"mapped\"}"
+        ),
         n as f64
     );
 
@@ -640,20 +684,39 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
             medium: Some("GPU".into()),
         }],
     );
-    fleet.wait_for("the removal indexed", Duration::from_secs(10), || indexed(n - 2));
+    fleet.wait_for("the removal indexed", Duration::from_secs(10), || {
+        indexed(n - 2)
+    });
     let (i, t) = route("after the eviction");
     assert_eq!(i, other);
     assert_eq!(t.predicted_matched_tokens, Some(((n - 2) * 16) as u32));
 
     // A chain without the kvgate salt (a direct client's) is not mapped.
-    publish(&mut pubs, &mut seq, other, vec![stored_blocks(1000, &tokens, None)]);
-    fleet.wait_for("the unsalted chain counted", Duration::from_secs(10), || {
-        sidecar_metric(other, "kvgate_sidecar_engine_event_blocks_total{outcome=\"unsalted\"}") == n as f64
-    });
+    publish(
+        &mut pubs,
+        &mut seq,
+        other,
+        vec![stored_blocks(1000, &tokens, None)],
+    );
+    fleet.wait_for(
+        "the unsalted chain counted",
+        Duration::from_secs(10),
+        || {
+            sidecar_metric(
+                other,
+                "kvgate_sidecar_engine_event_blocks_total{outcome=\"unsalted\"}",
+            ) == n as f64
+        },
+    );
     assert!(indexed(n - 2));
 
     // Everything cleared: no holding is left.
-    publish(&mut pubs, &mut seq, other, vec![VllmEvent::AllBlocksCleared]);
+    publish(
+        &mut pubs,
+        &mut seq,
+        other,
+        vec![VllmEvent::AllBlocksCleared],
+    );
     fleet.wait_for("the clear indexed", Duration::from_secs(10), || indexed(0));
 
     // A gap is read from the replay socket: a batch the sidecar never got live (only the
@@ -670,9 +733,16 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
             medium: Some("GPU".into()),
         }],
     );
-    fleet.wait_for("the replayed blocks indexed", Duration::from_secs(10), || indexed(n - 1));
+    fleet.wait_for(
+        "the replayed blocks indexed",
+        Duration::from_secs(10),
+        || indexed(n - 1),
+    );
     assert_eq!(
-        sidecar_metric(other, "kvgate_sidecar_engine_event_gaps_total{resolution=\"replayed\"}"),
+        sidecar_metric(
+            other,
+            "kvgate_sidecar_engine_event_gaps_total{resolution=\"replayed\"}"
+        ),
         1.0
     );
     let (i, t) = route("after the replayed batch");

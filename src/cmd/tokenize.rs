@@ -122,7 +122,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// The prompt profile of a GGUF file or a model folder (`tokenizer.json`,
 /// `tokenizer_config.json`), the template replaced by `template` when given.
-pub(crate) fn load_profile(model: &Path, template: Option<String>) -> anyhow::Result<PromptProfile> {
+pub(crate) fn load_profile(
+    model: &Path,
+    template: Option<String>,
+) -> anyhow::Result<PromptProfile> {
     let profile = match (model.is_dir(), template) {
         (true, None) => PromptProfile::from_hf(
             model.join("tokenizer.json"),

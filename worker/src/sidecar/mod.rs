@@ -21,9 +21,11 @@
 //! `GET /v1/receipts/{id}` (guarded) and `GET /metrics` are the sidecar's own. Any other path
 //! is 404: nothing reaches the engine that the sidecar does not receipt or allow.
 //!
-//! What it does not do: tokenize, compute block keys or publish KV events (the gateway
-//! approximates a native engine's holdings, docs/gateway.md); the receipt's `last_block_key` is
-//! therefore absent and its `prompt_tokens` is the engine's count.
+//! With `--kind vllm --kv-events` ([`vllm`]) it reads vLLM's own KV events, maps them to
+//! kvgate block keys and serves them as `GET /v1/kv/events`, and gives ticketed requests their
+//! namespace as `cache_salt`; otherwise it publishes no KV events (the gateway approximates a
+//! native engine's holdings, docs/gateway.md). It never tokenizes: the receipt's
+//! `last_block_key` is absent and its `prompt_tokens` is the engine's count.
 
 pub mod relay;
 pub mod usage;
@@ -222,7 +224,10 @@ impl RunningSidecar {
         }
         self.events_stop.cancel();
         if let Some(task) = self.events {
-            if tokio::time::timeout(Duration::from_secs(5), task).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(5), task)
+                .await
+                .is_err()
+            {
                 tracing::warn!("engine-event subscriber did not stop within 5 s");
             }
         }

@@ -31,7 +31,9 @@
 
 use std::collections::HashMap;
 
-use prefix_index::{BlockKey, BlockSize, ChainLink, HashAlgorithm, KeyChain, KvEvent, NamespaceSeed};
+use prefix_index::{
+    BlockKey, BlockSize, ChainLink, HashAlgorithm, KeyChain, KvEvent, NamespaceSeed,
+};
 
 use super::wire::{EngineEvent, EngineHash, ExtraKey, Stored};
 
@@ -371,7 +373,10 @@ mod tests {
         let want = chain.keys(&tokens);
         let salt = salt_for(HashAlgorithm::Xxh3, &seed(1));
         let mut map = EngineCacheMap::new(bs, 100);
-        let (out, a) = run(&mut map, stored(&[10, 11], None, &tokens[..8], 4, Some(&salt)));
+        let (out, a) = run(
+            &mut map,
+            stored(&[10, 11], None, &tokens[..8], 4, Some(&salt)),
+        );
         assert_eq!(a.mapped, 2);
         assert_eq!(
             out,
@@ -389,13 +394,24 @@ mod tests {
             }]
         );
         // Reported again (a reuse): nothing new.
-        let (out, a) = run(&mut map, stored(&[10, 11], None, &tokens[..8], 4, Some(&salt)));
+        let (out, a) = run(
+            &mut map,
+            stored(&[10, 11], None, &tokens[..8], 4, Some(&salt)),
+        );
         assert!(out.is_empty());
         assert_eq!(a.mapped, 0);
         let (out, _) = run(&mut map, removed(&[13, 99]));
-        assert_eq!(out, vec![KvEvent::Removed { keys: vec![want[3]] }]);
+        assert_eq!(
+            out,
+            vec![KvEvent::Removed {
+                keys: vec![want[3]]
+            }]
+        );
         assert_eq!(map.held_keys(), 3);
-        assert_eq!(run(&mut map, EngineEvent::Cleared).0, vec![KvEvent::Cleared]);
+        assert_eq!(
+            run(&mut map, EngineEvent::Cleared).0,
+            vec![KvEvent::Cleared]
+        );
         assert_eq!((map.held_keys(), map.engine_blocks()), (0, 0));
     }
 
@@ -448,12 +464,22 @@ mod tests {
         let salt = salt_for(HashAlgorithm::Xxh3, &seed(3));
         let mut map = EngineCacheMap::new(bs, 3);
         let t = [1, 2, 3, 4];
-        assert_eq!(run(&mut map, stored(&[1, 2], None, &t, 2, None)).1.skipped, vec![(Skip::Unsalted, 2)]);
         assert_eq!(
-            run(&mut map, stored(&[1, 2], None, &t, 2, Some("tenant-a"))).1.skipped,
+            run(&mut map, stored(&[1, 2], None, &t, 2, None)).1.skipped,
             vec![(Skip::Unsalted, 2)]
         );
-        assert_eq!(run(&mut map, stored(&[5], Some(77), &t[..2], 2, None)).1.skipped, vec![(Skip::Unchained, 1)]);
+        assert_eq!(
+            run(&mut map, stored(&[1, 2], None, &t, 2, Some("tenant-a")))
+                .1
+                .skipped,
+            vec![(Skip::Unsalted, 2)]
+        );
+        assert_eq!(
+            run(&mut map, stored(&[5], Some(77), &t[..2], 2, None))
+                .1
+                .skipped,
+            vec![(Skip::Unchained, 1)]
+        );
         let mut lora = stored(&[1], None, &t[..2], 2, Some(&salt));
         if let EngineEvent::Stored(s) = &mut lora {
             s.lora = true;
@@ -464,7 +490,10 @@ mod tests {
             s.extra_keys.as_mut().unwrap()[1] = Some(vec![ExtraKey::Other]);
         }
         let (out, a) = run(&mut map, mm);
-        assert_eq!((a.mapped, a.skipped.clone()), (1, vec![(Skip::ExtraKeys, 1)]));
+        assert_eq!(
+            (a.mapped, a.skipped.clone()),
+            (1, vec![(Skip::ExtraKeys, 1)])
+        );
         assert_eq!(out.len(), 1);
         let mut g = stored(&[8], None, &t[..2], 2, Some(&salt));
         if let EngineEvent::Stored(s) = &mut g {
@@ -472,7 +501,10 @@ mod tests {
         }
         assert_eq!(run(&mut map, g).1.skipped, vec![(Skip::Group, 1)]);
         // Capacity 3: one block remembered, two more fit, the fourth does not.
-        let (_, a) = run(&mut map, stored(&[20, 21, 22], Some(1), &[5, 6, 7, 8, 9, 10], 2, None));
+        let (_, a) = run(
+            &mut map,
+            stored(&[20, 21, 22], Some(1), &[5, 6, 7, 8, 9, 10], 2, None),
+        );
         assert_eq!((a.mapped, a.skipped), (2, vec![(Skip::Capacity, 1)]));
         // Removing a block of another group or an unknown one changes nothing.
         let (out, _) = run(

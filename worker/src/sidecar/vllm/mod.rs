@@ -135,7 +135,9 @@ impl EngineEventMetrics {
     }
 
     fn batch(&self, outcome: &'static str) {
-        self.batches.get_or_create(&vec![("outcome", outcome)]).inc();
+        self.batches
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc();
     }
 }
 
@@ -179,7 +181,11 @@ impl Subscriber {
         self.last = Some(seq);
         if payload.len() > MAX_PAYLOAD_BYTES {
             self.metrics.batch("malformed");
-            tracing::warn!(seq, bytes = payload.len(), "engine KV-event batch too large: skipped");
+            tracing::warn!(
+                seq,
+                bytes = payload.len(),
+                "engine KV-event batch too large: skipped"
+            );
             return self.gauges();
         }
         let batch = match wire::decode_batch(payload) {
@@ -252,7 +258,9 @@ impl Subscriber {
                         msg.iter().map(|f| f.len()).collect::<Vec<_>>()
                     ));
                 }
-                let Some(seq) = msg.get(n - 2).and_then(|s| <[u8; 8]>::try_from(s.as_ref()).ok())
+                let Some(seq) = msg
+                    .get(n - 2)
+                    .and_then(|s| <[u8; 8]>::try_from(s.as_ref()).ok())
                 else {
                     return Err("a replay message without an 8-byte seq".into());
                 };
@@ -305,7 +313,11 @@ impl Subscriber {
                 .get_or_create(&vec![("resolution", resolution)])
                 .inc();
             if !filled {
-                tracing::warn!(from, seq, "engine KV events missed: the mapping starts over");
+                tracing::warn!(
+                    from,
+                    seq,
+                    "engine KV events missed: the mapping starts over"
+                );
                 self.clear();
             }
         }

@@ -129,11 +129,11 @@ impl<'a> Reader<'a> {
             0xc0 => Value::Nil,
             0xc2 => Value::Bool(false),
             0xc3 => Value::Bool(true),
-            0xc4 | 0xc5 | 0xc6 => {
+            0xc4..=0xc6 => {
                 let n = self.uint(1 << (m - 0xc4))? as usize;
                 Value::Bin(self.take(n)?.to_vec())
             }
-            0xc7 | 0xc8 | 0xc9 => {
+            0xc7..=0xc9 => {
                 let n = self.uint(1 << (m - 0xc7))? as usize;
                 return self.ext(n);
             }
