@@ -37,26 +37,30 @@ fn sidecar_id(i: usize) -> String {
 
 impl Sidecars {
     fn start() -> Sidecars {
-        Sidecars::start_with("openai", |_| None)
-    }
-
-    /// Two sidecars of `kind`, sidecar `i` reading engine KV events as `events(i)` says.
-    fn start_with(
-        kind: &'static str,
-        events: impl Fn(usize) -> Option<worker::sidecar::vllm::EngineEventsConfig>,
-    ) -> Sidecars {
         let fleet = Fleet::workers(FleetOptions {
             workers: 2,
             ticket_policy: TicketPolicy::Optional,
             ..FleetOptions::default()
         });
+        let engines = fleet.addrs.iter().map(|a| format!("http://{a}")).collect();
+        Sidecars::start_with(fleet, engines, "openai", |_| None)
+    }
+
+    /// Two sidecars of `kind` in front of `engines`, sidecar `i` reading engine KV events as
+    /// `events(i)` says.
+    fn start_with(
+        fleet: Fleet,
+        engines: Vec<String>,
+        kind: &'static str,
+        events: impl Fn(usize) -> Option<worker::sidecar::vllm::EngineEventsConfig>,
+    ) -> Sidecars {
         let keys: Vec<KeyPair> = (0..2).map(|_| KeyPair::generate()).collect();
         let mut ring = KeyRing::new();
         ring.insert("gateway", fleet.gateway_key.public().clone());
         let sidecars = (0..2)
             .map(|i| {
                 let mut cfg = SidecarConfig::new(
-                    format!("http://{}", fleet.addrs[i]),
+                    engines[i].clone(),
                     sidecar_id(i),
                     keys[i].clone(),
                     fleet
@@ -447,6 +451,44 @@ enum VllmEvent {
     AllBlocksCleared,
 }
 
+/// An engine that records every generation body it is sent and passes the request on to
+/// `target` (a simulated worker), answering what it answers.
+async fn recording_engine(
+    target: String,
+    seen: std::sync::Arc<parking_lot::Mutex<Vec<serde_json::Value>>>,
+) -> std::net::SocketAddr {
+    use axum::extract::Request;
+    use axum::response::IntoResponse;
+    let http = reqwest::Client::new();
+    let app = axum::Router::new().fallback(move |req: Request| {
+        let (http, target, seen) = (http.clone(), target.clone(), seen.clone());
+        async move {
+            let (parts, body) = req.into_parts();
+            let bytes = axum::body::to_bytes(body, 16 << 20).await.unwrap();
+            if parts.uri.path().ends_with("/completions") {
+                seen.lock().push(serde_json::from_slice(&bytes).unwrap());
+            }
+            let mut out = http.request(parts.method.clone(), format!("{target}{}", parts.uri));
+            if let Some(ct) = parts.headers.get("content-type") {
+                out = out.header("content-type", ct.as_bytes());
+            }
+            let resp = out.body(bytes).send().await.unwrap();
+            let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
+            let ct = resp
+                .headers()
+                .get("content-type")
+                .map(|v| v.to_str().unwrap().to_string())
+                .unwrap_or_default();
+            let body = resp.bytes().await.unwrap();
+            (status, [("content-type", ct)], body).into_response()
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    addr
+}
+
 fn vllm_payload(events: Vec<VllmEvent>) -> Vec<u8> {
     rmp_serde::to_vec_named(&(1.0f64, events)).unwrap()
 }
@@ -480,11 +522,12 @@ fn stored_blocks(first: u64, tokens: &[u32], salt: Option<&str>) -> VllmEvent {
 /// `kind = "vllm"` sidecars that read their engines' KV events: the gateway routes on what the
 /// engine reports, exactly. Each sidecar subscribes to a ZMQ PUB socket the test owns (the
 /// engine's publisher) and a ROUTER socket that answers its replay requests; the
-/// engines are simulated kvgate workers, which publish nothing there. A first request goes to
-/// some sidecar; the test then has the *other* engine report the prompt's blocks, with the
-/// salt the sidecar gives ticketed requests (`kvgate/v1/<alg>/<namespace>`): the repeat goes to
-/// that sidecar, predicted to hit every block — a decision only the events can explain
-/// (routing-time holdings are off). Removals shorten the prediction, a gap is filled from the
+/// engines are simulated kvgate workers behind a recorder, and publish nothing there. A first
+/// request goes to some sidecar, which forwards it with the salt of its ticket's namespace
+/// (`kvgate/v1/<alg>/<namespace>`, what vLLM names in the root block's extra keys; a
+/// round-robin request goes unchanged); the test then has the *other* engine report the
+/// prompt's blocks under that salt: the repeat goes to that sidecar, predicted to hit every
+/// block — a decision only the events can explain (routing-time holdings are off). Removals shorten the prediction, a gap is filled from the
 /// replay socket, an unsalted chain is not mapped, and `AllBlocksCleared` empties the view.
 #[test]
 fn vllm_kv_events_drive_kv_exact_through_sidecars() {
@@ -534,7 +577,23 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
             })
         })
         .unzip();
-    let mut sc = Sidecars::start_with("vllm", |i| {
+    let fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ticket_policy: TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    let seen: Vec<std::sync::Arc<parking_lot::Mutex<Vec<serde_json::Value>>>> =
+        vec![Default::default(), Default::default()];
+    let engines = (0..2)
+        .map(|i| {
+            let a = rt.block_on(recording_engine(
+                format!("http://{}", fleet.addrs[i]),
+                seen[i].clone(),
+            ));
+            format!("http://{a}")
+        })
+        .collect();
+    let mut sc = Sidecars::start_with(fleet, engines, "vllm", |i| {
         let mut ev = worker::sidecar::vllm::EngineEventsConfig::new(endpoints[i].clone());
         ev.replay_endpoint = Some(replay_eps[i].clone());
         Some(ev)
@@ -591,6 +650,20 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
         .clone();
     let salt =
         worker::sidecar::vllm::mapping::salt_for(ticket.hash_algorithm, &ticket.namespace_seed);
+    let forwarded = seen[first].lock().last().cloned().unwrap();
+    assert_eq!(
+        forwarded["cache_salt"],
+        salt.as_str(),
+        "the engine got the namespace as salt"
+    );
+    assert_eq!(forwarded["messages"], body["messages"]);
+    // Round robin (the all-zero namespace) is forwarded as it came.
+    let mut rr = chat(&[("user", "round robin through vllm sidecars")], 2);
+    rr["model"] = "smol-rr".into();
+    let r = fleet.post("/v1/chat/completions", &rr, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let forwarded = seen[index_of(&r)].lock().last().cloned().unwrap();
+    assert!(forwarded.get("cache_salt").is_none(), "{forwarded}");
     // The prompt's tokens, as the engine (and the gateway: the same code) render them.
     let tok_body = serde_json::json!({"messages": body["messages"]});
     let tokens: Vec<u32> = serde_json::from_value(

@@ -492,3 +492,24 @@ fn tokio_stream_from(
 ) -> impl futures::Stream<Item = Result<Bytes, Infallible>> {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_salt_is_set_or_replaced_and_the_rest_kept() {
+        let body = Bytes::from_static(br#"{"model":"m","messages":[],"cache_salt":"mine","n":1}"#);
+        let out = with_cache_salt(body, "kvgate/v1/xxh3/00");
+        assert_eq!(
+            &out[..],
+            br#"{"model":"m","messages":[],"cache_salt":"kvgate/v1/xxh3/00","n":1}"#
+        );
+        let out = with_cache_salt(Bytes::from_static(br#"{"model":"m"}"#), "s");
+        assert_eq!(&out[..], br#"{"model":"m","cache_salt":"s"}"#);
+        // Not a JSON object: unchanged (the engine answers it).
+        for raw in [&b"[1,2]"[..], b"not json", b""] {
+            assert_eq!(&with_cache_salt(Bytes::copy_from_slice(raw), "s")[..], raw);
+        }
+    }
+}
