@@ -821,6 +821,21 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     let (i, t) = route("after the replayed batch");
     assert_eq!(i, other);
     assert_eq!(t.predicted_matched_tokens, Some(((n - 1) * 16) as u32));
+    // The sidecar's exposition, every engine-event series populated, passes promtool.
+    let addr = sc.sidecars[other].as_ref().unwrap().addr();
+    let text = fleet.rt.block_on(async {
+        reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    assert!(
+        text.contains("kvgate_sidecar_engine_event_gaps_total"),
+        "{text}"
+    );
+    gateway_support::promtool_check(&text, "vllm sidecar");
     drop(pubs);
     for t in replay_tasks {
         t.abort();

@@ -5,58 +5,7 @@
 #[path = "gateway_support/mod.rs"]
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-
-use support::{chat, Fleet, FleetOptions, KV_SERVICE};
-
-/// `$KVGATE_PROMTOOL`, `.cache/tools/bin/promtool`, or `promtool` on the PATH.
-fn promtool() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVGATE_PROMTOOL") {
-        return PathBuf::from(p);
-    }
-    let cached = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/tools/bin/promtool");
-    if cached.is_file() {
-        return cached;
-    }
-    let on_path = Command::new("promtool")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    assert!(
-        on_path.is_ok_and(|s| s.success()),
-        "promtool is missing: run scripts/setup.sh (or set KVGATE_PROMTOOL)"
-    );
-    PathBuf::from("promtool")
-}
-
-fn check(text: &str, what: &str) {
-    use std::io::Write;
-    let mut child = Command::new(promtool())
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool runs");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && report.trim().is_empty(),
-        "promtool check metrics on the {what}:\n{report}\n--- exposition ---\n{text}"
-    );
-}
+use support::{chat, promtool_check as check, Fleet, FleetOptions, KV_SERVICE};
 
 fn scrape(fleet: &Fleet, url: String, accept: &str) -> (String, String) {
     fleet.rt.block_on(async {

@@ -571,3 +571,53 @@ pub fn chat(messages: &[(&str, &str)], max_tokens: u64) -> serde_json::Value {
         .collect();
     serde_json::json!({"model": "smol", "messages": msgs, "max_tokens": max_tokens})
 }
+
+/// `$KVGATE_PROMTOOL`, `.cache/tools/bin/promtool`, or `promtool` on the PATH.
+pub fn promtool() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KVGATE_PROMTOOL") {
+        return std::path::PathBuf::from(p);
+    }
+    let cached =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/tools/bin/promtool");
+    if cached.is_file() {
+        return cached;
+    }
+    let on_path = std::process::Command::new("promtool")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    assert!(
+        on_path.is_ok_and(|s| s.success()),
+        "promtool is missing: run scripts/setup.sh (or set KVGATE_PROMTOOL)"
+    );
+    std::path::PathBuf::from("promtool")
+}
+
+/// `promtool check metrics` on an exposition: no error and no lint finding.
+pub fn promtool_check(text: &str, what: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool runs");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && report.trim().is_empty(),
+        "promtool check metrics on the {what}:\n{report}\n--- exposition ---\n{text}"
+    );
+}
