@@ -460,4 +460,155 @@ mod tests {
             }
         }
     }
+
+    /// vLLM's event encoding, written by `rmp-serde` for the bench.
+    #[derive(serde::Serialize)]
+    #[serde(tag = "type")]
+    enum Event {
+        BlockStored {
+            block_hashes: Vec<serde_bytes_hash::Hash>,
+            parent_block_hash: Option<serde_bytes_hash::Hash>,
+            token_ids: Vec<u32>,
+            block_size: usize,
+            lora_id: Option<u32>,
+            medium: Option<String>,
+            lora_name: Option<String>,
+            extra_keys: Option<Vec<Option<Vec<String>>>>,
+        },
+    }
+
+    /// 32-byte block hashes as msgpack `bin` (vLLM's default), without a bytes crate.
+    mod serde_bytes_hash {
+        pub struct Hash(pub [u8; 32]);
+        impl serde::Serialize for Hash {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(&self.0)
+            }
+        }
+    }
+
+    /// What reading vLLM's events costs the sidecar, against the floor: computing the same
+    /// blocks' kvgate keys (what a kvgate worker does for its own cache). 1,000 requests of 64
+    /// blocks of 16 tokens, one batch each (a salted root chain), then the body rewrite of a
+    /// ticketed request at three sizes against parsing the body alone.
+    ///
+    /// `cargo test -p worker --lib bench_engine_events -- --ignored --nocapture`
+    #[test]
+    #[ignore = "a benchmark: run it by name with --ignored --nocapture"]
+    fn bench_engine_events() {
+        use std::time::Instant;
+        let bs = BlockSize::new(16).unwrap();
+        let seed = prefix_index::NamespaceSeed([9; 32]);
+        let salt = mapping::salt_for(prefix_index::HashAlgorithm::Xxh3, &seed);
+        let (requests, blocks) = (1000usize, 64usize);
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let prompts: Vec<Vec<u32>> = (0..requests)
+            .map(|_| (0..blocks * 16).map(|_| (next() % 49152) as u32).collect())
+            .collect();
+        let payloads: Vec<Vec<u8>> = prompts
+            .iter()
+            .map(|t| {
+                let hashes: Vec<serde_bytes_hash::Hash> = (0..blocks)
+                    .map(|_| {
+                        let mut h = [0u8; 32];
+                        for c in h.chunks_mut(8) {
+                            c.copy_from_slice(&next().to_le_bytes());
+                        }
+                        serde_bytes_hash::Hash(h)
+                    })
+                    .collect();
+                let mut extra = vec![None; blocks];
+                extra[0] = Some(vec![salt.clone()]);
+                let ev = Event::BlockStored {
+                    block_hashes: hashes,
+                    parent_block_hash: None,
+                    token_ids: t.clone(),
+                    block_size: 16,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                    lora_name: None,
+                    extra_keys: Some(extra),
+                };
+                rmp_serde::to_vec_named(&(1.0f64, vec![ev], 0u32)).unwrap()
+            })
+            .collect();
+        let total_blocks = (requests * blocks) as f64;
+        let chain = prefix_index::KeyChain::new(seed, prefix_index::HashAlgorithm::Xxh3, bs);
+        for round in 0..3 {
+            let t = Instant::now();
+            let mut n = 0;
+            for p in &prompts {
+                n += chain.keys(p).len();
+            }
+            let keys_s = t.elapsed().as_secs_f64();
+            assert_eq!(n, requests * blocks);
+            let t = Instant::now();
+            for p in &payloads {
+                std::hint::black_box(wire::decode_batch(p).unwrap());
+            }
+            let decode_s = t.elapsed().as_secs_f64();
+            let mut map = EngineCacheMap::new(bs, 1 << 20);
+            let t = Instant::now();
+            let mut out = Vec::new();
+            for p in &payloads {
+                let batch = wire::decode_batch(p).unwrap();
+                let mut applied = Applied::default();
+                out.clear();
+                for ev in &batch.events {
+                    map.apply(ev.as_ref().unwrap(), &mut out, &mut applied);
+                }
+            }
+            let map_s = t.elapsed().as_secs_f64();
+            assert_eq!(map.held_keys(), requests * blocks);
+            println!(
+                "round {round}: {:.0} blocks: keys alone {:.2} M blocks/s; decode {:.2} M blocks/s; \
+                 decode + map {:.2} M blocks/s = {:.1}x the keys' time ({:.2} us per 64-block batch, \
+                 payload {} bytes)",
+                total_blocks,
+                total_blocks / keys_s / 1e6,
+                total_blocks / decode_s / 1e6,
+                total_blocks / map_s / 1e6,
+                map_s / keys_s,
+                map_s / requests as f64 * 1e6,
+                payloads[0].len()
+            );
+        }
+        for size in [4usize << 10, 64 << 10, 1 << 20] {
+            let text = "x".repeat(size);
+            let body = serde_json::to_vec(&serde_json::json!({
+                "model": "m",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 16
+            }))
+            .unwrap();
+            let body = axum::body::Bytes::from(body);
+            let iters = (64 << 20) / size;
+            let t = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(
+                    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
+                        .unwrap(),
+                );
+            }
+            let parse = t.elapsed().as_secs_f64() / iters as f64;
+            let t = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(crate::sidecar::relay::with_cache_salt(body.clone(), &salt));
+            }
+            let rewrite = t.elapsed().as_secs_f64() / iters as f64;
+            println!(
+                "cache_salt rewrite of a {} KiB body: {:.1} us (parse alone {:.1} us, {:.2}x)",
+                size >> 10,
+                rewrite * 1e6,
+                parse * 1e6,
+                rewrite / parse
+            );
+        }
+    }
 }
