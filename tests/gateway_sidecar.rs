@@ -821,6 +821,32 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     let (i, t) = route("after the replayed batch");
     assert_eq!(i, other);
     assert_eq!(t.predicted_matched_tokens, Some(((n - 1) * 16) as u32));
+    // The contract check reads the block size the sidecars map into: a profile pinning
+    // another is refused (400 naming it), as a key that could never match.
+    let good = std::fs::read_to_string(&fleet.rules_path).unwrap();
+    assert!(good.contains("block_size = 16"));
+    std::fs::write(
+        &fleet.rules_path,
+        good.replace("block_size = 16", "block_size = 32"),
+    )
+    .unwrap();
+    let (status, text) = fleet.rt.block_on(async {
+        let r = fleet
+            .http
+            .post(fleet.admin_url("/admin/reload"))
+            .bearer_auth(&fleet.admin_token)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    });
+    std::fs::write(&fleet.rules_path, good).unwrap();
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("block_size (pinned 32") && text.contains("--block-size 32"),
+        "{text}"
+    );
+
     // The sidecar's exposition, every engine-event series populated, passes promtool.
     let addr = sc.sidecars[other].as_ref().unwrap().addr();
     let text = fleet.rt.block_on(async {

@@ -1,5 +1,5 @@
-//! The contract check of upstreams kvgate did not build (`kind = "llama_cpp"` or `"openai"`),
-//! reached directly or through `kvgate sidecar` (which passes these reads through).
+//! The contract check of upstreams kvgate did not build (`kind = "llama_cpp"`, `"openai"` or
+//! `"vllm"`), reached directly or through `kvgate sidecar` (which passes these reads through).
 //!
 //! - `llama_cpp`: `GET /props` → `chat_template` (its SHA-256 must be the pinned
 //!   `template_sha256`: the same hash a kvgate worker reports for the GGUF's template);
@@ -9,6 +9,9 @@
 //!   llama-server with `--alias <model_id>`).
 //! - `openai`: `GET /v1/models` only (such servers expose neither template nor tokenizer):
 //!   the pinned `model_id` must be served. That is all the gateway can check; the docs say so.
+//! - `vllm`: as `openai`, and the sidecar's `GET /v1/kv/config`: the block size it maps vLLM's
+//!   events into must be the pinned profile's `block_size` (else no key would ever match). A 404
+//!   (a bare vLLM, or a sidecar without `--kv-events`) checks nothing: holdings are approximated.
 //!
 //! Every call carries the gateway's access token for the worker (a sidecar requiring tickets
 //! guards `/tokenize`; a bare engine ignores it). Cost per check: 2 + |PROBES| small requests.
@@ -45,6 +48,14 @@ pub struct NativeReport {
     pub template_sha256: Option<String>,
     /// The engine's ids for each of [`PROBES`] (`llama_cpp`).
     pub probes: Vec<Vec<u32>>,
+    /// The kvgate block size a `vllm` sidecar maps the engine's KV events into (`None`: no
+    /// event mapping there).
+    pub kv_block_size: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct KvConfig {
+    block_size: u32,
 }
 
 #[derive(Deserialize)]
@@ -101,7 +112,27 @@ pub async fn fetch(
         model_ids: models.data.into_iter().map(|m| m.id).collect(),
         template_sha256: None,
         probes: Vec::new(),
+        kv_block_size: None,
     };
+    if kind == UpstreamKind::Vllm {
+        let r = http
+            .get(format!("{base_url}/v1/kv/config"))
+            .bearer_auth(bearer)
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| format!("unreachable: {e}"))?;
+        if r.status() != reqwest::StatusCode::NOT_FOUND {
+            if !r.status().is_success() {
+                return Err(format!("GET /v1/kv/config: {}", r.status()));
+            }
+            let c: KvConfig = r
+                .json()
+                .await
+                .map_err(|e| format!("bad GET /v1/kv/config body: {e}"))?;
+            report.kv_block_size = Some(c.block_size);
+        }
+    }
     if kind != UpstreamKind::LlamaCpp {
         return Ok(report);
     }
@@ -150,6 +181,13 @@ pub fn differences(
             } else {
                 ""
             }
+        ));
+    }
+    if let Some(b) = got.kv_block_size.filter(|&b| b != pinned.block_size) {
+        out.push(format!(
+            "block_size (pinned {}, the sidecar maps the engine's KV events into blocks of {b}; \
+             start it with --block-size {})",
+            pinned.block_size, pinned.block_size
         ));
     }
     if got.kind != UpstreamKind::LlamaCpp {

@@ -371,6 +371,7 @@ fn router(st: Arc<SidecarState>) -> Router {
         .route("/slots", get(passthrough))
         .route("/v1/receipts/{request_id}", get(receipt))
         .route("/v1/kv/events", get(kv_events))
+        .route("/v1/kv/config", get(kv_config))
         .route_layer(axum::middleware::from_fn_with_state(
             st.clone(),
             require_access,
@@ -463,6 +464,21 @@ async fn kv_events(
             st.metrics.request("kv_events", e.status.as_u16());
             e.into_response()
         }
+    }
+}
+
+/// `GET /v1/kv/config`: how the engine's KV events are mapped (`{"source": "vllm",
+/// "block_size": B}`), for the gateway's contract check. 404 `not_found` without
+/// `engine_events`.
+async fn kv_config(State(st): State<Arc<SidecarState>>) -> Response {
+    match &st.cfg.engine_events {
+        Some(ev) => Json(serde_json::json!({
+            "source": "vllm",
+            "block_size": ev.block_size.as_u32(),
+        }))
+        .into_response(),
+        None => ApiError::not_found("not_found", "this sidecar reads no engine KV events")
+            .into_response(),
     }
 }
 
