@@ -15,7 +15,9 @@ real `KVEventBatch` / `BlockStored` / `BlockRemoved` / `AllBlocksCleared` classe
    and of 32; the first live batch makes each read the replay socket from seq 0;
 3. publishes live: another chain (integer block hashes), an unsalted chain, a LoRA chain, the
    eviction of two blocks, and AllBlocksCleared;
-4. after each step, the set of keys each sidecar's `GET /v1/kv/events` stream says the engine
+4. restarts the engine's publisher (new process: seqs from 0, an empty cache) and publishes a
+   new chain: the sidecars must hold only that chain;
+5. after each step, the set of keys each sidecar's `GET /v1/kv/events` stream says the engine
    holds must equal the set the independent Python block-key reference
    (prefix-index/tools/block_keys_reference.py, written from docs/block-keys.md) computes from
    the tokens of the blocks vLLM still holds.
@@ -275,14 +277,41 @@ def main():
         for b, s in streams.items():
             s.wait_for(steps[-1][1][b], f"B={b} after '{steps[-1][0]}'")
             assert not steps[-1][1][b]
+        recorded = (list(wire), list(steps))
+        # 6. The engine restarts: a new publisher on the same ports, seqs from 0 again, an
+        # empty cache. It stores one chain, then the old publisher's first chain comes back
+        # under the same hashes; the sidecars must hold what the new engine holds only.
+        step("a chain before the restart", [engine.store([h(), h()], None, toks(32), seed, salt)])
+        for b, s in streams.items():
+            s.wait_for(steps[-1][1][b], f"B={b} after '{steps[-1][0]}'")
+        publisher.shutdown()
+        time.sleep(0.5)
+        publisher = ev.ZmqEventPublisher(
+            data_parallel_rank=0, endpoint=f"tcp://*:{pub_port}",
+            replay_endpoint=f"tcp://*:{replay_port}", buffer_steps=1000)
+        engine = Engine(ev, publisher)
+        time.sleep(1.0)  # the SUB sockets reconnect
+        e = [h() for _ in range(3)]
+        want = None
+        deadline = time.time() + 10
+        te = toks(48)
+        # Published until seen: a message sent before a SUB reconnected is lost (and the
+        # replay socket then has it).
+        events = [engine.store(e, None, te, seed, salt)]
+        engine.publish(events)
+        want = {b: engine.expected(b) for b in (16, 32)}
+        for b, s in streams.items():
+            s.wait_for(want[b], f"B={b} after the engine restarted", timeout=max(1, deadline - time.time()))
         print(f"ok: {len(wire)} batches from vLLM's publisher; both sidecars (kvgate blocks of 16 and "
-              f"32) held exactly the reference keys, including what they read from the replay socket")
+              f"32) held exactly the reference keys, including what they read from the replay socket, "
+              f"and only the restarted engine's after a restart")
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(timeout=10)
         publisher.shutdown()
+    wire, steps = recorded
 
     if args.fixture:
         # The key sets after each message, the messages as sent (seq, payload hex).

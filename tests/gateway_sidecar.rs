@@ -821,6 +821,27 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     let (i, t) = route("after the replayed batch");
     assert_eq!(i, other);
     assert_eq!(t.predicted_matched_tokens, Some(((n - 1) * 16) as u32));
+    // The engine restarts without the sidecar seeing a disconnection: its publisher's seqs
+    // start again at 0 (and its replay buffer holds only the new process's messages). The
+    // sidecar starts over: only what the new engine stores is held.
+    {
+        let restarted = vllm_payload(vec![stored_blocks(3000, &tokens[..32], Some(&salt))]);
+        let mut held = replayable[other].lock();
+        held.clear();
+        held.push((0, restarted.clone()));
+        drop(held);
+        rt.block_on(pubs[other].send(vllm_message(0, restarted)))
+            .unwrap();
+    }
+    fleet.wait_for(
+        "only the restarted engine's blocks",
+        Duration::from_secs(10),
+        || indexed(2),
+    );
+    let (i, t) = route("after the engine restarted");
+    assert_eq!(i, other);
+    assert_eq!(t.predicted_matched_tokens, Some(32));
+
     // The contract check reads the block size the sidecars map into: a profile pinning
     // another is refused (400 naming it), as a key that could never match.
     let good = std::fs::read_to_string(&fleet.rules_path).unwrap();

@@ -156,7 +156,11 @@ struct Subscriber {
     map: EngineCacheMap,
     feed: KvEventFeed,
     metrics: EngineEventMetrics,
+    /// The last seq applied (live or replayed).
     last: Option<u64>,
+    /// The last seq seen on the live socket: one publisher's live seqs only grow, so a smaller
+    /// one is a new publisher (the engine restarted) even if no disconnection was seen.
+    live_last: Option<u64>,
 }
 
 impl Subscriber {
@@ -165,6 +169,7 @@ impl Subscriber {
         self.feed.publish(vec![ev]);
         self.metrics.cleared.inc();
         self.last = None;
+        self.live_last = None;
         self.gauges();
     }
 
@@ -288,6 +293,16 @@ impl Subscriber {
 
     /// One live message at `seq`.
     async fn live(&mut self, seq: u64, payload: &[u8]) {
+        if self.live_last.is_some_and(|l| seq <= l) {
+            tracing::warn!(seq, "engine KV events start over: the engine restarted");
+            self.clear();
+        }
+        self.in_order(seq, payload).await;
+        self.live_last = Some(seq);
+    }
+
+    /// A live message applied in order: repeats skipped, gaps filled or cleared.
+    async fn in_order(&mut self, seq: u64, payload: &[u8]) {
         match self.last {
             Some(l) if seq <= l => {
                 self.metrics.batch("repeat");
@@ -346,6 +361,7 @@ pub async fn run(
         feed: feed.clone(),
         metrics,
         last: None,
+        live_last: None,
     };
     let mut backoff = Duration::from_millis(100);
     'connect: while !cancel.is_cancelled() {
@@ -376,6 +392,7 @@ pub async fn run(
                 ev = futures::StreamExt::next(&mut monitor) => {
                     if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) {
                         // The engine may have restarted: what it held is unknown now.
+                        tracing::info!("engine KV events: publisher disconnected; the mapping starts over");
                         sub.metrics.connected.set(0);
                         sub.clear();
                         if ev.is_none() {
