@@ -168,6 +168,39 @@ models = ["smol"]
         })
     }
 
+    /// Sidecar `i`'s `/metrics`.
+    fn metrics(&self, i: usize) -> String {
+        let addr = self.sidecars[i].as_ref().unwrap().addr();
+        self.fleet.rt.block_on(async {
+            reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+    }
+
+    /// Writes `rules` to the rules file, asks the gateway to reload, puts the file back; the
+    /// reload's status and body (what a refused change says).
+    fn reload_refused(&self, rules: String) -> (u16, String) {
+        let fleet = &self.fleet;
+        let good = std::fs::read_to_string(&fleet.rules_path).unwrap();
+        std::fs::write(&fleet.rules_path, rules).unwrap();
+        let out = fleet.rt.block_on(async {
+            let r = fleet
+                .http
+                .post(fleet.admin_url("/admin/reload"))
+                .bearer_auth(&fleet.admin_token)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        });
+        std::fs::write(&fleet.rules_path, good).unwrap();
+        out
+    }
+
     fn stop(&mut self) {
         if let Some(mut g) = self.fleet.gateway.take() {
             g.shutdown();
@@ -297,19 +330,7 @@ fn sidecars_receipt_openai_engines_behind_the_gateway() {
 
     // The contract check of openai upstreams: a pinned model the engines do not serve is
     // refused with 400 naming it.
-    let good = std::fs::read_to_string(&fleet.rules_path).unwrap();
-    std::fs::write(&fleet.rules_path, sc.rules(Some("not-served-here"))).unwrap();
-    let (status, text) = fleet.rt.block_on(async {
-        let r = fleet
-            .http
-            .post(fleet.admin_url("/admin/reload"))
-            .bearer_auth(&fleet.admin_token)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.text().await.unwrap())
-    });
-    std::fs::write(&fleet.rules_path, good).unwrap();
+    let (status, text) = sc.reload_refused(sc.rules(Some("not-served-here")));
     assert_eq!(status, 400, "{text}");
     assert!(
         text.contains("not-served-here") && text.contains("worker s1"),
@@ -601,16 +622,8 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     sc.start_gateway();
     let fleet = &sc.fleet;
     let sidecar_metric = |i: usize, series: &str| -> f64 {
-        let addr = sc.sidecars[i].as_ref().unwrap().addr();
-        let text = fleet.rt.block_on(async {
-            reqwest::get(format!("http://{addr}/metrics"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap()
-        });
-        text.lines()
+        sc.metrics(i)
+            .lines()
             .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
             .unwrap_or(0.0)
     };
@@ -846,22 +859,7 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     // another is refused (400 naming it), as a key that could never match.
     let good = std::fs::read_to_string(&fleet.rules_path).unwrap();
     assert!(good.contains("block_size = 16"));
-    std::fs::write(
-        &fleet.rules_path,
-        good.replace("block_size = 16", "block_size = 32"),
-    )
-    .unwrap();
-    let (status, text) = fleet.rt.block_on(async {
-        let r = fleet
-            .http
-            .post(fleet.admin_url("/admin/reload"))
-            .bearer_auth(&fleet.admin_token)
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.text().await.unwrap())
-    });
-    std::fs::write(&fleet.rules_path, good).unwrap();
+    let (status, text) = sc.reload_refused(good.replace("block_size = 16", "block_size = 32"));
     assert_eq!(status, 400, "{text}");
     assert!(
         text.contains("block_size (pinned 32") && text.contains("--block-size 32"),
@@ -869,15 +867,7 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     );
 
     // The sidecar's exposition, every engine-event series populated, passes promtool.
-    let addr = sc.sidecars[other].as_ref().unwrap().addr();
-    let text = fleet.rt.block_on(async {
-        reqwest::get(format!("http://{addr}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    });
+    let text = sc.metrics(other);
     assert!(
         text.contains("kvgate_sidecar_engine_event_gaps_total"),
         "{text}"
