@@ -48,8 +48,9 @@ pub struct Args {
     /// engine (vLLM's own block size may differ).
     #[arg(long, default_value_t = 16, requires = "kv_events")]
     pub block_size: u32,
-    /// Most engine blocks remembered for the mapping (new ones beyond are not mapped).
-    #[arg(long, default_value_t = 1 << 20, requires = "kv_events")]
+    /// Most engine blocks remembered for the mapping (new ones beyond are not mapped); each
+    /// takes about 240–330 bytes.
+    #[arg(long, default_value_t = 1 << 18, requires = "kv_events")]
     pub kv_events_max_blocks: usize,
     /// Engine path probed by `GET /ready`.
     #[arg(long, default_value = "/health")]

@@ -105,27 +105,53 @@ impl Applied {
     }
 }
 
-/// One remembered engine block.
+/// Most distinct namespaces (chain roots' salts) and media remembered; a block of one more is
+/// not mapped (`capacity`) until the map is cleared.
+const MAX_NAMESPACES: usize = 1 << 16;
+const MAX_MEDIA: usize = 64;
+
+/// One remembered engine block (≈ 90 bytes, plus its keys and tail when not empty).
 struct Node {
-    chain: KeyChain,
+    /// Index of its chain's namespace in `EngineCacheMap::chains`.
+    chain: u32,
     /// The chain link at the last full kvgate block ending at or before this block's end
-    /// (the chain's root before the first).
+    /// (the namespace's root before the first).
     link: ChainLink,
-    /// The key of that block (`None` before the first).
-    last: Option<BlockKey>,
-    /// Tokens after `link` (fewer than B).
-    tail: Vec<u32>,
+    /// Whether `link` is a block's (not the root): its key is then the parent of the next.
+    past_root: bool,
+    /// Tokens after `link` (fewer than B; none when B divides the engine's block size).
+    tail: Box<[u32]>,
     /// The kvgate keys of the blocks that end inside this engine block.
-    ends: Vec<BlockKey>,
+    ends: Box<[BlockKey]>,
+}
+
+fn node_heap(node: &Node) -> usize {
+    node.tail.len() * 4 + node.ends.len() * 8
+}
+
+/// Where a chain continues from: a remembered block's end, or a namespace root.
+struct ChainState {
+    chain: u32,
+    link: ChainLink,
+    past_root: bool,
+    tail: Vec<u32>,
 }
 
 /// vLLM's cache (one engine, group 0) as kvgate keys.
 pub struct EngineCacheMap {
     block_size: BlockSize,
     max_blocks: usize,
-    nodes: HashMap<(Option<String>, EngineHash), Node>,
+    /// Remembered engine blocks by (medium index, hash).
+    nodes: HashMap<(u8, EngineHash), Node>,
     /// Held kvgate keys: how many remembered engine blocks completed each.
     held: HashMap<BlockKey, u32>,
+    /// The namespaces seen, interned (a node names its chain by index).
+    chains: Vec<KeyChain>,
+    chain_ids: HashMap<(NamespaceSeed, HashAlgorithm), u32>,
+    /// The media seen, interned (`None` is a medium too).
+    media: Vec<Option<String>>,
+    /// Bytes the nodes' keys and tails take on the heap.
+    node_heap: usize,
 }
 
 impl EngineCacheMap {
@@ -137,7 +163,24 @@ impl EngineCacheMap {
             max_blocks,
             nodes: HashMap::new(),
             held: HashMap::new(),
+            chains: Vec::new(),
+            chain_ids: HashMap::new(),
+            media: Vec::new(),
+            node_heap: 0,
         }
+    }
+
+    /// Memory the map holds, in bytes: its tables at their capacity (entries and control
+    /// bytes) and the nodes' keys and tails (not counting the allocator's own overhead).
+    pub fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let node_entry = size_of::<((u8, EngineHash), Node)>() + 1;
+        let held_entry = size_of::<(BlockKey, u32)>() + 1;
+        self.nodes.capacity() * node_entry
+            + self.node_heap
+            + self.held.capacity() * held_entry
+            + self.chains.capacity() * size_of::<KeyChain>()
+            + self.chain_ids.capacity() * (size_of::<((NamespaceSeed, HashAlgorithm), u32)>() + 1)
     }
 
     /// Engine blocks remembered.
@@ -154,7 +197,24 @@ impl EngineCacheMap {
     pub fn clear(&mut self) -> KvEvent {
         self.nodes.clear();
         self.held.clear();
+        self.chains.clear();
+        self.chain_ids.clear();
+        self.media.clear();
+        self.node_heap = 0;
         KvEvent::Cleared
+    }
+
+    /// The index of `medium` (interned when `add`); `None` when unknown and not added, or when
+    /// `MAX_MEDIA` are known.
+    fn medium(&mut self, medium: &Option<String>, add: bool) -> Option<u8> {
+        if let Some(i) = self.media.iter().position(|m| m == medium) {
+            return Some(i as u8);
+        }
+        if !add || self.media.len() >= MAX_MEDIA {
+            return None;
+        }
+        self.media.push(medium.clone());
+        Some((self.media.len() - 1) as u8)
     }
 
     /// Applies one engine event; the kvgate events it makes are appended to `out`.
@@ -169,17 +229,21 @@ impl EngineCacheMap {
                 if *group != 0 {
                     return;
                 }
+                let Some(m) = self.medium(medium, false) else {
+                    return;
+                };
                 let mut gone = Vec::new();
                 for h in hashes {
-                    let Some(node) = self.nodes.remove(&(medium.clone(), h.clone())) else {
+                    let Some(node) = self.nodes.remove(&(m, *h)) else {
                         continue;
                     };
-                    for k in node.ends {
-                        if let Some(count) = self.held.get_mut(&k) {
+                    self.node_heap -= node_heap(&node);
+                    for k in node.ends.iter() {
+                        if let Some(count) = self.held.get_mut(k) {
                             *count -= 1;
                             if *count == 0 {
-                                self.held.remove(&k);
-                                gone.push(k);
+                                self.held.remove(k);
+                                gone.push(*k);
                             }
                         }
                     }
@@ -193,15 +257,38 @@ impl EngineCacheMap {
     }
 
     /// The chain state a root block starts from, by its extra keys.
-    fn root(&self, extra: Option<&Vec<ExtraKey>>) -> Result<(KeyChain, ChainLink), Skip> {
+    fn root(&mut self, extra: Option<&Vec<ExtraKey>>) -> Result<ChainState, Skip> {
         let salt = match extra.map(Vec::as_slice) {
             Some([ExtraKey::Text(s)]) => s,
             None | Some([]) => return Err(Skip::Unsalted),
             Some(_) => return Err(Skip::ExtraKeys),
         };
         let (alg, seed) = parse_salt(salt).ok_or(Skip::Unsalted)?;
-        let chain = KeyChain::new(seed, alg, self.block_size);
-        Ok((chain, chain.root()))
+        let chain = match self.chain_ids.get(&(seed, alg)) {
+            Some(&i) => i,
+            None if self.chains.len() < MAX_NAMESPACES => {
+                self.chains.push(KeyChain::new(seed, alg, self.block_size));
+                let i = (self.chains.len() - 1) as u32;
+                self.chain_ids.insert((seed, alg), i);
+                i
+            }
+            None => return Err(Skip::Capacity),
+        };
+        Ok(ChainState {
+            chain,
+            link: self.chains[chain as usize].root(),
+            past_root: false,
+            tail: Vec::new(),
+        })
+    }
+
+    fn state_of(node: &Node) -> ChainState {
+        ChainState {
+            chain: node.chain,
+            link: node.link,
+            past_root: node.past_root,
+            tail: node.tail.to_vec(),
+        }
     }
 
     fn stored(&mut self, s: &Stored, out: &mut Vec<KvEvent>, applied: &mut Applied) {
@@ -215,55 +302,60 @@ impl EngineCacheMap {
         if s.lookahead {
             return applied.skip(Skip::Lookahead, n);
         }
+        let Some(m) = self.medium(&s.medium, true) else {
+            return applied.skip(Skip::Capacity, n);
+        };
         let extra = |i: usize| s.extra_keys.as_ref().and_then(|e| e[i].as_ref());
         // The state before block 0: the parent's, or a namespace root.
-        let mut state: (KeyChain, ChainLink, Option<BlockKey>, Vec<u32>) = match &s.parent {
-            Some(p) => match self.nodes.get(&(s.medium.clone(), p.clone())) {
-                Some(node) if extra(0).is_none() => {
-                    (node.chain, node.link, node.last, node.tail.clone())
-                }
+        let mut state = match &s.parent {
+            Some(p) => match self.nodes.get(&(m, *p)) {
+                Some(node) if extra(0).is_none() => Self::state_of(node),
                 Some(_) => return applied.skip(Skip::ExtraKeys, n),
                 None => return applied.skip(Skip::Unchained, n),
             },
             None => match self.root(extra(0)) {
-                Ok((chain, link)) => (chain, link, None, Vec::new()),
+                Ok(state) => state,
                 Err(why) => return applied.skip(why, n),
             },
         };
         let b = self.block_size.get();
         // A run of newly held keys, in chain order, with the key before it.
         let mut run: Option<(Option<BlockKey>, Vec<BlockKey>)> = None;
+        let flush = |run: &mut Option<(Option<BlockKey>, Vec<BlockKey>)>,
+                     out: &mut Vec<KvEvent>| {
+            if let Some((parent, keys)) = run.take() {
+                out.push(KvEvent::Stored { parent, keys });
+            }
+        };
         for (i, hash) in s.hashes.iter().enumerate() {
             if i > 0 && extra(i).is_some() {
                 applied.skip(Skip::ExtraKeys, n - i);
                 break;
             }
-            let id = (s.medium.clone(), hash.clone());
-            if let Some(node) = self.nodes.get(&id) {
+            if let Some(node) = self.nodes.get(&(m, *hash)) {
                 // Re-stored or reused: known already; continue from it.
-                state = (node.chain, node.link, node.last, node.tail.clone());
-                if let Some(r) = run.take() {
-                    out.push(KvEvent::Stored {
-                        parent: r.0,
-                        keys: r.1,
-                    });
-                }
+                state = Self::state_of(node);
+                flush(&mut run, out);
                 continue;
             }
             if self.nodes.len() >= self.max_blocks {
                 applied.skip(Skip::Capacity, n - i);
                 break;
             }
-            let (chain, mut link, mut last, mut tail) = state;
-            tail.extend_from_slice(&s.token_ids[i * s.block_size..(i + 1) * s.block_size]);
+            let chain = self.chains[state.chain as usize];
+            state
+                .tail
+                .extend_from_slice(&s.token_ids[i * s.block_size..(i + 1) * s.block_size]);
             let mut ends = Vec::new();
             let mut used = 0;
-            while tail.len() - used >= b {
-                let Ok(next) = chain.next(&link, &tail[used..used + b]) else {
+            while state.tail.len() - used >= b {
+                let Ok(next) = chain.next(&state.link, &state.tail[used..used + b]) else {
                     break;
                 };
+                let parent = state.past_root.then(|| state.link.key());
                 used += b;
-                link = next;
+                state.link = next;
+                state.past_root = true;
                 let key = next.key();
                 ends.push(key);
                 let count = self.held.entry(key).or_insert(0);
@@ -271,36 +363,25 @@ impl EngineCacheMap {
                 if *count == 1 {
                     match &mut run {
                         Some((_, keys)) => keys.push(key),
-                        None => run = Some((last, vec![key])),
+                        None => run = Some((parent, vec![key])),
                     }
-                } else if let Some(r) = run.take() {
-                    out.push(KvEvent::Stored {
-                        parent: r.0,
-                        keys: r.1,
-                    });
+                } else {
+                    flush(&mut run, out);
                 }
-                last = Some(key);
             }
-            tail.drain(..used);
-            self.nodes.insert(
-                id,
-                Node {
-                    chain,
-                    link,
-                    last,
-                    tail: tail.clone(),
-                    ends,
-                },
-            );
+            state.tail.drain(..used);
+            let node = Node {
+                chain: state.chain,
+                link: state.link,
+                past_root: state.past_root,
+                tail: state.tail.clone().into_boxed_slice(),
+                ends: ends.into_boxed_slice(),
+            };
+            self.node_heap += node_heap(&node);
+            self.nodes.insert((m, *hash), node);
             applied.mapped += 1;
-            state = (chain, link, last, tail);
         }
-        if let Some(r) = run {
-            out.push(KvEvent::Stored {
-                parent: r.0,
-                keys: r.1,
-            });
-        }
+        flush(&mut run, out);
     }
 }
 
@@ -312,13 +393,13 @@ mod tests {
         NamespaceSeed([n; 32])
     }
 
-    fn h(n: i128) -> EngineHash {
-        EngineHash::Int(n)
+    fn h(n: u64) -> EngineHash {
+        EngineHash::from_int(n)
     }
 
     fn stored(
-        hashes: &[i128],
-        parent: Option<i128>,
+        hashes: &[u64],
+        parent: Option<u64>,
         tokens: &[u32],
         bs: usize,
         salt: Option<&str>,
@@ -340,7 +421,7 @@ mod tests {
         })
     }
 
-    fn removed(hashes: &[i128]) -> EngineEvent {
+    fn removed(hashes: &[u64]) -> EngineEvent {
         EngineEvent::Removed {
             hashes: hashes.iter().map(|&x| h(x)).collect(),
             medium: Some("GPU".into()),

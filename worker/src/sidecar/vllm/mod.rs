@@ -52,14 +52,15 @@ pub struct EngineEventsConfig {
 }
 
 impl EngineEventsConfig {
-    /// The defaults for `endpoint`: no replay, every topic, blocks of 16, 1,048,576 blocks.
+    /// The defaults for `endpoint`: no replay, every topic, blocks of 16, 262,144 blocks
+    /// (about 60–90 MB of map).
     pub fn new(endpoint: impl Into<String>) -> Self {
         EngineEventsConfig {
             endpoint: endpoint.into(),
             replay_endpoint: None,
             topic: String::new(),
             block_size: BlockSize::default(),
-            max_blocks: 1 << 20,
+            max_blocks: 1 << 18,
         }
     }
 }
@@ -82,6 +83,7 @@ pub struct EngineEventMetrics {
     connected: Gauge,
     remembered: Gauge,
     held: Gauge,
+    bytes: Gauge,
     last_seq: Gauge<i64, AtomicI64>,
     cleared: Counter<u64, AtomicU64>,
 }
@@ -119,6 +121,11 @@ impl EngineEventMetrics {
             "blocks_remembered",
             "Engine blocks mapped to kvgate keys and remembered",
             m.remembered.clone(),
+        );
+        r.register(
+            "map_bytes",
+            "Memory the mapping holds (its tables and the blocks' keys), bytes",
+            m.bytes.clone(),
         );
         r.register(
             "keys_held",
@@ -176,6 +183,7 @@ impl Subscriber {
     fn gauges(&self) {
         self.metrics.remembered.set(self.map.engine_blocks() as i64);
         self.metrics.held.set(self.map.held_keys() as i64);
+        self.metrics.bytes.set(self.map.approx_bytes() as i64);
         self.metrics
             .last_seq
             .set(self.last.map_or(-1, |s| s.min(i64::MAX as u64) as i64));
@@ -478,6 +486,14 @@ mod tests {
         }
     }
 
+    /// Resident set size (Linux `/proc/self/statm`, pages of 4 KiB), for the bench.
+    fn resident_bytes() -> i64 {
+        std::fs::read_to_string("/proc/self/statm")
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
+            .map_or(0, |pages| pages * 4096)
+    }
+
     /// vLLM's event encoding, written by `rmp-serde` for the bench.
     #[derive(serde::Serialize)]
     #[serde(tag = "type")]
@@ -570,6 +586,7 @@ mod tests {
                 std::hint::black_box(wire::decode_batch(p).unwrap());
             }
             let decode_s = t.elapsed().as_secs_f64();
+            let rss_before = resident_bytes();
             let mut map = EngineCacheMap::new(bs, 1 << 20);
             let t = Instant::now();
             let mut out = Vec::new();
@@ -583,6 +600,13 @@ mod tests {
             }
             let map_s = t.elapsed().as_secs_f64();
             assert_eq!(map.held_keys(), requests * blocks);
+            let per_block = (resident_bytes() - rss_before) as f64 / total_blocks;
+            println!(
+                "round {round}: the map's memory: {:.0} bytes per block by its accounting \
+                 (approx_bytes), {per_block:.0} by the process's resident set",
+                map.approx_bytes() as f64 / total_blocks
+            );
+            drop(map);
             println!(
                 "round {round}: {:.0} blocks: keys alone {:.2} M blocks/s; decode {:.2} M blocks/s; \
                  decode + map {:.2} M blocks/s = {:.1}x the keys' time ({:.2} us per 64-block batch, \

@@ -170,19 +170,37 @@ pub fn decode(bytes: &[u8]) -> Result<Value, Malformed> {
     Ok(v)
 }
 
-/// A vLLM block hash: bytes (default) or an integer.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum EngineHash {
-    Int(i128),
-    Bytes(Box<[u8]>),
-}
+/// A vLLM block hash, as 128 bits: an integer hash (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
+/// 64 bits) as is; a bytes hash (the default: 32 bytes of SHA-256) as the first 16 bytes of its
+/// SHA-256, so that any byte format spreads evenly. Two distinct hashes share it with
+/// probability ~2^-128 per pair: the map keeps 16 bytes per block instead of the hash's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EngineHash(pub u128);
 
 impl EngineHash {
+    /// An integer hash (a negative one as its 64-bit two's complement).
+    pub fn from_int(i: u64) -> Self {
+        EngineHash(u128::from(i))
+    }
+
+    /// A bytes hash.
+    pub fn from_bytes(b: &[u8]) -> Self {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(b);
+        let mut x = [0u8; 16];
+        x.copy_from_slice(&d[..16]);
+        // The top bit set: never equal to an integer hash (at most 64 bits wide).
+        EngineHash(u128::from_be_bytes(x) | 1 << 127)
+    }
+
     fn read(v: &Value) -> Result<Self, Malformed> {
         match v {
-            Value::Int(i) => Ok(EngineHash::Int(*i)),
-            Value::Bin(b) => Ok(EngineHash::Bytes(b.clone().into_boxed_slice())),
-            _ => Err(bad("a block hash is neither bytes nor an integer")),
+            Value::Int(i) => u64::try_from(*i)
+                .or_else(|_| i64::try_from(*i).map(|v| v as u64))
+                .map(EngineHash::from_int)
+                .map_err(|_| bad("an integer block hash wider than 64 bits")),
+            Value::Bin(b) => Ok(EngineHash::from_bytes(b)),
+            _ => Err(bad("a block hash is neither bytes nor a 64-bit integer")),
         }
     }
 }
