@@ -284,7 +284,7 @@ impl Subscriber {
                 first.get_or_insert(seq);
                 if self.last.is_none_or(|l| seq > l) {
                     if let Some(l) = self.last {
-                        if seq != l + 1 {
+                        if Some(seq) != l.checked_add(1) {
                             return Ok(false);
                         }
                     }
@@ -316,12 +316,12 @@ impl Subscriber {
                 self.metrics.batch("repeat");
                 return;
             }
-            Some(l) if seq == l + 1 => return self.apply(seq, payload),
+            Some(l) if Some(seq) == l.checked_add(1) => return self.apply(seq, payload),
             _ => {}
         }
         // First message since (re)connecting, or a gap: what the replay buffer holds first.
         let first = self.last.is_none();
-        let from = self.last.map_or(0, |l| l + 1);
+        let from = self.last.map_or(0, |l| l.saturating_add(1));
         let filled = match self.replay(from).await {
             Ok(filled) => filled,
             Err(e) => {
@@ -346,7 +346,7 @@ impl Subscriber {
         }
         match self.last {
             Some(l) if seq <= l => self.metrics.batch("repeat"),
-            Some(l) if seq != l + 1 => {
+            Some(l) if Some(seq) != l.checked_add(1) => {
                 // The replay ended before this message: what came between is lost.
                 self.clear();
                 self.apply(seq, payload);
@@ -518,6 +518,78 @@ mod tests {
                 s.serialize_bytes(&self.0)
             }
         }
+    }
+
+    /// One batch storing a salted root chain of `tokens.len() / 16` blocks, hashes from `first`.
+    fn chain_batch(first: u8, tokens: &[u32], salt: &str) -> Vec<u8> {
+        let n = tokens.len() / 16;
+        let mut extra = vec![None; n];
+        extra[0] = Some(vec![salt.to_string()]);
+        let ev = Event::BlockStored {
+            block_hashes: (0..n as u8)
+                .map(|i| serde_bytes_hash::Hash([first + i; 32]))
+                .collect(),
+            parent_block_hash: None,
+            token_ids: tokens.to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: None,
+            extra_keys: Some(extra),
+        };
+        rmp_serde::to_vec_named(&(1.0f64, vec![ev])).unwrap()
+    }
+
+    /// The live-message rules without sockets (no replay endpoint): in order applied, repeats
+    /// skipped, a gap clears then applies, a seq that goes back (a restarted engine) clears.
+    #[tokio::test]
+    async fn live_messages_in_order_gaps_and_restarts() {
+        let seed = prefix_index::NamespaceSeed([3; 32]);
+        let salt = mapping::salt_for(prefix_index::HashAlgorithm::Xxh3, &seed);
+        let chain = prefix_index::KeyChain::new(
+            seed,
+            prefix_index::HashAlgorithm::Xxh3,
+            BlockSize::new(16).unwrap(),
+        );
+        let feed = KvEventFeed::new();
+        let mut sub = Subscriber {
+            cfg: EngineEventsConfig::new("tcp://127.0.0.1:1"),
+            map: EngineCacheMap::new(BlockSize::new(16).unwrap(), 1 << 10),
+            feed: feed.clone(),
+            metrics: EngineEventMetrics::default(),
+            last: None,
+            live_last: None,
+        };
+        let a: Vec<u32> = (0..32).collect();
+        let b: Vec<u32> = (100..148).collect();
+        let c: Vec<u32> = (200..216).collect();
+        let keys = |t: &[u32]| -> Vec<prefix_index::BlockKey> {
+            let mut k = chain.keys(t);
+            k.sort_unstable();
+            k
+        };
+        sub.live(0, &chain_batch(0, &a, &salt)).await;
+        assert_eq!(feed.keys(), keys(&a));
+        sub.live(0, &chain_batch(0, &a, &salt)).await; // not above the last live seq: a restart
+        assert_eq!(
+            feed.keys(),
+            keys(&a),
+            "the restarted engine stored the same chain"
+        );
+        assert_eq!(sub.metrics.cleared.get(), 1, "after starting over");
+        sub.live(1, &chain_batch(10, &b, &salt)).await;
+        let mut ab = [keys(&a), keys(&b)].concat();
+        ab.sort_unstable();
+        assert_eq!(feed.keys(), ab);
+        // Seq 2 never arrives: without a replay socket the gap clears, then 3 is applied.
+        sub.live(3, &chain_batch(20, &c, &salt)).await;
+        assert_eq!(feed.keys(), keys(&c));
+        assert_eq!(sub.last, Some(3));
+        assert_eq!(sub.metrics.cleared.get(), 2);
+        // A malformed payload is skipped, its seq taken.
+        sub.live(4, b"\xc1").await;
+        assert_eq!(sub.last, Some(4));
+        assert_eq!(feed.keys(), keys(&c));
     }
 
     /// What reading vLLM's events costs the sidecar, against the floor: computing the same
