@@ -207,13 +207,72 @@ async fn receipted_error(
 /// namespace). A client's own `cache_salt` is replaced: the ticket's namespace already
 /// includes it (the gateway derives the namespace from it). A body that is not a JSON object
 /// goes unchanged (the engine refuses it).
+///
+/// The usual body has no `cache_salt`: the member is spliced in before the closing brace,
+/// after one validating pass that reads only the top-level keys (the rest of the body is
+/// copied, not re-serialised). A body that has one is rewritten whole, in key order.
 pub(crate) fn with_cache_salt(body: Bytes, salt: &str) -> Bytes {
+    let Ok(top) = serde_json::from_slice::<TopLevel>(&body) else {
+        return body;
+    };
+    let member = format!(
+        "\"cache_salt\":{}",
+        serde_json::to_string(salt).unwrap_or_default()
+    );
+    if !top.has_salt {
+        // A JSON object's last non-whitespace byte is its closing brace.
+        if let Some(end) = body.iter().rposition(|&b| b == b'}') {
+            let mut out = Vec::with_capacity(body.len() + member.len() + 1);
+            out.extend_from_slice(&body[..end]);
+            if top.members > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(member.as_bytes());
+            out.extend_from_slice(&body[end..]);
+            return Bytes::from(out);
+        }
+    }
     match serde_json::from_slice::<serde_json::Map<String, Value>>(&body) {
         Ok(mut obj) => {
             obj.insert("cache_salt".into(), Value::String(salt.to_string()));
             serde_json::to_vec(&obj).map(Bytes::from).unwrap_or(body)
         }
         Err(_) => body,
+    }
+}
+
+/// A JSON object's top level, read without keeping its values: how many members, and whether
+/// one is `cache_salt`.
+struct TopLevel {
+    members: usize,
+    has_salt: bool,
+}
+
+impl<'de> serde::Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = TopLevel;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<TopLevel, A::Error> {
+                let mut top = TopLevel {
+                    members: 0,
+                    has_salt: false,
+                };
+                while let Some(k) = m.next_key::<std::borrow::Cow<'de, str>>()? {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                    top.members += 1;
+                    top.has_salt |= k == "cache_salt";
+                }
+                Ok(top)
+            }
+        }
+        d.deserialize_map(V)
     }
 }
 
@@ -507,6 +566,24 @@ mod tests {
         );
         let out = with_cache_salt(Bytes::from_static(br#"{"model":"m"}"#), "s");
         assert_eq!(&out[..], br#"{"model":"m","cache_salt":"s"}"#);
+        // Spliced: the rest byte for byte (spacing, escapes), the member before the brace.
+        let out = with_cache_salt(
+            Bytes::from_static(b"{ \"a\" : \"x\\u0041}\" ,\"b\":[1, {}] }\n"),
+            "s",
+        );
+        assert_eq!(
+            &out[..],
+            &b"{ \"a\" : \"x\\u0041}\" ,\"b\":[1, {}] ,\"cache_salt\":\"s\"}\n"[..]
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["cache_salt"], "s");
+        assert_eq!(
+            &with_cache_salt(Bytes::from_static(b"{}"), "s")[..],
+            br#"{"cache_salt":"s"}"#
+        );
+        // An escaped key naming cache_salt is the same member: replaced, not doubled.
+        let out = with_cache_salt(Bytes::from_static(br#"{"cache\u005fsalt":"t"}"#), "s");
+        assert_eq!(&out[..], br#"{"cache_salt":"s"}"#);
         // Not a JSON object: unchanged (the engine answers it).
         for raw in [&b"[1,2]"[..], b"not json", b""] {
             assert_eq!(&with_cache_salt(Bytes::copy_from_slice(raw), "s")[..], raw);
