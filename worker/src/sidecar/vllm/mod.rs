@@ -520,6 +520,64 @@ mod tests {
         }
     }
 
+    /// vLLM's real payloads with bytes flipped, cut short or spliced: the reader and the mapping
+    /// answer every one (an error or events) and never panic; the map stays bounded.
+    #[test]
+    fn mangled_payloads_never_panic() {
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/fixtures/vllm_kv_events.json"))
+                .unwrap();
+        let payloads: Vec<Vec<u8>> = doc["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| hex::decode(m["payload_hex"].as_str().unwrap()).unwrap())
+            .collect();
+        let mut rng = 0x2545f4914f6cdd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut map = EngineCacheMap::new(BlockSize::new(16).unwrap(), 256);
+        let (mut read, mut refused) = (0, 0);
+        for _ in 0..20_000 {
+            let mut p = payloads[(next() % payloads.len() as u64) as usize].clone();
+            match next() % 4 {
+                0 => {
+                    for _ in 0..1 + next() % 4 {
+                        let i = (next() % p.len() as u64) as usize;
+                        p[i] = next() as u8;
+                    }
+                }
+                1 => p.truncate((next() % p.len() as u64) as usize),
+                2 => {
+                    let other = &payloads[(next() % payloads.len() as u64) as usize];
+                    let cut = (next() % p.len().min(other.len()) as u64) as usize;
+                    p.splice(cut.., other[cut..].iter().copied());
+                }
+                _ => {
+                    let i = (next() % p.len() as u64) as usize;
+                    p[i] = [0xdc, 0xdd, 0xde, 0xdf, 0xc6, 0xdb][(next() % 6) as usize];
+                }
+            }
+            match wire::decode_batch(&p) {
+                Ok(batch) => {
+                    read += 1;
+                    let mut out = Vec::new();
+                    let mut applied = Applied::default();
+                    for ev in batch.events.iter().flatten() {
+                        map.apply(ev, &mut out, &mut applied);
+                    }
+                }
+                Err(_) => refused += 1,
+            }
+            assert!(map.engine_blocks() <= 256);
+        }
+        assert!(read > 0 && refused > 0, "{read} read, {refused} refused");
+    }
+
     /// One batch storing a salted root chain of `tokens.len() / 16` blocks, hashes from `first`.
     fn chain_batch(first: u8, tokens: &[u32], salt: &str) -> Vec<u8> {
         let n = tokens.len() / 16;
