@@ -168,6 +168,17 @@ models = ["smol"]
         })
     }
 
+    /// The route ticket sidecar `i` receipted for the answer `r`.
+    fn ticket(&self, i: usize, r: &Reply) -> receipts::RouteTicket {
+        let rec = self.receipt(i, &r.header("x-request-id").unwrap());
+        rec.body
+            .ticket
+            .as_ref()
+            .unwrap()
+            .ticket_unverified()
+            .clone()
+    }
+
     /// Sidecar `i`'s `/metrics`.
     fn metrics(&self, i: usize) -> String {
         let addr = self.sidecars[i].as_ref().unwrap().addr();
@@ -653,14 +664,7 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     assert_eq!(r.status, 200, "{}", r.text());
     let first = index_of(&r);
     let other = 1 - first;
-    let rec = sc.receipt(first, &r.header("x-request-id").unwrap());
-    let ticket = rec
-        .body
-        .ticket
-        .as_ref()
-        .unwrap()
-        .ticket_unverified()
-        .clone();
+    let ticket = sc.ticket(first, &r);
     let salt =
         worker::sidecar::vllm::mapping::salt_for(ticket.hash_algorithm, &ticket.namespace_seed);
     let forwarded = seen[first].lock().last().cloned().unwrap();
@@ -735,16 +739,7 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
         let r = fleet.post("/v1/chat/completions", &body, &[]);
         assert_eq!(r.status, 200, "{what}: {}", r.text());
         let i = index_of(&r);
-        let rec = sc.receipt(i, &r.header("x-request-id").unwrap());
-        (
-            i,
-            rec.body
-                .ticket
-                .as_ref()
-                .unwrap()
-                .ticket_unverified()
-                .clone(),
-        )
+        (i, sc.ticket(i, &r))
     };
     let (i, t) = route("after the engine stored the prompt");
     assert_eq!(

@@ -250,8 +250,6 @@ pub enum EngineEvent {
 pub struct Batch {
     /// Each event, or why it could not be read.
     pub events: Vec<Result<EngineEvent, Malformed>>,
-    /// The data-parallel rank that published it (`None`: not given).
-    pub rank: Option<i128>,
 }
 
 fn field<'v>(map: &'v [(Value, Value)], name: &str) -> Option<&'v Value> {
@@ -369,32 +367,17 @@ fn event(v: &Value) -> Result<EngineEvent, Malformed> {
 
 /// Decodes one ZMQ payload (a `KVEventBatch`).
 pub fn decode_batch(payload: &[u8]) -> Result<Batch, Malformed> {
-    let (events, rank) = match decode(payload)? {
-        Value::Array(a) => {
-            let mut it = a.into_iter();
-            let _ts = it.next();
-            let events = it.next();
-            let rank = it.next();
-            (events, rank)
-        }
-        Value::Map(m) => {
-            let events = field(&m, "events").cloned();
-            let rank = field(&m, "data_parallel_rank").cloned();
-            (events, rank)
-        }
+    // `ts` and `data_parallel_rank` are not needed: one sidecar reads one rank's socket.
+    let events = match decode(payload)? {
+        Value::Array(a) => a.into_iter().nth(1),
+        Value::Map(m) => field(&m, "events").cloned(),
         _ => return Err(bad("a batch is neither an array nor a map")),
     };
     let Some(Value::Array(events)) = events else {
         return Err(bad("the batch has no events array"));
     };
-    let rank = match rank {
-        None | Some(Value::Nil) => None,
-        Some(Value::Int(i)) => Some(i),
-        Some(_) => return Err(bad("data_parallel_rank is not an integer")),
-    };
     Ok(Batch {
         events: events.iter().map(event).collect(),
-        rank,
     })
 }
 
