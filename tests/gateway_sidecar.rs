@@ -11,6 +11,9 @@
 //!   does not serve (400 naming it);
 //! - the sidecar's own refusals: no ticket (401 `ticket_required`), a replayed ticket (401
 //!   `ticket_replayed`), the engine gone (503 `engine_unavailable`, receipted; `/ready` 503);
+//! - a sidecar's load report (`GET /v1/load`): the work a second, independent gateway sent
+//!   its engine moves the first gateway's KV-exact placement off it
+//!   (`a_sidecar_reports_the_work_of_every_gateway`);
 //! - `kind = "vllm"` sidecars reading their engines' KV events (ZMQ, msgpack, replay): KV-exact
 //!   routes on what the engine reports (`vllm_kv_events_drive_kv_exact_through_sidecars`).
 
@@ -29,6 +32,8 @@ struct Sidecars {
     keys: Vec<KeyPair>,
     /// The rules' `kind` of the sidecars.
     kind: &'static str,
+    /// The key of a second, independent gateway (`gateway-b`) the sidecars trust too.
+    second_gateway_key: KeyPair,
 }
 
 fn sidecar_id(i: usize) -> String {
@@ -55,8 +60,10 @@ impl Sidecars {
         events: impl Fn(usize) -> Option<worker::sidecar::vllm::EngineEventsConfig>,
     ) -> Sidecars {
         let keys: Vec<KeyPair> = (0..2).map(|_| KeyPair::generate()).collect();
+        let second_gateway_key = KeyPair::generate();
         let mut ring = KeyRing::new();
         ring.insert("gateway", fleet.gateway_key.public().clone());
+        ring.insert("gateway-b", second_gateway_key.public().clone());
         let sidecars = (0..2)
             .map(|i| {
                 let mut cfg = SidecarConfig::new(
@@ -84,6 +91,7 @@ impl Sidecars {
             sidecars,
             keys,
             kind,
+            second_gateway_key,
         }
     }
 
@@ -645,9 +653,15 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
             let w = fleet
                 .admin(reqwest::Method::GET, "/admin/workers", None)
                 .json();
+            // The load messages come on the event stream (`load=true`), not a load stream.
             let connected = w["workers"].as_array().is_some_and(|a| {
                 a.iter()
-                    .filter(|v| v["events"]["state"] == "connected" && v["healthy"] == true)
+                    .filter(|v| {
+                        v["events"]["state"] == "connected"
+                            && v["healthy"] == true
+                            && v["events"]["load_stream"] == "off"
+                            && v["reported_load"]["running"] == 0
+                    })
                     .count()
                     == 2
             });
@@ -872,5 +886,226 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     for t in replay_tasks {
         t.abort();
     }
+    sc.stop();
+}
+
+/// An engine in front of `target` (a simulated worker) that holds every streamed chat request
+/// whose `user` is `"hold"`: it streams one generated token, then waits for `release` before it
+/// finishes the answer. Everything else passes through to `target`.
+async fn holding_engine(
+    target: String,
+    release: tokio::sync::watch::Receiver<bool>,
+) -> std::net::SocketAddr {
+    use axum::extract::Request;
+    use axum::response::IntoResponse;
+    use futures::StreamExt;
+    let http = reqwest::Client::new();
+    let app = axum::Router::new().fallback(move |req: Request| {
+        let (http, target, mut release) = (http.clone(), target.clone(), release.clone());
+        async move {
+            let (parts, body) = req.into_parts();
+            let bytes = axum::body::to_bytes(body, 16 << 20).await.unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            if parts.uri.path() == "/v1/chat/completions" && v["user"] == "hold" {
+                let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+                    let c = serde_json::json!({
+                        "id": "held", "object": "chat.completion.chunk", "model": "held",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    });
+                    format!("data: {c}\n\n")
+                };
+                let first = chunk(
+                    serde_json::json!({"role": "assistant", "content": "x"}),
+                    None,
+                );
+                let last = format!(
+                    "{}data: [DONE]\n\n",
+                    chunk(serde_json::json!({}), Some("stop"))
+                );
+                let rest = async move {
+                    let _ = release.wait_for(|r| *r).await;
+                    Ok::<_, std::convert::Infallible>(bytes::Bytes::from(last))
+                };
+                let body = futures::stream::once(async move {
+                    Ok::<_, std::convert::Infallible>(bytes::Bytes::from(first))
+                })
+                .chain(futures::stream::once(rest));
+                return (
+                    axum::http::StatusCode::OK,
+                    [("content-type", "text/event-stream")],
+                    axum::body::Body::from_stream(body),
+                )
+                    .into_response();
+            }
+            let mut out = http.request(parts.method.clone(), format!("{target}{}", parts.uri));
+            if let Some(ct) = parts.headers.get("content-type") {
+                out = out.header("content-type", ct.as_bytes());
+            }
+            let resp = out.body(bytes).send().await.unwrap();
+            let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
+            let ct = resp
+                .headers()
+                .get("content-type")
+                .map(|v| v.to_str().unwrap().to_string())
+                .unwrap_or_default();
+            let body = resp.bytes().await.unwrap();
+            (status, [("content-type", ct)], body).into_response()
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    addr
+}
+
+/// Two independent gateways (not a cluster: neither knows the other's requests) in front of the
+/// same two sidecars. Gateway A's KV-exact service has a conversation cached on one sidecar's
+/// engine; gateway B then streams three long answers through that sidecar, which its engine
+/// holds open. Only the sidecar sees both gateways' work: its load report (`GET /v1/load`,
+/// which gateway A reads for `openai` upstreams) shows B's requests, and A's next turn of the
+/// conversation goes to the other sidecar (`load_guard`) though the first holds its prefix —
+/// without the report A would see that sidecar idle. When B's answers end the report empties
+/// and the turn is a hit again.
+#[test]
+fn a_sidecar_reports_the_work_of_every_gateway() {
+    let fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ticket_policy: TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
+    let engines: Vec<String> = fleet
+        .addrs
+        .clone()
+        .iter()
+        .map(|a| {
+            let e = fleet
+                .rt
+                .block_on(holding_engine(format!("http://{a}"), release_rx.clone()));
+            format!("http://{e}")
+        })
+        .collect();
+    let mut sc = Sidecars::start_with(fleet, engines, "openai", |_| None);
+    sc.start_gateway();
+    let fleet = &sc.fleet;
+    let workers = || {
+        let w = fleet
+            .admin(reqwest::Method::GET, "/admin/workers", None)
+            .json();
+        w["workers"].as_array().cloned().unwrap_or_default()
+    };
+    let worker = |id: &str| {
+        workers()
+            .into_iter()
+            .find(|w| w["id"] == id)
+            .unwrap_or_default()
+    };
+    fleet.wait_for(
+        "both sidecars healthy, their load streams read",
+        Duration::from_secs(10),
+        || {
+            let w = workers();
+            w.len() == 2
+                && w.iter().all(|w| {
+                    w["healthy"] == true
+                        && w["events"]["load_stream"] == "connected"
+                        && w["reported_load"]["running"] == 0
+                })
+        },
+    );
+
+    // A conversation, cached on the sidecar W its first turn went to.
+    let long = "Explain how a paged KV cache shares blocks between requests. ".repeat(6);
+    let turn = chat(&[("system", "You are terse."), ("user", &long)], 4);
+    let r = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let w = r.worker();
+    let other = if w == "s1" { "s2" } else { "s1" };
+    let r = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r.worker(), w, "the repeat follows its prefix");
+    assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+
+    // Gateway B: round robin over W alone.
+    let rules_b = fleet.dir.path().join("rules-b.toml");
+    let addr_w = sc.sidecars[index_of(&r)].as_ref().unwrap().addr();
+    std::fs::write(
+        &rules_b,
+        format!(
+            "[[workers]]\nid = \"{w}\"\nurl = \"http://{addr_w}\"\nkind = \"openai\"\n\n\
+             [[pools]]\nid = \"one\"\nworkers = [\"{w}\"]\n\n\
+             [[services]]\nname = \"held\"\npool = \"one\"\nrule = {{ type = \"round_robin\" }}\n\
+             [services.match]\nmodels = [\"held\"]\n"
+        ),
+    )
+    .unwrap();
+    let mut cfg = gateway::GatewayConfig::new(&rules_b, sc.second_gateway_key.clone());
+    cfg.gateway_id = "gateway-b".into();
+    let mut gateway_b = gateway::spawn(cfg).unwrap();
+    let vip_b = gateway_b.listen_addr;
+    let held: Vec<_> = (0..3)
+        .map(|n| {
+            let body = serde_json::json!({
+                "model": "held", "user": "hold", "stream": true, "max_tokens": 4000,
+                "messages": [{"role": "user", "content": format!("a long answer, please ({n})")}],
+            });
+            let http = fleet.http.clone();
+            fleet.rt.spawn(async move {
+                let r = http
+                    .post(format!("http://{vip_b}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+
+    // The sidecar counts B's three answers (4000 tokens asked each, one generated); A reads it.
+    fleet.wait_for(
+        "gateway A sees the work gateway B sent",
+        Duration::from_secs(10),
+        || {
+            let l = &worker(&w)["reported_load"];
+            l["running"] == 3 && l["decode_tokens"] == 3 * 3999 && l["prefill_tokens"] == 0
+        },
+    );
+    assert_eq!(worker(other)["reported_load"]["running"], 0);
+    let own = worker(&w);
+    assert_eq!(own["in_flight"], 0, "gateway A routed none of it: {own}");
+    let m = sc.metrics(index_of(&r));
+    assert!(m.contains("kvgate_sidecar_load_running 3"), "{m}");
+    assert!(m.contains("kvgate_sidecar_load_decode_tokens 11997"), "{m}");
+    gateway_support::promtool_check(&m, "the sidecar's /metrics");
+
+    let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    assert_eq!(
+        r2.worker(),
+        other,
+        "the busy sidecar's report moves the turn off its prefix"
+    );
+    assert_eq!(
+        r2.header("x-kvgate-route-reason").as_deref(),
+        Some("load_guard")
+    );
+
+    // B's answers end: the report empties, and the turn goes back to its prefix.
+    release_tx.send(true).unwrap();
+    for h in held {
+        let (status, text) = fleet.rt.block_on(h).unwrap();
+        assert_eq!(status, 200);
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    fleet.wait_for("the report empties", Duration::from_secs(10), || {
+        let l = &worker(&w)["reported_load"];
+        l["running"] == 0 && l["decode_tokens"] == 0
+    });
+    // (Both sidecars hold the prefix now: the turn is a hit on either.)
+    let r3 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r3.status, 200, "{}", r3.text());
+    assert_eq!(r3.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+
+    gateway_b.shutdown();
     sc.stop();
 }

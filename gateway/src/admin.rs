@@ -29,7 +29,7 @@ use serde_json::json;
 
 use crate::control_plane::ControlPlane;
 use crate::error::GatewayError;
-use crate::view::{ContractState, EventStreamState};
+use crate::view::{ContractState, EventStreamState, LoadStreamState};
 
 /// Largest admin request body.
 const ADMIN_BODY_LIMIT: usize = 1024 * 1024;
@@ -181,6 +181,12 @@ impl Admin {
                     EventStreamState::Unsupported => "unsupported (approximate holdings)",
                     EventStreamState::NotSubscribed => "not_subscribed",
                 };
+                let load_stream = match *rt.load_stream.lock() {
+                    LoadStreamState::Off => "off",
+                    LoadStreamState::Connecting => "connecting",
+                    LoadStreamState::Connected => "connected",
+                    LoadStreamState::Unsupported => "unsupported",
+                };
                 let lag = rt
                     .events_last_heard
                     .lock()
@@ -217,6 +223,7 @@ impl Admin {
                         "applied": rt.events_applied.load(Ordering::Relaxed),
                         "load_reports": rt.load_reports.load(Ordering::Relaxed),
                         "seconds_since_last_heard": lag,
+                        "load_stream": load_stream,
                     },
                     "contract": contract,
                 })

@@ -99,31 +99,10 @@ pub fn peek_model(body: &[u8]) -> Option<String> {
         .and_then(|m| m.model)
 }
 
-/// The output tokens a body asks for: `max_completion_tokens`, else `max_tokens`, times its
-/// choices (`n`, `prompt_profile::choices`); 0 when it names neither or the body is not JSON.
-/// For a tenant's token rate limit and a worker's decode load.
+/// The output tokens a body asks for (`prompt_profile::work::requested_output_tokens`), 0 when
+/// it names none: a tenant's token rate limit.
 pub fn peek_output_tokens(body: &[u8]) -> u64 {
-    #[derive(Deserialize)]
-    struct OutputOnly {
-        max_tokens: Option<u64>,
-        max_completion_tokens: Option<u64>,
-        /// The Responses API's.
-        max_output_tokens: Option<u64>,
-        n: Option<serde_json::Value>,
-    }
-    if body.is_empty() {
-        return 0;
-    }
-    serde_json::from_slice::<OutputOnly>(body)
-        .ok()
-        .and_then(|o| {
-            let each = o
-                .max_completion_tokens
-                .or(o.max_tokens)
-                .or(o.max_output_tokens)?;
-            Some(each.saturating_mul(prompt_profile::choices(o.n.as_ref()) as u64))
-        })
-        .unwrap_or(0)
+    prompt_profile::work::requested_output_tokens(body).unwrap_or(0)
 }
 
 /// What routing reads of a chat body, typed by the same types the worker uses (`ChatMessage`,

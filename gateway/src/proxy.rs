@@ -1001,10 +1001,10 @@ impl ProxyHttp for Proxy {
         if let Some(t) = &ctx.tenant {
             // Prompt tokens as the gateway counted them (kv_exact), else body bytes / 4; plus
             // the output tokens asked for.
-            let prompt = decision
-                .prompt
-                .as_ref()
-                .map_or(body.len() as u64 / 4, |p| p.prompt_tokens as u64);
+            let prompt = decision.prompt.as_ref().map_or(
+                prompt_profile::work::untokenized_prompt_tokens(body.len()),
+                |p| p.prompt_tokens as u64,
+            );
             let tokens = prompt.saturating_add(crate::protocol::peek_output_tokens(&body));
             if let Err(l) = self.data.limits.take_tokens(t, tokens, Instant::now()) {
                 let err = self.limited(t, l);

@@ -51,13 +51,10 @@ pub struct PromptFacts {
     /// Tokens per block.
     pub block_size: usize,
     /// Output tokens the request asks for (`max_completion_tokens`/`max_tokens`, else
-    /// [`DEFAULT_OUTPUT_TOKENS`], times its choices `n`): its decode share of the worker's
-    /// active tokens.
+    /// `prompt_profile::work::DEFAULT_OUTPUT_TOKENS`, times its choices `n`): its decode share
+    /// of the worker's active tokens.
     pub output_tokens: usize,
 }
-
-/// The output a request naming no `max_tokens` is counted for in `active_tokens`.
-pub const DEFAULT_OUTPUT_TOKENS: usize = 256;
 
 /// A routing decision (the service it was taken for is kept beside it, in the request ctx).
 #[derive(Clone, Debug)]
@@ -222,7 +219,7 @@ fn look_up(prefix: &PrefixRoute, input: &RouteInput) -> Result<Looked, GatewayEr
     Ok(Looked {
         prompt_tokens: tok.tokens.len(),
         output_tokens: requested
-            .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+            .unwrap_or(prompt_profile::work::DEFAULT_OUTPUT_TOKENS as usize)
             .saturating_mul(body.choices),
         keys: tok.keys,
         seed: tok.seed,

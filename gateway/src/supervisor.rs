@@ -16,7 +16,14 @@
 //! removal or the gateway's shutdown. Reconnects after failures back off exponentially
 //! (100 ms .. 5 s). A worker that answers 404 has no event
 //! stream: its holdings are approximated from routed keys, and the stream is probed again
-//! every 30 s.
+//! every 30 s; meanwhile its load messages alone are read from `GET /v1/load`, when it has one.
+//!
+//! Load subscription: a worker whose KV events are not read (an `openai` or `llama_cpp`
+//! upstream, a native engine behind a `kvgate sidecar`) while some KV-exact service routes to
+//! it has its `GET /v1/load` read instead (its `event: load` messages alone, docs/kv-events.md):
+//! a sidecar reports the work every gateway forwarded to its engine. A worker without one (404,
+//! or an answer that is not an event stream) is probed again every 30 s and judged by the
+//! gateways' own count meanwhile.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
@@ -31,7 +38,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::data_plane::DataPlane;
-use crate::view::{EventStreamState, View};
+use crate::view::{EventStreamState, LoadStreamState, View};
 
 /// What the health loop asks of the control plane, which owns the rules and the contract.
 pub trait WorkerChecks: Send + Sync {
@@ -148,9 +155,25 @@ impl Supervisor {
                 health_url,
                 cancel.clone(),
             ))];
+            let (ctx, id2, base2, cancel2) = (
+                self.ctx.clone(),
+                id.clone(),
+                base_url.clone(),
+                cancel.clone(),
+            );
             if !entry.spec.kind.has_events() {
-                // No kvgate event stream to subscribe to: holdings are approximated.
+                // No kvgate event stream to subscribe to: holdings are approximated; the load
+                // comes from its load stream, when a KV-exact service routes to it.
                 *entry.runtime.events.lock() = EventStreamState::Unsupported;
+                if events {
+                    *entry.runtime.load_stream.lock() = LoadStreamState::Connecting;
+                    handles.push(self.handle.spawn(async move {
+                        load_loop(&ctx, &id2, &base2, &cancel2, None).await;
+                    }));
+                } else {
+                    *entry.runtime.load_stream.lock() = LoadStreamState::Off;
+                    *entry.runtime.reported_load.lock() = None;
+                }
             } else if events {
                 *entry.runtime.events.lock() = EventStreamState::Connecting;
                 handles.push(self.handle.spawn(event_loop(
@@ -311,7 +334,12 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
         let wait = match resp {
             Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
                 set_events(&runtime, &cancel, EventStreamState::Unsupported);
-                UNSUPPORTED_RETRY
+                // Until the next probe, its load alone (when it has a load stream).
+                let until = Instant::now() + UNSUPPORTED_RETRY;
+                if !load_loop(&ctx, &id, &base_url, &cancel, Some(until)).await {
+                    return;
+                }
+                Duration::ZERO
             }
             Ok(r) if r.status().is_success() => {
                 set_events(&runtime, &cancel, EventStreamState::Connected);
@@ -358,6 +386,152 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
     }
 }
 
+/// Records one `event: load` message's data as the worker's report (a malformed one is
+/// logged and ignored).
+fn apply_load(runtime: &crate::view::WorkerRuntime, id: &WorkerId, data: &str) {
+    match serde_json::from_str::<prefix_index::WorkerLoad>(data) {
+        Ok(load) => runtime.report_load(load, Instant::now()),
+        Err(e) => tracing::warn!(worker = %id, error = %e, "malformed load event ignored"),
+    }
+}
+
+/// Sets a worker's load stream state from its task, unless the task was cancelled (as
+/// [`set_events`]).
+fn set_load_stream(
+    runtime: &crate::view::WorkerRuntime,
+    cancel: &CancellationToken,
+    state: LoadStreamState,
+) {
+    let mut s = runtime.load_stream.lock();
+    if !cancel.is_cancelled() {
+        *s = state;
+    }
+}
+
+/// Reads a worker's `GET /v1/load` (its load messages alone) into its runtime, reconnecting
+/// after failures with backoff and after a 404 (or an answer that is not an event stream)
+/// every 30 s, until cancelled — or until `until`, when given (then the state goes back to
+/// `Off` and the report is forgotten). Returns `false` when cancelled (or the gateway is gone).
+async fn load_loop(
+    ctx: &TaskCtx,
+    id: &WorkerId,
+    base_url: &str,
+    cancel: &CancellationToken,
+    until: Option<Instant>,
+) -> bool {
+    let url = format!("{base_url}/v1/load");
+    let mut backoff = BACKOFF_MIN;
+    let alive = loop {
+        let Some(data) = ctx.data.upgrade() else {
+            break false;
+        };
+        let Some(runtime) = data.views.load().workers.get(id).map(|e| e.runtime.clone()) else {
+            break false;
+        };
+        if until.is_some_and(|u| Instant::now() >= u) {
+            set_load_stream(&runtime, cancel, LoadStreamState::Off);
+            *runtime.reported_load.lock() = None;
+            break true;
+        }
+        let token =
+            receipts::AccessToken::new(&data.gateway_id, id, receipts::now_ms()).sign(&data.signer);
+        drop(data);
+        let connect = ctx
+            .http
+            .get(&url)
+            .header("accept", "text/event-stream")
+            .bearer_auth(token)
+            .send();
+        let resp = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break false,
+            r = connect => r,
+        };
+        let sse = |r: &reqwest::Response| {
+            r.headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"))
+        };
+        let wait = match resp {
+            Ok(r) if r.status().is_success() && sse(&r) => {
+                set_load_stream(&runtime, cancel, LoadStreamState::Connected);
+                let ended = read_load_stream(id, &runtime, r, cancel, until).await;
+                *runtime.reported_load.lock() = None;
+                if !ended {
+                    break false;
+                }
+                set_load_stream(&runtime, cancel, LoadStreamState::Connecting);
+                backoff = BACKOFF_MIN;
+                BACKOFF_MIN
+            }
+            Ok(r) if r.status().is_success() || r.status().is_client_error() => {
+                // No load stream here (a native engine without a sidecar, an older sidecar).
+                set_load_stream(&runtime, cancel, LoadStreamState::Unsupported);
+                UNSUPPORTED_RETRY
+            }
+            _ => {
+                set_load_stream(&runtime, cancel, LoadStreamState::Connecting);
+                let w = backoff;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                w
+            }
+        };
+        let wait = match until {
+            Some(u) => wait.min(u.saturating_duration_since(Instant::now())),
+            None => wait,
+        };
+        if !sleep_or_cancel(wait, cancel).await {
+            break false;
+        }
+    };
+    alive
+}
+
+/// Applies a load stream's messages (other events are ignored: this stream feeds no index)
+/// until it ends (`true`), `until` passes (`true`) or `cancel` fires (`false`).
+async fn read_load_stream(
+    id: &WorkerId,
+    runtime: &Arc<crate::view::WorkerRuntime>,
+    resp: reqwest::Response,
+    cancel: &CancellationToken,
+    until: Option<Instant>,
+) -> bool {
+    let heard = runtime.clone();
+    let bytes = BoundedEvents::new(resp.bytes_stream(), MAX_LOAD_EVENT_BYTES, move || {
+        *heard.events_last_heard.lock() = Some(Instant::now());
+    });
+    let mut events = bytes.eventsource();
+    let deadline = until.map(tokio::time::Instant::from_std);
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return false,
+            _ = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => return true,
+            e = events.next() => e,
+        };
+        match next {
+            None => return true,
+            Some(Err(e)) => {
+                tracing::debug!(worker = %id, error = %e, "load stream broke");
+                return true;
+            }
+            Some(Ok(ev)) if ev.event == prefix_index::protocol::LOAD_EVENT_NAME => {
+                apply_load(runtime, id, &ev.data)
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+/// Largest SSE event accepted on a load stream (a load message is ~80 bytes).
+const MAX_LOAD_EVENT_BYTES: usize = 64 << 10;
+
 /// Applies one subscription's envelopes to the index by the stream protocol
 /// ([`prefix_index::PrefixIndex::apply_envelope`]), keeping `position` at the last applied one.
 async fn read_stream(
@@ -391,10 +565,7 @@ async fn read_stream(
             continue;
         }
         if ev.event == prefix_index::protocol::LOAD_EVENT_NAME {
-            match serde_json::from_str::<prefix_index::WorkerLoad>(&ev.data) {
-                Ok(load) => runtime.report_load(load, Instant::now()),
-                Err(e) => tracing::warn!(worker = %id, error = %e, "malformed load event ignored"),
-            }
+            apply_load(runtime, id, &ev.data);
             continue;
         }
         let env: KvEventEnvelope = match serde_json::from_str(&ev.data) {

@@ -50,20 +50,18 @@ pub(crate) fn begin_attempt(data: &DataPlane, ctx: &mut RequestCtx, worker: &Wor
     let entry = ctx.view.as_ref().and_then(|v| v.workers.get(worker));
     // The decision reserved the first choice's load (`route::decide`): an attempt there keeps
     // it; any other attempt counts its own. Without prefix routing the prompt is not
-    // tokenized: a quarter of the body's bytes stands for its tokens.
+    // tokenized: a quarter of the body's bytes stands for its tokens (`prompt_profile::work`,
+    // as a sidecar counts it).
     if ctx.in_flight.as_ref().map(|f| f.worker()) != Some(worker) {
         let (prefill, output) = ctx
             .decision
             .as_ref()
             .and_then(|d| d.attempt_tokens(worker))
             .unwrap_or_else(|| {
-                let asked = crate::protocol::peek_output_tokens(&ctx.body);
-                let output = if asked == 0 {
-                    crate::route::DEFAULT_OUTPUT_TOKENS as u64
-                } else {
-                    asked
-                };
-                ((ctx.body.len() / 4) as u64, output)
+                (
+                    prompt_profile::work::untokenized_prompt_tokens(ctx.body.len()),
+                    prompt_profile::work::queued_output_tokens(&ctx.body),
+                )
             });
         ctx.in_flight = entry.map(|e| InFlight::start(e.runtime.clone(), prefill, output));
     }

@@ -122,6 +122,23 @@ pub enum EventStreamState {
     NotSubscribed,
 }
 
+/// A worker's load-only stream (`GET /v1/load`: its `event: load` messages alone), read while
+/// some KV-exact service routes to it and its KV events are not read (a native engine behind a
+/// `kvgate sidecar`, whose sidecar reports the work it forwarded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoadStreamState {
+    /// Not read: its KV event stream carries its load, or no KV-exact service routes to it.
+    #[default]
+    Off,
+    /// Not connected yet (or reconnecting).
+    Connecting,
+    /// Connected; its load messages are applied as they come.
+    Connected,
+    /// It has none (404, or an answer that is not an event stream): judged by the gateways'
+    /// own count; probed again every 30 s.
+    Unsupported,
+}
+
 /// Contract state of a worker (its `/v1/profile` against the pinned profiles of the `kv_exact`
 /// services whose pools contain it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -245,6 +262,8 @@ pub struct WorkerRuntime {
     pub events_synced: std::sync::atomic::AtomicBool,
     /// Event stream state.
     pub events: Mutex<EventStreamState>,
+    /// Load-only stream state (workers whose KV events are not read).
+    pub load_stream: Mutex<LoadStreamState>,
     /// When the event stream last delivered something.
     pub events_last_heard: Mutex<Option<Instant>>,
     /// Last (epoch, seq) applied.
@@ -276,6 +295,7 @@ impl WorkerRuntime {
             refusals: AtomicU64::new(0),
             events_synced: std::sync::atomic::AtomicBool::new(false),
             events: Mutex::new(EventStreamState::Connecting),
+            load_stream: Mutex::new(LoadStreamState::Off),
             events_last_heard: Mutex::new(None),
             events_position: Mutex::new(None),
             events_applied: AtomicU64::new(0),

@@ -25,6 +25,7 @@ mod segments;
 pub mod stream;
 pub mod template;
 pub mod tokenizer;
+pub mod work;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -8,6 +8,10 @@
 //!   envelope and a snapshot of every cached key (`stored` envelopes), then live events;
 //! - a comment line (`: keep-alive`) every 10 s keeps idle connections open;
 //! - the stream ends when the worker shuts down.
+//!
+//! `GET /v1/load` is the same stream's load messages alone (no cache events), for a subscriber
+//! that wants a worker's or a sidecar's queued work without its cache (the gateway, for a
+//! native engine behind a sidecar: docs/kv-events.md, "Load messages").
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -99,32 +103,53 @@ pub(crate) fn admit(
         Err(e) => return Err(ApiError::bad_request("invalid_value", None, e.body_text())),
     };
     let since = resume_position(&q, headers)?;
-    let Ok(permit) = slots.clone().try_acquire_owned() else {
-        let mut e = ApiError::new(
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-            "too_many_subscriptions",
-            format!("at most {max} KV-event subscriptions at once"),
-        );
-        e.retry_after_s = Some(retry_after_s);
-        return Err(e);
-    };
     Ok(Admitted {
         since,
         load: q.load == Some(true),
-        permit,
+        permit: slot(slots, max, retry_after_s)?,
     })
 }
 
-/// The SSE answer of an admitted subscription to `feed`, with load messages from `load`
-/// when it asked for them and there is one (a sidecar has none).
+/// Admits a `GET /v1/load`: one of the same `max` subscription slots as `GET /v1/kv/events`
+/// (429 `too_many_subscriptions`).
+pub(crate) fn admit_load(
+    slots: &Arc<tokio::sync::Semaphore>,
+    max: usize,
+    retry_after_s: u64,
+) -> Result<Admitted, ApiError> {
+    Ok(Admitted {
+        since: None,
+        load: true,
+        permit: slot(slots, max, retry_after_s)?,
+    })
+}
+
+fn slot(
+    slots: &Arc<tokio::sync::Semaphore>,
+    max: usize,
+    retry_after_s: u64,
+) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    slots.clone().try_acquire_owned().map_err(|_| {
+        let mut e = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "too_many_subscriptions",
+            format!("at most {max} KV-event and load subscriptions at once"),
+        );
+        e.retry_after_s = Some(retry_after_s);
+        e
+    })
+}
+
+/// The SSE answer of an admitted subscription: the cache events of `feed` (none without one:
+/// `GET /v1/load`), with load messages from `load` when it asked for them.
 pub(crate) fn stream_response(
     admitted: Admitted,
-    feed: &engine::kv::events::KvEventFeed,
+    feed: Option<&engine::kv::events::KvEventFeed>,
     load: Option<tokio::sync::watch::Receiver<prefix_index::WorkerLoad>>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Response {
     let state = StreamState {
-        sub: feed.subscribe(admitted.since),
+        sub: feed.map(|f| f.subscribe(admitted.since)),
         load: if admitted.load { load } else { None },
         load_pending: true,
         next_load_at: tokio::time::Instant::now(),
@@ -163,7 +188,35 @@ pub async fn kv_events(
     };
     st.metrics.request("kv_events", 200);
     let load = admitted.load.then(|| st.engine.watch_load());
-    stream_response(admitted, &st.engine.kv_events(), load, st.shutdown.clone())
+    stream_response(
+        admitted,
+        Some(&st.engine.kv_events()),
+        load,
+        st.shutdown.clone(),
+    )
+}
+
+/// `GET /v1/load`: the engine's load messages alone.
+pub async fn load(State(st): State<Arc<AppState>>) -> Response {
+    match admit_load(
+        &st.subscriptions,
+        st.settings.max_event_subscriptions,
+        st.settings.retry_after_s,
+    ) {
+        Ok(admitted) => {
+            st.metrics.request("load", 200);
+            stream_response(
+                admitted,
+                None,
+                Some(st.engine.watch_load()),
+                st.shutdown.clone(),
+            )
+        }
+        Err(e) => {
+            st.metrics.request("load", e.status.as_u16());
+            e.into_response()
+        }
+    }
 }
 
 /// Shortest time between two `event: load` messages on one stream: the engine's load changes
@@ -175,7 +228,8 @@ pub const LOAD_HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// One subscription: cache events in order, interleaved with the latest load.
 struct StreamState {
-    sub: KvSubscription,
+    /// `None`: load messages only (`GET /v1/load`).
+    sub: Option<KvSubscription>,
     /// `None` once the engine is gone (no more load messages).
     load: Option<tokio::sync::watch::Receiver<prefix_index::WorkerLoad>>,
     /// The load changed since the last message (the first message is always sent).
@@ -192,11 +246,20 @@ impl StreamState {
     /// The next SSE message; `None` ends the stream (shutdown, or the feed closed).
     async fn next_event(&mut self) -> Option<Event> {
         loop {
+            if self.sub.is_none() && self.load.is_none() {
+                // A load-only stream whose engine is gone.
+                return None;
+            }
             let has_load = self.load.is_some();
             tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled() => return None,
-                env = self.sub.next() => {
+                env = async {
+                    match self.sub.as_mut() {
+                        Some(s) => s.next().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
                     let env = env?;
                     let data = serde_json::to_string(&env).ok()?;
                     return Some(

@@ -703,6 +703,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/tokenize", post(ops::tokenize))
         .route("/v1/responses/input_tokens", post(generate::input_tokens))
         .route("/v1/kv/events", get(kv_events::kv_events))
+        .route("/v1/load", get(kv_events::load))
         .route("/v1/receipts/{request_id}", get(ops::receipt))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -211,7 +211,7 @@ impl fmt::Debug for EngineCollector {
     }
 }
 
-fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> fmt::Result {
+pub(crate) fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> fmt::Result {
     let g = ConstGauge::new(v);
     let me = enc.encode_descriptor(name, help, None, g.metric_type())?;
     g.encode(me)

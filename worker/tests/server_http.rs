@@ -832,6 +832,50 @@ async fn start_one_slow_slot() -> TestWorker {
     .await
 }
 
+/// `GET /v1/load` is the load messages alone: idle at first, a request's work while it runs,
+/// idle again after — and never a cache event, though the request stores blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_stream_carries_the_load_alone() {
+    let w = start_one_slow_slot().await;
+    let resp = client().get(w.url("/v1/load")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut sse = SseReader::new(resp);
+    let idle = json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0});
+    let only_load = |ev: &server_support::SseEvent| {
+        assert_eq!(ev.event.as_deref(), Some("load"), "{:?}", ev.data);
+        assert!(ev.id.is_none());
+        serde_json::from_str::<Value>(&ev.data).unwrap()
+    };
+    assert_eq!(only_load(&sse.next_event().await.unwrap()), idle);
+    let prompt = "Tell me a story about a lighthouse keeper and the sea. ".repeat(8);
+    let body = chat_body(&prompt, json!({"max_tokens": 20}));
+    let request = async {
+        let r = post(&w, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap()
+    };
+    let watch = async {
+        let mut saw_busy = false;
+        loop {
+            let l = only_load(&sse.next_event().await.unwrap());
+            saw_busy |= l["running"] == 1;
+            if saw_busy && l == idle {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(request, watch)
+    })
+    .await
+    .expect("the load went busy and idle again");
+    w.stop().await;
+}
+
 /// `w`'s KV event stream with load messages.
 async fn load_events(w: &TestWorker) -> SseReader {
     let resp = client()

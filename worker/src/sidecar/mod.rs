@@ -27,6 +27,7 @@
 //! native engine's holdings, docs/gateway.md). It never tokenizes: the receipt's
 //! `last_block_key` is absent and its `prompt_tokens` is the engine's count.
 
+mod load;
 pub mod relay;
 pub mod usage;
 pub mod vllm;
@@ -173,6 +174,8 @@ pub(crate) struct SidecarState {
     /// of `GET /v1/kv/events`.
     pub(crate) feed: Option<engine::kv::events::KvEventFeed>,
     subscriptions: Arc<tokio::sync::Semaphore>,
+    /// The work of the requests forwarded to the engine and not ended ([`load`]).
+    pub(crate) load: Arc<load::LoadBook>,
 }
 
 /// A started sidecar.
@@ -313,7 +316,8 @@ pub async fn spawn(
         .map_err(|e| startup("http client", e))?;
     let mut registry = Registry::default();
     let drain = crate::drain::Drain::default();
-    let metrics = relay::SidecarMetrics::register(&mut registry, drain.clone());
+    let load = load::LoadBook::new();
+    let metrics = relay::SidecarMetrics::register(&mut registry, drain.clone(), load.clone());
     let events_stop = CancellationToken::new();
     let (feed, events) = match cfg.engine_events.clone() {
         None => (None, None),
@@ -336,6 +340,7 @@ pub async fn spawn(
         drain,
         feed,
         subscriptions: Arc::new(tokio::sync::Semaphore::new(MAX_EVENT_SUBSCRIPTIONS)),
+        load,
     });
     let app = router(state.clone());
     let server = tokio::spawn(crate::listener::serve(
@@ -372,6 +377,7 @@ fn router(st: Arc<SidecarState>) -> Router {
         .route("/v1/receipts/{request_id}", get(receipt))
         .route("/v1/kv/events", get(kv_events))
         .route("/v1/kv/config", get(kv_config))
+        .route("/v1/load", get(load_stream))
         .route_layer(axum::middleware::from_fn_with_state(
             st.clone(),
             require_access,
@@ -431,8 +437,8 @@ async fn completions(
     relay::generate(st, "/v1/completions", headers, body).await
 }
 
-/// `GET /v1/kv/events`: the engine's cache in kvgate keys (docs/kv-events.md; no load
-/// messages). 404 `not_found` without `engine_events`.
+/// `GET /v1/kv/events`: the engine's cache in kvgate keys (docs/kv-events.md), with the
+/// sidecar's load messages ([`load`]) when asked. 404 `not_found` without `engine_events`.
 async fn kv_events(
     State(st): State<Arc<SidecarState>>,
     query: Result<
@@ -458,10 +464,35 @@ async fn kv_events(
     ) {
         Ok(admitted) => {
             st.metrics.request("kv_events", 200);
-            crate::kv_events::stream_response(admitted, feed, None, st.shutdown.clone())
+            let load = admitted.load.then(|| st.load.watch());
+            crate::kv_events::stream_response(admitted, Some(feed), load, st.shutdown.clone())
         }
         Err(e) => {
             st.metrics.request("kv_events", e.status.as_u16());
+            e.into_response()
+        }
+    }
+}
+
+/// `GET /v1/load`: the sidecar's load messages alone ([`load`]; docs/kv-events.md), whatever
+/// the engine: how a gateway learns the work other gateways sent this engine.
+async fn load_stream(State(st): State<Arc<SidecarState>>) -> Response {
+    match crate::kv_events::admit_load(
+        &st.subscriptions,
+        MAX_EVENT_SUBSCRIPTIONS,
+        st.cfg.retry_after_s,
+    ) {
+        Ok(admitted) => {
+            st.metrics.request("load", 200);
+            crate::kv_events::stream_response(
+                admitted,
+                None,
+                Some(st.load.watch()),
+                st.shutdown.clone(),
+            )
+        }
+        Err(e) => {
+            st.metrics.request("load", e.status.as_u16());
             e.into_response()
         }
     }

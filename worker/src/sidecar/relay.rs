@@ -46,7 +46,11 @@ pub struct SidecarMetrics {
 }
 
 impl SidecarMetrics {
-    pub fn register(registry: &mut Registry, drain: crate::drain::Drain) -> Self {
+    pub(crate) fn register(
+        registry: &mut Registry,
+        drain: crate::drain::Drain,
+        load: std::sync::Arc<super::load::LoadBook>,
+    ) -> Self {
         let m = SidecarMetrics {
             requests: Family::default(),
             engine_failures: Family::default(),
@@ -75,6 +79,7 @@ impl SidecarMetrics {
             m.receipt_failures.clone(),
         );
         r.register_collector(Box::new(crate::metrics::DrainCollector(drain)));
+        r.register_collector(Box::new(super::load::LoadCollector(load)));
         m
     }
 
@@ -317,6 +322,20 @@ pub(crate) async fn generate(
         ..receipts::ReceiptDraft::default()
     };
 
+    // The load report's share of this request (`super::load`): the prompt tokens it must
+    // still compute as its ticket counted them, else the gateways' estimate for a body nothing
+    // tokenized; the output it asked for.
+    let ticketed = admission.ticket.as_ref().map(|t| t.ticket_unverified());
+    let prefill = match ticketed.and_then(|t| t.prompt_tokens) {
+        Some(p) => u64::from(p).saturating_sub(u64::from(
+            ticketed
+                .and_then(|t| t.predicted_matched_tokens)
+                .unwrap_or(0),
+        )),
+        None => prompt_profile::work::untokenized_prompt_tokens(bytes.len()),
+    };
+    let decode = prompt_profile::work::queued_output_tokens(&bytes);
+
     // Round robin's tickets name the all-zero namespace: those requests keep the engine's
     // shared cache.
     let forwarded = match (&st.cfg.engine_events, &admission.ticket) {
@@ -341,6 +360,7 @@ pub(crate) async fn generate(
     if let Some(k) = &st.cfg.engine_api_key {
         req = req.bearer_auth(k);
     }
+    let work = st.load.begin(prefill, decode);
     let sent = tokio::select! {
         biased;
         _ = st.shutdown.cancelled() => None,
@@ -369,9 +389,11 @@ pub(crate) async fn generate(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     if is_sse && (200..300).contains(&status) {
-        return stream(st, endpoint, draft, resp).await;
+        return stream(st, endpoint, draft, resp, work).await;
     }
-    let answer = match read_bounded(resp, st.cfg.max_answer_bytes).await {
+    let answer = read_bounded(resp, st.cfg.max_answer_bytes).await;
+    drop(work);
+    let answer = match answer {
         Ok(b) => b,
         Err(e) => {
             st.metrics.engine_failure(e.code);
@@ -445,6 +467,7 @@ async fn stream(
     endpoint: &'static str,
     mut draft: receipts::ReceiptDraft,
     resp: reqwest::Response,
+    mut work: super::load::Work,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
     let id = draft.request_id.clone();
@@ -481,9 +504,14 @@ async fn stream(
                             in_band_error = Usage::error_code(&v).or(Some("engine_error".into()));
                         }
                         let before = usage.produced;
+                        let pieces = usage.pieces;
                         usage.feed(&v);
                         if usage.produced && !before && draft.first_token_at_ms.is_none() {
                             draft.first_token_at_ms = Some(receipts::now_ms());
+                        }
+                        if usage.pieces > pieces {
+                            work.prefilled();
+                            work.produced(usage.pieces - pieces);
                         }
                     }
                 }
@@ -493,6 +521,7 @@ async fn stream(
             }
         };
         drop(chunks);
+        drop(work);
         fill(&mut draft, &usage);
         draft.status = 200;
         draft.error_code = in_band_error;

@@ -36,6 +36,10 @@ pub struct Usage {
     pub choices: Vec<(String, Option<String>)>,
     /// Whether any generated text (or a finish) has been seen: the first token's mark.
     pub produced: bool,
+    /// Stream chunks that carried generated output for some choice (text, reasoning or a tool
+    /// call's piece), each counted once per choice: an engine streams one token per such chunk,
+    /// so this is the load report's count of generated tokens ([`super::load`]).
+    pub pieces: u64,
     /// `usage` was present (it wins over `timings`).
     from_usage: bool,
 }
@@ -43,6 +47,23 @@ pub struct Usage {
 fn as_u32(v: Option<&Value>) -> Option<u32> {
     v.and_then(Value::as_u64)
         .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// Whether a stream chunk's choice carries generated output: a `delta` with non-empty
+/// `content`, `reasoning_content`/`reasoning` or `tool_calls`, or a non-empty `text` (the
+/// completions API's stream).
+fn generated_piece(choice: &Value) -> bool {
+    let non_empty = |v: Option<&Value>| match v {
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        _ => false,
+    };
+    match choice.get("delta") {
+        Some(d) => ["content", "reasoning_content", "reasoning", "tool_calls"]
+            .iter()
+            .any(|k| non_empty(d.get(*k))),
+        None => non_empty(choice.get("text")),
+    }
 }
 
 impl Usage {
@@ -74,6 +95,9 @@ impl Usage {
                         text.push_str(p);
                         self.produced = true;
                     }
+                }
+                if generated_piece(c) {
+                    self.pieces += 1;
                 }
                 if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
                     *finish = Some(f.to_string());
@@ -299,6 +323,27 @@ mod tests {
             (Some(20), Some(16), Some(2))
         );
         assert_eq!(u.finish_reason().as_deref(), Some("length"));
+    }
+
+    #[test]
+    fn stream_pieces_count_generated_output_of_every_kind() {
+        let mut u = Usage::default();
+        for chunk in [
+            json!({"choices": [{"delta": {"role": "assistant", "content": ""}}]}),
+            json!({"choices": [{"delta": {"reasoning_content": "hm"}}]}),
+            json!({"choices": [{"delta": {"reasoning": "m"}}]}),
+            json!({"choices": [{"delta": {"content": "a"}}, {"index": 1, "delta": {"content": "b"}}]}),
+            json!({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}),
+            json!({"choices": [{"delta": {"tool_calls": []}}]}),
+            json!({"choices": [{"text": "x"}]}),
+            json!({"choices": [{"text": ""}]}),
+            json!({"choices": [{"delta": {}, "finish_reason": "stop"}]}),
+            json!({"choices": [], "usage": {"completion_tokens": 6}}),
+            json!({"choices": [{"message": {"content": "whole"}}]}),
+        ] {
+            u.feed(&chunk);
+        }
+        assert_eq!(u.pieces, 6);
     }
 
     #[test]

@@ -1,0 +1,241 @@
+//! The sidecar's load report: the work of every generation request it has forwarded to its
+//! engine and not yet seen end, in the shape of a kvgate worker's `event: load` message
+//! ([`prefix_index::WorkerLoad`], docs/kv-events.md). Every request to the engine passes
+//! through the sidecar (when it requires tickets, whichever gateway sent it), so the report
+//! holds the work of every gateway in front of the engine, where each gateway alone counts only
+//! what it routed itself.
+//!
+//! A request counts from the moment it is forwarded:
+//! - `running` + 1 (the engine's own admission queue is not visible: `waiting` is 0);
+//! - `prefill_tokens` + the prompt tokens it must still compute: its ticket's `prompt_tokens`
+//!   minus `predicted_matched_tokens` when the gateway tokenized it, else the same estimate a
+//!   gateway makes for an untokenized body ([`prompt_profile::work`]: bytes / 4), until the
+//!   first generated text arrives (its prefill is over) — for a whole (non-streamed) answer,
+//!   until the answer;
+//! - `decode_tokens` + the output it asked for ([`prompt_profile::work::queued_output_tokens`]),
+//!   less one per generated piece of a stream (an engine streams one token per chunk), until
+//!   it ends.
+//!
+//! Subscribers are woken as a kvgate engine wakes them: when the load moved enough since the
+//! last announcement ([`prefix_index::WorkerLoad::moved_from`]).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use prefix_index::WorkerLoad;
+use tokio::sync::watch;
+
+/// The forwarded requests' work, and the channel that announces it.
+pub(crate) struct LoadBook {
+    state: Mutex<Book>,
+    tx: watch::Sender<WorkerLoad>,
+}
+
+#[derive(Default)]
+struct Book {
+    load: WorkerLoad,
+    /// The last load that woke subscribers.
+    announced: WorkerLoad,
+}
+
+impl LoadBook {
+    pub(crate) fn new() -> Arc<LoadBook> {
+        let (tx, _) = watch::channel(WorkerLoad::default());
+        Arc::new(LoadBook {
+            state: Mutex::new(Book::default()),
+            tx,
+        })
+    }
+
+    /// A receiver of the current load, woken when it moved enough.
+    pub(crate) fn watch(&self) -> watch::Receiver<WorkerLoad> {
+        self.tx.subscribe()
+    }
+
+    /// The current load.
+    pub(crate) fn current(&self) -> WorkerLoad {
+        self.state.lock().load
+    }
+
+    /// Counts one forwarded request: `prefill` prompt tokens to compute, `decode` output
+    /// tokens asked for. Its work leaves the book as it progresses and when the returned
+    /// [`Work`] is dropped.
+    pub(crate) fn begin(self: &Arc<Self>, prefill: u64, decode: u64) -> Work {
+        self.change(|l| {
+            l.running += 1;
+            l.prefill_tokens = l.prefill_tokens.saturating_add(prefill);
+            l.decode_tokens = l.decode_tokens.saturating_add(decode);
+        });
+        Work {
+            book: self.clone(),
+            prefill,
+            decode,
+        }
+    }
+
+    fn change(&self, f: impl FnOnce(&mut WorkerLoad)) {
+        let mut s = self.state.lock();
+        f(&mut s.load);
+        let load = s.load;
+        let announce = load.moved_from(&s.announced);
+        if announce {
+            s.announced = load;
+        }
+        // Under the lock, so that two changes reach the channel in the order they were made.
+        self.tx.send_if_modified(|l| {
+            *l = load;
+            announce
+        });
+    }
+}
+
+/// One forwarded request's share of the book.
+pub(crate) struct Work {
+    book: Arc<LoadBook>,
+    /// Prompt tokens still counted (0 once its prefill is over).
+    prefill: u64,
+    /// Output tokens still counted.
+    decode: u64,
+}
+
+impl Work {
+    /// The first generated text arrived: the prompt no longer counts. Idempotent.
+    pub(crate) fn prefilled(&mut self) {
+        if self.prefill > 0 {
+            let p = std::mem::take(&mut self.prefill);
+            self.book
+                .change(|l| l.prefill_tokens = l.prefill_tokens.saturating_sub(p));
+        }
+    }
+
+    /// `n` more output tokens were generated (never more than were asked for).
+    pub(crate) fn produced(&mut self, n: u64) {
+        let n = n.min(self.decode);
+        if n > 0 {
+            self.decode -= n;
+            self.book
+                .change(|l| l.decode_tokens = l.decode_tokens.saturating_sub(n));
+        }
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        let (p, d) = (self.prefill, self.decode);
+        self.book.change(|l| {
+            l.running = l.running.saturating_sub(1);
+            l.prefill_tokens = l.prefill_tokens.saturating_sub(p);
+            l.decode_tokens = l.decode_tokens.saturating_sub(d);
+        });
+    }
+}
+
+/// Reads the book at scrape time: `load_running`, `load_prefill_tokens`,
+/// `load_decode_tokens` (under `kvgate_sidecar_`).
+pub(crate) struct LoadCollector(pub(crate) Arc<LoadBook>);
+
+impl std::fmt::Debug for LoadCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadCollector").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for LoadCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        let l = self.0.current();
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        crate::metrics::gauge(
+            &mut enc,
+            "load_running",
+            "Generation requests forwarded to the engine and not ended (the load report's running)",
+            clamp(l.running),
+        )?;
+        crate::metrics::gauge(
+            &mut enc,
+            "load_prefill_tokens",
+            "Prompt tokens of forwarded requests whose first output has not arrived, less the cached tokens their tickets predicted",
+            clamp(l.prefill_tokens),
+        )?;
+        crate::metrics::gauge(
+            &mut enc,
+            "load_decode_tokens",
+            "Output tokens forwarded requests asked for and have not generated yet",
+            clamp(l.decode_tokens),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(running: u64, prefill_tokens: u64, decode_tokens: u64) -> WorkerLoad {
+        WorkerLoad {
+            running,
+            waiting: 0,
+            prefill_tokens,
+            decode_tokens,
+        }
+    }
+
+    #[test]
+    fn work_enters_progresses_and_leaves() {
+        let book = LoadBook::new();
+        let mut a = book.begin(600, 100);
+        let mut b = book.begin(40, 8);
+        assert_eq!(book.current(), load(2, 640, 108));
+        a.prefilled();
+        a.prefilled();
+        assert_eq!(book.current(), load(2, 40, 108));
+        a.produced(30);
+        assert_eq!(book.current(), load(2, 40, 78));
+        // Never more than asked for, whatever the engine streams.
+        b.produced(50);
+        assert_eq!(book.current(), load(2, 40, 70));
+        drop(b);
+        assert_eq!(book.current(), load(1, 0, 70));
+        drop(a);
+        assert_eq!(book.current(), load(0, 0, 0));
+    }
+
+    #[test]
+    fn subscribers_wake_when_the_load_moved_enough() {
+        let book = LoadBook::new();
+        let mut rx = book.watch();
+        let mut a = book.begin(0, 400);
+        assert!(rx.has_changed().unwrap(), "a request arriving is announced");
+        assert_eq!(*rx.borrow_and_update(), load(1, 0, 400));
+        // One token of 400: not enough to wake anyone, but the value is current.
+        a.produced(1);
+        assert!(!rx.has_changed().unwrap());
+        assert_eq!(*rx.borrow(), load(1, 0, 399));
+        // 1/8 of 400 since the announcement: announced.
+        a.produced(49);
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(*rx.borrow_and_update(), load(1, 0, 350));
+        drop(a);
+        assert!(rx.has_changed().unwrap(), "a request ending is announced");
+        assert_eq!(*rx.borrow_and_update(), load(0, 0, 0));
+    }
+
+    #[test]
+    fn concurrent_requests_balance_out() {
+        let book = LoadBook::new();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let book = book.clone();
+                s.spawn(move || {
+                    for i in 0..500u64 {
+                        let mut w = book.begin(100 + t, 10 + i % 7);
+                        if i % 2 == 0 {
+                            w.prefilled();
+                        }
+                        w.produced(i % 5);
+                    }
+                });
+            }
+        });
+        assert_eq!(book.current(), WorkerLoad::default());
+        assert_eq!(*book.watch().borrow(), WorkerLoad::default());
+    }
+}
