@@ -26,6 +26,10 @@
 //! namespace as `cache_salt`; otherwise it publishes no KV events (the gateway approximates a
 //! native engine's holdings, docs/gateway.md). It never tokenizes: the receipt's
 //! `last_block_key` is absent and its `prompt_tokens` is the engine's count.
+//!
+//! Whatever the engine, it reports the work of the requests it forwarded ([`load`]) as a
+//! kvgate worker reports its queue: `GET /v1/load` (and `event: load` in its KV event stream),
+//! so that each gateway sees the work every other gateway sent this engine.
 
 mod load;
 pub mod relay;
