@@ -218,6 +218,54 @@ mod tests {
         assert_eq!(*rx.borrow_and_update(), load(0, 0, 0));
     }
 
+    /// What the book costs a relayed request: `cargo test --release -p worker --lib
+    /// bench_load_book -- --ignored --nocapture` (docs/benchmarks.md, "Sidecar load reports").
+    #[test]
+    #[ignore]
+    fn bench_load_book() {
+        let book = LoadBook::new();
+        // A subscriber, as when a gateway reads the stream (woken, never reading here).
+        let _rx = book.watch();
+        let chunks = 256u64;
+        let requests = 20_000u64;
+        let t = std::time::Instant::now();
+        for _ in 0..requests {
+            let mut w = book.begin(1000, chunks);
+            w.prefilled();
+            for _ in 0..chunks {
+                w.produced(1);
+            }
+        }
+        let per_request = t.elapsed().as_secs_f64() / requests as f64;
+        let t = std::time::Instant::now();
+        for _ in 0..requests {
+            drop(book.begin(1000, chunks));
+        }
+        let begin_end = t.elapsed().as_secs_f64() / requests as f64;
+        // Beside it, what the relay already does per chunk: parse it and fold it in.
+        let chunk = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}"#;
+        let mut usage = super::super::usage::Usage::default();
+        let n = 200_000u32;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            let v: serde_json::Value = serde_json::from_str(std::hint::black_box(chunk)).unwrap();
+            usage.feed(&v);
+        }
+        let relay_chunk = t.elapsed().as_secs_f64() / f64::from(n);
+        println!(
+            "relay's own work per chunk (parse + usage): {:.0} ns",
+            relay_chunk * 1e9
+        );
+        println!(
+            "load book: begin + end {:.0} ns; a request of {chunks} streamed chunks {:.1} us \
+             ({:.0} ns per chunk)",
+            begin_end * 1e9,
+            per_request * 1e6,
+            (per_request - begin_end) / chunks as f64 * 1e9,
+        );
+        assert_eq!(book.current(), WorkerLoad::default());
+    }
+
     #[test]
     fn concurrent_requests_balance_out() {
         let book = LoadBook::new();
