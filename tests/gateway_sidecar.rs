@@ -891,7 +891,8 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
 
 /// An engine in front of `target` (a simulated worker) that holds every streamed chat request
 /// whose `user` is `"hold"`: it streams one generated token, then waits for `release` before it
-/// finishes the answer. Everything else passes through to `target`.
+/// finishes the answer. `GET /v1/load` is 404, as on a native engine; everything else passes
+/// through to `target`.
 async fn holding_engine(
     target: String,
     release: tokio::sync::watch::Receiver<bool>,
@@ -906,6 +907,9 @@ async fn holding_engine(
             let (parts, body) = req.into_parts();
             let bytes = axum::body::to_bytes(body, 16 << 20).await.unwrap();
             let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            if parts.uri.path() == "/v1/load" {
+                return axum::http::StatusCode::NOT_FOUND.into_response();
+            }
             if parts.uri.path() == "/v1/chat/completions" && v["user"] == "hold" {
                 let chunk = |delta: serde_json::Value, finish: Option<&str>| {
                     let c = serde_json::json!({
@@ -965,7 +969,8 @@ async fn holding_engine(
 /// which gateway A reads for `openai` upstreams) shows B's requests, and A's next turn of the
 /// conversation goes to the other sidecar (`load_guard`) though the first holds its prefix —
 /// without the report A would see that sidecar idle. When B's answers end the report empties
-/// and the turn is a hit again.
+/// and the turn is a hit again. An engine without a sidecar (`GET /v1/load` 404) in a KV-exact
+/// pool is marked `unsupported` and still serves.
 #[test]
 fn a_sidecar_reports_the_work_of_every_gateway() {
     let fleet = Fleet::workers(FleetOptions {
@@ -985,6 +990,7 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
             format!("http://{e}")
         })
         .collect();
+    let engines_for_raw = engines[0].clone();
     let mut sc = Sidecars::start_with(fleet, engines, "openai", |_| None);
     sc.start_gateway();
     let fleet = &sc.fleet;
@@ -1105,6 +1111,36 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
     let r3 = fleet.post("/v1/chat/completions", &turn, &[]);
     assert_eq!(r3.status, 200, "{}", r3.text());
     assert_eq!(r3.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+
+    // An engine without a sidecar (no `GET /v1/load`) in a KV-exact pool: probed, marked
+    // `unsupported`, judged by the gateway's own count; it still serves.
+    let raw_url = engines_for_raw;
+    let mut rules = sc.rules(None);
+    rules.push_str(&format!(
+        "\n[[workers]]\nid = \"raw\"\nurl = \"{raw_url}\"\nkind = \"openai\"\n\n\
+         [[pools]]\nid = \"raw\"\nworkers = [\"raw\"]\n\n\
+         [[services]]\nname = \"exact-raw\"\npool = \"raw\"\n\
+         rule = {{ type = \"kv_exact\", profile = \"smol\" }}\n\
+         [services.match]\nmodels = [\"smol-raw\"]\n"
+    ));
+    std::fs::write(&fleet.rules_path, rules).unwrap();
+    let reload = fleet.admin(reqwest::Method::POST, "/admin/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    fleet.wait_for(
+        "the raw engine's load stream probed",
+        Duration::from_secs(10),
+        || {
+            let raw = worker("raw");
+            raw["healthy"] == true
+                && raw["events"]["load_stream"] == "unsupported"
+                && raw["reported_load"].is_null()
+        },
+    );
+    let mut body = turn.clone();
+    body["model"] = "smol-raw".into();
+    let r = fleet.post("/v1/chat/completions", &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.worker(), "raw");
 
     gateway_b.shutdown();
     sc.stop();
