@@ -491,6 +491,30 @@ enum VllmEvent {
     AllBlocksCleared,
 }
 
+/// Passes a request on to `target` (method, path and query, content type, body) and answers
+/// what it answers (status, content type, whole body).
+async fn forward(
+    http: &reqwest::Client,
+    target: &str,
+    parts: &axum::http::request::Parts,
+    bytes: bytes::Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut out = http.request(parts.method.clone(), format!("{target}{}", parts.uri));
+    if let Some(ct) = parts.headers.get("content-type") {
+        out = out.header("content-type", ct.as_bytes());
+    }
+    let resp = out.body(bytes).send().await.unwrap();
+    let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = resp.bytes().await.unwrap();
+    (status, [("content-type", ct)], body).into_response()
+}
+
 /// An engine that records every generation body it is sent and passes the request on to
 /// `target` (a simulated worker), answering what it answers.
 async fn recording_engine(
@@ -498,7 +522,6 @@ async fn recording_engine(
     seen: std::sync::Arc<parking_lot::Mutex<Vec<serde_json::Value>>>,
 ) -> std::net::SocketAddr {
     use axum::extract::Request;
-    use axum::response::IntoResponse;
     let http = reqwest::Client::new();
     let app = axum::Router::new().fallback(move |req: Request| {
         let (http, target, seen) = (http.clone(), target.clone(), seen.clone());
@@ -508,19 +531,7 @@ async fn recording_engine(
             if parts.uri.path().ends_with("/completions") {
                 seen.lock().push(serde_json::from_slice(&bytes).unwrap());
             }
-            let mut out = http.request(parts.method.clone(), format!("{target}{}", parts.uri));
-            if let Some(ct) = parts.headers.get("content-type") {
-                out = out.header("content-type", ct.as_bytes());
-            }
-            let resp = out.body(bytes).send().await.unwrap();
-            let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
-            let ct = resp
-                .headers()
-                .get("content-type")
-                .map(|v| v.to_str().unwrap().to_string())
-                .unwrap_or_default();
-            let body = resp.bytes().await.unwrap();
-            (status, [("content-type", ct)], body).into_response()
+            forward(&http, &target, &parts, bytes).await
         }
     });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -941,19 +952,7 @@ async fn holding_engine(
                 )
                     .into_response();
             }
-            let mut out = http.request(parts.method.clone(), format!("{target}{}", parts.uri));
-            if let Some(ct) = parts.headers.get("content-type") {
-                out = out.header("content-type", ct.as_bytes());
-            }
-            let resp = out.body(bytes).send().await.unwrap();
-            let status = axum::http::StatusCode::from_u16(resp.status().as_u16()).unwrap();
-            let ct = resp
-                .headers()
-                .get("content-type")
-                .map(|v| v.to_str().unwrap().to_string())
-                .unwrap_or_default();
-            let body = resp.bytes().await.unwrap();
-            (status, [("content-type", ct)], body).into_response()
+            forward(&http, &target, &parts, bytes).await
         }
     });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

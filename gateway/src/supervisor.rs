@@ -299,37 +299,17 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
     let mut position: Option<(u64, u64)> = None;
     let mut backoff = BACKOFF_MIN;
     loop {
-        let Some(data) = ctx.data.upgrade() else {
-            return;
-        };
         let url = match position {
             Some((e, q)) => {
                 format!("{base_url}/v1/kv/events?since_epoch={e}&since_seq={q}&load=true")
             }
             None => format!("{base_url}/v1/kv/events?load=true"),
         };
-        let runtime = data
-            .views
-            .load()
-            .workers
-            .get(&id)
-            .map(|e| e.runtime.clone());
-        let Some(runtime) = runtime else { return };
-        // A worker that requires tickets serves its event stream only with the gateway's
-        // access token; a fresh one per connection.
-        let token = receipts::AccessToken::new(&data.gateway_id, &id, receipts::now_ms())
-            .sign(&data.signer);
-        drop(data);
-        let connect = ctx
-            .http
-            .get(&url)
-            .header("accept", "text/event-stream")
-            .bearer_auth(token)
-            .send();
-        let resp = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            r = connect => r,
+        let Some(runtime) = runtime_of(&ctx, &id) else {
+            return;
+        };
+        let Some(resp) = open_stream(&ctx, &id, &url, &cancel).await else {
+            return;
         };
         let wait = match resp {
             Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
@@ -386,6 +366,39 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
     }
 }
 
+/// A worker's live state, while the gateway runs and the worker is in its view.
+fn runtime_of(ctx: &TaskCtx, id: &WorkerId) -> Option<Arc<crate::view::WorkerRuntime>> {
+    let data = ctx.data.upgrade()?;
+    let view = data.views.load();
+    view.workers.get(id).map(|e| e.runtime.clone())
+}
+
+/// Opens an SSE subscription to `url` on worker `id`: `None` when the gateway stopped or
+/// `cancel` fired first. A worker that requires tickets serves its streams only with the
+/// gateway's access token; a fresh one per connection.
+async fn open_stream(
+    ctx: &TaskCtx,
+    id: &WorkerId,
+    url: &str,
+    cancel: &CancellationToken,
+) -> Option<reqwest::Result<reqwest::Response>> {
+    let token = {
+        let data = ctx.data.upgrade()?;
+        receipts::AccessToken::new(&data.gateway_id, id, receipts::now_ms()).sign(&data.signer)
+    };
+    let connect = ctx
+        .http
+        .get(url)
+        .header("accept", "text/event-stream")
+        .bearer_auth(token)
+        .send();
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => None,
+        r = connect => Some(r),
+    }
+}
+
 /// Records one `event: load` message's data as the worker's report (a malformed one is
 /// logged and ignored).
 fn apply_load(runtime: &crate::view::WorkerRuntime, id: &WorkerId, data: &str) {
@@ -422,10 +435,7 @@ async fn load_loop(
     let url = format!("{base_url}/v1/load");
     let mut backoff = BACKOFF_MIN;
     let alive = loop {
-        let Some(data) = ctx.data.upgrade() else {
-            break false;
-        };
-        let Some(runtime) = data.views.load().workers.get(id).map(|e| e.runtime.clone()) else {
+        let Some(runtime) = runtime_of(ctx, id) else {
             break false;
         };
         if until.is_some_and(|u| Instant::now() >= u) {
@@ -433,19 +443,8 @@ async fn load_loop(
             *runtime.reported_load.lock() = None;
             break true;
         }
-        let token =
-            receipts::AccessToken::new(&data.gateway_id, id, receipts::now_ms()).sign(&data.signer);
-        drop(data);
-        let connect = ctx
-            .http
-            .get(&url)
-            .header("accept", "text/event-stream")
-            .bearer_auth(token)
-            .send();
-        let resp = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => break false,
-            r = connect => r,
+        let Some(resp) = open_stream(ctx, id, &url, cancel).await else {
+            break false;
         };
         let sse = |r: &reqwest::Response| {
             r.headers()

@@ -112,7 +112,7 @@ pub(crate) fn admit(
 
 /// Admits a `GET /v1/load`: one of the same `max` subscription slots as `GET /v1/kv/events`
 /// (429 `too_many_subscriptions`).
-pub(crate) fn admit_load(
+fn admit_load(
     slots: &Arc<tokio::sync::Semaphore>,
     max: usize,
     retry_after_s: u64,
@@ -198,23 +198,32 @@ pub async fn kv_events(
 
 /// `GET /v1/load`: the engine's load messages alone.
 pub async fn load(State(st): State<Arc<AppState>>) -> Response {
-    match admit_load(
+    let (response, status) = load_response(
         &st.subscriptions,
         st.settings.max_event_subscriptions,
         st.settings.retry_after_s,
-    ) {
-        Ok(admitted) => {
-            st.metrics.request("load", 200);
-            stream_response(
-                admitted,
-                None,
-                Some(st.engine.watch_load()),
-                st.shutdown.clone(),
-            )
-        }
+        st.engine.watch_load(),
+        st.shutdown.clone(),
+    );
+    st.metrics.request("load", status);
+    response
+}
+
+/// A `GET /v1/load` answer (a worker's or a sidecar's): the stream of `load`'s messages in one
+/// of the `max` subscription slots, or 429 `too_many_subscriptions`; with the status, for the
+/// server's request counter.
+pub(crate) fn load_response(
+    slots: &Arc<tokio::sync::Semaphore>,
+    max: usize,
+    retry_after_s: u64,
+    load: tokio::sync::watch::Receiver<prefix_index::WorkerLoad>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> (Response, u16) {
+    match admit_load(slots, max, retry_after_s) {
+        Ok(admitted) => (stream_response(admitted, None, Some(load), shutdown), 200),
         Err(e) => {
-            st.metrics.request("load", e.status.as_u16());
-            e.into_response()
+            let status = e.status.as_u16();
+            (e.into_response(), status)
         }
     }
 }

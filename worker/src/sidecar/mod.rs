@@ -481,25 +481,15 @@ async fn kv_events(
 /// `GET /v1/load`: the sidecar's load messages alone ([`load`]; docs/kv-events.md), whatever
 /// the engine: how a gateway learns the work other gateways sent this engine.
 async fn load_stream(State(st): State<Arc<SidecarState>>) -> Response {
-    match crate::kv_events::admit_load(
+    let (response, status) = crate::kv_events::load_response(
         &st.subscriptions,
         MAX_EVENT_SUBSCRIPTIONS,
         st.cfg.retry_after_s,
-    ) {
-        Ok(admitted) => {
-            st.metrics.request("load", 200);
-            crate::kv_events::stream_response(
-                admitted,
-                None,
-                Some(st.load.watch()),
-                st.shutdown.clone(),
-            )
-        }
-        Err(e) => {
-            st.metrics.request("load", e.status.as_u16());
-            e.into_response()
-        }
-    }
+        st.load.watch(),
+        st.shutdown.clone(),
+    );
+    st.metrics.request("load", status);
+    response
 }
 
 /// `GET /v1/kv/config`: how the engine's KV events are mapped (`{"source": "vllm",
