@@ -492,7 +492,7 @@ enum VllmEvent {
 }
 
 /// Passes a request on to `target` (method, path and query, content type, body) and answers
-/// what it answers (status, content type, whole body).
+/// what it answers (status, content type, body streamed as it comes: an event stream too).
 async fn forward(
     http: &reqwest::Client,
     target: &str,
@@ -511,7 +511,7 @@ async fn forward(
         .get("content-type")
         .map(|v| v.to_str().unwrap().to_string())
         .unwrap_or_default();
-    let body = resp.bytes().await.unwrap();
+    let body = axum::body::Body::from_stream(resp.bytes_stream());
     (status, [("content-type", ct)], body).into_response()
 }
 
@@ -902,11 +902,12 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
 
 /// An engine in front of `target` (a simulated worker) that holds every streamed chat request
 /// whose `user` is `"hold"`: it streams one generated token, then waits for `release` before it
-/// finishes the answer. `GET /v1/load` is 404, as on a native engine; everything else passes
-/// through to `target`.
+/// finishes the answer. The paths in `missing` are 404 (`/v1/load`: a native engine);
+/// everything else passes through to `target`.
 async fn holding_engine(
     target: String,
     release: tokio::sync::watch::Receiver<bool>,
+    missing: &'static [&'static str],
 ) -> std::net::SocketAddr {
     use axum::extract::Request;
     use axum::response::IntoResponse;
@@ -918,7 +919,7 @@ async fn holding_engine(
             let (parts, body) = req.into_parts();
             let bytes = axum::body::to_bytes(body, 16 << 20).await.unwrap();
             let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-            if parts.uri.path() == "/v1/load" {
+            if missing.contains(&parts.uri.path()) {
                 return axum::http::StatusCode::NOT_FOUND.into_response();
             }
             if parts.uri.path() == "/v1/chat/completions" && v["user"] == "hold" {
@@ -983,9 +984,11 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
         .clone()
         .iter()
         .map(|a| {
-            let e = fleet
-                .rt
-                .block_on(holding_engine(format!("http://{a}"), release_rx.clone()));
+            let e = fleet.rt.block_on(holding_engine(
+                format!("http://{a}"),
+                release_rx.clone(),
+                &["/v1/load"],
+            ));
             format!("http://{e}")
         })
         .collect();
@@ -1143,4 +1146,84 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
 
     gateway_b.shutdown();
     sc.stop();
+}
+
+/// A kvgate worker whose KV event stream cannot be reached (404: an older worker, or a proxy
+/// in front that does not pass the path) takes the native engines' path: its holdings are
+/// approximated from the prompts routed there — the repeat of a prompt follows it, a `hit` —
+/// and its load is read from `GET /v1/load` until the next probe of its events.
+#[test]
+fn a_kvgate_worker_without_events_is_approximated_and_its_load_read() {
+    let mut fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ticket_policy: TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    let (_release, release_rx) = tokio::sync::watch::channel(false);
+    let proxies: Vec<String> = fleet
+        .addrs
+        .clone()
+        .iter()
+        .map(|a| {
+            let p = fleet.rt.block_on(holding_engine(
+                format!("http://{a}"),
+                release_rx.clone(),
+                &["/v1/kv/events"],
+            ));
+            format!("http://{p}")
+        })
+        .collect();
+    let rules = format!(
+        "[gateway]\nhealth_interval_ms = 100\n\n\
+         [[workers]]\nid = \"w1\"\nurl = \"{}\"\n\n[[workers]]\nid = \"w2\"\nurl = \"{}\"\n\n\
+         [[pools]]\nid = \"all\"\nworkers = [\"w1\", \"w2\"]\n{}\n\
+         [[services]]\nname = \"exact\"\npool = \"all\"\n\
+         rule = {{ type = \"kv_exact\", profile = \"smol\", pending_ttl_ms = 0 }}\n\
+         [services.match]\nmodels = [\"smol\"]\n",
+        proxies[0],
+        proxies[1],
+        fleet.profile_toml("smol", 16)
+    );
+    fleet.rules_path = fleet.dir.path().join("rules.toml");
+    std::fs::write(&fleet.rules_path, rules).unwrap();
+    let mut cfg = gateway::GatewayConfig::new(&fleet.rules_path, fleet.gateway_key.clone());
+    cfg.admin_token = Some(fleet.admin_token.clone());
+    fleet.gateway = Some(gateway::spawn(cfg).unwrap());
+    let workers = || {
+        let w = fleet
+            .admin(reqwest::Method::GET, "/admin/workers", None)
+            .json();
+        w["workers"].as_array().cloned().unwrap_or_default()
+    };
+    fleet.wait_for(
+        "both workers approximated, their loads read",
+        Duration::from_secs(10),
+        || {
+            let w = workers();
+
+            w.len() == 2
+                && w.iter().all(|w| {
+                    w["healthy"] == true
+                        && w["contract"]["state"] == "ok"
+                        && w["events"]["state"] == "unsupported (approximate holdings)"
+                        && w["events"]["load_stream"] == "connected"
+                        && w["reported_load"]["running"] == 0
+                })
+        },
+    );
+    let long = "Approximate holdings stand in for a worker's missing KV events. ".repeat(6);
+    let turn = chat(&[("system", "You are terse."), ("user", &long)], 4);
+    let r1 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r1.status, 200, "{}", r1.text());
+    let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    assert_eq!(r2.worker(), r1.worker(), "the repeat follows its prefix");
+    assert_eq!(r2.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    let held = workers()
+        .into_iter()
+        .find(|w| w["id"] == r1.worker().as_str())
+        .unwrap();
+    assert!(held["approximate_blocks"].as_u64().unwrap() > 0, "{held}");
+    assert_eq!(held["indexed_blocks"], 0, "{held}");
+    fleet.stop();
 }

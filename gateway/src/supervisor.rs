@@ -315,6 +315,7 @@ async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: Cancel
             Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
                 set_events(&runtime, &cancel, EventStreamState::Unsupported);
                 // Until the next probe, its load alone (when it has a load stream).
+                set_load_stream(&runtime, &cancel, LoadStreamState::Connecting);
                 let until = Instant::now() + UNSUPPORTED_RETRY;
                 if !load_loop(&ctx, &id, &base_url, &cancel, Some(until)).await {
                     return;
