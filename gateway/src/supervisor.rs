@@ -176,6 +176,7 @@ impl Supervisor {
                 }
             } else if events {
                 *entry.runtime.events.lock() = EventStreamState::Connecting;
+                *entry.runtime.load_stream.lock() = LoadStreamState::Off;
                 handles.push(self.handle.spawn(event_loop(
                     self.ctx.clone(),
                     id.clone(),
@@ -184,6 +185,7 @@ impl Supervisor {
                 )));
             } else {
                 *entry.runtime.events.lock() = EventStreamState::NotSubscribed;
+                *entry.runtime.load_stream.lock() = LoadStreamState::Off;
                 *entry.runtime.reported_load.lock() = None;
                 entry
                     .runtime
@@ -435,7 +437,7 @@ async fn load_loop(
 ) -> bool {
     let url = format!("{base_url}/v1/load");
     let mut backoff = BACKOFF_MIN;
-    let alive = loop {
+    loop {
         let Some(runtime) = runtime_of(ctx, id) else {
             break false;
         };
@@ -484,8 +486,7 @@ async fn load_loop(
         if !sleep_or_cancel(wait, cancel).await {
             break false;
         }
-    };
-    alive
+    }
 }
 
 /// Applies a load stream's messages (other events are ignored: this stream feeds no index)

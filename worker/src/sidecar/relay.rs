@@ -308,9 +308,14 @@ pub(crate) async fn generate(
     if let Err(e) = st.tickets.claim(&admission) {
         return early(e, Some(&admission.request_id));
     }
-    let requested_model = serde_json::from_slice::<Value>(&bytes)
+    // Read without building the body's tree (the rest of it is skipped).
+    #[derive(serde::Deserialize)]
+    struct ModelOnly {
+        model: Option<String>,
+    }
+    let requested_model = serde_json::from_slice::<ModelOnly>(&bytes)
         .ok()
-        .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_string))
+        .and_then(|m| m.model)
         .unwrap_or_default();
     let draft = receipts::ReceiptDraft {
         request_id: admission.request_id.clone(),
