@@ -11,7 +11,9 @@ use crate::bench::{run_wave, WaveSpec};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Base URL of an OpenAI-compatible endpoint (a kvgate gateway or worker, or any other server).
+    /// Base URL of an OpenAI-compatible endpoint (a kvgate gateway or worker, or any other
+    /// server); several, comma-separated (e.g. independent gateways in front of one fleet), get
+    /// the requests spread over them as --vip says.
     #[arg(long, conflicts_with = "fleet")]
     pub target: Option<String>,
     /// Simulated fleet: `sim:N` starts N simulated workers and a gateway in-process and runs the
@@ -23,9 +25,10 @@ pub struct Args {
     /// over the replicas as --vip says.
     #[arg(long, default_value_t = 1)]
     pub gateways: usize,
-    /// With --gateways G > 1: how the VIP spreads requests over the replicas: `request` (each
-    /// request to the next replica) or `session` (each conversation or session pinned to the
-    /// replica its first request went to, as an L4 VIP does with kept-alive connections).
+    /// With --gateways G > 1 (or several --target URLs): how the VIP spreads requests over the
+    /// replicas: `request` (each request to the next replica) or `session` (each conversation
+    /// or session pinned to the replica its first request went to, as an L4 VIP does with
+    /// kept-alive connections).
     #[arg(long, value_enum, default_value_t = crate::bench::Spread::Request)]
     pub vip: crate::bench::Spread,
     /// With --gateways G > 1: the replicas' claim TTL in ms (the atomic select-and-reserve of
@@ -161,6 +164,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let Some(target) = args.target.clone() else {
             bail!("give --target URL or --fleet sim:N");
         };
+        let targets: Vec<String> = target
+            .split(',')
+            .map(|t| t.trim().trim_end_matches('/').to_string())
+            .filter(|t| !t.is_empty())
+            .collect();
+        let Some(first) = targets.first().cloned() else {
+            bail!("--target: no URL in `{target}`");
+        };
         let thresholds: Vec<_> = args
             .thresholds
             .iter()
@@ -171,7 +182,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             builder = builder.pool_max_idle_per_host(0);
         }
         let client = builder.build()?;
-        let context_limit = crate::bench::client::context_limit(&client, &target).await;
+        let context_limit = crate::bench::client::context_limit(&client, &first).await;
         let runs: Vec<(String, String)> = if args.compare.is_empty() {
             vec![(args.label.clone(), args.model.clone())]
         } else {
@@ -193,8 +204,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     &client,
                     WaveSpec {
                         label,
-                        targets: std::slice::from_ref(&target),
-                        spread: crate::bench::Spread::Request,
+                        targets: &targets,
+                        spread: args.vip,
                         model,
                         kind: *kind,
                         plans: workload::plan(*kind, &args.shape),

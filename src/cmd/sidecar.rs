@@ -79,6 +79,11 @@ pub struct Args {
     /// Deliver answers whose receipt could not be written (default: 503 `receipt_failed`).
     #[arg(long)]
     pub allow_unreceipted: bool,
+    /// Report no load: `GET /v1/load` answers 404 and the KV event stream carries no load
+    /// messages, so gateways judge this engine by their own counts (docs/sidecar.md, "Load
+    /// reports"; for comparisons: `scripts/bench-sidecar-load.sh`).
+    #[arg(long)]
+    pub no_load_report: bool,
     /// Clock skew tolerated on ticket validity windows, ms.
     #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
     pub ticket_skew_ms: u64,
@@ -136,6 +141,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     };
     cfg.ticket_skew_ms = args.ticket_skew_ms;
     cfg.require_receipts = !args.allow_unreceipted;
+    cfg.load_report = !args.no_load_report;
     cfg.fsync = super::worker::parse_fsync(&args.fsync)?;
     cfg.rotation = receipts::Rotation {
         max_bytes: (args.receipts_rotate_mib > 0).then_some(args.receipts_rotate_mib << 20),

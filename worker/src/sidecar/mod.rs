@@ -106,6 +106,9 @@ pub struct SidecarConfig {
     /// `GET /v1/kv/events`; requests with a route ticket get their namespace as `cache_salt`.
     /// `None`: no event stream (404; the gateway approximates the engine's holdings).
     pub engine_events: Option<vllm::EngineEventsConfig>,
+    /// Serve the load report ([`load`]: `GET /v1/load`, and load messages on the KV event
+    /// stream); `false`: `GET /v1/load` is 404 and the event stream carries none (default true).
+    pub load_report: bool,
 }
 
 impl SidecarConfig {
@@ -139,6 +142,7 @@ impl SidecarConfig {
             tls: None,
             registration: None,
             engine_events: None,
+            load_report: true,
         }
     }
 }
@@ -468,7 +472,7 @@ async fn kv_events(
     ) {
         Ok(admitted) => {
             st.metrics.request("kv_events", 200);
-            let load = admitted.load.then(|| st.load.watch());
+            let load = (admitted.load && st.cfg.load_report).then(|| st.load.watch());
             crate::kv_events::stream_response(admitted, Some(feed), load, st.shutdown.clone())
         }
         Err(e) => {
@@ -481,6 +485,14 @@ async fn kv_events(
 /// `GET /v1/load`: the sidecar's load messages alone ([`load`]; docs/kv-events.md), whatever
 /// the engine: how a gateway learns the work other gateways sent this engine.
 async fn load_stream(State(st): State<Arc<SidecarState>>) -> Response {
+    if !st.cfg.load_report {
+        st.metrics.request("load", 404);
+        return ApiError::not_found(
+            "not_found",
+            "this sidecar reports no load (started with --no-load-report)",
+        )
+        .into_response();
+    }
     let (response, status) = crate::kv_events::load_response(
         &st.subscriptions,
         MAX_EVENT_SUBSCRIPTIONS,
