@@ -206,7 +206,62 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
             hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"ok"))
         );
 
+        // However each request ended, none is left in the load report (its first message is
+        // the load as it is).
+        let load = http
+            .get(format!("http://{}/v1/load", sc.addr()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(load.status(), 200);
+        let mut body = load.bytes_stream();
+        let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+            .await
+            .expect("a load message")
+            .unwrap()
+            .unwrap();
+        let text = String::from_utf8_lossy(&first).to_string();
+        assert!(text.starts_with("event: load\n"), "{text}");
+        let data = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(data).unwrap(),
+            serde_json::json!({"running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0})
+        );
+        drop(body);
+        let metrics = http
+            .get(format!("http://{}/metrics", sc.addr()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("kvgate_sidecar_load_running 0"),
+            "{metrics}"
+        );
+
         sc.shutdown().await;
+
+        // With the report off, `GET /v1/load` is 404.
+        let mut cfg = SidecarConfig::new(
+            format!("http://{engine_addr}"),
+            "s2",
+            KeyPair::generate(),
+            dir.path().join("receipts-s2.jsonl"),
+        );
+        cfg.load_report = false;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let off = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let r = http
+            .get(format!("http://{}/v1/load", off.addr()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "not_found");
+        off.shutdown().await;
         server.abort();
     });
     let mut ring = receipts::KeyRing::new();
