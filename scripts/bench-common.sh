@@ -1,5 +1,6 @@
-# Shared by the side-by-side benchmark scripts (bench-vs-smg.sh, bench-proxy.sh); sourced, not run.
-# Expects NAME (the script's name for messages) and SMG_VERSION to be set.
+# Shared by the side-by-side benchmark scripts (bench-vs-smg.sh, bench-proxy.sh,
+# bench-sidecar-load.sh); sourced, not run.
+# Expects NAME (the script's name for messages); smg_venv also SMG_VERSION.
 
 # The SGLang model gateway in .cache/smg-venv (installed from PyPI once); sets VENV.
 smg_venv() {
@@ -9,6 +10,22 @@ smg_venv() {
     "$VENV/bin/pip" install --quiet --disable-pip-version-check "sglang-router==$SMG_VERSION"
   fi
 }
+
+# The kvgate binary: $KVGATE_BIN (another build, e.g. a baseline), else target/debug/kvgate,
+# built now; sets KVGATE.
+kvgate_bin() {
+  if [ -n "${KVGATE_BIN:-}" ]; then
+    KVGATE=$KVGATE_BIN
+  else
+    cargo build --quiet --bin kvgate
+    KVGATE=$PWD/target/debug/kvgate
+  fi
+}
+
+# The simulated workers' timing model and limits (`kvgate worker --engine sim`): prefill 125 µs
+# per uncached token, a decode step 8 ms + 0.5 ms per sequence — the fleet bench's.
+SIM_TIMING=(--sim-num-blocks 4096 --sim-prefill-us-per-token 125 --sim-decode-us-base 8000
+  --sim-decode-us-per-seq 500 --max-running 64)
 
 # Background processes the script started: `pids+=($!)` after each, `stop_pids` stops them all.
 pids=()

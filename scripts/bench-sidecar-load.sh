@@ -34,15 +34,9 @@ MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
 MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
 NAME=bench-sidecar-load
-SMG_VERSION=unused
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
-if [ -n "${KVGATE_BIN:-}" ]; then
-  KVGATE=$KVGATE_BIN
-else
-  cargo build --quiet --bin kvgate
-  KVGATE=$PWD/target/debug/kvgate
-fi
+kvgate_bin
 MAX_TOKENS=${MAX_TOKENS:-8}
 mkdir -p "$OUT"
 work=$(mktemp -d)
@@ -60,8 +54,7 @@ run_one() { # arm seed workload-args...
     local wport=$((BASE_PORT + i)) sport=$((BASE_PORT + 50 + i))
     "$KVGATE" worker --engine sim --model "$MODEL" --id "w$i" --listen "127.0.0.1:$wport" \
       --drain-timeout-secs 0 --state-dir "$dir/w$i" \
-      --sim-num-blocks 4096 --sim-prefill-us-per-token 125 \
-      --sim-decode-us-base 8000 --sim-decode-us-per-seq 500 --max-running 64 \
+      "${SIM_TIMING[@]}" \
       >"$dir/w$i.log" 2>&1 &
     pids+=($!)
     "$KVGATE" sidecar --engine "http://127.0.0.1:$wport" --listen "127.0.0.1:$sport" --id "s$i" \

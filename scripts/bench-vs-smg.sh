@@ -36,12 +36,7 @@ NAME=bench-vs-smg
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
 smg_venv
-if [ -n "${KVGATE_BIN:-}" ]; then
-  KVGATE=$KVGATE_BIN
-else
-  cargo build --quiet --bin kvgate
-  KVGATE=$PWD/target/debug/kvgate
-fi
+kvgate_bin
 MAX_TOKENS=${MAX_TOKENS:-8}
 mkdir -p "$OUT"
 work=$(mktemp -d)
@@ -53,8 +48,7 @@ start_workers() { # dir (holding keys/gateway.pub)
     local port=$((BASE_PORT + i))
     "$KVGATE" worker --engine sim --model "$MODEL" --id "w$i" --listen "127.0.0.1:$port" --drain-timeout-secs 0 \
       --state-dir "$1/w$i" --gateway-keys "$1/keys" \
-      --sim-num-blocks 4096 --sim-prefill-us-per-token 125 \
-      --sim-decode-us-base 8000 --sim-decode-us-per-seq 500 --max-running 64 \
+      "${SIM_TIMING[@]}" \
       >"$1/w$i.log" 2>&1 &
     pids+=($!)
     urls+=("http://127.0.0.1:$port")

@@ -962,6 +962,33 @@ async fn holding_engine(
     addr
 }
 
+/// Two simulated workers that take direct requests, each behind a [`holding_engine`] that has
+/// no `missing` paths; the engines' URLs, and the sender that releases held answers.
+fn held_fleet(
+    missing: &'static [&'static str],
+) -> (Fleet, Vec<String>, tokio::sync::watch::Sender<bool>) {
+    let fleet = Fleet::workers(FleetOptions {
+        workers: 2,
+        ticket_policy: TicketPolicy::Optional,
+        ..FleetOptions::default()
+    });
+    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
+    let engines = fleet
+        .addrs
+        .clone()
+        .iter()
+        .map(|a| {
+            let e = fleet.rt.block_on(holding_engine(
+                format!("http://{a}"),
+                release_rx.clone(),
+                missing,
+            ));
+            format!("http://{e}")
+        })
+        .collect();
+    (fleet, engines, release_tx)
+}
+
 /// Two independent gateways (not a cluster: neither knows the other's requests) in front of the
 /// same two sidecars. Gateway A's KV-exact service has a conversation cached on one sidecar's
 /// engine; gateway B then streams three long answers through that sidecar, which its engine
@@ -973,25 +1000,7 @@ async fn holding_engine(
 /// pool is marked `unsupported` and still serves.
 #[test]
 fn a_sidecar_reports_the_work_of_every_gateway() {
-    let fleet = Fleet::workers(FleetOptions {
-        workers: 2,
-        ticket_policy: TicketPolicy::Optional,
-        ..FleetOptions::default()
-    });
-    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
-    let engines: Vec<String> = fleet
-        .addrs
-        .clone()
-        .iter()
-        .map(|a| {
-            let e = fleet.rt.block_on(holding_engine(
-                format!("http://{a}"),
-                release_rx.clone(),
-                &["/v1/load"],
-            ));
-            format!("http://{e}")
-        })
-        .collect();
+    let (fleet, engines, release_tx) = held_fleet(&["/v1/load"]);
     let engines_for_raw = engines[0].clone();
     let mut sc = Sidecars::start_with(fleet, engines, "openai", |_| None);
     sc.start_gateway();
@@ -1154,25 +1163,7 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
 /// and its load is read from `GET /v1/load` until the next probe of its events.
 #[test]
 fn a_kvgate_worker_without_events_is_approximated_and_its_load_read() {
-    let mut fleet = Fleet::workers(FleetOptions {
-        workers: 2,
-        ticket_policy: TicketPolicy::Optional,
-        ..FleetOptions::default()
-    });
-    let (_release, release_rx) = tokio::sync::watch::channel(false);
-    let proxies: Vec<String> = fleet
-        .addrs
-        .clone()
-        .iter()
-        .map(|a| {
-            let p = fleet.rt.block_on(holding_engine(
-                format!("http://{a}"),
-                release_rx.clone(),
-                &["/v1/kv/events"],
-            ));
-            format!("http://{p}")
-        })
-        .collect();
+    let (mut fleet, proxies, _release) = held_fleet(&["/v1/kv/events"]);
     let rules = format!(
         "[gateway]\nhealth_interval_ms = 100\n\n\
          [[workers]]\nid = \"w1\"\nurl = \"{}\"\n\n[[workers]]\nid = \"w2\"\nurl = \"{}\"\n\n\

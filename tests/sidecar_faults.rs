@@ -97,6 +97,14 @@ async fn start_hostile_engine() -> (
     )
 }
 
+/// `GET /v1/load` of the sidecar at `addr`.
+async fn get_load(http: &reqwest::Client, addr: std::net::SocketAddr) -> reqwest::Response {
+    http.get(format!("http://{addr}/v1/load"))
+        .send()
+        .await
+        .unwrap()
+}
+
 #[test]
 fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -208,11 +216,7 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
 
         // However each request ended, none is left in the load report (its first message is
         // the load as it is).
-        let load = http
-            .get(format!("http://{}/v1/load", sc.addr()))
-            .send()
-            .await
-            .unwrap();
+        let load = get_load(&http, sc.addr()).await;
         assert_eq!(load.status(), 200);
         let mut body = load.bytes_stream();
         let first = tokio::time::timeout(Duration::from_secs(5), body.next())
@@ -253,11 +257,7 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
         cfg.load_report = false;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let off = worker::sidecar::spawn(cfg, l).await.unwrap();
-        let r = http
-            .get(format!("http://{}/v1/load", off.addr()))
-            .send()
-            .await
-            .unwrap();
+        let r = get_load(&http, off.addr()).await;
         assert_eq!(r.status(), 404);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["error"]["code"], "not_found");
