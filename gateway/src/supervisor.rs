@@ -155,20 +155,20 @@ impl Supervisor {
                 health_url,
                 cancel.clone(),
             ))];
-            let (ctx, id2, base2, cancel2) = (
-                self.ctx.clone(),
-                id.clone(),
-                base_url.clone(),
-                cancel.clone(),
-            );
             if !entry.spec.kind.has_events() {
                 // No kvgate event stream to subscribe to: holdings are approximated; the load
                 // comes from its load stream, when a KV-exact service routes to it.
                 *entry.runtime.events.lock() = EventStreamState::Unsupported;
                 if events {
                     *entry.runtime.load_stream.lock() = LoadStreamState::Connecting;
+                    let (ctx, id, base_url, cancel) = (
+                        self.ctx.clone(),
+                        id.clone(),
+                        base_url.clone(),
+                        cancel.clone(),
+                    );
                     handles.push(self.handle.spawn(async move {
-                        load_loop(&ctx, &id2, &base2, &cancel2, None).await;
+                        load_loop(&ctx, &id, &base_url, &cancel, None).await;
                     }));
                 } else {
                     *entry.runtime.load_stream.lock() = LoadStreamState::Off;
@@ -283,18 +283,23 @@ enum StreamEnd {
 /// one prompt chain (context / block size keys, ~19 bytes each), far below this.
 pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
-/// Sets a worker's event stream state from its event task, unless the task was cancelled: the
-/// supervisor cancels a task before it sets the state itself (`Supervisor::sync`), and the check
-/// is made under the state's lock, so a cancelled task never overwrites what the supervisor set.
+/// Sets a worker's stream state (`runtime.events`, `runtime.load_stream`) from its task, unless
+/// the task was cancelled: the supervisor cancels a task before it sets the state itself
+/// (`Supervisor::sync`), and the check is made under the state's lock, so a cancelled task never
+/// overwrites what the supervisor set.
+fn set_state<T>(slot: &parking_lot::Mutex<T>, cancel: &CancellationToken, state: T) {
+    let mut s = slot.lock();
+    if !cancel.is_cancelled() {
+        *s = state;
+    }
+}
+
 fn set_events(
     runtime: &crate::view::WorkerRuntime,
     cancel: &CancellationToken,
     state: EventStreamState,
 ) {
-    let mut s = runtime.events.lock();
-    if !cancel.is_cancelled() {
-        *s = state;
-    }
+    set_state(&runtime.events, cancel, state);
 }
 
 async fn event_loop(ctx: TaskCtx, id: WorkerId, base_url: String, cancel: CancellationToken) {
@@ -411,17 +416,12 @@ fn apply_load(runtime: &crate::view::WorkerRuntime, id: &WorkerId, data: &str) {
     }
 }
 
-/// Sets a worker's load stream state from its task, unless the task was cancelled (as
-/// [`set_events`]).
 fn set_load_stream(
     runtime: &crate::view::WorkerRuntime,
     cancel: &CancellationToken,
     state: LoadStreamState,
 ) {
-    let mut s = runtime.load_stream.lock();
-    if !cancel.is_cancelled() {
-        *s = state;
-    }
+    set_state(&runtime.load_stream, cancel, state);
 }
 
 /// Reads a worker's `GET /v1/load` (its load messages alone) into its runtime, reconnecting
