@@ -13,7 +13,9 @@
 //!   `ticket_replayed`), the engine gone (503 `engine_unavailable`, receipted; `/ready` 503);
 //! - a sidecar's load report (`GET /v1/load`): the work a second, independent gateway sent
 //!   its engine moves the first gateway's KV-exact placement off it
-//!   (`a_sidecar_reports_the_work_of_every_gateway`);
+//!   (`a_sidecar_reports_the_work_of_every_gateway`), and so does the work clients sent its
+//!   engine directly, read from the engine's own `GET /slots`
+//!   (`a_sidecar_counts_what_reached_its_engine_around_it`);
 //! - `kind = "vllm"` sidecars reading their engines' KV events (ZMQ, msgpack, replay): KV-exact
 //!   routes on what the engine reports (`vllm_kv_events_drive_kv_exact_through_sidecars`).
 
@@ -48,16 +50,16 @@ impl Sidecars {
             ..FleetOptions::default()
         });
         let engines = fleet.addrs.iter().map(|a| format!("http://{a}")).collect();
-        Sidecars::start_with(fleet, engines, "openai", |_| None)
+        Sidecars::start_with(fleet, engines, "openai", |_, _| {})
     }
 
-    /// Two sidecars of `kind` in front of `engines`, sidecar `i` reading engine KV events as
-    /// `events(i)` says.
+    /// Two sidecars of `kind` in front of `engines`, sidecar `i`'s configuration finished by
+    /// `configure(i, ..)`.
     fn start_with(
         fleet: Fleet,
         engines: Vec<String>,
         kind: &'static str,
-        events: impl Fn(usize) -> Option<worker::sidecar::vllm::EngineEventsConfig>,
+        configure: impl Fn(usize, &mut SidecarConfig),
     ) -> Sidecars {
         let keys: Vec<KeyPair> = (0..2).map(|_| KeyPair::generate()).collect();
         let second_gateway_key = KeyPair::generate();
@@ -78,7 +80,7 @@ impl Sidecars {
                 cfg.health_path = "/ready".into();
                 cfg.ticket_policy = TicketPolicy::Require;
                 cfg.gateway_keys = ring.clone();
-                cfg.engine_events = events(i);
+                configure(i, &mut cfg);
                 let s = fleet.rt.block_on(async {
                     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                     worker::sidecar::spawn(cfg, l).await.unwrap()
@@ -644,10 +646,10 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
             format!("http://{a}")
         })
         .collect();
-    let mut sc = Sidecars::start_with(fleet, engines, "vllm", |i| {
+    let mut sc = Sidecars::start_with(fleet, engines, "vllm", |i, cfg| {
         let mut ev = worker::sidecar::vllm::EngineEventsConfig::new(endpoints[i].clone());
         ev.replay_endpoint = Some(replay_eps[i].clone());
-        Some(ev)
+        cfg.engine_events = Some(ev);
     });
     sc.start_gateway();
     let fleet = &sc.fleet;
@@ -900,9 +902,31 @@ fn vllm_kv_events_drive_kv_exact_through_sidecars() {
     sc.stop();
 }
 
+/// llama-server's `GET /slots` of a 4-slot engine whose busy slots may still generate the
+/// tokens listed (`n_remain`; one token decoded each), in the fields `server_slot::to_json`
+/// writes.
+fn slots_json(busy: &[i64]) -> String {
+    let slots: Vec<_> = (0..4)
+        .map(|i| match busy.get(i) {
+            Some(&n_remain) => serde_json::json!({
+                "id": i, "n_ctx": 8192, "speculative": false, "is_processing": true,
+                "id_task": 100 + i, "n_prompt_tokens": 40, "n_prompt_tokens_processed": 40,
+                "n_prompt_tokens_cache": 0, "params": {"n_predict": n_remain + 1},
+                "next_token": [{"has_next_token": true, "has_new_line": false,
+                                "n_remain": n_remain, "n_decoded": 1}],
+            }),
+            None => serde_json::json!({
+                "id": i, "n_ctx": 8192, "speculative": false, "is_processing": false,
+            }),
+        })
+        .collect();
+    serde_json::Value::Array(slots).to_string()
+}
+
 /// An engine in front of `target` (a simulated worker) that holds every streamed chat request
 /// whose `user` is `"hold"`: it streams one generated token, then waits for `release` before it
-/// finishes the answer. The paths in `missing` are 404 (`/v1/load`: a native engine);
+/// finishes the answer. It answers `GET /slots` as llama-server does, a held request occupying
+/// a slot ([`slots_json`]). The paths in `missing` are 404 (`/v1/load`: a native engine);
 /// everything else passes through to `target`.
 async fn holding_engine(
     target: String,
@@ -912,9 +936,19 @@ async fn holding_engine(
     use axum::extract::Request;
     use axum::response::IntoResponse;
     use futures::StreamExt;
+    /// A held request's slot: its remaining output, freed when the answer ends.
+    struct Occupied(std::sync::Arc<std::sync::Mutex<Vec<(u64, i64)>>>, u64);
+    impl Drop for Occupied {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().retain(|(id, _)| *id != self.1);
+        }
+    }
+    let busy = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u64, i64)>::new()));
+    let next_id = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let http = reqwest::Client::new();
     let app = axum::Router::new().fallback(move |req: Request| {
         let (http, target, mut release) = (http.clone(), target.clone(), release.clone());
+        let (busy, next_id) = (busy.clone(), next_id.clone());
         async move {
             let (parts, body) = req.into_parts();
             let bytes = axum::body::to_bytes(body, 16 << 20).await.unwrap();
@@ -922,7 +956,17 @@ async fn holding_engine(
             if missing.contains(&parts.uri.path()) {
                 return axum::http::StatusCode::NOT_FOUND.into_response();
             }
+            if parts.uri.path() == "/slots" {
+                let remain: Vec<i64> = busy.lock().unwrap().iter().map(|b| b.1).collect();
+                return ([("content-type", "application/json")], slots_json(&remain))
+                    .into_response();
+            }
             if parts.uri.path() == "/v1/chat/completions" && v["user"] == "hold" {
+                let id = next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                busy.lock()
+                    .unwrap()
+                    .push((id, v["max_tokens"].as_i64().map_or(-1, |m| m - 1)));
+                let slot = Occupied(busy.clone(), id);
                 let chunk = |delta: serde_json::Value, finish: Option<&str>| {
                     let c = serde_json::json!({
                         "id": "held", "object": "chat.completion.chunk", "model": "held",
@@ -940,6 +984,7 @@ async fn holding_engine(
                 );
                 let rest = async move {
                     let _ = release.wait_for(|r| *r).await;
+                    drop(slot);
                     Ok::<_, std::convert::Infallible>(bytes::Bytes::from(last))
                 };
                 let body = futures::stream::once(async move {
@@ -1002,7 +1047,7 @@ fn held_fleet(
 fn a_sidecar_reports_the_work_of_every_gateway() {
     let (fleet, engines, release_tx) = held_fleet(&["/v1/load"]);
     let engines_for_raw = engines[0].clone();
-    let mut sc = Sidecars::start_with(fleet, engines, "openai", |_| None);
+    let mut sc = Sidecars::start_with(fleet, engines, "openai", |_, _| {});
     sc.start_gateway();
     let fleet = &sc.fleet;
     let workers = || {
@@ -1154,6 +1199,121 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
     assert_eq!(r.worker(), "raw");
 
     gateway_b.shutdown();
+    sc.stop();
+}
+
+/// A llama-server that clients also reach directly, around its sidecar: the sidecar reads the
+/// engine's own `GET /slots` (`engine_load`) and reports the busy slots it never forwarded.
+/// Three direct answers held open on the engine under a gateway's cached conversation move
+/// the conversation's next turn to the other sidecar (`load_guard`) — without the engine's
+/// view the sidecar would report itself idle (its book is empty) — and when they end the turn
+/// is a `hit` again.
+#[test]
+fn a_sidecar_counts_what_reached_its_engine_around_it() {
+    let (fleet, engines, release_tx) = held_fleet(&["/v1/load"]);
+    let direct_engines = engines.clone();
+    let mut sc = Sidecars::start_with(fleet, engines, "openai", |_, cfg| {
+        cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
+            path: "/slots".into(),
+            interval: Duration::from_millis(20),
+        });
+    });
+    sc.start_gateway();
+    let fleet = &sc.fleet;
+    let worker = |id: &str| {
+        let w = fleet
+            .admin(reqwest::Method::GET, "/admin/workers", None)
+            .json();
+        w["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["id"] == id).cloned())
+            .unwrap_or_default()
+    };
+    fleet.wait_for(
+        "both sidecars' load streams read",
+        Duration::from_secs(10),
+        || {
+            ["s1", "s2"].iter().all(|id| {
+                let w = worker(id);
+                w["events"]["load_stream"] == "connected" && w["reported_load"]["running"] == 0
+            })
+        },
+    );
+
+    let long = "Explain how a radix tree indexes cached prompt prefixes. ".repeat(6);
+    let turn = chat(&[("system", "You are terse."), ("user", &long)], 4);
+    let r = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let w = r.worker();
+    let other = if w == "s1" { "s2" } else { "s1" };
+    let r = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+
+    // Three clients straight to W's engine: no sidecar, no gateway sees them.
+    let engine_w = direct_engines[index_of(&r)].clone();
+    let held: Vec<_> = (0..3)
+        .map(|n| {
+            let body = serde_json::json!({
+                "model": "held", "user": "hold", "stream": true, "max_tokens": 4000,
+                "messages": [{"role": "user", "content": format!("direct ({n})")}],
+            });
+            let (http, url) = (fleet.http.clone(), engine_w.clone());
+            fleet.rt.spawn(async move {
+                let r = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    fleet.wait_for(
+        "the gateway sees the engine's direct work",
+        Duration::from_secs(10),
+        || {
+            let l = &worker(&w)["reported_load"];
+            l["running"] == 3 && l["decode_tokens"] == 3 * 3999
+        },
+    );
+    let m = sc.metrics(index_of(&r));
+    assert!(m.contains("kvgate_sidecar_engine_load_running 3"), "{m}");
+    assert!(
+        m.contains("kvgate_sidecar_engine_load_decode_tokens 11997"),
+        "{m}"
+    );
+    assert!(m.contains("kvgate_sidecar_load_running 3"), "{m}");
+    assert!(
+        m.contains(r#"kvgate_sidecar_engine_load_reads_total{outcome="ok"}"#),
+        "{m}"
+    );
+    gateway_support::promtool_check(&m, "the sidecar's /metrics");
+
+    let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    assert_eq!(
+        r2.worker(),
+        other,
+        "the engine's direct work moves the turn"
+    );
+    assert_eq!(
+        r2.header("x-kvgate-route-reason").as_deref(),
+        Some("load_guard")
+    );
+
+    release_tx.send(true).unwrap();
+    for h in held {
+        let (status, text) = fleet.rt.block_on(h).unwrap();
+        assert_eq!(status, 200);
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    fleet.wait_for("the report empties", Duration::from_secs(10), || {
+        let l = &worker(&w)["reported_load"];
+        l["running"] == 0 && l["decode_tokens"] == 0
+    });
+    let r3 = fleet.post("/v1/chat/completions", &turn, &[]);
+    assert_eq!(r3.header("x-kvgate-route-reason").as_deref(), Some("hit"));
     sc.stop();
 }
 

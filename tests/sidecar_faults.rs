@@ -7,6 +7,8 @@
 //! - an SSE event that never ends (over `max_event_bytes`) and a stream cut before `[DONE]`:
 //!   in-band `engine_stream_broken`, receipted;
 //! - a client that goes away mid-stream: receipt 499 `client_disconnected`;
+//! - a `GET /slots` (the engine's own load) that is not JSON, too large, of the wrong types, a
+//!   500, never answered or 501: the report falls back to the sidecar's own count;
 //!
 //! Then the whole log verifies.
 
@@ -346,6 +348,146 @@ fn a_draining_sidecar_lets_its_streams_finish() {
         assert!(m.contains("kvgate_sidecar_draining 1"), "{m}");
         assert!(m.contains("kvgate_sidecar_requests_in_flight 0"), "{m}");
         sc.shutdown().await;
+        server.abort();
+    });
+}
+
+/// The engine's own load (`engine_load`, llama-server's `GET /slots`) read from a hostile
+/// engine: an answer that is not a slots array, too large, of the wrong types, or that never
+/// comes drops the engine's view (the report falls back to the forwarded requests' count: 0
+/// here) and is counted `failed`; a 501 (llama-server `--no-slots`) is `unsupported`; a good
+/// answer after failures is read again; the sidecar serves throughout and stops promptly.
+#[test]
+fn a_hostile_slots_answer_leaves_the_forwarded_count() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const GOOD: usize = 0;
+    let mode = Arc::new(AtomicUsize::new(GOOD));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_addr = engine.local_addr().unwrap();
+        let m = mode.clone();
+        let slots = move || {
+            let m = m.clone();
+            async move {
+                match m.load(Ordering::SeqCst) {
+                    GOOD => (
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"[{"id":0,"n_ctx":4096,"is_processing":true,"next_token":[{"n_remain":100,"n_decoded":3}]},
+                            {"id":1,"n_ctx":4096,"is_processing":true,"next_token":[{"n_remain":50,"n_decoded":1}]}]"#,
+                    )
+                        .into_response(),
+                    1 => (StatusCode::OK, "this is not json").into_response(),
+                    2 => (StatusCode::OK, vec![b'['; 2 << 20]).into_response(),
+                    3 => (StatusCode::OK, r#"[{"is_processing":1}]"#).into_response(),
+                    4 => futures::future::pending::<Response>().await,
+                    5 => (StatusCode::INTERNAL_SERVER_ERROR, "oops").into_response(),
+                    _ => (
+                        StatusCode::NOT_IMPLEMENTED,
+                        r#"{"error":{"code":501,"message":"This server does not support slots endpoint. Start it with `--slots`","type":"not_supported_error"}}"#,
+                    )
+                        .into_response(),
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/v1/chat/completions", post(hostile))
+            .route("/health", get(|| async { "ok" }))
+            .route("/slots", get(slots));
+        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let mut cfg = SidecarConfig::new(
+            format!("http://{engine_addr}"),
+            "s1",
+            KeyPair::generate(),
+            dir.path().join("receipts.jsonl"),
+        );
+        cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
+            path: "/slots".into(),
+            interval: Duration::from_millis(20),
+        });
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let http = reqwest::Client::new();
+        let metric = |series: &'static str| {
+            let (http, addr) = (http.clone(), sc.addr());
+            async move {
+                let text = http
+                    .get(format!("http://{addr}/metrics"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                text.lines()
+                    .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            }
+        };
+        let wait_for = |what: &'static str, series: &'static str, want: f64| {
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                loop {
+                    if metric(series).await == want {
+                        return;
+                    }
+                    assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        let failed = r#"kvgate_sidecar_engine_load_reads_total{outcome="failed"}"#;
+        let serves = || {
+            let (http, addr) = (http.clone(), sc.addr());
+            async move {
+                let r = http
+                    .post(format!("http://{addr}/v1/chat/completions"))
+                    .json(&serde_json::json!({"model": "fine", "stream": true, "messages": []}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                assert!(r.text().await.unwrap().contains("[DONE]"));
+            }
+        };
+
+        wait_for("the engine's view read", "kvgate_sidecar_load_decode_tokens", 150.0).await;
+        assert_eq!(metric("kvgate_sidecar_load_running").await, 2.0);
+        for (bad, what) in [
+            (1, "not JSON"),
+            (2, "2 MiB"),
+            (3, "wrong types"),
+            (5, "a 500"),
+            (4, "no answer"),
+        ] {
+            let before = metric(failed).await;
+            mode.store(bad, Ordering::SeqCst);
+            wait_for(what, "kvgate_sidecar_load_running", 0.0).await;
+            assert_eq!(metric("kvgate_sidecar_load_decode_tokens").await, 0.0, "{what}");
+            assert!(metric(failed).await > before, "{what} counted as failed");
+            serves().await;
+            mode.store(GOOD, Ordering::SeqCst);
+            wait_for("read again", "kvgate_sidecar_load_running", 2.0).await;
+        }
+        mode.store(6, Ordering::SeqCst);
+        wait_for(
+            "501: unsupported",
+            r#"kvgate_sidecar_engine_load_reads_total{outcome="unsupported"}"#,
+            1.0,
+        )
+        .await;
+        assert_eq!(metric("kvgate_sidecar_load_running").await, 0.0);
+        serves().await;
+        // The reader waits 30 s before asking again; the sidecar still stops at once.
+        let t = std::time::Instant::now();
+        sc.shutdown().await;
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         server.abort();
     });
 }

@@ -84,6 +84,17 @@ pub struct Args {
     /// reports"; for comparisons: `scripts/bench-sidecar-load.sh`).
     #[arg(long)]
     pub no_load_report: bool,
+    /// Read the engine's own load into the report, so requests that reach the engine around
+    /// the sidecar count too: `slots` reads llama-server's `GET /slots`; `auto` (default) is
+    /// `slots` for `--kind llama_cpp` and `off` otherwise (docs/sidecar.md, "Load reports").
+    #[arg(long, default_value = "auto", value_parser = ["auto", "slots", "off"])]
+    pub engine_load: String,
+    /// The engine path `--engine-load slots` reads.
+    #[arg(long, default_value = "/slots")]
+    pub engine_load_path: String,
+    /// Time between two reads of the engine's load, ms.
+    #[arg(long, default_value_t = 100)]
+    pub engine_load_interval_ms: u64,
     /// Clock skew tolerated on ticket validity windows, ms.
     #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
     pub ticket_skew_ms: u64,
@@ -142,6 +153,15 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     cfg.ticket_skew_ms = args.ticket_skew_ms;
     cfg.require_receipts = !args.allow_unreceipted;
     cfg.load_report = !args.no_load_report;
+    cfg.engine_load = match (args.engine_load.as_str(), args.kind.as_str()) {
+        ("slots", _) | ("auto", "llama_cpp") => {
+            Some(worker::sidecar::engine_load::EngineLoadConfig {
+                path: args.engine_load_path.clone(),
+                interval: Duration::from_millis(args.engine_load_interval_ms.max(1)),
+            })
+        }
+        _ => None,
+    };
     cfg.fsync = super::worker::parse_fsync(&args.fsync)?;
     cfg.rotation = receipts::Rotation {
         max_bytes: (args.receipts_rotate_mib > 0).then_some(args.receipts_rotate_mib << 20),

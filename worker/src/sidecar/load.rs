@@ -16,6 +16,11 @@
 //!   less one per generated piece of a stream (an engine streams one token per chunk), until
 //!   it ends.
 //!
+//! With the engine's own view ([`super::engine_load`]: llama-server's `GET /slots`, read every
+//! 100 ms), each term reported is the larger of the book's and the engine's, so requests that
+//! reached the engine around the sidecar count too; without it (or while it cannot be read),
+//! the book's alone.
+//!
 //! Subscribers are woken as a kvgate engine wakes them: when the load moved enough since the
 //! last announcement ([`prefix_index::WorkerLoad::moved_from`]).
 
@@ -33,9 +38,27 @@ pub(crate) struct LoadBook {
 
 #[derive(Default)]
 struct Book {
-    load: WorkerLoad,
+    /// The forwarded requests' work.
+    own: WorkerLoad,
+    /// The engine's own view of its work, when it was read last time it was polled.
+    engine: Option<WorkerLoad>,
     /// The last load that woke subscribers.
     announced: WorkerLoad,
+}
+
+impl Book {
+    /// What is reported: per term the larger of the book's count and the engine's view.
+    fn load(&self) -> WorkerLoad {
+        match self.engine {
+            None => self.own,
+            Some(e) => WorkerLoad {
+                running: self.own.running.max(e.running),
+                waiting: self.own.waiting.max(e.waiting),
+                prefill_tokens: self.own.prefill_tokens.max(e.prefill_tokens),
+                decode_tokens: self.own.decode_tokens.max(e.decode_tokens),
+            },
+        }
+    }
 }
 
 impl LoadBook {
@@ -52,9 +75,21 @@ impl LoadBook {
         self.tx.subscribe()
     }
 
-    /// The current load.
+    /// The current load (what is reported).
+    #[cfg(test)]
     pub(crate) fn current(&self) -> WorkerLoad {
-        self.state.lock().load
+        self.state.lock().load()
+    }
+
+    /// What is reported, and the engine's last view (`None`: not read).
+    fn reported(&self) -> (WorkerLoad, Option<WorkerLoad>) {
+        let s = self.state.lock();
+        (s.load(), s.engine)
+    }
+
+    /// Replaces the engine's view (`None`: it could not be read; the book's count alone).
+    pub(crate) fn set_engine(&self, engine: Option<WorkerLoad>) {
+        self.update(|b| b.engine = engine);
     }
 
     /// Counts one forwarded request: `prefill` prompt tokens to compute, `decode` output
@@ -74,9 +109,13 @@ impl LoadBook {
     }
 
     fn change(&self, f: impl FnOnce(&mut WorkerLoad)) {
+        self.update(|b| f(&mut b.own));
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Book)) {
         let mut s = self.state.lock();
-        f(&mut s.load);
-        let load = s.load;
+        f(&mut s);
+        let load = s.load();
         let announce = load.moved_from(&s.announced);
         if announce {
             s.announced = load;
@@ -130,8 +169,9 @@ impl Drop for Work {
     }
 }
 
-/// Reads the book at scrape time: `load_running`, `load_prefill_tokens`,
-/// `load_decode_tokens` (under `kvgate_sidecar_`).
+/// Reads the book at scrape time: what is reported (`load_running`, `load_prefill_tokens`,
+/// `load_decode_tokens`) and, while it is read, the engine's own view (`engine_load_running`,
+/// `engine_load_decode_tokens`), under `kvgate_sidecar_`.
 pub(crate) struct LoadCollector(pub(crate) Arc<LoadBook>);
 
 impl std::fmt::Debug for LoadCollector {
@@ -142,12 +182,12 @@ impl std::fmt::Debug for LoadCollector {
 
 impl prometheus_client::collector::Collector for LoadCollector {
     fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
-        let l = self.0.current();
+        let (l, engine) = self.0.reported();
         let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         crate::metrics::gauge(
             &mut enc,
             "load_running",
-            "Generation requests forwarded to the engine and not ended (the load report's running)",
+            "The load report's running: generation requests forwarded to the engine and not ended, or the engine's busy slots where more",
             clamp(l.running),
         )?;
         crate::metrics::gauge(
@@ -159,9 +199,24 @@ impl prometheus_client::collector::Collector for LoadCollector {
         crate::metrics::gauge(
             &mut enc,
             "load_decode_tokens",
-            "Output tokens forwarded requests asked for and have not generated yet",
+            "The load report's decode tokens: output forwarded requests asked for and have not generated yet, or the engine's own remaining output where more",
             clamp(l.decode_tokens),
-        )
+        )?;
+        if let Some(e) = engine {
+            crate::metrics::gauge(
+                &mut enc,
+                "engine_load_running",
+                "The engine's busy slots at its last poll (GET /slots)",
+                clamp(e.running),
+            )?;
+            crate::metrics::gauge(
+                &mut enc,
+                "engine_load_decode_tokens",
+                "Output tokens the engine's busy slots may still generate at its last poll",
+                clamp(e.decode_tokens),
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -216,6 +271,27 @@ mod tests {
         drop(a);
         assert!(rx.has_changed().unwrap(), "a request ending is announced");
         assert_eq!(*rx.borrow_and_update(), load(0, 0, 0));
+    }
+
+    #[test]
+    fn the_engines_view_raises_each_term_and_leaves_with_its_reads() {
+        let book = LoadBook::new();
+        let mut rx = book.watch();
+        let _a = book.begin(500, 100);
+        rx.borrow_and_update();
+        // Two requests the sidecar never saw: the engine's view is larger on running and
+        // decode; the book's prefill stays.
+        book.set_engine(Some(load(2, 0, 700)));
+        assert!(rx.has_changed().unwrap(), "the engine's view is announced");
+        assert_eq!(*rx.borrow_and_update(), load(2, 500, 700));
+        // The engine's view of the sidecar's own request alone: never counted twice.
+        book.set_engine(Some(load(1, 0, 90)));
+        assert_eq!(book.current(), load(1, 500, 100));
+        // It could not be read: the book's count alone.
+        book.set_engine(Some(load(3, 0, 900)));
+        book.set_engine(None);
+        assert_eq!(book.current(), load(1, 500, 100));
+        assert_eq!(*rx.borrow_and_update(), load(1, 500, 100));
     }
 
     /// What the book costs a relayed request: `cargo test --release -p worker --lib

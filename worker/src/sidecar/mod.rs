@@ -29,8 +29,11 @@
 //!
 //! Whatever the engine, it reports the work of the requests it forwarded ([`load`]) as a
 //! kvgate worker reports its queue: `GET /v1/load` (and `event: load` in its KV event stream),
-//! so that each gateway sees the work every other gateway sent this engine.
+//! so that each gateway sees the work every other gateway sent this engine; with
+//! `engine_load` ([`engine_load`]) it also reads llama-server's own `GET /slots`, so requests
+//! that reached the engine around the sidecar count too.
 
+pub mod engine_load;
 mod load;
 pub mod relay;
 pub mod usage;
@@ -109,6 +112,10 @@ pub struct SidecarConfig {
     /// Serve the load report ([`load`]: `GET /v1/load`, and load messages on the KV event
     /// stream); `false`: `GET /v1/load` is 404 and the event stream carries none (default true).
     pub load_report: bool,
+    /// Read the engine's own load (llama-server's `GET /slots`, [`engine_load`]) into the
+    /// report; `None` (default): the forwarded requests' count alone. Unused without
+    /// `load_report`.
+    pub engine_load: Option<engine_load::EngineLoadConfig>,
 }
 
 impl SidecarConfig {
@@ -143,6 +150,7 @@ impl SidecarConfig {
             registration: None,
             engine_events: None,
             load_report: true,
+            engine_load: None,
         }
     }
 }
@@ -192,9 +200,11 @@ pub struct RunningSidecar {
     state: Arc<SidecarState>,
     server: JoinHandle<std::io::Result<()>>,
     registration: Option<crate::registration::RegistrationTask>,
-    /// The engine-event subscriber ([`vllm::run`]), stopped by `events_stop`.
+    /// The engine-event subscriber ([`vllm::run`]) and the engine-load reader
+    /// ([`engine_load`]), both stopped by `tasks_stop`.
     events: Option<JoinHandle<()>>,
-    events_stop: CancellationToken,
+    engine_load: Option<JoinHandle<()>>,
+    tasks_stop: CancellationToken,
 }
 
 /// Most `GET /v1/kv/events` streams open at once on a sidecar (as on a worker).
@@ -233,13 +243,17 @@ impl RunningSidecar {
         if let Some(task) = self.registration {
             crate::registration::stop(task).await;
         }
-        self.events_stop.cancel();
-        if let Some(task) = self.events {
+        self.tasks_stop.cancel();
+        for (task, what) in [
+            (self.events, "engine-event subscriber"),
+            (self.engine_load, "engine-load reader"),
+        ] {
+            let Some(task) = task else { continue };
             if tokio::time::timeout(Duration::from_secs(5), task)
                 .await
                 .is_err()
             {
-                tracing::warn!("engine-event subscriber did not stop within 5 s");
+                tracing::warn!("{what} did not stop within 5 s");
             }
         }
         self.state.shutdown.cancel();
@@ -279,6 +293,17 @@ pub async fn spawn(
             "health path",
             format!("{:?} must start with /", cfg.health_path),
         ));
+    }
+    if let Some(el) = &cfg.engine_load {
+        if !el.path.starts_with('/') || el.interval.is_zero() {
+            return Err(startup(
+                "engine load",
+                format!(
+                    "path {:?} must start with / and the interval be above 0",
+                    el.path
+                ),
+            ));
+        }
     }
     let tls = cfg
         .tls
@@ -326,15 +351,29 @@ pub async fn spawn(
     let drain = crate::drain::Drain::default();
     let load = load::LoadBook::new();
     let metrics = relay::SidecarMetrics::register(&mut registry, drain.clone(), load.clone());
-    let events_stop = CancellationToken::new();
+    let tasks_stop = CancellationToken::new();
     let (feed, events) = match cfg.engine_events.clone() {
         None => (None, None),
         Some(ev) => {
             let feed = engine::kv::events::KvEventFeed::new();
             let m = vllm::EngineEventMetrics::register(&mut registry);
-            let task = tokio::spawn(vllm::run(ev, feed.clone(), m, events_stop.clone()));
+            let task = tokio::spawn(vllm::run(ev, feed.clone(), m, tasks_stop.clone()));
             (Some(feed), Some(task))
         }
+    };
+    let engine_load = match (&cfg.engine_load, cfg.load_report) {
+        (Some(el), true) => {
+            let reader = engine_load::EngineLoadReader {
+                cfg: el.clone(),
+                http: http.clone(),
+                url: format!("{engine}{}", el.path),
+                api_key: cfg.engine_api_key.clone(),
+                book: load.clone(),
+                metrics: engine_load::EngineLoadMetrics::register(&mut registry),
+            };
+            Some(tokio::spawn(reader.run(tasks_stop.clone())))
+        }
+        _ => None,
     };
     let state = Arc::new(SidecarState {
         cfg,
@@ -372,7 +411,8 @@ pub async fn spawn(
         server,
         registration,
         events,
-        events_stop,
+        engine_load,
+        tasks_stop,
     })
 }
 
