@@ -7,7 +7,11 @@
 #   1. the contract check: the gateway admits the KV-exact rule only after /props and /tokenize
 #      of both engines agree with the pinned profile (a wrong pin is refused: 400);
 #   2. scripts/llamacpp_fleet.py check — the official openai client, multi-turn, whole and streamed;
-#   3. scripts/llamacpp_fleet.py kill — a sidecar SIGKILLed mid-stream; the survivor serves; the
+#   3. scripts/llamacpp_fleet.py direct — clients straight to one llama-server, around its
+#      sidecar: the sidecar reads the engine's GET /slots (--engine-load, default for
+#      llama_cpp), the gateway sees them in that worker's reported load, and a KV-exact
+#      conversation's next turn goes to the other engine;
+#      scripts/llamacpp_fleet.py kill — a sidecar SIGKILLed mid-stream; the survivor serves; the
 #      killed sidecar is restarted on its port (same key, same receipt chain);
 #   4. `kvgate bench --compare round_robin=smol-rr,kv_exact=smol` on a multi-turn workload: TTFT
 #      p50/p95 and the engines' own cached-token counts (usage.prompt_tokens_details);
@@ -87,7 +91,6 @@ cp "$out/gateway-keys/gateway.pub" "$out/keys/"
 rules() { # template_sha256
   cat <<TOML
 [gateway]
-listeners = [{ name = "public", addr = "127.0.0.1:8380" }]
 health_interval_ms = 200
 
 [[workers]]
@@ -158,6 +161,9 @@ echo "$name: wrong template pin refused: $(head -c 300 "$out/refused.json")"
 # 2 and 3.
 export KVGATE_BASE_URL=http://127.0.0.1:8380
 "$py" scripts/llamacpp_fleet.py check
+KVGATE_ADMIN_URL=http://127.0.0.1:8390 \
+  KVGATE_ENGINE_URLS='{"s1": "http://127.0.0.1:8301", "s2": "http://127.0.0.1:8302"}' \
+  "$py" scripts/llamacpp_fleet.py direct
 KVGATE_SIDECAR_PIDS="{\"s1\": ${sidecar_pid[s1]}, \"s2\": ${sidecar_pid[s2]}}" \
   "$py" scripts/llamacpp_fleet.py kill
 for i in 1 2; do

@@ -4,6 +4,12 @@ in front of two llama-server engines behind kvgate sidecars.
   check: multi-turn conversations through the round-robin and the KV-exact services, whole and
          streamed; every answer names its worker and its receipt; the KV-exact second turn goes
          back to the engine that served the first and that engine reports cached tokens.
+  direct: a conversation's first turn through the KV-exact service; then two clients straight
+         to the llama-server that served it (around its sidecar: no gateway sees them) stream
+         long answers into both of its slots. The sidecar reads the engine's own GET /slots, so
+         the gateway's /admin/workers shows them in that worker's reported load (the time until
+         it does is printed), and the conversation's next turn goes to the other engine; when
+         the direct clients hang up, the report empties again.
   kill:  starts a long stream through the KV-exact service, kills (SIGKILL) the sidecar serving
          it after the first chunks, and checks that the client sees the stream fail; then that
          the next request is served by the other sidecar.
@@ -13,7 +19,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
 
 import openai
 
@@ -76,6 +84,74 @@ def check():
                     fail(f"the engine reported only {cached} cached tokens on the KV-exact second turn")
 
 
+def reported_load(worker):
+    with urllib.request.urlopen(os.environ["KVGATE_ADMIN_URL"] + "/admin/workers", timeout=5) as r:
+        workers = json.load(r)["workers"]
+    w = next(w for w in workers if w["id"] == worker)
+    return w.get("reported_load") or {}
+
+
+def direct():
+    engines = json.loads(os.environ["KVGATE_ENGINE_URLS"])
+    system = {"role": "system", "content": "You are a concise assistant."}
+    msgs = [system, {"role": "user", "content": "Explain what a load balancer does for a fleet of servers. " * 6}]
+    h1, a1, _ = chat("smol", msgs)
+    w = h1["x-kvgate-worker"]
+    other = next(k for k in engines if k != w)
+    msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "And for LLM servers?"}]
+    before = reported_load(w)
+    print(f"llamacpp_fleet: turn 1 on {w}; its reported load before: {before}")
+
+    stop = threading.Event()
+    seen = []
+
+    def direct_client(n):
+        engine = openai.OpenAI(base_url=engines[w] + "/v1", api_key="unused", max_retries=0, timeout=300)
+        with engine.chat.completions.with_streaming_response.create(
+            model="any",
+            messages=[{"role": "user", "content": f"Tell a very long story, part {n}."}],
+            max_tokens=3000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ) as resp:
+            for _ in resp.parse():
+                seen.append(n)
+                if stop.is_set():
+                    return  # closing the stream cancels the engine's task
+
+    threads = [threading.Thread(target=direct_client, args=(n,), daemon=True) for n in range(2)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    while True:
+        load = reported_load(w)
+        if load.get("running", 0) >= 2 and load.get("decode_tokens", 0) > 4000:
+            break
+        if time.time() - t0 > 30:
+            stop.set()
+            fail(f"the direct clients never showed in {w}'s reported load: {load}")
+        time.sleep(0.02)
+    print(
+        f"llamacpp_fleet: {w}'s reported load shows the direct clients {1000 * (time.time() - t0):.0f} ms "
+        f"after they started ({len(seen)} chunks streamed by then): {load}"
+    )
+    h2, a2, _ = chat("smol", msgs)
+    reason = h2.get("x-kvgate-route-reason")
+    print(f"llamacpp_fleet: turn 2 on {h2['x-kvgate-worker']} (reason {reason})")
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    if h2["x-kvgate-worker"] != other:
+        fail(f"turn 2 stayed on {w}, busy with direct clients (reason {reason})")
+    t1 = time.time()
+    while reported_load(w).get("running", 1) != 0:
+        if time.time() - t1 > 30:
+            fail(f"{w}'s reported load did not empty after the direct clients left: {reported_load(w)}")
+        time.sleep(0.05)
+    print(f"llamacpp_fleet: {w}'s reported load empty {1000 * (time.time() - t1):.0f} ms after the direct clients hung up")
+
+
 def kill():
     pids = json.loads(os.environ["KVGATE_SIDECAR_PIDS"])
     msgs = [{"role": "user", "content": "Write a very long story about a lighthouse keeper. " * 3}]
@@ -113,5 +189,5 @@ def kill():
 
 
 if __name__ == "__main__":
-    {"check": check, "kill": kill}[sys.argv[1]]()
+    {"check": check, "direct": direct, "kill": kill}[sys.argv[1]]()
     print(f"llamacpp_fleet: {sys.argv[1]}: PASS")
