@@ -396,7 +396,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
     // load it reserved, published with its holding), not only at the next load-table sync.
     let url = format!("http://{}/v1/chat/completions", c.gw(0).listen_addr);
     let body = json!({"model": "smol", "messages": [{"role": "user",
-        "content": "a reservation the other replicas must see"}], "max_tokens": 300});
+        "content": "a reservation the other replicas must see"}], "max_tokens": 300, "temperature": 0});
     let sent = Instant::now();
     let pending = c.rt.spawn(c.http.post(url).json(&body).send());
     let mut seen = [None::<Duration>; 2];
@@ -574,7 +574,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
             let http = c.http.clone();
             let url = url0.clone();
             c.rt.spawn(async move {
-                let body = json!({"model": "rr", "stream": true, "max_tokens": 300,
+                let body = json!({"model": "rr", "stream": true, "max_tokens": 300, "temperature": 0,
                     "messages": [{"role": "user", "content": format!("long {n}")}]});
                 let r = http.post(url).json(&body).send().await.unwrap();
                 r.bytes().await.map(|b| b.len()).unwrap_or(0)
@@ -1473,7 +1473,7 @@ fn replicas_share_a_tenants_limits() {
         c.rt.block_on(async {
             let sends = gs.iter().enumerate().map(|(i, g)| {
                 let url = format!("http://{}/v1/chat/completions", c.gw(*g).listen_addr);
-                let body = json!({"model": "keyed", "messages": [{"role": "user", "content": format!("long {i}")}], "max_tokens": 300});
+                let body = json!({"model": "keyed", "messages": [{"role": "user", "content": format!("long {i}")}], "max_tokens": 300, "temperature": 0});
                 let req = c.http.post(url).bearer_auth("tenant-key").json(&body);
                 async move { Reply::read(req.send().await.unwrap()).await }
             });

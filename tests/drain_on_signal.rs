@@ -251,7 +251,8 @@ fn sigterm_drains_the_gateway_too() {
         // The gateway has seen the worker healthy once a request through it succeeds.
         let end = Instant::now() + Duration::from_secs(30);
         let stream = loop {
-            let body = serde_json::json!({"model": "m", "max_tokens": 150, "stream": true,
+            // Greedy: the simulated model never picks a stop token then, so the stream lasts.
+            let body = serde_json::json!({"model": "m", "max_tokens": 150, "stream": true, "temperature": 0,
                 "messages": [{"role": "user", "content": "Tell me about lighthouses."}]});
             let mut r = http
                 .post(gw.url("/v1/chat/completions"))
