@@ -1289,6 +1289,17 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
         "{m}"
     );
     gateway_support::promtool_check(&m, "the sidecar's /metrics");
+    // The gateway's own exposition of what placement sees there.
+    let g = fleet.admin(reqwest::Method::GET, "/metrics", None).text();
+    for series in [
+        format!("kvgate_gateway_worker_queued_decode_tokens{{worker=\"{w}\"}} 11997"),
+        format!("kvgate_gateway_worker_reported_running{{worker=\"{w}\"}} 3"),
+        format!("kvgate_gateway_worker_reported_waiting{{worker=\"{w}\"}} 0"),
+        format!("kvgate_gateway_worker_queued_decode_tokens{{worker=\"{other}\"}} 0"),
+    ] {
+        assert!(g.lines().any(|l| l == series), "{series} not in\n{g}");
+    }
+    gateway_support::promtool_check(&g, "the gateway's /metrics");
 
     let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
     assert_eq!(r2.status, 200, "{}", r2.text());

@@ -275,6 +275,26 @@ impl DataPlane {
             self.metrics.worker_in_flight.get_or_create(&labels).set(
                 i64::try_from(e.runtime.in_flight.load(Ordering::Relaxed)).unwrap_or(i64::MAX),
             );
+            let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            let now = std::time::Instant::now();
+            let (prefill, decode) = e.runtime.queued_tokens(now);
+            self.metrics
+                .worker_queued_prefill_tokens
+                .get_or_create(&labels)
+                .set(clamp(prefill));
+            self.metrics
+                .worker_queued_decode_tokens
+                .get_or_create(&labels)
+                .set(clamp(decode));
+            let report = e.runtime.fresh_reported_load(now);
+            self.metrics
+                .worker_reported_running
+                .get_or_create(&labels)
+                .set(report.map_or(-1, |r| clamp(r.running)));
+            self.metrics
+                .worker_reported_waiting
+                .get_or_create(&labels)
+                .set(report.map_or(-1, |r| clamp(r.waiting)));
             self.metrics
                 .worker_healthy
                 .get_or_create(&labels)

@@ -132,6 +132,12 @@ pub struct Metrics {
     pub worker_cordoned: Family<WorkerLabels, Gauge>,
     /// Requests in flight from this gateway to the worker.
     pub worker_in_flight: Family<WorkerLabels, Gauge>,
+    /// The queued prefill / decode tokens placement and the load guard see on the worker.
+    pub worker_queued_prefill_tokens: Family<WorkerLabels, Gauge>,
+    pub worker_queued_decode_tokens: Family<WorkerLabels, Gauge>,
+    /// The worker's fresh load report: running / waiting sequences (-1: no fresh report).
+    pub worker_reported_running: Family<WorkerLabels, Gauge>,
+    pub worker_reported_waiting: Family<WorkerLabels, Gauge>,
     /// `event: load` reports received from the worker (brought up to the worker's count at
     /// each scrape).
     pub worker_load_reports: Family<WorkerLabels, Counter>,
@@ -276,6 +282,30 @@ impl Metrics {
             "worker_in_flight",
             "Requests in flight to the worker",
             worker_in_flight.clone(),
+        );
+        let worker_queued_prefill_tokens = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_queued_prefill_tokens",
+            "Prompt tokens queued on the worker as placement sees them: the larger of the gateways' count and the worker's fresh report",
+            worker_queued_prefill_tokens.clone(),
+        );
+        let worker_queued_decode_tokens = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_queued_decode_tokens",
+            "Output tokens queued on the worker as placement sees them: the larger of the gateways' count and the worker's fresh report",
+            worker_queued_decode_tokens.clone(),
+        );
+        let worker_reported_running = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_reported_running",
+            "Running sequences in the worker's fresh load report (-1: no fresh report)",
+            worker_reported_running.clone(),
+        );
+        let worker_reported_waiting = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_reported_waiting",
+            "Waiting sequences in the worker's fresh load report (-1: no fresh report)",
+            worker_reported_waiting.clone(),
         );
         let worker_load_reports = Family::<WorkerLabels, Counter>::default();
         registry.register(
@@ -435,6 +465,10 @@ impl Metrics {
             worker_healthy,
             worker_cordoned,
             worker_in_flight,
+            worker_queued_prefill_tokens,
+            worker_queued_decode_tokens,
+            worker_reported_running,
+            worker_reported_waiting,
             worker_load_reports,
             worker_refusals,
             rules_version,
