@@ -1214,8 +1214,10 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
     let direct_engines = engines.clone();
     let mut sc = Sidecars::start_with(fleet, engines, "openai", |_, cfg| {
         cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
-            path: "/slots".into(),
             interval: Duration::from_millis(20),
+            ..worker::sidecar::engine_load::EngineLoadConfig::new(
+                worker::sidecar::engine_load::EngineLoadSource::Slots,
+            )
         });
     });
     sc.start_gateway();

@@ -8,7 +8,8 @@
 //!   in-band `engine_stream_broken`, receipted;
 //! - a client that goes away mid-stream: receipt 499 `client_disconnected`;
 //! - a `GET /slots` (the engine's own load) that is not JSON, too large, of the wrong types, a
-//!   500, never answered or 501: the report falls back to the sidecar's own count;
+//!   500, never answered or 501: the report falls back to the sidecar's own count; a vLLM
+//!   `GET /metrics` read for its running and waiting requests;
 //!
 //! Then the whole log verifies.
 
@@ -408,8 +409,10 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
             dir.path().join("receipts.jsonl"),
         );
         cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
-            path: "/slots".into(),
             interval: Duration::from_millis(20),
+            ..worker::sidecar::engine_load::EngineLoadConfig::new(
+                worker::sidecar::engine_load::EngineLoadSource::Slots,
+            )
         });
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
@@ -488,6 +491,132 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
         let t = std::time::Instant::now();
         sc.shutdown().await;
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        server.abort();
+    });
+}
+
+/// The engine's own load from a vLLM-style `GET /metrics` (`--engine-load vllm`): the running
+/// and waiting gauges, summed over their label sets, reach the sidecar's `GET /v1/load` as
+/// `running` and `waiting` (each request counted as 256 output tokens) though no request went
+/// through the sidecar; when the engine is idle again so is the report; an exposition without
+/// either series is `unsupported`.
+#[test]
+fn a_vllm_engines_own_counts_reach_the_load_report() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    // (running, waiting); u64::MAX: an exposition without the two series.
+    let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let engine_addr = engine.local_addr().unwrap();
+        let c = counts.clone();
+        let metrics = move || {
+            let c = c.clone();
+            async move {
+                let (r, w) = (c.0.load(Ordering::SeqCst), c.1.load(Ordering::SeqCst));
+                if r == u64::MAX {
+                    return "# HELP process_cpu_seconds_total x\nprocess_cpu_seconds_total 1.5\n"
+                        .to_string();
+                }
+                format!(
+                    "# TYPE vllm:num_requests_running gauge\n\
+                     vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {r}.0\n\
+                     vllm:num_requests_running{{engine=\"1\",model_name=\"m\"}} 1.0\n\
+                     # TYPE vllm:num_requests_waiting gauge\n\
+                     vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {w}.0\n\
+                     vllm:num_requests_waiting_by_reason{{reason=\"capacity\"}} 50.0\n"
+                )
+            }
+        };
+        let app = Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route("/metrics", get(metrics));
+        let server = tokio::spawn(async move { axum::serve(engine, app).await });
+        let mut cfg = SidecarConfig::new(
+            format!("http://{engine_addr}"),
+            "v1",
+            KeyPair::generate(),
+            dir.path().join("receipts.jsonl"),
+        );
+        cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
+            interval: Duration::from_millis(20),
+            ..worker::sidecar::engine_load::EngineLoadConfig::new(
+                worker::sidecar::engine_load::EngineLoadSource::vllm(),
+            )
+        });
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let http = reqwest::Client::new();
+        // The first load message of a fresh `GET /v1/load` (the current load).
+        let load_now = || {
+            let (http, addr) = (http.clone(), sc.addr());
+            async move {
+                let mut r = get_load(&http, addr).await;
+                let mut text = String::new();
+                while let Some(chunk) = r.chunk().await.unwrap() {
+                    text.push_str(&String::from_utf8_lossy(&chunk));
+                    if let Some(line) = text.lines().find(|l| l.starts_with("data:")) {
+                        return serde_json::from_str::<serde_json::Value>(&line[5..]).unwrap();
+                    }
+                }
+                panic!("no load message: {text}");
+            }
+        };
+        let wait_for = |want: serde_json::Value| {
+            let load_now = load_now.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                loop {
+                    let got = load_now().await;
+                    if got == want {
+                        return;
+                    }
+                    assert!(tokio::time::Instant::now() < deadline, "{got} != {want}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        counts.0.store(4, Ordering::SeqCst);
+        counts.1.store(3, Ordering::SeqCst);
+        wait_for(serde_json::json!({
+            "running": 5, "waiting": 3, "prefill_tokens": 0, "decode_tokens": 8 * 256,
+        }))
+        .await;
+        counts.0.store(0, Ordering::SeqCst);
+        counts.1.store(0, Ordering::SeqCst);
+        wait_for(serde_json::json!({
+            "running": 1, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 256,
+        }))
+        .await;
+        counts.0.store(u64::MAX, Ordering::SeqCst);
+        let unsupported = r#"kvgate_sidecar_engine_load_reads_total{outcome="unsupported"} 1"#;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = http
+                .get(format!("http://{}/metrics", sc.addr()))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if m.lines().any(|l| l == unsupported) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{m}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        wait_for(serde_json::json!({
+            "running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0,
+        }))
+        .await;
+        sc.shutdown().await;
         server.abort();
     });
 }

@@ -85,16 +85,18 @@ pub struct Args {
     #[arg(long)]
     pub no_load_report: bool,
     /// Read the engine's own load into the report, so requests that reach the engine around
-    /// the sidecar count too: `slots` reads llama-server's `GET /slots`; `auto` (default) is
-    /// `slots` for `--kind llama_cpp` and `off` otherwise (docs/sidecar.md, "Load reports").
-    #[arg(long, default_value = "auto", value_parser = ["auto", "slots", "off"])]
+    /// the sidecar count too: `slots` reads llama-server's `GET /slots`; `vllm` and `sglang`
+    /// their `GET /metrics` (running and waiting requests); `auto` (default) is `slots` for
+    /// `--kind llama_cpp` and `off` otherwise (docs/sidecar.md, "The engine's own view").
+    #[arg(long, default_value = "auto", value_parser = ["auto", "slots", "vllm", "sglang", "off"])]
     pub engine_load: String,
-    /// The engine path `--engine-load slots` reads.
-    #[arg(long, default_value = "/slots")]
-    pub engine_load_path: String,
-    /// Time between two reads of the engine's load, ms.
-    #[arg(long, default_value_t = 100)]
-    pub engine_load_interval_ms: u64,
+    /// The engine path read [default: /slots, or /metrics for vllm and sglang].
+    #[arg(long)]
+    pub engine_load_path: Option<String>,
+    /// Time between two reads of the engine's load, ms [default: 100 for slots, 500 for
+    /// vllm and sglang].
+    #[arg(long)]
+    pub engine_load_interval_ms: Option<u64>,
     /// Clock skew tolerated on ticket validity windows, ms.
     #[arg(long, default_value_t = receipts::DEFAULT_MAX_CLOCK_SKEW_MS)]
     pub ticket_skew_ms: u64,
@@ -153,15 +155,7 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     cfg.ticket_skew_ms = args.ticket_skew_ms;
     cfg.require_receipts = !args.allow_unreceipted;
     cfg.load_report = !args.no_load_report;
-    cfg.engine_load = match (args.engine_load.as_str(), args.kind.as_str()) {
-        ("slots", _) | ("auto", "llama_cpp") => {
-            Some(worker::sidecar::engine_load::EngineLoadConfig {
-                path: args.engine_load_path.clone(),
-                interval: Duration::from_millis(args.engine_load_interval_ms.max(1)),
-            })
-        }
-        _ => None,
-    };
+    cfg.engine_load = engine_load(args);
     cfg.fsync = super::worker::parse_fsync(&args.fsync)?;
     cfg.rotation = receipts::Rotation {
         max_bytes: (args.receipts_rotate_mib > 0).then_some(args.receipts_rotate_mib << 20),
@@ -198,6 +192,25 @@ pub fn config_from_args(args: &Args) -> anyhow::Result<SidecarConfig> {
     Ok(cfg)
 }
 
+/// `--engine-load` and its path and interval.
+fn engine_load(args: &Args) -> Option<worker::sidecar::engine_load::EngineLoadConfig> {
+    use worker::sidecar::engine_load::{EngineLoadConfig, EngineLoadSource};
+    let source = match (args.engine_load.as_str(), args.kind.as_str()) {
+        ("slots", _) | ("auto", "llama_cpp") => EngineLoadSource::Slots,
+        ("vllm", _) => EngineLoadSource::vllm(),
+        ("sglang", _) => EngineLoadSource::sglang(),
+        _ => return None,
+    };
+    let mut cfg = EngineLoadConfig::new(source);
+    if let Some(path) = &args.engine_load_path {
+        cfg.path = path.clone();
+    }
+    if let Some(ms) = args.engine_load_interval_ms {
+        cfg.interval = Duration::from_millis(ms.max(1));
+    }
+    Some(cfg)
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     super::init_logs();
     let cfg = config_from_args(&args)?;
@@ -229,4 +242,62 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use worker::sidecar::engine_load::{EngineLoadConfig, EngineLoadSource};
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn engine_load_of(argv: &[&str]) -> Option<EngineLoadConfig> {
+        use clap::Parser;
+        let mut all = vec!["sidecar", "--engine", "http://127.0.0.1:8080"];
+        all.extend_from_slice(argv);
+        engine_load(&Cli::try_parse_from(all).unwrap().args)
+    }
+
+    #[test]
+    fn engine_load_follows_the_kind_unless_named() {
+        let slots = EngineLoadConfig::new(EngineLoadSource::Slots);
+        assert_eq!(engine_load_of(&[]), Some(slots.clone()));
+        assert_eq!(
+            (slots.path.as_str(), slots.interval.as_millis()),
+            ("/slots", 100)
+        );
+        assert_eq!(engine_load_of(&["--kind", "openai"]), None);
+        assert_eq!(engine_load_of(&["--kind", "vllm"]), None);
+        assert_eq!(engine_load_of(&["--engine-load", "off"]), None);
+        let vllm = engine_load_of(&["--kind", "vllm", "--engine-load", "vllm"]).unwrap();
+        assert_eq!(vllm, EngineLoadConfig::new(EngineLoadSource::vllm()));
+        assert_eq!(
+            (vllm.path.as_str(), vllm.interval.as_millis()),
+            ("/metrics", 500)
+        );
+        let sglang = engine_load_of(&[
+            "--kind",
+            "openai",
+            "--engine-load",
+            "sglang",
+            "--engine-load-path",
+            "/engine/metrics",
+            "--engine-load-interval-ms",
+            "250",
+        ])
+        .unwrap();
+        assert_eq!(sglang.source, EngineLoadSource::sglang());
+        assert_eq!(
+            (sglang.path.as_str(), sglang.interval.as_millis()),
+            ("/engine/metrics", 250)
+        );
+        use clap::Parser;
+        assert!(
+            Cli::try_parse_from(["sidecar", "--engine", "x", "--engine-load", "nope"]).is_err()
+        );
+    }
 }

@@ -16,8 +16,8 @@
 //!   less one per generated piece of a stream (an engine streams one token per chunk), until
 //!   it ends.
 //!
-//! With the engine's own view ([`super::engine_load`]: llama-server's `GET /slots`, read every
-//! 100 ms), each term reported is the larger of the book's and the engine's, so requests that
+//! With the engine's own view ([`super::engine_load`]: llama-server's `GET /slots`, or vLLM's
+//! or SGLang's running and waiting counts), each term reported is the larger of the book's and the engine's, so requests that
 //! reached the engine around the sidecar count too; without it (or while it cannot be read),
 //! the book's alone.
 //!
