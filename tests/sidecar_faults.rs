@@ -568,18 +568,15 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
                 panic!("no load message: {text}");
             }
         };
-        let wait_for = |want: serde_json::Value| {
-            let load_now = load_now.clone();
-            async move {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-                loop {
-                    let got = load_now().await;
-                    if got == want {
-                        return;
-                    }
-                    assert!(tokio::time::Instant::now() < deadline, "{got} != {want}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+        let wait_for = |want: serde_json::Value| async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let got = load_now().await;
+                if got == want {
+                    return;
                 }
+                assert!(tokio::time::Instant::now() < deadline, "{got} != {want}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };
         counts.0.store(4, Ordering::SeqCst);
