@@ -1034,6 +1034,58 @@ fn held_fleet(
     (fleet, engines, release_tx)
 }
 
+/// Three streamed chat answers of `max_tokens` 4000 to `base` (a gateway, or an engine
+/// directly) that a [`holding_engine`] holds open after one token: their tasks (status, body).
+fn hold_answers(fleet: &Fleet, base: &str) -> Vec<tokio::task::JoinHandle<(u16, String)>> {
+    (0..3)
+        .map(|n| {
+            let body = serde_json::json!({
+                "model": "held", "user": "hold", "stream": true, "max_tokens": 4000,
+                "messages": [{"role": "user", "content": format!("a long answer, please ({n})")}],
+            });
+            let (http, url) = (fleet.http.clone(), format!("{base}/v1/chat/completions"));
+            fleet.rt.spawn(async move {
+                let r = http.post(url).json(&body).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect()
+}
+
+/// While `busy` holds `turn`'s prefix and reports the `held` answers, the turn goes to `other`
+/// (`load_guard`); once they are released (each ending whole) `busy`'s report (as `worker(id)`
+/// of `/admin/workers` shows it) empties and the turn is a `hit` again (on either: both hold
+/// the prefix by then).
+fn moved_off_until_released(
+    fleet: &Fleet,
+    turn: &serde_json::Value,
+    (busy, other): (&str, &str),
+    worker: &dyn Fn(&str) -> serde_json::Value,
+    release_tx: &tokio::sync::watch::Sender<bool>,
+    held: Vec<tokio::task::JoinHandle<(u16, String)>>,
+) {
+    let r = fleet.post("/v1/chat/completions", turn, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.worker(), other, "the busy worker's report moves the turn");
+    assert_eq!(
+        r.header("x-kvgate-route-reason").as_deref(),
+        Some("load_guard")
+    );
+    release_tx.send(true).unwrap();
+    for h in held {
+        let (status, text) = fleet.rt.block_on(h).unwrap();
+        assert_eq!(status, 200);
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    fleet.wait_for("the report empties", Duration::from_secs(10), || {
+        let l = &worker(busy)["reported_load"];
+        l["running"] == 0 && l["decode_tokens"] == 0
+    });
+    let r = fleet.post("/v1/chat/completions", turn, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+}
+
 /// Two independent gateways (not a cluster: neither knows the other's requests) in front of the
 /// same two sidecars. Gateway A's KV-exact service has a conversation cached on one sidecar's
 /// engine; gateway B then streams three long answers through that sidecar, which its engine
@@ -1104,24 +1156,7 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
     cfg.gateway_id = "gateway-b".into();
     let mut gateway_b = gateway::spawn(cfg).unwrap();
     let vip_b = gateway_b.listen_addr;
-    let held: Vec<_> = (0..3)
-        .map(|n| {
-            let body = serde_json::json!({
-                "model": "held", "user": "hold", "stream": true, "max_tokens": 4000,
-                "messages": [{"role": "user", "content": format!("a long answer, please ({n})")}],
-            });
-            let http = fleet.http.clone();
-            fleet.rt.spawn(async move {
-                let r = http
-                    .post(format!("http://{vip_b}/v1/chat/completions"))
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                (r.status().as_u16(), r.text().await.unwrap())
-            })
-        })
-        .collect();
+    let held = hold_answers(fleet, &format!("http://{vip_b}"));
 
     // The sidecar counts B's three answers (4000 tokens asked each, one generated); A reads it.
     fleet.wait_for(
@@ -1140,33 +1175,9 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
     assert!(m.contains("kvgate_sidecar_load_decode_tokens 11997"), "{m}");
     gateway_support::promtool_check(&m, "the sidecar's /metrics");
 
-    let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
-    assert_eq!(r2.status, 200, "{}", r2.text());
-    assert_eq!(
-        r2.worker(),
-        other,
-        "the busy sidecar's report moves the turn off its prefix"
-    );
-    assert_eq!(
-        r2.header("x-kvgate-route-reason").as_deref(),
-        Some("load_guard")
-    );
-
-    // B's answers end: the report empties, and the turn goes back to its prefix.
-    release_tx.send(true).unwrap();
-    for h in held {
-        let (status, text) = fleet.rt.block_on(h).unwrap();
-        assert_eq!(status, 200);
-        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    }
-    fleet.wait_for("the report empties", Duration::from_secs(10), || {
-        let l = &worker(&w)["reported_load"];
-        l["running"] == 0 && l["decode_tokens"] == 0
-    });
-    // (Both sidecars hold the prefix now: the turn is a hit on either.)
-    let r3 = fleet.post("/v1/chat/completions", &turn, &[]);
-    assert_eq!(r3.status, 200, "{}", r3.text());
-    assert_eq!(r3.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    // The busy sidecar's report moves the turn off its prefix; when B's answers end the report
+    // empties, and the turn is a hit again.
+    moved_off_until_released(fleet, &turn, (&w, other), &worker, &release_tx, held);
 
     // An engine without a sidecar (no `GET /v1/load`) in a KV-exact pool: probed, marked
     // `unsupported`, judged by the gateway's own count; it still serves.
@@ -1253,24 +1264,7 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
 
     // Three clients straight to W's engine: no sidecar, no gateway sees them.
     let engine_w = direct_engines[index_of(&r)].clone();
-    let held: Vec<_> = (0..3)
-        .map(|n| {
-            let body = serde_json::json!({
-                "model": "held", "user": "hold", "stream": true, "max_tokens": 4000,
-                "messages": [{"role": "user", "content": format!("direct ({n})")}],
-            });
-            let (http, url) = (fleet.http.clone(), engine_w.clone());
-            fleet.rt.spawn(async move {
-                let r = http
-                    .post(format!("{url}/v1/chat/completions"))
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                (r.status().as_u16(), r.text().await.unwrap())
-            })
-        })
-        .collect();
+    let held = hold_answers(fleet, &engine_w);
     fleet.wait_for(
         "the gateway sees the engine's direct work",
         Duration::from_secs(10),
@@ -1303,30 +1297,7 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
     }
     gateway_support::promtool_check(&g, "the gateway's /metrics");
 
-    let r2 = fleet.post("/v1/chat/completions", &turn, &[]);
-    assert_eq!(r2.status, 200, "{}", r2.text());
-    assert_eq!(
-        r2.worker(),
-        other,
-        "the engine's direct work moves the turn"
-    );
-    assert_eq!(
-        r2.header("x-kvgate-route-reason").as_deref(),
-        Some("load_guard")
-    );
-
-    release_tx.send(true).unwrap();
-    for h in held {
-        let (status, text) = fleet.rt.block_on(h).unwrap();
-        assert_eq!(status, 200);
-        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    }
-    fleet.wait_for("the report empties", Duration::from_secs(10), || {
-        let l = &worker(&w)["reported_load"];
-        l["running"] == 0 && l["decode_tokens"] == 0
-    });
-    let r3 = fleet.post("/v1/chat/completions", &turn, &[]);
-    assert_eq!(r3.header("x-kvgate-route-reason").as_deref(), Some("hit"));
+    moved_off_until_released(fleet, &turn, (&w, other), &worker, &release_tx, held);
     sc.stop();
 }
 

@@ -110,11 +110,7 @@ async fn get_load(http: &reqwest::Client, addr: std::net::SocketAddr) -> reqwest
 
 #[test]
 fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     let key = KeyPair::generate();
     let log = dir.path().join("receipts.jsonl");
@@ -278,11 +274,7 @@ fn a_hostile_engine_cannot_crash_or_unreceipt_the_sidecar() {
 /// stream it relays finishes with `[DONE]`, and the drain returns once it has.
 #[test]
 fn a_draining_sidecar_lets_its_streams_finish() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
         let (engine_addr, server) = start_hostile_engine().await;
@@ -353,6 +345,73 @@ fn a_draining_sidecar_lets_its_streams_finish() {
     });
 }
 
+/// A multi-threaded runtime for a test's servers.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// An engine serving `app` and, in front of it, a sidecar reading the engine's own load from
+/// `source` every 20 ms: the sidecar, and the engine's server task.
+async fn sidecar_reading(
+    app: Router,
+    source: worker::sidecar::engine_load::EngineLoadSource,
+    dir: &std::path::Path,
+) -> (
+    worker::sidecar::RunningSidecar,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine_addr = engine.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(engine, app).await });
+    let mut cfg = SidecarConfig::new(
+        format!("http://{engine_addr}"),
+        "s1",
+        KeyPair::generate(),
+        dir.join("receipts.jsonl"),
+    );
+    cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
+        interval: Duration::from_millis(20),
+        ..worker::sidecar::engine_load::EngineLoadConfig::new(source)
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    (worker::sidecar::spawn(cfg, l).await.unwrap(), server)
+}
+
+/// The first sample of `series` (its full name and labels) in the `/metrics` of the sidecar
+/// at `addr`; 0 when absent.
+async fn metric(http: &reqwest::Client, addr: std::net::SocketAddr, series: &str) -> f64 {
+    let text = http
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits (10 s at most) until `series` reads `want`; `what` names the wait.
+async fn wait_metric(
+    http: &reqwest::Client,
+    addr: std::net::SocketAddr,
+    what: &str,
+    series: &str,
+    want: f64,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while metric(http, addr, series).await != want {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The engine's own load (`engine_load`, llama-server's `GET /slots`) read from a hostile
 /// engine: an answer that is not a slots array, too large, of the wrong types, or that never
 /// comes drops the engine's view (the report falls back to the forwarded requests' count: 0
@@ -364,15 +423,8 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
     use std::sync::Arc;
     const GOOD: usize = 0;
     let mode = Arc::new(AtomicUsize::new(GOOD));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    rt.block_on(async {
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let engine_addr = engine.local_addr().unwrap();
+    runtime().block_on(async {
         let m = mode.clone();
         let slots = move || {
             let m = m.clone();
@@ -401,50 +453,16 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
             .route("/v1/chat/completions", post(hostile))
             .route("/health", get(|| async { "ok" }))
             .route("/slots", get(slots));
-        let server = tokio::spawn(async move { axum::serve(engine, app).await });
-        let mut cfg = SidecarConfig::new(
-            format!("http://{engine_addr}"),
-            "s1",
-            KeyPair::generate(),
-            dir.path().join("receipts.jsonl"),
-        );
-        cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
-            interval: Duration::from_millis(20),
-            ..worker::sidecar::engine_load::EngineLoadConfig::new(
-                worker::sidecar::engine_load::EngineLoadSource::Slots,
-            )
-        });
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let (sc, server) = sidecar_reading(
+            app,
+            worker::sidecar::engine_load::EngineLoadSource::Slots,
+            dir.path(),
+        )
+        .await;
         let http = reqwest::Client::new();
-        let metric = |series: &'static str| {
-            let (http, addr) = (http.clone(), sc.addr());
-            async move {
-                let text = http
-                    .get(format!("http://{addr}/metrics"))
-                    .send()
-                    .await
-                    .unwrap()
-                    .text()
-                    .await
-                    .unwrap();
-                text.lines()
-                    .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-                    .unwrap_or(0.0)
-            }
-        };
-        let wait_for = |what: &'static str, series: &'static str, want: f64| {
-            async move {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-                loop {
-                    if metric(series).await == want {
-                        return;
-                    }
-                    assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        };
+        let addr = sc.addr();
+        let metric = |series| metric(&http, addr, series);
+        let wait_for = |what, series, want| wait_metric(&http, addr, what, series, want);
         let failed = r#"kvgate_sidecar_engine_load_reads_total{outcome="failed"}"#;
         let serves = || {
             let (http, addr) = (http.clone(), sc.addr());
@@ -506,15 +524,8 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
     use std::sync::Arc;
     // (running, waiting); u64::MAX: an exposition without the two series.
     let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    rt.block_on(async {
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let engine_addr = engine.local_addr().unwrap();
+    runtime().block_on(async {
         let c = counts.clone();
         let metrics = move || {
             let c = c.clone();
@@ -537,21 +548,12 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
         let app = Router::new()
             .route("/health", get(|| async { "ok" }))
             .route("/metrics", get(metrics));
-        let server = tokio::spawn(async move { axum::serve(engine, app).await });
-        let mut cfg = SidecarConfig::new(
-            format!("http://{engine_addr}"),
-            "v1",
-            KeyPair::generate(),
-            dir.path().join("receipts.jsonl"),
-        );
-        cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
-            interval: Duration::from_millis(20),
-            ..worker::sidecar::engine_load::EngineLoadConfig::new(
-                worker::sidecar::engine_load::EngineLoadSource::vllm(),
-            )
-        });
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let sc = worker::sidecar::spawn(cfg, l).await.unwrap();
+        let (sc, server) = sidecar_reading(
+            app,
+            worker::sidecar::engine_load::EngineLoadSource::vllm(),
+            dir.path(),
+        )
+        .await;
         let http = reqwest::Client::new();
         // The first load message of a fresh `GET /v1/load` (the current load).
         let load_now = || {
@@ -592,23 +594,14 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
         }))
         .await;
         counts.0.store(u64::MAX, Ordering::SeqCst);
-        let unsupported = r#"kvgate_sidecar_engine_load_reads_total{outcome="unsupported"} 1"#;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let m = http
-                .get(format!("http://{}/metrics", sc.addr()))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            if m.lines().any(|l| l == unsupported) {
-                break;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "{m}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_metric(
+            &http,
+            sc.addr(),
+            "an exposition without the series: unsupported",
+            r#"kvgate_sidecar_engine_load_reads_total{outcome="unsupported"}"#,
+            1.0,
+        )
+        .await;
         wait_for(serde_json::json!({
             "running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0,
         }))
