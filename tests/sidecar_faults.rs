@@ -355,10 +355,11 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// An engine serving `app` and, in front of it, a sidecar reading the engine's own load from
-/// `source` every 20 ms: the sidecar, and the engine's server task.
+/// `source` every `interval`: the sidecar, and the engine's server task.
 async fn sidecar_reading(
     app: Router,
     source: worker::sidecar::engine_load::EngineLoadSource,
+    interval: Duration,
     dir: &std::path::Path,
 ) -> (
     worker::sidecar::RunningSidecar,
@@ -374,7 +375,7 @@ async fn sidecar_reading(
         dir.join("receipts.jsonl"),
     );
     cfg.engine_load = Some(worker::sidecar::engine_load::EngineLoadConfig {
-        interval: Duration::from_millis(20),
+        interval,
         ..worker::sidecar::engine_load::EngineLoadConfig::new(source)
     });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -456,6 +457,7 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
         let (sc, server) = sidecar_reading(
             app,
             worker::sidecar::engine_load::EngineLoadSource::Slots,
+            Duration::from_millis(20),
             dir.path(),
         )
         .await;
@@ -551,6 +553,7 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
         let (sc, server) = sidecar_reading(
             app,
             worker::sidecar::engine_load::EngineLoadSource::vllm(),
+            Duration::from_millis(20),
             dir.path(),
         )
         .await;
@@ -606,6 +609,59 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
             "running": 0, "waiting": 0, "prefill_tokens": 0, "decode_tokens": 0,
         }))
         .await;
+        sc.shutdown().await;
+        server.abort();
+    });
+}
+
+/// A request relayed by the sidecar brings the next read of the engine's view forward: with
+/// reads 5 s apart, the engine's busy slot from the last read leaves the report within a
+/// second of a relayed request's end, not at the next scheduled read.
+#[test]
+fn a_relayed_requests_end_brings_the_next_read_forward() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let busy = Arc::new(AtomicBool::new(true));
+    let dir = tempfile::tempdir().unwrap();
+    runtime().block_on(async {
+        let b = busy.clone();
+        let slots = move || {
+            let b = b.clone();
+            async move {
+                let slot = if b.load(Ordering::SeqCst) {
+                    r#"{"id":0,"n_ctx":4096,"is_processing":true,"next_token":[{"n_remain":500,"n_decoded":3}]}"#
+                } else {
+                    r#"{"id":0,"n_ctx":4096,"is_processing":false}"#
+                };
+                format!("[{slot}]")
+            }
+        };
+        let app = Router::new()
+            .route("/v1/chat/completions", post(hostile))
+            .route("/health", get(|| async { "ok" }))
+            .route("/slots", get(slots));
+        let (sc, server) = sidecar_reading(
+            app,
+            worker::sidecar::engine_load::EngineLoadSource::Slots,
+            Duration::from_secs(5),
+            dir.path(),
+        )
+        .await;
+        let http = reqwest::Client::new();
+        let addr = sc.addr();
+        // The read at start-up sees the busy slot.
+        wait_metric(&http, addr, "the first read", "kvgate_sidecar_load_running", 1.0).await;
+        busy.store(false, Ordering::SeqCst);
+        let t = std::time::Instant::now();
+        let r = http
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .json(&serde_json::json!({"model": "fine", "stream": true, "messages": []}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+        wait_metric(&http, addr, "the early read", "kvgate_sidecar_load_running", 0.0).await;
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         sc.shutdown().await;
         server.abort();
     });

@@ -18,6 +18,10 @@
 //! remaining output is not published); `prefill_tokens` stays the book's. An exposition with
 //! neither series is "unsupported".
 //!
+//! While reads succeed, the end of a request the sidecar relayed brings the next read forward
+//! (at most one read per 20 ms), so the ended request leaves the engine's view about as soon as
+//! it left the sidecar's count.
+//!
 //! An answer that cannot be read (the engine down, a 5xx, a body that is not the slots array or
 //! an exposition with counts in those series, larger than 1 MiB (`/slots`) or 8 MiB (an
 //! exposition), or slower than 2 s) drops the engine's view until a read succeeds (the book's
@@ -131,6 +135,8 @@ const READ_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Wait before asking an engine that said "unsupported" again.
 const UNSUPPORTED_RETRY: Duration = Duration::from_secs(30);
+/// Least time between the starts of two reads when relayed requests' ends bring them forward.
+const EARLY_READ_GAP: Duration = Duration::from_millis(20);
 
 /// One slot of llama-server's `GET /slots` (the fields read; others ignored).
 #[derive(Deserialize)]
@@ -305,16 +311,21 @@ impl EngineLoadReader {
         self.cfg.source.load(&body)
     }
 
-    /// Reads until `stop`, then forgets the engine's view.
+    /// Reads until `stop`, then forgets the engine's view. While reads succeed, a relayed
+    /// request's end brings the next read forward (at most one read per [`EARLY_READ_GAP`]):
+    /// the ended request is out of the sidecar's count at once, and would otherwise stay in
+    /// the engine's view — with the output it did not generate — until the next read.
     pub(crate) async fn run(self, stop: CancellationToken) {
         let mut backoff = self.cfg.interval;
         // The last failure logged, so a failing engine logs once per change, not per read.
         let mut logged: Option<String> = None;
         loop {
+            let started = tokio::time::Instant::now();
             let read = tokio::select! {
                 _ = stop.cancelled() => break,
                 r = self.read() => r,
             };
+            let early = read.is_ok();
             let wait = match read {
                 Ok(load) => {
                     self.metrics.read("ok");
@@ -349,6 +360,12 @@ impl EngineLoadReader {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tokio::time::sleep(wait) => {}
+                _ = self.book.ended(), if early => {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep_until(started + EARLY_READ_GAP) => {}
+                    }
+                }
             }
         }
         self.book.set_engine(None);

@@ -34,6 +34,8 @@ use tokio::sync::watch;
 pub(crate) struct LoadBook {
     state: Mutex<Book>,
     tx: watch::Sender<WorkerLoad>,
+    /// A forwarded request ended (the engine's view may still hold it).
+    ended: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -67,7 +69,13 @@ impl LoadBook {
         Arc::new(LoadBook {
             state: Mutex::new(Book::default()),
             tx,
+            ended: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Completes when a forwarded request ended since the last call completed (or ends now).
+    pub(crate) async fn ended(&self) {
+        self.ended.notified().await;
     }
 
     /// A receiver of the current load, woken when it moved enough.
@@ -166,6 +174,7 @@ impl Drop for Work {
             l.prefill_tokens = l.prefill_tokens.saturating_sub(p);
             l.decode_tokens = l.decode_tokens.saturating_sub(d);
         });
+        self.book.ended.notify_one();
     }
 }
 
