@@ -1,6 +1,13 @@
 # Shared by the side-by-side benchmark scripts (bench-vs-smg.sh, bench-proxy.sh,
-# bench-sidecar-load.sh); sourced, not run.
+# bench-sidecar-load.sh, bench-engine-load.sh); sourced, not run.
 # Expects NAME (the script's name for messages); smg_venv also SMG_VERSION.
+
+# The default model (SmolLM2-135M-Instruct Q4_1 under $KVGATE_MODEL_DIR, else models/),
+# fetched (SHA-256 pinned) when missing; sets MODEL.
+bench_model() {
+  MODEL="${KVGATE_MODEL_DIR:-$PWD/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+  [ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
+}
 
 # The SGLang model gateway in .cache/smg-venv (installed from PyPI once); sets VENV.
 smg_venv() {

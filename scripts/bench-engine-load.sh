@@ -22,7 +22,8 @@ source scripts/bench-common.sh
 ./scripts/setup.sh >/dev/null
 llama_bin="$(./scripts/build-llamacpp.sh)"
 kvgate_bin
-model="${KVGATE_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+bench_model
+model="$MODEL"
 py="$root/.venv/bin/python3"
 rm -rf "$out"
 mkdir -p "$out"

@@ -30,13 +30,11 @@ G=${2:-3}
 SEEDS=${3:-"1 2 3"}
 OUT=${OUT:-bench-sidecar-load-out}
 BASE_PORT=${BASE_PORT:-19400}
-MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
-MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-[ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
 NAME=bench-sidecar-load
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
 kvgate_bin
+bench_model
 MAX_TOKENS=${MAX_TOKENS:-8}
 mkdir -p "$OUT"
 work=$(mktemp -d)

@@ -29,14 +29,12 @@ SEEDS=${2:-"1 2 3"}
 OUT=${OUT:-bench-vs-smg-out}
 SMG_VERSION=0.3.2
 BASE_PORT=${BASE_PORT:-19100}
-MODEL_DIR=${KVGATE_MODEL_DIR:-$PWD/models}
-MODEL="$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-[ -f "$MODEL" ] || ./scripts/fetch-model.sh >/dev/null
 NAME=bench-vs-smg
 # shellcheck source=scripts/bench-common.sh
 . scripts/bench-common.sh
 smg_venv
 kvgate_bin
+bench_model
 MAX_TOKENS=${MAX_TOKENS:-8}
 mkdir -p "$OUT"
 work=$(mktemp -d)

@@ -1053,14 +1053,13 @@ fn hold_answers(fleet: &Fleet, base: &str) -> Vec<tokio::task::JoinHandle<(u16, 
 }
 
 /// While `busy` holds `turn`'s prefix and reports the `held` answers, the turn goes to `other`
-/// (`load_guard`); once they are released (each ending whole) `busy`'s report (as `worker(id)`
-/// of `/admin/workers` shows it) empties and the turn is a `hit` again (on either: both hold
+/// (`load_guard`); once they are released (each ending whole) `busy`'s report (in
+/// `/admin/workers`) empties and the turn is a `hit` again (on either: both hold
 /// the prefix by then).
 fn moved_off_until_released(
     fleet: &Fleet,
     turn: &serde_json::Value,
     (busy, other): (&str, &str),
-    worker: &dyn Fn(&str) -> serde_json::Value,
     release_tx: &tokio::sync::watch::Sender<bool>,
     held: Vec<tokio::task::JoinHandle<(u16, String)>>,
 ) {
@@ -1078,7 +1077,7 @@ fn moved_off_until_released(
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     }
     fleet.wait_for("the report empties", Duration::from_secs(10), || {
-        let l = &worker(busy)["reported_load"];
+        let l = &fleet.admin_worker(busy)["reported_load"];
         l["running"] == 0 && l["decode_tokens"] == 0
     });
     let r = fleet.post("/v1/chat/completions", turn, &[]);
@@ -1102,18 +1101,8 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
     let mut sc = Sidecars::start_with(fleet, engines, "openai", |_, _| {});
     sc.start_gateway();
     let fleet = &sc.fleet;
-    let workers = || {
-        let w = fleet
-            .admin(reqwest::Method::GET, "/admin/workers", None)
-            .json();
-        w["workers"].as_array().cloned().unwrap_or_default()
-    };
-    let worker = |id: &str| {
-        workers()
-            .into_iter()
-            .find(|w| w["id"] == id)
-            .unwrap_or_default()
-    };
+    let workers = || fleet.admin_workers();
+    let worker = |id: &str| fleet.admin_worker(id);
     fleet.wait_for(
         "both sidecars healthy, their load streams read",
         Duration::from_secs(10),
@@ -1177,7 +1166,7 @@ fn a_sidecar_reports_the_work_of_every_gateway() {
 
     // The busy sidecar's report moves the turn off its prefix; when B's answers end the report
     // empties, and the turn is a hit again.
-    moved_off_until_released(fleet, &turn, (&w, other), &worker, &release_tx, held);
+    moved_off_until_released(fleet, &turn, (&w, other), &release_tx, held);
 
     // An engine without a sidecar (no `GET /v1/load`) in a KV-exact pool: probed, marked
     // `unsupported`, judged by the gateway's own count; it still serves.
@@ -1233,15 +1222,7 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
     });
     sc.start_gateway();
     let fleet = &sc.fleet;
-    let worker = |id: &str| {
-        let w = fleet
-            .admin(reqwest::Method::GET, "/admin/workers", None)
-            .json();
-        w["workers"]
-            .as_array()
-            .and_then(|ws| ws.iter().find(|w| w["id"] == id).cloned())
-            .unwrap_or_default()
-    };
+    let worker = |id: &str| fleet.admin_worker(id);
     fleet.wait_for(
         "both sidecars' load streams read",
         Duration::from_secs(10),
@@ -1297,7 +1278,7 @@ fn a_sidecar_counts_what_reached_its_engine_around_it() {
     }
     gateway_support::promtool_check(&g, "the gateway's /metrics");
 
-    moved_off_until_released(fleet, &turn, (&w, other), &worker, &release_tx, held);
+    moved_off_until_released(fleet, &turn, (&w, other), &release_tx, held);
     sc.stop();
 }
 
@@ -1324,12 +1305,7 @@ fn a_kvgate_worker_without_events_is_approximated_and_its_load_read() {
     let mut cfg = gateway::GatewayConfig::new(&fleet.rules_path, fleet.gateway_key.clone());
     cfg.admin_token = Some(fleet.admin_token.clone());
     fleet.gateway = Some(gateway::spawn(cfg).unwrap());
-    let workers = || {
-        let w = fleet
-            .admin(reqwest::Method::GET, "/admin/workers", None)
-            .json();
-        w["workers"].as_array().cloned().unwrap_or_default()
-    };
+    let workers = || fleet.admin_workers();
     fleet.wait_for(
         "both workers approximated, their loads read",
         Duration::from_secs(10),

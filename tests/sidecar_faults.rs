@@ -354,10 +354,11 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// An engine serving `app` and, in front of it, a sidecar reading the engine's own load from
-/// `source` every `interval`: the sidecar, and the engine's server task.
+/// An engine serving `load` (its load endpoint), the [`hostile`] engine's chat completions and
+/// `/health`, and in front of it a sidecar reading the engine's own load from `source` every
+/// `interval`: the sidecar, and the engine's server task.
 async fn sidecar_reading(
-    app: Router,
+    load: Router,
     source: worker::sidecar::engine_load::EngineLoadSource,
     interval: Duration,
     dir: &std::path::Path,
@@ -367,6 +368,9 @@ async fn sidecar_reading(
 ) {
     let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let engine_addr = engine.local_addr().unwrap();
+    let app = load
+        .route("/v1/chat/completions", post(hostile))
+        .route("/health", get(|| async { "ok" }));
     let server = tokio::spawn(async move { axum::serve(engine, app).await });
     let mut cfg = SidecarConfig::new(
         format!("http://{engine_addr}"),
@@ -380,6 +384,18 @@ async fn sidecar_reading(
     });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     (worker::sidecar::spawn(cfg, l).await.unwrap(), server)
+}
+
+/// One streamed chat request through the sidecar at `addr`, answered whole.
+async fn relay_one(http: &reqwest::Client, addr: std::net::SocketAddr) {
+    let r = http
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "fine", "stream": true, "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("[DONE]"));
 }
 
 /// The first sample of `series` (its full name and labels) in the `/metrics` of the sidecar
@@ -450,10 +466,7 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
                 }
             }
         };
-        let app = Router::new()
-            .route("/v1/chat/completions", post(hostile))
-            .route("/health", get(|| async { "ok" }))
-            .route("/slots", get(slots));
+        let app = Router::new().route("/slots", get(slots));
         let (sc, server) = sidecar_reading(
             app,
             worker::sidecar::engine_load::EngineLoadSource::Slots,
@@ -466,19 +479,7 @@ fn a_hostile_slots_answer_leaves_the_forwarded_count() {
         let metric = |series| metric(&http, addr, series);
         let wait_for = |what, series, want| wait_metric(&http, addr, what, series, want);
         let failed = r#"kvgate_sidecar_engine_load_reads_total{outcome="failed"}"#;
-        let serves = || {
-            let (http, addr) = (http.clone(), sc.addr());
-            async move {
-                let r = http
-                    .post(format!("http://{addr}/v1/chat/completions"))
-                    .json(&serde_json::json!({"model": "fine", "stream": true, "messages": []}))
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), 200);
-                assert!(r.text().await.unwrap().contains("[DONE]"));
-            }
-        };
+        let serves = || relay_one(&http, addr);
 
         wait_for("the engine's view read", "kvgate_sidecar_load_decode_tokens", 150.0).await;
         assert_eq!(metric("kvgate_sidecar_load_running").await, 2.0);
@@ -547,9 +548,7 @@ fn a_vllm_engines_own_counts_reach_the_load_report() {
                 )
             }
         };
-        let app = Router::new()
-            .route("/health", get(|| async { "ok" }))
-            .route("/metrics", get(metrics));
+        let app = Router::new().route("/metrics", get(metrics));
         let (sc, server) = sidecar_reading(
             app,
             worker::sidecar::engine_load::EngineLoadSource::vllm(),
@@ -636,10 +635,7 @@ fn a_relayed_requests_end_brings_the_next_read_forward() {
                 format!("[{slot}]")
             }
         };
-        let app = Router::new()
-            .route("/v1/chat/completions", post(hostile))
-            .route("/health", get(|| async { "ok" }))
-            .route("/slots", get(slots));
+        let app = Router::new().route("/slots", get(slots));
         let (sc, server) = sidecar_reading(
             app,
             worker::sidecar::engine_load::EngineLoadSource::Slots,
@@ -653,13 +649,7 @@ fn a_relayed_requests_end_brings_the_next_read_forward() {
         wait_metric(&http, addr, "the first read", "kvgate_sidecar_load_running", 1.0).await;
         busy.store(false, Ordering::SeqCst);
         let t = std::time::Instant::now();
-        let r = http
-            .post(format!("http://{addr}/v1/chat/completions"))
-            .json(&serde_json::json!({"model": "fine", "stream": true, "messages": []}))
-            .send()
-            .await
-            .unwrap();
-        assert!(r.text().await.unwrap().contains("[DONE]"));
+        relay_one(&http, addr).await;
         wait_metric(&http, addr, "the early read", "kvgate_sidecar_load_running", 0.0).await;
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         sc.shutdown().await;

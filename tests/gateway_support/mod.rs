@@ -383,6 +383,22 @@ native_reserve_tokens = 0
         })
     }
 
+    /// The workers of `GET /admin/workers` (empty when the answer has none).
+    pub fn admin_workers(&self) -> Vec<serde_json::Value> {
+        let w = self
+            .admin(reqwest::Method::GET, "/admin/workers", None)
+            .json();
+        w["workers"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Worker `id` of `GET /admin/workers` (`null` when it is not listed).
+    pub fn admin_worker(&self, id: &str) -> serde_json::Value {
+        self.admin_workers()
+            .into_iter()
+            .find(|w| w["id"] == id)
+            .unwrap_or_default()
+    }
+
     /// Waits until `f` holds (polling every 10 ms), panicking after `timeout` with `what`.
     pub fn wait_for(&self, what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         let deadline = Instant::now() + timeout;
