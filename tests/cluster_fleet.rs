@@ -1697,7 +1697,14 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         0,
         json!({"model": "smol", "previous_response_id": away, "input": "Still here?", "max_output_tokens": 3}),
     );
-    assert_eq!(r.status, 200, "{}", r.text());
+    let still = id_of(&r);
+    // Both turns wait in replica 1's write backlog for Redis.
+    c.wait_for(
+        "the turns made while Redis is away wait for it",
+        Duration::from_secs(5),
+        || shared(&c, 0)["pending_writes"] == 2,
+    );
+    assert!(shared(&c, 0)["pending_write_bytes"].as_u64().unwrap() > 0);
     let d = call(&c, 0, reqwest::Method::DELETE, &doomed_path, None, None);
     assert_eq!(d.status, 200, "{}", d.text());
     assert_eq!(
@@ -1731,6 +1738,32 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
     assert_eq!(
         call(&c, 2, reqwest::Method::GET, &doomed_path, None, None).status,
         404
+    );
+    // The two turns replica 1 stored while Redis was away are written there now: replica 2
+    // continues the conversation, whose turns it never saw.
+    c.wait_for("no turn waits for Redis", Duration::from_secs(5), || {
+        shared(&c, 0)["pending_writes"] == 0
+    });
+    assert_eq!(shared(&c, 0)["pending_write_bytes"], 0);
+    let r = ask(
+        &c,
+        1,
+        json!({"model": "smol", "previous_response_id": still, "input": "Yes.", "max_output_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got = call(
+        &c,
+        2,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{still}"),
+        None,
+        None,
+    );
+    assert_eq!(
+        got.json()["previous_response_id"],
+        json!(away),
+        "{}",
+        got.text()
     );
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
@@ -1996,14 +2029,17 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
         || status(&c, 2, &long) == "in_progress",
     );
     assert!(c.gw(0).data.background.get(&long).is_some());
+    let cancel = |c: &Cluster, g: usize, id: &str| {
+        call(
+            c,
+            g,
+            reqwest::Method::POST,
+            &format!("/v1/responses/{id}/cancel"),
+            None,
+        )
+    };
     let t = std::time::Instant::now();
-    let r = call(
-        &c,
-        2,
-        reqwest::Method::POST,
-        &format!("/v1/responses/{long}/cancel"),
-        None,
-    );
+    let r = cancel(&c, 2, &long);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["status"], "cancelled", "{}", r.text());
     println!(
@@ -2125,6 +2161,125 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     assert_eq!(orphan["status"], "failed", "{orphan}");
     assert_eq!(orphan["error"]["code"], "server_error", "{orphan}");
     assert_eq!(status(&c, 1, "resp_alive"), "in_progress");
+    // A cancel whose message replica 1 missed (only its key is in Redis, as when replica 1 was
+    // not subscribed as it was published): replica 1 finds it at its next check.
+    let ask_long = |c: &Cluster, tokens: u64| -> String {
+        let r = call(
+            c,
+            0,
+            reqwest::Method::POST,
+            "/v1/responses",
+            Some(
+                json!({"model": "smol", "input": format!("A long question of {tokens} tokens."),
+                        "max_output_tokens": tokens, "temperature": 0, "background": true}),
+            ),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let id = r.json()["id"].as_str().unwrap().to_owned();
+        c.wait_for(
+            "in progress through replica 2",
+            Duration::from_secs(10),
+            || status(c, 1, &id) == "in_progress",
+        );
+        id
+    };
+    let missed = ask_long(&c, 3000);
+    assert_eq!(
+        redis_command(c.redis.port, &format!("SET kvgate:cancel:{missed} 1")),
+        "+OK"
+    );
+    c.wait_for("replica 1 finds the cancel", Duration::from_secs(5), || {
+        c.gw(0).data.background.get(&missed).is_none()
+    });
+    assert_eq!(
+        status(&c, 0, &missed),
+        "cancelled",
+        "ended by the cancel, not by itself"
+    );
+    c.wait_for(
+        "cancelled through every replica",
+        Duration::from_secs(5),
+        || (0..3).all(|g| status(&c, g, &missed) == "cancelled"),
+    );
+    // A cancel asked through replica 2 while Redis is away waits there, and reaches replica 1
+    // once Redis is back (empty).
+    let cluster_of = |c: &Cluster, g: usize| {
+        c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["stored_responses"]
+            .clone()
+    };
+    let outage = ask_long(&c, 3500);
+    let redis_port = c.redis.port;
+    c.redis.kill();
+    let r = cancel(&c, 1, &outage);
+    // Answered with the record as replica 2 has it (its copy, still running), after its wait.
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["status"], "in_progress", "{}", r.text());
+    c.wait_for(
+        "the cancel waits on replica 2",
+        Duration::from_secs(5),
+        || cluster_of(&c, 1)["pending_cancels"] == 1,
+    );
+    assert!(
+        c.gw(0).data.background.get(&outage).is_some(),
+        "still running on replica 1"
+    );
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    c.wait_for(
+        "replica 1 cancels it once Redis is back",
+        Duration::from_secs(8),
+        || c.gw(0).data.background.get(&outage).is_none(),
+    );
+    assert_eq!(status(&c, 0, &outage), "cancelled");
+    assert_eq!(cluster_of(&c, 1)["pending_cancels"], 0);
+    // One that ends while Redis is away (and comes back empty): replica 1 keeps its last
+    // record for Redis and writes it there once Redis answers, so the other replicas read the
+    // end rather than nothing (or, had Redis kept its data, `in_progress` for as long as
+    // replica 1 lives).
+    let r = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/responses",
+        Some(
+            json!({"model": "smol", "input": "A question asked before an outage.",
+                    "max_output_tokens": 1000, "temperature": 0, "background": true}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let late = r.json()["id"].as_str().unwrap().to_owned();
+    c.wait_for(
+        "in progress through replica 2",
+        Duration::from_secs(10),
+        || status(&c, 1, &late) == "in_progress",
+    );
+    c.redis.kill();
+    c.wait_for("its end on replica 1", Duration::from_secs(30), || {
+        status(&c, 0, &late) == "incomplete"
+    });
+    let pending = |c: &Cluster| cluster_of(c, 0)["pending_writes"].as_u64().unwrap();
+    c.wait_for(
+        "its last record waits for Redis",
+        Duration::from_secs(5),
+        || pending(&c) >= 1,
+    );
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    let ended = |c: &Cluster, g: usize| {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::GET,
+            &format!("/v1/responses/{late}"),
+            None,
+        );
+        r.status == 200 && r.json()["status"] == "incomplete"
+    };
+    c.wait_for(
+        "its end through replicas 2 and 3",
+        Duration::from_secs(10),
+        || ended(&c, 1) && ended(&c, 2),
+    );
+    assert_eq!(pending(&c), 0);
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }

@@ -22,6 +22,7 @@
 //! | `P:responses:bytes` | string, integer | the listed turns' bytes (≤ the budget after each store) | — |
 //! | `P:responses:deleted` | pub/sub channel: a deleted turn's id | every replica drops its copy at once ([`Store::response_deletions`]) | — |
 //! | `P:responses:cancel` | pub/sub channel: a background response's id | the replica running it cancels it ([`Store::cancel_response`]) | — |
+//! | `P:cancel:<id>` | string `1` | a cancel asked for the background response `id`, for the replica running it to find at its next check when it missed the message ([`Store::cancels_asked`]) | `PX` the idle TTL |
 //! | `P:events:<id>` | stream: entry `<n + 1>-0` = event `n` of a streamed background response (field `e`: its SSE text), then one entry with field `end` | another replica resumes its stream from there ([`Store::append_events`], [`Store::events_after`]); at most [`MAX_STREAM_EVENTS`] entries (`MAXLEN ~`) | `PX` [`EVENTS_TTL`] after the last append |
 //! | `P:lead:<block key>` | string `"<replica>\|<worker id>"` | the worker a replica just placed a prompt with this chain key on ([`Store::claim`]) | `PX` the claim TTL |
 //!
@@ -243,6 +244,11 @@ impl Keys {
     /// ([`Store::cancel_response`]).
     pub fn response_cancels(&self) -> String {
         format!("{}:responses:cancel", self.prefix)
+    }
+    /// A background response's cancel, kept for the replica running it
+    /// ([`Store::cancel_response`], [`Store::cancels_asked`]).
+    pub fn response_cancel(&self, id: &str) -> String {
+        format!("{}:cancel:{id}", self.prefix)
     }
 }
 
@@ -767,16 +773,41 @@ impl Store {
         self.messages(self.keys.response_deletions()).await
     }
 
-    /// Asks whichever replica runs the background response `id` to cancel it (one `PUBLISH`
-    /// on `P:responses:cancel`).
-    pub async fn cancel_response(&self, id: &str) -> Result<()> {
+    /// Asks whichever replica runs the background response `id` to cancel it: `P:cancel:<id>`
+    /// set for `ttl`, which that replica's periodic check reads ([`Store::cancels_asked`]: a
+    /// cancel published while it was not subscribed is not lost), and the id published on
+    /// `P:responses:cancel` (at once). One atomic pipeline.
+    pub async fn cancel_response(&self, id: &str, ttl: Duration) -> Result<()> {
         let mut con = self.con.clone();
-        redis::cmd("PUBLISH")
+        redis::pipe()
+            .atomic()
+            .cmd("SET")
+            .arg(self.keys.response_cancel(id))
+            .arg(1)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .ignore()
+            .cmd("PUBLISH")
             .arg(self.keys.response_cancels())
             .arg(id)
-            .query_async::<i64>(&mut con)
+            .ignore()
+            .query_async::<()>(&mut con)
             .await?;
         Ok(())
+    }
+
+    /// Which of the background responses `ids` some replica was asked to cancel
+    /// (`P:cancel:<id>`, [`Store::cancel_response`]): one `EXISTS` each, in one pipeline.
+    pub async fn cancels_asked(&self, ids: &[String]) -> Result<Vec<bool>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut con = self.con.clone();
+        let mut p = redis::pipe();
+        for id in ids {
+            p.cmd("EXISTS").arg(self.keys.response_cancel(id));
+        }
+        Ok(p.query_async::<Vec<bool>>(&mut con).await?)
     }
 
     /// The ids of background responses some replica was asked to cancel, as they are asked

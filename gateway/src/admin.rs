@@ -131,6 +131,9 @@ impl Admin {
             None => json!({"mode": "standalone", "rules_version": version}),
             Some(link) => {
                 let degraded = link.status.degraded.load(Ordering::Relaxed);
+                let shared = self.control.data.shared_responses.load();
+                let (pending_writes, pending_write_bytes) =
+                    shared.as_ref().map_or((0, 0), |s| s.pending_writes());
                 json!({
                     "mode": "cluster",
                     "redis": ::cluster::redact(&link.settings.url),
@@ -146,14 +149,11 @@ impl Admin {
                     "stored_responses": {
                         "bytes_in_redis": link.status.shared_response_bytes.load(Ordering::Relaxed),
                         "budget_bytes": link.settings.response_budget,
-                        "pending_deletes": self
-                            .control
-                            .data
-                            .shared_responses
-                            .load()
-                            .as_ref()
-                            .map_or(0, |s| s.pending_deletes()),
+                        "pending_deletes": shared.as_ref().map_or(0, |s| s.pending_deletes()),
+                        "pending_cancels": shared.as_ref().map_or(0, |s| s.pending_cancels()),
                         "pending_conversation_changes": self.control.data.responses.pending.len(),
+                        "pending_writes": pending_writes,
+                        "pending_write_bytes": pending_write_bytes,
                     },
                 })
             }

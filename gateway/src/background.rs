@@ -157,6 +157,11 @@ impl BackgroundJobs {
             .map(|(j, _)| j.clone())
     }
 
+    /// The ids of those running now.
+    pub fn ids(&self) -> Vec<String> {
+        self.jobs.lock().keys().cloned().collect()
+    }
+
     /// How many run now.
     pub fn len(&self) -> usize {
         self.jobs.lock().len()

@@ -16,8 +16,9 @@
 //!   replicas still follows the first request (the KV events make them precise later).
 //!
 //! - the **responses writer**: the Responses API turns this replica stores are written to Redis
-//!   off the request path (bounded queue; [`SharedResponses`]), and the others' are read there
-//!   when a request continues or reads them.
+//!   off the request path (bounded queue; [`SharedResponses`]; what Redis did not take waits in
+//!   a bounded backlog, [`crate::write_backlog`], and is written once Redis answers), and the
+//!   others' are read there when a request continues or reads them.
 //!
 //! When Redis fails, both loops keep retrying (the connection reconnects, the subscription
 //! backs off 200 ms .. 2 s) and the replica keeps serving with the last rules, registrations and
@@ -38,6 +39,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::control_plane::ControlPlane;
+use crate::write_backlog::{Deferred, WriteBacklog};
 
 /// How to join a cluster.
 #[derive(Clone, Debug)]
@@ -199,27 +201,24 @@ impl ClusterLink {
         if control.data.responses.enabled() {
             let (tx, rx) = tokio::sync::mpsc::channel(RESPONSES_QUEUE);
             let (events, events_rx) = tokio::sync::mpsc::channel(EVENT_QUEUE);
-            let evictions = control.data.metrics.cluster_response_evictions.clone();
-            let shared = Arc::new(SharedResponses {
+            let shared = Arc::new_cyclic(|this| SharedResponses {
+                me: this.clone(),
+                pending_cancels: Mutex::new(HashSet::new()),
                 link: me.clone(),
                 tx,
+                writes: AtomicU64::new(0),
+                backlog: Mutex::new(WriteBacklog::new(responses.max_bytes)),
                 events,
                 ttl: responses.idle_ttl,
                 pending_deletes: Mutex::new(HashSet::new()),
-                evictions: evictions.clone(),
+                evictions: control.data.metrics.cluster_response_evictions.clone(),
             });
             handles.push(handle.spawn(write_events(me.clone(), events_rx)));
             control.data.shared_responses.store(Some(shared.clone()));
-            handles.push(handle.spawn(write_responses(
-                me.clone(),
-                rx,
-                responses.idle_ttl,
-                evictions,
-            )));
-            handles.push(handle.spawn(retry_deletes(me.clone(), shared.clone())));
-            handles.push(handle.spawn(retry_conversations(me.clone(), shared, weak.clone())));
+            handles.push(handle.spawn(write_responses(me.clone(), shared.clone(), rx)));
             handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
             handles.push(handle.spawn(receive_cancels(me.clone(), weak.clone())));
+            handles.push(handle.spawn(redo_deferred(me.clone(), shared, weak.clone())));
         }
         handles.push(handle.spawn(receive_holdings(me, weak)));
         self.handles.lock().extend(handles);
@@ -370,8 +369,8 @@ impl Claims {
 const HOLDINGS_QUEUE: usize = 1024;
 
 /// Publishes this replica's routing-time holdings, one `PUBLISH` each, in order.
-/// Stored turns waiting to be written to Redis; more are dropped (each replica keeps its own
-/// copy: a dropped turn is continued only through the replica that stored it).
+/// Stored turns waiting to be written to Redis; more wait in the write backlog
+/// ([`crate::write_backlog`]) and are written once the writer catches up.
 const RESPONSES_QUEUE: usize = 1024;
 
 /// The longest a request waits for one read of stored responses in Redis before going on with
@@ -383,28 +382,44 @@ pub const SHARED_RESPONSES_TIMEOUT: Duration = Duration::from_millis(500);
 /// reads or deletes one. Reads renew the key's TTL (the idle TTL), as a local read does.
 pub struct SharedResponses {
     link: Arc<ClusterLink>,
-    tx: tokio::sync::mpsc::Sender<Arc<crate::response_store::StoredResponse>>,
+    /// Turns to write, each with its write's sequence number ([`Self::writes`]).
+    tx: tokio::sync::mpsc::Sender<(u64, Arc<crate::response_store::StoredResponse>)>,
+    /// The last write's sequence number.
+    writes: AtomicU64,
+    /// Writes Redis did not take (it did not answer, or the queue was full), tried again by
+    /// [`write_responses`] while Redis answers.
+    backlog: Mutex<WriteBacklog>,
     /// Streamed background responses' events to mirror ([`write_events`]).
     events: tokio::sync::mpsc::Sender<EventBatch>,
     ttl: Duration,
-    /// Deletions made while Redis did not answer, written there by [`retry_deletes`] once it
+    /// Deletions made while Redis did not answer, written there by [`redo_deferred`] once it
     /// does (so that a turn deleted during an outage does not come back from Redis, or from
     /// another replica's copy); meanwhile this replica reads them as deleted. At most
     /// [`MAX_PENDING_DELETES`].
     pending_deletes: Mutex<HashSet<String>>,
     /// Records evicted from Redis to make room (`cluster_response_evictions_total`).
     evictions: prometheus_client::metrics::counter::Counter,
+    /// Cancels asked through this replica that Redis did not take, written by
+    /// [`redo_deferred`] once it does. At most [`MAX_PENDING_CANCELS`].
+    pending_cancels: Mutex<HashSet<String>>,
+    /// Itself, for the tasks [`crate::response_store::SharedTurns::cancel`] spawns.
+    me: Weak<SharedResponses>,
 }
 
 /// Deletions kept for Redis while it does not answer; more are made on this replica only
 /// (logged).
 pub const MAX_PENDING_DELETES: usize = 65_536;
 
-/// How often pending deletions are tried again.
-const DELETE_RETRY: Duration = Duration::from_millis(500);
+/// Cancels of background responses other replicas run, kept while Redis does not answer; more
+/// are dropped (logged).
+pub const MAX_PENDING_CANCELS: usize = 4096;
+
+/// How often what waits for Redis (deletions, cancels, conversation changes, stored turns) is
+/// tried again, and running background responses are checked for cancels.
+const REDO_PERIOD: Duration = Duration::from_millis(500);
 
 impl SharedResponses {
-    /// Keeps a deletion Redis did not take, for [`retry_deletes`].
+    /// Keeps a deletion Redis did not take, for [`redo_deferred`].
     fn defer_delete(&self, id: &str) {
         let mut pending = self.pending_deletes.lock();
         if pending.len() < MAX_PENDING_DELETES {
@@ -417,6 +432,101 @@ impl SharedResponses {
     /// Deletions waiting for Redis.
     pub fn pending_deletes(&self) -> usize {
         self.pending_deletes.lock().len()
+    }
+
+    /// Cancels waiting for Redis.
+    pub fn pending_cancels(&self) -> usize {
+        self.pending_cancels.lock().len()
+    }
+
+    /// Asks the replica running the background response `id` to cancel it (through Redis);
+    /// whether Redis took the cancel.
+    async fn ask_cancel(&self, id: &str) -> bool {
+        let Some(store) = self.store() else {
+            return false;
+        };
+        let ask = store.cancel_response(id, self.ttl);
+        match tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, ask).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, %id, "background cancel not taken by Redis yet");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Keeps a cancel Redis did not take, for [`redo_deferred`].
+    fn defer_cancel(&self, id: &str) {
+        let mut pending = self.pending_cancels.lock();
+        if pending.len() < MAX_PENDING_CANCELS {
+            pending.insert(id.to_owned());
+        } else {
+            tracing::warn!(
+                id,
+                "stored responses: too many cancels wait for Redis; this one is dropped"
+            );
+        }
+    }
+
+    /// Stored turns waiting for Redis: how many, and their bytes.
+    pub fn pending_writes(&self) -> (usize, usize) {
+        let b = self.backlog.lock();
+        (b.len(), b.bytes())
+    }
+
+    /// Keeps write `seq` of `turn` for [`write_responses`] to try again.
+    fn defer_write(&self, seq: u64, turn: &Arc<crate::response_store::StoredResponse>) {
+        if self.backlog.lock().defer(seq, turn) == Deferred::Full {
+            tracing::warn!(id = %turn.id, "stored responses: too many turns wait for Redis; this one is kept on this replica only");
+        }
+    }
+
+    /// Writes `turn` (write `seq`) to Redis, or keeps it for a later try; whether it landed.
+    async fn write(&self, seq: u64, turn: &Arc<crate::response_store::StoredResponse>) -> bool {
+        if self.backlog.lock().supersedes(&turn.id, seq) {
+            // A newer write of it waits in the backlog: that one is made instead.
+            return true;
+        }
+        // Deleted here while Redis was away: the deletion is written instead
+        // ([`redo_deferred`]), and Redis's `deleted` marker stops any later write.
+        if self.pending_deletes.lock().contains(&turn.id) {
+            self.backlog.lock().landed(&turn.id, seq);
+            return true;
+        }
+        let Some(store) = self.store() else {
+            self.defer_write(seq, turn);
+            return false;
+        };
+        let (json, now) = (turn.to_json(), receipts::now_ms());
+        let budget = self.link.settings.response_budget;
+        let put = async {
+            if turn.background() {
+                store
+                    .replace_response(&turn.id, &json, self.ttl, budget, now)
+                    .await
+            } else {
+                store
+                    .put_response(&turn.id, &json, self.ttl, budget, now)
+                    .await
+            }
+        };
+        match tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, put).await {
+            Ok(Ok(evicted)) => {
+                self.evictions.inc_by(evicted.unwrap_or(0));
+                self.backlog.lock().landed(&turn.id, seq);
+                true
+            }
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "no answer in time".to_owned(),
+                };
+                tracing::debug!(%error, id = %turn.id, "stored response not shared yet; kept for a later try");
+                self.defer_write(seq, turn);
+                false
+            }
+        }
     }
 
     /// Writes the deletion of `id` (the `deleted` marker): whether a turn was there, `None`
@@ -498,7 +608,12 @@ impl crate::response_store::SharedTurns for SharedResponses {
     }
 
     fn publish(&self, turn: &Arc<crate::response_store::StoredResponse>) {
-        let _ = self.tx.try_send(turn.clone());
+        let seq = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Err(tokio::sync::mpsc::error::TrySendError::Full((seq, turn))) =
+            self.tx.try_send((seq, turn.clone()))
+        {
+            self.defer_write(seq, &turn);
+        }
     }
 
     fn publish_events(&self, id: &str, first: u64, events: Vec<String>, end: bool) {
@@ -523,13 +638,12 @@ impl crate::response_store::SharedTurns for SharedResponses {
     }
 
     fn cancel(&self, id: &str) {
-        let (link, id) = (self.link.clone(), id.to_owned());
-        // One PUBLISH, off the request path; the caller waits for the record, not for this.
+        let Some(me) = self.me.upgrade() else { return };
+        let id = id.to_owned();
+        // One round trip, off the request path; the caller waits for the record, not for this.
         tokio::spawn(async move {
-            if let Some(store) = link.store() {
-                if let Err(e) = store.cancel_response(&id).await {
-                    tracing::debug!(error = %e, %id, "background cancel not published");
-                }
+            if !me.ask_cancel(&id).await {
+                me.defer_cancel(&id);
             }
         });
     }
@@ -613,35 +727,14 @@ async fn receive_deletions(link: Arc<ClusterLink>, control: Weak<ControlPlane>) 
     .await
 }
 
-/// Writes the deletions made while Redis did not answer, every [`DELETE_RETRY`] while any wait
-/// and Redis is reachable, until the link is cancelled.
-async fn retry_deletes(link: Arc<ClusterLink>, shared: Arc<SharedResponses>) {
-    loop {
-        tokio::select! {
-            _ = link.cancel.cancelled() => return,
-            _ = tokio::time::sleep(DELETE_RETRY) => {}
-        }
-        let ids: Vec<String> = shared.pending_deletes.lock().iter().cloned().collect();
-        if ids.is_empty() {
-            continue;
-        }
-        let Some(store) = shared.store() else {
-            continue;
-        };
-        for id in ids {
-            if shared.retire(&store, &id).await.is_none() {
-                break;
-            }
-            shared.pending_deletes.lock().remove(&id);
-            tracing::info!(id = %id, "stored responses: a deletion made while Redis was away written there");
-        }
-    }
-}
-
-/// Makes the conversation changes made while Redis did not answer there
-/// ([`crate::conversation::retry`]), every [`DELETE_RETRY`] while any wait and Redis is
-/// reachable, until the link is cancelled.
-async fn retry_conversations(
+/// Every [`REDO_PERIOD`] while Redis answers, until the link is cancelled: makes in Redis what
+/// this replica could not make there when it was asked (Redis away) — deletions, then cancels,
+/// then conversation changes ([`crate::conversation::retry`]) — and cancels the background
+/// responses this replica runs that some replica was asked to cancel (`P:cancel:<id>`): a
+/// cancel whose message this replica missed (it was not subscribed: a reconnect, Redis
+/// restarted) is found here (one `EXISTS` per running response, in one pipeline, only while
+/// some run).
+async fn redo_deferred(
     link: Arc<ClusterLink>,
     shared: Arc<SharedResponses>,
     control: Weak<ControlPlane>,
@@ -649,15 +742,46 @@ async fn retry_conversations(
     loop {
         tokio::select! {
             _ = link.cancel.cancelled() => return,
-            _ = tokio::time::sleep(DELETE_RETRY) => {}
+            _ = tokio::time::sleep(REDO_PERIOD) => {}
         }
         let Some(c) = control.upgrade() else {
             return;
         };
-        if c.data.responses.pending.is_empty() || shared.store().is_none() {
+        let Some(store) = shared.store() else {
+            continue;
+        };
+        let deletes: Vec<String> = shared.pending_deletes.lock().iter().cloned().collect();
+        for id in deletes {
+            if shared.retire(&store, &id).await.is_none() {
+                break;
+            }
+            shared.pending_deletes.lock().remove(&id);
+            tracing::info!(%id, "stored responses: a deletion made while Redis was away written there");
+        }
+        let cancels: Vec<String> = shared.pending_cancels.lock().iter().cloned().collect();
+        for id in cancels {
+            if !shared.ask_cancel(&id).await {
+                break;
+            }
+            shared.pending_cancels.lock().remove(&id);
+            tracing::info!(%id, "background cancel asked while Redis was away written there");
+        }
+        if !c.data.responses.pending.is_empty() {
+            crate::conversation::retry(&c.data.responses, shared.as_ref()).await;
+        }
+        let running = c.data.background.ids();
+        if running.is_empty() {
             continue;
         }
-        crate::conversation::retry(&c.data.responses, shared.as_ref()).await;
+        let asked = store.cancels_asked(&running);
+        let Ok(Ok(asked)) = tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, asked).await else {
+            continue;
+        };
+        for (id, _) in running.iter().zip(asked).filter(|(_, a)| *a) {
+            if c.data.background.cancel(&c.data, id) {
+                tracing::info!(%id, "background response cancelled: a cancel found in Redis");
+            }
+        }
     }
 }
 
@@ -711,34 +835,44 @@ async fn write_events(link: Arc<ClusterLink>, rx: tokio::sync::mpsc::Receiver<Ev
 
 /// Writes the turns this replica stored to Redis, in order, within the replicas' budget
 /// (`ClusterSettings::response_budget`); the turns that made room are counted in `evictions`.
+/// Writes the turns this replica stores to Redis, in order, until the link is cancelled; every
+/// [`REDO_PERIOD`], while Redis answers, the backlog's too (oldest first, stopping at the
+/// first that fails). One task makes every write of this replica's turns, so an older write of
+/// an id never lands after a newer one.
 async fn write_responses(
     link: Arc<ClusterLink>,
-    rx: tokio::sync::mpsc::Receiver<Arc<crate::response_store::StoredResponse>>,
-    ttl: Duration,
-    evictions: prometheus_client::metrics::counter::Counter,
+    shared: Arc<SharedResponses>,
+    mut rx: tokio::sync::mpsc::Receiver<(u64, Arc<crate::response_store::StoredResponse>)>,
 ) {
-    let budget = link.settings.response_budget;
-    drain_to_store(link, rx, |store, t| {
-        let evictions = evictions.clone();
-        async move {
-            // Lost, the turn is continued only through this replica; the sync loop reports the
-            // store's state.
-            let (json, now) = (t.to_json(), receipts::now_ms());
-            let put = if t.background() {
-                store.replace_response(&t.id, &json, ttl, budget, now).await
-            } else {
-                store.put_response(&t.id, &json, ttl, budget, now).await
-            };
-            match put {
-                Ok(Some(evicted)) => {
-                    evictions.inc_by(evicted);
+    let mut retry = tokio::time::interval(REDO_PERIOD);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = link.cancel.cancelled() => return,
+            item = rx.recv() => {
+                let Some((seq, turn)) = item else { return };
+                shared.write(seq, &turn).await;
+            }
+            _ = retry.tick() => {
+                if shared.backlog.lock().is_empty() || shared.store().is_none() {
+                    continue;
                 }
-                Ok(None) => {}
-                Err(e) => tracing::debug!(error = %e, id = %t.id, "stored response not shared"),
+                let waiting = shared.backlog.lock().waiting();
+                let n = waiting.len();
+                let mut written = 0;
+                for (seq, turn) in waiting {
+                    if !shared.write(seq, &turn).await {
+                        break;
+                    }
+                    written += 1;
+                }
+                if written > 0 {
+                    tracing::info!(written, of = n, "stored responses: turns kept while Redis was away written there");
+                }
             }
         }
-    })
-    .await
+    }
 }
 
 async fn publish_holdings(

@@ -47,6 +47,7 @@ pub mod route;
 pub mod supervisor;
 pub mod upstream;
 pub mod view;
+pub mod write_backlog;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpStream};

@@ -658,7 +658,8 @@ pub trait SharedTurns: Send + Sync {
     /// The turns `ids`, in order: read whole where `whole[i]`, else only probed
     /// ([`Shared::Present`] rather than [`Shared::Kept`]).
     async fn fetch(&self, ids: &[String], whole: &[bool]) -> Option<Vec<Shared>>;
-    /// Shares a turn this replica stored (never waits: a full queue drops it).
+    /// Shares a turn this replica stored (never waits: what the shared store cannot take now
+    /// is kept for a later try, within a bound).
     fn publish(&self, turn: &Arc<StoredResponse>);
     /// Deletes a turn everywhere; whether the shared store had it.
     async fn delete(&self, id: &str) -> Option<bool>;
