@@ -237,6 +237,18 @@ pub async fn run_transport(
     rate: u64,
     seconds: u64,
 ) -> anyhow::Result<ExitCode> {
+    transport_figures(n, replicas, rate, seconds)
+        .await
+        .map(|_| ExitCode::SUCCESS)
+}
+
+/// [`run_transport`]'s figures: SSE's, then Redis Streams'.
+async fn transport_figures(
+    n: usize,
+    replicas: usize,
+    rate: u64,
+    seconds: u64,
+) -> anyhow::Result<[super::transport::TransportFigures; 2]> {
     let model_path =
         std::fs::canonicalize(default_model_path()).unwrap_or_else(|_| default_model_path());
     let profile = PromptProfile::from_gguf(&model_path).with_context(|| {
@@ -269,7 +281,7 @@ pub async fn run_transport(
     for w in workers {
         w.shutdown().await;
     }
-    result.map(|()| ExitCode::SUCCESS)
+    result
 }
 
 /// `gateways` replicas (cluster mode on `cluster` = (Redis URL, key prefix) when more than
@@ -849,4 +861,24 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both transports carry every event of a small run to every replica (real simulated
+    /// workers' SSE feeds, a real `redis-server`), and the replicas' CPU is a part of the
+    /// process's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn both_event_transports_deliver_every_event_to_every_replica() {
+        let [sse, redis] = transport_figures(2, 2, 20, 1).await.unwrap();
+        for f in [&sse, &redis] {
+            assert_eq!(f.expected, 2 * 20 * 2, "{f:?}");
+            assert_eq!(f.delivered, f.expected, "{f:?}");
+            assert!(f.p50 > 0.0 && f.p50 <= f.p99 && f.p99 <= f.max, "{f:?}");
+            assert!(f.cpu_consumers <= f.cpu_self + 0.011, "{f:?}");
+        }
+        assert_eq!((sse.connections, redis.connections), (4, 4));
+    }
 }

@@ -18,7 +18,11 @@
 //! events a second for the run's seconds. A delivery's latency = the time the consumer has
 //! parsed it − the time its producer published it. CPU = this process's user + system time
 //! (producers, the workers' SSE handlers, consumers) plus `redis-server`'s, from
-//! `/proc/<pid>/stat`, over the run.
+//! `/proc/<pid>/stat`, over the run. The consumers (the replicas' side: their connections,
+//! reading and parsing) run on a runtime of their own, [`CONSUMER_THREADS`] threads named
+//! [`CONSUMER_THREAD`], whose CPU is also given alone (`/proc/self/task/<tid>/stat` of the
+//! threads of that name): what a replica pays per event it hears, apart from what the workers
+//! (their SSE handlers, G copies of each event) or Redis (the fan-out) pay.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -61,6 +65,8 @@ pub struct TransportFigures {
     /// CPU seconds of this process and of `redis-server` over the run.
     pub cpu_self: f64,
     pub cpu_redis: f64,
+    /// CPU seconds of the consumers' threads alone (part of `cpu_self`).
+    pub cpu_consumers: f64,
     /// TCP connections the transport holds open.
     pub connections: usize,
 }
@@ -69,6 +75,39 @@ impl TransportFigures {
     fn cpu_per_delivery_us(&self) -> f64 {
         (self.cpu_self + self.cpu_redis) / self.delivered.max(1) as f64 * 1e6
     }
+
+    /// The consumers' CPU per delivery: what the replicas pay.
+    fn consumer_cpu_per_delivery_us(&self) -> f64 {
+        self.cpu_consumers / self.delivered.max(1) as f64 * 1e6
+    }
+}
+
+/// The consumers' threads: their name (15 bytes, the most a Linux thread name keeps) and count.
+pub const CONSUMER_THREAD: &str = "kvgate-consumer";
+pub const CONSUMER_THREADS: usize = 2;
+
+/// The runtime the consumers run on (see the module doc).
+fn consumer_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(CONSUMER_THREADS)
+        .thread_name(CONSUMER_THREAD)
+        .enable_all()
+        .build()
+        .context("starting the consumers' runtime")
+}
+
+/// User + system CPU seconds of this process's threads named `name`.
+fn threads_cpu_seconds(name: &str) -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .map(|t| cpu_seconds(&format!("self/task/{}", t.file_name().to_string_lossy())))
+        .sum()
 }
 
 /// User + system CPU seconds of process `pid` ("self" for this one), from `/proc/<pid>/stat`
@@ -193,7 +232,7 @@ fn figures(
     expected: u64,
     delivered: u64,
     lat: &Latencies,
-    cpu: (f64, f64),
+    cpu: (f64, f64, f64),
     connections: usize,
 ) -> TransportFigures {
     let mut l = std::mem::take(&mut *lat.lock().unwrap_or_else(|e| e.into_inner()));
@@ -207,6 +246,7 @@ fn figures(
         max: l.last().copied().unwrap_or(f64::NAN),
         cpu_self: cpu.0,
         cpu_redis: cpu.1,
+        cpu_consumers: cpu.2,
         connections,
     }
 }
@@ -234,6 +274,7 @@ async fn run_sse(
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(args.replicas)
         .build()?;
+    let rt = consumer_runtime()?;
     let mut consumers = tokio::task::JoinSet::new();
     for _ in 0..args.replicas {
         for (w, worker) in workers.iter().enumerate() {
@@ -246,7 +287,7 @@ async fn run_sse(
                 connected.clone(),
             );
             let base = bases[w];
-            consumers.spawn(async move {
+            let consumer = async move {
                 let resp = client.get(&url).send().await?.error_for_status()?;
                 connected.fetch_add(1, Ordering::Relaxed);
                 let mut events = eventsource_stream::Eventsource::eventsource(resp.bytes_stream());
@@ -261,7 +302,8 @@ async fn run_sse(
                     }
                 }
                 anyhow::Ok(())
-            });
+            };
+            consumers.spawn_on(consumer, rt.handle());
         }
     }
     let all = (args.replicas * workers.len()) as u64;
@@ -274,7 +316,7 @@ async fn run_sse(
     }
     // Let the snapshots (a `cleared` envelope per subscription) pass.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let cpu0 = cpu_seconds("self");
+    let (cpu0, consumers0) = (cpu_seconds("self"), threads_cpu_seconds(CONSUMER_THREAD));
     let feeds: Arc<Vec<engine::kv::KvEventFeed>> =
         Arc::new(workers.iter().map(|w| w.engine().kv_events()).collect());
     produce(workers.len(), args.rate, per_worker, start, sent.clone(), {
@@ -290,15 +332,20 @@ async fn run_sse(
     .await?;
     let expected = (per_worker * workers.len() * args.replicas) as u64;
     drain(&delivered, expected, Duration::from_secs(5)).await;
-    let cpu = cpu_seconds("self") - cpu0;
+    let cpu = (
+        cpu_seconds("self") - cpu0,
+        0.0,
+        threads_cpu_seconds(CONSUMER_THREAD) - consumers0,
+    );
     consumers.abort_all();
     while consumers.join_next().await.is_some() {}
+    rt.shutdown_background();
     Ok(figures(
         "sse",
         expected,
         delivered.load(Ordering::Relaxed),
         &lat,
-        (cpu, 0.0),
+        cpu,
         args.replicas * workers.len(),
     ))
 }
@@ -351,14 +398,17 @@ async fn run_redis(args: &TransportRun) -> anyhow::Result<TransportFigures> {
     let lat: Latencies = Arc::default();
     let delivered = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
+    let rt = consumer_runtime()?;
     let mut consumers = tokio::task::JoinSet::new();
     for _ in 0..args.replicas {
-        let mut con = client
-            .get_multiplexed_async_connection()
-            .await
-            .context("connecting to redis-server")?;
         let (sent, lat, delivered) = (sent.clone(), lat.clone(), delivered.clone());
-        consumers.spawn(async move {
+        let client = client.clone();
+        let consumer = async move {
+            // Connected here, so that its I/O runs on the consumers' runtime.
+            let mut con = client
+                .get_multiplexed_async_connection()
+                .await
+                .context("connecting to redis-server")?;
             // Every stream from its beginning ("0"), then from the last id read.
             let mut ids: Vec<String> = vec!["0".into(); n];
             loop {
@@ -392,7 +442,8 @@ async fn run_redis(args: &TransportRun) -> anyhow::Result<TransportFigures> {
             }
             #[allow(unreachable_code)]
             anyhow::Ok(())
-        });
+        };
+        consumers.spawn_on(consumer, rt.handle());
     }
     let mut producers = Vec::with_capacity(n);
     for _ in 0..n {
@@ -400,7 +451,11 @@ async fn run_redis(args: &TransportRun) -> anyhow::Result<TransportFigures> {
     }
     let producers = Arc::new(producers);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (cpu0, redis0) = (cpu_seconds("self"), cpu_seconds(&pid));
+    let (cpu0, redis0, consumers0) = (
+        cpu_seconds("self"),
+        cpu_seconds(&pid),
+        threads_cpu_seconds(CONSUMER_THREAD),
+    );
     produce(n, args.rate, per_worker, start, sent.clone(), {
         let producers = producers.clone();
         move |w, i, e| {
@@ -429,9 +484,14 @@ async fn run_redis(args: &TransportRun) -> anyhow::Result<TransportFigures> {
     .await?;
     let expected = (per_worker * n * args.replicas) as u64;
     drain(&delivered, expected, Duration::from_secs(5)).await;
-    let cpu = (cpu_seconds("self") - cpu0, cpu_seconds(&pid) - redis0);
+    let cpu = (
+        cpu_seconds("self") - cpu0,
+        cpu_seconds(&pid) - redis0,
+        threads_cpu_seconds(CONSUMER_THREAD) - consumers0,
+    );
     consumers.abort_all();
     while consumers.join_next().await.is_some() {}
+    rt.shutdown_background();
     Ok(figures(
         "redis-stream",
         expected,
@@ -442,8 +502,11 @@ async fn run_redis(args: &TransportRun) -> anyhow::Result<TransportFigures> {
     ))
 }
 
-/// Runs both transports (SSE first, on `workers`) and prints one table.
-pub async fn run(args: &TransportRun, workers: &[RunningWorker]) -> anyhow::Result<()> {
+/// Runs both transports (SSE first, on `workers`), prints one table and gives both figures.
+pub async fn run(
+    args: &TransportRun,
+    workers: &[RunningWorker],
+) -> anyhow::Result<[TransportFigures; 2]> {
     println!(
         "KV event transport: {} workers × {} events/s × {} s ({} keys each), {} replicas",
         args.workers, args.rate, args.seconds, KEYS_PER_EVENT, args.replicas
@@ -451,7 +514,7 @@ pub async fn run(args: &TransportRun, workers: &[RunningWorker]) -> anyhow::Resu
     let sse = run_sse(args, workers).await?;
     let redis = run_redis(args).await?;
     println!(
-        "{:<13} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>6}",
+        "{:<13} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>12} {:>6}",
         "transport",
         "delivered",
         "expected",
@@ -461,11 +524,13 @@ pub async fn run(args: &TransportRun, workers: &[RunningWorker]) -> anyhow::Resu
         "cpu_s",
         "redis_s",
         "cpu_us/dlv",
+        "consum_s",
+        "consum_us/dlv",
         "conns"
     );
     for f in [&sse, &redis] {
         println!(
-            "{:<13} {:>10} {:>10} {:>9.3} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>12.1} {:>6}",
+            "{:<13} {:>10} {:>10} {:>9.3} {:>9.3} {:>9.3} {:>9.2} {:>9.2} {:>12.1} {:>9.2} {:>12.1} {:>6}",
             f.transport,
             f.delivered,
             f.expected,
@@ -475,14 +540,51 @@ pub async fn run(args: &TransportRun, workers: &[RunningWorker]) -> anyhow::Resu
             f.cpu_self,
             f.cpu_redis,
             f.cpu_per_delivery_us(),
+            f.cpu_consumers,
+            f.consumer_cpu_per_delivery_us(),
             f.connections
         );
     }
     println!(
-        "  ratios redis-stream / sse: p50 {:.2}, p99 {:.2}, CPU per delivery {:.2}",
+        "  ratios redis-stream / sse: p50 {:.2}, p99 {:.2}, CPU per delivery {:.2}, consumers' CPU per delivery {:.2}",
         redis.p50 / sse.p50,
         redis.p99 / sse.p99,
-        redis.cpu_per_delivery_us() / sse.cpu_per_delivery_us()
+        redis.cpu_per_delivery_us() / sse.cpu_per_delivery_us(),
+        redis.consumer_cpu_per_delivery_us() / sse.consumer_cpu_per_delivery_us()
     );
-    Ok(())
+    Ok([sse, redis])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU of threads of one name is theirs alone: a thread that spins shows; a name no
+    /// thread has shows nothing.
+    #[test]
+    fn threads_are_counted_by_name() {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spinning = stop.clone();
+        let t = std::thread::Builder::new()
+            .name("kvgate-cputest".into())
+            .spawn(move || {
+                let mut x = 0u64;
+                while !spinning.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                }
+                x
+            })
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while threads_cpu_seconds("kvgate-cputest") < 0.05 {
+            assert!(
+                Instant::now() < deadline,
+                "a spinning thread's CPU never showed"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap();
+        assert_eq!(threads_cpu_seconds("kvgate-no-such"), 0.0);
+    }
 }
