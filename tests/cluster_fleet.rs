@@ -1705,6 +1705,17 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         || shared(&c, 0)["pending_writes"] == 2,
     );
     assert!(shared(&c, 0)["pending_write_bytes"].as_u64().unwrap() > 0);
+    let waiting = |c: &Cluster, what: &str| -> String {
+        let m = c.admin(0, reqwest::Method::GET, "/metrics", None);
+        let text = String::from_utf8_lossy(&m.body).to_string();
+        gateway_support::promtool_check(&text, "a replica's /metrics while Redis is away");
+        let series = format!("kvgate_gateway_cluster_waiting_for_redis{{what=\"{what}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .unwrap_or_else(|| panic!("no {series}in {text}"))
+            .to_owned()
+    };
+    assert_eq!(waiting(&c, "turns"), "2");
     let d = call(&c, 0, reqwest::Method::DELETE, &doomed_path, None, None);
     assert_eq!(d.status, 200, "{}", d.text());
     assert_eq!(
@@ -1717,6 +1728,7 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         200
     );
     assert_eq!(shared(&c, 0)["pending_deletes"], 1);
+    assert_eq!(waiting(&c, "deletions"), "1");
     // Redis back (empty: it keeps nothing on disk here). Replica 1 writes the deletion it
     // made meanwhile, and replica 2 drops its copy at its next read.
     c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
@@ -1745,6 +1757,8 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         shared(&c, 0)["pending_writes"] == 0
     });
     assert_eq!(shared(&c, 0)["pending_write_bytes"], 0);
+    assert_eq!(waiting(&c, "turns"), "0");
+    assert_eq!(waiting(&c, "deletions"), "0");
     let r = ask(
         &c,
         1,

@@ -248,6 +248,20 @@ impl DataPlane {
         self.metrics
             .background_responses
             .set(i64::try_from(self.background.len()).unwrap_or(i64::MAX));
+        if let Some(shared) = self.shared_responses.load().as_ref() {
+            let waiting = [
+                ("turns", shared.pending_writes().0),
+                ("deletions", shared.pending_deletes()),
+                ("cancels", shared.pending_cancels()),
+                ("conversation_changes", self.responses.pending.len()),
+            ];
+            for (what, n) in waiting {
+                self.metrics
+                    .cluster_waiting_for_redis
+                    .get_or_create(&crate::metrics::WaitingLabels { what })
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
         let view = self.views.load();
         for t in view.tenants.values() {
             self.metrics

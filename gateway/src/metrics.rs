@@ -94,6 +94,13 @@ pub struct ClaimLabels {
     pub outcome: String,
 }
 
+/// Labels of the gauge of what waits for Redis (cluster mode): `turns` (stored turns and
+/// background records), `deletions`, `cancels`, `conversation_changes`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WaitingLabels {
+    pub what: &'static str,
+}
+
 /// Labels of a per-worker gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabels {
@@ -166,6 +173,7 @@ pub struct Metrics {
     pub cluster_response_evictions: Counter,
     /// Cluster mode: the replicas' stored responses in Redis, bytes, at the last sync.
     pub cluster_stored_response_bytes: Gauge,
+    pub cluster_waiting_for_redis: Family<WaitingLabels, Gauge>,
     /// Cluster mode: 1 while the shared store is unreachable (serving on the last rules,
     /// registrations and local load), else 0.
     pub cluster_degraded: Gauge,
@@ -439,6 +447,12 @@ impl Metrics {
             "Cluster mode: bytes of the replicas' stored responses in Redis (all replicas together, bounded by --cluster-response-mb), read at each sync",
             cluster_stored_response_bytes.clone(),
         );
+        let cluster_waiting_for_redis = Family::<WaitingLabels, Gauge>::default();
+        registry.register(
+            "cluster_waiting_for_redis",
+            "Cluster mode: what this replica made while Redis did not take it, waiting to be written there once Redis answers (what: turns, deletions, cancels, conversation_changes)",
+            cluster_waiting_for_redis.clone(),
+        );
         let access_log_dropped = Counter::default();
         registry.register(
             "access_log_dropped",
@@ -482,6 +496,7 @@ impl Metrics {
             response_store_save_failures,
             cluster_response_evictions,
             cluster_stored_response_bytes,
+            cluster_waiting_for_redis,
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,
