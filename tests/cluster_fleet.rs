@@ -2128,6 +2128,73 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
         .as_str()
         .unwrap();
     assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), text);
+    // A streamed one whose mirror missed events while Redis took no writes (paused): replica 1
+    // fills the gap from its own log once Redis takes them again, so a resume through replica
+    // 2 from before the pause still gets every event.
+    let first: Vec<serde_json::Value> = c.rt.block_on(async {
+        let url = format!("http://{}/v1/responses", c.gw(0).listen_addr);
+        let body = json!({"model": "smol", "input": "A streamed question, paused.",
+                          "max_output_tokens": 1200, "temperature": 0,
+                          "background": true, "stream": true});
+        let mut r = c.http.post(url).json(&body).send().await.unwrap();
+        let mut text = String::new();
+        loop {
+            let chunk = r.chunk().await.unwrap().expect("the stream ended early");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            if let Some(whole) = text.rfind("\n\n") {
+                let events = data_of(&text[..whole]);
+                if events.len() >= 8 {
+                    return events;
+                }
+            }
+        }
+    });
+    let paused = first[0]["response"]["id"].as_str().unwrap().to_owned();
+    let cursor = first.last().unwrap()["sequence_number"].as_u64().unwrap();
+    assert_eq!(
+        redis_command(c.redis.port, "CLIENT PAUSE 1500 WRITE"),
+        "+OK"
+    );
+    let gaps = |c: &Cluster| {
+        c.admin(0, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["stored_responses"]["stream_mirror_gaps"]
+            .as_u64()
+            .unwrap()
+    };
+    c.wait_for("a gap in the mirror", Duration::from_secs(5), || {
+        gaps(&c) == 1
+    });
+    assert!(
+        c.gw(0).data.background.get(&paused).is_some(),
+        "still running on replica 1"
+    );
+    c.wait_for("the gap filled", Duration::from_secs(10), || gaps(&c) == 0);
+    c.wait_for("its end on replica 1", Duration::from_secs(20), || {
+        c.gw(0).data.background.get(&paused).is_none()
+    });
+    let r = call(
+        &c,
+        1,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{paused}?stream=true&starting_after={cursor}"),
+        None,
+    );
+    let rest = data_of(&r.text());
+    assert_eq!(rest[0]["sequence_number"], cursor + 1, "{}", r.text());
+    for w in rest.windows(2) {
+        assert_eq!(
+            w[1]["sequence_number"].as_u64(),
+            w[0]["sequence_number"].as_u64().map(|n| n + 1),
+            "{}",
+            r.text()
+        );
+    }
+    let last = rest.last().unwrap();
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    let text = last["response"]["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), text);
     // A background response not streamed, resumed through another replica: its final event.
     let quiet = start(&c, 0, 4);
     c.wait_for("the quiet one's end", Duration::from_secs(10), || {
@@ -2296,6 +2363,86 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     assert_eq!(pending(&c), 0);
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
+}
+
+/// A stream mirror's append is idempotent: events the stream already has are skipped (a
+/// write made again after its outcome was not known, a gap filled from an earlier event), the
+/// end marker follows the last event once, and a batch past a hole is written after it.
+#[test]
+fn stream_mirror_appends_skip_what_the_stream_has() {
+    let (rt, _redis, store) = fresh_store("mirror");
+    let texts = |r: std::ops::Range<u64>| -> Vec<String> { r.map(|n| format!("e{n}")).collect() };
+    rt.block_on(async {
+        assert_eq!(
+            store
+                .append_events("r", 0, &texts(0..4), false)
+                .await
+                .unwrap(),
+            4
+        );
+        // 2..6 again from 2: only 4 and 5 are new.
+        assert_eq!(
+            store
+                .append_events("r", 2, &texts(2..6), false)
+                .await
+                .unwrap(),
+            2
+        );
+        // The whole log again, ended: only the end marker.
+        assert_eq!(
+            store
+                .append_events("r", 0, &texts(0..6), true)
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(
+            store
+                .append_events("r", 0, &texts(0..6), true)
+                .await
+                .unwrap(),
+            0
+        );
+        let all = store.events_after("r", 0, 100).await.unwrap();
+        let mut want: Vec<cluster::StreamEntry> = (0..6)
+            .map(|n| cluster::StreamEntry::Event(n, format!("e{n}")))
+            .collect();
+        want.push(cluster::StreamEntry::End(6));
+        assert_eq!(all, want);
+        // Past a hole (events 7..9 never written): written after it, the hole left as it is
+        // (a resume reports it), nothing before it added again.
+        assert_eq!(
+            store
+                .append_events("h", 0, &texts(0..2), false)
+                .await
+                .unwrap(),
+            2
+        );
+        assert_eq!(
+            store
+                .append_events("h", 7, &texts(7..9), false)
+                .await
+                .unwrap(),
+            2
+        );
+        assert_eq!(
+            store
+                .append_events("h", 1, &texts(1..3), false)
+                .await
+                .unwrap(),
+            0
+        );
+        let numbers: Vec<u64> = store
+            .events_after("h", 0, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| match e {
+                cluster::StreamEntry::Event(n, _) | cluster::StreamEntry::End(n) => *n,
+            })
+            .collect();
+        assert_eq!(numbers, [0, 1, 7, 8]);
+    });
 }
 
 /// Conversations live in Redis: made through one replica, changed through the others at once

@@ -316,6 +316,29 @@ redis.call('PUBLISH', KEYS[5], ARGV[1])
 return old
 "#;
 
+/// Appends a streamed background response's events to its stream, skipping those it already
+/// has (see [`Store::append_events`]). KEYS: `P:events:<id>`. ARGV: `MAXLEN ~` bound, TTL ms,
+/// the first event's number, `1` to end the stream after them (else `0`), then the events'
+/// texts. Returns the entries added.
+const APPEND_EVENTS: &str = r#"
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local last = 0
+if #top > 0 then last = tonumber(string.match(top[1][1], '^(%d+)')) end
+local first = tonumber(ARGV[3])
+local added = 0
+local function add(id, field, value)
+  if id > last then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], id .. '-0', field, value)
+    last = id
+    added = added + 1
+  end
+end
+for i = 5, #ARGV do add(first + i - 4, 'e', ARGV[i]) end
+if ARGV[4] == '1' then add(first + #ARGV - 3, 'end', '1') end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return added
+"#;
+
 /// How [`PUT_RESPONSE`] writes a record.
 #[derive(Clone, Copy, Debug)]
 enum Write {
@@ -596,6 +619,7 @@ pub struct Store {
     claim_script: redis::Script,
     put_response_script: redis::Script,
     retire_response_script: redis::Script,
+    append_events_script: redis::Script,
 }
 
 fn parse_doc(v: Vec<Option<String>>) -> Result<Option<RulesDoc>> {
@@ -646,6 +670,7 @@ impl Store {
             claim_script: redis::Script::new(CLAIM),
             put_response_script: redis::Script::new(PUT_RESPONSE),
             retire_response_script: redis::Script::new(RETIRE_RESPONSE),
+            append_events_script: redis::Script::new(APPEND_EVENTS),
         };
         // Best effort: a user whose ACL denies `SCRIPT` still claims (by `EVAL` on `NOSCRIPT`);
         // the gateway's sync tries again, and logs the error, on every tick.
@@ -1175,41 +1200,27 @@ impl Store {
 
     /// Appends the events `first`, `first + 1`, … of the streamed background response `id` to
     /// `P:events:<id>` (entry ids `<n + 1>-0`), then, with `end`, the end marker after them;
-    /// the key expires [`EVENTS_TTL`] after this append. One pipeline; an entry that is not
-    /// after the stream's last (written twice) fails the call.
+    /// the key expires [`EVENTS_TTL`] after this append. One script ([`APPEND_EVENTS`]), so
+    /// idempotent: entries the stream already has (a write made again after its outcome was
+    /// not known, a resync from an earlier event) are skipped. Returns the entries added.
     pub async fn append_events(
         &self,
         id: &str,
         first: u64,
         events: &[String],
         end: bool,
-    ) -> Result<()> {
-        let key = self.keys.events(id);
-        let mut p = redis::pipe();
-        let entry = |p: &mut redis::Pipeline, n: u64, field: &str, value: &str| {
-            p.cmd("XADD")
-                .arg(&key)
-                .arg("MAXLEN")
-                .arg("~")
-                .arg(MAX_STREAM_EVENTS)
-                .arg(format!("{}-0", n + 1))
-                .arg(field)
-                .arg(value)
-                .ignore();
-        };
-        for (i, e) in events.iter().enumerate() {
-            entry(&mut p, first + i as u64, "e", e);
-        }
-        if end {
-            entry(&mut p, first + events.len() as u64, "end", "1");
-        }
-        p.cmd("PEXPIRE")
-            .arg(&key)
-            .arg(EVENTS_TTL.as_millis() as u64)
-            .ignore();
+    ) -> Result<u64> {
         let mut con = self.con.clone();
-        p.query_async::<()>(&mut con).await?;
-        Ok(())
+        let mut inv = self.append_events_script.prepare_invoke();
+        inv.key(self.keys.events(id))
+            .arg(MAX_STREAM_EVENTS)
+            .arg(EVENTS_TTL.as_millis() as u64)
+            .arg(first)
+            .arg(if end { "1" } else { "0" });
+        for e in events {
+            inv.arg(e);
+        }
+        Ok(inv.invoke_async(&mut con).await?)
     }
 
     /// The entries of `P:events:<id>` from event `from` on, at most `count` (`XRANGE`).

@@ -151,6 +151,7 @@ impl Admin {
                         "budget_bytes": link.settings.response_budget,
                         "pending_deletes": shared.as_ref().map_or(0, |s| s.pending_deletes()),
                         "pending_cancels": shared.as_ref().map_or(0, |s| s.pending_cancels()),
+                        "stream_mirror_gaps": shared.as_ref().map_or(0, |s| s.mirror_gaps()),
                         "pending_conversation_changes": self.control.data.responses.pending.len(),
                         "pending_writes": pending_writes,
                         "pending_write_bytes": pending_write_bytes,

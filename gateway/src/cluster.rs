@@ -28,7 +28,7 @@
 //! a stored response ([`SharedResponses`], at most [`SHARED_RESPONSES_TIMEOUT`] per read) —
 //! neither while degraded: the load guard reads two atomics the sync loop fills.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -204,6 +204,8 @@ impl ClusterLink {
             let shared = Arc::new_cyclic(|this| SharedResponses {
                 me: this.clone(),
                 pending_cancels: Mutex::new(HashSet::new()),
+                gaps: Mutex::new(HashMap::new()),
+                gap_changes: AtomicU64::new(0),
                 link: me.clone(),
                 tx,
                 writes: AtomicU64::new(0),
@@ -213,7 +215,12 @@ impl ClusterLink {
                 pending_deletes: Mutex::new(HashSet::new()),
                 evictions: control.data.metrics.cluster_response_evictions.clone(),
             });
-            handles.push(handle.spawn(write_events(me.clone(), events_rx)));
+            handles.push(handle.spawn(write_events(
+                me.clone(),
+                shared.clone(),
+                events_rx,
+                weak.clone(),
+            )));
             control.data.shared_responses.store(Some(shared.clone()));
             handles.push(handle.spawn(write_responses(me.clone(), shared.clone(), rx)));
             handles.push(handle.spawn(receive_deletions(me.clone(), weak.clone())));
@@ -404,7 +411,15 @@ pub struct SharedResponses {
     pending_cancels: Mutex<HashSet<String>>,
     /// Itself, for the tasks [`crate::response_store::SharedTurns::cancel`] spawns.
     me: Weak<SharedResponses>,
+    /// Streamed background responses whose mirror has a gap: id → the first event not
+    /// mirrored, and the [`Self::gap_changes`] count when it last moved. At most
+    /// [`MAX_MIRROR_GAPS`].
+    gaps: Mutex<HashMap<String, (u64, u64)>>,
+    gap_changes: AtomicU64,
 }
+
+/// Mirrors with a gap kept for filling; more are left with their gap (logged).
+pub const MAX_MIRROR_GAPS: usize = 4096;
 
 /// Deletions kept for Redis while it does not answer; more are made on this replica only
 /// (logged).
@@ -432,6 +447,94 @@ impl SharedResponses {
     /// Deletions waiting for Redis.
     pub fn pending_deletes(&self) -> usize {
         self.pending_deletes.lock().len()
+    }
+
+    /// Streamed background responses whose mirror waits to be filled.
+    pub fn mirror_gaps(&self) -> usize {
+        self.gaps.lock().len()
+    }
+
+    /// The mirror of `id` misses event `from` (and maybe more after it).
+    fn gap(&self, id: &str, from: u64) {
+        let change = self.gap_changes.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut gaps = self.gaps.lock();
+        if let Some((first, changed)) = gaps.get_mut(id) {
+            *first = (*first).min(from);
+            *changed = change;
+        } else if gaps.len() < MAX_MIRROR_GAPS {
+            gaps.insert(id.to_owned(), (from, change));
+        } else {
+            tracing::warn!(
+                id,
+                "background stream mirror: too many gaps wait to be filled; this one stays"
+            );
+        }
+    }
+
+    /// Writes batch `b` to its mirror, unless that mirror has a gap to fill first.
+    async fn mirror(&self, b: EventBatch) {
+        if self.gaps.lock().contains_key(&b.id) {
+            return;
+        }
+        let Some(store) = self.store() else {
+            self.gap(&b.id, b.first);
+            return;
+        };
+        let append = store.append_events(&b.id, b.first, &b.events, b.end);
+        match tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, append).await {
+            Ok(Ok(_)) => {}
+            failed => {
+                if let Ok(Err(e)) = failed {
+                    tracing::debug!(error = %e, id = %b.id, "background stream events not mirrored yet");
+                }
+                self.gap(&b.id, b.first);
+            }
+        }
+    }
+
+    /// Fills the mirrors' gaps from the responses' own event logs (running here, or ended and
+    /// still kept: [`crate::background::BackgroundJobs::stream_of`]), each from its first
+    /// missing event to the log's end (the end marker too once the log has ended); stops at
+    /// the first append that fails. A gap whose log no longer has its first event is filled
+    /// from the oldest it has (the resume then reports the rest gone); one whose response is
+    /// no longer kept here is dropped.
+    async fn fill_gaps(&self, jobs: &crate::background::BackgroundJobs) {
+        let Some(store) = self.store() else { return };
+        let gaps: Vec<(String, (u64, u64))> = self
+            .gaps
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        for (id, (from, change)) in gaps {
+            let read = jobs
+                .stream_of(&id)
+                .and_then(|job| job.events().map(|log| log.read_texts(from)));
+            let Some((first, texts, ended)) = read else {
+                self.gaps.lock().remove(&id);
+                continue;
+            };
+            let to = first + texts.len() as u64;
+            let append = store.append_events(&id, first, &texts, ended);
+            if !matches!(
+                tokio::time::timeout(SHARED_RESPONSES_TIMEOUT, append).await,
+                Ok(Ok(_))
+            ) {
+                return;
+            }
+            let mut gaps = self.gaps.lock();
+            match gaps.get_mut(&id) {
+                // Nothing was dropped since the read: the mirror has all the log had.
+                Some((_, c)) if *c == change => {
+                    gaps.remove(&id);
+                }
+                // A batch was dropped meanwhile: the mirror has everything before `to`.
+                Some((f, _)) => *f = to,
+                None => {}
+            }
+            drop(gaps);
+            tracing::info!(%id, from = first, to, "background stream mirror filled");
+        }
     }
 
     /// Cancels waiting for Redis.
@@ -624,7 +727,11 @@ impl crate::response_store::SharedTurns for SharedResponses {
             end,
         };
         if self.events.try_send(batch).is_err() {
-            tracing::debug!(id, "background stream events not mirrored: queue full");
+            tracing::debug!(
+                id,
+                "background stream events not queued for the mirror: queue full"
+            );
+            self.gap(id, first);
         }
     }
 
@@ -823,19 +930,40 @@ const EVENT_QUEUE: usize = 4096;
 /// Entries read per `XRANGE` of a resume.
 const EVENTS_PER_READ: usize = 512;
 
-/// Mirrors streamed background responses' events to Redis, in order.
-async fn write_events(link: Arc<ClusterLink>, rx: tokio::sync::mpsc::Receiver<EventBatch>) {
-    drain_to_store(link, rx, |store, b| async move {
-        if let Err(e) = store.append_events(&b.id, b.first, &b.events, b.end).await {
-            tracing::debug!(error = %e, id = %b.id, "background stream events not mirrored");
+/// Mirrors streamed background responses' events to Redis, in order, until the link is
+/// cancelled. A batch Redis did not take (or that found the queue full) leaves a gap in the
+/// mirror from its first event: later batches of that response are not written (the stream's
+/// entries must follow each other), and every [`REDO_PERIOD`], while Redis answers, the gap is
+/// filled from the response's own event log ([`SharedResponses::fill_gaps`]).
+async fn write_events(
+    link: Arc<ClusterLink>,
+    shared: Arc<SharedResponses>,
+    mut rx: tokio::sync::mpsc::Receiver<EventBatch>,
+    control: Weak<ControlPlane>,
+) {
+    let mut retry = tokio::time::interval(REDO_PERIOD);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = link.cancel.cancelled() => return,
+            item = rx.recv() => {
+                let Some(b) = item else { return };
+                shared.mirror(b).await;
+            }
+            _ = retry.tick() => {
+                if shared.gaps.lock().is_empty() || shared.store().is_none() {
+                    continue;
+                }
+                let Some(c) = control.upgrade() else { return };
+                shared.fill_gaps(&c.data.background).await;
+            }
         }
-    })
-    .await
+    }
 }
 
-/// Writes the turns this replica stored to Redis, in order, within the replicas' budget
-/// (`ClusterSettings::response_budget`); the turns that made room are counted in `evictions`.
-/// Writes the turns this replica stores to Redis, in order, until the link is cancelled; every
+/// Writes the turns this replica stores to Redis (within the replicas' budget,
+/// `ClusterSettings::response_budget`; the turns that made room are counted in `evictions`), in order, until the link is cancelled; every
 /// [`REDO_PERIOD`], while Redis answers, the backlog's too (oldest first, stopping at the
 /// first that fails). One task makes every write of this replica's turns, so an older write of
 /// an id never lands after a newer one.

@@ -253,6 +253,7 @@ impl DataPlane {
                 ("turns", shared.pending_writes().0),
                 ("deletions", shared.pending_deletes()),
                 ("cancels", shared.pending_cancels()),
+                ("stream_mirror_gaps", shared.mirror_gaps()),
                 ("conversation_changes", self.responses.pending.len()),
             ];
             for (what, n) in waiting {

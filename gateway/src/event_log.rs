@@ -127,6 +127,21 @@ impl EventLog {
         }
     }
 
+    /// The events from sequence number `from` on as text, or from the oldest kept when
+    /// `from` is gone: (the first one's number, the texts, whether the log has ended).
+    pub fn read_texts(&self, from: u64) -> (u64, Vec<String>, bool) {
+        let g = self.inner.lock();
+        let first = from.max(g.first);
+        let skip = usize::try_from(first - g.first).unwrap_or(usize::MAX);
+        let texts = g
+            .events
+            .iter()
+            .skip(skip)
+            .map(|e| String::from_utf8_lossy(e).into_owned())
+            .collect();
+        (first, texts, g.ended)
+    }
+
     /// The events from sequence number `from` on.
     pub fn read(&self, from: u64) -> Read {
         let g = self.inner.lock();
@@ -206,6 +221,15 @@ mod tests {
         let (v, _) = events(log.read(3));
         assert_eq!(v.len(), 3);
         assert_eq!(log.next_number(), 6);
+        // A mirror's fill from a gone event starts at the oldest kept, and says the end.
+        let (first, texts, ended) = log.read_texts(1);
+        assert_eq!((first, texts.len(), ended), (3, 3, false));
+        assert_eq!(texts[0], big);
+        log.end();
+        assert_eq!(log.read_texts(5).0, 5);
+        assert_eq!(log.read_texts(5).1.len(), 1);
+        assert!(log.read_texts(9).2);
+        assert!(log.read_texts(9).1.is_empty());
     }
 
     #[test]

@@ -95,7 +95,7 @@ pub struct ClaimLabels {
 }
 
 /// Labels of the gauge of what waits for Redis (cluster mode): `turns` (stored turns and
-/// background records), `deletions`, `cancels`, `conversation_changes`.
+/// background records), `deletions`, `cancels`, `conversation_changes`, `stream_mirror_gaps`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WaitingLabels {
     pub what: &'static str,
@@ -450,7 +450,7 @@ impl Metrics {
         let cluster_waiting_for_redis = Family::<WaitingLabels, Gauge>::default();
         registry.register(
             "cluster_waiting_for_redis",
-            "Cluster mode: what this replica made while Redis did not take it, waiting to be written there once Redis answers (what: turns, deletions, cancels, conversation_changes)",
+            "Cluster mode: what this replica made while Redis did not take it, waiting to be written there once Redis answers (what: turns, deletions, cancels, conversation_changes, stream_mirror_gaps: streamed background responses whose mirror misses events)",
             cluster_waiting_for_redis.clone(),
         );
         let access_log_dropped = Counter::default();
