@@ -2371,38 +2371,20 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
 #[test]
 fn stream_mirror_appends_skip_what_the_stream_has() {
     let (rt, _redis, store) = fresh_store("mirror");
-    let texts = |r: std::ops::Range<u64>| -> Vec<String> { r.map(|n| format!("e{n}")).collect() };
+    // Events first..end of stream `id` (texts `e<n>`), then the end marker with `end`: the
+    // entries added.
+    let append = |id: &'static str, first: u64, r: std::ops::Range<u64>, end: bool| {
+        let texts: Vec<String> = r.map(|n| format!("e{n}")).collect();
+        let store = &store;
+        async move { store.append_events(id, first, &texts, end).await.unwrap() }
+    };
     rt.block_on(async {
-        assert_eq!(
-            store
-                .append_events("r", 0, &texts(0..4), false)
-                .await
-                .unwrap(),
-            4
-        );
+        assert_eq!(append("r", 0, 0..4, false).await, 4);
         // 2..6 again from 2: only 4 and 5 are new.
-        assert_eq!(
-            store
-                .append_events("r", 2, &texts(2..6), false)
-                .await
-                .unwrap(),
-            2
-        );
+        assert_eq!(append("r", 2, 2..6, false).await, 2);
         // The whole log again, ended: only the end marker.
-        assert_eq!(
-            store
-                .append_events("r", 0, &texts(0..6), true)
-                .await
-                .unwrap(),
-            1
-        );
-        assert_eq!(
-            store
-                .append_events("r", 0, &texts(0..6), true)
-                .await
-                .unwrap(),
-            0
-        );
+        assert_eq!(append("r", 0, 0..6, true).await, 1);
+        assert_eq!(append("r", 0, 0..6, true).await, 0);
         let all = store.events_after("r", 0, 100).await.unwrap();
         let mut want: Vec<cluster::StreamEntry> = (0..6)
             .map(|n| cluster::StreamEntry::Event(n, format!("e{n}")))
@@ -2411,27 +2393,9 @@ fn stream_mirror_appends_skip_what_the_stream_has() {
         assert_eq!(all, want);
         // Past a hole (events 7..9 never written): written after it, the hole left as it is
         // (a resume reports it), nothing before it added again.
-        assert_eq!(
-            store
-                .append_events("h", 0, &texts(0..2), false)
-                .await
-                .unwrap(),
-            2
-        );
-        assert_eq!(
-            store
-                .append_events("h", 7, &texts(7..9), false)
-                .await
-                .unwrap(),
-            2
-        );
-        assert_eq!(
-            store
-                .append_events("h", 1, &texts(1..3), false)
-                .await
-                .unwrap(),
-            0
-        );
+        assert_eq!(append("h", 0, 0..2, false).await, 2);
+        assert_eq!(append("h", 7, 7..9, false).await, 2);
+        assert_eq!(append("h", 1, 1..3, false).await, 0);
         let numbers: Vec<u64> = store
             .events_after("h", 0, 100)
             .await

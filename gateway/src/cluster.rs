@@ -429,6 +429,13 @@ pub const MAX_PENDING_DELETES: usize = 65_536;
 /// are dropped (logged).
 pub const MAX_PENDING_CANCELS: usize = 4096;
 
+/// Ticks every [`REDO_PERIOD`] (a late tick moves the next ones, none is made up).
+fn redo_ticks() -> tokio::time::Interval {
+    let mut t = tokio::time::interval(REDO_PERIOD);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    t
+}
+
 /// How often what waits for Redis (deletions, cancels, conversation changes, stored turns) is
 /// tried again, and running background responses are checked for cancels.
 const REDO_PERIOD: Duration = Duration::from_millis(500);
@@ -941,8 +948,7 @@ async fn write_events(
     mut rx: tokio::sync::mpsc::Receiver<EventBatch>,
     control: Weak<ControlPlane>,
 ) {
-    let mut retry = tokio::time::interval(REDO_PERIOD);
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut retry = redo_ticks();
     loop {
         tokio::select! {
             biased;
@@ -972,8 +978,7 @@ async fn write_responses(
     shared: Arc<SharedResponses>,
     mut rx: tokio::sync::mpsc::Receiver<(u64, Arc<crate::response_store::StoredResponse>)>,
 ) {
-    let mut retry = tokio::time::interval(REDO_PERIOD);
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut retry = redo_ticks();
     loop {
         tokio::select! {
             biased;
