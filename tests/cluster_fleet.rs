@@ -2083,23 +2083,30 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
             .map(|e| e["delta"].as_str().unwrap().to_owned())
             .collect()
     };
-    let first: Vec<serde_json::Value> = c.rt.block_on(async {
-        let url = format!("http://{}/v1/responses", c.gw(0).listen_addr);
-        let body = json!({"model": "smol", "input": "A streamed question.",
-                          "max_output_tokens": 300, "background": true, "stream": true});
-        let mut r = c.http.post(url).json(&body).send().await.unwrap();
-        let mut text = String::new();
-        loop {
-            let chunk = r.chunk().await.unwrap().expect("the stream ended early");
-            text.push_str(&String::from_utf8_lossy(&chunk));
-            if let Some(whole) = text.rfind("\n\n") {
-                let events = data_of(&text[..whole]);
-                if events.len() >= 8 {
-                    return events;
+    // Starts a streamed background response through replica 1 and reads its first 8 events,
+    // then hangs up.
+    let first_events = |c: &Cluster, body: serde_json::Value| -> Vec<serde_json::Value> {
+        c.rt.block_on(async {
+            let url = format!("http://{}/v1/responses", c.gw(0).listen_addr);
+            let mut r = c.http.post(url).json(&body).send().await.unwrap();
+            let mut text = String::new();
+            loop {
+                let chunk = r.chunk().await.unwrap().expect("the stream ended early");
+                text.push_str(&String::from_utf8_lossy(&chunk));
+                if let Some(whole) = text.rfind("\n\n") {
+                    let events = data_of(&text[..whole]);
+                    if events.len() >= 8 {
+                        return events;
+                    }
                 }
             }
-        }
-    });
+        })
+    };
+    let first = first_events(
+        &c,
+        json!({"model": "smol", "input": "A streamed question.",
+               "max_output_tokens": 300, "background": true, "stream": true}),
+    );
     let id = first[0]["response"]["id"].as_str().unwrap().to_owned();
     let cursor = first.last().unwrap()["sequence_number"].as_u64().unwrap();
     assert!(
@@ -2131,24 +2138,12 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     // A streamed one whose mirror missed events while Redis took no writes (paused): replica 1
     // fills the gap from its own log once Redis takes them again, so a resume through replica
     // 2 from before the pause still gets every event.
-    let first: Vec<serde_json::Value> = c.rt.block_on(async {
-        let url = format!("http://{}/v1/responses", c.gw(0).listen_addr);
-        let body = json!({"model": "smol", "input": "A streamed question, paused.",
-                          "max_output_tokens": 1200, "temperature": 0,
-                          "background": true, "stream": true});
-        let mut r = c.http.post(url).json(&body).send().await.unwrap();
-        let mut text = String::new();
-        loop {
-            let chunk = r.chunk().await.unwrap().expect("the stream ended early");
-            text.push_str(&String::from_utf8_lossy(&chunk));
-            if let Some(whole) = text.rfind("\n\n") {
-                let events = data_of(&text[..whole]);
-                if events.len() >= 8 {
-                    return events;
-                }
-            }
-        }
-    });
+    let first = first_events(
+        &c,
+        json!({"model": "smol", "input": "A streamed question, paused.",
+               "max_output_tokens": 1200, "temperature": 0,
+               "background": true, "stream": true}),
+    );
     let paused = first[0]["response"]["id"].as_str().unwrap().to_owned();
     let cursor = first.last().unwrap()["sequence_number"].as_u64().unwrap();
     assert_eq!(
