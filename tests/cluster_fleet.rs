@@ -2113,28 +2113,36 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
         c.gw(0).data.background.get(&id).is_some(),
         "still running on replica 1"
     );
-    let r = call(
-        &c,
-        1,
-        reqwest::Method::GET,
-        &format!("/v1/responses/{id}?stream=true&starting_after={cursor}"),
-        None,
-    );
-    let rest = data_of(&r.text());
-    assert_eq!(rest[0]["sequence_number"], cursor + 1, "{}", r.text());
-    for w in rest.windows(2) {
-        assert_eq!(
-            w[1]["sequence_number"].as_u64(),
-            w[0]["sequence_number"].as_u64().map(|n| n + 1)
+    // Resumes `id` through replica 2 after event `cursor`: every later event, numbered on, to
+    // the end; the first part and this one make the answer. The last event.
+    let resumed = |c: &Cluster, id: &str, first: &[serde_json::Value], cursor: u64| {
+        let r = call(
+            c,
+            1,
+            reqwest::Method::GET,
+            &format!("/v1/responses/{id}?stream=true&starting_after={cursor}"),
+            None,
         );
-    }
-    let last = rest.last().unwrap();
-    assert_eq!(last["type"], "response.incomplete", "{last}");
+        let rest = data_of(&r.text());
+        assert_eq!(rest[0]["sequence_number"], cursor + 1, "{}", r.text());
+        for w in rest.windows(2) {
+            assert_eq!(
+                w[1]["sequence_number"].as_u64(),
+                w[0]["sequence_number"].as_u64().map(|n| n + 1),
+                "{}",
+                r.text()
+            );
+        }
+        let last = rest.last().unwrap().clone();
+        assert_eq!(last["type"], "response.incomplete", "{last}");
+        let text = last["response"]["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap();
+        assert_eq!(format!("{}{}", deltas(first), deltas(&rest)), text);
+        last
+    };
+    let last = resumed(&c, &id, &first, cursor);
     assert_eq!(last["response"]["usage"]["output_tokens"], 300);
-    let text = last["response"]["output"][0]["content"][0]["text"]
-        .as_str()
-        .unwrap();
-    assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), text);
     // A streamed one whose mirror missed events while Redis took no writes (paused): replica 1
     // fills the gap from its own log once Redis takes them again, so a resume through replica
     // 2 from before the pause still gets every event.
@@ -2167,29 +2175,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     c.wait_for("its end on replica 1", Duration::from_secs(20), || {
         c.gw(0).data.background.get(&paused).is_none()
     });
-    let r = call(
-        &c,
-        1,
-        reqwest::Method::GET,
-        &format!("/v1/responses/{paused}?stream=true&starting_after={cursor}"),
-        None,
-    );
-    let rest = data_of(&r.text());
-    assert_eq!(rest[0]["sequence_number"], cursor + 1, "{}", r.text());
-    for w in rest.windows(2) {
-        assert_eq!(
-            w[1]["sequence_number"].as_u64(),
-            w[0]["sequence_number"].as_u64().map(|n| n + 1),
-            "{}",
-            r.text()
-        );
-    }
-    let last = rest.last().unwrap();
-    assert_eq!(last["type"], "response.incomplete", "{last}");
-    let text = last["response"]["output"][0]["content"][0]["text"]
-        .as_str()
-        .unwrap();
-    assert_eq!(format!("{}{}", deltas(&first), deltas(&rest)), text);
+    resumed(&c, &paused, &first, cursor);
     // A background response not streamed, resumed through another replica: its final event.
     let quiet = start(&c, 0, 4);
     c.wait_for("the quiet one's end", Duration::from_secs(10), || {
