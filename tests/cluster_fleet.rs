@@ -233,6 +233,11 @@ models = ["smol"]
     }
 
     fn start_gateway(&mut self, g: usize) {
+        self.start_gateway_with(g, |_| {});
+    }
+
+    /// Starts replica `g` with `f` applied to its configuration.
+    fn start_gateway_with(&mut self, g: usize, f: impl FnOnce(&mut GatewayConfig)) {
         let path = self.dir.path().join("rules.toml");
         if !path.exists() {
             std::fs::write(&path, self.rules()).unwrap();
@@ -245,6 +250,7 @@ models = ["smol"]
         let mut c = gateway::cluster::ClusterSettings::new(self.redis.url());
         c.lease = Duration::from_millis(1000);
         cfg.cluster = Some(c);
+        f(&mut cfg);
         self.gateways[g] = Some(gateway::spawn(cfg).unwrap());
     }
 
@@ -1779,6 +1785,211 @@ fn stored_responses_are_continued_and_deleted_through_any_replica() {
         "{}",
         got.text()
     );
+    let report = c.stop_and_audit();
+    assert!(report.ok(), "{report}");
+}
+
+/// What a replica keeps for Redis while Redis is away — turns, a deletion, a conversation
+/// change — is kept in its `--response-store-file` when it stops, and written to Redis after
+/// it starts again; at a stop while Redis answers, it is written before the replica goes.
+#[test]
+fn what_waits_for_redis_is_kept_across_a_replica_restart() {
+    let mut c = Cluster::new(2, 3);
+    let file = c.dir.path().join("responses-gw-1.jsonl");
+    let with_file = |cfg: &mut GatewayConfig| cfg.response_file = Some(file.clone());
+    c.start_gateway_with(0, with_file);
+    c.start_gateway(1);
+    let call = |c: &Cluster,
+                g: usize,
+                method: reqwest::Method,
+                path: &str,
+                body: Option<serde_json::Value>| {
+        let url = format!("http://{}{path}", c.gw(g).listen_addr);
+        c.rt.block_on(async {
+            let mut r = c.http.request(method, url);
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    };
+    let ask = |c: &Cluster, g: usize, body: serde_json::Value| -> String {
+        let r = call(c, g, reqwest::Method::POST, "/v1/responses", Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_owned()
+    };
+    let status =
+        |c: &Cluster, g: usize, path: &str| call(c, g, reqwest::Method::GET, path, None).status;
+    let shared = |c: &Cluster, g: usize| {
+        c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["stored_responses"]
+            .clone()
+    };
+    let waiting_lines = |kind: &str| -> usize {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let tag = format!("{{\"redis\":\"{kind}\"");
+        text.lines().filter(|l| l.starts_with(&tag)).count()
+    };
+    let items = |c: &Cluster, g: usize, conv: &str| -> Vec<String> {
+        let r = call(
+            c,
+            g,
+            reqwest::Method::GET,
+            &format!("/v1/conversations/{conv}/items?order=asc"),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                i["content"]
+                    .as_str()
+                    .map_or_else(|| i["content"].to_string(), str::to_owned)
+            })
+            .collect()
+    };
+    // Before the outage: a conversation made through replica 1 (replica 2 never reads it), and
+    // a turn replica 2 holds a copy of.
+    let made = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        "/v1/conversations",
+        Some(json!({"items": [{"role": "user", "content": "Before."}]})),
+    );
+    assert_eq!(made.status, 200, "{}", made.text());
+    let conv = made.json()["id"].as_str().unwrap().to_owned();
+    let doomed = ask(
+        &c,
+        1,
+        json!({"model": "smol", "input": "Delete me while Redis is away.", "max_output_tokens": 3}),
+    );
+    let doomed_path = format!("/v1/responses/{doomed}");
+    c.wait_for(
+        "replica 1 reads replica 2's turn",
+        Duration::from_secs(5),
+        || status(&c, 0, &doomed_path) == 200,
+    );
+    // Redis away: replica 1 stores two turns of a conversation, deletes the turn and adds an
+    // item to the conversation; all four wait for Redis.
+    let redis_port = c.redis.port;
+    c.redis.kill();
+    let away = ask(
+        &c,
+        0,
+        json!({"model": "smol", "input": "While Redis is away.", "max_output_tokens": 3}),
+    );
+    let still = ask(
+        &c,
+        0,
+        json!({"model": "smol", "previous_response_id": away, "input": "Still here?", "max_output_tokens": 3}),
+    );
+    let d = call(&c, 0, reqwest::Method::DELETE, &doomed_path, None);
+    assert_eq!(d.status, 200, "{}", d.text());
+    let added = call(
+        &c,
+        0,
+        reqwest::Method::POST,
+        &format!("/v1/conversations/{conv}/items"),
+        Some(json!({"items": [{"role": "user", "content": "During."}]})),
+    );
+    assert_eq!(added.status, 200, "{}", added.text());
+    c.wait_for(
+        "the outage's changes wait for Redis",
+        Duration::from_secs(5),
+        || {
+            let s = shared(&c, 0);
+            s["pending_writes"] == 2 && s["pending_deletes"] == 1
+        },
+    );
+    assert_eq!(c.gw(0).data.responses.pending.len(), 1);
+    // Replica 1 stops while Redis is still away: its file keeps what waits.
+    let started = Instant::now();
+    c.gateways[0].take().unwrap().shutdown();
+    println!("replica stopped in {:?} with Redis away", started.elapsed());
+    assert_eq!(
+        [
+            waiting_lines("write"),
+            waiting_lines("delete"),
+            waiting_lines("conversation")
+        ],
+        [2, 1, 1],
+        "{}",
+        std::fs::read_to_string(&file).unwrap()
+    );
+    // Redis back, empty; replica 1 back from its file: it writes what waited.
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    c.start_gateway_with(0, with_file);
+    c.wait_for(
+        "nothing waits on replica 1",
+        Duration::from_secs(10),
+        || {
+            let s = shared(&c, 0);
+            s["pending_writes"] == 0
+                && s["pending_deletes"] == 0
+                && c.gw(0).data.responses.pending.is_empty()
+        },
+    );
+    // Replica 2 continues the conversation whose turns it never saw, no longer serves the turn
+    // deleted during the outage, and reads the conversation with the item added then.
+    let r = call(
+        &c,
+        1,
+        reqwest::Method::POST,
+        "/v1/responses",
+        Some(
+            json!({"model": "smol", "previous_response_id": still, "input": "Yes.", "max_output_tokens": 3}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got = call(
+        &c,
+        1,
+        reqwest::Method::GET,
+        &format!("/v1/responses/{still}"),
+        None,
+    );
+    assert_eq!(
+        got.json()["previous_response_id"],
+        json!(away),
+        "{}",
+        got.text()
+    );
+    c.wait_for(
+        "the deletion reaches replica 2",
+        Duration::from_secs(5),
+        || status(&c, 1, &doomed_path) == 404,
+    );
+    assert_eq!(items(&c, 1, &conv), ["Before.", "During."]);
+    // Redis away again: a turn waits; Redis back, and replica 1 stopped at once, before its
+    // own retry: the stop writes it, and the file keeps nothing for Redis.
+    c.redis.kill();
+    let late = ask(
+        &c,
+        0,
+        json!({"model": "smol", "input": "Just before the stop.", "max_output_tokens": 3}),
+    );
+    c.wait_for("the turn waits for Redis", Duration::from_secs(5), || {
+        shared(&c, 0)["pending_writes"] == 1
+    });
+    c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
+    let started = Instant::now();
+    c.gateways[0].take().unwrap().shutdown();
+    println!("replica stopped in {:?} with Redis back", started.elapsed());
+    assert_eq!(
+        waiting_lines("write"),
+        0,
+        "{}",
+        std::fs::read_to_string(&file).unwrap()
+    );
+    c.wait_for("replica 2 back", Duration::from_secs(10), || {
+        c.admin(1, reqwest::Method::GET, "/admin/cluster", None)
+            .json()["state"]
+            == "ok"
+    });
+    assert_eq!(status(&c, 1, &format!("/v1/responses/{late}")), 200);
     let report = c.stop_and_audit();
     assert!(report.ok(), "{report}");
 }

@@ -583,7 +583,7 @@ fn saving_stored_responses() {
         let copy = store.snapshot();
         snap.push(t0.elapsed());
         let t0 = Instant::now();
-        written = save(&path, &copy, now_ms()).unwrap();
+        written = save(&path, &copy, &Default::default(), now_ms()).unwrap();
         saving.push(t0.elapsed());
         let back = ResponseStore::new(StoreLimits::DEFAULT);
         let t0 = Instant::now();

@@ -231,28 +231,69 @@ impl ClusterLink {
         self.handles.lock().extend(handles);
     }
 
-    /// Stops the loops and withdraws this replica's records (best effort, 1 s), on a
-    /// connection of its own: the shared one may be reconnecting (Redis gone) in a future
-    /// that a request started on the proxy's runtime, which has stopped by now — polling that
-    /// future's timer from here would panic.
-    pub fn shutdown(&self, handle: &tokio::runtime::Handle) {
+    /// Stops the loops (a writer moves what its queue still holds to what waits for Redis),
+    /// makes what waits for Redis there ([`SharedResponses::flush`]) and withdraws this
+    /// replica's records — within [`STOP_FLUSH_TIMEOUT`] together, on a connection of its own:
+    /// the shared one may be reconnecting (Redis gone) in a future that a request started on
+    /// the proxy's runtime, which has stopped by now — polling that future's timer from here
+    /// would panic. What Redis did not take by then stays in `data`'s shared responses, for
+    /// `--response-store-file`'s last save (logged either way).
+    pub fn shutdown(&self, handle: &tokio::runtime::Handle, data: &crate::data_plane::DataPlane) {
         self.cancel.cancel();
-        for h in self.handles.lock().drain(..) {
-            h.abort();
+        let handles: Vec<JoinHandle<()>> = self.handles.lock().drain(..).collect();
+        handle.block_on(async {
+            for mut h in handles {
+                // A loop notices the cancel at its next await; one in a Redis call waits for
+                // its timeout (500 ms).
+                if tokio::time::timeout(Duration::from_secs(1), &mut h)
+                    .await
+                    .is_err()
+                {
+                    h.abort();
+                }
+            }
+        });
+        if self.store().is_none() {
+            return;
         }
-        if self.store().is_some() {
-            let id = self.record.gateway_id.clone();
-            let (url, prefix) = (self.settings.url.clone(), self.settings.prefix.clone());
-            let _ = handle.block_on(async move {
-                tokio::time::timeout(Duration::from_secs(1), async move {
-                    let s = cluster::Store::connect(&url, &prefix).await?;
-                    s.withdraw_gateway(&id).await
-                })
-                .await
-            });
+        let shared = data.shared_responses.load_full();
+        let id = self.record.gateway_id.clone();
+        let (url, prefix) = (self.settings.url.clone(), self.settings.prefix.clone());
+        let _ = handle.block_on(async {
+            tokio::time::timeout(STOP_FLUSH_TIMEOUT, async {
+                let s = Arc::new(cluster::Store::connect(&url, &prefix).await?);
+                // Nothing is served any more: the flush writes through this connection.
+                self.store.store(Some(s.clone()));
+                self.status.degraded.store(false, Ordering::Relaxed);
+                if let Some(shared) = &shared {
+                    shared.flush(data).await;
+                }
+                s.withdraw_gateway(&id).await
+            })
+            .await
+        });
+        if let Some(shared) = &shared {
+            let mut left = shared.waiting();
+            left.changes = data.responses.pending.waiting();
+            let gaps = shared.mirror_gaps();
+            if left.is_empty() && gaps == 0 {
+                tracing::info!("cluster: nothing waits for Redis at the stop");
+            } else {
+                tracing::warn!(
+                    turns = left.turns.len(),
+                    deletions = left.deletes.len(),
+                    cancels = left.cancels.len(),
+                    conversation_changes = left.changes.len(),
+                    stream_mirror_gaps = gaps,
+                    "cluster: Redis did not take these before the stop; --response-store-file keeps all but the mirror gaps, without it they are lost"
+                );
+            }
         }
     }
 }
+
+/// How long a replica's stop waits for Redis to take what waits for it, and its withdrawal.
+pub const STOP_FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The atomic select-and-reserve of close placements across replicas. A KV-exact decision
 /// whose runners-up are within one request's cost of its first choice
@@ -576,6 +617,69 @@ impl SharedResponses {
                 id,
                 "stored responses: too many cancels wait for Redis; this one is dropped"
             );
+        }
+    }
+
+    /// What waits here for Redis, but the conversation changes (the local store keeps those:
+    /// [`crate::conversation::Pending`]).
+    pub fn waiting(&self) -> crate::write_backlog::Waiting {
+        let turns = self.backlog.lock().waiting();
+        crate::write_backlog::Waiting {
+            turns: turns.into_iter().map(|(_, t)| t).collect(),
+            deletes: self.pending_deletes.lock().iter().cloned().collect(),
+            cancels: self.pending_cancels.lock().iter().cloned().collect(),
+            changes: Vec::new(),
+        }
+    }
+
+    /// Takes back what waited for Redis when this gateway last stopped (read back from
+    /// `--response-store-file`), before any request: each turn gets a write number of this
+    /// process, oldest first, so a newer write of it made here later still wins. Within the
+    /// bounds; what is over them is logged.
+    pub fn restore_waiting(&self, w: crate::write_backlog::Waiting) {
+        for turn in &w.turns {
+            let seq = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
+            self.defer_write(seq, turn);
+        }
+        for id in &w.deletes {
+            self.defer_delete(id);
+        }
+        for id in &w.cancels {
+            self.defer_cancel(id);
+        }
+    }
+
+    /// Makes what waits for Redis there, on a store that answers (the replica's stop):
+    /// deletions first (a turn deleted here is then not written), the write backlog, cancels,
+    /// conversation changes, then the stream mirrors' gaps. Each step stops at its first
+    /// failure; what is left stays waiting.
+    async fn flush(&self, data: &crate::data_plane::DataPlane) {
+        let Some(store) = self.store() else { return };
+        let deletes: Vec<String> = self.pending_deletes.lock().iter().cloned().collect();
+        for id in deletes {
+            if self.retire(&store, &id).await.is_none() {
+                break;
+            }
+            self.pending_deletes.lock().remove(&id);
+        }
+        let waiting = self.backlog.lock().waiting();
+        for (seq, turn) in waiting {
+            if !self.write(seq, &turn).await {
+                break;
+            }
+        }
+        let cancels: Vec<String> = self.pending_cancels.lock().iter().cloned().collect();
+        for id in cancels {
+            if !self.ask_cancel(&id).await {
+                break;
+            }
+            self.pending_cancels.lock().remove(&id);
+        }
+        if !data.responses.pending.is_empty() {
+            crate::conversation::retry(&data.responses, self).await;
+        }
+        if !self.gaps.lock().is_empty() {
+            self.fill_gaps(&data.background).await;
         }
     }
 
@@ -952,7 +1056,14 @@ async fn write_events(
     loop {
         tokio::select! {
             biased;
-            _ = link.cancel.cancelled() => return,
+            _ = link.cancel.cancelled() => {
+                // Stopping: what the queue holds is a gap for the stop's flush to fill.
+                rx.close();
+                while let Ok(b) = rx.try_recv() {
+                    shared.gap(&b.id, b.first);
+                }
+                return;
+            }
             item = rx.recv() => {
                 let Some(b) = item else { return };
                 shared.mirror(b).await;
@@ -982,7 +1093,14 @@ async fn write_responses(
     loop {
         tokio::select! {
             biased;
-            _ = link.cancel.cancelled() => return,
+            _ = link.cancel.cancelled() => {
+                // Stopping: what the queue holds waits for the stop's flush.
+                rx.close();
+                while let Ok((seq, turn)) = rx.try_recv() {
+                    shared.defer_write(seq, &turn);
+                }
+                return;
+            }
             item = rx.recv() => {
                 let Some((seq, turn)) = item else { return };
                 shared.write(seq, &turn).await;

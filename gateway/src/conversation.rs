@@ -66,6 +66,19 @@ impl Pending {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The changes waiting, oldest first: conversation id, tenant, change.
+    pub fn waiting(&self) -> Vec<(String, Option<String>, Change)> {
+        self.changes.lock().iter().cloned().collect()
+    }
+
+    /// Keeps changes that waited for Redis when the gateway last stopped (read back from
+    /// `--response-store-file`), ahead of any made since; within [`MAX_PENDING`].
+    pub fn restore(&self, changes: Vec<(String, Option<String>, Change)>) {
+        for (id, tenant, change) in changes {
+            self.push(&id, tenant.as_deref(), &change);
+        }
+    }
 }
 
 /// Makes the changes that waited for the shared store there, oldest first (the cluster link's
@@ -327,46 +340,66 @@ fn owned(r: &StoredResponse, tenant: Option<&str>) -> bool {
 }
 
 /// A change of a conversation: from its object and items, the new ones. Made again on a later
-/// revision when another change came first, so it must depend only on what it is given.
-pub type Change =
-    Arc<dyn Fn(&Value, &[Value]) -> Result<(Value, Vec<Value>), GatewayError> + Send + Sync>;
+/// revision when another change came first, so it depends only on what it is given; data, so
+/// that one waiting for Redis can be kept in `--response-store-file` (docs/gateway.md).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Change {
+    /// Appends the items, but those whose id the conversation holds already: made again on a
+    /// record that has them (a write whose outcome was not known), it adds nothing twice.
+    Append(Vec<Value>),
+    /// Removes the item of this id; none there, nothing changes (made again, it removes
+    /// nothing more).
+    RemoveItem(String),
+    /// Replaces the metadata.
+    SetMetadata(Map<String, Value>),
+}
 
-/// Appends `new` to the items, but those whose id the conversation holds already: made again
-/// on a record that has them (a write whose outcome was not known), it adds nothing twice.
+impl Change {
+    /// The object and items after the change.
+    fn apply(&self, object: &Value, items: &[Value]) -> (Value, Vec<Value>) {
+        match self {
+            Change::Append(new) => {
+                let held: std::collections::HashSet<&str> =
+                    items.iter().filter_map(|i| i["id"].as_str()).collect();
+                let mut all = items.to_vec();
+                all.extend(
+                    new.iter()
+                        .filter(|i| i["id"].as_str().is_none_or(|id| !held.contains(id)))
+                        .cloned(),
+                );
+                (object.clone(), all)
+            }
+            Change::RemoveItem(item) => {
+                let rest = items
+                    .iter()
+                    .filter(|i| i["id"].as_str() != Some(item.as_str()))
+                    .cloned()
+                    .collect();
+                (object.clone(), rest)
+            }
+            Change::SetMetadata(metadata) => {
+                let mut object = object.clone();
+                object["metadata"] = Value::Object(metadata.clone());
+                (object, items.to_vec())
+            }
+        }
+    }
+}
+
+/// [`Change::Append`].
 pub fn append(new: Vec<Value>) -> Change {
-    Arc::new(move |object, items| {
-        let held: std::collections::HashSet<&str> =
-            items.iter().filter_map(|i| i["id"].as_str()).collect();
-        let mut all = items.to_vec();
-        all.extend(
-            new.iter()
-                .filter(|i| i["id"].as_str().is_none_or(|id| !held.contains(id)))
-                .cloned(),
-        );
-        Ok((object.clone(), all))
-    })
+    Change::Append(new)
 }
 
-/// Removes the item `item`; none there, nothing changes (made again, it removes nothing more).
+/// [`Change::RemoveItem`].
 pub fn remove_item(item: &str) -> Change {
-    let item = item.to_owned();
-    Arc::new(move |object, items| {
-        let rest = items
-            .iter()
-            .filter(|i| i["id"].as_str() != Some(item.as_str()))
-            .cloned()
-            .collect();
-        Ok((object.clone(), rest))
-    })
+    Change::RemoveItem(item.to_owned())
 }
 
-/// Replaces the metadata.
+/// [`Change::SetMetadata`].
 pub fn set_metadata(metadata: Map<String, Value>) -> Change {
-    Arc::new(move |object, items| {
-        let mut object = object.clone();
-        object["metadata"] = Value::Object(metadata.clone());
-        Ok((object, items.to_vec()))
-    })
+    Change::SetMetadata(metadata)
 }
 
 /// `change` made on `base`: the record at the next revision, within the store's bound on one
@@ -376,7 +409,7 @@ fn changed(
     base: &StoredResponse,
     change: &Change,
 ) -> Result<Arc<StoredResponse>, GatewayError> {
-    let (object, items) = change(&base.response, &base.input)?;
+    let (object, items) = change.apply(&base.response, &base.input);
     let next = StoredResponse::conversation(base.revision + 1, base.tenant.clone(), object, items);
     let limit = local.limits().max_entry();
     if next.bytes() > limit {

@@ -364,10 +364,12 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         shared_responses: arc_swap::ArcSwapOption::empty(),
         background: background::BackgroundJobs::new(config.max_background),
     });
-    // Stored responses of the last run, before any request can store new ones.
+    // Stored responses of the last run, before any request can store new ones; what waited for
+    // Redis then is handed to the cluster link once it starts.
+    let mut waited = write_backlog::Waiting::default();
     let saved_changes = match &config.response_file {
         Some(path) if data.responses.enabled() => {
-            let report = response_file::load(path, &data.responses, receipts::now_ms())
+            let mut report = response_file::load(path, &data.responses, receipts::now_ms())
                 .map_err(|e| cfg_err(format!("--response-store-file {}: {e}", path.display())))?;
             if let Some(why) = &report.ignored {
                 tracing::warn!(path = %path.display(), "stored responses: file left alone: {why}; the next save replaces it");
@@ -377,19 +379,33 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
                 restored = report.restored,
                 expired = report.expired,
                 skipped = report.skipped,
+                waiting_for_redis = report.waiting.len(),
                 "stored responses read back"
             );
+            if config.cluster.is_none() && !report.waiting.is_empty() {
+                tracing::warn!(
+                    waiting = report.waiting.len(),
+                    "stored responses: the file keeps writes for Redis, and this gateway runs without --cluster: they are dropped (the turns themselves are kept)"
+                );
+                report.waiting = write_backlog::Waiting::default();
+            }
             // Written back at once: a file the gateway cannot write is an error now, not a
             // warning every interval, and what was skipped is gone from it.
-            response_file::save(path, &data.responses.snapshot(), receipts::now_ms()).map_err(
-                |e| {
-                    cfg_err(format!(
-                        "--response-store-file {}: cannot be written: {e}",
-                        path.display()
-                    ))
-                },
-            )?;
-            Some(data.responses.changes())
+            response_file::save(
+                path,
+                &data.responses.snapshot(),
+                &report.waiting,
+                receipts::now_ms(),
+            )
+            .map_err(|e| {
+                cfg_err(format!(
+                    "--response-store-file {}: cannot be written: {e}",
+                    path.display()
+                ))
+            })?;
+            let digest = report.waiting.digest();
+            waited = report.waiting;
+            Some((data.responses.changes(), digest))
         }
         _ => None,
     };
@@ -482,6 +498,14 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
     control.start_supervisor(runtime.handle().clone());
     if let Some(link) = control.cluster() {
         link.start(&control, runtime.handle());
+        if !waited.is_empty() {
+            data.responses
+                .pending
+                .restore(std::mem::take(&mut waited.changes));
+            if let Some(shared) = data.shared_responses.load_full() {
+                shared.restore_waiting(waited);
+            }
+        }
     }
 
     let watcher = if config.watch_rules {
@@ -755,7 +779,7 @@ impl RunningGateway {
         // The proxy's runtime dropped the background responses still running: say so.
         self.data.background.abandon(&self.data);
         if let (Some(link), Some(rt)) = (self.control.cluster(), &self.runtime) {
-            link.shutdown(rt.handle());
+            link.shutdown(rt.handle(), &self.data);
         }
         // The listeners are closed: the last turns are stored; save them.
         if let (Some(saver), Some(rt)) = (self.saver.take(), &self.runtime) {

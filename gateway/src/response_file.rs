@@ -18,6 +18,17 @@
 //! Reading never fails the start: a missing file is an empty store; a file of another format or
 //! version is left alone (logged, and overwritten by the next save); a line that is not a turn
 //! (torn, edited, over the store's turn size) is skipped and counted in [`LoadReport`].
+//!
+//! In cluster mode the file also keeps what waits for Redis ([`Waiting`]: Redis did not answer),
+//! after the turns, one line each, oldest first within each kind:
+//! `{"redis":"write","id":I}` (the turn of id I above waits to be written),
+//! `{"redis":"write","turn":{…}}` (a turn that waits, no longer in the store itself),
+//! `{"redis":"delete","id":I}`, `{"redis":"cancel","id":I}` and
+//! `{"redis":"conversation","id":I,"tenant":T,"change":C}` (C: [`crate::conversation::Change`]
+//! as JSON, `{"append":[…]}`, `{"remove_item":"…"}` or `{"set_metadata":{…}}`). Read back, they
+//! are handed to the cluster link, which writes them once Redis answers; a gateway started
+//! without `--cluster` logs and drops them. At most as many of each kind are read back as a
+//! replica keeps waiting; more are skipped.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -26,7 +37,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::conversation::Change;
 use crate::response_store::{ResponseStore, StoredResponse};
+use crate::write_backlog::Waiting;
 
 /// The header's `kvgate` value.
 const KIND: &str = "stored-responses";
@@ -47,6 +60,8 @@ pub struct LoadReport {
     pub skipped: usize,
     /// Why the whole file was left alone (another format or version), if it was.
     pub ignored: Option<String>,
+    /// What waited for Redis when the file was saved (see the module docs).
+    pub waiting: Waiting,
 }
 
 #[derive(Deserialize)]
@@ -60,6 +75,65 @@ struct Header {
 struct Line {
     idle_ms: u64,
     turn: StoredResponse,
+}
+
+/// A line of what waits for Redis (see the module docs).
+#[derive(Deserialize)]
+#[serde(tag = "redis", rename_all = "snake_case")]
+enum WaitingLine {
+    Write {
+        #[serde(default)]
+        id: Option<String>,
+        #[serde(default)]
+        turn: Option<StoredResponse>,
+    },
+    Delete {
+        id: String,
+    },
+    Cancel {
+        id: String,
+    },
+    Conversation {
+        id: String,
+        tenant: Option<String>,
+        change: Change,
+    },
+}
+
+impl WaitingLine {
+    /// Adds the line to `w` (within each kind's bound); whether it was taken.
+    fn add_to(self, w: &mut Waiting, store: &ResponseStore) -> bool {
+        use crate::cluster::{MAX_PENDING_CANCELS, MAX_PENDING_DELETES};
+        use crate::conversation::MAX_PENDING;
+        use crate::write_backlog::MAX_TURNS;
+        match self {
+            WaitingLine::Write { id, turn } if w.turns.len() < MAX_TURNS => {
+                let turn = match (id, turn) {
+                    (Some(id), None) => store.peek(&id),
+                    (None, Some(t)) => {
+                        StoredResponse::checked(t.id, t.tenant, t.chain, t.input, t.response)
+                            .filter(|t| t.bytes() <= store.limits().max_entry())
+                            .map(|t| Arc::new(crate::background::interrupted(t)))
+                    }
+                    _ => None,
+                };
+                turn.map(|t| w.turns.push(t)).is_some()
+            }
+            WaitingLine::Delete { id } if w.deletes.len() < MAX_PENDING_DELETES => {
+                w.deletes.push(id);
+                true
+            }
+            WaitingLine::Cancel { id } if w.cancels.len() < MAX_PENDING_CANCELS => {
+                w.cancels.push(id);
+                true
+            }
+            WaitingLine::Conversation { id, tenant, change } if w.changes.len() < MAX_PENDING => {
+                w.changes.push((id, tenant, change));
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Reads `path` into `store` (see the module docs); `now_ms`: the wall clock, Unix ms.
@@ -88,8 +162,16 @@ pub fn load(path: &Path, store: &ResponseStore, now_ms: u64) -> std::io::Result<
     };
     let downtime = now_ms.saturating_sub(header.saved_at_ms);
     while let Some(line) = lines.next_line()? {
-        let Some(line) = line.and_then(|l| serde_json::from_slice::<Line>(&l).ok()) else {
+        let Some(line) = line else {
             report.skipped += 1;
+            continue;
+        };
+        let Ok(line) = serde_json::from_slice::<Line>(&line) else {
+            let taken = serde_json::from_slice::<WaitingLine>(&line)
+                .is_ok_and(|w| w.add_to(&mut report.waiting, store));
+            if !taken {
+                report.skipped += 1;
+            }
             continue;
         };
         let idle = Duration::from_millis(line.idle_ms.saturating_add(downtime));
@@ -156,11 +238,12 @@ impl<R: Read> CappedLines<R> {
     }
 }
 
-/// Writes `turns` (least recently used first, with their idle time) to `path`, atomically (see
-/// the module docs); the bytes written.
+/// Writes `turns` (least recently used first, with their idle time) and what `waiting` holds
+/// to `path`, atomically (see the module docs); the bytes written.
 pub fn save(
     path: &Path,
     turns: &[(Arc<StoredResponse>, Duration)],
+    waiting: &Waiting,
     now_ms: u64,
 ) -> std::io::Result<u64> {
     let tmp = tmp_path(path);
@@ -183,6 +266,33 @@ pub fn save(
             &mut out,
             &format!("{{\"idle_ms\":{idle_ms},\"turn\":{}}}\n", turn.to_json()),
         )?;
+    }
+    let held: std::collections::HashMap<&str, &Arc<StoredResponse>> =
+        turns.iter().map(|(t, _)| (t.id.as_str(), t)).collect();
+    for t in &waiting.turns {
+        let line = match held.get(t.id.as_str()) {
+            Some(h) if Arc::ptr_eq(h, t) => {
+                serde_json::json!({"redis": "write", "id": t.id}).to_string()
+            }
+            _ => format!("{{\"redis\":\"write\",\"turn\":{}}}", t.to_json()),
+        };
+        put(&mut out, &format!("{line}\n"))?;
+    }
+    for id in &waiting.deletes {
+        put(
+            &mut out,
+            &format!("{}\n", serde_json::json!({"redis": "delete", "id": id})),
+        )?;
+    }
+    for id in &waiting.cancels {
+        put(
+            &mut out,
+            &format!("{}\n", serde_json::json!({"redis": "cancel", "id": id})),
+        )?;
+    }
+    for (id, tenant, change) in &waiting.changes {
+        let line = serde_json::json!({"redis": "conversation", "id": id, "tenant": tenant, "change": change});
+        put(&mut out, &format!("{line}\n"))?;
     }
     let file = out.into_inner().map_err(|e| e.into_error())?;
     file.sync_all()?;
@@ -217,25 +327,41 @@ struct Target {
     data: Arc<crate::data_plane::DataPlane>,
 }
 
+/// What a file holds: the store's [`ResponseStore::changes`] count and the digest of what
+/// waited for Redis ([`Waiting::digest`]) when it was saved.
+pub type Saved = (u64, u64);
+
+/// What waits for Redis in `data` (cluster mode; empty otherwise).
+pub fn waiting(data: &crate::data_plane::DataPlane) -> Waiting {
+    let mut w = data
+        .shared_responses
+        .load()
+        .as_ref()
+        .map(|s| s.waiting())
+        .unwrap_or_default();
+    w.changes = data.responses.pending.waiting();
+    w
+}
+
 impl Target {
-    /// Saves when the store changed since `saved` (its [`ResponseStore::changes`] count then);
-    /// the count now saved.
-    async fn save_if_changed(&self, saved: u64) -> u64 {
+    /// Saves when the store, or what waits for Redis, changed since `saved`; what is saved now.
+    async fn save_if_changed(&self, saved: Saved) -> Saved {
         let store = &self.data.responses;
-        let changes = store.changes();
-        if changes == saved {
+        let waiting = waiting(&self.data);
+        let now = (store.changes(), waiting.digest());
+        if now == saved {
             return saved;
         }
         let turns = store.snapshot();
         let path = self.path.clone();
         let result = tokio::task::spawn_blocking(move || {
-            save(&path, &turns, receipts::now_ms()).map(|b| (b, turns.len()))
+            save(&path, &turns, &waiting, receipts::now_ms()).map(|b| (b, turns.len()))
         })
         .await;
         match result {
             Ok(Ok((bytes, n))) => {
                 tracing::debug!(turns = n, bytes, path = %self.path.display(), "stored responses saved");
-                changes
+                now
             }
             Ok(Err(e)) => {
                 self.data.metrics.response_store_save_failures.inc();
@@ -252,14 +378,14 @@ impl Target {
 }
 
 impl Saver {
-    /// Starts saving `data.responses` to `path` every `interval` on `handle`; `saved`: the
-    /// store's change count that the file already holds (after [`load`]).
+    /// Starts saving `data.responses` (and what waits for Redis) to `path` every `interval` on
+    /// `handle`; `saved`: what the file already holds (after [`load`]).
     pub fn start(
         handle: &tokio::runtime::Handle,
         data: Arc<crate::data_plane::DataPlane>,
         path: PathBuf,
         interval: Duration,
-        saved: u64,
+        saved: Saved,
     ) -> Saver {
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let target = Target { path, data };
@@ -320,7 +446,13 @@ mod tests {
         store.peek("resp_1").unwrap();
         let before = ids(&store);
         assert_eq!(before, ["resp_2", "resp_x", "resp_1"]);
-        let written = save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
+        let written = save(
+            &path,
+            &store.snapshot(),
+            &Waiting::default(),
+            receipts::now_ms(),
+        )
+        .unwrap();
         assert_eq!(written, std::fs::metadata(&path).unwrap().len());
         #[cfg(unix)]
         {
@@ -343,6 +475,128 @@ mod tests {
     }
 
     #[test]
+    fn what_waits_for_redis_is_read_back_in_its_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("responses.jsonl");
+        let store = ResponseStore::new(StoreLimits::DEFAULT);
+        store.insert(turn("resp_1", &[], "one")).unwrap();
+        store.insert(turn("resp_2", &["resp_1"], "two")).unwrap();
+        let waiting = Waiting {
+            // resp_2 is in the store (a line naming it); resp_gone is not (a whole turn).
+            turns: vec![
+                store.peek("resp_2").unwrap(),
+                Arc::new(turn("resp_gone", &[], "evicted here")),
+            ],
+            deletes: vec!["resp_d1".into(), "resp_d2".into()],
+            cancels: vec!["resp_c".into()],
+            changes: vec![
+                (
+                    "conv_1".into(),
+                    Some("team-a".into()),
+                    crate::conversation::append(vec![json!({"id": "msg_1", "type": "message"})]),
+                ),
+                (
+                    "conv_1".into(),
+                    Some("team-a".into()),
+                    crate::conversation::remove_item("msg_0"),
+                ),
+                (
+                    "conv_2".into(),
+                    None,
+                    crate::conversation::set_metadata(
+                        json!({"topic": "x"}).as_object().unwrap().clone(),
+                    ),
+                ),
+            ],
+        };
+        save(&path, &store.snapshot(), &waiting, receipts::now_ms()).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.contains("{\"redis\":\"write\",\"id\":\"resp_2\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("{\"redis\":\"write\",\"turn\":{\"id\":\"resp_gone\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("\"change\":{\"remove_item\":\"msg_0\"}"),
+            "{text}"
+        );
+
+        let back = ResponseStore::new(StoreLimits::DEFAULT);
+        let report = load(&path, &back, receipts::now_ms()).unwrap();
+        assert_eq!((report.restored, report.skipped), (2, 0), "{report:?}");
+        assert_eq!(report.waiting, waiting);
+        // The turn named by id is the store's own copy; the other stays out of the store.
+        assert!(Arc::ptr_eq(
+            &report.waiting.turns[0],
+            &back.peek("resp_2").unwrap()
+        ));
+        assert!(back.peek("resp_gone").is_none());
+        // Saved again as read, the waiting lines are the same.
+        let again = dir.path().join("again.jsonl");
+        save(
+            &again,
+            &back.snapshot(),
+            &report.waiting,
+            receipts::now_ms(),
+        )
+        .unwrap();
+        let waiting_lines = |p: &Path| -> Vec<String> {
+            let t = std::fs::read_to_string(p).unwrap();
+            t.lines()
+                .filter(|l| l.starts_with("{\"redis\""))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(waiting_lines(&again), waiting_lines(&path));
+        assert_eq!(waiting_lines(&path).len(), waiting.len());
+    }
+
+    #[test]
+    fn waiting_lines_are_bounded_and_bad_ones_skipped() {
+        use crate::cluster::MAX_PENDING_CANCELS;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.jsonl");
+        let mut text = format!(
+            "{}\n",
+            json!({"kvgate": KIND, "version": VERSION, "saved_at_ms": receipts::now_ms()})
+        );
+        for i in 0..=MAX_PENDING_CANCELS {
+            text.push_str(&format!(
+                "{}\n",
+                json!({"redis": "cancel", "id": format!("resp_{i}")})
+            ));
+        }
+        for bad in [
+            json!({"redis": "write", "id": "resp_not_in_the_file"}),
+            json!({"redis": "write"}),
+            json!({"redis": "write", "id": "a", "turn": {"id": "a"}}),
+            json!({"redis": "bogus", "id": "a"}),
+            json!({"redis": "conversation", "id": "conv_1", "change": {"rename": "x"}}),
+            json!({"redis": "delete"}),
+        ] {
+            text.push_str(&format!("{bad}\n"));
+        }
+        std::fs::write(&path, text).unwrap();
+        let report = load(
+            &path,
+            &ResponseStore::new(StoreLimits::DEFAULT),
+            receipts::now_ms(),
+        )
+        .unwrap();
+        assert_eq!(report.waiting.cancels.len(), MAX_PENDING_CANCELS);
+        assert_eq!(report.waiting.len(), MAX_PENDING_CANCELS);
+        assert_eq!(
+            report.skipped,
+            1 + 6,
+            "{:?}",
+            (report.restored, report.expired)
+        );
+    }
+
+    #[test]
     fn the_downtime_counts_as_idle_time() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.jsonl");
@@ -357,7 +611,7 @@ mod tests {
         turns[0].1 = Duration::from_secs(500);
         turns[1].1 = Duration::from_secs(10);
         let saved_at = receipts::now_ms();
-        save(&path, &turns, saved_at).unwrap();
+        save(&path, &turns, &Waiting::default(), saved_at).unwrap();
         // Read back 200 s later: the old one has been idle 700 s, past the TTL.
         let back = ResponseStore::new(limits);
         let report = load(&path, &back, saved_at + 200_000).unwrap();
@@ -378,7 +632,13 @@ mod tests {
         let store = ResponseStore::new(limits);
         store.insert(turn("resp_1", &[], "one")).unwrap();
         store.insert(turn("resp_2", &["resp_1"], "two")).unwrap();
-        save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
+        save(
+            &path,
+            &store.snapshot(),
+            &Waiting::default(),
+            receipts::now_ms(),
+        )
+        .unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
         // A garbage line, a line far over the store's turn size (no newline inside it: read
@@ -437,7 +697,7 @@ mod tests {
             for t in 0..4 {
                 store.insert(turn(&format!("resp_{t}"), &[], &"w ".repeat(t * 200))).unwrap();
             }
-            save(&path, &store.snapshot(), receipts::now_ms()).unwrap();
+            save(&path, &store.snapshot(), &Waiting::default(), receipts::now_ms()).unwrap();
             let mut bytes = std::fs::read(&path).unwrap();
             for (kind, at, b) in &cuts {
                 let at = at % (bytes.len() + 1);

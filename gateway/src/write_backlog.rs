@@ -8,11 +8,83 @@
 //! landed. Bounded: at most [`MAX_TURNS`] ids and `max_bytes` bytes of turns (the local store's
 //! own budget: the turns are mostly the store's own, shared); past either bound a turn stays on
 //! this replica only, as before the backlog existed.
+//!
+//! [`Waiting`] is everything a replica keeps for Redis — these turns, deletions, cancels and
+//! conversation changes — in one value: what `--response-store-file` keeps across a restart
+//! ([`crate::response_file`]) and the replica takes back when it starts again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::conversation::Change;
 use crate::response_store::StoredResponse;
+
+/// What a replica keeps for Redis while Redis does not take it (see the module doc).
+#[derive(Clone, Debug, Default)]
+pub struct Waiting {
+    /// Turns to write, oldest write first.
+    pub turns: Vec<Arc<StoredResponse>>,
+    /// Deletions to write (the `deleted` marker and its message).
+    pub deletes: Vec<String>,
+    /// Cancels of background responses other replicas run, to ask.
+    pub cancels: Vec<String>,
+    /// Conversation changes to make there, oldest first: id, tenant, change.
+    pub changes: Vec<(String, Option<String>, Change)>,
+}
+
+/// Equal when the same things wait in the same order (turns compared by their JSON).
+impl PartialEq for Waiting {
+    fn eq(&self, other: &Waiting) -> bool {
+        self.turns.len() == other.turns.len()
+            && self
+                .turns
+                .iter()
+                .zip(&other.turns)
+                .all(|(a, b)| a.to_json() == b.to_json())
+            && self.deletes == other.deletes
+            && self.cancels == other.cancels
+            && self.changes == other.changes
+    }
+}
+
+impl Eq for Waiting {}
+
+impl Waiting {
+    /// How many things wait, of every kind.
+    pub fn len(&self) -> usize {
+        self.turns.len() + self.deletes.len() + self.cancels.len() + self.changes.len()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A digest of what waits: a different one means something changed (a save is due). The
+    /// turns count by identity (each write is a new record), the rest by content.
+    pub fn digest(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for t in &self.turns {
+            (Arc::as_ptr(t) as usize, t.id.as_str()).hash(&mut h);
+        }
+        let mut rest: Vec<&str> = self.deletes.iter().map(String::as_str).collect();
+        rest.sort_unstable();
+        rest.hash(&mut h);
+        let mut cancels: Vec<&str> = self.cancels.iter().map(String::as_str).collect();
+        cancels.sort_unstable();
+        cancels.hash(&mut h);
+        for (id, tenant, change) in &self.changes {
+            (
+                id,
+                tenant,
+                serde_json::to_string(change).unwrap_or_default(),
+            )
+                .hash(&mut h);
+        }
+        h.finish()
+    }
+}
 
 /// The most turns kept waiting.
 pub const MAX_TURNS: usize = 65_536;
