@@ -253,10 +253,15 @@ impl ClusterLink {
                 }
             }
         });
-        if self.store().is_none() {
+        let shared = data.shared_responses.load_full();
+        let waits = shared
+            .as_ref()
+            .is_some_and(|s| !s.waiting().is_empty() || s.mirror_gaps() > 0)
+            || !data.responses.pending.is_empty();
+        if self.store().is_none() && !waits {
+            // Never connected, and nothing to write: no record to withdraw either.
             return;
         }
-        let shared = data.shared_responses.load_full();
         let id = self.record.gateway_id.clone();
         let (url, prefix) = (self.settings.url.clone(), self.settings.prefix.clone());
         let _ = handle.block_on(async {

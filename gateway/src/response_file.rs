@@ -38,7 +38,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::conversation::Change;
-use crate::response_store::{ResponseStore, StoredResponse};
+use crate::response_store::{ResponseStore, StoredResponse, MAX_ID_LEN};
 use crate::write_backlog::Waiting;
 
 /// The header's `kvgate` value.
@@ -101,8 +101,10 @@ enum WaitingLine {
 }
 
 impl WaitingLine {
-    /// Adds the line to `w` (within each kind's bound); whether it was taken.
-    fn add_to(self, w: &mut Waiting, store: &ResponseStore) -> bool {
+    /// Adds the line to `w` (within each kind's bound: see the module docs; ids within
+    /// [`MAX_ID_LEN`]; whole turns not in the store within the store's bytes, counted in
+    /// `turn_bytes`); whether it was taken.
+    fn add_to(self, w: &mut Waiting, turn_bytes: &mut usize, store: &ResponseStore) -> bool {
         use crate::cluster::{MAX_PENDING_CANCELS, MAX_PENDING_DELETES};
         use crate::conversation::MAX_PENDING;
         use crate::write_backlog::MAX_TURNS;
@@ -112,22 +114,34 @@ impl WaitingLine {
                     (Some(id), None) => store.peek(&id),
                     (None, Some(t)) => {
                         StoredResponse::checked(t.id, t.tenant, t.chain, t.input, t.response)
-                            .filter(|t| t.bytes() <= store.limits().max_entry())
-                            .map(|t| Arc::new(crate::background::interrupted(t)))
+                            .filter(|t| {
+                                t.bytes() <= store.limits().max_entry()
+                                    && *turn_bytes + t.bytes() <= store.limits().max_bytes
+                            })
+                            .map(|t| {
+                                *turn_bytes += t.bytes();
+                                Arc::new(crate::background::interrupted(t))
+                            })
                     }
                     _ => None,
                 };
                 turn.map(|t| w.turns.push(t)).is_some()
             }
-            WaitingLine::Delete { id } if w.deletes.len() < MAX_PENDING_DELETES => {
+            WaitingLine::Delete { id }
+                if w.deletes.len() < MAX_PENDING_DELETES && id.len() <= MAX_ID_LEN =>
+            {
                 w.deletes.push(id);
                 true
             }
-            WaitingLine::Cancel { id } if w.cancels.len() < MAX_PENDING_CANCELS => {
+            WaitingLine::Cancel { id }
+                if w.cancels.len() < MAX_PENDING_CANCELS && id.len() <= MAX_ID_LEN =>
+            {
                 w.cancels.push(id);
                 true
             }
-            WaitingLine::Conversation { id, tenant, change } if w.changes.len() < MAX_PENDING => {
+            WaitingLine::Conversation { id, tenant, change }
+                if w.changes.len() < MAX_PENDING && id.len() <= MAX_ID_LEN =>
+            {
                 w.changes.push((id, tenant, change));
                 true
             }
@@ -161,6 +175,7 @@ pub fn load(path: &Path, store: &ResponseStore, now_ms: u64) -> std::io::Result<
         return Ok(report);
     };
     let downtime = now_ms.saturating_sub(header.saved_at_ms);
+    let mut turn_bytes = 0;
     while let Some(line) = lines.next_line()? {
         let Some(line) = line else {
             report.skipped += 1;
@@ -168,7 +183,7 @@ pub fn load(path: &Path, store: &ResponseStore, now_ms: u64) -> std::io::Result<
         };
         let Ok(line) = serde_json::from_slice::<Line>(&line) else {
             let taken = serde_json::from_slice::<WaitingLine>(&line)
-                .is_ok_and(|w| w.add_to(&mut report.waiting, store));
+                .is_ok_and(|w| w.add_to(&mut report.waiting, &mut turn_bytes, store));
             if !taken {
                 report.skipped += 1;
             }
@@ -576,6 +591,7 @@ mod tests {
             json!({"redis": "bogus", "id": "a"}),
             json!({"redis": "conversation", "id": "conv_1", "change": {"rename": "x"}}),
             json!({"redis": "delete"}),
+            json!({"redis": "delete", "id": "r".repeat(MAX_ID_LEN + 1)}),
         ] {
             text.push_str(&format!("{bad}\n"));
         }
@@ -590,7 +606,7 @@ mod tests {
         assert_eq!(report.waiting.len(), MAX_PENDING_CANCELS);
         assert_eq!(
             report.skipped,
-            1 + 6,
+            1 + 7,
             "{:?}",
             (report.restored, report.expired)
         );
