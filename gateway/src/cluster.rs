@@ -56,7 +56,7 @@ pub struct ClusterSettings {
     /// it). Default 10 ms; zero turns claims off.
     pub claim_ttl: Duration,
     /// How long a decision waits for its claim before it keeps its own choice unclaimed.
-    /// Default 5 ms.
+    /// Default 25 ms (docs/cluster.md, "Claims": a claim that gave up still runs in Redis).
     pub claim_timeout: Duration,
     /// Bytes of stored Responses API turns the replicas keep in Redis together, at most
     /// (`cluster::Store::put_response`: least recently used out first); 0: bounded by the idle
@@ -89,7 +89,7 @@ pub const DEFAULT_RESPONSE_BUDGET: u64 = 1 << 30;
 /// Default [`ClusterSettings::claim_ttl`].
 pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_millis(10);
 /// Default [`ClusterSettings::claim_timeout`].
-pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_millis(5);
+pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_millis(25);
 
 /// What `/admin/cluster` shows.
 #[derive(Debug, Default)]

@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     pub cluster_claim_ms: u64,
     /// With --gateways G > 1: how long a decision waits for its claim, ms.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 25)]
     pub cluster_claim_timeout_ms: u64,
     /// With --fleet: instead of a workload, compare the KV event transports (SSE from every
     /// worker to every replica vs one Redis Stream per worker) at this many events a second

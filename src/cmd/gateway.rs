@@ -95,7 +95,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     pub cluster_claim_ms: u64,
     /// How long a decision waits for its claim before keeping its own choice, ms.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 25)]
     pub cluster_claim_timeout_ms: u64,
     /// Cluster mode: MiB of stored responses the replicas keep in Redis together, least
     /// recently used out first; 0: bounded by --response-idle-ttl-s only. Give every
