@@ -293,6 +293,24 @@ models = ["smol"]
         })
     }
 
+    /// A client request through replica `g`'s VIP.
+    fn call(
+        &self,
+        g: usize,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Reply {
+        let url = format!("http://{}{path}", self.gw(g).listen_addr);
+        self.rt.block_on(async {
+            let mut r = self.http.request(method, url);
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    }
+
     fn wait_for(&self, what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         let deadline = Instant::now() + timeout;
         while !f() {
@@ -351,6 +369,21 @@ fn fresh_store(prefix: &str) -> (tokio::runtime::Runtime, Redis, cluster::Store)
         .block_on(cluster::Store::connect(&redis.url(), prefix))
         .unwrap();
     (rt, redis, store)
+}
+
+/// The text of each item of a conversation's item page (a string content as it is, any other
+/// as JSON).
+fn item_texts(r: &Reply) -> Vec<String> {
+    r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            i["content"]
+                .as_str()
+                .map_or_else(|| i["content"].to_string(), str::to_owned)
+        })
+        .collect()
 }
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -1799,27 +1832,13 @@ fn what_waits_for_redis_is_kept_across_a_replica_restart() {
     let with_file = |cfg: &mut GatewayConfig| cfg.response_file = Some(file.clone());
     c.start_gateway_with(0, with_file);
     c.start_gateway(1);
-    let call = |c: &Cluster,
-                g: usize,
-                method: reqwest::Method,
-                path: &str,
-                body: Option<serde_json::Value>| {
-        let url = format!("http://{}{path}", c.gw(g).listen_addr);
-        c.rt.block_on(async {
-            let mut r = c.http.request(method, url);
-            if let Some(b) = body {
-                r = r.json(&b);
-            }
-            Reply::read(r.send().await.unwrap()).await
-        })
-    };
     let ask = |c: &Cluster, g: usize, body: serde_json::Value| -> String {
-        let r = call(c, g, reqwest::Method::POST, "/v1/responses", Some(body));
+        let r = c.call(g, reqwest::Method::POST, "/v1/responses", Some(body));
         assert_eq!(r.status, 200, "{}", r.text());
         r.json()["id"].as_str().unwrap().to_owned()
     };
     let status =
-        |c: &Cluster, g: usize, path: &str| call(c, g, reqwest::Method::GET, path, None).status;
+        |c: &Cluster, g: usize, path: &str| c.call(g, reqwest::Method::GET, path, None).status;
     let shared = |c: &Cluster, g: usize| {
         c.admin(g, reqwest::Method::GET, "/admin/cluster", None)
             .json()["stored_responses"]
@@ -1831,29 +1850,18 @@ fn what_waits_for_redis_is_kept_across_a_replica_restart() {
         text.lines().filter(|l| l.starts_with(&tag)).count()
     };
     let items = |c: &Cluster, g: usize, conv: &str| -> Vec<String> {
-        let r = call(
-            c,
+        let r = c.call(
             g,
             reqwest::Method::GET,
             &format!("/v1/conversations/{conv}/items?order=asc"),
             None,
         );
         assert_eq!(r.status, 200, "{}", r.text());
-        r.json()["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| {
-                i["content"]
-                    .as_str()
-                    .map_or_else(|| i["content"].to_string(), str::to_owned)
-            })
-            .collect()
+        item_texts(&r)
     };
     // Before the outage: a conversation made through replica 1 (replica 2 never reads it), and
     // a turn replica 2 holds a copy of.
-    let made = call(
-        &c,
+    let made = c.call(
         0,
         reqwest::Method::POST,
         "/v1/conversations",
@@ -1886,10 +1894,9 @@ fn what_waits_for_redis_is_kept_across_a_replica_restart() {
         0,
         json!({"model": "smol", "previous_response_id": away, "input": "Still here?", "max_output_tokens": 3}),
     );
-    let d = call(&c, 0, reqwest::Method::DELETE, &doomed_path, None);
+    let d = c.call(0, reqwest::Method::DELETE, &doomed_path, None);
     assert_eq!(d.status, 200, "{}", d.text());
-    let added = call(
-        &c,
+    let added = c.call(
         0,
         reqwest::Method::POST,
         &format!("/v1/conversations/{conv}/items"),
@@ -1934,8 +1941,7 @@ fn what_waits_for_redis_is_kept_across_a_replica_restart() {
     );
     // Replica 2 continues the conversation whose turns it never saw, no longer serves the turn
     // deleted during the outage, and reads the conversation with the item added then.
-    let r = call(
-        &c,
+    let r = c.call(
         1,
         reqwest::Method::POST,
         "/v1/responses",
@@ -1944,8 +1950,7 @@ fn what_waits_for_redis_is_kept_across_a_replica_restart() {
         ),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    let got = call(
-        &c,
+    let got = c.call(
         1,
         reqwest::Method::GET,
         &format!("/v1/responses/{still}"),
@@ -2198,23 +2203,8 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     for g in 0..3 {
         c.start_gateway(g);
     }
-    let call = |c: &Cluster,
-                g: usize,
-                method: reqwest::Method,
-                path: &str,
-                body: Option<serde_json::Value>| {
-        let url = format!("http://{}{path}", c.gw(g).listen_addr);
-        c.rt.block_on(async {
-            let mut r = c.http.request(method, url);
-            if let Some(b) = body {
-                r = r.json(&b);
-            }
-            Reply::read(r.send().await.unwrap()).await
-        })
-    };
     let status = |c: &Cluster, g: usize, id: &str| -> String {
-        let r = call(
-            c,
+        let r = c.call(
             g,
             reqwest::Method::GET,
             &format!("/v1/responses/{id}"),
@@ -2224,8 +2214,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
         r.json()["status"].as_str().unwrap().to_owned()
     };
     let start = |c: &Cluster, g: usize, tokens: u64| -> String {
-        let r = call(
-            c,
+        let r = c.call(
             g,
             reqwest::Method::POST,
             "/v1/responses",
@@ -2255,8 +2244,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     );
     assert!(c.gw(0).data.background.get(&long).is_some());
     let cancel = |c: &Cluster, g: usize, id: &str| {
-        call(
-            c,
+        c.call(
             g,
             reqwest::Method::POST,
             &format!("/v1/responses/{id}/cancel"),
@@ -2327,8 +2315,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     // Resumes `id` through replica 2 after event `cursor`: every later event, numbered on, to
     // the end; the first part and this one make the answer. The last event.
     let resumed = |c: &Cluster, id: &str, first: &[serde_json::Value], cursor: u64| {
-        let r = call(
-            c,
+        let r = c.call(
             1,
             reqwest::Method::GET,
             &format!("/v1/responses/{id}?stream=true&starting_after={cursor}"),
@@ -2392,8 +2379,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     c.wait_for("the quiet one's end", Duration::from_secs(10), || {
         status(&c, 1, &quiet) == "incomplete"
     });
-    let r = call(
-        &c,
+    let r = c.call(
         2,
         reqwest::Method::GET,
         &format!("/v1/responses/{quiet}?stream=true"),
@@ -2423,22 +2409,16 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
         c.rt.block_on(store.replace_response(id, &r.to_json(), Duration::from_secs(60), 0, 1))
             .unwrap();
     }
-    let orphan = call(
-        &c,
-        1,
-        reqwest::Method::GET,
-        "/v1/responses/resp_orphan",
-        None,
-    )
-    .json();
+    let orphan = c
+        .call(1, reqwest::Method::GET, "/v1/responses/resp_orphan", None)
+        .json();
     assert_eq!(orphan["status"], "failed", "{orphan}");
     assert_eq!(orphan["error"]["code"], "server_error", "{orphan}");
     assert_eq!(status(&c, 1, "resp_alive"), "in_progress");
     // A cancel whose message replica 1 missed (only its key is in Redis, as when replica 1 was
     // not subscribed as it was published): replica 1 finds it at its next check.
     let ask_long = |c: &Cluster, tokens: u64| -> String {
-        let r = call(
-            c,
+        let r = c.call(
             0,
             reqwest::Method::POST,
             "/v1/responses",
@@ -2509,8 +2489,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     // record for Redis and writes it there once Redis answers, so the other replicas read the
     // end rather than nothing (or, had Redis kept its data, `in_progress` for as long as
     // replica 1 lives).
-    let r = call(
-        &c,
+    let r = c.call(
         0,
         reqwest::Method::POST,
         "/v1/responses",
@@ -2538,8 +2517,7 @@ fn background_responses_are_polled_and_cancelled_through_any_replica() {
     );
     c.redis = Redis::start(redis_port, tempfile::tempdir().unwrap());
     let ended = |c: &Cluster, g: usize| {
-        let r = call(
-            c,
+        let r = c.call(
             g,
             reqwest::Method::GET,
             &format!("/v1/responses/{late}"),
@@ -2673,16 +2651,7 @@ fn conversations_are_shared_and_concurrent_changes_are_all_kept() {
             None,
         );
         assert_eq!(r.status, 200, "{}", r.text());
-        r.json()["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| {
-                i["content"]
-                    .as_str()
-                    .map_or_else(|| i["content"].to_string(), str::to_owned)
-            })
-            .collect()
+        item_texts(&r)
     };
     let mut notes = listed(&c, 2);
     assert_eq!(notes.remove(0), "You are brief.");
