@@ -268,6 +268,28 @@ models = ["smol"]
         self.gw(g).data.views.load().version()
     }
 
+    /// A request to `addr`, with the admin token or none.
+    fn request(
+        &self,
+        addr: SocketAddr,
+        admin: bool,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Reply {
+        self.rt.block_on(async {
+            let mut r = self.http.request(method, format!("http://{addr}{path}"));
+            if admin {
+                r = r.bearer_auth(TOKEN);
+            }
+            if let Some(b) = body {
+                r = r.json(&b);
+            }
+            Reply::read(r.send().await.unwrap()).await
+        })
+    }
+
+    /// A request to replica `g`'s admin plane.
     fn admin(
         &self,
         g: usize,
@@ -275,14 +297,7 @@ models = ["smol"]
         path: &str,
         body: Option<serde_json::Value>,
     ) -> Reply {
-        let url = format!("http://{}{path}", self.gw(g).admin_addr);
-        self.rt.block_on(async {
-            let mut r = self.http.request(method, url).bearer_auth(TOKEN);
-            if let Some(b) = body {
-                r = r.json(&b);
-            }
-            Reply::read(r.send().await.unwrap()).await
-        })
+        self.request(self.gw(g).admin_addr, true, method, path, body)
     }
 
     fn chat(&self, g: usize, model: &str, text: &str, max_tokens: u64) -> Reply {
@@ -301,14 +316,7 @@ models = ["smol"]
         path: &str,
         body: Option<serde_json::Value>,
     ) -> Reply {
-        let url = format!("http://{}{path}", self.gw(g).listen_addr);
-        self.rt.block_on(async {
-            let mut r = self.http.request(method, url);
-            if let Some(b) = body {
-                r = r.json(&b);
-            }
-            Reply::read(r.send().await.unwrap()).await
-        })
+        self.request(self.gw(g).listen_addr, false, method, path, body)
     }
 
     fn wait_for(&self, what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
