@@ -523,6 +523,7 @@ fn three_replicas_share_rules_workers_keys_and_load_through_redis() {
         cluster::Load {
             in_flight: 99,
             active_tokens: 9999,
+            prefill_tokens: 9000,
         },
     )]);
     c.rt.block_on(async {
@@ -1137,6 +1138,95 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
     assert_eq!((report.routed, report.receipted), (3, 3), "{report:?}");
 }
 
+/// A second request of a new prompt's prefix that places on the same replica while the first
+/// one's claim is still in flight follows the first wherever its claim takes it: the prefix is
+/// computed once. Redis is paused (`CLIENT PAUSE`) for 400 ms so that the first request's claim
+/// waits there while the second places; another replica's fresh claims make the claim move the
+/// first request off the replica's own choice in most rounds. Without the wait for the claim
+/// (`claim_wait`), the second request stays on that choice, where the first request's
+/// routing-time holding made it a clear winner.
+#[test]
+fn a_request_that_follows_a_claim_in_flight_goes_where_the_claim_went() {
+    let mut c = Cluster::new(1, 3);
+    c.start_gateway_with(0, |cfg| {
+        if let Some(cl) = cfg.cluster.as_mut() {
+            cl.claim_timeout = Duration::from_secs(3);
+        }
+    });
+    for w in ["w1", "w2", "w3"] {
+        c.wait_for("static workers routable", Duration::from_secs(10), || {
+            c.routable(0, w)
+        });
+    }
+    let store =
+        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
+            .unwrap();
+    let ttl = Duration::from_secs(2);
+    for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
+        for w in ["w1", "w2", "w3"].iter().filter(|w| *w != target) {
+            c.rt.block_on(store.claim(&cluster::Claim {
+                replica: "gw-other",
+                id: &format!("{round}"),
+                candidates: &[(w, 0)],
+                others: &[],
+                added: 1_000_000_000,
+                credit: 0,
+                lead_saving: 0,
+                keys: &[],
+                ttl,
+                lead_ttl: ttl,
+            }))
+            .unwrap();
+        }
+        let topic = ["Rivers", "Volcanoes", "Glaciers"][round];
+        let doc = format!(
+            "{topic} {}",
+            "shape the land over long spans of time. ".repeat(16)
+        );
+        assert_eq!(redis_command(c.redis.port, "CLIENT PAUSE 400 ALL"), "+OK");
+        let url = format!("http://{}/v1/chat/completions", c.gw(0).listen_addr);
+        let ask = |after_ms: u64, question: &str| {
+            let body = json!({"model": "smol", "max_tokens": 4,
+                "messages": [{"role": "user", "content": format!("{doc} {question}")}]});
+            let (http, url) = (c.http.clone(), url.clone());
+            async move {
+                tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                Reply::read(http.post(url).json(&body).send().await.unwrap()).await
+            }
+        };
+        let (first, second) =
+            c.rt.block_on(async { tokio::join!(ask(50, "How fast?"), ask(200, "Where most?")) });
+        for r in [&first, &second] {
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            assert_eq!(
+                r.header("x-kvgate-worker").as_deref(),
+                Some(*target),
+                "round {round}"
+            );
+        }
+        std::thread::sleep(ttl + Duration::from_millis(100));
+    }
+    let metrics = c.admin(0, reqwest::Method::GET, "/metrics", None);
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    let count = |metric: &str, outcome: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(metric) && l.contains(&format!("\"{outcome}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let claims = "kvgate_gateway_cluster_claims_total";
+    let follows = "kvgate_gateway_cluster_claim_follows_total";
+    assert!(count(claims, "moved") >= 2, "{text}");
+    assert_eq!(count(claims, "moved") + count(claims, "kept"), 3, "{text}");
+    // Each moved claim was followed there; the others' followers stayed with them.
+    assert_eq!(count(follows, "moved"), count(claims, "moved"), "{text}");
+    assert_eq!(count(follows, "kept"), count(claims, "kept"), "{text}");
+    assert_eq!(count(follows, "failed"), 0, "{text}");
+    let report = c.stop_and_audit();
+    assert!(report.discrepancies.is_empty(), "{report:?}");
+    assert_eq!((report.routed, report.receipted), (6, 6), "{report:?}");
+}
+
 /// What one claim costs against a `PING`, on a real `redis-server` over loopback: 2,000 of each,
 /// one at a time, a 64-worker pool (8 close candidates, 56 others) and a 1,300-token prompt
 /// (82 blocks: 13 sampled chain keys), once following another replica's lead and once for
@@ -1201,8 +1291,10 @@ fn claim_round_trip_against_ping() {
 }
 
 /// Other replicas' load tables come from the network: a corrupt or hostile one (counts at
-/// `u64::MAX`, fields that are not numbers) is read without overflowing or failing — sums
-/// saturate, what does not parse counts 0 — so the sync loop that reads them keeps running.
+/// `u64::MAX`, fields that are not numbers, more prefill than active tokens) is read without
+/// overflowing or failing — sums saturate, what does not parse counts 0, prefill is at most a
+/// table's active tokens — so the sync loop that reads them keeps running. A table without the
+/// prefill field (an older replica) reads its prefill as 0.
 #[test]
 fn hostile_load_tables_saturate_instead_of_overflowing() {
     let (rt, redis, store) = fresh_store("hostile");
@@ -1210,6 +1302,7 @@ fn hostile_load_tables_saturate_instead_of_overflowing() {
         let huge = cluster::Load {
             in_flight: u64::MAX,
             active_tokens: u64::MAX,
+            prefill_tokens: u64::MAX,
         };
         let table: std::collections::BTreeMap<String, cluster::Load> =
             [("w1".to_string(), huge)].into();
@@ -1228,6 +1321,10 @@ fn hostile_load_tables_saturate_instead_of_overflowing() {
             .arg("7 x")
             .arg("w2")
             .arg("not numbers at all")
+            .arg("w3")
+            .arg("1 300")
+            .arg("w4")
+            .arg("1 100 900")
             .query_async(&mut con)
             .await
             .unwrap();
@@ -1243,6 +1340,13 @@ fn hostile_load_tables_saturate_instead_of_overflowing() {
             fleet.load.get("w2").copied(),
             Some(cluster::Load::default())
         );
+        let load = |in_flight, active_tokens, prefill_tokens| cluster::Load {
+            in_flight,
+            active_tokens,
+            prefill_tokens,
+        };
+        assert_eq!(fleet.load.get("w3").copied(), Some(load(1, 300, 0)));
+        assert_eq!(fleet.load.get("w4").copied(), Some(load(1, 100, 100)));
     });
 }
 

@@ -123,6 +123,7 @@ fn route_decision_vs_tokenization() {
                     body: bytes.clone().into(),
                     tenant_header: None,
                     tenant: None,
+                    claiming: false,
                 },
             )
             .unwrap();
@@ -444,6 +445,7 @@ fn continuing_a_stored_conversation() {
                     body: sent.clone(),
                     tenant_header: None,
                     tenant: None,
+                    claiming: false,
                 };
                 let t = Instant::now();
                 let (d, _reserved) = decide(&view, &shared.index, &input).unwrap();
@@ -458,6 +460,7 @@ fn continuing_a_stored_conversation() {
                 body: sent.clone(),
                 tenant_header: None,
                 tenant: None,
+                claiming: false,
             };
             decide(&view, &shared.index, &input)
                 .unwrap()

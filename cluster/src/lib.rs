@@ -13,7 +13,7 @@
 //! | `P:worker:<id>` | string: [`WorkerRecord`] | one registration | `PX` lease, renewed by the worker |
 //! | `P:gateways` | set of ids | gateway replicas | as `P:workers` |
 //! | `P:gateway:<id>` | string: [`GatewayRecord`] | a replica's ticket-signing public key | `PX` lease, renewed by the replica |
-//! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens>"`, and `#seq` → the last published decision number the table covers | one replica's load per worker | `PX` lease, rewritten by the replica |
+//! | `P:load:<id>` | hash worker id → `"<in_flight> <active_tokens> <prefill_tokens>"`, and `#seq` → the last published decision number the table covers | one replica's load per worker | `PX` lease, rewritten by the replica |
 //! | `P:holdings` | pub/sub channel: [`SharedHolding`] | a replica's KV-exact decision: its routing-time holding (prompt keys → chosen worker) and the load it reserved there, for the others' placement | — (the receiver applies the TTLs) |
 //! | `P:claims:<id>` | sorted set, member `"<replica>\|<added cost>\|<claim id>"`, score = expiry (ms, Redis clock) | the live claimed placements on one worker ([`Store::claim`]) | members pruned by each claim; the key `PX` the claim TTL |
 //! | `P:response:<id>` | string: a stored Responses API turn (opaque JSON, the gateway's), or [`RESPONSE_DELETED`] | one replica's stored answer, readable by every replica ([`Store::put_response`]; a background response's record is replaced as it moves on, by the replica running it: [`Store::replace_response`]) | `PX` the idle TTL, renewed by each read (`GETEX`) |
@@ -172,6 +172,10 @@ pub const LOAD_SEQ_FIELD: &str = "#seq";
 pub struct Load {
     pub in_flight: u64,
     pub active_tokens: u64,
+    /// The part of `active_tokens` still to prefill (uncached prompt tokens before the first
+    /// byte): a reader counts it as queued prefill, the rest as decode. A table written without
+    /// it (an older replica) reads 0: all its active tokens count as decode.
+    pub prefill_tokens: u64,
 }
 
 /// The key names under one prefix.
@@ -1330,7 +1334,10 @@ impl Store {
             h.arg(&key);
             h.arg(LOAD_SEQ_FIELD).arg(covered);
             for (w, l) in load.iter().filter(|(w, _)| w.as_str() != LOAD_SEQ_FIELD) {
-                h.arg(w).arg(format!("{} {}", l.in_flight, l.active_tokens));
+                h.arg(w).arg(format!(
+                    "{} {} {}",
+                    l.in_flight, l.active_tokens, l.prefill_tokens
+                ));
             }
             pipe.add_command(h).ignore();
             pipe.cmd("PEXPIRE")
@@ -1373,7 +1380,11 @@ impl Store {
                 let mut it = v.split(' ').map(|x| x.parse::<u64>().unwrap_or(0));
                 let e = out.load.entry(w).or_default();
                 e.in_flight = e.in_flight.saturating_add(it.next().unwrap_or(0));
-                e.active_tokens = e.active_tokens.saturating_add(it.next().unwrap_or(0));
+                let active = it.next().unwrap_or(0);
+                e.active_tokens = e.active_tokens.saturating_add(active);
+                // Never more prefill than active tokens, per table.
+                let prefill = it.next().unwrap_or(0).min(active);
+                e.prefill_tokens = e.prefill_tokens.saturating_add(prefill);
             }
         }
         Ok(out)

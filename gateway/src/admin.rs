@@ -208,6 +208,11 @@ impl Admin {
                     "in_flight": rt.in_flight.load(Ordering::Relaxed),
                     "active_tokens": rt.active_tokens.load(Ordering::Relaxed),
                     "remote_reserved": {"prefill_tokens": reserved.0, "decode_tokens": reserved.1},
+                    "remote_load": {
+                        "in_flight": rt.remote_in_flight.load(Ordering::Relaxed),
+                        "active_tokens": rt.remote_active_tokens.load(Ordering::Relaxed),
+                        "prefill_tokens": rt.remote_prefill_tokens.load(Ordering::Relaxed),
+                    },
                     "reported_load": rt.reported_load.lock().map(|(l, at)| json!({
                         "running": l.running,
                         "waiting": l.waiting,

@@ -318,9 +318,79 @@ pub struct Claims {
 
 impl Claims {
     /// Claims `decision`'s placement among its close alternatives and moves it when another
-    /// replica's fresh claim makes one of them cheaper ([`crate::route::redirect`]). Records the
-    /// outcome metric.
+    /// replica's fresh claim makes one of them cheaper ([`crate::route::redirect`]); a decision
+    /// that is not close but follows the routing-time holding of a close one whose claim is
+    /// still in flight goes where that claim goes ([`crate::claim_wait`]). Records the outcome
+    /// metrics.
     pub async fn settle(
+        &self,
+        view: &crate::view::View,
+        data: &crate::data_plane::DataPlane,
+        service: &crate::view::ServiceRoute,
+        decision: &mut crate::route::Decision,
+        reserved: &mut Option<crate::view::InFlight>,
+    ) {
+        // Followers learn where this decision went when it is settled (or given up: also when
+        // this future is dropped).
+        let mut resolving = crate::claim_wait::Resolving::new(
+            &service.claims_in_flight,
+            decision.claim_mark.take(),
+        );
+        if decision.close < 2 {
+            self.follow(view, data, service, decision, reserved).await;
+            return;
+        }
+        self.claim(view, data, service, decision, reserved).await;
+        resolving.outcome = decision.order.first().cloned();
+    }
+
+    /// A clear decision whose first choice matched into a close decision's fresh holding on
+    /// this replica: waits for that decision's claim (at most the claim timeout) and follows
+    /// it, crediting the matched blocks there as a followed lead.
+    async fn follow(
+        &self,
+        view: &crate::view::View,
+        data: &crate::data_plane::DataPlane,
+        service: &crate::view::ServiceRoute,
+        decision: &mut crate::route::Decision,
+        reserved: &mut Option<crate::view::InFlight>,
+    ) {
+        let (Some(first), Some(p)) = (decision.order.first(), decision.prompt.as_ref()) else {
+            return;
+        };
+        let blocks = p
+            .placed
+            .iter()
+            .find(|(w, _)| w == first)
+            .map_or(0, |(_, b)| *b);
+        let Some(following) = service.claims_in_flight.follow(&p.keys, blocks, first) else {
+            return;
+        };
+        let first = first.clone();
+        let blocks = following.blocks;
+        let outcome = match following.outcome(self.link.settings.claim_timeout).await {
+            Some(to) if to != first => {
+                crate::route::redirect(view, &data.index, decision, reserved, service, &to);
+                if decision.order.first() == Some(&to) {
+                    crate::route::credit_lead(view, decision, reserved, service, &to, blocks);
+                    "moved"
+                } else {
+                    "kept"
+                }
+            }
+            Some(_) => "kept",
+            None => "failed",
+        };
+        data.metrics
+            .cluster_claim_follows
+            .get_or_create(&crate::metrics::ClaimLabels {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+    }
+
+    /// [`Self::settle`] for a close decision: the claim itself.
+    async fn claim(
         &self,
         view: &crate::view::View,
         data: &crate::data_plane::DataPlane,
@@ -333,7 +403,7 @@ impl Claims {
         };
         // Degraded (the store did not answer the last sync): no claim, so that no decision waits
         // out the timeout while Redis is away; the next successful sync turns claims back on.
-        if decision.close < 2 || self.link.status.degraded.load(Ordering::Relaxed) {
+        if self.link.status.degraded.load(Ordering::Relaxed) {
             return;
         }
         let Some(store) = self.link.store() else {
@@ -1300,6 +1370,7 @@ async fn sync_once(
                 cluster::Load {
                     in_flight: e.runtime.in_flight.load(Ordering::Relaxed),
                     active_tokens: e.runtime.active_tokens.load(Ordering::Relaxed),
+                    prefill_tokens: e.runtime.prefill_tokens.load(Ordering::Relaxed),
                 },
             )
         })
@@ -1321,6 +1392,9 @@ async fn sync_once(
         e.runtime
             .remote_active_tokens
             .store(l.active_tokens, Ordering::Relaxed);
+        e.runtime
+            .remote_prefill_tokens
+            .store(l.prefill_tokens, Ordering::Relaxed);
     }
     if control.data.responses.enabled() {
         let bytes = store.response_bytes().await?;

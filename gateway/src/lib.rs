@@ -26,6 +26,7 @@
 pub mod access_log;
 pub mod admin;
 pub mod background;
+pub mod claim_wait;
 pub mod cluster;
 pub mod control_plane;
 pub mod conversation;

@@ -181,6 +181,11 @@ pub struct Metrics {
     pub cluster_claims: Family<ClaimLabels, Counter>,
     /// Cluster mode: seconds a claim took (its Redis round trip, within the decision's time).
     pub cluster_claim_seconds: Histogram,
+    /// Cluster mode: decisions that followed a close decision's fresh holding on this replica
+    /// and waited for its claim, by outcome: `moved` (went where the claim went), `kept` (the
+    /// claim kept its worker, or the claimed one was not admissible), `failed` (the claim gave
+    /// up or did not settle within the claim timeout).
+    pub cluster_claim_follows: Family<ClaimLabels, Counter>,
     /// Rules changes applied (file, admin, SIGHUP).
     pub rules_reloads: Counter,
     /// Rules changes refused.
@@ -357,6 +362,12 @@ impl Metrics {
             "Cluster mode: cold placements claimed in Redis, by outcome (kept, moved, failed)",
             cluster_claims.clone(),
         );
+        let cluster_claim_follows = Family::<ClaimLabels, Counter>::default();
+        registry.register(
+            "cluster_claim_follows",
+            "Cluster mode: decisions that followed another decision's fresh holding on this replica and waited for its claim, by outcome (kept, moved, failed)",
+            cluster_claim_follows.clone(),
+        );
         let cluster_claim_seconds = latency_histogram();
         registry.register(
             "cluster_claim_seconds",
@@ -500,6 +511,7 @@ impl Metrics {
             cluster_degraded,
             cluster_claims,
             cluster_claim_seconds,
+            cluster_claim_follows,
             rules_reloads,
             rules_rejected,
         }

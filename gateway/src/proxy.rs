@@ -935,6 +935,7 @@ impl ProxyHttp for Proxy {
             body: body.clone(),
             tenant_header,
             tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
+            claiming: self.data.claims.load().is_some(),
         };
         let (decided, decision_cpu) =
             if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {

@@ -80,6 +80,10 @@ pub struct Decision {
     /// preferable. At most 1 for a clear winner, or when every cost is 0 (`placement =
     /// "longest_match"`). Cluster claims run when it is 2 or more ([`redirect`]).
     pub close: usize,
+    /// A close decision that will claim: its mark among the service's claims in flight, so
+    /// that decisions following its routing-time holding wait for the claim
+    /// ([`crate::claim_wait`]).
+    pub claim_mark: Option<crate::claim_wait::ClaimMark>,
 }
 
 impl Decision {
@@ -152,6 +156,9 @@ pub struct RouteInput {
     pub tenant_header: Option<String>,
     /// The tenant the request authenticated as (`auth = "api_key"`).
     pub tenant: Option<String>,
+    /// Cluster claims are on ([`crate::cluster::Claims::settle`] follows the decision): a close
+    /// decision leaves a mark for the decisions that follow its holding.
+    pub claiming: bool,
 }
 
 impl RouteInput {
@@ -436,6 +443,7 @@ fn place(
         pending,
         ranked: Vec::new(),
         close: 0,
+        claim_mark: None,
         order: sel.order,
         reason: sel.reason,
         extra_fallbacks: extra,
@@ -449,6 +457,17 @@ fn place(
             decision.close = sel.ranked.iter().take_while(|(_, c)| *c <= bound).count();
         }
         decision.ranked = sel.ranked;
+    }
+    // Still under the lock, with the holding: a decision that follows it from now on sees
+    // the mark and waits for the claim.
+    if let (true, true, Some((w, _)), Some(p)) = (
+        input.claiming,
+        decision.close >= 2,
+        &decision.pending,
+        &decision.prompt,
+    ) {
+        let held = blocks_of(&p.placed, w);
+        decision.claim_mark = service.claims_in_flight.mark(&p.keys, held, w);
     }
     let reserved = decision
         .order
@@ -562,6 +581,7 @@ mod tests {
             pending: None,
             ranked: Vec::new(),
             close: 0,
+            claim_mark: None,
         }
     }
 

@@ -246,6 +246,9 @@ pub struct WorkerRuntime {
     /// (their leased load tables, read every sync tick); 0 otherwise.
     pub remote_in_flight: AtomicU64,
     pub remote_active_tokens: AtomicU64,
+    /// The prefill part of `remote_active_tokens` (the other replicas' requests here before
+    /// their first byte).
+    pub remote_prefill_tokens: AtomicU64,
     /// Cluster mode: the other replicas' reservations here from their published decisions,
     /// each counted for [`REMOTE_RESERVATION_TTL`] (until the worker's report shows it).
     pub remote_reserved: Mutex<RemoteReservations>,
@@ -289,6 +292,7 @@ impl WorkerRuntime {
             prefill_tokens: AtomicU64::new(0),
             remote_in_flight: AtomicU64::new(0),
             remote_active_tokens: AtomicU64::new(0),
+            remote_prefill_tokens: AtomicU64::new(0),
             remote_reserved: Mutex::new(RemoteReservations::default()),
             reported_load: Mutex::new(None),
             load_reports: AtomicU64::new(0),
@@ -350,20 +354,26 @@ impl WorkerRuntime {
     /// The queued work placement and the load guard see on this worker: (prefill tokens,
     /// decode tokens). Each is the larger of the gateways' count and the worker's fresh
     /// report. The gateways' count is this gateway's own requests plus, in cluster mode, the
-    /// other replicas' leased tables (decode term) and their reservations of the last
-    /// [`REMOTE_RESERVATION_TTL`]: it knows a request the moment it is routed; the worker's
-    /// report knows work from every source (other gateways, direct clients) and what its cache
-    /// really saved.
+    /// other replicas' leased tables (their prefill and decode parts) and their reservations
+    /// of the last [`REMOTE_RESERVATION_TTL`]: it knows a request the moment it is routed; the
+    /// worker's report knows work from every source (other gateways, direct clients) and what
+    /// its cache really saved.
     pub fn queued_tokens(&self, now: Instant) -> (u64, u64) {
-        let prefill = self.prefill_tokens.load(Ordering::Relaxed);
-        let active = self
-            .active_tokens
+        let active = self.active_tokens.load(Ordering::Relaxed);
+        let prefill = self.prefill_tokens.load(Ordering::Relaxed).min(active);
+        let remote_active = self.remote_active_tokens.load(Ordering::Relaxed);
+        let remote_prefill = self
+            .remote_prefill_tokens
             .load(Ordering::Relaxed)
-            .saturating_add(self.remote_active_tokens.load(Ordering::Relaxed));
+            .min(remote_active);
         let (rp, rd) = self.remote_reserved.lock().current(now);
+        // Per term: another replica's prefill is prefill here too, so that the larger of this
+        // count and the worker's report (which counts it as prefill) does not count it twice.
         let local = (
-            prefill.min(active).saturating_add(rp),
-            active.saturating_sub(prefill).saturating_add(rd),
+            prefill.saturating_add(remote_prefill).saturating_add(rp),
+            (active - prefill)
+                .saturating_add(remote_active - remote_prefill)
+                .saturating_add(rd),
         );
         match self.fresh_reported_load(now) {
             Some(r) => (local.0.max(r.prefill_tokens), local.1.max(r.decode_tokens)),
@@ -440,6 +450,8 @@ pub struct ServiceRoute {
     /// a worker idle that one of them is about to fill. Microseconds per decision (the
     /// tokenizing and index lookup happen before it).
     pub(crate) placement: Mutex<()>,
+    /// Close decisions whose cluster claim is in flight ([`crate::claim_wait`]).
+    pub(crate) claims_in_flight: crate::claim_wait::InFlightClaims,
 }
 
 impl ServiceRoute {
@@ -589,6 +601,7 @@ impl View {
                 prefix,
                 handles: std::sync::OnceLock::new(),
                 placement: Mutex::new(()),
+                claims_in_flight: Default::default(),
             }));
         }
         let mut tenants = HashMap::new();
@@ -852,6 +865,40 @@ mod tests {
         r.remote_reserved.lock().drop_covered(&covered);
         assert_eq!(r.queued_tokens(now), (800, 8));
         assert_eq!(r.queued_tokens(now + REMOTE_RESERVATION_TTL), (0, 0));
+    }
+
+    /// Another replica's request computing its prompt here is prefill in its load table, and
+    /// in the worker's report: counted as prefill on both sides, the larger of the two counts
+    /// it once. (It was counted as decode here, so the report's prefill came on top: a worker
+    /// that had just taken one new prompt looked twice as loaded to the other replicas, which
+    /// the load guard then refused for the prompt's next request.)
+    #[test]
+    fn another_replicas_prefill_meets_the_report_as_prefill() {
+        let r = Arc::new(WorkerRuntime::new(WorkerId("w1".into())));
+        let now = Instant::now();
+        r.remote_active_tokens.store(1337, Ordering::Relaxed);
+        r.remote_prefill_tokens.store(1329, Ordering::Relaxed);
+        assert_eq!(r.queued_tokens(now), (1329, 8));
+        r.report_load(
+            prefix_index::WorkerLoad {
+                running: 1,
+                waiting: 0,
+                prefill_tokens: 1201,
+                decode_tokens: 8,
+            },
+            now,
+        );
+        assert_eq!(r.queued_tokens(now), (1329, 8));
+        // With this replica's own requests: each part adds to its own term.
+        let own = InFlight::start(r.clone(), 100, 10);
+        assert_eq!(r.queued_tokens(now), (1429, 18));
+        drop(own);
+        // A table from an older replica (no prefill part): its active tokens count as decode.
+        r.remote_prefill_tokens.store(0, Ordering::Relaxed);
+        assert_eq!(r.queued_tokens(now), (1201, 1337));
+        // More prefill than active tokens never makes decode negative.
+        r.remote_prefill_tokens.store(5000, Ordering::Relaxed);
+        assert_eq!(r.queued_tokens(now), (1337, 8));
     }
 
     #[test]

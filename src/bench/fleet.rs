@@ -461,6 +461,9 @@ pub struct DecisionCost {
     pub tokenize_cpu: Option<f64>,
     /// Cluster claims by outcome: kept, moved, failed (`kvgate_gateway_cluster_claims_total`).
     pub claims: [u64; 3],
+    /// Decisions that followed a close decision's fresh holding and waited for its claim, by
+    /// outcome: kept, moved, failed (`kvgate_gateway_cluster_claim_follows_total`).
+    pub follows: [u64; 3],
     /// Mean claim round trip (`kvgate_gateway_cluster_claim_seconds`), seconds.
     pub claim: Option<f64>,
     /// Decisions whose CPU time was above [`SLOW_DECISION_CPU`] (the histogram bucket at or
@@ -476,6 +479,7 @@ const SLOW_DECISION_CPU: f64 = 0.002;
 async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost {
     let mut sums = [(0.0, 0.0); 4];
     let mut claims = [0u64; 3];
+    let mut follows = [0u64; 3];
     // Cumulative counts of the decision CPU histogram by bucket bound, over every gateway.
     let mut cpu_buckets: Vec<(f64, f64)> = Vec::new();
     for g in &fleet.gateways {
@@ -506,10 +510,13 @@ async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost 
                 }
             }
             for (i, outcome) in ["kept", "moved", "failed"].iter().enumerate() {
-                if line.starts_with("kvgate_gateway_cluster_claims_total")
-                    && line.contains(&format!("outcome=\"{outcome}\""))
-                {
+                if !line.contains(&format!("outcome=\"{outcome}\"")) {
+                    continue;
+                }
+                if line.starts_with("kvgate_gateway_cluster_claims_total") {
                     claims[i] += value() as u64;
+                } else if line.starts_with("kvgate_gateway_cluster_claim_follows_total") {
+                    follows[i] += value() as u64;
                 }
             }
             for (i, name) in [
@@ -542,6 +549,7 @@ async fn mean_decision(client: &reqwest::Client, fleet: &Fleet) -> DecisionCost 
         wall: mean(sums[0]),
         cpu: mean(sums[1]),
         claims,
+        follows,
         claim: mean(sums[2]),
         tokenize_cpu: mean(sums[3]),
     }
@@ -812,11 +820,14 @@ pub async fn run(n: usize, args: &FleetRun<'_>) -> anyhow::Result<ExitCode> {
             }
             let claims = if g > 1 {
                 format!(
-                    "; claims kept {} moved {} failed {}, mean claim {}",
+                    "; claims kept {} moved {} failed {}, mean claim {}; followers kept {} moved {} failed {}",
                     d.claims[0],
                     d.claims[1],
                     d.claims[2],
-                    us(d.claim)
+                    us(d.claim),
+                    d.follows[0],
+                    d.follows[1],
+                    d.follows[2]
                 )
             } else {
                 String::new()
