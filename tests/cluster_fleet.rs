@@ -1022,9 +1022,10 @@ fn claims_select_and_reserve_atomically_across_replicas() {
                 lead_blocks: 16
             }
         );
-        // A prompt sharing only the first 4 blocks: p1 = 200 + 200 − 40 = 360 > 150. The
-        // leads now point at p1 for gw-b; gw-b's own leads are not followed by gw-b. Not the
-        // lead's worker: nothing credited.
+        // A prompt sharing only the first 4 blocks: p1 = 200 + 100 (gw-a's claim; gw-b's, the
+        // lead's own replica's, is not added) − 40 = 260 > 150. The leads now point at p1 for
+        // gw-b; gw-b's own leads are not followed by gw-b. Not the lead's worker: nothing
+        // credited.
         let mut short: Vec<u64> = (1..=4).collect();
         short.extend(2001..=2016);
         assert_eq!(
@@ -1040,6 +1041,31 @@ fn claims_select_and_reserve_atomically_across_replicas() {
             claim(&store, &ids, on("gw-d", &[("p1", 0), ("p5", 150)])).await,
             "p1"
         );
+        // The lead replica's own claims on the lead's worker are not added: the caller's costs
+        // count that request already once its published decision arrived (~1 ms), and it is
+        // the request this one follows. gw-f's view counts gw-e's request on q1 (150 + 100):
+        // q1 = 250 − 10·16 = 90 < 150. Adding gw-e's claim too (+100: 190) sent the prompt's
+        // second request to q2, computing the prefix twice.
+        let mut fresh: Vec<u64> = (3001..=3016).collect();
+        fresh.extend(3101..=3104);
+        let placed = cluster::Claim {
+            others: &[],
+            credit: 10,
+            lead_saving: 5,
+            keys: &fresh,
+            ..on("gw-e", &[("q1", 150)])
+        };
+        assert_eq!(claim(&store, &ids, placed).await, "q1");
+        let mut second: Vec<u64> = (3001..=3016).collect();
+        second.extend(3201..=3204);
+        let follower = cluster::Claim {
+            others: &[("q1", 250)],
+            credit: 10,
+            lead_saving: 5,
+            keys: &second,
+            ..on("gw-f", &[("q2", 150), ("q3", 150)])
+        };
+        assert_eq!(claim(&store, &ids, follower).await, "q1");
         assert_eq!(
             cluster::sample_chain(&chain),
             vec![(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)],

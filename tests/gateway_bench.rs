@@ -124,6 +124,7 @@ fn route_decision_vs_tokenization() {
                     tenant_header: None,
                     tenant: None,
                     claiming: false,
+                    numbering: Default::default(),
                 },
             )
             .unwrap();
@@ -446,6 +447,7 @@ fn continuing_a_stored_conversation() {
                     tenant_header: None,
                     tenant: None,
                     claiming: false,
+                    numbering: Default::default(),
                 };
                 let t = Instant::now();
                 let (d, _reserved) = decide(&view, &shared.index, &input).unwrap();
@@ -461,6 +463,7 @@ fn continuing_a_stored_conversation() {
                 tenant_header: None,
                 tenant: None,
                 claiming: false,
+                numbering: Default::default(),
             };
             decide(&view, &shared.index, &input)
                 .unwrap()

@@ -439,13 +439,13 @@ local credit, K = tonumber(ARGV[5]) or 0, tonumber(ARGV[6])
 local M = #KEYS - K
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lead, lead_depth = nil, 0
+local lead, lead_who, lead_depth = nil, nil, 0
 for j = 1, M do
   local v = redis.call('GET', KEYS[K + j])
   if v then
     local who, w = string.match(v, '^([^|]*)|(.*)$')
     if who ~= nil and who ~= me then
-      lead, lead_depth = w, tonumber(ARGV[10 + 2 * K + j]) or 0
+      lead, lead_who, lead_depth = w, who, tonumber(ARGV[10 + 2 * K + j]) or 0
       break
     end
   end
@@ -471,7 +471,9 @@ for i = 1, #ids do
   local cost = costs[i]
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', keys[i], now, '+inf')) do
     local who, a = string.match(m, '^([^|]*)|(%d+)|')
-    if who ~= nil and who ~= me then cost = cost + tonumber(a) end
+    if who ~= nil and who ~= me and not (ids[i] == lead and who == lead_who and credit > 0) then
+      cost = cost + tonumber(a)
+    end
   end
   if ids[i] == lead then cost = math.max(0, cost - credit * lead_depth) end
   if best_cost == nil or cost < best_cost then best, best_cost = i, cost end

@@ -370,9 +370,25 @@ impl Claims {
         let blocks = following.blocks;
         let outcome = match following.outcome(self.link.settings.claim_timeout).await {
             Some(to) if to != first => {
-                crate::route::redirect(view, &data.index, decision, reserved, service, &to);
+                crate::route::redirect(
+                    view,
+                    &data.index,
+                    decision,
+                    reserved,
+                    service,
+                    &to,
+                    &data.holdings_seq,
+                );
                 if decision.order.first() == Some(&to) {
-                    crate::route::credit_lead(view, decision, reserved, service, &to, blocks);
+                    crate::route::credit_lead(
+                        view,
+                        decision,
+                        reserved,
+                        service,
+                        &to,
+                        blocks,
+                        &data.holdings_seq,
+                    );
                     "moved"
                 } else {
                     "kept"
@@ -465,11 +481,20 @@ impl Claims {
                     service,
                     &to,
                     usize::try_from(c.lead_blocks).unwrap_or(usize::MAX),
+                    &data.holdings_seq,
                 );
                 if decision.order.first() == Some(&to) {
                     "kept"
                 } else {
-                    crate::route::redirect(view, &data.index, decision, reserved, service, &to);
+                    crate::route::redirect(
+                        view,
+                        &data.index,
+                        decision,
+                        reserved,
+                        service,
+                        &to,
+                        &data.holdings_seq,
+                    );
                     "moved"
                 }
             }
@@ -1357,9 +1382,12 @@ async fn sync_once(
     let registered = store.workers().await?;
     *link.status.registered.lock() = registered.iter().map(|w| w.id.clone()).collect();
     control.set_registered(registered).await;
-    // Load: ours out, the others' in. The decision number is read before the counters, so
-    // every decision numbered up to it is in them (or has ended).
-    let covered = control.data.holdings_seq.load(Ordering::Acquire);
+    // Load: ours out, the others' in. The counters are read before the reservation number:
+    // a reservation is numbered before it counts, so every one they count is numbered up to
+    // it and the others drop it (or skip it when its message comes later) — none is counted
+    // twice. (Numbered after, at publication, a decision still claiming was in the counters
+    // but not covered: counted twice for 250 ms, docs/cluster.md "Load".) One numbered up
+    // to it that starts counting after the read is missed until the next table.
     let view = control.data.views.load();
     let ours: BTreeMap<String, cluster::Load> = view
         .workers
@@ -1375,6 +1403,8 @@ async fn sync_once(
             )
         })
         .collect();
+    std::sync::atomic::fence(Ordering::Acquire);
+    let covered = control.data.holdings_seq.load(Ordering::Acquire);
     store
         .put_load(link.replica_id(), &ours, covered, link.settings.lease)
         .await?;

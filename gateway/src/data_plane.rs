@@ -96,9 +96,11 @@ pub struct DataPlane {
     pub shared_holdings: arc_swap::ArcSwapOption<tokio::sync::mpsc::Sender<cluster::SharedHolding>>,
     /// Cluster mode with claims on: the atomic select-and-reserve of close placements.
     pub claims: arc_swap::ArcSwapOption<crate::cluster::Claims>,
-    /// Cluster mode: the number of this replica's last published decision (its load table
-    /// names the last one it covers, so the others stop counting those as reservations).
-    pub holdings_seq: std::sync::atomic::AtomicU64,
+    /// The number of this replica's last numbered reservation: each KV-exact decision's
+    /// reservation is numbered as it is taken ([`crate::route::Decision::seq`]) and published
+    /// with it in cluster mode; the replica's load table names the last number it covers, so
+    /// the others stop counting those as reservations.
+    pub holdings_seq: Arc<std::sync::atomic::AtomicU64>,
     /// Client requests in flight on the proxy (each [`crate::request::RequestCtx`] holds one
     /// guard, from `new_ctx` until the request is done) and whether the gateway drains
     /// ([`crate::RunningGateway::drain`]: the admin plane's `/ready` answers 503).
@@ -155,12 +157,17 @@ impl DataPlane {
             ),
             _ => (Vec::new(), 0),
         };
-        // Numbered after the decision's load is counted here (the sync loop reads the number
-        // before the counters: a table covering n counts every decision up to n).
-        let seq = self
-            .holdings_seq
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
-            + 1;
+        // Numbered before its load counted here (the sync loop reads the counters before the
+        // number: a table covering n counts no reservation numbered above n). A decision
+        // without a reservation here gets a number now.
+        let seq = match d.seq {
+            0 => {
+                self.holdings_seq
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+                    + 1
+            }
+            n => n,
+        };
         let _ = tx.try_send(cluster::SharedHolding {
             replica: self.gateway_id.clone(),
             worker: first.0.clone(),

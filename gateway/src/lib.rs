@@ -358,7 +358,7 @@ pub fn spawn(config: GatewayConfig) -> Result<RunningGateway, GatewayError> {
         http: http.clone(),
         shared_holdings: arc_swap::ArcSwapOption::empty(),
         claims: arc_swap::ArcSwapOption::empty(),
-        holdings_seq: std::sync::atomic::AtomicU64::new(0),
+        holdings_seq: Default::default(),
         drain: drain::Drain::default(),
         catch_up: data_plane::CatchUp::new(config.catch_up_limit),
         responses: response_store::ResponseStore::new(config.responses),

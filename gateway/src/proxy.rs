@@ -936,6 +936,7 @@ impl ProxyHttp for Proxy {
             tenant_header,
             tenant: ctx.tenant.as_ref().map(|t| t.id.0.clone()),
             claiming: self.data.claims.load().is_some(),
+            numbering: self.data.holdings_seq.clone(),
         };
         let (decided, decision_cpu) =
             if let (true, Some(pool)) = (service.prefix.is_some(), &self.routing) {

@@ -9,7 +9,7 @@
 //! (O(prompt length)); keys are one hash per full block; the index lookup costs O(blocks matched
 //! + workers holding the first block) per the prefix-index crate; the policy O(pool · log pool).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use prefix_index::{BlockKey, HashAlgorithm, NamespaceSeed, PrefixIndex, WorkerId};
@@ -84,6 +84,9 @@ pub struct Decision {
     /// that decisions following its routing-time holding wait for the claim
     /// ([`crate::claim_wait`]).
     pub claim_mark: Option<crate::claim_wait::ClaimMark>,
+    /// The number of the reservation on the first choice ([`RouteInput::numbering`], taken
+    /// as the reservation is; 0 without one), published with the decision in cluster mode.
+    pub seq: u64,
 }
 
 impl Decision {
@@ -159,6 +162,10 @@ pub struct RouteInput {
     /// Cluster claims are on ([`crate::cluster::Claims::settle`] follows the decision): a close
     /// decision leaves a mark for the decisions that follow its holding.
     pub claiming: bool,
+    /// This replica's reservation numbers ([`crate::data_plane::DataPlane::holdings_seq`]):
+    /// a reservation is numbered before it counts, so a load table whose counters were read
+    /// before the number counts none numbered above it.
+    pub numbering: Arc<AtomicU64>,
 }
 
 impl RouteInput {
@@ -444,6 +451,7 @@ fn place(
         ranked: Vec::new(),
         close: 0,
         claim_mark: None,
+        seq: 0,
         order: sel.order,
         reason: sel.reason,
         extra_fallbacks: extra,
@@ -469,18 +477,28 @@ fn place(
         let held = blocks_of(&p.placed, w);
         decision.claim_mark = service.claims_in_flight.mark(&p.keys, held, w);
     }
-    let reserved = decision
-        .order
-        .first()
-        .and_then(|first| reserve(view, &decision, first));
+    let reserved = match decision.order.first().cloned() {
+        Some(first) => reserve(view, &mut decision, &first, &input.numbering),
+        None => None,
+    };
     Ok((decision, reserved))
 }
 
 /// The load an attempt of `decision` on `worker` counts there ([`Decision::attempt_tokens`]),
-/// reserved on the worker's runtime until the returned [`InFlight`] drops.
-fn reserve(view: &View, decision: &Decision, worker: &WorkerId) -> Option<InFlight> {
+/// reserved on the worker's runtime until the returned [`InFlight`] drops; numbered first
+/// ([`Decision::seq`]).
+fn reserve(
+    view: &View,
+    decision: &mut Decision,
+    worker: &WorkerId,
+    numbering: &AtomicU64,
+) -> Option<InFlight> {
     let (prefill, output) = decision.attempt_tokens(worker)?;
     let e = view.workers.get(worker)?;
+    decision.seq = numbering.fetch_add(1, Ordering::AcqRel) + 1;
+    // Pairs with the sync loop's acquire fence: a table that reads this reservation in the
+    // counters reads its number too.
+    std::sync::atomic::fence(Ordering::Release);
     Some(InFlight::start(e.runtime.clone(), prefill, output))
 }
 
@@ -501,10 +519,11 @@ pub fn credit_lead(
     service: &ServiceRoute,
     worker: &WorkerId,
     blocks: usize,
+    numbering: &AtomicU64,
 ) {
     let _placing = service.placement.lock();
     if decision.credit_placed(worker, blocks) && decision.order.first() == Some(worker) {
-        *reserved = reserve(view, decision, worker);
+        *reserved = reserve(view, decision, worker, numbering);
     }
 }
 
@@ -523,6 +542,7 @@ pub fn redirect(
     reserved: &mut Option<InFlight>,
     service: &ServiceRoute,
     to: &WorkerId,
+    numbering: &AtomicU64,
 ) {
     if !decision.ranked.iter().any(|(w, _)| w == to) {
         return;
@@ -552,7 +572,7 @@ pub fn redirect(
             decision.pending = Some((to.clone(), ttl));
         }
     }
-    *reserved = reserve(view, decision, to);
+    *reserved = reserve(view, decision, to, numbering);
 }
 
 #[cfg(test)]
@@ -582,6 +602,7 @@ mod tests {
             ranked: Vec::new(),
             close: 0,
             claim_mark: None,
+            seq: 0,
         }
     }
 

@@ -177,6 +177,11 @@ pub struct RemoteReservations {
     queue: VecDeque<Reservation>,
     prefill: u64,
     decode: u64,
+    /// The last decision number each publisher's load table covered when this replica last
+    /// read the tables ([`Self::drop_covered`]): a reservation that arrives after its
+    /// publisher's table was read with it already counted is not counted again (the pub/sub
+    /// message and the table travel on different connections, so the table can come first).
+    covered: std::collections::BTreeMap<String, u64>,
 }
 
 /// One reservation ([`RemoteReservations`]).
@@ -184,6 +189,11 @@ type Reservation = (Instant, u64, u64, Option<(Arc<str>, u64)>);
 
 impl RemoteReservations {
     fn push(&mut self, r: Reservation) {
+        if let Some((replica, seq)) = &r.3 {
+            if self.covered.get(&**replica).is_some_and(|c| seq <= c) {
+                return;
+            }
+        }
         if self.queue.len() >= REMOTE_RESERVATIONS_MAX {
             self.pop();
         }
@@ -214,9 +224,14 @@ impl RemoteReservations {
 
     /// Drops the reservations that the publishers' load tables now count: those whose
     /// decision number is at most the last one the replica's table covers (`covered`: replica
-    /// id → number). Reservations without a number (older replicas) are kept until they
-    /// expire. O(reservations).
+    /// id → number), and remembers `covered` so that such a reservation arriving later is not
+    /// counted either (until the next read replaces it: a publisher that restarts numbers from
+    /// 0 again, and its table says so at the next read). Reservations without a number (older
+    /// replicas) are kept until they expire. O(reservations + replicas).
     pub fn drop_covered(&mut self, covered: &std::collections::BTreeMap<String, u64>) {
+        if self.covered != *covered {
+            self.covered = covered.clone();
+        }
         if covered.is_empty() || self.queue.is_empty() {
             return;
         }
@@ -865,6 +880,33 @@ mod tests {
         r.remote_reserved.lock().drop_covered(&covered);
         assert_eq!(r.queued_tokens(now), (800, 8));
         assert_eq!(r.queued_tokens(now + REMOTE_RESERVATION_TTL), (0, 0));
+    }
+
+    /// A published decision that arrives after its publisher's load table was read with it
+    /// already counted (the table covers its number) is not counted again; a later one is.
+    /// (Seen in the N = 64 shared-prefix bench: a worker that had just taken one new prompt
+    /// counted it twice for 250 ms, and the load guard refused it for the prompt's next
+    /// request.) A publisher whose table numbers restart lower (it restarted) is believed at the
+    /// next read.
+    #[test]
+    fn a_reservation_its_publishers_table_already_counts_is_not_counted_again() {
+        let r = Arc::new(WorkerRuntime::new(WorkerId("w1".into())));
+        let now = Instant::now();
+        let a: Arc<str> = "gw-a".into();
+        let covered = std::collections::BTreeMap::from([("gw-a".to_string(), 7)]);
+        r.remote_reserved.lock().drop_covered(&covered);
+        r.reserve_remote(1329, 8, now, Some((a.clone(), 7)));
+        r.reserve_remote(100, 1, now, Some((a.clone(), 6)));
+        assert_eq!(r.queued_tokens(now), (0, 0));
+        r.reserve_remote(1329, 8, now, Some((a.clone(), 8)));
+        r.reserve_remote(50, 2, now, None);
+        r.reserve_remote(40, 4, now, Some(("gw-b".into(), 1)));
+        assert_eq!(r.queued_tokens(now), (1419, 14));
+        // gw-a restarted: its table now covers its decision 2.
+        let covered = std::collections::BTreeMap::from([("gw-a".to_string(), 2)]);
+        r.remote_reserved.lock().drop_covered(&covered);
+        r.reserve_remote(10, 1, now, Some((a.clone(), 3)));
+        assert_eq!(r.queued_tokens(now), (1429, 15));
     }
 
     /// Another replica's request computing its prompt here is prefill in its load table, and
