@@ -1121,21 +1121,7 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
     let ttl = Duration::from_millis(700);
     for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
         // "gw-other" has just placed new prompts everywhere but `target`.
-        for w in ["w1", "w2", "w3"].iter().filter(|w| *w != target) {
-            c.rt.block_on(store.claim(&cluster::Claim {
-                replica: "gw-other",
-                id: &format!("{round}"),
-                candidates: &[(w, 0)],
-                others: &[],
-                added: 1_000_000_000,
-                credit: 0,
-                lead_saving: 0,
-                keys: &[],
-                ttl,
-                lead_ttl: ttl,
-            }))
-            .unwrap();
-        }
+        claim_all_but(&c, &store, target, round, ttl);
         // A new prompt (it shares only the template's system-prompt block with the others).
         let topic = ["Rivers", "Volcanoes", "Glaciers"][round];
         let text = format!(
@@ -1164,6 +1150,26 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
     assert_eq!((report.routed, report.receipted), (3, 3), "{report:?}");
 }
 
+/// Another replica ("gw-other") has just placed new prompts on every worker of w1–w3 but
+/// `target`, each claimed for `ttl`.
+fn claim_all_but(c: &Cluster, store: &cluster::Store, target: &str, round: usize, ttl: Duration) {
+    for w in ["w1", "w2", "w3"].iter().filter(|w| **w != target) {
+        c.rt.block_on(store.claim(&cluster::Claim {
+            replica: "gw-other",
+            id: &format!("{round}"),
+            candidates: &[(w, 0)],
+            others: &[],
+            added: 1_000_000_000,
+            credit: 0,
+            lead_saving: 0,
+            keys: &[],
+            ttl,
+            lead_ttl: ttl,
+        }))
+        .unwrap();
+    }
+}
+
 /// A second request of a new prompt's prefix that places on the same replica while the first
 /// one's claim is still in flight follows the first wherever its claim takes it: the prefix is
 /// computed once. Redis is paused (`CLIENT PAUSE`) for 400 ms so that the first request's claim
@@ -1189,21 +1195,7 @@ fn a_request_that_follows_a_claim_in_flight_goes_where_the_claim_went() {
             .unwrap();
     let ttl = Duration::from_secs(2);
     for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
-        for w in ["w1", "w2", "w3"].iter().filter(|w| *w != target) {
-            c.rt.block_on(store.claim(&cluster::Claim {
-                replica: "gw-other",
-                id: &format!("{round}"),
-                candidates: &[(w, 0)],
-                others: &[],
-                added: 1_000_000_000,
-                credit: 0,
-                lead_saving: 0,
-                keys: &[],
-                ttl,
-                lead_ttl: ttl,
-            }))
-            .unwrap();
-        }
+        claim_all_but(&c, &store, target, round, ttl);
         let topic = ["Rivers", "Volcanoes", "Glaciers"][round];
         let doc = format!(
             "{topic} {}",
