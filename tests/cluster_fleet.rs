@@ -1023,7 +1023,7 @@ fn claims_select_and_reserve_atomically_across_replicas() {
             }
         );
         // A prompt sharing only the first 4 blocks: p1 = 200 + 100 (gw-a's claim; gw-b's, the
-        // lead's own replica's, is not added) − 40 = 260 > 150. The leads now point at p1 for
+        // lead's own replica's, adds max(0, 20 − 10·4) = 0) − 40 = 260 > 150. The leads now point at p1 for
         // gw-b; gw-b's own leads are not followed by gw-b. Not the lead's worker: nothing
         // credited.
         let mut short: Vec<u64> = (1..=4).collect();
@@ -1066,6 +1066,41 @@ fn claims_select_and_reserve_atomically_across_replicas() {
             ..on("gw-f", &[("q2", 150), ("q3", 150)])
         };
         assert_eq!(claim(&store, &ids, follower).await, "q1");
+        // A shallow lead is not a reason to stack: every chat prompt shares its template's first
+        // block, so its `P:lead` key names whatever worker another replica claimed last. gw-g
+        // places a new 20-block prompt (1,331 tokens' cost) on s1; 1 ms later gw-h's new prompt,
+        // sharing that first block only, sees s1 and s2 cold and equal (its view does not count
+        // gw-g's request yet). s1 = 2658 + max(0, 1331 − 32·1) − 32 = 3925 > 2658: s2. Dropping
+        // gw-g's claim in full (the rule for a lead as deep as the prefix) made s1 2626 and put
+        // the second prefix behind the first one's prefill: seen in the N = 64 fleet bench as
+        // a split prefix (docs/benchmarks.md, "The same command on an Intel Xeon").
+        let mut first: Vec<u64> = (5001..=5020).collect();
+        let placed = cluster::Claim {
+            others: &[],
+            credit: 32,
+            lead_saving: 16,
+            added: 1_331,
+            keys: &first,
+            ..on("gw-g", &[("s1", 2_658), ("s2", 2_658)])
+        };
+        assert_eq!(claim(&store, &ids, placed).await, "s1");
+        first.truncate(1);
+        first.extend(5601..=5619);
+        let other_prefix = cluster::Claim {
+            others: &[],
+            credit: 32,
+            lead_saving: 16,
+            added: 1_331,
+            keys: &first,
+            ..on("gw-h", &[("s2", 2_658), ("s1", 2_658)])
+        };
+        assert_eq!(
+            claim_full(&store, &ids, other_prefix).await,
+            cluster::Claimed {
+                worker: "s2".into(),
+                lead_blocks: 0
+            }
+        );
         assert_eq!(
             cluster::sample_chain(&chain),
             vec![(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)],

@@ -471,8 +471,10 @@ for i = 1, #ids do
   local cost = costs[i]
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', keys[i], now, '+inf')) do
     local who, a = string.match(m, '^([^|]*)|(%d+)|')
-    if who ~= nil and who ~= me and not (ids[i] == lead and who == lead_who and credit > 0) then
-      cost = cost + tonumber(a)
+    if who ~= nil and who ~= me then
+      local add = tonumber(a)
+      if ids[i] == lead and who == lead_who then add = math.max(0, add - credit * lead_depth) end
+      cost = cost + add
     end
   end
   if ids[i] == lead then cost = math.max(0, cost - credit * lead_depth) end
