@@ -1145,14 +1145,7 @@ async fn claim(store: &cluster::Store, ids: &AtomicU64, c: cluster::Claim<'_>) -
 fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
     let mut c = Cluster::new(1, 3);
     c.start_gateway(0);
-    for w in ["w1", "w2", "w3"] {
-        c.wait_for("static workers routable", Duration::from_secs(10), || {
-            c.routable(0, w)
-        });
-    }
-    let store =
-        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
-            .unwrap();
+    let store = routable_with_a_store(&c);
     let ttl = Duration::from_millis(700);
     for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
         // "gw-other" has just placed new prompts everywhere but `target`.
@@ -1187,6 +1180,18 @@ fn a_replica_places_a_new_prompt_beside_the_others_fresh_claims() {
 
 /// Another replica ("gw-other") has just placed new prompts on every worker of w1–w3 but
 /// `target`, each claimed for `ttl`.
+/// Waits until replica 0 routes to w1..w3, then connects a store to the cluster's Redis
+/// (for the claims a test makes as another replica).
+fn routable_with_a_store(c: &Cluster) -> cluster::Store {
+    for w in ["w1", "w2", "w3"] {
+        c.wait_for("static workers routable", Duration::from_secs(10), || {
+            c.routable(0, w)
+        });
+    }
+    c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
+        .unwrap()
+}
+
 fn claim_all_but(c: &Cluster, store: &cluster::Store, target: &str, round: usize, ttl: Duration) {
     for w in ["w1", "w2", "w3"].iter().filter(|w| **w != target) {
         c.rt.block_on(store.claim(&cluster::Claim {
@@ -1220,14 +1225,7 @@ fn a_request_that_follows_a_claim_in_flight_goes_where_the_claim_went() {
             cl.claim_timeout = Duration::from_secs(3);
         }
     });
-    for w in ["w1", "w2", "w3"] {
-        c.wait_for("static workers routable", Duration::from_secs(10), || {
-            c.routable(0, w)
-        });
-    }
-    let store =
-        c.rt.block_on(cluster::Store::connect(&c.redis.url(), "kvgate"))
-            .unwrap();
+    let store = routable_with_a_store(&c);
     let ttl = Duration::from_secs(2);
     for (round, target) in ["w3", "w1", "w2"].iter().enumerate() {
         claim_all_but(&c, &store, target, round, ttl);
